@@ -1,0 +1,171 @@
+"""Model configuration: one dataclass per model, built from an architecture and a variant.
+
+An *architecture* (``350m`` = MobileLLM-350M, ``1b`` = Llama-3.2-1B, or a tiny stand-in) fixes the
+shapes; a *variant* (``dense``, ``stem``, ``hashmoe``, ...) fixes which FFN kind each layer gets and
+where optional DSE memories sit. Placement comes from config (``{every, offset}``, ``{start}``,
+an explicit list, or relative ``positions``), never from code branches.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+FFN_KINDS = ("dense", "stem", "stem_gate", "stem_dagger", "hashmoe")
+SPARSE_KINDS = ("stem", "stem_gate", "stem_dagger", "hashmoe")
+TABLE_KINDS = ("stem", "stem_gate", "stem_dagger")
+TABLE_INITS = ("xavier_normal", "normal")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE adjustment for context extension (OLMo-core style: a small config object).
+
+    kind: ``none``; ``theta`` (replace the base by ``theta``); ``linear`` (position interpolation by
+    ``factor``); ``yarn`` (NTK-by-parts interpolation, Peng et al. 2023, with ``factor``,
+    ``original_max_seq_len``, ``beta_fast``, ``beta_slow``).
+    """
+
+    kind: str = "none"
+    theta: float | None = None
+    factor: float = 1.0
+    original_max_seq_len: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in ("none", "theta", "linear", "yarn"):
+            raise ValueError(f"rope_scaling.kind={self.kind!r}: expected one of none, theta, linear, yarn")
+        if self.kind == "theta" and not self.theta:
+            raise ValueError("rope_scaling.kind='theta' needs rope_scaling.theta (the new base)")
+        if self.kind in ("linear", "yarn") and self.factor < 1:
+            raise ValueError(f"rope_scaling.factor={self.factor}: expected >= 1")
+        if self.kind == "yarn" and not self.original_max_seq_len:
+            raise ValueError("rope_scaling.kind='yarn' needs rope_scaling.original_max_seq_len")
+
+
+@dataclass(frozen=True)
+class DSEConfig:
+    """Deep Sparse Embedding (hashed N-gram memory with context-aware gating), see research notes C."""
+
+    layers: tuple[int, ...] = ()
+    orders: tuple[int, ...] = (2, 3)
+    heads: int = 8
+    rows_per_head: int = 4096   # each head's table has the first prime >= this many rows
+    d_mem: int = 256            # concatenated memory width (split evenly over orders x heads)
+    conv_kernel: int = 4
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    max_seq_len: int
+    ffn: tuple[str, ...] = ()           # FFN kind per layer; empty = all dense
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    norm_eps: float = 1e-5
+    n_experts: int = 16                 # Hash-MoE experts per sparse layer
+    hash_seed: int = 0                  # seed of the balanced token -> expert map
+    table_init: str = "xavier_normal"   # STEM tables: official code uses xavier-normal on [V, d_ff]
+    table_init_std: float = 0.02        # used when table_init == "normal"
+    table_sparse_grad: bool = False     # sparse gradients for STEM tables (SparseAdam then)
+    init_std: float = 0.02
+    dse: DSEConfig | None = None
+
+    def __post_init__(self):
+        ffn = tuple(self.ffn) or ("dense",) * self.n_layers
+        object.__setattr__(self, "ffn", ffn)
+        if len(ffn) != self.n_layers:
+            raise ValueError(f"ffn: {len(ffn)} kinds given for n_layers={self.n_layers}")
+        for kind in ffn:
+            if kind not in FFN_KINDS:
+                raise ValueError(f"ffn kind {kind!r}: expected one of {', '.join(FFN_KINDS)}")
+        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}: "
+                             "need d_model % n_heads == 0 and n_heads % n_kv_heads == 0")
+        if self.table_init not in TABLE_INITS:
+            raise ValueError(f"table_init={self.table_init!r}: expected one of {', '.join(TABLE_INITS)}")
+        if self.dse is not None:
+            bad = [i for i in self.dse.layers if not 0 <= i < self.n_layers]
+            if bad:
+                raise ValueError(f"dse.layers {bad}: outside 0..{self.n_layers - 1}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.ffn) if k in SPARSE_KINDS]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"model config: unknown keys {sorted(unknown)}")
+        d["ffn"] = tuple(d.get("ffn", ()))
+        d["rope_scaling"] = RopeScaling(**(d.get("rope_scaling") or {}))
+        if d.get("dse"):
+            dse = dict(d["dse"])
+            dse["layers"] = tuple(dse.get("layers", ()))
+            dse["orders"] = tuple(dse.get("orders", (2, 3)))
+            d["dse"] = DSEConfig(**dse)
+        return cls(**d)
+
+    def build(self, device=None):
+        """Instantiate the model (on ``device``; ``"meta"`` costs no memory)."""
+        from stem.models.model import Transformer
+        import torch
+
+        with torch.device(device or "cpu"):
+            return Transformer(self)
+
+
+def resolve_placement(spec, n_layers: int) -> list[int]:
+    """Layer indices from a placement spec.
+
+    ``{"every": k, "offset": o}`` -> o, o+k, ... (STEM-1/3: every 3 offset 2 -> 2, 5, 8, ...);
+    ``{"start": s}`` -> s..n-1 (STEM-full: start 1); a list -> itself;
+    ``{"positions": [f, ...]}`` -> round(f * n) clamped to [1, n-1] (DSE at relative depths).
+    """
+    if spec is None:
+        return []
+    if isinstance(spec, (list, tuple)):
+        layers = [int(i) for i in spec]
+    elif isinstance(spec, dict) and "every" in spec:
+        layers = list(range(int(spec.get("offset", 0)), n_layers, int(spec["every"])))
+    elif isinstance(spec, dict) and "start" in spec:
+        layers = list(range(int(spec["start"]), n_layers))
+    elif isinstance(spec, dict) and "positions" in spec:
+        layers = sorted({min(max(round(f * n_layers), 1), n_layers - 1) for f in spec["positions"]})
+    else:
+        raise ValueError(f"placement {spec!r}: expected a list, {{every, offset}}, {{start}} or {{positions}}")
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"placement {spec!r}: layers {bad} outside 0..{n_layers - 1}")
+    return layers
+
+
+def model_config(arch: dict, variant: dict) -> ModelConfig:
+    """Combine an architecture dict (shapes) and a variant dict (ffn kind, placement, options)."""
+    arch = dict(arch)
+    n = int(arch["n_layers"])
+    kind = variant.get("ffn", "dense")
+    layers = resolve_placement(variant.get("placement"), n) if kind != "dense" else []
+    ffn = tuple(kind if i in layers else "dense" for i in range(n))
+    extra = {k: v for k, v in variant.items() if k not in ("ffn", "placement", "label", "dse")}
+    dse = None
+    if variant.get("dse"):
+        spec = dict(variant["dse"])
+        dse = dict(spec, layers=resolve_placement(spec.pop("placement", None), n))
+        dse.pop("placement", None)
+    return ModelConfig.from_dict({**arch, **extra, "ffn": ffn, "dse": dse})

@@ -1,0 +1,100 @@
+"""Deep Sparse Embedding (DSE, "Conditional Memory via Scalable Lookup"): a hashed N-gram memory.
+
+Per DSE layer: the suffix N-grams (N in ``orders``) of compressed token ids are hashed by K heads
+(multiplicative-XOR mix with seeded odd multipliers, modulo a distinct prime per head) into
+per-head tables; the concatenated memory e_t gives a key and a value; a context-aware gate
+sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(d)) scales the value; a zero-initialised depthwise causal
+convolution (kernel 4, dilation = max order, SiLU) refines it; the result is added to the residual
+stream before attention. N-grams do not reach across document starts.
+"""
+from __future__ import annotations
+
+import math
+import random
+import unicodedata
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stem.models.config import DSEConfig, ModelConfig
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % p for p in range(2, int(n ** 0.5) + 1))
+
+
+def distinct_primes(start: int, count: int) -> list[int]:
+    out, n = [], start
+    while len(out) < count:
+        if _is_prime(n):
+            out.append(n)
+        n += 1
+    return out
+
+
+def normalise_token(text: str) -> str:
+    """The DSE vocabulary compression key: NFKC, NFD, strip accents, lowercase, collapse whitespace."""
+    t = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    t = "".join(c for c in t if not unicodedata.combining(c)).lower()
+    return " ".join(t.split()).strip()
+
+
+def compression_map(token_texts: list[str]) -> torch.Tensor:
+    """Map every id to the smallest id with the same normal form."""
+    first: dict[str, int] = {}
+    return torch.tensor([first.setdefault(normalise_token(t), i) for i, t in enumerate(token_texts)])
+
+
+class DSEMemory(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        dc: DSEConfig = cfg.dse
+        n_tables = len(dc.orders) * dc.heads
+        if dc.d_mem % n_tables:
+            raise ValueError(f"dse.d_mem={dc.d_mem}: must divide evenly over {n_tables} order x head tables")
+        self.orders, self.heads, self.d_model = tuple(dc.orders), dc.heads, cfg.d_model
+        rng = random.Random(dc.seed * 7919 + layer)
+        primes = distinct_primes(dc.rows_per_head, n_tables)
+        self.tables = nn.ModuleList(nn.Embedding(p, dc.d_mem // n_tables) for p in primes)
+        self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64), persistent=False)
+        mult = [[rng.randrange(1, 1 << 20) | 1 for _ in range(max(dc.orders))] for _ in range(n_tables)]
+        self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.int64), persistent=False)
+        self.w_key = nn.Linear(dc.d_mem, cfg.d_model, bias=False)
+        self.w_value = nn.Linear(dc.d_mem, cfg.d_model, bias=False)
+        self.norm_h = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm_k = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.dilation = max(dc.orders)
+        self.conv = nn.Conv1d(cfg.d_model, cfg.d_model, dc.conv_kernel, groups=cfg.d_model,
+                              dilation=self.dilation, bias=False)
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.conv.weight)
+
+    def forward(self, h: torch.Tensor, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """h: (B, T, d) hidden states; cids: (B, T) compressed ids; doc_ids: (B, T) document index or None."""
+        mem = torch.cat([tab(r) for tab, r in zip(self.tables, self._rows(cids, doc_ids))], dim=-1)
+        key, value = self.w_key(mem), self.w_value(mem)
+        score = (self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model)
+        v = torch.sigmoid(score) * value
+        pad = (self.conv.kernel_size[0] - 1) * self.dilation
+        conv = self.conv(F.pad(v.transpose(1, 2), (pad, 0))).transpose(1, 2)
+        return v + F.silu(conv)
+
+    def _rows(self, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> list[torch.Tensor]:
+        rows, t = [], 0
+        for n in self.orders:
+            grams = [cids]
+            for j in range(1, n):
+                prev = F.pad(cids, (j, 0), value=0)[:, :-j]
+                if doc_ids is not None:  # a token from another document counts as padding (id 0)
+                    prev_doc = F.pad(doc_ids, (j, 0), value=-1)[:, :-j]
+                    prev = torch.where(prev_doc == doc_ids, prev, torch.zeros_like(prev))
+                grams.append(prev + 1)  # +1 so padding (0) differs from token id 0
+            for _ in range(self.heads):
+                mix = torch.zeros_like(cids)
+                for j, g in enumerate(grams):
+                    mix = mix ^ (g * self.multipliers[t, j])
+                rows.append(mix % self.primes[t])
+                t += 1
+        return rows

@@ -1,0 +1,117 @@
+"""Feed-forward kinds. Every FFN takes ``(x, ids)``: hidden states (B, T, d) and token ids (B, T).
+
+- ``dense``       y = W_d(SiLU(W_g x) * W_u x)                 (SwiGLU, Eq. 1)
+- ``stem``        y = W_d(SiLU(W_g x) * U[t])                  (Eq. 4)
+- ``stem_gate``   y = W_d(SiLU(U[t]) * W_u x)                  (gate-proj ablation, Sec. 4.4.2)
+- ``stem_dagger`` y = W_d(SiLU(W_g x) * (W_u x + U[t]))        (STEM-dagger, Eq. 5)
+- ``hashmoe``     y = f_{h(t)}(x), top-1 of E SwiGLU experts, h a seeded balanced token->expert map
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stem.models.config import ModelConfig
+
+
+def _linear(d_in: int, d_out: int) -> nn.Linear:
+    return nn.Linear(d_in, d_out, bias=False)
+
+
+class DenseFFN(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = _linear(cfg.d_model, cfg.d_ff)
+        self.w_up = _linear(cfg.d_model, cfg.d_ff)
+        self.w_down = _linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x, ids):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class StemTable(nn.Embedding):
+    """The per-layer V x d_ff table U; its own class so optimizer grouping can find it by type."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.vocab_size, cfg.d_ff, sparse=cfg.table_sparse_grad)
+        self.init_kind, self.init_std = cfg.table_init, cfg.table_init_std
+
+    def reset_parameters(self):
+        if getattr(self, "init_kind", "xavier_normal") == "xavier_normal":  # std = sqrt(2 / (V + d_ff)), as the official code
+            nn.init.xavier_normal_(self.weight)
+        else:
+            nn.init.normal_(self.weight, std=self.init_std)
+
+
+class StemFFN(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = _linear(cfg.d_model, cfg.d_ff)
+        self.table = StemTable(cfg)
+        self.w_down = _linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x, ids):
+        return self.w_down(F.silu(self.w_gate(x)) * self.table(ids))
+
+
+class StemGateFFN(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.table = StemTable(cfg)
+        self.w_up = _linear(cfg.d_model, cfg.d_ff)
+        self.w_down = _linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x, ids):
+        return self.w_down(F.silu(self.table(ids)) * self.w_up(x))
+
+
+class StemDaggerFFN(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = _linear(cfg.d_model, cfg.d_ff)
+        self.w_up = _linear(cfg.d_model, cfg.d_ff)
+        self.table = StemTable(cfg)
+        self.w_down = _linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x, ids):
+        return self.w_down(F.silu(self.w_gate(x)) * (self.w_up(x) + self.table(ids)))
+
+
+def balanced_expert_map(vocab_size: int, n_experts: int, seed: int) -> torch.Tensor:
+    """Token id -> expert: a seeded permutation of ``arange(V) % E`` (each expert gets V/E ids)."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(vocab_size, generator=g, device="cpu")
+    return (perm % n_experts).to(torch.int64)
+
+
+class HashMoEFFN(nn.Module):
+    """Hash layer MoE (Roller et al., 2021): no router, no auxiliary loss, one full SwiGLU expert per token."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        e, d, f = cfg.n_experts, cfg.d_model, cfg.d_ff
+        self.w_gate = nn.Parameter(torch.empty(e, f, d))
+        self.w_up = nn.Parameter(torch.empty(e, f, d))
+        self.w_down = nn.Parameter(torch.empty(e, d, f))
+        # Persistent: the map is part of the model (saved with checkpoints, different per layer).
+        emap = balanced_expert_map(cfg.vocab_size, e, cfg.hash_seed * 1000 + layer)
+        self.register_buffer("expert_of_token", emap.to(self.w_up.device))
+
+    def forward(self, x, ids):
+        flat, out = x.reshape(-1, x.shape[-1]), torch.zeros_like(x).reshape(-1, x.shape[-1])
+        expert = self.expert_of_token[ids.reshape(-1)]
+        for e in range(self.w_up.shape[0]):
+            idx = (expert == e).nonzero(as_tuple=True)[0]
+            if idx.numel() == 0:
+                continue
+            h = flat.index_select(0, idx)
+            y = (F.silu(h @ self.w_gate[e].T) * (h @ self.w_up[e].T)) @ self.w_down[e].T
+            out.index_copy_(0, idx, y)
+        return out.reshape(x.shape)
+
+
+def build_ffn(kind: str, cfg: ModelConfig, layer: int) -> nn.Module:
+    if kind == "hashmoe":
+        return HashMoEFFN(cfg, layer)
+    return {"dense": DenseFFN, "stem": StemFFN, "stem_gate": StemGateFFN, "stem_dagger": StemDaggerFFN}[kind](cfg)

@@ -1,0 +1,179 @@
+"""Llama-style decoder: RMSNorm, RoPE, GQA attention through SDPA, per-layer FFN kinds, untied head.
+
+``forward(ids, targets=None, positions=None, cache=None)``: ``positions`` (B, T) are per-token
+positions that restart at 0 at each document start (supplied by the data loader, torchtitan style);
+when given, attention is causal *within* documents only and RoPE uses them. Without them the model
+is plainly causal with positions 0..T-1.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stem.models.config import ModelConfig
+from stem.models.dse import DSEMemory
+from stem.models.ffn import HashMoEFFN, StemTable, build_ffn
+from stem.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys/values for incremental decoding (concatenation; fine for evaluation sizes)."""
+
+    k: list = field(default_factory=list)
+    v: list = field(default_factory=list)
+    length: int = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if layer == len(self.k):
+            self.k.append(k), self.v.append(v)
+        else:
+            self.k[layer] = torch.cat([self.k[layer], k], dim=2)
+            self.v[layer] = torch.cat([self.v[layer], v], dim=2)
+        return self.k[layer], self.v[layer]
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """Document index per token: a new document starts wherever the position resets to 0."""
+    return (positions == 0).cumsum(dim=1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.hd, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.hd, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        if callable(mask):  # a flex-attention block mask builder's result
+            y = mask(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=self.n_kv != self.n_heads)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.kind = cfg.ffn[layer]
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn = build_ffn(self.kind, cfg, layer)
+        self.dse = DSEMemory(cfg, layer) if cfg.dse is not None and layer in cfg.dse.layers else None
+
+    def forward(self, x, ids, cos, sin, mask, cache=None, layer=0, cids=None, doc_ids=None):
+        if self.dse is not None:
+            x = x + self.dse(x, cids, doc_ids)
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
+        return x + self.ffn(self.ffn_norm(x), ids)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied (Sec. 4.1)
+        inv_freq, self.rope_mscale = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # DSE vocabulary compression (identity until set from the tokenizer; saved with the weights).
+        self.register_buffer("dse_compress", torch.arange(cfg.vocab_size), persistent=cfg.dse is not None)
+        self.flex_mask_fn = None  # set by stem.train.attention on CUDA for document masking
+        if self.inv_freq.device.type != "meta":
+            self.init_weights()
+
+    # ---- initialisation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # norms are initialised to ones by their modules
+            nn.init.normal_(p, std=out_std if name.endswith(("wo.weight", "w_down.weight", "w_down")) else std)
+        for m in self.modules():
+            if isinstance(m, (StemTable, DSEMemory)):
+                m.reset_parameters()
+            elif isinstance(m, nn.RMSNorm):
+                nn.init.ones_(m.weight)
+        self.inv_freq.copy_(inv_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)[0])
+        self.dse_compress.copy_(torch.arange(self.cfg.vocab_size))
+
+    # ---- forward --------------------------------------------------------------------------------
+    def forward(self, ids, targets=None, positions=None, cache: KVCache | None = None):
+        b, t = ids.shape
+        offset = cache.length if cache is not None else 0
+        if offset + t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {offset + t} exceeds max_seq_len={self.cfg.max_seq_len} "
+                             "(raise max_seq_len together with a rope_scaling for longer contexts)")
+        doc_ids = None
+        if positions is None:
+            positions = torch.arange(offset, offset + t, device=ids.device).expand(b, t)
+            mask = None if offset == 0 else self._cache_mask(t, offset, ids.device)
+        else:
+            doc_ids = document_ids(positions)
+            mask = self._document_mask(doc_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_mscale)
+        cids = self.dse_compress[ids] if self.cfg.dse is not None else None
+        x = self.tok_emb(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ids, cos, sin, mask, cache, i, cids, doc_ids)
+        if cache is not None:
+            cache.length += t
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+    def _document_mask(self, doc_ids):
+        if self.flex_mask_fn is not None and doc_ids.is_cuda:
+            return self.flex_mask_fn(doc_ids)
+        t = doc_ids.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+        return ((doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)) & causal).unsqueeze(1)
+
+    @staticmethod
+    def _cache_mask(t, offset, device):
+        q = torch.arange(offset, offset + t, device=device).unsqueeze(1)
+        return torch.arange(offset + t, device=device).unsqueeze(0) <= q
+
+    @property
+    def supports_kv_cache(self) -> bool:
+        return self.cfg.dse is None  # DSE's n-gram history and convolution are recomputed without it
+
+    # ---- parameter groups and accounting ---------------------------------------------------------
+    def param_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Named optimizer groups; asserts that they cover every parameter exactly once."""
+        groups: dict[str, list] = {"matrix": [], "norm": [], "table": [], "dse_table": []}
+        table_ids = {id(m.weight) for m in self.modules() if isinstance(m, StemTable)}
+        dse_ids = {id(t.weight) for m in self.modules() if isinstance(m, DSEMemory) for t in m.tables}
+        for p in self.parameters():
+            key = ("table" if id(p) in table_ids else "dse_table" if id(p) in dse_ids
+                   else "norm" if p.dim() < 2 else "matrix")
+            groups[key].append(p)
+        n_grouped = sum(p.numel() for ps in groups.values() for p in ps)
+        assert n_grouped == sum(p.numel() for p in self.parameters()), "optimizer groups miss parameters"
+        return {k: v for k, v in groups.items() if v}
+
+    def accounting(self) -> dict:
+        from stem.models.accounting import accounting
+        return accounting(self)
