@@ -1,0 +1,33 @@
+# Two entry points (see README): `make smoke` runs the whole workflow on the embedded default,
+# `make test` runs the test suite. Both create .venv and install everything on first use.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+CORES  ?= 2
+
+.PHONY: smoke test lint dryrun-paper clean-tiny
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	@# CPU build of torch where there is no CUDA driver (a plain `torch` would pull a multi-GB CUDA build).
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	else $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+smoke: $(STAMP)
+	@start=$$(date +%s); \
+	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --profile profiles/local --cores $(CORES) && \
+	echo "smoke: workflow finished in $$(( $$(date +%s) - start )) s; results in results/tiny, reports in reports/tiny"
+
+test: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --lint
+
+dryrun-paper: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --profile profiles/slurm --dry-run
+
+clean-tiny:
+	rm -rf results/tiny data/tiny reports/tiny logs/tiny

@@ -1,0 +1,19 @@
+# STEM reproduction workflow: tokenize -> pretrain -> midtrain -> extend -> evaluate -> aggregate.
+#   snakemake --profile profiles/local            # the embedded default (config/tiny.yaml), on the CPU
+#   snakemake --profile profiles/slurm            # the paper's scale (config/paper.yaml), on Slurm
+# One target, e.g.: snakemake --profile profiles/local results/tiny/350m/stem_half/pretrain/summary.json
+
+configfile: "config/tiny.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+include: "rules/train.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        train_outputs(),
+        params_tables(),

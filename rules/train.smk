@@ -1,0 +1,32 @@
+# Training stages. One rule for every stage: the stage's spec (config) says where it starts from
+# (init_from) and what it reads (data mixture). Resumable state lives in {stage}/_state (undeclared),
+# so a failed, preempted or timed-out job resumes when it is rerun or retried.
+
+
+def train_inputs(w):
+    spec = C.train_spec(config, w.scale, w.variant, w.stage)
+    inputs = {"tokenizer": spec["tokenizer"]}
+    inputs.update({f"tokens_{src}": C.tokens_manifest(EXP, w.scale, src).rsplit("/", 1)[0] for src in spec["data"]})
+    if spec["init_from"]:
+        inputs["init"] = spec["init_from"]
+    return inputs
+
+
+rule train:
+    input:
+        unpack(train_inputs),
+    output:
+        summary="results/{experiment}/{scale}/{variant}/{stage}/summary.json",
+        metrics="results/{experiment}/{scale}/{variant}/{stage}/metrics.jsonl",
+        checkpoint=directory("results/{experiment}/{scale}/{variant}/{stage}/checkpoint"),
+    params:
+        spec=lambda w: as_json(C.train_spec(config, w.scale, w.variant, w.stage)),
+    threads: 1
+    resources:
+        gpu=lambda w: 0 if config["device"] == "cpu" else 1,
+    log:
+        "logs/{experiment}/{scale}/{variant}/{stage}/train.log",
+    conda:
+        ENV
+    shell:
+        "python workflow_scripts/train.py --spec {params.spec:q} --threads {threads} 2> {log}"

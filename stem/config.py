@@ -1,0 +1,205 @@
+"""Experiment configs: load, validate (schema + cross-references), and resolve into job specs.
+
+A *job spec* is everything one workflow job needs, fully resolved (model config, optimisation,
+data paths), so that entry points never read config files themselves and Snakemake can rerun exactly
+the jobs whose spec changed (it is passed as a rule parameter).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = REPO / "config" / "schema.yaml"
+VARIANTS = REPO / "config" / "variants.yaml"
+SCALES = ("350m", "1b")
+STAGES = ("pretrain", "midtrain", "extend")
+TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100}
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line naming the file, the key and what is expected."""
+
+
+def read_yaml(path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a YAML mapping at the top level")
+    return data
+
+
+def load_experiment(path) -> dict:
+    return validate_experiment(read_yaml(path), origin=str(path))
+
+
+def validate_experiment(cfg: dict, origin: str = "config") -> dict:
+    import jsonschema
+
+    schema = read_yaml(SCHEMA)
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(cfg), key=lambda e: list(e.path))
+    if errors:
+        e = errors[0]
+        key = ".".join(str(p) for p in e.path) or "<top level>"
+        raise ConfigError(f"{origin}: key '{key}': {e.message}")
+    _cross_check(cfg, origin)
+    return cfg
+
+
+def _cross_check(cfg: dict, origin: str):
+    for scale, m in cfg["matrix"].items():
+        for what in ("archs", "tokenizer"):
+            if scale not in cfg[what]:
+                raise ConfigError(f"{origin}: key '{what}.{scale}' missing (scale {scale} is in the matrix)")
+        for stage in m["stages"]:
+            spec = cfg["stages"].get(stage, {}).get(scale)
+            if spec is None:
+                raise ConfigError(f"{origin}: key 'stages.{stage}.{scale}' missing (listed in matrix.{scale}.stages)")
+            where = f"stages.{stage}.{scale}"
+            unknown = [s for s in spec["data"] if s not in cfg["sources"]]
+            if unknown:
+                raise ConfigError(f"{origin}: key '{where}.data': unknown source {unknown[0]!r}; "
+                                  f"expected one of {sorted(cfg['sources'])}")
+            total = sum(spec["data"].values())
+            if not math.isclose(total, 1.0, abs_tol=1e-6):
+                raise ConfigError(f"{origin}: key '{where}.data': mixture weights sum to {total:g}, expected 1")
+            if spec["batch_size"] % spec["micro_batch"]:
+                raise ConfigError(f"{origin}: key '{where}.micro_batch': {spec['micro_batch']} does not divide "
+                                  f"batch_size {spec['batch_size']}")
+            init = spec.get("init_from")
+            if init is not None and (init not in m["stages"] or m["stages"].index(init) >= m["stages"].index(stage)):
+                raise ConfigError(f"{origin}: key '{where}.init_from': {init!r} must be an earlier stage of "
+                                  f"matrix.{scale}.stages {m['stages']}")
+            max_len = spec.get("max_seq_len", cfg["archs"][scale]["max_seq_len"])
+            if spec["seq_len"] > max_len:
+                raise ConfigError(f"{origin}: key '{where}.seq_len': {spec['seq_len']} exceeds the model's "
+                                  f"max_seq_len {max_len} (set max_seq_len and a rope_scaling for the stage)")
+        tok = cfg["tokenizer"][scale]
+        if tok["kind"] == "train_bpe":
+            for key in ("sources", "vocab_size"):
+                if key not in tok:
+                    raise ConfigError(f"{origin}: key 'tokenizer.{scale}.{key}' missing (needed by kind train_bpe)")
+            bad = [s for s in tok["sources"] if s not in cfg["sources"]]
+            if bad:
+                raise ConfigError(f"{origin}: key 'tokenizer.{scale}.sources': unknown source {bad[0]!r}")
+            if tok["vocab_size"] > cfg["archs"][scale]["vocab_size"]:
+                raise ConfigError(f"{origin}: key 'tokenizer.{scale}.vocab_size': {tok['vocab_size']} exceeds "
+                                  f"archs.{scale}.vocab_size {cfg['archs'][scale]['vocab_size']}")
+        elif "path" not in tok:
+            raise ConfigError(f"{origin}: key 'tokenizer.{scale}.path' missing (needed by kind pretrained)")
+
+
+# ---- variants and models -------------------------------------------------------------------------
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def variants(cfg: dict) -> dict:
+    base = read_yaml(VARIANTS)
+    return {name: _deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {})) for name, spec in base.items()}
+
+
+def variant_label(name: str) -> str:
+    return read_yaml(VARIANTS)[name]["label"]
+
+
+def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):
+    from stem.models.config import model_config
+
+    arch = dict(cfg["archs"][scale])
+    if stage is not None:
+        spec = cfg["stages"][stage][scale]
+        for key in ("max_seq_len", "rope_scaling"):
+            if key in spec:
+                arch[key] = spec[key]
+    all_variants = variants(cfg)
+    if variant not in all_variants:
+        raise ConfigError(f"variant {variant!r}: expected one of {sorted(all_variants)}")
+    return model_config(arch, all_variants[variant])
+
+
+# ---- paths ---------------------------------------------------------------------------------------
+def corpus_path(exp: str, source: str) -> str:
+    return f"data/{exp}/corpus/{source}.jsonl"
+
+
+def tokenizer_path(exp: str, scale: str) -> str:
+    return f"data/{exp}/{scale}/tokenizer/tokenizer.json"
+
+
+def tokens_manifest(exp: str, scale: str, source: str) -> str:
+    return f"data/{exp}/{scale}/tokens/{source}/manifest.json"
+
+
+def stage_dir(exp: str, scale: str, variant: str, stage: str) -> str:
+    return f"results/{exp}/{scale}/{variant}/{stage}"
+
+
+# ---- job specs -----------------------------------------------------------------------------------
+def train_targets(cfg: dict) -> list[tuple[str, str, str]]:
+    return [(scale, v, stage) for scale, m in cfg["matrix"].items() for v in m["variants"] for stage in m["stages"]]
+
+
+def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
+    """The fully resolved spec of one training job."""
+    exp = cfg["experiment"]
+    if scale not in cfg["matrix"] or stage not in cfg["matrix"][scale]["stages"]:
+        raise ConfigError(f"stage {stage!r} at scale {scale!r} is not in the {exp} experiment's matrix")
+    st = dict(cfg["stages"][stage][scale])
+    init = st.pop("init_from", None)
+    data = st.pop("data")
+    for key in ("max_seq_len", "rope_scaling"):
+        st.pop(key, None)
+    return {
+        "experiment": exp, "scale": scale, "variant": variant, "stage": stage,
+        "seed": cfg["seed"], "device": cfg["device"],
+        "model": model_config_for(cfg, scale, variant, stage).to_dict(),
+        "optim": cfg["optim"],
+        "train": {**TRAIN_DEFAULTS, **cfg.get("train", {}), **st},
+        "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
+        "tokenizer": tokenizer_path(exp, scale),
+        "init_from": stage_dir(exp, scale, variant, init) + "/checkpoint" if init else None,
+        "out_dir": stage_dir(exp, scale, variant, stage),
+    }
+
+
+def corpus_spec(cfg: dict, source: str) -> dict:
+    src = cfg["sources"].get(source)
+    if src is None or src["kind"] != "synth":
+        raise ConfigError(f"source {source!r}: no corpus to generate (only kind 'synth' sources have one)")
+    return {"source": source, "world": cfg.get("world", {}), "seed": cfg["seed"], **src}
+
+
+def documents_spec(cfg: dict, source: str) -> dict:
+    """The reader spec of a source's documents (a synth source is read back from its corpus file)."""
+    src = cfg["sources"][source]
+    if src["kind"] == "synth":
+        return {"kind": "files", "paths": [corpus_path(cfg["experiment"], source)], "format": "jsonl"}
+    return {k: v for k, v in src.items() if k != "max_tokens"}
+
+
+def source_inputs(cfg: dict, source: str) -> list[str]:
+    return [corpus_path(cfg["experiment"], source)] if cfg["sources"][source]["kind"] == "synth" else []
+
+
+def tokenizer_spec(cfg: dict, scale: str) -> dict:
+    tok = dict(cfg["tokenizer"][scale])
+    if tok["kind"] == "train_bpe":
+        tok["documents"] = [documents_spec(cfg, s) for s in tok["sources"]]
+    return tok
+
+
+def tokenize_spec(cfg: dict, scale: str, source: str) -> dict:
+    if source not in cfg["sources"]:
+        raise ConfigError(f"source {source!r}: expected one of {sorted(cfg['sources'])}")
+    return {"documents": documents_spec(cfg, source), "max_tokens": cfg["sources"][source].get("max_tokens"),
+            "seed": cfg["seed"], "vocab_size": cfg["archs"][scale]["vocab_size"]}

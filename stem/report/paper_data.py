@@ -1,0 +1,84 @@
+"""The STEM paper's published numbers, transcribed into reference/paper/*.csv.
+
+Every CSV is long format with columns ``table,scale,variant,row,column,value,unit,source``:
+``scale`` is ``350m``/``1b`` (empty where not applicable), ``variant`` a stable id (see
+``VARIANT_LABELS``), ``row`` the paper's row label, ``column`` a stable metric id and ``source``
+the provenance (printed row/column header, or a verbatim quote of the paper text).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+PAPER_DIR = Path(__file__).resolve().parents[2] / "reference" / "paper"
+COLUMNS = ["table", "scale", "variant", "row", "column", "value", "unit", "source"]
+
+VARIANT_LABELS = {
+    "dense": "Baseline",
+    "hashmoe": "Hash-MoE",
+    "stem": "STEM",
+    "stem_gate": "STEM (gate-proj)",
+    "stem_dagger": "STEM†",
+    "stem_half": "STEM-1/2",
+    "stem_full": "STEM-full",
+    "dse": "DSE",
+}
+
+COMMONSENSE_TASKS = ["arc_easy", "arc_challenge", "boolq", "piqa", "social_iqa", "hellaswag",
+                     "openbookqa", "winogrande"]
+TASKS = {
+    "table3": COMMONSENSE_TASKS,
+    "table4": COMMONSENSE_TASKS + ["gsm8k", "mmlu"],
+    "table5": ["bbh", "musr", "lb_multi_lt4k", "lb_multi_4_8k", "lb_multi_ge8k",
+               "lb_code_lt4k", "lb_code_4_8k", "lb_code_ge8k"],
+    "table6": ["lb_0_2k", "lb_2_4k", "lb_4_6k", "lb_6_8k", "lb_8_10k", "lb_10_12k", "lb_12k_plus"],
+}
+
+
+def available_tables() -> list[str]:
+    return sorted(p.stem for p in PAPER_DIR.glob("*.csv"))
+
+
+@lru_cache(maxsize=None)
+def _read(name: str) -> pd.DataFrame:
+    if name not in available_tables():
+        raise ValueError(f"unknown paper table {name!r}; available: {', '.join(available_tables())}")
+    df = pd.read_csv(PAPER_DIR / f"{name}.csv", dtype=str, keep_default_na=False)
+    numeric = pd.to_numeric(df["value"], errors="coerce")
+    if numeric.notna().all():
+        df["value"] = numeric.astype(float)
+    else:  # table2 has text cells (LR schedule, cross-doc masking): keep those as str
+        df["value"] = [s if pd.isna(n) else float(n) for s, n in zip(df["value"], numeric)]
+    return df
+
+
+def load_table(name: str) -> pd.DataFrame:
+    """One paper table as a long DataFrame (a copy; safe to modify)."""
+    return _read(name).copy()
+
+
+def paper_value(table: str, scale: str | None, variant: str, column: str) -> float:
+    """A single published number. ``variant`` may be the variant id or the paper's row label."""
+    df = _read(table)
+    scale = scale or ""
+    rows = df[(df["scale"] == scale) & ((df["variant"] == variant) | (df["row"] == variant))]
+    if rows.empty:
+        have = sorted(set(df["scale"] + "/" + df["variant"]))
+        raise ValueError(f"{table} has no row scale={scale!r} variant={variant!r}; available: {', '.join(have)}")
+    hit = rows[rows["column"] == column]
+    if len(hit) != 1:
+        have = list(dict.fromkeys(rows["column"]))
+        raise ValueError(f"{table} {scale}/{variant} has no column {column!r}; available: {', '.join(have)}")
+    value = hit["value"].iloc[0]
+    if isinstance(value, str):
+        raise ValueError(f"{table} {scale}/{variant} {column!r} is text ({value!r}), not a number")
+    return float(value)
+
+
+def load_table1_formulas() -> dict:
+    """Table 1's per-layer cost formulas (FFN vs STEM vs savings) as text and printed LaTeX."""
+    with open(PAPER_DIR / "table1_formulas.yaml", encoding="utf-8") as f:
+        return yaml.safe_load(f)

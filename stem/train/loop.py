@@ -1,0 +1,194 @@
+"""The training loop: reads top to bottom. One call trains one (scale, variant, stage) job spec.
+
+Resumable: state is saved every ``checkpoint_interval`` steps (and on SIGTERM, e.g. Slurm
+preemption) under ``{out_dir}/_state``; rerunning the same spec continues from there and ends with
+the same final loss as an uninterrupted run (the data loader's position is part of the state).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from stem.data.loader import MixtureLoader, validation_batches
+from stem.data.shards import ShardSet
+from stem.models.accounting import training_flops
+from stem.models.config import ModelConfig
+from stem.train.checkpoint import (atomic_write_json, atomic_write_text, load_state, load_weights,
+                                   save_checkpoint, save_state)
+from stem.train.optim import build_optimizer, set_lr
+from stem.train.schedule import get_lr
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("device 'cuda' requested but CUDA is not available (set device: cpu or auto)")
+    return torch.device(name)
+
+
+def _open_sources(spec: dict, split: str) -> dict[str, tuple[ShardSet, float]]:
+    out = {}
+    for name, src in spec["data"].items():
+        manifest = Path(src["manifest"])
+        if not manifest.is_file():
+            raise TrainingError(f"source {name!r}: token manifest {manifest} not found (run the tokenize stage)")
+        out[name] = (ShardSet(manifest.parent, split), src["weight"])
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, autocast) -> float:
+    model.eval()
+    losses = []
+    for x, y in batches:
+        with autocast:
+            losses.append(model(x.to(device), y.to(device)).item())
+    model.train()
+    return sum(losses) / max(1, len(losses))
+
+
+def train(spec: dict, threads: int | None = None, max_steps: int | None = None) -> dict:
+    """Run (or resume) one training job; returns its summary. ``max_steps`` stops early (tests)."""
+    t0 = time.time()
+    tc, out_dir = spec["train"], Path(spec["out_dir"])
+    state_dir = out_dir / "_state"
+    device = resolve_device(spec["device"])
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(spec["seed"])
+    torch.use_deterministic_algorithms(device.type == "cpu")
+
+    # ---- model, tokenizer-dependent buffers, initial weights
+    cfg = ModelConfig.from_dict(spec["model"])
+    model = cfg.build(device)
+    if cfg.dse is not None:
+        from stem.data.tokenizer import load_tokenizer
+        from stem.models.dse import compression_map
+        tok = load_tokenizer(spec["tokenizer"])
+        texts = [tok.decode([i]) for i in range(min(tok.vocab_size, cfg.vocab_size))]
+        texts += [f"<unused{i}>" for i in range(len(texts), cfg.vocab_size)]
+        model.dse_compress.copy_(compression_map(texts).to(device))
+    if spec.get("init_from"):
+        load_weights(model, Path(spec["init_from"]) / "model.safetensors")
+    accounting = model.accounting()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    # ---- data and optimizer
+    accum, rem = divmod(tc["batch_size"], tc["micro_batch"])
+    assert rem == 0, "batch_size must be a multiple of micro_batch"
+    sources = _open_sources(spec, "train")
+    eos = json.loads(Path(next(iter(spec["data"].values()))["manifest"]).read_text()).get("eos_id", 0)
+    loader = MixtureLoader(sources, tc["seq_len"], tc["micro_batch"], spec["seed"],
+                           packed=tc.get("cross_doc_mask", False), pad_id=eos)
+    val = validation_batches({n: ShardSet(s.out_dir, "val") for n, (s, _) in sources.items()},
+                             tc["seq_len"], tc["micro_batch"], tc["eval_batches"])
+    opt = build_optimizer(model, spec["optim"], tc["lr"], fused=device.type == "cuda")
+    lr_kw = {k: tc[k] for k in ("lr", "steps", "warmup", "schedule", "min_lr_ratio")}
+    lr_kw["schedule_steps"] = tc.get("schedule_steps")
+
+    # ---- resume
+    step, wall_before, val_loss = 0, 0.0, float("nan")
+    extra = load_state(state_dir, model, opt)
+    metrics_path = state_dir / "metrics.jsonl"
+    if extra is not None:
+        step, wall_before, val_loss = extra["step"], extra["wall_seconds"], extra["val_loss"]
+        loader.load_state_dict(extra["loader"])
+        _truncate_metrics(metrics_path, step)
+        print(f"[{out_dir}] resuming at step {step}", file=sys.stderr)
+    elif metrics_path.exists():
+        metrics_path.unlink()
+    state_dir.mkdir(parents=True, exist_ok=True)
+
+    stop = {"signal": None}
+    signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
+    tokens_per_step = tc["batch_size"] * tc["seq_len"]
+    last = step + (max_steps if max_steps is not None else tc["steps"])
+    loss_value = float("nan")
+    model.train()
+
+    def snapshot():
+        save_state(state_dir, step, model, opt, {"loader": loader.state_dict(), "val_loss": val_loss,
+                                                 "wall_seconds": wall_before + time.time() - t0})
+
+    with open(metrics_path, "a") as log:
+        while step < min(tc["steps"], last):
+            t_step = time.time()
+            lr = get_lr(step, **lr_kw)
+            set_lr(opt, lr)
+            loss_sum = 0.0
+            for _ in range(accum):
+                x, y, pos = loader.next_batch()
+                x, y = x.to(device), y.to(device)
+                with autocast:
+                    loss = model(x, y, positions=None if pos is None else pos.to(device))
+                (loss / accum).backward()
+                loss_sum += loss.item() / accum
+            if not math.isfinite(loss_sum):
+                raise TrainingError(f"[{out_dir}] non-finite training loss {loss_sum} at step {step} (lr={lr:.3g})")
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec["optim"]["grad_clip"] or float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            loss_value = loss_sum
+            dt = time.time() - t_step
+            row = {"step": step, "tokens": step * tokens_per_step, "lr": lr, "loss": loss_sum,
+                   "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_step / dt,
+                   "train_flops": training_flops(accounting["active_params"], step * tokens_per_step)}
+            if step % tc["eval_interval"] == 0 or step == tc["steps"]:
+                val_loss = evaluate(model, val, device, autocast) if val else float("nan")
+                row.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            if step % tc["log_interval"] == 0 or step == tc["steps"]:
+                print(f"[{spec['scale']}/{spec['variant']}/{spec['stage']}] step {step}/{tc['steps']} "
+                      f"loss {loss_sum:.4f} lr {lr:.2e} {row['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+            if step % tc["checkpoint_interval"] == 0 or stop["signal"]:
+                snapshot()
+            if stop["signal"]:
+                print(f"[{out_dir}] stopped by signal {stop['signal']} at step {step}; state saved", file=sys.stderr)
+                raise SystemExit(128 + stop["signal"])
+
+    if step < tc["steps"]:  # stopped early on purpose (max_steps): keep the state, write nothing declared
+        snapshot()
+        return {"step": step, "loss": loss_value}
+
+    wall = wall_before + time.time() - t0
+    summary = {
+        "experiment": spec["experiment"], "scale": spec["scale"], "variant": spec["variant"], "stage": spec["stage"],
+        "final_train_loss": _final_train_loss(metrics_path), "last_step_loss": loss_value,
+        "final_val_loss": val_loss, "final_val_ppl": math.exp(min(val_loss, 50)) if math.isfinite(val_loss) else None,
+        "steps": step, "tokens": step * tokens_per_step,
+        "train_flops": training_flops(accounting["active_params"], step * tokens_per_step),
+        "wall_seconds": wall, "device": str(device),
+        "tokens_by_source": loader.tokens_by_source, **accounting,
+    }
+    save_checkpoint(out_dir / "checkpoint", model, spec, spec["tokenizer"], accounting)
+    atomic_write_text(out_dir / "metrics.jsonl", metrics_path.read_text())
+    atomic_write_json(out_dir / "summary.json", summary)
+    return summary
+
+
+def _final_train_loss(metrics_path: Path, last: int = 10) -> float:
+    """Mean training loss of the last ``last`` steps (one step's loss is noisy at small batch sizes)."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    tail = [r["loss"] for r in rows[-last:]]
+    return sum(tail) / len(tail)
+
+
+def _truncate_metrics(path: Path, step: int):
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        atomic_write_text(path, "".join(line + "\n" for line in keep))

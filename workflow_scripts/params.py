@@ -1,0 +1,25 @@
+"""Write the accounting table (CSV and Markdown) for every variant of every scale."""
+from _entry import parser, run, spec_of
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--csv", required=True)
+    p.add_argument("--md", required=True)
+    args = p.parse_args()
+    import csv
+    import io
+
+    from stem.report.params import COLUMNS, accounting_rows, to_markdown
+    from stem.train.checkpoint import atomic_write_text
+    cfg = spec_of(args)
+    rows = accounting_rows(cfg)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(args.csv, buf.getvalue())
+    atomic_write_text(args.md, to_markdown(rows, f"Parameter accounting, experiment '{cfg['experiment']}'"))
+
+
+run(main)

@@ -1,0 +1,16 @@
+"""Tokenize one source into train/val token shards with a manifest."""
+from _entry import parser, run, spec_of
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    from stem.pipeline import tokenize
+    m = tokenize(spec_of(args), args.tokenizer, args.out, workers=args.threads)
+    print({k: m[k] for k in ("vocab_size", "dtype")}, {s: m["splits"][s]["tokens"] for s in m["splits"]})
+
+
+run(main)

@@ -1,0 +1,13 @@
+"""Train a byte-level BPE tokenizer on the configured sources, or fetch a pretrained one."""
+from _entry import parser, run, spec_of
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    from stem.pipeline import make_tokenizer
+    print(make_tokenizer(spec_of(args), args.out))
+
+
+run(main)

@@ -1,0 +1,14 @@
+"""Train (or resume) one (scale, variant, stage) job."""
+from _entry import parser, run, spec_of
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    from stem.train.loop import train
+    s = train(spec_of(args), threads=args.threads)
+    print({k: s[k] for k in ("final_train_loss", "final_val_loss", "steps", "wall_seconds")})
+
+
+run(main)
