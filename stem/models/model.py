@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from stem.models.config import ModelConfig
 from stem.models.dse import DSEMemory
@@ -96,7 +97,8 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # DSE vocabulary compression (identity until set from the tokenizer; saved with the weights).
         self.register_buffer("dse_compress", torch.arange(cfg.vocab_size), persistent=cfg.dse is not None)
-        self.flex_mask_fn = None  # set by stem.train.attention on CUDA for document masking
+        self.flex_mask_fn = None  # stem.models.attention.flex_document_mask on CUDA (set by the trainer)
+        self.activation_checkpointing = False
         if self.inv_freq.device.type != "meta":
             self.init_weights()
 
@@ -136,7 +138,11 @@ class Transformer(nn.Module):
         cids = self.dse_compress[ids] if self.cfg.dse is not None else None
         x = self.tok_emb(ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ids, cos, sin, mask, cache, i, cids, doc_ids)
+            if self.activation_checkpointing and self.training and cache is None:
+                x = torch.utils.checkpoint.checkpoint(layer, x, ids, cos, sin, mask, None, i, cids, doc_ids,
+                                                      use_reentrant=False)
+            else:
+                x = layer(x, ids, cos, sin, mask, cache, i, cids, doc_ids)
         if cache is not None:
             cache.length += t
         logits = self.lm_head(self.norm(x))

@@ -23,6 +23,7 @@ from stem.models.accounting import training_flops
 from stem.models.config import ModelConfig
 from stem.train.checkpoint import (atomic_write_json, atomic_write_text, load_state, load_weights,
                                    save_checkpoint, save_state)
+from stem.train.memory import describe, estimate
 from stem.train.optim import build_optimizer, set_lr
 from stem.train.schedule import get_lr
 
@@ -84,6 +85,12 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
     if spec.get("init_from"):
         load_weights(model, Path(spec["init_from"]) / "model.safetensors")
     accounting = model.accounting()
+    model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
+    if device.type == "cuda" and tc.get("cross_doc_mask"):
+        from stem.models.attention import flex_document_mask
+        model.flex_mask_fn = flex_document_mask
+    print(f"[{out_dir}] " + describe(estimate(model, tc["micro_batch"], tc["seq_len"],
+                                              act_ckpt=model.activation_checkpointing)), file=sys.stderr)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     # ---- data and optimizer
