@@ -3,7 +3,7 @@
 #   snakemake --profile profiles/slurm            # the paper's scale (config/paper.yaml), on Slurm
 # One target, e.g.: snakemake --profile profiles/local results/tiny/350m/stem_half/pretrain/summary.json
 
-configfile: "config/tiny.yaml"
+configfile: f"{workflow.basedir}/config/tiny.yaml"
 
 
 include: "rules/common.smk"

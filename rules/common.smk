@@ -6,14 +6,15 @@ from snakemake.utils import validate
 sys.path.insert(0, workflow.basedir)
 from stem import config as C  # noqa: E402
 
-validate(config, schema="../config/schema.yaml")
-try:
+try:  # one clear line naming the key first; then Snakemake's own schema validation (same schema)
     C.validate_experiment(config, origin="workflow config")
 except C.ConfigError as e:
     raise WorkflowError(str(e))
+validate(config, schema="../config/schema.yaml")
 
 EXP = config["experiment"]
 ENV = "../environment.yml"
+SCRIPTS = f"{workflow.basedir}/workflow_scripts"  # absolute: the workflow may run with --directory
 
 
 wildcard_constraints:

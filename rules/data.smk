@@ -11,7 +11,7 @@ rule corpus:
     conda:
         ENV
     shell:
-        "python workflow_scripts/corpus.py --spec {params.spec:q} --out {output} 2> {log}"
+        "python {SCRIPTS}/corpus.py --spec {params.spec:q} --out {output} 2> {log}"
 
 
 rule tokenizer:
@@ -26,7 +26,7 @@ rule tokenizer:
     conda:
         ENV
     shell:
-        "python workflow_scripts/tokenizer.py --spec {params.spec:q} --out {output} 2> {log}"
+        "python {SCRIPTS}/tokenizer.py --spec {params.spec:q} --out {output} 2> {log}"
 
 
 rule tokenize:
@@ -43,5 +43,5 @@ rule tokenize:
     conda:
         ENV
     shell:
-        "python workflow_scripts/tokenize_source.py --spec {params.spec:q} --tokenizer {input.tokenizer}"
+        "python {SCRIPTS}/tokenize_source.py --spec {params.spec:q} --tokenizer {input.tokenizer}"
         " --out {output} --threads {threads} 2> {log}"

@@ -12,4 +12,4 @@ rule params:
     conda:
         ENV
     shell:
-        "python workflow_scripts/params.py --spec {params.cfg:q} --csv {output.csv} --md {output.md} 2> {log}"
+        "python {SCRIPTS}/params.py --spec {params.cfg:q} --csv {output.csv} --md {output.md} 2> {log}"

@@ -29,4 +29,4 @@ rule train:
     conda:
         ENV
     shell:
-        "python workflow_scripts/train.py --spec {params.spec:q} --threads {threads} 2> {log}"
+        "python {SCRIPTS}/train.py --spec {params.spec:q} --threads {threads} 2> {log}"

@@ -36,6 +36,7 @@ class StemTable(nn.Embedding):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg.vocab_size, cfg.d_ff, sparse=cfg.table_sparse_grad)
         self.init_kind, self.init_std = cfg.table_init, cfg.table_init_std
+        self.reset_parameters()  # nn.Embedding's own call ran before init_kind was known
 
     def reset_parameters(self):
         if getattr(self, "init_kind", "xavier_normal") == "xavier_normal":  # std = sqrt(2 / (V + d_ff)), as the official code

@@ -1,0 +1,191 @@
+"""Model zoo: each FFN kind against its formula, every variant's forward/backward, placement, accounting."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stem import config as C
+from stem.models.config import ModelConfig, RopeScaling, model_config, resolve_placement
+from stem.models.ffn import HashMoEFFN, balanced_expert_map, build_ffn
+from stem.models.model import KVCache
+
+TINY = dict(vocab_size=97, d_model=16, n_layers=6, n_heads=4, n_kv_heads=2, d_ff=24, max_seq_len=64)
+
+
+def _cfg(**kw):
+    return ModelConfig.from_dict({**TINY, **kw})
+
+
+@pytest.fixture
+def xs():
+    torch.manual_seed(0)
+    return torch.randn(2, 5, 16), torch.randint(0, 97, (2, 5))
+
+
+def test_dense_swiglu_formula(xs):
+    x, ids = xs
+    f = build_ffn("dense", _cfg(), 0)
+    expected = (F.silu(x @ f.w_gate.weight.T) * (x @ f.w_up.weight.T)) @ f.w_down.weight.T
+    torch.testing.assert_close(f(x, ids), expected)
+
+
+def test_stem_formula(xs):
+    x, ids = xs
+    f = build_ffn("stem", _cfg(), 0)
+    u = f.table.weight[ids]
+    torch.testing.assert_close(f(x, ids), (F.silu(x @ f.w_gate.weight.T) * u) @ f.w_down.weight.T)
+    assert not hasattr(f, "w_up")
+
+
+def test_stem_gate_formula(xs):
+    x, ids = xs
+    f = build_ffn("stem_gate", _cfg(), 0)
+    u = f.table.weight[ids]
+    torch.testing.assert_close(f(x, ids), (F.silu(u) * (x @ f.w_up.weight.T)) @ f.w_down.weight.T)
+
+
+def test_stem_dagger_formula(xs):
+    x, ids = xs
+    f = build_ffn("stem_dagger", _cfg(), 0)
+    u = f.table.weight[ids]
+    expected = (F.silu(x @ f.w_gate.weight.T) * (x @ f.w_up.weight.T + u)) @ f.w_down.weight.T
+    torch.testing.assert_close(f(x, ids), expected)
+
+
+def test_hashmoe_routes_each_token_to_its_fixed_expert(xs):
+    x, ids = xs
+    f = build_ffn("hashmoe", _cfg(n_experts=4), 3)
+    torch.nn.init.normal_(f.w_gate), torch.nn.init.normal_(f.w_up), torch.nn.init.normal_(f.w_down)
+    out = f(x, ids)
+    for b in range(2):
+        for t in range(5):
+            e = f.expert_of_token[ids[b, t]]
+            h = x[b, t]
+            y = (F.silu(f.w_gate[e] @ h) * (f.w_up[e] @ h)) @ f.w_down[e].T
+            torch.testing.assert_close(out[b, t], y, rtol=1e-5, atol=1e-4)
+
+
+def test_expert_map_is_balanced_seeded_and_per_layer():
+    m = balanced_expert_map(1000, 16, seed=3)
+    counts = torch.bincount(m, minlength=16)
+    assert counts.max() - counts.min() <= 1
+    assert torch.equal(m, balanced_expert_map(1000, 16, seed=3))
+    a, b = HashMoEFFN(_cfg(n_experts=4), 2), HashMoEFFN(_cfg(n_experts=4), 5)
+    assert not torch.equal(a.expert_of_token, b.expert_of_token)
+
+
+def test_stem_table_init_is_xavier_normal_by_default():
+    cfg = ModelConfig.from_dict({**TINY, "vocab_size": 4000, "d_ff": 256})
+    std = build_ffn("stem", cfg, 0).table.weight.std().item()
+    assert std == pytest.approx((2 / (4000 + 256)) ** 0.5, rel=0.05)
+    cfg = dataclasses.replace(cfg, table_init="normal", table_init_std=0.5)
+    assert build_ffn("stem", cfg, 0).table.weight.std().item() == pytest.approx(0.5, rel=0.05)
+
+
+@pytest.mark.parametrize("variant", sorted(C.read_yaml(C.VARIANTS)))
+def test_every_variant_forward_backward(variant):
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    mcfg = C.model_config_for(cfg, "350m", variant)
+    torch.manual_seed(0)
+    model = mcfg.build()
+    ids = torch.randint(0, mcfg.vocab_size, (2, 33))
+    loss = model(ids[:, :-1], ids[:, 1:])
+    assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(mcfg.vocab_size)).item()) < 1.0
+    loss.backward()
+    for name, p in model.named_parameters():
+        if isinstance(getattr(model.get_submodule(name.rsplit(".", 1)[0]), "w_up", None), torch.nn.Parameter):
+            continue  # Hash-MoE experts that received no token in this batch have no gradient
+        assert p.grad is not None, name
+    groups = model.param_groups()
+    assert sum(len(v) for v in groups.values()) == len(list(model.parameters()))
+    assert ("table" in groups) == (mcfg.ffn.count("stem") + mcfg.ffn.count("stem_gate") + mcfg.ffn.count("stem_dagger") > 0)
+
+
+def test_placement_indices():
+    v = C.read_yaml(C.VARIANTS)
+    assert resolve_placement(v["stem"]["placement"], 16) == [2, 5, 8, 11, 14]
+    assert resolve_placement(v["stem"]["placement"], 32) == list(range(2, 32, 3))
+    assert resolve_placement(v["stem_half"]["placement"], 32) == list(range(1, 32, 2))
+    assert resolve_placement(v["stem_full"]["placement"], 32) == list(range(1, 32))
+    assert resolve_placement([0, 3], 4) == [0, 3]
+    with pytest.raises(ValueError, match="outside"):
+        resolve_placement([7], 4)
+    cfg = model_config(TINY, {"ffn": "stem", "placement": {"every": 3, "offset": 2}})
+    assert cfg.ffn == ("dense", "dense", "stem", "dense", "dense", "stem")
+
+
+def _paper():
+    return C.load_experiment(C.REPO / "config" / "paper.yaml")
+
+
+def _acc(scale, variant):
+    from stem.report.params import accounting_for
+    return accounting_for(_paper(), scale, variant)
+
+
+def test_accounting_reproduces_table3_1b_rows():
+    dense, stem = _acc("1b", "dense"), _acc("1b", "stem")
+    assert round(dense["paper_total_params"] / 1e9, 2) == 1.50
+    assert round(stem["paper_total_params"] / 1e9, 2) == 6.75
+    assert round(stem["active_params"] / 1e9, 2) == 1.41
+    assert round(dense["gflops_per_token"], 2) == 3.00
+    assert round(stem["gflops_per_token"], 2) == 2.83
+    assert stem["sparse_layers"] == [2, 5, 8, 11, 14]
+
+
+def test_accounting_exact_counts_350m():
+    d, V, f, n = 960, 32000, 2560, 10
+    dense = 376_075_200
+    assert _acc("350m", "dense")["total_params"] == dense
+    stem = _acc("350m", "stem")
+    assert stem["total_params"] == dense - n * d * f + n * V * f
+    assert stem["paper_total_params"] == dense + n * V * f
+    assert stem["active_params"] == dense - n * d * f
+    moe = _acc("350m", "hashmoe")
+    assert moe["total_params"] == dense + n * 15 * 3 * d * f
+    assert moe["active_params"] == dense
+    assert _acc("350m", "stem_full")["active_params"] == dense - 31 * d * f
+
+
+def test_document_mask_isolates_documents():
+    torch.manual_seed(0)
+    model = _cfg(ffn=("dense", "stem") * 3).build().eval()
+    ids = torch.randint(0, 97, (1, 20))
+    positions = torch.cat([torch.arange(8), torch.arange(12)]).unsqueeze(0)
+    other = ids.clone()
+    other[0, :8] = torch.randint(0, 97, (8,))  # change the first document only
+    a, b = model(ids, positions=positions), model(other, positions=positions)
+    torch.testing.assert_close(a[0, 8:], b[0, 8:])  # the second document does not see the first
+    assert not torch.allclose(a[0, :8], b[0, :8])
+    # the second document alone, at positions 0.., gives the same outputs
+    torch.testing.assert_close(a[0, 8:], model(ids[:, 8:])[0], atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_matches_full_forward():
+    torch.manual_seed(0)
+    model = _cfg(ffn=("dense", "hashmoe") * 3, n_experts=4).build().eval()
+    ids = torch.randint(0, 97, (2, 12))
+    full = model(ids)
+    cache = KVCache()
+    steps = [model(ids[:, :7], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(7, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_scaling_variants():
+    from stem.models.rope import inv_frequencies
+    base, _ = inv_frequencies(64, 10000.0, RopeScaling())
+    lin, _ = inv_frequencies(64, 10000.0, RopeScaling(kind="linear", factor=4))
+    torch.testing.assert_close(lin, base / 4)
+    theta, _ = inv_frequencies(64, 10000.0, RopeScaling(kind="theta", theta=1e6))
+    assert theta[1] < base[1]
+    yarn, mscale = inv_frequencies(64, 10000.0, RopeScaling(kind="yarn", factor=8, original_max_seq_len=2048))
+    assert yarn[0] == base[0] and yarn[-1] == pytest.approx(base[-1] / 8) and mscale > 1
+    with pytest.raises(ValueError, match="rope_scaling.kind"):
+        RopeScaling(kind="ntk-magic")
+
+
+def test_sequence_longer_than_max_seq_len_is_rejected():
+    model = _cfg().build()
+    with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
+        model(torch.zeros(1, 65, dtype=torch.long))

@@ -1,0 +1,124 @@
+"""The Snakemake workflow: the paper DAG (dry run), a reduced tiny DAG run for real, one-target reruns,
+and bad input stopping with one clear line."""
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
+
+
+def snakemake(*args, cwd):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run([*SNAKEMAKE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def job_counts(stdout: str) -> dict:
+    """Parse the 'Job stats' table of a dry run."""
+    lines = stdout.split("Job stats:")[1].splitlines()[3:]
+    counts = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            break
+        counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def test_paper_dag_dry_run(tmp_path):
+    r = snakemake("-n", "--configfile", str(REPO / "config/paper.yaml"), "--replace-workflow-config",
+                  "-d", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = job_counts(r.stdout)
+    assert counts["train"] == 7 + 2 * 3  # all 350M variants; 1B dense and STEM through three stages
+    assert counts["tokenizer"] == 2 and "corpus" not in counts  # hub sources and pretrained tokenizers
+    for target in ["results/paper/350m/stem_gate/pretrain/summary.json", "results/paper/1b/stem/extend/summary.json",
+                   "data/paper/1b/tokens/prolong_long"]:
+        assert target in r.stdout
+
+
+def _reduced_config(tmp_path) -> Path:
+    cfg = yaml.safe_load((REPO / "config/tiny.yaml").read_text())
+    cfg["matrix"] = {"350m": {"variants": ["dense", "stem"], "stages": ["pretrain"]},
+                     "1b": {"variants": ["stem"], "stages": ["pretrain", "midtrain"]}}
+    cfg["sources"] = {"web": {"kind": "synth", "generator": "web", "bytes": 60000},
+                      "math": {"kind": "synth", "generator": "math", "bytes": 15000},
+                      "code": {"kind": "synth", "generator": "code", "bytes": 15000}}
+    for scale in ("350m", "1b"):
+        cfg["tokenizer"][scale]["vocab_size"] = 400
+        cfg["archs"][scale].update(d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=48)
+    cfg["stages"]["midtrain"]["1b"]["data"] = {"web": 0.6, "math": 0.2, "code": 0.2}
+    for stage in ("pretrain", "midtrain"):
+        for spec in cfg["stages"][stage].values():
+            spec.update(steps=6, batch_size=4, micro_batch=2, seq_len=32)
+    del cfg["stages"]["extend"]
+    cfg["train"] = {"log_interval": 3, "eval_interval": 3, "eval_batches": 1, "checkpoint_interval": 3}
+    path = tmp_path / "reduced.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+TARGETS = ["results/tiny/350m/dense/pretrain/summary.json", "results/tiny/350m/stem/pretrain/summary.json",
+           "results/tiny/1b/stem/midtrain/summary.json", "reports/tiny/params.md"]
+
+
+def test_reduced_tiny_dag_runs_for_real_and_reruns_nothing(tmp_path):
+    cfg = _reduced_config(tmp_path)
+    args = ["--configfile", str(cfg), "--replace-workflow-config", "-d", str(tmp_path), "--cores", "2"]
+    r = snakemake(*args, *TARGETS, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for t in TARGETS:
+        assert (tmp_path / t).is_file(), t
+    mid = json.loads((tmp_path / TARGETS[2]).read_text())
+    assert mid["stage"] == "midtrain" and mid["steps"] == 6 and set(mid["tokens_by_source"]) == {"web", "math", "code"}
+    assert (tmp_path / "results/tiny/1b/stem/midtrain/checkpoint/model.safetensors").is_file()
+    assert "| 350m | stem_full |" in (tmp_path / "reports/tiny/params.md").read_text()
+    # nothing left to do; and one more target runs only its own job
+    r = snakemake(*args, "-n", *TARGETS, cwd=tmp_path)
+    assert "Nothing to be done" in r.stdout + r.stderr
+    r = snakemake(*args, "-n", "results/tiny/350m/stem_half/pretrain/summary.json", cwd=tmp_path)
+    assert job_counts(r.stdout) == {"train": 1, "total": 1}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["stages"]["pretrain"]["350m"].update(lrr=1.0), "key 'stages.pretrain.350m'"),
+    (lambda c: c["matrix"]["350m"].update(variants=["dense", "stem_quarter"]), "'stem_quarter' is not one of"),
+    (lambda c: c["stages"]["pretrain"]["350m"].update(data={"web": 0.5}), "mixture weights sum to 0.5, expected 1"),
+    (lambda c: c["stages"]["pretrain"]["350m"].update(data={"wikipedia": 1.0}), "unknown source 'wikipedia'"),
+    (lambda c: c["stages"]["pretrain"]["350m"].update(seq_len=4096), "exceeds the model's max_seq_len 256"),
+    (lambda c: c["tokenizer"]["350m"].update(vocab_size=100000), "exceeds archs.350m.vocab_size"),
+])
+def test_bad_config_stops_with_one_clear_line(tmp_path, edit, message):
+    cfg = yaml.safe_load((REPO / "config/tiny.yaml").read_text())
+    edit(cfg)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = snakemake("-n", "--configfile", str(path), "--replace-workflow-config", "-d", str(tmp_path), cwd=tmp_path)
+    assert r.returncode != 0
+    assert message in r.stdout + r.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_unknown_variant_and_scale_on_the_command_line():
+    for args, message in [(["--scale", "1b", "--variant", "stem_quarter"], "variant 'stem_quarter'"),
+                          (["--scale", "7b", "--variant", "stem"], "scale '7b'")]:
+        r = subprocess.run([sys.executable, "-m", "stem", "params", "--experiment", "paper", *args],
+                           cwd=REPO, capture_output=True, text=True)
+        assert r.returncode == 1
+        assert r.stderr.strip().count("\n") == 0 and message in r.stderr
+
+
+def test_missing_tokenizer_and_missing_corpus(tmp_path):
+    from stem.pipeline import tokenize
+    with pytest.raises(ValueError, match="nope/tokenizer.json"):
+        tokenize({"documents": {"kind": "files", "paths": ["x.jsonl"], "format": "jsonl"}, "seed": 0,
+                  "vocab_size": 512}, tmp_path / "nope" / "tokenizer.json", tmp_path / "out")
+    from stem.data.sources import iter_documents
+    with pytest.raises(ValueError, match="missing.jsonl"):
+        list(iter_documents({"kind": "files", "paths": [str(tmp_path / "missing.jsonl")], "format": "jsonl"}))
