@@ -30,7 +30,7 @@ def cmd_params(args):
 
 def cmd_bench(args):
     from stem import bench
-    bench.main(args)
+    bench.main_attention(args) if args.what == "attention" else bench.main(args)
 
 
 def cmd_train(args):
@@ -49,7 +49,7 @@ def main(argv=None):
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=["ffn"])
+    b.add_argument("what", choices=["ffn", "attention"])
     b.add_argument("--scale", default="350m")
     b.add_argument("--tokens", type=int, default=2048)
     b.add_argument("--repeats", type=int, default=5)

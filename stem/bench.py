@@ -10,6 +10,7 @@ import dataclasses
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from stem import config as C
@@ -64,3 +65,52 @@ def main(args):
     for r in rows:
         print(f"{r['ffn']:6} {r['table_grad']:10} {1e3 * r['seconds']:9.2f} {r['ratio_vs_dense']:9.3f}")
     print("accounting: STEM matmul FLOPs / dense = 2/3 = 0.667 (the table lookup counts as zero FLOPs)")
+
+
+def bench_attention(seq_len: int = 1024, micro_batch: int = 4, repeats: int = 5, scale: str = "1b",
+                    stage: str = "extend", experiment: str = "tiny") -> dict:
+    """Attention fwd+bwd time of all layers of one micro-batch: document mask vs plain causal."""
+    from stem.data.loader import positions_from_docs
+    from stem.models.model import document_ids
+    from stem.models.rope import rope_cos_sin
+
+    cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
+    model = C.model_config_for(cfg, scale, "dense", stage).build()
+    attn = model.layers[0].attn
+    torch.manual_seed(0)
+    x = torch.randn(micro_batch, seq_len, model.cfg.d_model, requires_grad=True)
+    # documents of 50-400 tokens, as packed rows of the extension stage look
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.repeat_interleave(torch.arange(seq_len), torch.randint(50, 400, (seq_len,), generator=g))[:seq_len]
+            for _ in range(micro_batch)]
+    positions = torch.from_numpy(np.stack([positions_from_docs(d.numpy()) for d in docs]))
+    cos, sin = rope_cos_sin(positions, model.inv_freq)
+
+    def run(mask):
+        def once():
+            attn(x, cos, sin, mask).sum().backward()
+        for _ in range(2):
+            once()
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            once()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * model.cfg.n_layers
+
+    mask_build = time.perf_counter()
+    mask = model._document_mask(document_ids(positions))
+    mask_build = time.perf_counter() - mask_build
+    return {"seq_len": seq_len, "micro_batch": micro_batch, "n_layers": model.cfg.n_layers,
+            "causal_s": run(None), "document_mask_s": run(mask), "mask_build_s": mask_build}
+
+
+def main_attention(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r = bench_attention(seq_len=args.tokens if args.tokens != 2048 else 1024, repeats=args.repeats)
+    print(f"attention fwd+bwd per micro-batch ({r['micro_batch']} x {r['seq_len']} tokens, {r['n_layers']} layers, "
+          f"tiny 1b-extend shapes, CPU, {torch.get_num_threads()} threads, median of {args.repeats})")
+    print(f"plain causal (SDPA is_causal):  {1e3 * r['causal_s']:8.2f} ms")
+    print(f"document mask (SDPA bool mask): {1e3 * r['document_mask_s']:8.2f} ms   "
+          f"ratio {r['document_mask_s'] / r['causal_s']:.2f}   (+ mask build {1e3 * r['mask_build_s']:.2f} ms once a step)")

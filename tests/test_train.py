@@ -142,3 +142,24 @@ def test_checkpoint_holds_config_tokenizer_and_weights(spec_factory, tmp_path):
     for key in ("final_train_loss", "final_val_loss", "steps", "tokens", "train_flops", "wall_seconds"):
         assert key in summary
     assert summary["tokens"] == 12 * 4 * 32 and summary["train_flops"] == 6 * s["active_params"] * summary["tokens"]
+
+
+@pytest.mark.parametrize("stage", ["midtrain", "extend"])
+def test_resume_in_the_middle_of_later_stages(spec_factory, tmp_path, stage):
+    train(spec_factory(tmp_path / "pre"), threads=1)
+
+    def spec(name):
+        if stage == "midtrain":
+            s = spec_factory(tmp_path / name, stage=stage, schedule="linear", data={"web": 0.65, "math": 0.35})
+        else:
+            s = spec_factory(tmp_path / name, stage=stage, data={"long": 0.63, "web": 0.37}, seq_len=96,
+                             cross_doc_mask=True, activation_checkpointing=True)
+            s["model"]["rope_scaling"] = {"kind": "theta", "theta": 1e6}
+        s["init_from"] = str(tmp_path / "pre" / "checkpoint")
+        return s
+
+    full = train(spec("full"), threads=1)
+    train(spec("split"), threads=1, max_steps=7)
+    resumed = train(spec("split"), threads=1)
+    assert resumed["last_step_loss"] == full["last_step_loss"]
+    assert resumed["tokens_by_source"] == full["tokens_by_source"]

@@ -3,6 +3,12 @@
 Resumable: state is saved every ``checkpoint_interval`` steps (and on SIGTERM, e.g. Slurm
 preemption) under ``{out_dir}/_state``; rerunning the same spec continues from there and ends with
 the same final loss as an uninterrupted run (the data loader's position is part of the state).
+
+Distributed: under torchrun (WORLD_SIZE > 1) the same loop runs data-parallel (stem.train.distributed):
+rank r keeps micro-batches r, r+W, ... of each step, so a step sees the same sequences at any world size;
+the backbone is FSDP2-sharded (or replicated, ``STEM_PARALLEL=ddp``), STEM/DSE tables and Hash-MoE
+experts are sharded over all ranks; resumable state is a DCP checkpoint that resumes at any world size.
+At world size 1 every distributed helper falls through and the maths is the single-process loop's.
 """
 from __future__ import annotations
 
@@ -21,9 +27,8 @@ from stem.data.loader import MixtureLoader, validation_batches
 from stem.data.shards import ShardSet
 from stem.models.accounting import training_flops
 from stem.models.config import ModelConfig
-from stem.train.checkpoint import (atomic_write_json, atomic_write_text, load_state, load_weights,
-                                   save_checkpoint, save_state)
-from stem.train.memory import describe, estimate
+from stem.train.checkpoint import atomic_write_json, atomic_write_text, load_weights, save_checkpoint
+from stem.train import distributed as D
 from stem.train.optim import build_optimizer, set_lr
 from stem.train.schedule import get_lr
 
@@ -66,9 +71,10 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
     t0 = time.time()
     tc, out_dir = spec["train"], Path(spec["out_dir"])
     state_dir = out_dir / "_state"
-    device = resolve_device(spec["device"])
+    ctx = D.setup(resolve_device(spec["device"]))   # joins the torchrun process group when WORLD_SIZE > 1
+    device, strategy = ctx.device, os.environ.get("STEM_PARALLEL", tc.get("parallel", "fsdp"))
     if threads:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(max(1, threads // ctx.local_world))
     torch.manual_seed(spec["seed"])
     torch.use_deterministic_algorithms(device.type == "cpu")
 
@@ -89,33 +95,38 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
     if device.type == "cuda" and tc.get("cross_doc_mask"):
         from stem.models.attention import flex_document_mask
         model.flex_mask_fn = flex_document_mask
-    print(f"[{out_dir}] " + describe(estimate(model, tc["micro_batch"], tc["seq_len"],
-                                              act_ckpt=model.activation_checkpointing)), file=sys.stderr)
+    micro, accum = D.local_micro_batch(tc["batch_size"], tc["micro_batch"], ctx.world)
+    if ctx.is_main:
+        print(f"[{out_dir}] " + D.describe_estimate(D.memory_estimate(
+            model, micro, tc["seq_len"], ctx.world, strategy, model.activation_checkpointing)), file=sys.stderr)
+    D.parallelize(model, ctx, strategy)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     # ---- data and optimizer
-    accum, rem = divmod(tc["batch_size"], tc["micro_batch"])
-    assert rem == 0, "batch_size must be a multiple of micro_batch"
+    # accum micro-batches of `micro` sequences per step in all; this rank runs every world-th of them
+    accum_local = accum // ctx.world
     sources = _open_sources(spec, "train")
     eos = json.loads(Path(next(iter(spec["data"].values()))["manifest"]).read_text()).get("eos_id", 0)
-    loader = MixtureLoader(sources, tc["seq_len"], tc["micro_batch"], spec["seed"],
+    loader = MixtureLoader(sources, tc["seq_len"], micro, spec["seed"],
                            packed=tc.get("cross_doc_mask", False), pad_id=eos)
     val = validation_batches({n: ShardSet(s.out_dir, "val") for n, (s, _) in sources.items()},
                              tc["seq_len"], tc["micro_batch"], tc["eval_batches"])
     opt = build_optimizer(model, spec["optim"], tc["lr"], fused=device.type == "cuda")
+    D.optimizer_for_dtensors(opt, ctx, strategy)
     lr_kw = {k: tc[k] for k in ("lr", "steps", "warmup", "schedule", "min_lr_ratio")}
     lr_kw["schedule_steps"] = tc.get("schedule_steps")
 
     # ---- resume
     step, wall_before, val_loss = 0, 0.0, float("nan")
-    extra = load_state(state_dir, model, opt)
+    extra = D.load_state(state_dir, model, opt, ctx)
     metrics_path = state_dir / "metrics.jsonl"
     if extra is not None:
         step, wall_before, val_loss = extra["step"], extra["wall_seconds"], extra["val_loss"]
         loader.load_state_dict(extra["loader"])
-        _truncate_metrics(metrics_path, step)
-        print(f"[{out_dir}] resuming at step {step}", file=sys.stderr)
-    elif metrics_path.exists():
+        if ctx.is_main:
+            _truncate_metrics(metrics_path, step)
+            print(f"[{out_dir}] resuming at step {step} (world size {ctx.world})", file=sys.stderr)
+    elif metrics_path.exists() and ctx.is_main:
         metrics_path.unlink()
     state_dir.mkdir(parents=True, exist_ok=True)
 
@@ -127,25 +138,30 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
     model.train()
 
     def snapshot():
-        save_state(state_dir, step, model, opt, {"loader": loader.state_dict(), "val_loss": val_loss,
-                                                 "wall_seconds": wall_before + time.time() - t0})
+        D.save_state(state_dir, step, model, opt, {"loader": loader.state_dict(), "val_loss": val_loss,
+                                                   "wall_seconds": wall_before + time.time() - t0}, ctx)
 
-    with open(metrics_path, "a") as log:
+    with open(metrics_path if ctx.is_main else os.devnull, "a") as log:
         while step < min(tc["steps"], last):
             t_step = time.time()
             lr = get_lr(step, **lr_kw)
             set_lr(opt, lr)
             loss_sum = 0.0
-            for _ in range(accum):
-                x, y, pos = loader.next_batch()
+            for i in range(accum):
+                x, y, pos = loader.next_batch()      # every rank advances the same global stream ...
+                if i % ctx.world != ctx.rank:        # ... and keeps its own share of it
+                    continue
+                D.set_gradient_sync(model, ctx, i >= accum - ctx.world)  # reduce once, on the last one
                 x, y = x.to(device), y.to(device)
                 with autocast:
                     loss = model(x, y, positions=None if pos is None else pos.to(device))
-                (loss / accum).backward()
-                loss_sum += loss.item() / accum
+                (loss / accum_local).backward()      # FSDP then averages over ranks: 1/accum in all
+                loss_sum += loss.item() / accum_local
+            loss_sum = D.all_mean(ctx, loss_sum)
             if not math.isfinite(loss_sum):
                 raise TrainingError(f"[{out_dir}] non-finite training loss {loss_sum} at step {step} (lr={lr:.3g})")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec["optim"]["grad_clip"] or float("inf"))
+            D.sync_replicated_grads(model, ctx)
+            grad_norm = D.clip_grad_norm_(model, spec["optim"]["grad_clip"] or float("inf"), ctx)
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
@@ -159,32 +175,40 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
                 row.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
             log.write(json.dumps(row) + "\n")
             log.flush()
-            if step % tc["log_interval"] == 0 or step == tc["steps"]:
+            if ctx.is_main and (step % tc["log_interval"] == 0 or step == tc["steps"]):
                 print(f"[{spec['scale']}/{spec['variant']}/{spec['stage']}] step {step}/{tc['steps']} "
                       f"loss {loss_sum:.4f} lr {lr:.2e} {row['tokens_per_s']:.0f} tok/s", file=sys.stderr)
-            if step % tc["checkpoint_interval"] == 0 or stop["signal"]:
+            stopping = D.any_rank(ctx, stop["signal"] is not None)  # all ranks stop at the same step
+            if step % tc["checkpoint_interval"] == 0 or stopping:
                 snapshot()
-            if stop["signal"]:
-                print(f"[{out_dir}] stopped by signal {stop['signal']} at step {step}; state saved", file=sys.stderr)
-                raise SystemExit(128 + stop["signal"])
+            if stopping:
+                sig = stop["signal"] or signal.SIGTERM
+                print(f"[{out_dir}] stopped by signal {sig} at step {step}; state saved", file=sys.stderr)
+                D.teardown(ctx)
+                raise SystemExit(128 + sig)
 
     if step < tc["steps"]:  # stopped early on purpose (max_steps): keep the state, write nothing declared
         snapshot()
+        D.teardown(ctx)
         return {"step": step, "loss": loss_value}
 
     wall = wall_before + time.time() - t0
     summary = {
         "experiment": spec["experiment"], "scale": spec["scale"], "variant": spec["variant"], "stage": spec["stage"],
-        "final_train_loss": _final_train_loss(metrics_path), "last_step_loss": loss_value,
+        "final_train_loss": None, "last_step_loss": loss_value,
         "final_val_loss": val_loss, "final_val_ppl": math.exp(min(val_loss, 50)) if math.isfinite(val_loss) else None,
         "steps": step, "tokens": step * tokens_per_step,
         "train_flops": training_flops(accounting["active_params"], step * tokens_per_step),
-        "wall_seconds": wall, "device": str(device),
+        "wall_seconds": wall, "device": str(device), "world_size": ctx.world,
         "tokens_by_source": loader.tokens_by_source, **accounting,
     }
-    save_checkpoint(out_dir / "checkpoint", model, spec, spec["tokenizer"], accounting)
-    atomic_write_text(out_dir / "metrics.jsonl", metrics_path.read_text())
-    atomic_write_json(out_dir / "summary.json", summary)
+    full = D.full_model_view(model, ctx)   # gathers the full weights to rank 0's CPU when sharded
+    if ctx.is_main:
+        summary["final_train_loss"] = _final_train_loss(metrics_path)
+        save_checkpoint(out_dir / "checkpoint", full, spec, spec["tokenizer"], accounting)
+        atomic_write_text(out_dir / "metrics.jsonl", metrics_path.read_text())
+        atomic_write_json(out_dir / "summary.json", summary)
+    D.teardown(ctx)
     return summary
 
 

@@ -1,0 +1,158 @@
+"""The ``stem`` model for lm-evaluation-harness: a checkpoint folder written by the training stages.
+
+    lm_eval --model stem --model_args pretrained=results/tiny/1b/stem/extend/checkpoint ...
+    simple_evaluate(model="stem", model_args={"pretrained": ckpt_dir, "batch_size": 32}, ...)
+
+- ``loglikelihood``: requests sorted by length (longest first), left-truncated to the model's
+  context, right-padded into batches (causal attention: padding never changes the real positions,
+  so results do not depend on the batch size beyond float round-off).
+- ``loglikelihood_rolling``: non-overlapping windows of the model's context (perplexity).
+- ``generate_until``: greedy decoding with a KV cache (recomputation for models without one),
+  stopping at EOS, at any stop string (cut off) or after ``max_gen_toks`` tokens.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from stem.eval.generate import greedy_generate
+
+
+def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None):
+    """(model, tokenizer, spec) from a checkpoint folder, in eval mode; clear errors on bad folders."""
+    from stem.data.tokenizer import load_tokenizer
+    from stem.train.checkpoint import load_checkpoint
+
+    ckpt = Path(ckpt_dir)
+    if not ckpt.is_dir():
+        raise ValueError(f"checkpoint {ckpt}: no such folder (train that stage first)")
+    if not (ckpt / "tokenizer.json").is_file():
+        raise ValueError(f"checkpoint {ckpt}: tokenizer.json is missing (an incomplete or foreign checkpoint)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, spec = load_checkpoint(ckpt, device)
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    model = model.to(getattr(torch, dtype)).eval()
+    tok = load_tokenizer(ckpt / "tokenizer.json")
+    if tok.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"checkpoint {ckpt}: tokenizer vocab {tok.vocab_size} > model vocab {model.cfg.vocab_size}")
+    return model, tok, spec
+
+
+@register_model("stem")
+class StemLM(TemplateLM):
+    def __init__(self, pretrained: str, device: str | None = None, dtype: str | None = None,
+                 batch_size: int | str = 32, max_gen_toks: int = 256, max_length: int | None = None,
+                 use_cache: bool = True, **kwargs):
+        super().__init__()
+        self.model, self.tok, self.spec = load_for_eval(pretrained, device, dtype)
+        self._device = next(self.model.parameters()).device
+        self.batch_size = 32 if batch_size in ("auto", None) else int(batch_size)
+        self.max_gen_toks = int(max_gen_toks)
+        self._max_length = int(max_length or self.model.cfg.max_seq_len)
+        self.use_cache = bool(use_cache) and self.model.supports_kv_cache
+        self.pretrained = str(pretrained)
+
+    # ---- tokenizer ------------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.pretrained
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        return self.tok.encode_batch([string])[0]
+
+    def tok_decode(self, ids) -> str:
+        return self.tok.decode(ids)
+
+    # ---- loglikelihood --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """requests: [(cache_key, context_ids, continuation_ids)] -> [(logprob, is_greedy)]."""
+        rows = []  # (index, input ids, number of continuation tokens)
+        for i, (_, ctx, cont) in enumerate(requests):
+            if not cont:
+                raise ValueError("loglikelihood request with an empty continuation")
+            whole = (ctx + cont)[-(self.max_length + 1):]  # left-truncate to the context window
+            rows.append((i, whole[:-1], whole[len(whole) - len(cont):]))
+        rows.sort(key=lambda r: -len(r[1]))
+        out: list = [None] * len(rows)
+        for b in range(0, len(rows), self.batch_size):
+            batch = rows[b:b + self.batch_size]
+            width = len(batch[0][1])
+            x = torch.zeros(len(batch), width, dtype=torch.long)
+            for j, (_, inp, _) in enumerate(batch):
+                x[j, :len(inp)] = torch.tensor(inp)
+            logp = F.log_softmax(self.model(x.to(self.device)).float(), dim=-1)
+            for j, (i, inp, cont) in enumerate(batch):
+                n = len(cont)
+                lp = logp[j, len(inp) - n:len(inp)]
+                target = torch.tensor(cont, device=lp.device)
+                out[i] = (float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
+        for (key, _, _), res in zip(requests, out):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, res)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        windows, owners = [], []
+        for i, req in enumerate(requests):
+            ids = self.tok_encode(req.args[0])
+            for w in get_rolling_token_windows(ids, self.eot_token_id, self.max_length, context_len=1):
+                ctx, cont = make_disjoint_window(w)
+                windows.append((None, ctx, cont))
+                owners.append(i)
+        scores = self._loglikelihood_tokens(windows)
+        totals = [0.0] * len(requests)
+        for i, (lp, _) in zip(owners, scores):
+            totals[i] += lp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        out = []
+        for req in requests:
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            if kwargs.get("do_sample"):
+                raise ValueError("the stem model decodes greedily only (do_sample=True requested)")
+            text = self.generate(context, until, max_new)
+            self.cache_hook.add_partial("generate_until", (context, req.args[1]), text)
+            out.append(text)
+        return out
+
+    @torch.no_grad()
+    def generate(self, context: str, until: list[str], max_new: int) -> str:
+        max_new = max(1, min(max_new, self.max_length - 1))
+        ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
+        gen = greedy_generate(self.model, ids, max_new, eos_id=self.eot_token_id, use_cache=self.use_cache,
+                              stop=lambda toks: any(s in self.tok_decode(toks) for s in until) if until else False)
+        return cut_at_stop(self.tok_decode(gen), until)
+
+
+def cut_at_stop(text: str, until: list[str]) -> str:
+    """Text before the earliest stop string."""
+    for s in until:
+        if s:
+            text = text.split(s, 1)[0]
+    return text

@@ -1,0 +1,220 @@
+"""Evaluate one checkpoint on one suite and write the normalised result.
+
+Output ``results/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.json`` (written atomically)::
+
+    {"experiment", "scale", "variant", "stage", "suite", "checkpoint", "limit",
+     "harness": "lm-eval 0.4.x" | "stem.eval.niah" | "stem.eval.ppl", "fixtures": dir or null,
+     "num_fewshot", "gen_kwargs", "wall_seconds",
+     "tasks":  {task: {"metric": "acc_norm,none", "value": 61.2, "stderr": 2.1, "n": 40,
+                       "version": 1.0, "all_metrics": {"acc,none": 58.0, "acc_stderr,none": 2.2, ...}}},
+     "groups": {group: same fields (n = sum over its tasks, version = group version or null)},
+     "by_length": {...},   # longbench only, see by_length()
+     "cells": [{"length", "depth", "accuracy", "n"}, ...]}  # niah only
+
+All metric values and stderrs are in percent (0-100, as the paper prints them), except a ``ppl``
+suite's perplexities (``"unit": "perplexity"``). The raw lm-eval output (per-sample records
+included) is kept beside it as ``eval/raw/{suite}.json``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+KNOWN_KINDS = ("lm_eval", "niah", "ppl")
+
+
+def suite_spec(cfg: dict, suite: str) -> dict:
+    """The resolved spec of one suite from an experiment config (stem.config dict)."""
+    ev = cfg.get("eval") or {}
+    suites = ev.get("suites", {})
+    if suite not in suites:
+        raise ValueError(f"suite {suite!r}: not in the {cfg['experiment']} config (expected one of {sorted(suites)})")
+    spec = {"kind": "lm_eval", "num_fewshot": None, "metric": [], "gen_kwargs": None, **suites[suite]}
+    if spec["kind"] not in KNOWN_KINDS:
+        raise ValueError(f"suite {suite!r}: unknown kind {spec['kind']!r} (expected one of {KNOWN_KINDS})")
+    spec.update(suite=suite, batch_size=ev.get("batch_size", 32), seed=cfg["seed"],
+                fixtures=f"data/{cfg['experiment']}/fixtures" if ev.get("fixtures") else None)
+    if spec["kind"] in ("niah", "ppl"):
+        from stem import config as C
+        spec["documents"] = C.documents_spec(cfg, spec.get("haystack") or spec["source"])
+    return spec
+
+
+def suites_for(cfg: dict, stage: str) -> list[str]:
+    return list(((cfg.get("eval") or {}).get("stages") or {}).get(stage, []))
+
+
+# ---- lm-eval suites -----------------------------------------------------------------------------------
+def task_manager(fixtures: str | None):
+    from lm_eval.tasks import TaskManager
+    if fixtures is None:
+        return TaskManager()
+    if not Path(fixtures, "manifest.json").is_file():
+        raise ValueError(f"fixtures {fixtures}: not generated (run the eval_fixtures rule)")
+    return TaskManager(include_path=str(Path(fixtures).resolve()), include_defaults=False)
+
+
+def run_lm_eval(lm, spec: dict, limit=None) -> dict:
+    from lm_eval import simple_evaluate
+
+    tm = task_manager(spec["fixtures"])
+    unknown = [t for t in spec["tasks"] if not tm.match_tasks([t])]
+    if unknown:
+        where = f"fixtures {spec['fixtures']}" if spec["fixtures"] else "lm-eval"
+        raise ValueError(f"suite {spec['suite']!r}: unknown task(s) {unknown} in {where}")
+    return simple_evaluate(model=lm, tasks=list(spec["tasks"]), num_fewshot=spec["num_fewshot"], limit=limit,
+                           task_manager=tm, log_samples=True, gen_kwargs=spec["gen_kwargs"],
+                           bootstrap_iters=spec.get("bootstrap_iters", 1000), random_seed=spec["seed"])
+
+
+def _pick(metrics: dict, prefs: list[str]) -> str | None:
+    names = [k for k, v in metrics.items() if "," in k and "_stderr" not in k and isinstance(v, (int, float))]
+    for p in prefs:
+        if p in names:
+            return p
+    return names[0] if names else None
+
+
+def _entry(metrics: dict, prefs: list[str], n: int, version) -> dict:
+    pct = {k: (100.0 * v if isinstance(v, (int, float)) else None)
+           for k, v in metrics.items() if "," in k and not isinstance(v, str)}
+    name = _pick(metrics, prefs)
+    stderr_key = name.replace(",", "_stderr,", 1) if name else None
+    return {"metric": name, "value": pct.get(name), "stderr": pct.get(stderr_key), "n": n,
+            "version": version, "all_metrics": pct}
+
+
+def normalise(raw: dict, spec: dict) -> dict:
+    """tasks/groups of a simple_evaluate result, one metric chosen per task (spec['metric'] preference)."""
+    results, groups = raw["results"], raw.get("group_subtasks", {})
+    n_samples = {t: v.get("effective", v.get("original")) for t, v in raw.get("n-samples", {}).items()}
+    prefs = spec["metric"] if isinstance(spec["metric"], list) else [spec["metric"]]
+    per_task = spec.get("task_metric", {})
+
+    def leaves(g):
+        return [x for s in groups.get(g, []) for x in (leaves(s) if s in groups else [s])]
+
+    out = {"tasks": {}, "groups": {}}
+    for name, metrics in results.items():
+        p = [per_task[name]] + prefs if name in per_task else prefs
+        if name in groups:
+            out["groups"][name] = _entry(metrics, p, sum(n_samples.get(t, 0) for t in leaves(name)),
+                                         raw.get("versions", {}).get(name))
+        else:
+            out["tasks"][name] = _entry(metrics, p, n_samples.get(name), raw.get("versions", {}).get(name))
+    return out
+
+
+def by_length(raw: dict, ranges: dict, metric: str = "score", field: str = "length") -> dict:
+    """LongBench scores per context-length range, from each sample's ``doc[field]``.
+
+    For every range table (e.g. table5, table6) and every group (and the whole suite, "all"), the
+    value of a range is the mean over the group's tasks of the task's mean score on its samples in
+    that range (tasks with no sample in the range are left out), in percent - as the paper's
+    "averaged over tasks within each context-length range".
+    """
+    groups = raw.get("group_subtasks", {})
+    samples = raw.get("samples", {})
+
+    def leaves(g):
+        return [x for s in groups.get(g, []) for x in (leaves(s) if s in groups else [s])]
+
+    members = {g: leaves(g) for g in groups}
+    members["all"] = sorted(samples)
+    out = {"field": field, "metric": metric}
+    for table, edges in ranges.items():
+        rows = []
+        for lo, hi in edges:
+            label = f"{lo}-{hi}" if hi is not None else f"{lo}+"
+            per_task = {}
+            for task, recs in samples.items():
+                vals = [float(r[metric]) for r in recs if lo <= r["doc"][field] and (hi is None or r["doc"][field] < hi)]
+                if vals:
+                    per_task[task] = (100.0 * sum(vals) / len(vals), len(vals))
+            row = {"range": label, "lo": lo, "hi": hi, "tasks": {t: v for t, (v, _) in per_task.items()},
+                   "n": {t: k for t, (_, k) in per_task.items()}, "groups": {}}
+            for g, ts in members.items():
+                vs = [per_task[t][0] for t in ts if t in per_task]
+                row["groups"][g] = sum(vs) / len(vs) if vs else None
+            rows.append(row)
+        out[table] = rows
+    return out
+
+
+# ---- our own harnesses ------------------------------------------------------------------------------
+def _documents(spec: dict, n_chars: int | None = None, n_docs: int | None = None) -> list[str]:
+    """The first documents of the suite's source, up to n_chars characters or n_docs documents."""
+    from stem.data.sources import iter_documents
+    docs, total = [], 0
+    for d in iter_documents(spec["documents"]):
+        docs.append(d)
+        total += len(d)
+        if (n_chars and total >= n_chars) or (n_docs and len(docs) >= n_docs):
+            break
+    return docs
+
+
+def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict]:
+    from stem.eval import niah
+    too_long = [L for L in spec["lengths"] if L > lm.max_length]
+    if too_long:
+        raise ValueError(f"niah: lengths {too_long} exceed the checkpoint's context ({lm.max_length} tokens)")
+    docs = _documents(spec, n_chars=8 * max(spec["lengths"]) * 4)
+    items = niah.make_items(lm.tok, docs, spec["lengths"], spec["depths"], limit or spec["samples"], spec["seed"])
+    res = niah.run(lm, items, spec.get("max_gen_toks", 12))
+    out = {"tasks": {"niah": {"metric": "exact_match", "value": res["accuracy"], "stderr": None, "n": res["n"],
+                              "version": "stem-niah-1", "all_metrics": {"exact_match": res["accuracy"]}}},
+           "groups": {}, "cells": res["cells"]}
+    return out, {"items": items, **res}
+
+
+def run_ppl(lm, spec: dict, limit=None) -> tuple[dict, dict]:
+    import math
+    from lm_eval.api.instance import Instance
+
+    docs = _documents(spec, n_docs=limit or spec.get("documents", 100))
+    reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(docs)]
+    lls = lm.loglikelihood_rolling(reqs)
+    n_tok = sum(len(lm.tok_encode(d)) for d in docs)
+    n_bytes = sum(len(d.encode()) for d in docs)
+    ppl, bpb = math.exp(-sum(lls) / n_tok), -sum(lls) / n_bytes / math.log(2)
+    entry = {"metric": "token_perplexity", "value": ppl, "stderr": None, "n": len(docs), "version": "stem-ppl-1",
+             "unit": "perplexity", "all_metrics": {"token_perplexity": ppl, "bits_per_byte": bpb}}
+    return {"tasks": {"ppl": entry}, "groups": {}}, {"loglikelihoods": lls, "tokens": n_tok, "bytes": n_bytes}
+
+
+# ---- one suite, end to end -------------------------------------------------------------------------------
+def evaluate(checkpoint, spec: dict, out_json=None, raw_json=None, limit=None, lm=None, device=None) -> dict:
+    from stem.eval.lm import StemLM
+    from stem.train.checkpoint import atomic_write_json
+
+    t0 = time.time()
+    lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"])
+    if spec["kind"] == "lm_eval":
+        raw = run_lm_eval(lm, spec, limit)
+        norm = normalise(raw, spec)
+        if spec.get("length_ranges"):
+            norm["by_length"] = by_length(raw, spec["length_ranges"], spec.get("length_metric", "score"))
+        harness = f"lm-eval {raw.get('lm_eval_version') or _lm_eval_version()}"
+    else:
+        norm, raw = (run_niah if spec["kind"] == "niah" else run_ppl)(lm, spec, limit)
+        harness = f"stem.eval.{spec['kind']}"
+    job = lm.spec
+    result = {"experiment": job.get("experiment"), "scale": job.get("scale"), "variant": job.get("variant"),
+              "stage": job.get("stage"), "suite": spec["suite"], "checkpoint": str(checkpoint), "limit": limit,
+              "harness": harness, "fixtures": spec.get("fixtures"), "num_fewshot": spec.get("num_fewshot"),
+              "gen_kwargs": spec.get("gen_kwargs"), **norm, "wall_seconds": round(time.time() - t0, 2)}
+    if raw_json:
+        from lm_eval.utils import handle_non_serializable
+        Path(raw_json).parent.mkdir(parents=True, exist_ok=True)
+        from stem.train.checkpoint import atomic_write_text
+        atomic_write_text(raw_json, json.dumps(raw, default=handle_non_serializable, indent=1))
+    if out_json:
+        atomic_write_json(out_json, result)
+    return result
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+    return version("lm_eval")

@@ -1,0 +1,254 @@
+"""The paper's figures from an experiment's results (matplotlib, Agg backend; PNG and PDF).
+
+Every figure names the experiment in its title; a figure whose data do not exist yet is still drawn,
+with the missing panel saying so (so the workflow and the report always have an image to show).
+"""
+from __future__ import annotations
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from stem.report import paper_data as P  # noqa: E402
+from stem.report import tables as T  # noqa: E402
+from stem.report.results import Results, niah_cells  # noqa: E402
+
+COLORS = {"dense": "#4d4d4d", "hashmoe": "#d62728", "stem": "#1f77b4", "stem_gate": "#9467bd",
+          "stem_dagger": "#8c564b", "stem_half": "#2ca02c", "stem_full": "#ff7f0e", "dse": "#17becf"}
+LABELS = {**P.VARIANT_LABELS, "stem": "STEM (1/3)"}
+
+# name -> (scale, variants, caption)
+FIGURES = {
+    "fig5a_loss_vs_tokens": ("350m", ["dense", "hashmoe", "stem"],
+                             "Figure 5a: training loss vs training tokens at the 350M scale for the dense baseline, "
+                             "Hash-MoE and STEM. Crosses mark loss spikes (loss above the trailing median by more "
+                             "than k robust standard deviations, 1.4826 x MAD)."),
+    "fig5b_loss_vs_flops": ("350m", ["stem", "stem_half", "stem_full"],
+                            "Figure 5b: training loss vs training FLOPs for STEM replacing 1/3, 1/2 and all-but-one "
+                            "FFN up-projections (350M scale)."),
+    "fig1a_val_ppl_vs_tokens": ("1b", ["dense", "stem"],
+                                "Figure 1a: validation perplexity vs training tokens at the 1B scale (pretraining)."),
+    "fig1b_niah": ("1b", ["dense", "stem"],
+                   "Figure 1b: Needle-in-a-Haystack accuracy per context length (mean over needle depths) after "
+                   "context extension, and the per-cell accuracy as a length x depth heatmap."),
+    "roi_by_scale": (None, None, "Training ROI per scale ((Avg/GFLOPs) / (Avg_base/GFLOPs_base), Table 3): this "
+                                 "experiment's models next to the paper's."),
+    **{f"paper_vs_ours_{t}": (None, None, f"{T.TITLES[t]}: every published cell, the paper's value (x) against this "
+                                          "experiment's (y); on the diagonal = reproduced exactly.")
+       for t in ("table3", "table4", "table5", "table6")},
+}
+
+
+# ---- loss spikes ---------------------------------------------------------------------------------
+def loss_spikes(loss, window: int = 50, k: float = 6.0) -> np.ndarray:
+    """Boolean mask of spikes: loss > median + k * 1.4826 * MAD of the previous ``window`` steps
+    (steps before window // 2 of history are never spikes)."""
+    s = pd.Series(np.asarray(loss, dtype=float))
+    past = s.shift(1).rolling(window, min_periods=max(2, window // 2))
+    med = past.median()
+    mad = past.apply(lambda w: np.median(np.abs(w - np.median(w))), raw=True)
+    return (s > med + k * 1.4826 * mad).fillna(False).to_numpy(dtype=bool) & (mad > 0).to_numpy()
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _scaled(values, unit: str):
+    """(values / 10^k, 'unit (M)') so that axes read in plain numbers."""
+    top = float(np.nanmax(values)) if len(values) else 0.0
+    for div, name in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if top >= div:
+            return np.asarray(values) / div, f"{unit} ({name})"
+    return np.asarray(values), unit
+
+
+def _missing(ax, text: str):
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4", wrap=True, fontsize=10)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _title(fig, title: str, cfg: dict):
+    fig.suptitle(f"{title}\n{T.experiment_label(cfg)}", fontsize=11)
+
+
+def _variants(cfg, scale, wanted):
+    have = cfg["matrix"].get(scale, {}).get("variants", []) if scale else []
+    return [v for v in wanted if v in have]
+
+
+def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, ylabel: str, title: str,
+                  stage: str, mark_spikes=False, logy=False):
+    scale, wanted, _ = FIGURES[name]
+    sp = T.settings(cfg)["spikes"]
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    drawn = 0
+    for v in _variants(cfg, scale, wanted):
+        m = res.metrics(scale, v, stage)
+        if m is None or y not in m or x not in m:
+            continue
+        m = m.dropna(subset=[y])
+        xs, xl = _scaled(m[x].to_numpy(), xlabel)
+        label = LABELS.get(v, v)
+        if mark_spikes:
+            spikes = loss_spikes(m[y], sp["window"], sp["k"])
+            label += f" ({int(spikes.sum())} spikes)"
+            ax.plot(xs[spikes], m[y].to_numpy()[spikes], "x", color=COLORS.get(v), ms=8, mew=2)
+        ax.plot(xs, m[y], color=COLORS.get(v), lw=1.2, label=label, alpha=0.9)
+        ax.set_xlabel(xl)
+        drawn += 1
+    if drawn:
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9)
+        if logy:
+            ax.set_yscale("log")
+        if x == "train_flops":
+            ax.set_xscale("log")
+    else:
+        _missing(ax, f"no {stage} metrics yet for {', '.join(LABELS.get(v, v) for v in wanted)} at scale {scale}")
+    if mark_spikes and drawn:
+        ax.text(0.99, 0.98, f"spike: loss > trailing median + {sp['k']:g} x 1.4826 x MAD (window {sp['window']} steps)",
+                transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.3")
+    _title(fig, title, cfg)
+    return fig
+
+
+# ---- the figures ---------------------------------------------------------------------------------
+def fig5a_loss_vs_tokens(cfg, res, ours=None):
+    return _curve_figure(cfg, res, "fig5a_loss_vs_tokens", "tokens", "loss", "training tokens",
+                         "training loss (nats/token)", "Fig. 5a: training loss vs tokens, 350M",
+                         T.settings(cfg)["stages"]["table3"][0], mark_spikes=True)
+
+
+def fig5b_loss_vs_flops(cfg, res, ours=None):
+    return _curve_figure(cfg, res, "fig5b_loss_vs_flops", "train_flops", "loss", "training FLOPs",
+                         "training loss (nats/token)", "Fig. 5b: training loss vs training FLOPs, 350M",
+                         T.settings(cfg)["stages"]["table3"][0])
+
+
+def fig1a_val_ppl_vs_tokens(cfg, res, ours=None):
+    return _curve_figure(cfg, res, "fig1a_val_ppl_vs_tokens", "tokens", "val_ppl", "training tokens",
+                         "validation perplexity", "Fig. 1a: validation perplexity vs tokens, 1B",
+                         T.settings(cfg)["stages"]["table3"][0], logy=True)
+
+
+def fig1b_niah(cfg, res, ours=None):
+    scale, wanted, _ = FIGURES["fig1b_niah"]
+    stages = T.settings(cfg)["stages"]["figure1b"]
+    variants = _variants(cfg, scale, wanted)
+    data = {v: niah_cells(res.first_eval(scale, v, stages, "niah")[0]) for v in variants}
+    fig, axes = plt.subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
+                             layout="constrained")
+    ax = axes[0]
+    drawn = [v for v in variants if len(data[v])]
+    for v in drawn:
+        per_len = data[v].groupby("length")["accuracy"].mean()
+        ax.plot(per_len.index / 1000, per_len.values, "o-", color=COLORS.get(v), label=LABELS.get(v, v))
+    if drawn:
+        ax.set_xlabel("context length (K tokens)")
+        ax.set_ylabel("NIAH accuracy (%, mean over depths)")
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9)
+    else:
+        _missing(ax, f"no NIAH results yet ({scale}, stage {'/'.join(stages)})")
+    for hax, v in zip(axes[1:], variants or [None]):
+        df = data.get(v, pd.DataFrame())
+        if v is None or not len(df):
+            _missing(hax, f"no NIAH cells for {LABELS.get(v, v) if v else 'any variant'}")
+            continue
+        grid = df.pivot_table(index="depth", columns="length", values="accuracy", aggfunc="mean")
+        im = hax.imshow(grid.values, aspect="auto", origin="lower", vmin=0, vmax=100, cmap="RdYlGn")
+        hax.set_xticks(range(len(grid.columns)), [f"{c / 1000:g}K" for c in grid.columns], fontsize=8)
+        hax.set_yticks(range(len(grid.index)), [f"{d:g}" for d in grid.index], fontsize=8)
+        hax.set_xlabel("context length (tokens)")
+        hax.set_ylabel("needle depth (fraction of context)")
+        hax.set_title(LABELS.get(v, v), fontsize=10)
+        fig.colorbar(im, ax=hax, label="accuracy (%)")
+    _title(fig, "Fig. 1b: Needle-in-a-Haystack accuracy, 1B after context extension", cfg)
+    return fig
+
+
+def roi_by_scale(cfg, res, ours):
+    t3 = ours.get("table3", T.frame([]))
+    paper = P.load_table("table3")
+    scales = list(dict.fromkeys(list(t3["scale"]) or ["350m", "1b"]))
+    fig, axes = plt.subplots(1, len(scales), figsize=(6 * len(scales), 4.5), layout="constrained", squeeze=False)
+    for ax, scale in zip(axes[0], scales):
+        mine = t3[(t3["scale"] == scale) & (t3["column"] == "roi")]
+        variants = T.ordered_variants(set(mine["variant"]) | set(paper[paper["scale"] == scale]["variant"]))
+        x = np.arange(len(variants))
+        ours_v = [_get(mine, v) for v in variants]
+        paper_v = [_get(paper[(paper["scale"] == scale) & (paper["column"] == "roi")], v) for v in variants]
+        ax.bar(x - 0.2, np.nan_to_num(ours_v), 0.4, label=f"{cfg['experiment']} (this run)", color="#1f77b4")
+        ax.bar(x + 0.2, np.nan_to_num(paper_v), 0.4, label="paper", color="0.7")
+        for xi, v in zip(x, ours_v):
+            ax.text(xi - 0.2, (0 if math.isnan(v) else v) + 0.01, "n/a" if math.isnan(v) else f"{v:.2f}",
+                    ha="center", va="bottom", fontsize=8)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(x, [LABELS.get(v, v) for v in variants], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("training ROI (x, dense baseline = 1)")
+        ax.set_title(f"scale {scale}", fontsize=10)
+        ax.legend(fontsize=8)
+    _title(fig, "Training ROI per scale (Table 3)", cfg)
+    return fig
+
+
+def _get(df, variant):
+    s = df[df["variant"] == variant]["value"]
+    return float(s.iloc[0]) if len(s) and not T._isnan(s.iloc[0]) else math.nan
+
+
+def paper_vs_ours(cfg, res, ours, table: str):
+    from stem.report.diff import compare
+    cells = compare(ours, T.settings(cfg)["tolerance"])
+    cells = cells[(cells["table"] == table) & cells["unit"].isin(["%", "score"])]
+    have = cells.dropna(subset=["delta"])
+    fig, ax = plt.subplots(figsize=(6, 5.5), layout="constrained")
+    if len(have):
+        for v, g in have.groupby("variant", sort=False):
+            ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=COLORS.get(v), label=LABELS.get(v, v),
+                       s=28, alpha=0.85)
+        lo = min(have["paper"].astype(float).min(), have["ours"].astype(float).min(), 0)
+        hi = max(have["paper"].astype(float).max(), have["ours"].astype(float).max()) * 1.05
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="ours = paper")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_xlabel("paper (% / score)")
+        ax.set_ylabel(f"{cfg['experiment']} (% / score)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    else:
+        _missing(ax, f"no reproduced cells yet for {table} ({len(cells)} published cells)")
+    n_missing = int((cells["status"] == "missing").sum())
+    ax.text(0.01, 0.99, f"{len(have)} cells compared, {n_missing} missing", transform=ax.transAxes, va="top",
+            fontsize=8, color="0.3")
+    _title(fig, f"Paper vs reproduced: {table}", cfg)
+    return fig
+
+
+def draw(name: str, cfg: dict, res: Results, ours: dict):
+    if name.startswith("paper_vs_ours_"):
+        return paper_vs_ours(cfg, res, ours, name.removeprefix("paper_vs_ours_"))
+    if name not in FIGURES:
+        raise ValueError(f"unknown figure {name!r}; expected one of {', '.join(FIGURES)}")
+    return globals()[name](cfg, res, ours)
+
+
+def save(fig, png, pdf=None):
+    """Write PNG (and PDF) atomically (temp name + rename)."""
+    import os
+    from pathlib import Path
+    for path, fmt in ((png, "png"), (pdf, "pdf")):
+        if path is None:
+            continue
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        fig.savefig(tmp, format=fmt, dpi=130)
+        os.replace(tmp, path)
+    plt.close(fig)

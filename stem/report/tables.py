@@ -1,0 +1,348 @@
+"""The paper's tables rebuilt from an experiment's config and results.
+
+Every table is a long DataFrame in the paper's own format (``paper_data.COLUMNS``): one row per cell,
+``value`` NaN where the result does not exist yet (a visible gap, never a zero), ``source`` naming the
+file or formula the number came from. ``wide()`` turns one into the paper's layout for display.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+import pandas as pd
+
+from stem.report import paper_data as P
+from stem.report.results import Results, by_length, niah_cells, task_score
+
+# Which training stage's checkpoint each table is evaluated on (first one with results wins).
+DEFAULTS = {
+    "stages": {"table3": ["pretrain"], "table4": ["midtrain"], "table5": ["extend", "midtrain"],
+               "table6": ["extend"], "figure1b": ["extend"]},
+    "tolerance": {"accuracy": 1.0, "params": 0.01, "gflops": 0.01, "roi": 0.02, "other": 0.0},
+    "spikes": {"window": 50, "k": 6.0},
+}
+VARIANT_ORDER = list(P.VARIANT_LABELS)
+PAPER_ROW = {"table6": {"dense": "Base"}}  # Table 6 calls the baseline "Base"
+COLUMN_LABELS = {
+    "total_params_b": "#Total Params (B)", "total_params_exact_b": "#Total exact (B)",
+    "active_params_b": "#Active Params (B)", "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "boolq": "BoolQ",
+    "piqa": "PIQA", "social_iqa": "SIQA", "hellaswag": "HSwag", "openbookqa": "OBQA", "winogrande": "Wino",
+    "avg": "Avg", "gflops_per_token": "#GFLOPs", "roi": "ROI", "gsm8k": "GSM8K", "mmlu": "MMLU",
+    "val_loss": "val loss", "bbh": "BBH", "musr": "MuSR",
+    "lb_multi_lt4k": "Multi-hop <4k", "lb_multi_4_8k": "Multi-hop 4-8k", "lb_multi_ge8k": "Multi-hop >=8k",
+    "lb_code_lt4k": "Code <4k", "lb_code_4_8k": "Code 4-8k", "lb_code_ge8k": "Code >=8k",
+    "lb_0_2k": "0-2k", "lb_2_4k": "2-4k", "lb_4_6k": "4-6k", "lb_6_8k": "6-8k", "lb_8_10k": "8-10k",
+    "lb_10_12k": "10-12k", "lb_12k_plus": "12k+",
+}
+UNITS = {"total_params_b": "B params", "total_params_exact_b": "B params", "active_params_b": "B params",
+         "gflops_per_token": "GFLOPs/token", "roi": "x (vs same-scale baseline)", "val_loss": "nats"}
+INF = math.inf
+LONGBENCH = {  # column -> (group, lo, hi) in thousands of tokens
+    "lb_multi_lt4k": ("multi", 0, 4), "lb_multi_4_8k": ("multi", 4, 8), "lb_multi_ge8k": ("multi", 8, INF),
+    "lb_code_lt4k": ("code", 0, 4), "lb_code_4_8k": ("code", 4, 8), "lb_code_ge8k": ("code", 8, INF),
+    "lb_0_2k": ("overall", 0, 2), "lb_2_4k": ("overall", 2, 4), "lb_4_6k": ("overall", 4, 6),
+    "lb_6_8k": ("overall", 6, 8), "lb_8_10k": ("overall", 8, 10), "lb_10_12k": ("overall", 10, 12),
+    "lb_12k_plus": ("overall", 12, INF),
+}
+
+
+def settings(cfg: dict) -> dict:
+    """The experiment's ``report:`` section over the defaults."""
+    rep = cfg.get("report") or {}
+    return {k: {**v, **(rep.get(k) or {})} for k, v in DEFAULTS.items()}
+
+
+def experiment_label(cfg_or_name) -> str:
+    name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name["experiment"]
+    if name == "paper":
+        return "experiment: paper (paper scale)"
+    if name == "tiny":
+        return "experiment: tiny (embedded default, not paper scale)"
+    return f"experiment: {name} (not paper scale)"
+
+
+# ---- the paper's arithmetic ----------------------------------------------------------------------
+def average(scores: dict) -> float:
+    """Avg as the paper defines it: the mean of the eight commonsense tasks (NaN if any is missing)."""
+    vals = [scores.get(t) for t in P.COMMONSENSE_TASKS]
+    return float(np.mean(vals)) if all(v is not None and not _isnan(v) for v in vals) else math.nan
+
+
+def roi(avg: float, gflops: float, avg_base: float, gflops_base: float) -> float:
+    """Training ROI normalised to the same-scale dense baseline: (Avg/GFLOPs) / (Avg_base/GFLOPs_base).
+    With equal training tokens this is accuracy per training FLOP relative to the baseline."""
+    if any(_isnan(x) for x in (avg, gflops, avg_base, gflops_base)) or gflops <= 0 or avg_base <= 0:
+        return math.nan
+    return (avg / gflops) / (avg_base / gflops_base)
+
+
+def saving_fraction(d: float, d_ff: float, seq_len: float) -> float:
+    """Table 1 / Sec. 3.2.3: d_ff / (4d + 2L + 3 d_ff), in percent."""
+    return 100.0 * d_ff / (4 * d + 2 * seq_len + 3 * d_ff)
+
+
+def _isnan(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def cell(table, scale, variant, column, value, source="", row=None, unit=None) -> dict:
+    value = math.nan if value is None else value
+    return {"table": table, "scale": scale, "variant": variant,
+            "row": row or PAPER_ROW.get(table, {}).get(variant) or P.VARIANT_LABELS.get(variant, variant),
+            "column": column, "value": value, "unit": UNITS.get(column, "%") if unit is None else unit,
+            "source": source}
+
+
+def frame(cells: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame(cells, columns=P.COLUMNS)
+
+
+def ordered_variants(variants) -> list[str]:
+    return sorted(variants, key=lambda v: VARIANT_ORDER.index(v) if v in VARIANT_ORDER else len(VARIANT_ORDER))
+
+
+def scales_with(cfg: dict, stage: str) -> list[str]:
+    return [s for s, m in cfg["matrix"].items() if stage in m["stages"]]
+
+
+@lru_cache(maxsize=None)
+def _accounting(cfg_key: str, scale: str, variant: str) -> dict:
+    import json
+
+    from stem.report.params import accounting_for
+    return accounting_for(json.loads(cfg_key), scale, variant)
+
+
+def accounting(cfg: dict, scale: str, variant: str) -> dict:
+    """Parameter / FLOP accounting of a configured model (from the architecture, no training needed)."""
+    import json
+    keep = {k: cfg[k] for k in ("archs", "variant_overrides") if k in cfg}
+    return _accounting(json.dumps(keep, sort_keys=True), scale, variant)
+
+
+# ---- Table 3 / 4: commonsense accuracy, parameters, FLOPs, ROI -----------------------------------
+def accuracy_table(table: str, rows: list[tuple], extra_columns=()) -> pd.DataFrame:
+    """Pure aggregation behind Tables 3 and 4. ``rows``: (scale, variant, scores, acct, source) where
+    scores is {task: percent} and acct {total_params, paper_total_params, active_params,
+    gflops_per_token} (or None). Adds Avg and, for Table 3, ROI against the same scale's dense row."""
+    cells, avgs = [], {}
+    for scale, variant, scores, acct, src in rows:
+        avgs[(scale, variant)] = average(scores), (acct or {}).get("gflops_per_token", math.nan)
+    for scale, variant, scores, acct, src in rows:
+        if table == "table3" and acct:
+            cells += [cell(table, scale, variant, "total_params_b", acct["paper_total_params"] / 1e9, "accounting"),
+                      cell(table, scale, variant, "total_params_exact_b", acct["total_params"] / 1e9, "accounting"),
+                      cell(table, scale, variant, "active_params_b", acct["active_params"] / 1e9, "accounting")]
+        for task in P.TASKS[table]:
+            cells.append(cell(table, scale, variant, task, scores.get(task), src))
+        avg, gflops = avgs[(scale, variant)]
+        cells.append(cell(table, scale, variant, "avg", avg, "mean of the 8 commonsense tasks"))
+        if table == "table3":
+            base_avg, base_gflops = avgs.get((scale, "dense"), (math.nan, math.nan))
+            cells += [cell(table, scale, variant, "gflops_per_token", gflops, "accounting: 2 x active params"),
+                      cell(table, scale, variant, "roi", roi(avg, gflops, base_avg, base_gflops),
+                           "(Avg/GFLOPs) / (Avg_base/GFLOPs_base), same scale")]
+        for column, value, source in extra_columns and extra_columns(scale, variant) or []:
+            cells.append(cell(table, scale, variant, column, value, source))
+    return frame(cells)
+
+
+def _scores(res: Results, scale, variant, stages, suites) -> tuple[dict, str]:
+    scores, sources = {}, []
+    for suite, tasks in suites.items():
+        ev, stage = res.first_eval(scale, variant, stages, suite)
+        if ev is not None:
+            sources.append(f"{scale}/{variant}/{stage}/eval/{suite}.json")
+        for task in tasks:
+            v = task_score(ev, task)
+            if v is not None:
+                scores[task] = v
+    return scores, "; ".join(sources) or "missing"
+
+
+def table3(cfg: dict, res: Results) -> pd.DataFrame:
+    stages = settings(cfg)["stages"]["table3"]
+    rows = []
+    for scale in scales_with(cfg, stages[0]):
+        for v in ordered_variants(cfg["matrix"][scale]["variants"]):
+            scores, src = _scores(res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
+            rows.append((scale, v, scores, accounting(cfg, scale, v), src))
+
+    def val_loss(scale, variant):
+        s = res.summary(scale, variant, stages[0]) or {}
+        return [("val_loss", s.get("final_val_loss"), f"{scale}/{variant}/{stages[0]}/summary.json")]
+    return accuracy_table("table3", rows, val_loss)
+
+
+def table4(cfg: dict, res: Results) -> pd.DataFrame:
+    stages = settings(cfg)["stages"]["table4"]
+    rows = []
+    for scale in scales_with(cfg, stages[0]):
+        for v in ordered_variants(cfg["matrix"][scale]["variants"]):
+            scores, src = _scores(res, scale, v, stages,
+                                  {"commonsense": P.COMMONSENSE_TASKS, "gsm8k": ["gsm8k"], "mmlu": ["mmlu"]})
+            rows.append((scale, v, scores, None, src))
+    return accuracy_table("table4", rows)
+
+
+def longbench_table(table: str, cfg: dict, res: Results) -> pd.DataFrame:
+    stages = settings(cfg)["stages"][table]
+    cells = []
+    for scale in scales_with(cfg, stages[0]):
+        for v in ordered_variants(cfg["matrix"][scale]["variants"]):
+            lb, lb_stage = res.first_eval(scale, v, stages, "longbench")
+            buckets = by_length(lb)
+            for col in P.TASKS[table]:
+                if col in LONGBENCH:
+                    value = buckets.get(LONGBENCH[col])
+                    src = f"{scale}/{v}/{lb_stage}/eval/longbench.json by_length" if lb else "missing"
+                else:  # bbh, musr
+                    ev, stage = res.first_eval(scale, v, stages, col)
+                    value, src = task_score(ev, col), (f"{scale}/{v}/{stage}/eval/{col}.json" if ev else "missing")
+                cells.append(cell(table, scale, v, col, value, src, unit="score"))
+    return frame(cells)
+
+
+def figure1b(cfg: dict, res: Results) -> pd.DataFrame:
+    """NIAH accuracy per context length (mean over depths) and STEM's gap over the baseline at the
+    shortest and longest length (the numbers quoted in Sec. 1)."""
+    stages = settings(cfg)["stages"]["figure1b"]
+    cells = []
+    for scale in scales_with(cfg, stages[0]):
+        per_len = {}
+        for v in ordered_variants(cfg["matrix"][scale]["variants"]):
+            ev, stage = res.first_eval(scale, v, stages, "niah")
+            df = niah_cells(ev)
+            per_len[v] = df.groupby("length")["accuracy"].mean() if len(df) else pd.Series(dtype=float)
+            for length, acc in per_len[v].items():
+                cells.append(cell("figure1b", scale, v, f"niah_{length}", acc, f"{scale}/{v}/{stage}/eval/niah.json"))
+        base = per_len.get("dense", pd.Series(dtype=float))
+        for v, s in per_len.items():
+            if v == "dense":
+                continue
+            common = sorted(set(s.index) & set(base.index))
+            gaps = [s[common[0]] - base[common[0]], s[common[-1]] - base[common[-1]]] if common else [None, None]
+            cells += [cell("figure1b", scale, v, "niah_gap_shortest", gaps[0], "STEM - Baseline, shortest length"),
+                      cell("figure1b", scale, v, "niah_gap_longest", gaps[1], "STEM - Baseline, longest length")]
+    return frame(cells)
+
+
+# ---- Table 1 and Table 2: from the configuration -------------------------------------------------
+def table1(cfg: dict) -> pd.DataFrame:
+    """Per-layer, per-token costs (Table 1 with B = L = 1) and the saving fraction for each configured
+    architecture (L = the pretraining sequence length), plus the Qwen2.5 models the paper quotes."""
+    cells = []
+    archs = [(s, "arch", f"{cfg['experiment']} {s}", a["d_model"], a["d_ff"],
+              cfg["stages"]["pretrain"][s]["seq_len"] if s in cfg["stages"].get("pretrain", {}) else a["max_seq_len"])
+             for s, a in cfg["archs"].items()]
+    for (v, row), g in P.load_table("qwen25_architectures").groupby(["variant", "row"], sort=False):
+        r = dict(zip(g["column"], g["value"]))
+        archs.append(("", v, row, r["d_model"], r["d_ff"], r["seq_len"]))
+    for scale, variant, label, d, d_ff, L in archs:
+        d, d_ff, L = int(d), int(d_ff), int(L)
+        for col, val, unit in [("d_model", d, ""), ("d_ff", d_ff, ""), ("seq_len", L, "tokens"),
+                               ("ffn_flops", 3 * d_ff * d + d_ff, "FLOPs/token/layer"),
+                               ("stem_flops", 2 * d_ff * d + d_ff, "FLOPs/token/layer"),
+                               ("saved_flops", d * d_ff, "FLOPs/token/layer"),
+                               ("ffn_param_loading", 3 * d * d_ff, "params/step/layer"),
+                               ("stem_param_loading", 2 * d * d_ff, "params/step/layer"),
+                               ("saving_fraction", saving_fraction(d, d_ff, L), "%")]:
+            cells.append(cell("table1", scale, variant, col, val, "Table 1 formulas", row=label, unit=unit))
+    return frame(cells)
+
+
+TABLE2_STAGE = {"pretrain": "pretrain", "midtrain": "midtrain", "extend": "context_extend"}
+
+
+def table2(cfg: dict) -> pd.DataFrame:
+    """This experiment's training hyperparameters in Table 2's rows and columns."""
+    cells = []
+    for stage, per_scale in cfg["stages"].items():
+        for scale, st in per_scale.items():
+            label = f"{scale.upper()} {stage}"
+            beta1, beta2 = cfg["optim"]["betas"]
+            for col, val, unit in [
+                    ("peak_lr", st["lr"], "lr"), ("lr_schedule", st["schedule"], "text"),
+                    ("batch_size", st["batch_size"], "sequences"), ("max_seq_len", st["seq_len"], "tokens"),
+                    ("train_steps", st["steps"], "steps"),
+                    ("cross_doc_masking", "Yes" if st.get("cross_doc_mask") else "No", "text"),
+                    ("train_tokens", st["steps"] * st["batch_size"] * st["seq_len"], "tokens"),
+                    ("weight_decay", cfg["optim"]["weight_decay"], ""), ("beta1", beta1, ""), ("beta2", beta2, ""),
+                    ("warmup_ratio", st["warmup"], "ratio"), ("min_lr_ratio", st["min_lr_ratio"], "ratio of peak LR")]:
+                cells.append(cell("table2", scale, TABLE2_STAGE[stage], col, val, f"config stages.{stage}.{scale}",
+                                  row=label, unit=unit))
+    return frame(cells)
+
+
+def build_all(cfg: dict, res: Results) -> dict[str, pd.DataFrame]:
+    return {"table1": table1(cfg), "table2": table2(cfg), "table3": table3(cfg, res), "table4": table4(cfg, res),
+            "table5": longbench_table("table5", cfg, res), "table6": longbench_table("table6", cfg, res),
+            "figure1b": figure1b(cfg, res)}
+
+
+# ---- display -------------------------------------------------------------------------------------
+def fmt(value, column: str, unit: str = "") -> str:
+    """A cell as printed; a missing value is an em dash (a visible gap)."""
+    if isinstance(value, str):
+        return value
+    if _isnan(value):
+        return "—"
+    if column == "roi":
+        return f"{value:.2f}x"
+    if unit in ("B params", "GFLOPs/token"):  # tiny models: in millions, with an explicit suffix
+        return f"{value:.2f}" if value >= 0.1 else f"{value * 1e3:.3g}M"
+    if unit in ("%", "score", "nats", "ratio"):
+        return f"{value:.2f}"
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.3g}"
+    return f"{int(value):,}" if abs(value) >= 1e4 else f"{int(value)}"
+
+
+def wide(df: pd.DataFrame) -> pd.DataFrame:
+    """The paper's layout: one row per (scale, variant), one column per metric, printed cells."""
+    if df.empty:
+        return pd.DataFrame()
+    out = []
+    for (scale, variant, row), g in df.groupby(["scale", "variant", "row"], sort=False):
+        r = {"Scale": scale, "Model": row}
+        for _, c in g.iterrows():
+            r[COLUMN_LABELS.get(c["column"], c["column"])] = fmt(c["value"], c["column"], c["unit"])
+        out.append(r)
+    return pd.DataFrame(out).fillna("—")
+
+
+def to_markdown(w: pd.DataFrame) -> str:
+    if w.empty:
+        return "_(no rows: this experiment has no stage for this table)_\n"
+    lines = ["| " + " | ".join(w.columns) + " |", "|" + "|".join(["---"] * len(w.columns)) + "|"]
+    lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in w.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def to_latex(w: pd.DataFrame, caption: str) -> str:
+    def esc(s):
+        s = str(s).replace("\\", r"\textbackslash{}")
+        for a, b in [("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("†", r"$^\dagger$"),
+                     ("—", "--"), (">=", r"$\geq$"), ("<", r"$<$")]:
+            s = s.replace(a, b)
+        return s
+    if w.empty:
+        return f"% {esc(caption)}: no rows\n"
+    body = [" & ".join(esc(c) for c in w.columns) + r" \\", r"\midrule"]
+    body += [" & ".join(esc(x) for x in r) + r" \\" for r in w.itertuples(index=False)]
+    return "\n".join([r"\begin{table}[t]", r"\centering", r"\small", f"\\caption{{{esc(caption)}}}",
+                      r"\begin{tabular}{" + "l" * 2 + "r" * (len(w.columns) - 2) + "}", r"\toprule", *body,
+                      r"\bottomrule", r"\end{tabular}", r"\end{table}"]) + "\n"
+
+
+TITLES = {
+    "table1": "Table 1: per-layer FFN vs STEM cost (per token) and saving fraction d_ff/(4d+2L+3d_ff)",
+    "table2": "Table 2: training hyperparameters (this experiment's config)",
+    "table3": "Table 3: pretrained models, zero-shot commonsense accuracy (%), parameters, GFLOPs/token, ROI",
+    "table4": "Table 4: mid-trained models (%)",
+    "table5": "Table 5: contextual reasoning (BBH, MuSR, LongBench multi-hop / code by context length)",
+    "table6": "Table 6: LongBench average by context length",
+    "figure1b": "Figure 1b data: NIAH accuracy (%) per context length",
+}

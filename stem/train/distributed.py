@@ -1,0 +1,318 @@
+"""Data-parallel training under torchrun: process group, FSDP2 wrapping, gradient clipping over shards,
+resumable state that reshards across world sizes, and a per-GPU memory estimate for sizing jobs.
+
+World size 1 (a plain ``python`` run, or torchrun with one process) uses none of this: ``setup`` returns a
+context with ``world == 1`` and every helper below falls through to the single-process behaviour, so the
+single-process loop is the same maths as before.
+
+Data parallelism. Every rank reads the same deterministic micro-batch stream and keeps micro-batches
+``rank, rank + W, rank + 2W, ...`` of each step's ``accum`` global micro-batches, so a step sees the same set
+of sequences at any world size and the loader state is global (identical on every rank). The per-rank
+micro-batch is ``min(micro_batch, batch_size // W)`` (the config's micro_batch is a per-GPU upper bound).
+
+Sharding (``parallelize``):
+- the backbone: ``fully_shard`` per transformer block plus the root (FSDP2, ``strategy="fsdp"``), or
+  replicated with one gradient all-reduce per step (``strategy="ddp"``, for small models);
+- STEM tables, DSE tables and Hash-MoE experts: each such module gets its own ``fully_shard`` unit on the
+  world mesh *before* the backbone is wrapped, so they are sharded over all ranks (dim 0: table rows /
+  experts) whatever the backbone strategy. FSDP reduce-scatters their gradients over the whole world,
+  i.e. across every data-parallel replica on every node (the official code leaves replicas of its
+  d_ff-sharded tables unsynchronised across nodes). Chosen over the official d_ff split with an
+  all-gather of looked-up rows because it is exact, reuses FSDP's tested gradient path and needs no
+  model change; the cost is that a table's forward all-gathers the whole table of one layer (prefetched
+  one unit ahead) instead of only the looked-up rows.
+- mixed precision on CUDA: bf16 parameters for compute, fp32 gradient reduction, fp32 master weights
+  and optimizer state (``MixedPrecisionPolicy``). On the CPU (gloo, tests) everything stays fp32.
+
+Checkpoints (``save_state`` / ``load_state``): world size 1 keeps the single-process format of
+``stem.train.checkpoint`` (safetensors + torch.save). World size > 1 writes ``torch.distributed.checkpoint``
+(DCP: every rank writes its own shards, no gather) in ``step_N/dcp``; DCP reshards on load, so a state
+saved at world size W resumes at any other world size, including 1 (DCP loads without a process group).
+The final, declared checkpoint stays one safetensors file: its full state dict is gathered to rank 0
+(CPU-offloaded), which is simple and what evaluation reads, at the cost of one full copy in rank 0's RAM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STRATEGIES = ("fsdp", "ddp")
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+    device: torch.device = torch.device("cpu")
+    mesh: object = None
+    owns_group: bool = False   # setup() created the process group (teardown() destroys only that)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+# ----------------------------------------------------------------------------- process group
+
+def setup(device: torch.device) -> DistContext:
+    """Join the torchrun process group (if WORLD_SIZE > 1); pins one GPU per local rank on CUDA."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return DistContext(device=device)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    owns = not dist.is_initialized()   # a caller (e.g. a test running several jobs) may have joined already
+    if owns:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("STEM_DIST_TIMEOUT_MIN", "30"))))
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (world,))
+    return DistContext(rank, world, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), device, mesh, owns)
+
+
+def teardown(ctx: DistContext):
+    if ctx.world > 1 and ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def local_micro_batch(batch_size: int, micro_batch: int, world: int) -> tuple[int, int]:
+    """(per-rank micro-batch, global micro-batches per step); raises if the batch does not split evenly."""
+    micro = min(micro_batch, batch_size // world) if world > 1 else micro_batch
+    if micro < 1 or batch_size % (micro * world):
+        raise ValueError(f"batch_size {batch_size} cannot be split into micro-batches of {micro} "
+                         f"over {world} ranks (batch_size must be a multiple of micro_batch x world size)")
+    return micro, batch_size // micro
+
+
+def all_mean(ctx: DistContext, value: float) -> float:
+    """The mean of a per-rank float over ranks (the float itself at world size 1)."""
+    if ctx.world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t)
+    return t.item() / ctx.world
+
+
+def any_rank(ctx: DistContext, flag: bool) -> bool:
+    """True on every rank if it is true on any (so all ranks stop at the same step on SIGTERM)."""
+    if ctx.world == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
+    dist.all_reduce(t)
+    return t.item() > 0
+
+
+# ----------------------------------------------------------------------------- wrapping
+
+def sharded_leaf_modules(model) -> list:
+    """Modules sharded over all ranks independently of the backbone: STEM/DSE tables, Hash-MoE FFNs."""
+    from stem.models.dse import DSEMemory
+    from stem.models.ffn import HashMoEFFN, StemTable
+    return [m for m in model.modules() if isinstance(m, (StemTable, HashMoEFFN, DSEMemory))]
+
+
+def parallelize(model, ctx: DistContext, strategy: str = "fsdp"):
+    """Shard ``model`` in place over the world (no-op at world size 1); see the module docstring."""
+    if ctx.world == 1:
+        return model
+    if strategy not in STRATEGIES:
+        raise ValueError(f"parallel strategy {strategy!r}: expected one of {STRATEGIES}")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if any(getattr(m, "sparse", False) for m in model.modules()):
+        raise ValueError("sparse table gradients are not supported with more than one rank (set table_sparse_grad: false)")
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if ctx.device.type == "cuda" else MixedPrecisionPolicy())
+    for m in sharded_leaf_modules(model):
+        fully_shard(m, mesh=ctx.mesh, mp_policy=mp)
+    if strategy == "fsdp":
+        for block in model.layers:
+            fully_shard(block, mesh=ctx.mesh, mp_policy=mp)
+        fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False)
+    model._stem_strategy = strategy
+    return model
+
+
+def fsdp_units(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def set_gradient_sync(model, ctx: DistContext, enabled: bool):
+    """Skip FSDP's reduce-scatter on all but the last micro-batch of a step (gradients accumulate unsharded)."""
+    if ctx.world > 1:
+        for m in fsdp_units(model):
+            m.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def sync_replicated_grads(model, ctx: DistContext):
+    """strategy ddp: average the gradients of the replicated (non-DTensor) parameters over all ranks."""
+    if ctx.world == 1 or getattr(model, "_stem_strategy", "fsdp") != "ddp":
+        return
+    from torch.distributed.tensor import DTensor
+    grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= ctx.world
+    for g, s in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(s)
+
+
+def clip_grad_norm_(model, max_norm: float, ctx: DistContext) -> torch.Tensor:
+    """Global L2 gradient clipping over sharded (DTensor) and replicated gradients; returns the norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if ctx.world == 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    from torch.distributed.tensor import DTensor
+    sharded = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    replicated = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for p in params:
+        if isinstance(p.grad, DTensor):
+            sharded += p.grad.to_local().float().pow(2).sum()
+        else:
+            replicated += p.grad.float().pow(2).sum()
+    dist.all_reduce(sharded)           # each rank holds distinct shards: sum them
+    total = (sharded + replicated).sqrt()  # replicated grads are identical on every rank after the sync
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        g.mul_(coef)
+    return total
+
+
+def optimizer_for_dtensors(opt, ctx: DistContext, strategy: str):
+    """Groups that mix DTensors and plain tensors (strategy ddp) cannot use the foreach/fused kernels."""
+    if ctx.world > 1 and strategy == "ddp":
+        for g in opt.param_groups:
+            g["foreach"], g["fused"] = False, False
+    return opt
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def _latest(state_dir: Path) -> Path | None:
+    pointer = state_dir / "latest"
+    return state_dir / pointer.read_text().strip() if pointer.is_file() else None
+
+
+def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, keep: int = 2):
+    """Resumable state: the single-process format at world size 1, DCP (sharded, reshardable) above."""
+    from stem.train import checkpoint as ck
+    state_dir = Path(state_dir)
+    if ctx.world == 1:
+        return ck.save_state(state_dir, step, model, opt, extra, keep=keep)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    name = f"step_{step:08d}"
+    tmp = state_dir / f".tmp_{name}"
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
+    if ctx.is_main:
+        ck.atomic_write_json(tmp / "extra.json", {"step": step, "world_size": ctx.world, **extra})
+        ck._replace_dir(tmp, state_dir / name)
+        ck.atomic_write_text(state_dir / "latest", name + "\n")
+        for old in sorted(state_dir.glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_state(state_dir, model, opt, ctx: DistContext) -> dict | None:
+    """Restore the latest state (either format, any world size it was saved at); returns its extra dict."""
+    from stem.train import checkpoint as ck
+    folder = _latest(Path(state_dir))
+    if folder is None:
+        return None
+    if ctx.world == 1 and not (folder / "dcp").is_dir():
+        return ck.load_state(state_dir, model, opt)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    if (folder / "dcp").is_dir():
+        import torch.distributed.checkpoint as dcp
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:  # a single-process state resumed on several ranks: full tensors, each rank keeps its shard
+        from safetensors.torch import load_file
+        full = load_file(str(folder / "model.safetensors"))
+        osd = _fqn_optimizer_state(torch.load(folder / "optim.pt", weights_only=True, map_location="cpu"), model)
+        set_state_dict(model, opt, model_state_dict=full, optim_state_dict=osd,
+                       options=StateDictOptions(full_state_dict=True))
+    return json.loads((folder / "extra.json").read_text())
+
+
+def _fqn_optimizer_state(osd: dict, model) -> dict:
+    """torch.optim's index-keyed state dict -> parameter-name keyed (the order build_optimizer used)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for ps in model.param_groups().values() for p in ps]
+    return {"state": {order[i]: s for i, s in osd["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in osd["param_groups"]]}
+
+
+def full_model_view(model, ctx: DistContext):
+    """Something with ``state_dict()`` giving full CPU tensors (gathered on rank 0 when sharded)."""
+    if ctx.world == 1:
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    class _Full:
+        cfg = model.cfg
+
+        @staticmethod
+        def state_dict():
+            return full
+    return _Full()
+
+
+# ----------------------------------------------------------------------------- memory estimate
+
+def memory_estimate(model, micro_batch: int, seq_len: int, world: int, strategy: str = "fsdp",
+                    act_ckpt: bool = False) -> dict:
+    """Per-GPU peak estimate at a given parallelism (stem.train.memory's model, split by what is sharded).
+
+    Model state (16 B/param: fp32 weights, grads, two Adam moments): the tables/experts are divided by the
+    world size always, the backbone only under fsdp. Under fsdp add the bf16 copy of the two largest units
+    that are gathered at once (current + prefetched)."""
+    from stem.train.memory import GIB, estimate
+    leaf = {id(p) for m in sharded_leaf_modules(model) for p in m.parameters()}
+    n_leaf = sum(p.numel() for p in model.parameters() if id(p) in leaf)
+    n_back = sum(p.numel() for p in model.parameters() if id(p) not in leaf)
+    base = estimate(model, micro_batch, seq_len, 1, act_ckpt)
+    shard_back = world if strategy == "fsdp" else 1
+    params = n_leaf / world + n_back / shard_back
+    units = [sum(p.numel() for p in m.parameters()) for m in sharded_leaf_modules(model)]
+    if strategy == "fsdp":
+        units += [sum(p.numel() for p in b.parameters() if id(p) not in leaf) for b in model.layers]
+    gathered = 2 * sum(sorted(units)[-2:]) if world > 1 else 0
+    out = {"params_gib": 4 * params / GIB, "grads_gib": 4 * params / GIB, "optimizer_gib": 8 * params / GIB,
+           "gathered_bf16_gib": gathered / GIB, "activations_gib": base["activations_gib"],
+           "logits_gib": base["logits_gib"], "world": world, "strategy": strategy, "micro_batch": micro_batch,
+           "seq_len": seq_len, "activation_checkpointing": act_ckpt,
+           "total_params": n_leaf + n_back, "sharded_table_params": n_leaf}
+    out["total_gib"] = sum(out[k] for k in ("params_gib", "grads_gib", "optimizer_gib", "gathered_bf16_gib",
+                                            "activations_gib", "logits_gib"))
+    return out
+
+
+def describe_estimate(e: dict) -> str:
+    return (f"per-GPU memory estimate at world {e['world']} ({e['strategy']}, micro-batch {e['micro_batch']} x "
+            f"{e['seq_len']}{', act. ckpt' if e['activation_checkpointing'] else ''}): {e['total_gib']:.1f} GiB = "
+            f"params {e['params_gib']:.2f} + grads {e['grads_gib']:.2f} + optimizer {e['optimizer_gib']:.2f} + "
+            f"gathered bf16 {e['gathered_bf16_gib']:.2f} + activations {e['activations_gib']:.2f} + "
+            f"logits {e['logits_gib']:.2f}")

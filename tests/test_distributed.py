@@ -1,0 +1,155 @@
+"""Distributed training on the CPU (gloo): 2 processes == 1 process, checkpoints reshard across world sizes.
+
+One torchrun (2 ranks) and one plain python process each run a list of small jobs (dense, STEM, Hash-MoE,
+FSDP and the DDP-backbone strategy) to amortise start-up; the tests compare their metrics. ~30 s in all.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stem import config as C  # noqa: E402
+from stem.train import distributed as D  # noqa: E402
+
+WORKER = r'''
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+from stem.train.loop import train
+jobs = json.load(open(sys.argv[2]))
+if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    dist.init_process_group("gloo")        # one group for all jobs (train() joins it, does not destroy it)
+for job in jobs:
+    os.environ["STEM_PARALLEL"] = job.get("strategy", "fsdp")
+    train(job["spec"], threads=1, max_steps=job.get("max_steps"))
+'''
+
+
+def _make_data(root: Path) -> tuple[str, str]:
+    from stem.data.shards import tokenize_to_shards
+    from stem.data.synth import make_world, web_documents
+    from stem.data.tokenizer import load_tokenizer, train_bpe
+    import itertools
+    docs = list(itertools.islice(web_documents(make_world(seed=3, n_countries=8, n_people=20, n_filler=100), seed=1), 300))
+    tok_path = root / "tokenizer.json"
+    train_bpe(docs, 300, tok_path)
+    tokenize_to_shards(iter(docs), load_tokenizer(tok_path), root / "tokens", val_fraction=0.1)
+    return str(tok_path), str(root / "tokens" / "manifest.json")
+
+
+def _spec(variant, tok, manifest, out_dir, steps=6):
+    cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
+    cfg["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+                                max_seq_len=64)
+    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}}
+    cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=8, seq_len=32, steps=steps, lr=3e-3)
+    cfg["train"].update(log_interval=100, eval_interval=3, eval_batches=2, checkpoint_interval=3)
+    spec = C.train_spec(cfg, "350m", variant, "pretrain")
+    spec["data"] = {"web": {"weight": 1.0, "manifest": manifest}}
+    spec.update(tokenizer=tok, out_dir=str(out_dir), device="cpu")
+    return spec
+
+
+def _run(jobs, tmp: Path, nproc: int, name: str):
+    jobs_file, worker = tmp / f"{name}.json", tmp / "worker.py"
+    jobs_file.write_text(json.dumps(jobs))
+    worker.write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, str(worker), str(REPO), str(jobs_file)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(worker), str(REPO), str(jobs_file)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def _losses(out_dir):
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows], [r["val_loss"] for r in rows if "val_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    tok, manifest = _make_data(tmp / "data")
+    variants = ["dense", "stem", "hashmoe"]
+    one = [{"spec": _spec(v, tok, manifest, tmp / "w1" / v)} for v in variants]
+    two = [{"spec": _spec(v, tok, manifest, tmp / "w2" / v)} for v in variants]
+    two += [{"spec": _spec(v, tok, manifest, tmp / "w2ddp" / v), "strategy": "ddp"} for v in ("dense", "stem")]
+    # saved at world size 2 after 4 steps (a DCP state), resumed below at world size 1
+    two += [{"spec": _spec("stem", tok, manifest, tmp / "reshard" / "stem"), "max_steps": 4}]
+    _run(two, tmp, 2, "two")
+    state = tmp / "reshard" / "stem" / "_state"
+    saved = state / (state / "latest").read_text().strip()
+    (tmp / "saved_at_two.json").write_text(json.dumps(
+        {"dcp": (saved / "dcp").is_dir(), **json.loads((saved / "extra.json").read_text())}))
+    one += [{"spec": _spec("stem", tok, manifest, tmp / "reshard" / "stem")}]
+    _run(one, tmp, 1, "one")
+    return tmp
+
+
+@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe"])
+def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
+    (l1, v1), (l2, v2) = _losses(runs / "w1" / variant), _losses(runs / "w2" / variant)
+    assert len(l1) == len(l2) == 6 and len(v1) == len(v2) == 2
+    assert l2 == pytest.approx(l1, rel=1e-4, abs=1e-5)
+    assert v2 == pytest.approx(v1, rel=1e-4, abs=1e-5)
+    assert l1[-1] < l1[0]  # it trains
+    s1 = json.loads((runs / "w1" / variant / "summary.json").read_text())
+    s2 = json.loads((runs / "w2" / variant / "summary.json").read_text())
+    assert (s1["world_size"], s2["world_size"]) == (1, 2)
+    assert s2["total_params"] == s1["total_params"]  # the gathered checkpoint is the full model
+
+
+@pytest.mark.parametrize("variant", ["dense", "stem"])
+def test_ddp_backbone_with_sharded_tables_matches(runs, variant):
+    assert _losses(runs / "w2ddp" / variant)[0] == pytest.approx(_losses(runs / "w1" / variant)[0], rel=1e-4, abs=1e-5)
+
+
+def test_final_checkpoints_match_across_world_sizes(runs):
+    from safetensors.torch import load_file
+    a = load_file(str(runs / "w1" / "stem" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(runs / "w2" / "stem" / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].shape == b[k].shape
+        assert (a[k] - b[k]).abs().max().item() < 1e-4, k
+
+
+def test_state_saved_at_two_ranks_resumes_at_one(runs):
+    saved = json.loads((runs / "saved_at_two.json").read_text())
+    assert saved["dcp"] and saved["world_size"] == 2 and saved["step"] == 4
+    assert not (runs / "reshard" / "stem" / "summary.json").exists() or \
+        json.loads((runs / "reshard" / "stem" / "summary.json").read_text())["world_size"] == 1
+    full, _ = _losses(runs / "w1" / "stem")
+    resumed, _ = _losses(runs / "reshard" / "stem")
+    assert resumed == pytest.approx(full, rel=1e-4, abs=1e-5)
+
+
+def test_local_micro_batch_split():
+    assert D.local_micro_batch(512, 16, 1) == (16, 32)
+    assert D.local_micro_batch(512, 16, 8) == (16, 32)
+    assert D.local_micro_batch(16, 16, 2) == (8, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        D.local_micro_batch(12, 8, 8)
+
+
+def test_memory_estimate_shards_tables_over_all_ranks():
+    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
+    model = C.model_config_for(cfg, "350m", "stem", "pretrain").build("meta")
+    e1 = D.memory_estimate(model, 16, 2048, 1, "fsdp")
+    e8 = D.memory_estimate(model, 16, 2048, 8, "fsdp")
+    d8 = D.memory_estimate(model, 16, 2048, 8, "ddp")
+    assert e8["optimizer_gib"] == pytest.approx(e1["optimizer_gib"] / 8)
+    assert e8["optimizer_gib"] < d8["optimizer_gib"] < e1["optimizer_gib"]  # ddp: only the tables are sharded
+    assert e8["sharded_table_params"] > 0 and "per-GPU memory estimate" in D.describe_estimate(e8)
