@@ -9,6 +9,7 @@ configfile: f"{workflow.basedir}/config/tiny.yaml"
 include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/train.smk"
+include: "rules/eval.smk"
 include: "rules/report.smk"
 
 
@@ -16,4 +17,6 @@ rule all:
     default_target: True
     input:
         train_outputs(),
+        eval_outputs(),
         params_tables(),
+        report_outputs(),

@@ -14,7 +14,6 @@ validate(config, schema="../config/schema.yaml")
 
 EXP = config["experiment"]
 ENV = "../environment.yml"
-SCRIPTS = f"{workflow.basedir}/workflow_scripts"  # absolute: the workflow may run with --directory
 
 
 wildcard_constraints:
@@ -35,3 +34,13 @@ def train_outputs():
 
 def params_tables():
     return expand("reports/{exp}/params.{ext}", exp=EXP, ext=["csv", "md"])
+
+
+def train_inputs(w):
+    """Tokenizer, token shards of the stage's mixture, and the previous stage's checkpoint (if any)."""
+    spec = C.train_spec(config, w.scale, w.variant, w.stage)
+    inputs = {"tokenizer": spec["tokenizer"]}
+    inputs.update({f"tokens_{src}": C.tokens_dir(EXP, w.scale, src) for src in spec["data"]})
+    if spec["init_from"]:
+        inputs["init"] = spec["init_from"]
+    return inputs

@@ -11,7 +11,7 @@ rule corpus:
     conda:
         ENV
     shell:
-        "python {SCRIPTS}/corpus.py --spec {params.spec:q} --out {output} 2> {log}"
+        "python -m workflow_scripts.corpus --spec {params.spec:q} --out {output} 2> {log}"
 
 
 rule tokenizer:
@@ -26,7 +26,7 @@ rule tokenizer:
     conda:
         ENV
     shell:
-        "python {SCRIPTS}/tokenizer.py --spec {params.spec:q} --out {output} 2> {log}"
+        "python -m workflow_scripts.tokenizer --spec {params.spec:q} --out {output} 2> {log}"
 
 
 rule tokenize:
@@ -43,5 +43,5 @@ rule tokenize:
     conda:
         ENV
     shell:
-        "python {SCRIPTS}/tokenize_source.py --spec {params.spec:q} --tokenizer {input.tokenizer}"
+        "python -m workflow_scripts.tokenize_source --spec {params.spec:q} --tokenizer {input.tokenizer}"
         " --out {output} --threads {threads} 2> {log}"

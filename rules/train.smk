@@ -3,15 +3,6 @@
 # so a failed, preempted or timed-out job resumes when it is rerun or retried.
 
 
-def train_inputs(w):
-    spec = C.train_spec(config, w.scale, w.variant, w.stage)
-    inputs = {"tokenizer": spec["tokenizer"]}
-    inputs.update({f"tokens_{src}": C.tokens_manifest(EXP, w.scale, src).rsplit("/", 1)[0] for src in spec["data"]})
-    if spec["init_from"]:
-        inputs["init"] = spec["init_from"]
-    return inputs
-
-
 rule train:
     input:
         unpack(train_inputs),
@@ -29,4 +20,4 @@ rule train:
     conda:
         ENV
     shell:
-        "python {SCRIPTS}/train.py --spec {params.spec:q} --threads {threads} 2> {log}"
+        "python -m workflow_scripts.train --spec {params.spec:q} --threads {threads} 2> {log}"

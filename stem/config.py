@@ -136,8 +136,12 @@ def tokenizer_path(exp: str, scale: str) -> str:
     return f"data/{exp}/{scale}/tokenizer/tokenizer.json"
 
 
+def tokens_dir(exp: str, scale: str, source: str) -> str:
+    return f"data/{exp}/{scale}/tokens/{source}"
+
+
 def tokens_manifest(exp: str, scale: str, source: str) -> str:
-    return f"data/{exp}/{scale}/tokens/{source}/manifest.json"
+    return f"{tokens_dir(exp, scale, source)}/manifest.json"
 
 
 def stage_dir(exp: str, scale: str, variant: str, stage: str) -> str:

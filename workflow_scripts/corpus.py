@@ -1,5 +1,5 @@
 """Generate a synthetic source corpus (jsonl) for the embedded default."""
-from _entry import parser, run, spec_of
+from workflow_scripts._entry import parser, run, spec_of
 
 
 def main():
@@ -10,4 +10,5 @@ def main():
     print(make_corpus(spec_of(args), args.out))
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)

@@ -1,5 +1,5 @@
 """Write the accounting table (CSV and Markdown) for every variant of every scale."""
-from _entry import parser, run, spec_of
+from workflow_scripts._entry import parser, run, spec_of
 
 
 def main():
@@ -22,4 +22,5 @@ def main():
     atomic_write_text(args.md, to_markdown(rows, f"Parameter accounting, experiment '{cfg['experiment']}'"))
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)

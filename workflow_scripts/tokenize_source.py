@@ -1,5 +1,5 @@
 """Tokenize one source into train/val token shards with a manifest."""
-from _entry import parser, run, spec_of
+from workflow_scripts._entry import parser, run, spec_of
 
 
 def main():
@@ -13,4 +13,5 @@ def main():
     print({k: m[k] for k in ("vocab_size", "dtype")}, {s: m["splits"][s]["tokens"] for s in m["splits"]})
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)

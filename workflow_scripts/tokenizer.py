@@ -1,5 +1,5 @@
 """Train a byte-level BPE tokenizer on the configured sources, or fetch a pretrained one."""
-from _entry import parser, run, spec_of
+from workflow_scripts._entry import parser, run, spec_of
 
 
 def main():
@@ -10,4 +10,5 @@ def main():
     print(make_tokenizer(spec_of(args), args.out))
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)

@@ -1,5 +1,5 @@
 """Train (or resume) one (scale, variant, stage) job."""
-from _entry import parser, run, spec_of
+from workflow_scripts._entry import parser, run, spec_of
 
 
 def main():
@@ -11,4 +11,5 @@ def main():
     print({k: s[k] for k in ("final_train_loss", "final_val_loss", "steps", "wall_seconds")})
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)
