@@ -189,3 +189,19 @@ def test_sequence_longer_than_max_seq_len_is_rejected():
     model = _cfg().build()
     with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
         model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_dse_compression_and_ngram_hash_respect_documents():
+    from stem.models.dse import DSEMemory, compression_map
+    assert compression_map(["Apple", " apple", "APPLE ", "pear", "Café", "cafe"]).tolist() == [0, 0, 0, 3, 4, 4]
+    cfg = _cfg(dse={"layers": [1], "rows_per_head": 31, "d_mem": 8, "heads": 2})
+    mem = DSEMemory(cfg, 1)
+    cids = torch.tensor([[5, 6, 7, 5, 6, 7]])
+    rows = mem._rows(cids, None)
+    assert len(rows) == 2 * 2 and all(r.max() < p for r, p in zip(rows, mem.primes))
+    # the same trigram hashes to the same rows; across a document start the history is dropped
+    assert all(r[0, 2] == r[0, 5] for r in rows)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    rows_doc = mem._rows(cids, docs)
+    assert any(r[0, 4] != rd[0, 4] for r, rd in zip(rows, rows_doc))  # position 4 reached into doc 0 before
+    assert all(rd[0, 0] == rd[0, 3] for rd in rows_doc)  # both are document starts with the same token
