@@ -48,7 +48,7 @@ def _make_data(root: Path) -> tuple[str, str]:
 
 def _spec(variant, tok, manifest, out_dir, steps=6):
     cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
-    cfg["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+    cfg["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64,
                                 max_seq_len=64)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}}
     cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=8, seq_len=32, steps=steps, lr=3e-3)

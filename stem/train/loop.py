@@ -126,6 +126,7 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         if ctx.is_main:
             _truncate_metrics(metrics_path, step)
             print(f"[{out_dir}] resuming at step {step} (world size {ctx.world})", file=sys.stderr)
+            _event(state_dir, f"resumed at step {step} (world size {ctx.world})")
     elif metrics_path.exists() and ctx.is_main:
         metrics_path.unlink()
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -184,6 +185,8 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
             if stopping:
                 sig = stop["signal"] or signal.SIGTERM
                 print(f"[{out_dir}] stopped by signal {sig} at step {step}; state saved", file=sys.stderr)
+                if ctx.is_main:
+                    _event(state_dir, f"stopped by signal {sig} at step {step}; state saved (world size {ctx.world})")
                 D.teardown(ctx)
                 raise SystemExit(128 + sig)
 
@@ -210,6 +213,12 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         atomic_write_json(out_dir / "summary.json", summary)
     D.teardown(ctx)
     return summary
+
+
+def _event(state_dir: Path, text: str):
+    """One line in {out_dir}/_state/events.log: the stop/resume history survives Snakemake's retries."""
+    with open(state_dir / "events.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
 
 
 def _final_train_loss(metrics_path: Path, last: int = 10) -> float:
