@@ -56,6 +56,15 @@ def real_yaml(task: str) -> Path:
 
 # ---- facts: (question, answer, wrong answers) ------------------------------------------------------
 def _fact(rng: random.Random, w: World, hard: bool = False):
+    """A question about the world with its answer and three distinct wrong answers."""
+    while True:
+        q, a, wrong = _fact_once(rng, w, hard)
+        wrong = list(dict.fromkeys(x for x in wrong if x != a))
+        if len(wrong) >= 3:
+            return q, a, wrong[:3]
+
+
+def _fact_once(rng: random.Random, w: World, hard: bool):
     if hard or rng.random() < 0.4:
         p = rng.choice(w.people)
         kind = rng.randrange(3)
@@ -73,11 +82,11 @@ def _fact(rng: random.Random, w: World, hard: bool = False):
     if kind == 0:
         return f"What is the capital of {c.name}?", c.capital, [o.capital for o in rng.sample(others, 3)]
     if kind == 1:
-        wrong = [x for x in w.continents if x != c.continent] or ["Nowhere"]
-        return f"Which continent is {c.name} in?", c.continent, rng.sample(wrong * 3, 3)
+        wrong = [x for x in w.continents if x != c.continent]
+        return f"Which continent is {c.name} in?", c.continent, rng.sample(wrong, min(3, len(wrong)))
     if kind == 2:
         wrong = [x for x in w.languages if x != c.language]
-        return f"What language do people speak in {c.name}?", c.language, rng.sample(wrong, 3)
+        return f"What language do people speak in {c.name}?", c.language, rng.sample(wrong, min(3, len(wrong)))
     city = rng.choice(c.cities)
     return f"In which country is the city of {city}?", c.name, [o.name for o in rng.sample(others, 3)]
 
@@ -275,7 +284,7 @@ def _write_jsonl(path: Path, docs):
 
 def write_fixtures(spec: dict, out_dir) -> dict:
     """spec: {world: {...}, seed, items, train_items, tasks: [...], groups: {group: [members]},
-    longbench_words: [lo, hi]}. Returns a manifest (also written to out_dir/manifest.json)."""
+    items_by_prefix: {task prefix: items}, longbench_words: [lo, hi]}. Returns a manifest (also written to out_dir/manifest.json)."""
     out = Path(out_dir).resolve()
     w = make_world(**spec["world"])
     manifest = {"tasks": {}, "groups": {}}
@@ -283,9 +292,10 @@ def write_fixtures(spec: dict, out_dir) -> dict:
         fn, src = generator(task), real_yaml(task)
         kw = {"words": tuple(spec["longbench_words"])} if fn is longbench and "longbench_words" in spec else {}
         eval_split, others = _splits(src)
-        files = {}
+        n_eval = next((n for pre, n in spec.get("items_by_prefix", {}).items() if task.startswith(pre)), spec["items"])
+        files, sizes = {}, {}
         for split in [eval_split] + others:
-            n = spec["items"] if split == eval_split else spec["train_items"]
+            n = sizes[split] = n_eval if split == eval_split else spec["train_items"]
             rng = random.Random(f"fixture:{spec['seed']}:{task}:{split}")
             path = out / task / f"{split}.jsonl"
             _write_jsonl(path, (fn(rng, w, i, task, **kw) for i in range(n)))
@@ -293,7 +303,7 @@ def write_fixtures(spec: dict, out_dir) -> dict:
         cfg = {"include": str(src), "task": task, "dataset_path": "json", "dataset_name": None,
                "dataset_kwargs": {"data_files": files}}
         (out / f"{task}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-        manifest["tasks"][task] = {"source": str(src), "splits": {s: (spec["items"] if s == eval_split else spec["train_items"]) for s in files}}
+        manifest["tasks"][task] = {"source": str(src), "splits": sizes}
     for group, members in spec.get("groups", {}).items():
         real = yaml.safe_load(real_yaml(group).read_text())
         unknown = [m for m in members if m not in manifest["tasks"] and m not in spec["groups"]]

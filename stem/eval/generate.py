@@ -28,3 +28,60 @@ def greedy_generate(model, ids: list[int], max_new: int, eos_id: int | None = No
         step = torch.tensor([[nxt]], device=device)
         x = step if use_cache else torch.cat([x, step], dim=1)
     return out
+
+
+def _forward(model, ids, positions, mask, cache: KVCache):
+    """The model's forward with an explicit attention mask (``Transformer.forward`` builds its own,
+    which cannot exclude left padding); same modules, same order; logits of the last position only."""
+    from stem.models.rope import rope_cos_sin
+
+    if int(positions.max()) >= model.cfg.max_seq_len:
+        raise ValueError(f"generation past max_seq_len={model.cfg.max_seq_len}")
+    cos, sin = rope_cos_sin(positions, model.inv_freq, model.rope_mscale)
+    x = model.tok_emb(ids)
+    for i, layer in enumerate(model.layers):
+        x = layer(x, ids, cos, sin, mask, cache, i)
+    cache.length += ids.shape[1]
+    return model.lm_head(model.norm(x[:, -1]))
+
+
+@torch.no_grad()
+def greedy_generate_batch(model, prompts: list[list[int]], max_new: int, eos_id: int | None = None,
+                          stop: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+    """``greedy_generate`` for several prompts at once. Each prompt is prefilled alone (the model's
+    own causal forward), the caches are left-padded into one, and decoding steps run batched with
+    the padding masked out and per-row positions, so a row decodes as it would alone (up to float
+    round-off). Needs ``model.supports_kv_cache``."""
+    if len(prompts) == 1 or not model.supports_kv_cache:
+        return [greedy_generate(model, p, max_new, eos_id, model.supports_kv_cache, stop) for p in prompts]
+    device = next(model.parameters()).device
+    b, width = len(prompts), max(len(p) for p in prompts)
+    cache, nxt = KVCache(length=width), []
+    for i, p in enumerate(prompts):
+        c = KVCache()
+        nxt.append(int(model(torch.tensor([p], device=device), cache=c)[0, -1].argmax()))
+        for layer, (k, v) in enumerate(zip(c.k, c.v)):
+            if i == 0:
+                cache.k.append(k.new_zeros(b, k.shape[1], width, k.shape[3]))
+                cache.v.append(v.new_zeros(b, v.shape[1], width, v.shape[3]))
+            cache.k[layer][i, :, width - len(p):] = k[0]
+            cache.v[layer][i, :, width - len(p):] = v[0]
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    valid = torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]  # (B, S) real keys
+    out, done = [[] for _ in prompts], [False] * b
+    for step in range(max_new):
+        for i, tok in enumerate(nxt):
+            if done[i]:
+                continue
+            if tok == eos_id:
+                done[i] = True
+                continue
+            out[i].append(tok)
+            done[i] = (stop is not None and stop(out[i])) or len(out[i]) == max_new
+        if all(done) or step == max_new - 1:
+            break
+        valid = torch.cat([valid, torch.ones(b, 1, dtype=torch.bool, device=device)], dim=1)
+        ids = torch.tensor(nxt, device=device)[:, None]
+        logits = _forward(model, ids, (lengths + step)[:, None], valid[:, None, None, :], cache)
+        nxt = logits.argmax(-1).tolist()
+    return out

@@ -20,7 +20,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from stem.eval.generate import greedy_generate
+from stem.eval.generate import greedy_generate, greedy_generate_batch
 
 
 def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None):
@@ -98,10 +98,10 @@ class StemLM(TemplateLM):
             x = torch.zeros(len(batch), width, dtype=torch.long)
             for j, (_, inp, _) in enumerate(batch):
                 x[j, :len(inp)] = torch.tensor(inp)
-            logp = F.log_softmax(self.model(x.to(self.device)).float(), dim=-1)
+            logits = self.model(x.to(self.device))
             for j, (i, inp, cont) in enumerate(batch):
                 n = len(cont)
-                lp = logp[j, len(inp) - n:len(inp)]
+                lp = F.log_softmax(logits[j, len(inp) - n:len(inp)].float(), dim=-1)
                 target = torch.tensor(cont, device=lp.device)
                 out[i] = (float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
         for (key, _, _), res in zip(requests, out):
@@ -127,27 +127,45 @@ class StemLM(TemplateLM):
 
     # ---- generation -----------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False):
-        out = []
-        for req in requests:
+        """Requests with the same stop strings and budget are decoded together, longest first."""
+        groups: dict = {}
+        for i, req in enumerate(requests):
             context, kwargs = req.args
             kwargs = dict(kwargs or {})
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
             if kwargs.get("do_sample"):
                 raise ValueError("the stem model decodes greedily only (do_sample=True requested)")
-            text = self.generate(context, until, max_new)
-            self.cache_hook.add_partial("generate_until", (context, req.args[1]), text)
-            out.append(text)
+            until = kwargs.get("until") or []
+            until = (until,) if isinstance(until, str) else tuple(until)
+            key = (until, int(kwargs.get("max_gen_toks", self.max_gen_toks)))
+            groups.setdefault(key, []).append(i)
+        out: list = [None] * len(requests)
+        for (until, max_new), idx in groups.items():
+            texts = self.generate_many([requests[i].args[0] for i in idx], list(until), max_new)
+            for i, text in zip(idx, texts):
+                out[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out
 
     @torch.no_grad()
-    def generate(self, context: str, until: list[str], max_new: int) -> str:
+    def generate_many(self, contexts: list[str], until: list[str], max_new: int) -> list[str]:
+        """Greedy continuations, cut before the first stop string; batches of similar lengths."""
         max_new = max(1, min(max_new, self.max_length - 1))
-        ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
-        gen = greedy_generate(self.model, ids, max_new, eos_id=self.eot_token_id, use_cache=self.use_cache,
-                              stop=lambda toks: any(s in self.tok_decode(toks) for s in until) if until else False)
-        return cut_at_stop(self.tok_decode(gen), until)
+        prompts = [ids[-(self.max_length - max_new):] or [self.eot_token_id] for ids in self.tok.encode_batch(contexts)]
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        stop = (lambda toks: any(s in self.tok_decode(toks) for s in until)) if until else None
+        out: list = [None] * len(prompts)
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b:b + self.batch_size]
+            if self.use_cache:
+                gens = greedy_generate_batch(self.model, [prompts[i] for i in idx], max_new, self.eot_token_id, stop)
+            else:
+                gens = [greedy_generate(self.model, prompts[i], max_new, self.eot_token_id, False, stop) for i in idx]
+            for i, g in zip(idx, gens):
+                out[i] = cut_at_stop(self.tok_decode(g), until)
+        return out
+
+    def generate(self, context: str, until: list[str], max_new: int) -> str:
+        return self.generate_many([context], until, max_new)[0]
 
 
 def cut_at_stop(text: str, until: list[str]) -> str:

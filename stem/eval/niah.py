@@ -25,6 +25,8 @@ def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0) -> 
                 query = (f"\n\nWhat is the special magic number for {key} mentioned in the provided text? "
                          f"The special magic number for {key} mentioned in the provided text is")
                 budget = length - 8 - len(tok.encode_batch([needle + " " + query])[0])
+                if budget <= 0:
+                    raise ValueError(f"niah: length {length} leaves no room for a haystack beside needle and query")
                 start = rng.randrange(len(pool))
                 sents, n = [], 0
                 while n < budget:
@@ -42,8 +44,8 @@ def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0) -> 
 def run(lm, items: list[dict], max_gen_toks: int = 12) -> dict:
     """Score items with a StemLM; returns {"cells": [...], "accuracy": overall percent, "n": ...}."""
     cells: dict = {}
-    for it in items:
-        out = lm.generate(it["prompt"], ["\n"], max_gen_toks)
+    outputs = lm.generate_many([it["prompt"] for it in items], ["\n"], max_gen_toks)
+    for it, out in zip(items, outputs):
         it["output"], it["correct"] = out, it["value"] in out
         cells.setdefault((it["length"], it["depth"]), []).append(it["correct"])
     rows = [{"length": L, "depth": d, "accuracy": 100.0 * sum(v) / len(v), "n": len(v)}

@@ -33,7 +33,7 @@ def suite_spec(cfg: dict, suite: str) -> dict:
     spec = {"kind": "lm_eval", "num_fewshot": None, "metric": [], "gen_kwargs": None, **suites[suite]}
     if spec["kind"] not in KNOWN_KINDS:
         raise ValueError(f"suite {suite!r}: unknown kind {spec['kind']!r} (expected one of {KNOWN_KINDS})")
-    spec.update(suite=suite, batch_size=ev.get("batch_size", 32), seed=cfg["seed"],
+    spec.update(suite=suite, batch_size=ev.get("batch_size", 32), seed=cfg["seed"], device=cfg.get("device"),
                 fixtures=f"data/{cfg['experiment']}/fixtures" if ev.get("fixtures") else None)
     if spec["kind"] in ("niah", "ppl"):
         from stem import config as C
@@ -43,6 +43,25 @@ def suite_spec(cfg: dict, suite: str) -> dict:
 
 def suites_for(cfg: dict, stage: str) -> list[str]:
     return list(((cfg.get("eval") or {}).get("stages") or {}).get(stage, []))
+
+
+# ---- workflow helpers (rules/eval.smk) ------------------------------------------------------------------
+def eval_targets(cfg: dict) -> list[str]:
+    """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage."""
+    from stem import config as C
+    return [f"{C.stage_dir(cfg['experiment'], s, v, st)}/eval/{suite}.json"
+            for s, v, st in C.train_targets(cfg) for suite in suites_for(cfg, st)]
+
+
+def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
+    from stem import config as C
+    spec = suite_spec(cfg, suite)
+    inputs = {"checkpoint": f"{C.stage_dir(experiment, scale, variant, stage)}/checkpoint"}
+    if spec["kind"] == "lm_eval" and spec["fixtures"]:
+        inputs["fixtures"] = spec["fixtures"]
+    if spec["kind"] in ("niah", "ppl"):
+        inputs["documents"] = C.source_inputs(cfg, spec.get("haystack") or spec["source"])
+    return inputs
 
 
 # ---- lm-eval suites -----------------------------------------------------------------------------------
@@ -77,7 +96,7 @@ def _pick(metrics: dict, prefs: list[str]) -> str | None:
 
 
 def _entry(metrics: dict, prefs: list[str], n: int, version) -> dict:
-    pct = {k: (100.0 * v if isinstance(v, (int, float)) else None)
+    pct = {k: (100.0 * float(v) if isinstance(v, (int, float)) else None)
            for k, v in metrics.items() if "," in k and not isinstance(v, str)}
     name = _pick(metrics, prefs)
     stderr_key = name.replace(",", "_stderr,", 1) if name else None

@@ -1,0 +1,45 @@
+# Evaluation: every checkpoint gets the suites config `eval.stages` maps its stage to (Tables 3-6,
+# Figure 1b). One job per (checkpoint, suite); any stage can be evaluated on any configured suite:
+#   snakemake --profile profiles/local results/tiny/1b/stem/pretrain/eval/mmlu.json
+# The embedded default runs the real lm-eval tasks offline on fixtures generated from the synthetic
+# world (rule eval_fixtures); config/paper.yaml has no fixtures and uses the real datasets.
+from stem.eval import run as EV  # noqa: E402
+
+
+# rule all's eval targets (a lambda: `snakemake --lint` wants no functions beside rules)
+eval_outputs = lambda: EV.eval_targets(config)  # noqa: E731
+
+
+rule eval_fixtures:
+    output:
+        directory("data/{experiment}/fixtures"),
+    params:
+        spec=lambda w: as_json({**config["eval"]["fixtures"], "world": config.get("world", {}), "seed": config["seed"]}),
+    log:
+        "logs/{experiment}/eval/fixtures.log",
+    conda:
+        ENV
+    shell:
+        "python workflow_scripts/eval_fixtures.py --spec {params.spec:q} --out {output} 2> {log}"
+
+
+rule eval:
+    input:
+        unpack(lambda w: EV.rule_inputs(config, w.experiment, w.scale, w.variant, w.stage, w.suite)),
+    output:
+        result="results/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.json",
+        raw="results/{experiment}/{scale}/{variant}/{stage}/eval/raw/{suite}.json",
+    wildcard_constraints:
+        suite="[a-z0-9_]+",
+    params:
+        spec=lambda w: as_json(EV.suite_spec(config, w.suite)),
+    threads: 1
+    resources:
+        gpu=lambda w: 0 if config["device"] == "cpu" else 1,
+    log:
+        "logs/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.log",
+    conda:
+        ENV
+    shell:
+        "python workflow_scripts/eval_suite.py --spec {params.spec:q} --checkpoint {input.checkpoint}"
+        " --out {output.result} --raw {output.raw} --threads {threads} 2> {log}"

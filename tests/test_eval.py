@@ -1,0 +1,226 @@
+"""The evaluation stage: the lm-eval adapter, decoding, fixtures end to end, output format, errors."""
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from stem.data.tokenizer import train_bpe  # noqa: E402
+from stem.eval import fixtures, run  # noqa: E402
+from stem.eval.generate import greedy_generate  # noqa: E402
+from stem.eval.lm import StemLM, cut_at_stop  # noqa: E402
+from stem.models.config import ModelConfig  # noqa: E402
+from stem.train.checkpoint import save_checkpoint  # noqa: E402
+
+WORLD = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A small random STEM model saved as a training-stage checkpoint."""
+    from stem.data import synth
+    d = tmp_path_factory.mktemp("ckpt")
+    w = synth.make_world(**WORLD)
+    docs = [doc for doc, _ in zip(synth.web_documents(w), range(200))]
+    train_bpe(docs, 320, d / "tok.json")
+    from stem import config as C
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
+    mc = C.model_config_for(cfg, "1b", "stem").to_dict()
+    torch.manual_seed(0)
+    model = ModelConfig.from_dict(mc).build("cpu")
+    spec = {"experiment": "test", "scale": "1b", "variant": "stem", "stage": "pretrain", "model": mc}
+    save_checkpoint(d / "checkpoint", model, spec, d / "tok.json", {})
+    return d / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def lm(ckpt):
+    return StemLM(str(ckpt), device="cpu", batch_size=4)
+
+
+class Req:  # the part of lm_eval's Instance the adapter reads
+    def __init__(self, *args):
+        self.args = args
+
+
+@torch.no_grad()
+def direct_loglikelihood(lm, ctx, cont):
+    c, x = lm._encode_pair(ctx, cont)
+    ids = torch.tensor([c + x])
+    logp = torch.log_softmax(lm.model(ids)[0].float(), -1)
+    return sum(float(logp[len(c) - 1 + i, t]) for i, t in enumerate(x))
+
+
+PAIRS = [("The capital of Sarland is", " Bondo."), ("Question: what?\nAnswer:", " yes"),
+         ("a b c d e f g h i j", " k l m n o p"), ("x", " y"), ("One two three four five six seven", " eight")]
+
+
+def test_loglikelihood_matches_direct_computation(lm):
+    got = lm.loglikelihood([Req(c, x) for c, x in PAIRS])
+    for (c, x), (lp, greedy) in zip(PAIRS, got):
+        assert lp == pytest.approx(direct_loglikelihood(lm, c, x), abs=1e-4)
+        assert isinstance(greedy, bool)
+
+
+def test_loglikelihood_batch_size_invariant(lm):
+    reqs = [Req(c, x) for c, x in PAIRS * 3]
+    results = []
+    for bs in (1, 3, 16):
+        lm.batch_size = bs
+        results.append([lp for lp, _ in lm.loglikelihood(reqs)])
+    lm.batch_size = 4
+    for other in results[1:]:
+        assert other == pytest.approx(results[0], abs=1e-4)
+
+
+def test_loglikelihood_left_truncates_long_context(lm):
+    long_ctx = "word " * 800
+    (lp, _), = lm.loglikelihood([Req(long_ctx, " end")])
+    assert lp < 0 and lp == lp  # finite, no error past max_seq_len
+
+
+def test_rolling_loglikelihood_sums_windows(lm):
+    text = "The capital of Sarland is Bondo. " * 60  # longer than the context: several windows
+    (total,) = lm.loglikelihood_rolling([Req(text)])
+    ids = lm.tok_encode(text)
+    assert len(ids) > lm.max_length and total < 0
+
+
+def test_kv_cache_generation_equals_uncached(lm):
+    ids = lm.tok_encode("The capital of Sarland is")
+    a = greedy_generate(lm.model, ids, 40, eos_id=None, use_cache=True)
+    b = greedy_generate(lm.model, ids, 40, eos_id=None, use_cache=False)
+    assert a == b and len(a) == 40
+
+
+def test_batched_generation_equals_one_at_a_time(lm):
+    from stem.eval.generate import greedy_generate_batch
+    prompts = [lm.tok_encode(t) for t in ("The capital of", "a b c d e f g h i j k l", "x")]
+    single = [greedy_generate(lm.model, p, 20, eos_id=None) for p in prompts]
+    assert greedy_generate_batch(lm.model, prompts, 20, eos_id=None) == single
+
+
+def test_generation_stops_at_eos(lm):
+    ids = lm.tok_encode("hello")
+    first = greedy_generate(lm.model, ids, 5, eos_id=None)[0]
+    assert greedy_generate(lm.model, ids, 5, eos_id=first) == []
+
+
+def test_stop_strings_cut_correctly(lm):
+    assert cut_at_stop("abc\n\nQuestion: x", ["Question:", "\n\n"]) == "abc"
+    assert cut_at_stop("no stop here", ["Q:"]) == "no stop here"
+    full = lm.generate("The capital of", [], 30)
+    stop = full[5:8]
+    out = lm.generate_until([Req("The capital of", {"until": [stop], "max_gen_toks": 30})])[0]
+    assert out == full.split(stop, 1)[0] and stop not in out
+    assert len(greedy_generate(lm.model, lm.tok_encode("The capital of"), 3)) == 3  # max_gen_toks
+
+
+def _tiny_cfg(tmp_path):
+    from stem import config as C
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg["world"] = WORLD
+    return cfg
+
+
+def test_fixture_task_runs_through_simple_evaluate(lm, tmp_path):
+    cfg = _tiny_cfg(tmp_path)
+    fx = {**cfg["eval"]["fixtures"], "world": WORLD, "seed": 0, "items": 6, "train_items": 3,
+          "tasks": ["arc_easy", "boolq", "gsm8k", "longbench_hotpotqa", "longbench_lcc"],
+          "groups": {"longbench_multi": ["longbench_hotpotqa"], "longbench_code": ["longbench_lcc"],
+                     "longbench": ["longbench_multi", "longbench_code"]}}
+    fixtures.write_fixtures(fx, tmp_path / "fx")
+    assert "include:" in (tmp_path / "fx" / "arc_easy.yaml").read_text()
+    spec = run.suite_spec(cfg, "commonsense")
+    spec.update(tasks=["arc_easy", "boolq"], fixtures=str(tmp_path / "fx"))
+    out = run.evaluate(lm.pretrained, spec, tmp_path / "cs.json", tmp_path / "raw.json", lm=lm)
+    saved = json.loads((tmp_path / "cs.json").read_text())
+    assert saved["tasks"].keys() == {"arc_easy", "boolq"} == out["tasks"].keys()
+    for t in saved["tasks"].values():
+        assert 0 <= t["value"] <= 100 and t["n"] == 6 and t["version"] is not None and t["stderr"] is not None
+    assert saved["tasks"]["arc_easy"]["metric"] == "acc_norm,none"
+    assert "samples" in json.loads((tmp_path / "raw.json").read_text())
+    # generation task + per-length buckets
+    spec = run.suite_spec(cfg, "longbench")
+    spec["fixtures"] = str(tmp_path / "fx")
+    out = run.evaluate(lm.pretrained, spec, lm=lm, limit=4)
+    assert {"longbench", "longbench_multi", "longbench_code"} <= out["groups"].keys()
+    rows = out["by_length"]["table6"]
+    assert [r["range"] for r in rows][-1] == "600+"
+    assert sum(sum(r["n"].values()) for r in rows) == 8
+
+
+def test_gsm8k_fixture_schema(tmp_path):
+    fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 5, "train_items": 2, "tasks": ["gsm8k"]}, tmp_path)
+    docs = [json.loads(x) for x in (tmp_path / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    assert len(docs) == 5 and all(d["answer"].rsplit("#### ", 1)[1].lstrip("-").isdigit() for d in docs)
+
+
+def test_niah_cells(lm, tmp_path):
+    from stem.eval import niah
+    from stem.data import synth
+    docs = [d for d, _ in zip(synth.long_documents(synth.make_world(**WORLD), 0, 500, 1500), range(5))]
+    with pytest.raises(ValueError, match="no room"):
+        niah.make_items(lm.tok, docs, [16], [0], 1)
+    items = niah.make_items(lm.tok, docs, [224, 256], [0, 50, 100], 2)
+    assert all(len(lm.tok_encode(it["prompt"])) <= it["length"] for it in items)
+    res = niah.run(lm, items, 4)
+    assert [(c["length"], c["depth"]) for c in res["cells"]] == [(L, d) for L in (224, 256) for d in (0, 50, 100)]
+
+
+def test_by_length_buckets():
+    raw = {"group_subtasks": {"g": ["a", "b"]},
+           "samples": {"a": [{"doc": {"length": 10}, "score": 1.0}, {"doc": {"length": 50}, "score": 0.0}],
+                       "b": [{"doc": {"length": 15}, "score": 0.5}]}}
+    out = run.by_length(raw, {"t": [[0, 20], [20, None]]})
+    lo, hi = out["t"]
+    assert lo["groups"]["g"] == pytest.approx(75.0) and hi["groups"]["g"] == pytest.approx(0.0)
+    assert hi["tasks"] == {"a": 0.0} and hi["range"] == "20+"
+
+
+# ---- errors ------------------------------------------------------------------------------------------------
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no such folder"):
+        StemLM(str(tmp_path / "nope"))
+
+
+def test_checkpoint_without_tokenizer_is_a_clear_error(ckpt, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(ckpt, bad)
+    (bad / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="tokenizer.json is missing"):
+        StemLM(str(bad))
+
+
+def test_unknown_suite_and_task_are_clear_errors(lm, tmp_path):
+    cfg = _tiny_cfg(tmp_path)
+    with pytest.raises(ValueError, match="suite 'nope'"):
+        run.suite_spec(cfg, "nope")
+    with pytest.raises(ValueError, match="no fixture generator|no lm-eval task"):
+        fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 2, "train_items": 1, "tasks": ["nope"]}, tmp_path)
+    fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 2, "train_items": 1, "tasks": ["boolq"]}, tmp_path / "fx")
+    spec = run.suite_spec(cfg, "commonsense")
+    spec.update(tasks=["boolq", "not_a_task"], fixtures=str(tmp_path / "fx"))
+    with pytest.raises(ValueError, match="unknown task"):
+        run.evaluate(lm.pretrained, spec, lm=lm)
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    from stem.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["eval", "--checkpoint", str(tmp_path / "nope"), "--suite", "commonsense"])
+    assert "error:" in capsys.readouterr().err
+
+
+def test_tiny_dag_ends_in_eval_jsons():
+    from stem import config as C
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    targets = run.eval_targets(cfg)
+    assert "results/tiny/350m/stem/pretrain/eval/commonsense.json" in targets
+    assert "results/tiny/1b/dense/extend/eval/longbench.json" in targets
+    assert len(targets) == 9 + 2 * 3 + 2 * 4  # 7 350m + 2 1b pretrain; 2 midtrain x 3; 2 extend x 4
+    snakefile = (C.REPO / "Snakefile").read_text()
+    assert 'include: "rules/eval.smk"' in snakefile and "eval_outputs()" in snakefile

@@ -1,0 +1,22 @@
+"""Evaluate one checkpoint on one suite (spec resolved by the workflow from config `eval.suites`)."""
+from workflow_scripts._entry import parser, run, spec_of
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--raw", required=True)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None)
+    args = p.parse_args()
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from stem.eval.run import evaluate
+    spec = spec_of(args)
+    r = evaluate(args.checkpoint, spec, args.out, args.raw, limit=args.limit, device=spec.get("device"))
+    print({t: round(v["value"], 2) for t, v in r["tasks"].items() if v["value"] is not None}, r["wall_seconds"])
+
+
+run(main)
