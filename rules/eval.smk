@@ -20,7 +20,7 @@ rule eval_fixtures:
     conda:
         ENV
     shell:
-        "python workflow_scripts/eval_fixtures.py --spec {params.spec:q} --out {output} 2> {log}"
+        "python -m workflow_scripts.eval_fixtures --spec {params.spec:q} --out {output} 2> {log}"
 
 
 rule eval:
@@ -41,5 +41,5 @@ rule eval:
     conda:
         ENV
     shell:
-        "python workflow_scripts/eval_suite.py --spec {params.spec:q} --checkpoint {input.checkpoint}"
+        "python -m workflow_scripts.eval_suite --spec {params.spec:q} --checkpoint {input.checkpoint}"
         " --out {output.result} --raw {output.raw} --threads {threads} 2> {log}"

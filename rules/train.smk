@@ -97,9 +97,9 @@ rule train:
     conda:
         ENV
     shell:
-        "STEM_PARALLEL={params.strategy} python workflow_scripts/launch.py --nodes {resources.nodes}"
+        "STEM_PARALLEL={params.strategy} python -m workflow_scripts.launch --nodes {resources.nodes}"
         " --gpus-per-node {params.gpus_per_node} --cpus-per-node {resources.cpus_per_task} --"
-        " python workflow_scripts/train.py --spec {params.spec:q} --threads {threads} 2> {log}"
+        " python -m workflow_scripts.train --spec {params.spec:q} --threads {threads} 2> {log}"
 
 
 use rule train as train_multinode with:

@@ -11,4 +11,5 @@ def main():
     print(f"{len(m['tasks'])} tasks, {len(m['groups'])} groups -> {args.out}")
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)

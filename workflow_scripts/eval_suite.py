@@ -19,4 +19,5 @@ def main():
     print({t: round(v["value"], 2) for t, v in r["tasks"].items() if v["value"] is not None}, r["wall_seconds"])
 
 
-run(main)
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,16 @@
+"""Compare the reproduced tables with the paper's cells; write diff.md, CSVs and summary.json."""
+from workflow_scripts._entry import parser, run, spec_of
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--reproduced", required=True)
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args()
+    from stem.report.build import load_reproduced, paper_accounting, run_diff, write_diff
+    cfg = spec_of(args)
+    write_diff(args.out_dir, *run_diff(cfg, load_reproduced(args.reproduced), paper_acct=paper_accounting()))
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,22 @@
+"""Draw one figure of the report (PNG and PDF)."""
+from workflow_scripts._entry import parser, run, spec_of
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--name", required=True)
+    p.add_argument("--results", default="results")
+    p.add_argument("--reproduced", required=True)
+    p.add_argument("--png", required=True)
+    p.add_argument("--pdf", required=True)
+    args = p.parse_args()
+    from stem.report.build import load_reproduced
+    from stem.report.figures import draw, save
+    from stem.report.results import Results
+    cfg = spec_of(args)
+    save(draw(args.name, cfg, Results(cfg["experiment"], args.results), load_reproduced(args.reproduced)),
+         args.png, args.pdf)
+
+
+if __name__ == "__main__":
+    run(main)

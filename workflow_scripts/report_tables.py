@@ -1,0 +1,17 @@
+"""Build the paper's tables (1-6 and Figure 1b's data) from whatever results exist."""
+from workflow_scripts._entry import parser, run, spec_of
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--results", default="results")
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args()
+    from stem.report.build import write_tables
+    from stem.report.results import Results
+    cfg = spec_of(args)
+    write_tables(cfg, Results(cfg["experiment"], args.results), args.out_dir)
+
+
+if __name__ == "__main__":
+    run(main)
