@@ -31,18 +31,8 @@ def greedy_generate(model, ids: list[int], max_new: int, eos_id: int | None = No
 
 
 def _forward(model, ids, positions, mask, cache: KVCache):
-    """The model's forward with an explicit attention mask (``Transformer.forward`` builds its own,
-    which cannot exclude left padding); same modules, same order; logits of the last position only."""
-    from stem.models.rope import rope_cos_sin
-
-    if int(positions.max()) >= model.cfg.max_seq_len:
-        raise ValueError(f"generation past max_seq_len={model.cfg.max_seq_len}")
-    cos, sin = rope_cos_sin(positions, model.inv_freq, model.rope_mscale)
-    x = model.tok_emb(ids)
-    for i, layer in enumerate(model.layers):
-        x = layer(x, ids, cos, sin, mask, cache, i)
-    cache.length += ids.shape[1]
-    return model.lm_head(model.norm(x[:, -1]))
+    """Logits of the last position, with an explicit mask that excludes the left padding."""
+    return model(ids, positions=positions, cache=cache, attn_mask=mask)[:, -1]
 
 
 @torch.no_grad()

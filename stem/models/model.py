@@ -121,14 +121,19 @@ class Transformer(nn.Module):
         self.dse_compress.copy_(torch.arange(self.cfg.vocab_size))
 
     # ---- forward --------------------------------------------------------------------------------
-    def forward(self, ids, targets=None, positions=None, cache: KVCache | None = None):
+    def forward(self, ids, targets=None, positions=None, cache: KVCache | None = None, attn_mask=None):
+        """``attn_mask`` (with ``positions``) overrides the mask built here, e.g. for left-padded batched
+        decoding; it is a boolean (B, 1, T, S) mask of allowed keys."""
         b, t = ids.shape
         offset = cache.length if cache is not None else 0
-        if offset + t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {offset + t} exceeds max_seq_len={self.cfg.max_seq_len} "
+        length = offset + t if attn_mask is None else int(positions.max()) + 1
+        if length > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {length} exceeds max_seq_len={self.cfg.max_seq_len} "
                              "(raise max_seq_len together with a rope_scaling for longer contexts)")
         doc_ids = None
-        if positions is None:
+        if attn_mask is not None:
+            mask = attn_mask
+        elif positions is None:
             positions = torch.arange(offset, offset + t, device=ids.device).expand(b, t)
             mask = None if offset == 0 else self._cache_mask(t, offset, ids.device)
         else:
