@@ -21,7 +21,7 @@ smoke: $(STAMP)
 	echo "smoke: workflow finished in $$(( $$(date +%s) - start )) s; results in results/tiny, reports in reports/tiny"
 
 test: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -p no:cacheprovider
 
 lint: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --lint
