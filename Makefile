@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 smoke: $(STAMP)
 	@start=$$(date +%s); \
 	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --profile profiles/local --cores $(CORES) && \
-	echo "smoke: workflow finished in $$(( $$(date +%s) - start )) s; results in results/tiny, reports in reports/tiny"
+	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --profile profiles/local --report reports/tiny/report.html && \
+	echo "smoke: workflow finished in $$(( $$(date +%s) - start )) s; results in results/tiny;" \
+	     "report: reports/tiny/README.md and reports/tiny/report.html"
 
 test: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -p no:cacheprovider

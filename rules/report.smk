@@ -1,4 +1,19 @@
-# Reports: the accounting table (more tables, figures and the paper diff come with the aggregate stage).
+# Reports: parameter accounting, then the aggregate stage - the paper's tables, the paper diff, the figures
+# and reports/{experiment}/README.md - rebuilt from whatever results exist (gaps shown, never zeros).
+#   snakemake --profile profiles/local --report reports/tiny/report.html   # Snakemake's HTML report
+from functools import partial  # noqa: E402
+
+from stem.report import workflow as RW  # noqa: E402
+from stem.report.build import TABLES as REPORT_TABLES  # noqa: E402
+from stem.report.figures import FIGURES as REPORT_FIGURES  # noqa: E402
+from stem.report.tables import experiment_label  # noqa: E402
+
+# Eval JSONs of this experiment: rules/eval.smk defines eval_outputs() (none without it).
+eval_results = lambda: globals().get("eval_outputs", list)()  # noqa: E731
+report_outputs = partial(RW.report_outputs, EXP)  # used by `rule all` in the Snakefile
+
+
+report: "../stem/report/captions/workflow.rst"
 
 
 rule params:
@@ -12,4 +27,109 @@ rule params:
     conda:
         ENV
     shell:
-        "python {SCRIPTS}/params.py --spec {params.cfg:q} --csv {output.csv} --md {output.md} 2> {log}"
+        "python -m workflow_scripts.params --spec {params.cfg:q} --csv {output.csv} --md {output.md} 2> {log}"
+
+
+rule report_tables:
+    input:
+        summaries=lambda w: train_outputs(),
+        evals=lambda w: eval_results(),
+    output:
+        **{
+            name: report(
+                f"reports/{{experiment}}/tables/{name}.csv",
+                caption="../stem/report/captions/table.rst",
+                category="Tables",
+                labels={"table": name},
+            )
+            for name in REPORT_TABLES
+        },
+        md=expand("reports/{{experiment}}/tables/{name}.{ext}", name=REPORT_TABLES, ext=["md", "tex"]),
+        long="reports/{experiment}/tables/reproduced.csv",
+    params:
+        spec=lambda w: as_json(config),
+        label=lambda w: experiment_label(w.experiment),
+        out=lambda w: f"reports/{w.experiment}/tables",
+    log:
+        "logs/{experiment}/report_tables.log",
+    conda:
+        ENV
+    shell:
+        "python -m workflow_scripts.report_tables --spec {params.spec:q} --out-dir {params.out} 2> {log}"
+
+
+rule report_diff:
+    input:
+        "reports/{experiment}/tables/reproduced.csv",
+    output:
+        md=report(
+            "reports/{experiment}/diff/diff.md",
+            caption="../stem/report/captions/diff.rst",
+            category="Paper diff",
+        ),
+        cells="reports/{experiment}/diff/cells.csv",
+        directions="reports/{experiment}/diff/directions.csv",
+        consistency="reports/{experiment}/diff/paper_consistency.csv",
+        summary="reports/{experiment}/diff/summary.json",
+    params:
+        spec=lambda w: as_json(config),
+        label=lambda w: experiment_label(w.experiment),
+        out=lambda w: f"reports/{w.experiment}/diff",
+    log:
+        "logs/{experiment}/report_diff.log",
+    conda:
+        ENV
+    shell:
+        "python -m workflow_scripts.report_diff --spec {params.spec:q} --reproduced {input} --out-dir {params.out} "
+        "2> {log}"
+
+
+rule report_figure:
+    input:
+        unpack(lambda w: RW.figure_inputs(config, eval_results(), w.figure)),
+    output:
+        png=report(
+            "reports/{experiment}/figures/{figure}.png",
+            caption="../stem/report/captions/figure.rst",
+            category="Figures",
+            labels={"figure": "{figure}"},
+        ),
+        pdf="reports/{experiment}/figures/{figure}.pdf",
+    wildcard_constraints:
+        figure="|".join(REPORT_FIGURES),
+    params:
+        spec=lambda w: as_json(config),
+        caption=lambda w: REPORT_FIGURES[w.figure][2],
+    log:
+        "logs/{experiment}/report_figure_{figure}.log",
+    conda:
+        ENV
+    shell:
+        "MPLBACKEND=Agg python -m workflow_scripts.report_figure --spec {params.spec:q} --name {wildcards.figure} "
+        "--reproduced {input.tables} --png {output.png} --pdf {output.pdf} 2> {log}"
+
+
+rule report_readme:
+    input:
+        tables="reports/{experiment}/tables/reproduced.csv",
+        diff="reports/{experiment}/diff/summary.json",
+        params="reports/{experiment}/params.md",
+        figures=expand("reports/{{experiment}}/figures/{figure}.png", figure=REPORT_FIGURES),
+    output:
+        report(
+            "reports/{experiment}/README.md",
+            caption="../stem/report/captions/readme.rst",
+            category="Report",
+        ),
+    params:
+        spec=lambda w: as_json(config),
+        label=lambda w: experiment_label(w.experiment),
+        figures=" ".join(REPORT_FIGURES),
+        out=lambda w: f"reports/{w.experiment}",
+    log:
+        "logs/{experiment}/report_readme.log",
+    conda:
+        ENV
+    shell:
+        "python -m workflow_scripts.report_readme --spec {params.spec:q} --report-dir {params.out} "
+        "--figures {params.figures} --out {output} 2> {log}"

@@ -39,6 +39,61 @@ def cmd_train(args):
     print(json.dumps(train(C.train_spec(cfg, args.scale, args.variant, args.stage), threads=args.threads), indent=2))
 
 
+def cmd_eval(args):
+    from stem.eval import run
+    if args.bench:
+        from stem.eval.bench import bench
+        print(json.dumps(bench(args.checkpoint, device=args.device), indent=2))
+        return
+    if not args.suite:
+        raise C.ConfigError("--suite is required (or --bench)")
+    spec = run.suite_spec(experiment_config(args.experiment), args.suite)
+    raw = args.out[:-5] + ".raw.json" if args.out and args.out.endswith(".json") else None
+    r = run.evaluate(args.checkpoint, spec, args.out, raw, limit=args.limit, device=args.device)
+    print(json.dumps({k: r[k] for k in ("suite", "checkpoint", "limit", "tasks", "groups", "wall_seconds")}, indent=2))
+
+
+def cmd_diff(args):
+    """Rebuild the tables from results/, diff them against the paper, print (and optionally write) it."""
+    from stem.report.build import paper_accounting, run_diff, write_diff, write_tables
+    from stem.report.results import Results
+    cfg = experiment_config(args.experiment)
+    res = Results(cfg["experiment"], args.results)
+    if args.write:
+        ours = write_tables(cfg, res, f"reports/{cfg['experiment']}/tables")
+    else:
+        from stem.report.tables import build_all
+        ours = build_all(cfg, res)
+    out = run_diff(cfg, ours, args.gate, args.gate_tolerance, paper_acct=paper_accounting())
+    if args.write:
+        write_diff(f"reports/{cfg['experiment']}/diff", *out)
+    from stem.report.diff import render
+    print(json.dumps(out[0], indent=2, default=float) if args.json else render(*out))
+    if out[4] is not None and len(out[4]):
+        print(f"gate failed: {len(out[4])} chosen cells missing or beyond tolerance: "
+              + ", ".join(out[0]["gate"]["failed"]), file=sys.stderr)
+        sys.exit(2)
+
+
+def cmd_memory(args):
+    from stem.train import distributed as D
+    cfg = experiment_config(args.experiment)
+    cluster = cfg.get("cluster") or {}
+    strategy = args.strategy or cluster.get("strategy", "fsdp")
+    print(f"Per-GPU memory estimate, experiment '{args.experiment}' (strategy {strategy}; an estimate: allocator "
+          "fragmentation and workspaces come on top)")
+    for scale, variant, stage in C.train_targets(cfg):
+        if (args.scale and scale != args.scale) or (args.variant and variant != args.variant):
+            continue
+        tc = C.train_spec(cfg, scale, variant, stage)["train"]
+        t = (cluster.get("train") or {}).get(scale) or {}
+        world = args.gpus or max(1, t.get("nodes", 1) * t.get("gpus_per_node", 1))
+        model = C.model_config_for(cfg, scale, variant, stage).build("meta")
+        micro, _ = D.local_micro_batch(tc["batch_size"], tc["micro_batch"], world)
+        est = D.memory_estimate(model, micro, tc["seq_len"], world, strategy, bool(tc.get("activation_checkpointing")))
+        print(f"{scale}/{variant}/{stage}: {D.describe_estimate(est)}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m stem", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -63,6 +118,33 @@ def main(argv=None):
     t.add_argument("--stage", default="pretrain")
     t.add_argument("--threads", type=int)
     t.set_defaults(fn=cmd_train)
+    e = sub.add_parser("eval", help="evaluate a checkpoint on a suite (outside the workflow), or benchmark the evaluator")
+    e.add_argument("--checkpoint", required=True, help="a checkpoint folder written by a training stage")
+    e.add_argument("--suite", help="a suite of the experiment config's eval.suites")
+    e.add_argument("--experiment", default="tiny", help="config whose suites (and fixtures) to use")
+    e.add_argument("--limit", type=int, help="at most this many items per task (quick looks)")
+    e.add_argument("--device")
+    e.add_argument("--out", help="normalised result JSON (raw lm-eval output goes beside it, as *.raw.json)")
+    e.add_argument("--bench", action="store_true", help="print loglikelihood requests/s and generation tokens/s")
+    e.set_defaults(fn=cmd_eval)
+    d = sub.add_parser("diff", help="reproduced tables vs the paper's, cell by cell")
+    d.add_argument("--experiment", default="tiny")
+    d.add_argument("--results", default="results", help="folder holding {experiment}/ results")
+    d.add_argument("--gate", action="append", default=[], metavar="PATTERN",
+                   help="exit 2 if a cell matching PATTERN (table/scale/variant/column, shell wildcards, e.g. "
+                        "'table3/350m/*/avg') is missing or beyond tolerance; repeatable")
+    d.add_argument("--gate-tolerance", type=float, help="absolute tolerance for the gated cells (default: per unit, "
+                                                        "config report.tolerance)")
+    d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
+    d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
+    d.set_defaults(fn=cmd_diff)
+    m = sub.add_parser("memory", help="per-GPU memory estimate of every training job at the configured parallelism")
+    m.add_argument("--experiment", default="paper")
+    m.add_argument("--scale")
+    m.add_argument("--variant")
+    m.add_argument("--gpus", type=int, help="world size (default: the config's cluster.train nodes x gpus_per_node)")
+    m.add_argument("--strategy", choices=["fsdp", "ddp"])
+    m.set_defaults(fn=cmd_memory)
     args = p.parse_args(argv)
     try:
         args.fn(args)

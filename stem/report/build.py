@@ -56,7 +56,7 @@ def load_reproduced(path) -> dict[str, pd.DataFrame]:
 def paper_accounting() -> dict:
     """Accounting of config/paper.yaml's Table 3 models (for the paper-consistency checks)."""
     from stem import config as C
-    cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")
+    cfg = C.read_yaml(C.REPO / "config" / "paper.yaml")  # only archs / variant_overrides are used
     t3 = P.load_table("table3")
     return {(s, v): T.accounting(cfg, s, v) for s, v in t3[["scale", "variant"]].drop_duplicates().itertuples(index=False)}
 
@@ -92,7 +92,7 @@ def readme(cfg: dict, report_dir, figures: list[str]) -> str:
     exp, label = cfg["experiment"], T.experiment_label(cfg)
     s = json.loads((rd / "diff" / "summary.json").read_text())
     diff_md = (rd / "diff" / "diff.md").read_text()
-    summary = diff_md.split("## Summary", 1)[-1].split("## Side by side", 1)[0]
+    summary = diff_md.split("\n", 1)[-1].split("## Side by side", 1)[0].replace("\n## ", "\n### ")
     md = [f"# STEM reproduction report — {label}", ""]
     if exp != "paper":
         md += [f"> Every number below was produced by the **{exp}** experiment (config/{exp}.yaml). It is not a "

@@ -68,6 +68,8 @@ def compare(ours: dict[str, pd.DataFrame], tol: dict) -> pd.DataFrame:
         key = (c.table, c.scale, c.variant, c.column)
         value = mine.get(key, math.nan)
         t = tolerance_for(c.column, c.unit, tol)
+        if c.column == "train_tokens":  # the paper rounds token counts ("100 billion"): 5% relative
+            t = 0.05 * float(c.value)
         if isinstance(c.value, str) or isinstance(value, str):
             delta = math.nan
             status = "missing" if T._isnan(value) else (
@@ -181,12 +183,15 @@ def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistenc
             top: int = 10) -> dict:
     numeric = cells.dropna(subset=["delta"]).copy()
     numeric["gap"] = numeric["delta"].abs() / numeric["tolerance"].where(numeric["tolerance"] > 0, 1.0)
-    largest = numeric[(numeric["status"] == "drift") & (numeric["table"] != "table2")]
+    arch = cells["unit"].isin(["B params", "GFLOPs/token"])
+    largest = numeric[(numeric["status"] == "drift") & (numeric["table"] != "table2")
+                      & ~numeric["unit"].isin(["B params", "GFLOPs/token"])]
     largest = largest.sort_values("gap", ascending=False).head(top)
     results, config = cells[cells["table"] != "table2"], cells[cells["table"] == "table2"]
     counts = results["status"].value_counts()
     return {
         "experiment": experiment, "label": T.experiment_label(experiment), "paper_scale": experiment == "paper",
+        "architecture_cells": int(arch.sum()), "architecture_matching": int((arch & (cells["status"] == "ok")).sum()),
         "config_cells": int(len(config)), "config_matching": int((config["status"] == "ok").sum()),
         "cells": int(len(results)), "within_tolerance": int(counts.get("ok", 0)),
         "beyond_tolerance": int(counts.get("drift", 0)), "missing": int(counts.get("missing", 0)),
@@ -219,9 +224,9 @@ def side_by_side(cells: pd.DataFrame, table: str) -> str:
         r = {"Scale": scale, "Model": label}
         for c in g.itertuples():
             s = f"{_num(c.ours, c.column, c.unit)} / {_num(c.paper, c.column, c.unit)}"
-            if not T._isnan(c.delta):
+            if not T._isnan(c.delta) and c.delta != 0:
                 s += f" ({_delta(c.delta)})"
-            r[T.COLUMN_LABELS.get(c.column, c.column)] = s + (" ⚠" if c.status == "drift" else "")
+            r[T.column_label(c.column)] = s + (" ⚠" if c.status == "drift" else "")
         out.append(r)
     return T.to_markdown(pd.DataFrame(out).fillna(""))
 
@@ -238,6 +243,8 @@ def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.Dat
     md += ["## Summary", "",
            f"- Published result cells compared: **{s['cells']}** — within tolerance: **{s['within_tolerance']}**, "
            f"beyond tolerance: **{s['beyond_tolerance']}**, missing (no result yet): **{s['missing']}**",
+           f"- Of these, parameter / GFLOPs cells (from the configured architectures): "
+           f"**{s['architecture_matching']}/{s['architecture_cells']}** within tolerance (see the Table 3 notes)",
            f"- Config vs Table 2: **{s['config_matching']}/{s['config_cells']}** hyperparameter cells match",
            f"- Directions (variant vs dense baseline, Tables 3–6): agree **{s['directions']['agree']}**, "
            f"disagree **{s['directions']['disagree']}**, missing **{s['directions']['missing']}**",
@@ -248,7 +255,7 @@ def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.Dat
         md += [f"- Gate: **{'FAILED' if len(gate_failures) else 'passed'}** ({len(gate_failures)} chosen cells "
                "missing or beyond tolerance)", ""]
     if s["largest_gaps"]:
-        md += ["### Largest gaps (in units of each cell's tolerance)", "",
+        md += ["### Largest gaps among result cells (accuracy, scores, ROI; in units of each cell's tolerance)", "",
                "| Cell | Ours | Paper | Delta | Tolerance |", "|---|---|---|---|---|"]
         md += [f"| {g['cell']} | {_num(g['ours'])} | {_num(g['paper'])} | {_delta(g['delta'])} | {g['tolerance']:g} |"
                for g in s["largest_gaps"]]

@@ -65,6 +65,10 @@ def _scaled(values, unit: str):
     return np.asarray(values), unit
 
 
+def _tokens(n) -> str:
+    return f"{n / 1024:g}K" if n >= 1024 and n % 1024 == 0 else f"{n / 1000:g}k" if n >= 1000 else f"{n:g}"
+
+
 def _missing(ax, text: str):
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4", wrap=True, fontsize=10)
     ax.set_xticks([])
@@ -133,7 +137,7 @@ def fig5b_loss_vs_flops(cfg, res, ours=None):
 def fig1a_val_ppl_vs_tokens(cfg, res, ours=None):
     return _curve_figure(cfg, res, "fig1a_val_ppl_vs_tokens", "tokens", "val_ppl", "training tokens",
                          "validation perplexity", "Fig. 1a: validation perplexity vs tokens, 1B",
-                         T.settings(cfg)["stages"]["table3"][0], logy=True)
+                         T.settings(cfg)["stages"]["table3"][0])
 
 
 def fig1b_niah(cfg, res, ours=None):
@@ -147,9 +151,13 @@ def fig1b_niah(cfg, res, ours=None):
     drawn = [v for v in variants if len(data[v])]
     for v in drawn:
         per_len = data[v].groupby("length")["accuracy"].mean()
-        ax.plot(per_len.index / 1000, per_len.values, "o-", color=COLORS.get(v), label=LABELS.get(v, v))
+        ax.plot(per_len.index, per_len.values, "o-", color=COLORS.get(v), label=LABELS.get(v, v))
     if drawn:
-        ax.set_xlabel("context length (K tokens)")
+        lengths = sorted({L for v in drawn for L in data[v]["length"]})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [_tokens(L) for L in lengths])
+        ax.minorticks_off()
+        ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("NIAH accuracy (%, mean over depths)")
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
@@ -163,10 +171,13 @@ def fig1b_niah(cfg, res, ours=None):
             continue
         grid = df.pivot_table(index="depth", columns="length", values="accuracy", aggfunc="mean")
         im = hax.imshow(grid.values, aspect="auto", origin="lower", vmin=0, vmax=100, cmap="RdYlGn")
-        hax.set_xticks(range(len(grid.columns)), [f"{c / 1000:g}K" for c in grid.columns], fontsize=8)
+        hax.set_xticks(range(len(grid.columns)), [_tokens(c) for c in grid.columns], fontsize=8)
         hax.set_yticks(range(len(grid.index)), [f"{d:g}" for d in grid.index], fontsize=8)
+        for (i, j), acc in np.ndenumerate(grid.values):
+            if not np.isnan(acc):
+                hax.text(j, i, f"{acc:.0f}", ha="center", va="center", fontsize=8)
         hax.set_xlabel("context length (tokens)")
-        hax.set_ylabel("needle depth (fraction of context)")
+        hax.set_ylabel("needle depth (% of context)")
         hax.set_title(LABELS.get(v, v), fontsize=10)
         fig.colorbar(im, ax=hax, label="accuracy (%)")
     _title(fig, "Fig. 1b: Needle-in-a-Haystack accuracy, 1B after context extension", cfg)
@@ -177,23 +188,30 @@ def roi_by_scale(cfg, res, ours):
     t3 = ours.get("table3", T.frame([]))
     paper = P.load_table("table3")
     scales = list(dict.fromkeys(list(t3["scale"]) or ["350m", "1b"]))
-    fig, axes = plt.subplots(1, len(scales), figsize=(6 * len(scales), 4.5), layout="constrained", squeeze=False)
+    per_scale = {s: T.ordered_variants(set(t3[t3["scale"] == s]["variant"]) | set(paper[paper["scale"] == s]["variant"]))
+                 for s in scales}
+    widths = [max(2, len(v)) for v in per_scale.values()]
+    fig, axes = plt.subplots(1, len(scales), figsize=(2 + 1.1 * sum(widths), 4.8), layout="constrained",
+                             squeeze=False, gridspec_kw={"width_ratios": widths})
     for ax, scale in zip(axes[0], scales):
         mine = t3[(t3["scale"] == scale) & (t3["column"] == "roi")]
-        variants = T.ordered_variants(set(mine["variant"]) | set(paper[paper["scale"] == scale]["variant"]))
+        variants = per_scale[scale]
         x = np.arange(len(variants))
         ours_v = [_get(mine, v) for v in variants]
         paper_v = [_get(paper[(paper["scale"] == scale) & (paper["column"] == "roi")], v) for v in variants]
         ax.bar(x - 0.2, np.nan_to_num(ours_v), 0.4, label=f"{cfg['experiment']} (this run)", color="#1f77b4")
         ax.bar(x + 0.2, np.nan_to_num(paper_v), 0.4, label="paper", color="0.7")
-        for xi, v in zip(x, ours_v):
+        for xi, v, pv in zip(x, ours_v, paper_v):
             ax.text(xi - 0.2, (0 if math.isnan(v) else v) + 0.01, "n/a" if math.isnan(v) else f"{v:.2f}",
-                    ha="center", va="bottom", fontsize=8)
+                    ha="center", va="bottom", fontsize=7, rotation=90 if not math.isnan(v) else 0)
+            if not math.isnan(pv):
+                ax.text(xi + 0.2, pv + 0.01, f"{pv:.2f}", ha="center", va="bottom", fontsize=7, color="0.35")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks(x, [LABELS.get(v, v) for v in variants], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("training ROI (x, dense baseline = 1)")
         ax.set_title(f"scale {scale}", fontsize=10)
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, max(1.5, np.nanmax(np.r_[ours_v, paper_v, 1.0]) * 1.15))
+        ax.legend(fontsize=8, loc="upper left")
     _title(fig, "Training ROI per scale (Table 3)", cfg)
     return fig
 
@@ -219,7 +237,7 @@ def paper_vs_ours(cfg, res, ours, table: str):
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
         ax.set_xlabel("paper (% / score)")
-        ax.set_ylabel(f"{cfg['experiment']} (% / score)")
+        ax.set_ylabel(f"reproduced, experiment {cfg['experiment']} (% / score)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     else:

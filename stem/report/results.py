@@ -131,6 +131,13 @@ def by_length(ev: dict | None) -> dict[tuple[str, float, float], float]:
     return out
 
 
+def range_rows(ev: dict | None, table: str) -> list[dict] | None:
+    """The eval harness's own per-table ranges: ``by_length[table]`` = [{"range", "lo", "hi", "groups":
+    {group: score}}, ...] in the order of the paper's columns (edges scaled to the experiment)."""
+    rows = ((ev or {}).get("by_length") or {}).get(table)
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
+
+
 def niah_cells(ev: dict | None) -> pd.DataFrame:
     """NIAH cells as a DataFrame [length, depth, accuracy] (accuracy in percent); empty if none."""
     rows = []

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from stem.report import paper_data as P
-from stem.report.results import Results, by_length, niah_cells, task_score
+from stem.report.results import Results, as_number, by_length, niah_cells, range_rows, task_score
 
 # Which training stage's checkpoint each table is evaluated on (first one with results wins).
 DEFAULTS = {
@@ -33,7 +33,14 @@ COLUMN_LABELS = {
     "lb_multi_lt4k": "Multi-hop <4k", "lb_multi_4_8k": "Multi-hop 4-8k", "lb_multi_ge8k": "Multi-hop >=8k",
     "lb_code_lt4k": "Code <4k", "lb_code_4_8k": "Code 4-8k", "lb_code_ge8k": "Code >=8k",
     "lb_0_2k": "0-2k", "lb_2_4k": "2-4k", "lb_4_6k": "4-6k", "lb_6_8k": "6-8k", "lb_8_10k": "8-10k",
-    "lb_10_12k": "10-12k", "lb_12k_plus": "12k+",
+    "lb_10_12k": "10-12k", "lb_12k_plus": "12k+", "d_model": "d", "d_ff": "d_ff", "seq_len": "L",
+    "ffn_flops": "FFN FLOPs", "stem_flops": "STEM FLOPs", "saved_flops": "Saved FLOPs",
+    "ffn_param_loading": "FFN param loads", "stem_param_loading": "STEM param loads",
+    "saving_fraction": "Saving % (formula)", "saving_fraction_paper": "Saving % (paper)",
+    "peak_lr": "Peak LR", "lr_schedule": "LR schedule", "batch_size": "Batch size", "max_seq_len": "Max seq len",
+    "train_steps": "Steps", "cross_doc_masking": "Cross-doc masking", "train_tokens": "Tokens",
+    "weight_decay": "WD", "beta1": "beta1", "beta2": "beta2", "warmup_ratio": "Warmup", "min_lr_ratio": "Min LR ratio",
+    "niah_gap_shortest": "STEM gap, shortest", "niah_gap_longest": "STEM gap, longest",
 }
 UNITS = {"total_params_b": "B params", "total_params_exact_b": "B params", "active_params_b": "B params",
          "gflops_per_token": "GFLOPs/token", "roi": "x (vs same-scale baseline)", "val_loss": "nats"}
@@ -45,6 +52,28 @@ LONGBENCH = {  # column -> (group, lo, hi) in thousands of tokens
     "lb_6_8k": ("overall", 6, 8), "lb_8_10k": ("overall", 8, 10), "lb_10_12k": ("overall", 10, 12),
     "lb_12k_plus": ("overall", 12, INF),
 }
+
+
+# column -> (groups to read, index of the range) in the harness's by_length[table] rows (stem/eval/run.py)
+POSITIONAL = {
+    "table5": {**{c: (("longbench_multi", "multi"), i) for i, c in enumerate(P.TASKS["table5"][2:5])},
+               **{c: (("longbench_code", "code"), i) for i, c in enumerate(P.TASKS["table5"][5:8])}},
+    "table6": {c: (("longbench", "all", "overall"), i) for i, c in enumerate(P.TASKS["table6"])},
+}
+
+
+def longbench_cell(ev: dict | None, table: str, column: str) -> tuple[float | None, str]:
+    """A LongBench range score: by position in the harness's ``by_length[table]`` rows, else by parsing
+    range labels (e.g. {"multi": {"<4k": ..}})."""
+    rows = range_rows(ev, table)
+    if rows is not None:
+        names, i = POSITIONAL[table][column]
+        if i < len(rows):
+            groups = rows[i].get("groups") or {}
+            value = next((as_number(groups[n]) for n in names if as_number(groups.get(n)) is not None), None)
+            return value, f"range {rows[i].get('range', i)}"
+        return None, "range missing"
+    return by_length(ev).get(LONGBENCH[column]), "by_length"
 
 
 def settings(cfg: dict) -> dict:
@@ -103,8 +132,15 @@ def ordered_variants(variants) -> list[str]:
     return sorted(variants, key=lambda v: VARIANT_ORDER.index(v) if v in VARIANT_ORDER else len(VARIANT_ORDER))
 
 
+SCALE_ORDER = ("350m", "1b")
+
+
+def ordered_scales(scales) -> list[str]:
+    return sorted(scales, key=lambda s: SCALE_ORDER.index(s) if s in SCALE_ORDER else len(SCALE_ORDER))
+
+
 def scales_with(cfg: dict, stage: str) -> list[str]:
-    return [s for s, m in cfg["matrix"].items() if stage in m["stages"]]
+    return ordered_scales(s for s, m in cfg["matrix"].items() if stage in m["stages"])
 
 
 @lru_cache(maxsize=None)
@@ -193,11 +229,10 @@ def longbench_table(table: str, cfg: dict, res: Results) -> pd.DataFrame:
     for scale in scales_with(cfg, stages[0]):
         for v in ordered_variants(cfg["matrix"][scale]["variants"]):
             lb, lb_stage = res.first_eval(scale, v, stages, "longbench")
-            buckets = by_length(lb)
             for col in P.TASKS[table]:
                 if col in LONGBENCH:
-                    value = buckets.get(LONGBENCH[col])
-                    src = f"{scale}/{v}/{lb_stage}/eval/longbench.json by_length" if lb else "missing"
+                    value, where = longbench_cell(lb, table, col)
+                    src = f"{scale}/{v}/{lb_stage}/eval/longbench.json {where}" if lb else "missing"
                 else:  # bbh, musr
                     ev, stage = res.first_eval(scale, v, stages, col)
                     value, src = task_score(ev, col), (f"{scale}/{v}/{stage}/eval/{col}.json" if ev else "missing")
@@ -236,10 +271,11 @@ def table1(cfg: dict) -> pd.DataFrame:
     cells = []
     archs = [(s, "arch", f"{cfg['experiment']} {s}", a["d_model"], a["d_ff"],
               cfg["stages"]["pretrain"][s]["seq_len"] if s in cfg["stages"].get("pretrain", {}) else a["max_seq_len"])
-             for s, a in cfg["archs"].items()]
+             for s, a in ((s, cfg["archs"][s]) for s in ordered_scales(cfg["archs"]))]
     for (v, row), g in P.load_table("qwen25_architectures").groupby(["variant", "row"], sort=False):
         r = dict(zip(g["column"], g["value"]))
         archs.append(("", v, row, r["d_model"], r["d_ff"], r["seq_len"]))
+    printed = P.load_table("table1_saving_fractions").set_index("variant")["value"]
     for scale, variant, label, d, d_ff, L in archs:
         d, d_ff, L = int(d), int(d_ff), int(L)
         for col, val, unit in [("d_model", d, ""), ("d_ff", d_ff, ""), ("seq_len", L, "tokens"),
@@ -250,6 +286,9 @@ def table1(cfg: dict) -> pd.DataFrame:
                                ("stem_param_loading", 2 * d * d_ff, "params/step/layer"),
                                ("saving_fraction", saving_fraction(d, d_ff, L), "%")]:
             cells.append(cell("table1", scale, variant, col, val, "Table 1 formulas", row=label, unit=unit))
+        if variant in printed.index:
+            cells.append(cell("table1", scale, variant, "saving_fraction_paper", printed[variant],
+                              "Sec. 3.2.3 (printed)", row=label, unit="%"))
     return frame(cells)
 
 
@@ -308,9 +347,15 @@ def wide(df: pd.DataFrame) -> pd.DataFrame:
     for (scale, variant, row), g in df.groupby(["scale", "variant", "row"], sort=False):
         r = {"Scale": scale, "Model": row}
         for _, c in g.iterrows():
-            r[COLUMN_LABELS.get(c["column"], c["column"])] = fmt(c["value"], c["column"], c["unit"])
+            r[column_label(c["column"])] = fmt(c["value"], c["column"], c["unit"])
         out.append(r)
     return pd.DataFrame(out).fillna("—")
+
+
+def column_label(column: str) -> str:
+    if column.startswith("niah_") and column[5:].isdigit():
+        return f"NIAH @{column[5:]}"
+    return COLUMN_LABELS.get(column, column)
 
 
 def to_markdown(w: pd.DataFrame) -> str:
@@ -338,7 +383,8 @@ def to_latex(w: pd.DataFrame, caption: str) -> str:
 
 
 TITLES = {
-    "table1": "Table 1: per-layer FFN vs STEM cost (per token) and saving fraction d_ff/(4d+2L+3d_ff)",
+    "table1": "Table 1: per-layer FFN vs STEM cost per token (FLOPs; parameter loads per decode step) and saving "
+              "fraction d_ff/(4d+2L+3d_ff)",
     "table2": "Table 2: training hyperparameters (this experiment's config)",
     "table3": "Table 3: pretrained models, zero-shot commonsense accuracy (%), parameters, GFLOPs/token, ROI",
     "table4": "Table 4: mid-trained models (%)",

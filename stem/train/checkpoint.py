@@ -25,6 +25,9 @@ def atomic_write_text(path, text: str):
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a result file is as readable as any other
     os.replace(tmp, path)
 
 

@@ -1,0 +1,283 @@
+"""Aggregate stage: tables from results, the paper diff, figures and the README.
+
+Results are synthetic (``write_results`` below writes summaries, metrics and eval JSONs in the agreed
+format for the tiny experiment), so these tests do not need a trained model and run in seconds.
+"""
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from stem import config as C
+from stem.report import build as B
+from stem.report import diff as D
+from stem.report import figures as F
+from stem.report import paper_data as P
+from stem.report import tables as T
+from stem.report.results import Results, by_length, parse_range, task_score
+
+MISSING = ("350m", "stem_gate")  # no commonsense eval for this model in the fixture: a gap, not a zero
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+def paper_scores(table, scale, variant, offset=0.0):
+    df = P.load_table(table)
+    df = df[(df["scale"] == scale) & (df["variant"] == variant)]
+    return {c: v + offset for c, v in zip(df["column"], df["value"])}
+
+
+def eval_json(cfg, scale, variant, stage, suite, offset):
+    base = {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage, "suite": suite,
+            "checkpoint": "x", "limit": None, "tasks": {}, "groups": {}}
+    entry = lambda v: {"metric": "acc,none", "value": v, "stderr": 1.0, "n": 40}  # noqa: E731
+    p3 = paper_scores("table3", "1b" if scale == "1b" else "350m", variant if variant != "dse" else "dense", offset)
+    p5 = paper_scores("table5", "1b", "stem" if variant != "dense" else "dense", offset)
+    p6 = paper_scores("table6", "1b", "stem" if variant != "dense" else "dense", offset)
+    if suite == "commonsense":
+        base["tasks"] = {t: entry(p3[t]) for t in P.COMMONSENSE_TASKS}
+    elif suite in ("mmlu", "bbh"):
+        base["groups"] = {suite: entry(p5.get(suite, 30.0))}
+        base["tasks"] = {f"{suite}_sub": entry(1.0)}
+    elif suite == "musr":
+        base["groups"] = {"leaderboard_musr": entry(p5["musr"])}
+    elif suite == "gsm8k":
+        base["tasks"] = {"gsm8k": entry(40.0 + offset)}
+    elif suite == "longbench":
+        t5 = P.TASKS["table5"]
+        base["by_length"] = {
+            "field": "length", "metric": "score",
+            "table5": [{"range": r, "groups": {"longbench_multi": p5[m], "longbench_code": p5[c]}}
+                       for r, m, c in zip(["0-200", "200-400", "400+"], t5[2:5], t5[5:8])],
+            "table6": [{"range": f"{i}", "groups": {"longbench": p6[c], "all": 0.0}}
+                       for i, c in enumerate(P.TASKS["table6"])]}
+    elif suite == "niah":
+        acc = 60.0 + offset
+        base["cells"] = [{"length": L, "depth": d, "accuracy": max(0.0, acc - L / 64 + d / 10), "n": 4}
+                         for L in (256, 512, 1024) for d in (0, 50, 100)]
+    return base
+
+
+def write_results(root, cfg, skip=(MISSING,)):
+    rng = np.random.default_rng(0)
+    stage_suites = {"pretrain": ["commonsense"], "midtrain": ["commonsense", "mmlu", "gsm8k"],
+                    "extend": ["niah", "bbh", "musr", "longbench"]}
+    for scale, variant, stage in C.train_targets(cfg):
+        d = root / cfg["experiment"] / scale / variant / stage
+        (d / "eval").mkdir(parents=True)
+        steps = np.arange(1, 201)
+        loss = 7 * np.exp(-steps / 40) + 3 + 0.02 * rng.standard_normal(len(steps))
+        if variant == "hashmoe":
+            loss[[120, 160]] += 1.0  # two spikes
+        with open(d / "metrics.jsonl", "w") as f:
+            for s, l in zip(steps, loss):
+                row = {"step": int(s), "tokens": int(s) * 2048, "loss": float(l), "train_flops": float(s) * 1e10}
+                if s % 50 == 0:
+                    row.update(val_loss=float(l), val_ppl=float(np.exp(l)))
+                f.write(json.dumps(row) + "\n")
+        (d / "summary.json").write_text(json.dumps({"final_val_loss": float(loss[-1]), "tokens": 409600}))
+        for suite in stage_suites[stage]:
+            if (scale, variant) in skip and suite == "commonsense":
+                continue
+            offset = {"dense": 0.0}.get(variant, 1.0)
+            (d / "eval" / f"{suite}.json").write_text(json.dumps(eval_json(cfg, scale, variant, stage, suite, offset)))
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg():
+    return C.load_experiment(C.REPO / "config" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory, tiny_cfg):
+    root = tmp_path_factory.mktemp("results")
+    write_results(root, tiny_cfg)
+    return Results("tiny", root)
+
+
+@pytest.fixture(scope="module")
+def tiny_tables(tiny_cfg, tiny_results):
+    return T.build_all(tiny_cfg, tiny_results)
+
+
+def paper_as_ours():
+    return {t: P.load_table(t) for t in D.COMPARED}
+
+
+def value(df, scale, variant, column):
+    hit = df[(df["scale"] == scale) & (df["variant"] == variant) & (df["column"] == column)]["value"]
+    assert len(hit) == 1, (scale, variant, column)
+    return hit.iloc[0]
+
+
+# ---- golden: the paper's own numbers through the aggregation ---------------------------------------
+@pytest.mark.parametrize("table", ["table3", "table4"])
+def test_golden_paper_numbers_reproduce_avg_and_roi(table):
+    df = P.load_table(table)
+    rows = []
+    for (scale, variant), g in df.groupby(["scale", "variant"], sort=False):
+        v = dict(zip(g["column"], g["value"]))
+        acct = {"paper_total_params": v.get("total_params_b", 0) * 1e9, "total_params": 0,
+                "active_params": v.get("active_params_b", 0) * 1e9, "gflops_per_token": v.get("gflops_per_token")}
+        rows.append((scale, variant, v, acct if table == "table3" else None, "paper"))
+    ours = T.accuracy_table(table, rows)
+    for (scale, variant), g in df.groupby(["scale", "variant"]):
+        printed = dict(zip(g["column"], g["value"]))
+        assert value(ours, scale, variant, "avg") == pytest.approx(printed["avg"], abs=0.005)
+        if table == "table3":
+            assert round(value(ours, scale, variant, "roi"), 2) == pytest.approx(printed["roi"], abs=1e-9)
+
+
+def test_average_and_roi_leave_gaps_not_zeros():
+    scores = dict.fromkeys(P.COMMONSENSE_TASKS, 50.0)
+    assert T.average(scores) == 50.0
+    del scores["boolq"]
+    assert math.isnan(T.average(scores))
+    assert math.isnan(T.roi(math.nan, 0.7, 49.72, 0.74))
+    assert T.roi(50.90, 0.70, 49.72, 0.74) == pytest.approx(1.0822, abs=1e-4)
+
+
+# ---- tables from results -------------------------------------------------------------------------
+def test_tables_from_results(tiny_tables):
+    t3 = tiny_tables["table3"]
+    assert value(t3, "350m", "dense", "arc_easy") == pytest.approx(57.66)
+    assert value(t3, "350m", "stem", "avg") == pytest.approx(50.90 + 1.0, abs=0.006)
+    assert value(t3, "350m", "dense", "roi") == pytest.approx(1.0)
+    assert math.isnan(value(t3, *MISSING, "arc_easy"))  # missing eval: a gap ...
+    assert math.isnan(value(t3, *MISSING, "roi"))
+    assert value(t3, *MISSING, "active_params_b") > 0  # ... while the accounting is still there
+    assert T.wide(t3).set_index("Model").loc["STEM (gate-proj)", "ARC-E"] == "—"
+    t4, t5, t6 = tiny_tables["table4"], tiny_tables["table5"], tiny_tables["table6"]
+    assert value(t4, "1b", "stem", "gsm8k") == 41.0 and value(t4, "1b", "dense", "mmlu") == 30.0
+    assert value(t5, "1b", "stem", "musr") == pytest.approx(37.38)
+    assert value(t5, "1b", "dense", "lb_code_4_8k") == pytest.approx(44.64)
+    assert value(t6, "1b", "stem", "lb_12k_plus") == pytest.approx(25.2)
+    fig1b = tiny_tables["figure1b"]
+    assert value(fig1b, "1b", "stem", "niah_gap_shortest") == pytest.approx(1.0)
+    assert set(T.table1({"experiment": "x", "archs": {}, "stages": {}})["variant"]) >= {"qwen2.5-3b"}
+
+
+def test_table_writers_show_gaps(tiny_tables):
+    w = T.wide(tiny_tables["table3"])
+    md, tex = T.to_markdown(w), T.to_latex(w, "Table 3")
+    assert "STEM (gate-proj) | " in md and "—" in md
+    assert r"\begin{tabular}" in tex and "--" in tex and r"$^\dagger$" in tex
+    assert " 0.00 " not in md.split("STEM (gate-proj)")[1].split("\n")[0]
+
+
+def test_table2_from_config(tiny_cfg):
+    t2 = T.table2(C.read_yaml(C.REPO / "config" / "paper.yaml"))
+    assert value(t2, "350m", "pretrain", "peak_lr") == 2e-3
+    assert value(t2, "1b", "context_extend", "cross_doc_masking") == "Yes"
+    cells = D.compare({"table2": t2}, T.settings(tiny_cfg)["tolerance"])
+    t2c = cells[cells["table"] == "table2"].set_index(["scale", "variant", "column"])
+    assert t2c.loc[("350m", "pretrain", "peak_lr"), "status"] == "ok"
+    assert t2c.loc[("1b", "context_extend", "train_steps"), "status"] == "ok"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<4k", (0, 4)), ("4–8k", (4, 8)), ("≥8k", (8, math.inf)), ("12k+", (12, math.inf)), ("lb_multi_lt4k", (0, 4)),
+    ("lb_10_12k", (10, 12)), ("0-2000", (0, 2)), ("ge8k", (8, math.inf)), ("whatever", None)])
+def test_parse_range(text, expected):
+    assert parse_range(text) == expected
+
+
+def test_readers_are_defensive():
+    ev = {"suite": "gsm8k", "tasks": {"gsm8k_cot": {"value": 12.5}}, "groups": {},
+          "by_length": {"multi": {"<4k": {"value": 3.0}, "4-8k": 4}, "code": {"≥8k": 5}}}
+    assert task_score(ev, "gsm8k") == 12.5
+    assert task_score({"tasks": {"x": {"value": None}}}, "x") is None
+    assert task_score(None, "x") is None
+    assert by_length(ev) == {("multi", 0, 4): 3.0, ("multi", 4, 8): 4.0, ("code", 8, math.inf): 5.0}
+
+
+# ---- the diff ------------------------------------------------------------------------------------
+def test_diff_flags_changed_and_missing_cells(tiny_cfg):
+    ours = paper_as_ours()
+    t3 = ours["table3"]
+    t3.loc[(t3["scale"] == "350m") & (t3["variant"] == "stem") & (t3["column"] == "arc_easy"), "value"] += 5.0
+    ours["table3"] = t3[~((t3["scale"] == "1b") & (t3["variant"] == "stem") & (t3["column"] == "boolq"))]
+    cells = D.compare(ours, T.settings(tiny_cfg)["tolerance"]).set_index(["table", "scale", "variant", "column"])
+    changed = cells.loc[("table3", "350m", "stem", "arc_easy")]
+    assert changed["status"] == "drift" and changed["delta"] == pytest.approx(5.0)
+    assert cells.loc[("table3", "1b", "stem", "boolq"), "status"] == "missing"
+    others = cells.drop([("table3", "350m", "stem", "arc_easy"), ("table3", "1b", "stem", "boolq")])
+    assert (others.loc[["table3", "table4", "table5", "table6", "figure1b"], "status"] == "ok").all()
+    s = D.summary("paper", cells.reset_index(), D.directions(ours), D.paper_consistency())
+    assert s["largest_gaps"][0]["cell"] == "table3/350m/stem/arc_easy" and s["missing"] == 1
+    failures = D.gate(cells.reset_index(), ["table3/*/stem/arc_*", "table3/1b/stem/boolq"])
+    assert {f"{r.variant}/{r.column}" for r in failures.itertuples()} == {"stem/arc_easy", "stem/boolq"}
+    assert D.gate(cells.reset_index(), ["table4/*/*/*"]).empty
+
+
+def test_directions():
+    ours = paper_as_ours()
+    t3 = ours["table3"]
+    t3.loc[(t3["scale"] == "350m") & (t3["variant"] == "stem") & (t3["column"] == "avg"), "value"] = 40.0
+    dirs = D.directions(ours).set_index(["table", "scale", "variant", "column"])
+    assert not dirs.loc[("table3", "350m", "stem", "avg"), "agree"]
+    assert dirs.loc[("table3", "350m", "stem_gate", "avg"), "agree"]  # the paper: gate-proj trails baseline
+    assert dirs.drop(("table3", "350m", "stem", "avg"))["agree"].all()
+
+
+def test_paper_consistency_surfaces_known_disagreements():
+    cons = D.paper_consistency()
+    bad = set(zip(cons[~cons["consistent"]]["variant"], cons[~cons["consistent"]]["column"]))
+    assert ("qwen2.5-3b", "saving_fraction") in bad  # 22.3% by the formula, 22.8% printed
+    assert ("common", "warmup_ratio") in bad  # Table 2: 0.01, Sec. 4.1: 10%
+    assert ("stem_dagger", "gflops_per_token") in bad  # #Active 0.35 but 0.74 GFLOPs
+    assert cons[cons["column"] == "avg"]["consistent"].all()
+    assert cons[(cons["column"] == "roi") & cons["check"].str.contains("printed Avg and #GFLOPs")]["consistent"].all()
+
+
+def test_paper_consistency_with_architectures():
+    cons = D.paper_consistency(B.paper_accounting())
+    arch = cons[cons["check"].str.contains("architectures")].set_index(["scale", "variant", "column"])
+    assert arch.loc[("1b", "stem", "total_params_b"), "consistent"]  # 1B row reproduces exactly
+    assert not arch.loc[("350m", "stem_half", "total_params_b"), "consistent"]  # research notes A
+    assert "no consistent table shape" in arch.loc[("350m", "stem", "total_params_b"), "note"]
+
+
+# ---- figures and the report ----------------------------------------------------------------------
+def test_loss_spikes():
+    loss = 3 + 0.01 * np.random.default_rng(1).standard_normal(300)
+    loss[[100, 250]] += 1.0
+    assert list(np.flatnonzero(F.loss_spikes(loss, window=50, k=6))) == [100, 250]
+    assert not F.loss_spikes(np.linspace(8, 3, 300)).any()  # a falling curve has no spikes
+
+
+@pytest.mark.parametrize("name", list(F.FIGURES))
+def test_every_figure_draws_a_non_empty_image(name, tmp_path, tiny_cfg, tiny_results, tiny_tables):
+    png, pdf = tmp_path / f"{name}.png", tmp_path / f"{name}.pdf"
+    F.save(F.draw(name, tiny_cfg, tiny_results, tiny_tables), png, pdf)
+    assert png.stat().st_size > 10_000 and pdf.stat().st_size > 1_000
+
+
+def test_figures_tolerate_missing_results(tmp_path, tiny_cfg):
+    empty = Results("tiny", tmp_path)
+    ours = T.build_all(tiny_cfg, empty)
+    for name in F.FIGURES:
+        F.save(F.draw(name, tiny_cfg, empty, ours), tmp_path / f"{name}.png")
+        assert (tmp_path / f"{name}.png").stat().st_size > 5_000
+
+
+def test_report_builds(tmp_path, tiny_cfg, tiny_results):
+    rd = tmp_path / "reports" / "tiny"
+    ours = B.write_tables(tiny_cfg, tiny_results, rd / "tables")
+    reread = B.load_reproduced(rd / "tables" / "reproduced.csv")
+    assert value(reread["table3"], "350m", "stem", "avg") == pytest.approx(value(ours["table3"], "350m", "stem", "avg"))
+    assert value(reread["table2"], "350m", "pretrain", "lr_schedule") == "cosine"
+    B.write_diff(rd / "diff", *B.run_diff(tiny_cfg, reread, ["table3/*/*/avg"]))
+    summary = json.loads((rd / "diff" / "summary.json").read_text())
+    assert summary["label"] == "experiment: tiny (embedded default, not paper scale)" and not summary["paper_scale"]
+    assert summary["directions"]["agree"] > 0 and summary["gate"]["failed"]
+    for name in ("fig5a_loss_vs_tokens", "roi_by_scale"):
+        F.save(F.draw(name, tiny_cfg, tiny_results, reread), rd / "figures" / f"{name}.png")
+    text = B.readme(tiny_cfg, rd, ["fig5a_loss_vs_tokens", "roi_by_scale"])
+    assert "experiment: tiny (embedded default, not paper scale)" in text and "not a paper-scale result" in text
+    assert "![fig5a_loss_vs_tokens](figures/fig5a_loss_vs_tokens.png)" in text
+    assert all(T.TITLES[t] in text for t in B.TABLES) and "Tiny-scale comparison" in text
+    diff_md = (rd / "diff" / "diff.md").read_text()
+    assert "Directions" in diff_md and "Where the paper disagrees with itself" in diff_md
+    assert pd.read_csv(rd / "tables" / "table3.csv")["Model"].tolist()[:2] == ["Baseline", "Hash-MoE"]
