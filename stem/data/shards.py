@@ -1,0 +1,403 @@
+"""Tokenize a document stream into fixed-size binary token shards, and read them back.
+
+Layout of ``out_dir`` (written atomically: built in a temp dir next to it, then renamed):
+
+    manifest.json
+    train_00000.bin  train_00000.idx.npy  train_00001.bin ...
+    val_00000.bin    val_00000.idx.npy    ...
+
+``{split}_{i:05d}.bin`` is a raw native-endian (little on x86/ARM) token array (uint16 or uint32, see
+``manifest["dtype"]``); every shard except the last of a split holds exactly
+``shard_tokens`` tokens, so a document may continue from one shard into the next.
+Each document is followed by ``eos_id``. ``{split}_{i:05d}.idx.npy`` holds the int64
+offsets (within that shard) of the documents that *start* in it; a shard's
+``documents`` count in the manifest is the number of such starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from stem.data.tokenizer import load_tokenizer
+
+SPLITS = ("train", "val")
+CREATED_BY = "stem.data.shards"
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def choose_dtype(dtype, vocab_size: int) -> np.dtype:
+    """'auto' -> uint16 if vocab_size <= 65536 else uint32; explicit dtypes are checked."""
+    if dtype == "auto":
+        return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; expected 'auto', 'uint16' or 'uint32'")
+    dt = np.dtype(_DTYPES[name])
+    if vocab_size - 1 > np.iinfo(dt).max:
+        raise ValueError(f"dtype {name} cannot hold vocab_size {vocab_size} (max id {np.iinfo(dt).max}); use uint32 or 'auto'")
+    return dt
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def val_mask(doc_indices, fraction: float, seed: int = 0) -> np.ndarray:
+    """Deterministic split: document i is in val iff splitmix64(splitmix64(seed) ^ i) / 2**64 < fraction."""
+    idx = np.asarray(doc_indices, dtype=np.uint64)
+    key = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))[0]
+    u = (_splitmix64(idx ^ key) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return u < fraction
+
+
+def _encode(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Encode texts, append eos to each; return (flat int64 tokens, per-doc lengths)."""
+    ids = tok.encode_batch(texts)
+    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    flat = np.empty(int(lengths.sum()), dtype=np.int64)
+    end = np.cumsum(lengths)
+    flat[end - 1] = tok.eos_id
+    pos = 0
+    for x, e in zip(ids, end):
+        flat[pos : e - 1] = x
+        pos = e
+    return flat, lengths
+
+
+def _batches(documents: Iterable[str], batch_docs: int, stats: dict) -> Iterator[tuple[np.ndarray, list[str]]]:
+    idx: list[int] = []
+    texts: list[str] = []
+    for i, doc in enumerate(documents):
+        stats["documents_seen"] = i + 1
+        if not isinstance(doc, str):
+            raise ValueError(f"document {i} is {type(doc).__name__}, expected str")
+        if not doc:
+            stats["empty_documents_skipped"] += 1
+            continue
+        idx.append(i)
+        texts.append(doc)
+        if len(texts) == batch_docs:
+            yield np.array(idx, dtype=np.int64), texts
+            idx, texts = [], []
+    if texts:
+        yield np.array(idx, dtype=np.int64), texts
+
+
+def _limit_threads(num_workers: int) -> None:
+    """Best effort: tokenizers' Rust thread pool reads RAYON_NUM_THREADS once, at its
+    first parallel use in the process; an already-set value wins."""
+    if num_workers >= 1:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(num_workers))
+
+
+class _ShardWriter:
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.dir, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.tokens = 0
+        self.documents = 0
+        self._f = None
+
+    def _open(self) -> None:
+        self._name = f"{self.split}_{len(self.shards):05d}"
+        self._f = open(self.dir / f"{self._name}.bin", "wb")
+        self._hash = hashlib.sha256()
+        self._n = 0
+        self._starts: list[np.ndarray] = []
+
+    def _close(self) -> None:
+        self._f.close()
+        self._f = None
+        starts = np.concatenate(self._starts) if self._starts else np.zeros(0, np.int64)
+        np.save(self.dir / f"{self._name}.idx.npy", starts.astype(np.int64))
+        self.shards.append(
+            {"file": f"{self._name}.bin", "tokens": self._n, "documents": int(len(starts)), "sha256": self._hash.hexdigest()}
+        )
+
+    def write(self, flat: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents (``flat`` tokens, ``lengths`` per document, in order)."""
+        if len(flat) == 0:
+            return
+        flat = np.ascontiguousarray(flat, dtype=self.dtype)
+        starts = np.cumsum(lengths) - lengths
+        pos = 0
+        while pos < len(flat):
+            if self._f is None:
+                self._open()
+            take = min(len(flat) - pos, self.shard_tokens - self._n)
+            chunk = flat[pos : pos + take]
+            lo, hi = np.searchsorted(starts, [pos, pos + take])
+            self._starts.append(starts[lo:hi] - pos + self._n)
+            buf = memoryview(chunk).cast("B")
+            self._f.write(buf)
+            self._hash.update(buf)
+            self._n += take
+            pos += take
+            if self._n == self.shard_tokens:
+                self._close()
+        self.tokens += len(flat)
+        self.documents += len(lengths)
+
+    def finish(self) -> dict:
+        if self._f is not None:
+            self._close()
+        return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def tokenize_to_shards(
+    documents: Iterable[str],
+    tok,
+    out_dir,
+    *,
+    shard_tokens: int = 2**24,
+    val_fraction: float = 0.01,
+    seed: int = 0,
+    dtype="auto",
+    batch_docs: int = 512,
+    num_workers: int = 2,
+    max_tokens: int | None = None,
+    source: dict | None = None,
+) -> dict:
+    """Tokenize ``documents`` into train/val shards under ``out_dir``; return the manifest.
+
+    ``tok``: a ``Tok`` (or anything ``load_tokenizer`` accepts). Batches of
+    ``batch_docs`` documents are encoded in-process with tokenizers' own Rust thread
+    pool; ``num_workers`` >= 1 caps its threads via RAYON_NUM_THREADS (best effort:
+    only if unset and the pool has not started yet in this process; 0 = all cores).
+    (On 2 cores a process pool was measured no faster, so there is none.)
+    Empty strings are skipped (they still count for document indices / the split).
+    ``max_tokens`` caps train+val tokens; the document crossing the cap is truncated.
+    ``source`` (the source spec) is recorded in the manifest.
+    """
+    tok = load_tokenizer(tok) if not hasattr(tok, "encode_batch") else tok
+    np_dtype = choose_dtype(dtype, tok.vocab_size)
+    if int(shard_tokens) < 1 or int(batch_docs) < 1:
+        raise ValueError(f"shard_tokens ({shard_tokens}) and batch_docs ({batch_docs}) must be >= 1")
+    if not 0.0 <= float(val_fraction) < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if max_tokens is not None and int(max_tokens) < 1:
+        raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
+    writers = {s: _ShardWriter(tmp, s, np_dtype, int(shard_tokens)) for s in SPLITS}
+    stats = {"documents_seen": 0, "empty_documents_skipped": 0}
+    max_id = np.iinfo(np_dtype).max
+    total = 0
+    truncated = False
+    try:
+        _limit_threads(int(num_workers))
+        for idx, texts in _batches(documents, int(batch_docs), stats):
+            flat, lengths = _encode(tok, texts)
+            if len(flat) and int(flat.max()) > max_id:
+                raise ValueError(f"token id {int(flat.max())} does not fit dtype {np_dtype.name}")
+            if max_tokens is not None and total + len(flat) >= max_tokens:
+                flat, lengths, idx = _truncate(flat, lengths, idx, int(max_tokens) - total)
+                truncated = True
+            is_val = val_mask(idx, val_fraction, seed)
+            tok_val = np.repeat(is_val, lengths)
+            writers["val"].write(flat[tok_val], lengths[is_val])
+            writers["train"].write(flat[~tok_val], lengths[~is_val])
+            total += len(flat)
+            if truncated:
+                break
+        splits = {s: w.finish() for s, w in writers.items()}
+        n_docs = sum(s["documents"] for s in splits.values())
+        if total == 0 or n_docs == 0:
+            raise ValueError(
+                f"empty corpus: {stats['documents_seen']} documents read "
+                f"({stats['empty_documents_skipped']} empty), 0 tokens written"
+            )
+        manifest = {
+            "format_version": 1,
+            "created_by": CREATED_BY,
+            "vocab_size": int(tok.vocab_size),
+            "dtype": np_dtype.name,
+            "eos_id": int(tok.eos_id),
+            "tokenizer_sha256": getattr(tok, "sha256", None),
+            "tokenizer": getattr(tok, "source", None),
+            "shard_tokens": int(shard_tokens),
+            "val_fraction": float(val_fraction),
+            "seed": int(seed),
+            "max_tokens": None if max_tokens is None else int(max_tokens),
+            "truncated": truncated,
+            "documents_seen": stats["documents_seen"],
+            "empty_documents_skipped": stats["empty_documents_skipped"],
+            "source": source,
+            "splits": splits,
+        }
+        with open(tmp / "manifest.json", "w") as f:
+            json.dump(manifest, f, indent=2)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _truncate(flat, lengths, idx, remaining: int):
+    """Keep the first ``remaining`` tokens of the batch (the last document may be cut)."""
+    ends = np.cumsum(lengths)
+    k = int(np.searchsorted(ends, remaining, side="left"))  # doc k holds token remaining-1
+    lengths = lengths[: k + 1].copy()
+    lengths[k] -= int(ends[k]) - remaining
+    return flat[:remaining], lengths, idx[: k + 1]
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    if dst.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+        os.replace(dst, trash / dst.name)
+        os.replace(src, dst)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class ShardSet:
+    """Memory-mapped read access to one split of a shard directory.
+
+    Token positions are global within the split (shards concatenated in order).
+    """
+
+    def __init__(self, out_dir, split: str = "train"):
+        self.out_dir = Path(out_dir)
+        self.split = split
+        self.manifest = _load_manifest(self.out_dir / "manifest.json")
+        m = self.manifest
+        if split not in m["splits"]:
+            raise ValueError(f"{self.out_dir / 'manifest.json'}: no split {split!r}; have {sorted(m['splits'])}")
+        info = m["splits"][split]
+        self.dtype = np.dtype(m["dtype"])
+        self.vocab_size = int(m["vocab_size"])
+        self.eos_id = int(m["eos_id"])
+        self.shards = info["shards"]
+        sizes = np.array([s["tokens"] for s in self.shards], dtype=np.int64)
+        self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.tokens = int(self._offsets[-1])
+        self.num_documents = int(info["documents"])
+        if self.tokens != info["tokens"]:
+            raise ValueError(f"{self.out_dir / 'manifest.json'}: split {split!r} tokens {info['tokens']} != sum of shards {self.tokens}")
+        for s in self.shards:
+            path = self.out_dir / s["file"]
+            if not path.is_file():
+                raise ValueError(f"shard {path} listed in manifest is missing")
+            if path.stat().st_size != s["tokens"] * self.dtype.itemsize:
+                raise ValueError(
+                    f"shard {path}: size {path.stat().st_size} bytes, expected {s['tokens']} {self.dtype.name} tokens"
+                )
+        self._mm: list = [None] * len(self.shards)
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def __getstate__(self):  # picklable for DataLoader workers: drop open memmaps
+        state = self.__dict__.copy()
+        state["_mm"] = [None] * len(self.shards)
+        return state
+
+    def _shard(self, i: int) -> np.memmap:
+        if self._mm[i] is None:
+            self._mm[i] = np.memmap(self.out_dir / self.shards[i]["file"], dtype=self.dtype, mode="r")
+        return self._mm[i]
+
+    def get(self, start: int, length: int) -> np.ndarray:
+        """Copy of tokens [start, start+length) of the split, across shard boundaries."""
+        start, length = int(start), int(length)
+        if start < 0 or length < 0 or start + length > self.tokens:
+            raise IndexError(f"get({start}, {length}) out of range for {self.split} split of {self.tokens} tokens")
+        out = np.empty(length, dtype=self.dtype)
+        pos = 0
+        i = int(np.searchsorted(self._offsets, start, side="right")) - 1
+        while pos < length:
+            lo = start + pos - int(self._offsets[i])
+            take = min(length - pos, int(self._offsets[i + 1]) - (start + pos))
+            out[pos : pos + take] = self._shard(i)[lo : lo + take]
+            pos += take
+            i += 1
+        return out
+
+    @cached_property
+    def doc_starts(self) -> np.ndarray:
+        """Global token offsets (int64) of every document start in the split."""
+        parts = []
+        for i, s in enumerate(self.shards):
+            idx_path = self.out_dir / s["file"].replace(".bin", ".idx.npy")
+            try:
+                parts.append(np.load(idx_path).astype(np.int64) + self._offsets[i])
+            except (OSError, ValueError) as e:
+                raise ValueError(f"document index {idx_path}: cannot read ({e})") from None
+        starts = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if len(starts) != self.num_documents:
+            raise ValueError(f"{self.out_dir}: split {self.split!r} has {len(starts)} document starts, manifest says {self.num_documents}")
+        return starts
+
+    def verify(self) -> bool:
+        """Recompute every shard's sha256; raise ValueError on the first mismatch."""
+        for s in self.shards:
+            path = self.out_dir / s["file"]
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    h.update(block)
+            if h.hexdigest() != s["sha256"]:
+                raise ValueError(f"shard {path}: sha256 mismatch (file is corrupt or was modified)")
+        return True
+
+
+def _load_manifest(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"shard manifest {path} does not exist (run the tokenize stage first)")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"shard manifest {path} is corrupt: {e}") from None
+    try:
+        if m.get("created_by") != CREATED_BY:
+            raise ValueError(f"created_by is {m.get('created_by')!r}, expected {CREATED_BY!r}")
+        if m["dtype"] not in _DTYPES:
+            raise ValueError(f"dtype {m['dtype']!r} not in {sorted(_DTYPES)}")
+        int(m["vocab_size"]), int(m["eos_id"])
+        for name, info in m["splits"].items():
+            int(info["tokens"]), int(info["documents"])
+            for s in info["shards"]:
+                s["file"], int(s["tokens"]), int(s["documents"]), s["sha256"]
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"shard manifest {path} is invalid: {type(e).__name__}: {e}") from None
+    return m
