@@ -1,4 +1,4 @@
-"""Command line: python -m stem {params,bench,train} ..."""
+"""Command line: python -m stem {params,bench,train,eval,diff,memory} ..."""
 from __future__ import annotations
 
 import argparse

@@ -17,11 +17,11 @@ from stem import config as C
 from stem.models.ffn import build_ffn
 
 
-def _time_fwd_bwd(ffn, x, ids, repeats: int, device) -> float:
+def _median_seconds(fn, repeats: int, device=None) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs, after two warm-up runs."""
     def once():
-        ffn.zero_grad(set_to_none=True)
-        ffn(x, ids).sum().backward()
-        if device.type == "cuda":
+        fn()
+        if device is not None and device.type == "cuda":
             torch.cuda.synchronize()
 
     for _ in range(2):
@@ -32,6 +32,13 @@ def _time_fwd_bwd(ffn, x, ids, repeats: int, device) -> float:
         once()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def _time_fwd_bwd(ffn, x, ids, repeats: int, device) -> float:
+    def step():
+        ffn.zero_grad(set_to_none=True)
+        ffn(x, ids).sum().backward()
+    return _median_seconds(step, repeats, device)
 
 
 def bench_ffn(scale: str = "350m", tokens: int = 2048, repeats: int = 5, device: str = "cpu") -> list[dict]:
@@ -87,16 +94,7 @@ def bench_attention(seq_len: int = 1024, micro_batch: int = 4, repeats: int = 5,
     cos, sin = rope_cos_sin(positions, model.inv_freq)
 
     def run(mask):
-        def once():
-            attn(x, cos, sin, mask).sum().backward()
-        for _ in range(2):
-            once()
-        ts = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            once()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts) * model.cfg.n_layers
+        return _median_seconds(lambda: attn(x, cos, sin, mask).sum().backward(), repeats) * model.cfg.n_layers
 
     mask_build = time.perf_counter()
     mask = model._document_mask(document_ids(positions))
