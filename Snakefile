@@ -13,6 +13,9 @@ include: "rules/eval.smk"
 include: "rules/report.smk"
 
 
+apply_cluster_defaults()  # partition/account/size defaults for rules that set none (data, reports)
+
+
 rule all:
     default_target: True
     input:

@@ -44,3 +44,58 @@ def train_inputs(w):
     if spec["init_from"]:
         inputs["init"] = spec["init_from"]
     return inputs
+
+
+# ---- Slurm resources from the experiment config's `cluster:` section (see rules/train.smk) ----
+def cluster_resources(kind, scale=None):
+    """sbatch resources of one job kind: "train" (at a scale), "eval" (one GPU) or "cpu" (none)."""
+    cl = config.get("cluster") or {}
+    res = {res_key: cl[key] for key, res_key in (("partition", "slurm_partition"), ("account", "slurm_account"),
+                                                  ("constraint", "constraint")) if cl.get(key)}
+    if kind == "train":
+        t = (cl.get("train") or {}).get(scale) or {"nodes": 1, "runtime": 60,
+                                                   "gpus_per_node": 0 if config["device"] == "cpu" else 1}
+        nodes, gpus = t["nodes"], t["gpus_per_node"]
+        res.update(nodes=nodes, runtime=t["runtime"],
+                   cpus_per_task=t.get("cpus") or gpus * t.get("cpus_per_gpu", 1) or 1,
+                   mem_mb=t.get("mem_mb") or gpus * t.get("mem_mb_per_gpu", 0) or 4000)
+        if gpus and nodes == 1:
+            res["gpu"] = gpus  # sbatch --gpus=G; the jobstep's srun gets --gpus=G too
+        elif gpus:  # per-node GPUs, one task (one torchrun) per node; tasks_per_gpu=0 keeps --ntasks-per-gpu off
+            res.update(gres=f"gpu:{gpus}", mpi="srun", tasks=nodes, tasks_per_gpu=0)
+        return res
+    j = cl.get(kind) or {}
+    res.update(runtime=j.get("runtime", 60), mem_mb=j.get("mem_mb", 4000))
+    if j.get("cpus"):
+        res["cpus_per_task"] = j["cpus"]
+    if j.get("gpus"):
+        res["gpu"] = j["gpus"]
+    return res
+
+
+def _train_setting(scale, key):
+    return (((config.get("cluster") or {}).get("train") or {}).get(scale) or {}).get(key)
+
+
+def _scales_regex(multinode):
+    scales = [s for s in C.SCALES if ((_train_setting(s, "nodes") or 1) > 1) == multinode]
+    return "|".join(scales) or "(?!)"  # "(?!)" matches nothing
+
+
+def _train_res(key):
+    return lambda w: cluster_resources("train", w.scale)[key]
+
+
+def apply_cluster_defaults():
+    """Partition/account/constraint and the "cpu" job size for rules that do not set their own (data, reports)."""
+    cpu = cluster_resources("cpu")
+    cpu.pop("cpus_per_task", None)  # a rule's `threads` sets its CPUs
+    from snakemake.resources import Resources
+
+    defaults = Resources.from_mapping(cpu)
+    for r in list(workflow.rules) + [None]:
+        target = workflow.resource_settings._parsed_default_resources if r is None else r.resources
+        for k, v in defaults.items():
+            target.setdefault(k, v)
+
+
