@@ -76,7 +76,7 @@ def cmd_diff(args):
 
 
 def cmd_memory(args):
-    from stem.train import distributed as D
+    from stem.train import distributed as D, memory
     cfg = experiment_config(args.experiment)
     cluster = cfg.get("cluster") or {}
     strategy = args.strategy or cluster.get("strategy", "fsdp")
@@ -90,8 +90,8 @@ def cmd_memory(args):
         world = args.gpus or max(1, t.get("nodes", 1) * t.get("gpus_per_node", 1))
         model = C.model_config_for(cfg, scale, variant, stage).build("meta")
         micro, _ = D.local_micro_batch(tc["batch_size"], tc["micro_batch"], world)
-        est = D.memory_estimate(model, micro, tc["seq_len"], world, strategy, bool(tc.get("activation_checkpointing")))
-        print(f"{scale}/{variant}/{stage}: {D.describe_estimate(est)}")
+        est = memory.estimate(model, micro, tc["seq_len"], world, strategy, bool(tc.get("activation_checkpointing")))
+        print(f"{scale}/{variant}/{stage}: {memory.describe(est)}")
 
 
 def main(argv=None):

@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
 from stem.train import distributed as D  # noqa: E402
+from stem.train import memory  # noqa: E402
 
 WORKER = r'''
 import json, os, sys
@@ -147,9 +148,9 @@ def test_local_micro_batch_split():
 def test_memory_estimate_shards_tables_over_all_ranks():
     cfg = C.load_experiment(REPO / "config" / "paper.yaml")
     model = C.model_config_for(cfg, "350m", "stem", "pretrain").build("meta")
-    e1 = D.memory_estimate(model, 16, 2048, 1, "fsdp")
-    e8 = D.memory_estimate(model, 16, 2048, 8, "fsdp")
-    d8 = D.memory_estimate(model, 16, 2048, 8, "ddp")
+    e1 = memory.estimate(model, 16, 2048, 1, "fsdp")
+    e8 = memory.estimate(model, 16, 2048, 8, "fsdp")
+    d8 = memory.estimate(model, 16, 2048, 8, "ddp")
     assert e8["optimizer_gib"] == pytest.approx(e1["optimizer_gib"] / 8)
     assert e8["optimizer_gib"] < d8["optimizer_gib"] < e1["optimizer_gib"]  # ddp: only the tables are sharded
-    assert e8["sharded_table_params"] > 0 and "per-GPU memory estimate" in D.describe_estimate(e8)
+    assert e8["sharded_table_params"] > 0 and "per-GPU memory estimate" in memory.describe(e8)

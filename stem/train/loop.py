@@ -29,6 +29,7 @@ from stem.models.accounting import training_flops
 from stem.models.config import ModelConfig
 from stem.train.checkpoint import atomic_write_json, atomic_write_text, load_weights, save_checkpoint
 from stem.train import distributed as D
+from stem.train import memory
 from stem.train.optim import build_optimizer, set_lr
 from stem.train.schedule import get_lr
 
@@ -97,7 +98,7 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         model.flex_mask_fn = flex_document_mask
     micro, accum = D.local_micro_batch(tc["batch_size"], tc["micro_batch"], ctx.world)
     if ctx.is_main:
-        print(f"[{out_dir}] " + D.describe_estimate(D.memory_estimate(
+        print(f"[{out_dir}] " + memory.describe(memory.estimate(
             model, micro, tc["seq_len"], ctx.world, strategy, model.activation_checkpointing)), file=sys.stderr)
     D.parallelize(model, ctx, strategy)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
