@@ -1,8 +1,6 @@
 """Data stages of the workflow: synthetic corpora, tokenizers, token shards. Each takes a job spec."""
 from __future__ import annotations
 
-import shutil
-import tempfile
 from itertools import chain
 from pathlib import Path
 
@@ -10,6 +8,7 @@ from stem.data import synth
 from stem.data.shards import tokenize_to_shards
 from stem.data.sources import iter_documents
 from stem.data.tokenizer import load_tokenizer, train_bpe
+from stem.train.checkpoint import atomic_write_text
 
 
 def make_corpus(spec: dict, out_path) -> dict:
@@ -26,11 +25,7 @@ def make_tokenizer(spec: dict, out_path) -> dict:
         docs = chain.from_iterable(iter_documents(d) for d in spec["documents"])
         train_bpe(docs, spec["vocab_size"], out_path)
     else:  # a tokenizer.json, a folder holding one, or a hub id
-        tok = load_tokenizer(spec["path"])
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out_path.parent)
-        Path(tmp).write_text(tok.to_str())
-        shutil.move(tmp, out_path)
+        atomic_write_text(out_path, load_tokenizer(spec["path"]).to_str())
     tok = load_tokenizer(out_path)
     return {"vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
 
