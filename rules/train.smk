@@ -49,3 +49,18 @@ use rule train as train_multinode with:
         **{k: _train_res(k) for k in ("nodes", "runtime", "cpus_per_task", "mem_mb", "gres", "tasks", "tasks_per_gpu")},
         **{k: v for k, v in cluster_resources("cpu").items() if k in ("slurm_partition", "slurm_account", "constraint")},
         mpi="srun",
+
+
+# Before anything is submitted (not in a dry run): refuse a GPU training job of the DAG whose per-GPU peak,
+# traced from one real training step at its world size (stem.train.memory; cached per job spec in
+# results/memory_traces), exceeds cluster.gpu_mem_gib. Jobs without GPUs (the tiny DAG) are not traced.
+onstart:
+    import os
+
+    from stem.train import memory
+
+    _train_jobs = {(j.wildcards.scale, j.wildcards.variant, j.wildcards.stage)
+                   for j in workflow.dag.jobs if j.rule.name in ("train", "train_multinode")}
+    _too_big = memory.check(config, "results/memory_traces", workers=min(os.cpu_count() or 1, 8), only=_train_jobs)
+    if _too_big:
+        raise WorkflowError("\n".join(_too_big))

@@ -76,22 +76,32 @@ def cmd_diff(args):
 
 
 def cmd_memory(args):
-    from stem.train import distributed as D, memory
+    from stem.train import memory
     cfg = experiment_config(args.experiment)
     cluster = cfg.get("cluster") or {}
-    strategy = args.strategy or cluster.get("strategy", "fsdp")
-    print(f"Per-GPU memory estimate, experiment '{args.experiment}' (strategy {strategy}; an estimate: allocator "
-          "fragmentation and workspaces come on top)")
-    for scale, variant, stage in C.train_targets(cfg):
-        if (args.scale and scale != args.scale) or (args.variant and variant != args.variant):
-            continue
-        tc = C.train_spec(cfg, scale, variant, stage)["train"]
-        t = (cluster.get("train") or {}).get(scale) or {}
-        world = args.gpus or max(1, t.get("nodes", 1) * t.get("gpus_per_node", 1))
+    strategy, limit = args.strategy or cluster.get("strategy", "fsdp"), cluster.get("gpu_mem_gib")
+    jobs = [j for j in C.train_targets(cfg) if (not args.scale or j[0] == args.scale)
+            and (not args.variant or j[1] == args.variant)]
+    specs = [(C.train_spec(cfg, *j), args.gpus or memory.job_layout(cfg, j[0])[0], strategy) for j in jobs]
+    print(f"Per-GPU peak memory of each training job, experiment '{args.experiment}' (strategy {strategy}): traced = "
+          "one real training step under FakeTensorMode (stem.train.memory.trace); closed form = memory.estimate, "
+          "kept where within 10 % of the trace; limit = cluster.gpu_mem_gib")
+    over = 0
+    for (scale, variant, stage), (spec, world, _), r in zip(jobs, specs, memory.traced(specs, args.cache, args.workers)):
+        tc = spec["train"]
         model = C.model_config_for(cfg, scale, variant, stage).build("meta")
-        micro, _ = D.local_micro_batch(tc["batch_size"], tc["micro_batch"], world)
-        est = memory.estimate(model, micro, tc["seq_len"], world, strategy, bool(tc.get("activation_checkpointing")))
-        print(f"{scale}/{variant}/{stage}: {memory.describe(est)}")
+        est = memory.estimate(model, r["micro_batch"], tc["seq_len"], world, strategy,
+                              bool(tc.get("activation_checkpointing")))["total_gib"]
+        dev = est / r["peak_gib"] - 1
+        closed = f"{est:5.1f} GiB ({dev:+.0%})" if abs(dev) <= 0.10 else f"not kept ({est:.1f} GiB, {dev:+.0%})"
+        fits = "" if limit is None else ("  fits" if r["peak_gib"] <= limit else "  EXCEEDS THE LIMIT")
+        over += limit is not None and r["peak_gib"] > limit
+        print(f"{scale}/{variant}/{stage}: world {world}, micro-batch {r['micro_batch']} x {r['seq_len']}"
+              f"{', act. ckpt' if r['activation_checkpointing'] else ''}: traced {r['peak_gib']:5.1f} GiB, "
+              f"closed form {closed}, limit {'-' if limit is None else f'{limit} GiB'}{fits}")
+    if over:
+        print(f"{over} job(s) exceed cluster.gpu_mem_gib = {limit} GiB", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv=None):
@@ -138,12 +148,15 @@ def main(argv=None):
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)
-    m = sub.add_parser("memory", help="per-GPU memory estimate of every training job at the configured parallelism")
+    m = sub.add_parser("memory", help="per-GPU peak memory of every training job at the configured parallelism "
+                                      "(traced; exit 2 if one exceeds cluster.gpu_mem_gib)")
     m.add_argument("--experiment", default="paper")
     m.add_argument("--scale")
     m.add_argument("--variant")
     m.add_argument("--gpus", type=int, help="world size (default: the config's cluster.train nodes x gpus_per_node)")
     m.add_argument("--strategy", choices=["fsdp", "ddp"])
+    m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
+    m.add_argument("--workers", type=int, default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
     args = p.parse_args(argv)
     try:

@@ -153,7 +153,6 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
                 x, y, pos = loader.next_batch()      # every rank advances the same global stream ...
                 if i % ctx.world != ctx.rank:        # ... and keeps its own share of it
                     continue
-                D.set_gradient_sync(model, ctx, i >= accum - ctx.world)  # reduce once, on the last one
                 x, y = x.to(device), y.to(device)
                 with autocast:
                     loss = model(x, y, positions=None if pos is None else pos.to(device))
