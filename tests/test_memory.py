@@ -1,0 +1,110 @@
+"""Per-GPU memory: the trace of the real training step (fake world 8, paper 1B shapes with fewer layers)
+against a hand count, the closed form against the trace, and the workflow refusing an oversize job."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stem import config as C
+from stem.train import memory
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1024 ** 3
+V, D, F, KV = 128256, 2048, 8192, 8 * 64          # Llama-3.2-1B: vocab, d_model, d_ff, kv heads x head dim
+WORLD, MICRO, SEQ = 8, 4, 4096
+
+
+def _small_paper_config(n_layers: int, gpu_mem_gib: float) -> dict:
+    """config/paper.yaml with only 1B STEM pretraining, ``n_layers`` layers, on one node of 8 GPUs."""
+    cfg = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())
+    cfg["matrix"] = {"1b": {"variants": ["stem"], "stages": ["pretrain"]}}
+    cfg["archs"]["1b"]["n_layers"] = n_layers
+    cfg["cluster"]["train"]["1b"].update(nodes=1, gpus_per_node=WORLD)
+    cfg["cluster"]["gpu_mem_gib"] = gpu_mem_gib
+    return cfg
+
+
+def _params(n_layers: int) -> int:
+    """Parameters by hand: embedding + head + final norm; per block 2 norms + q/k/v/o; a dense SwiGLU
+    (3 d d_ff), or on every third layer from 2 a STEM FFN (gate and down d d_ff, table V d_ff)."""
+    blocks = 0
+    for i in range(n_layers):
+        blocks += 2 * D + 2 * D * D + 2 * D * KV + (2 * D * F + V * F if i % 3 == 2 else 3 * D * F)
+    return 2 * V * D + D + blocks
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """Traces (cached where the workflow test's Snakemake run looks for them) at 3 and 6 layers."""
+    cache = tmp_path_factory.mktemp("wf") / "results" / "memory_traces"
+    out = {}
+    for n in (3, 6):
+        cfg = _small_paper_config(n, 1.0)
+        spec = C.train_spec(cfg, "1b", "stem", "pretrain")
+        out[n] = memory.traced([(spec, WORLD, "fsdp")], cache, workers=2)[0]
+        out[n]["cfg"], out[n]["spec"] = cfg, spec
+    out["cache"] = cache
+    return out
+
+
+def test_traced_model_state_is_the_hand_count(traces):
+    for n in (3, 6):
+        t = traces[n]
+        assert (t["world"], t["micro_batch"], t["seq_len"], t["micro_batches_traced"]) == (WORLD, MICRO, SEQ, 2)
+        p = _params(n) / WORLD     # every dimension divides by 8: no FSDP padding
+        parts = {k: v * GIB for k, v in t["parts_gib"].items()}
+        assert parts["Sharded Param"] == pytest.approx(4 * p, rel=1e-6)       # fp32 master weights
+        assert parts["Sharded Grad"] == pytest.approx(4 * p, rel=1e-6)        # fp32, sharded: reduced every micro-batch
+        assert parts["OptState"] == pytest.approx(8 * p, rel=1e-3)            # two fp32 moments (+ step counters)
+        assert "Unsharded Grad" not in parts
+        assert parts["Unsharded Param"] == pytest.approx(2 * (2 * V * D + D), rel=1e-6)   # the root, bf16
+        # the peak is at the loss's backward: all activations + fp32 log-softmax, its gradient and result
+        assert t["peak_gib"] * GIB > 16 * p + 12 * V * MICRO * SEQ
+
+
+def test_peak_grows_by_three_blocks_as_counted(traces):
+    """3 -> 6 layers adds two dense blocks and one STEM block: their sharded state (16 B / param / 8) and
+    their saved activations per token: two RMSNorms (fp32 input + bf16 output, 6 d each), attention (fp32 q
+    and k in RoPE 4 d + 4 kv, rotated q 2 d, keys and values expanded to all heads 4 d, output and its
+    copy 4 d) and the FFN (four d_ff tensors in bf16, 8 d_ff), all bytes."""
+    extra_params = _params(6) - _params(3)
+    per_block = 2 * 6 * D + (4 * D + 4 * KV + 2 * D + 4 * D + 4 * D) + 8 * F
+    expected = 16 * extra_params / WORLD + 3 * per_block * MICRO * SEQ
+    grown = (traces[6]["peak_gib"] - traces[3]["peak_gib"]) * GIB
+    assert grown == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize("n", [3, 6])
+def test_closed_form_within_ten_percent_of_the_trace(traces, n):
+    t = traces[n]
+    model = C.model_config_for(t["cfg"], "1b", "stem", "pretrain").build("meta")
+    est = memory.estimate(model, MICRO, SEQ, WORLD, "fsdp")
+    assert est["total_gib"] == pytest.approx(t["peak_gib"], rel=0.10)
+
+
+def test_check_names_the_job_peak_and_limit(traces):
+    cfg = traces[3]["cfg"]
+    (line,) = memory.check(cfg, traces["cache"])       # cached: no second trace
+    assert line == (f"training job 1b/stem/pretrain: traced peak {traces[3]['peak_gib']:.1f} GiB per GPU exceeds "
+                    f"cluster.gpu_mem_gib = 1.0 GiB (world 8, micro-batch 4 x 4096)")
+    assert memory.check({**cfg, "cluster": {**cfg["cluster"], "gpu_mem_gib": 72}}, traces["cache"]) == []
+    assert memory.check({**cfg, "device": "cpu"}, traces["cache"]) == []      # CPU jobs: nothing to check
+
+
+def test_workflow_refuses_an_oversize_job_before_running_anything(traces):
+    work = traces["cache"].parents[1]
+    path = work / "small.yaml"
+    path.write_text(yaml.safe_dump(traces[3]["cfg"]))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
+                        "--replace-workflow-config", "-d", str(work), "--cores", "1",
+                        "results/paper/1b/stem/pretrain/summary.json"],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert f"training job 1b/stem/pretrain: traced peak {traces[3]['peak_gib']:.1f} GiB per GPU exceeds " \
+           "cluster.gpu_mem_gib = 1.0 GiB" in out
+    assert not (work / "data").exists() and not (work / "results" / "paper").exists()   # nothing ran
