@@ -93,7 +93,7 @@ def cmd_memory(args):
         est = memory.estimate(model, r["micro_batch"], tc["seq_len"], world, strategy,
                               bool(tc.get("activation_checkpointing")))["total_gib"]
         dev = est / r["peak_gib"] - 1
-        closed = f"{est:5.1f} GiB ({dev:+.0%})" if abs(dev) <= 0.10 else f"not kept ({est:.1f} GiB, {dev:+.0%})"
+        closed = f"{est:5.1f} GiB ({dev:+.1%})" if abs(dev) <= 0.10 else f"not kept ({est:.1f} GiB, {dev:+.1%})"
         fits = "" if limit is None else ("  fits" if r["peak_gib"] <= limit else "  EXCEEDS THE LIMIT")
         over += limit is not None and r["peak_gib"] > limit
         print(f"{scale}/{variant}/{stage}: world {world}, micro-batch {r['micro_batch']} x {r['seq_len']}"
