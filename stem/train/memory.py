@@ -136,10 +136,9 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else nullcontext()
     with fake_world(world) as mesh, FakeTensorMode(), _balanced_nonzero(cfg.n_experts):
         ctx = D.DistContext(0, world, 0, 1, device, mesh)
-        model = cfg.build("meta")
+        model = cfg.build(device)              # as the loop does: build, then shard
         model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
         D.parallelize(model, ctx, strategy, mixed_precision=mixed_precision)
-        model.to_empty(device=device)
         opt = build_optimizer(model, spec["optim"], tc["lr"], fused=mixed_precision)
         D.optimizer_for_dtensors(opt, ctx, strategy)
         x = torch.randint(0, cfg.vocab_size, (micro, tc["seq_len"]), device=device)
