@@ -122,3 +122,15 @@ def test_two_ranks_accumulating_micro_batches_follow_one_rank(tmp_path):
         T._run(jobs[world], tmp_path, world, f"w{world}")
     (l1, _), (l2, _) = T._losses(tmp_path / "w1"), T._losses(tmp_path / "w2")
     assert len(l1) == 3 and l2 == pytest.approx(l1, rel=1e-4, abs=1e-5)
+
+
+def test_memory_command_prints_trace_closed_form_and_limit(traces, monkeypatch, capsys):
+    import stem.__main__ as M
+    monkeypatch.setattr(M, "experiment_config", lambda name: traces[3]["cfg"])
+    with pytest.raises(SystemExit) as e:
+        M.main(["memory", "--experiment", "paper", "--cache", str(traces["cache"])])
+    assert e.value.code == 2                           # the job exceeds the (tiny) limit
+    out = capsys.readouterr()
+    line = [x for x in out.out.splitlines() if x.startswith("1b/stem/pretrain:")]
+    assert len(line) == 1 and f"traced {traces[3]['peak_gib']:5.1f} GiB, closed form " in line[0]
+    assert line[0].endswith("limit 1.0 GiB  EXCEEDS THE LIMIT") and "1 job(s) exceed" in out.err
