@@ -123,6 +123,8 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
     """Rank 0's peak tensor memory over one training step of the job ``spec`` at ``world`` ranks."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
     from stem.models.config import ModelConfig
@@ -147,8 +149,6 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-        from torch.distributed._tools.mem_tracker import MemTracker
         fsdp = isinstance(model, FSDPModule)
         tracker = _peak_only(FSDPMemTracker)(model, opt) if fsdp else _peak_only(MemTracker)()
         if fsdp:
@@ -157,7 +157,7 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
             tracker.track_external(model, opt, x, y)
         model.train()
         with tracker:                          # one step of stem.train.loop.train, less its logging
-            for j in range(n_micro):
+            for _ in range(n_micro):
                 with autocast:
                     loss = model(x, y)
                 (loss / n_micro).backward()
@@ -168,9 +168,10 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
             opt.zero_grad(set_to_none=True)
         peak = tracker.get_tracker_snapshot("peak")
     parts: dict = {}
-    for snap in peak.values():
+    for snap in peak.values():   # one device
         for k, v in snap.items():
-            parts[str(getattr(k, "value", k))] = parts.get(str(getattr(k, "value", k)), 0) + v
+            name = getattr(k, "value", k)      # the tracker's category enums -> their names
+            parts[name] = parts.get(name, 0) + v
     return {"peak_gib": parts.pop("Total") / GIB, "parts_gib": {k: v / GIB for k, v in parts.items() if v},
             "world": world, "strategy": strategy, "micro_batch": micro, "seq_len": tc["seq_len"],
             "micro_batches_traced": n_micro, "activation_checkpointing": model.activation_checkpointing}
@@ -207,7 +208,7 @@ def _trace_key(spec: dict, world: int, strategy: str) -> str:
     tc = spec["train"]
     h = hashlib.sha256(json.dumps({
         "model": spec["model"], "optim": spec["optim"], "world": world, "strategy": strategy,
-        "train": {k: tc.get(k) for k in ("batch_size", "micro_batch", "seq_len", "lr", "activation_checkpointing")},
+        "train": {k: tc.get(k) for k in ("batch_size", "micro_batch", "seq_len", "activation_checkpointing")},
         "torch": torch.__version__}, sort_keys=True).encode())
     for part in CODE:
         for f in sorted((C.REPO / part).rglob("*.py")) if (C.REPO / part).is_dir() else [C.REPO / part]:
