@@ -136,7 +136,8 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
     n_micro = min(accum // world, 2)   # from the second micro-batch on, every one holds the same tensors
     device = torch.device("cpu")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else nullcontext()
-    with fake_world(world) as mesh, FakeTensorMode(), _balanced_nonzero(cfg.n_experts):
+    sizes = _balanced_nonzero(cfg.n_experts) if "hashmoe" in cfg.ffn else nullcontext()
+    with fake_world(world) as mesh, FakeTensorMode(), sizes:
         ctx = D.DistContext(0, world, 0, 1, device, mesh)
         model = cfg.build(device)              # as the loop does: build, then shard
         model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
