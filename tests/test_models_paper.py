@@ -82,3 +82,102 @@ def test_dse_packed_row_equals_documents_run_separately():
     packed = model(torch.cat([a, b], dim=1), positions=positions)
     separate = torch.cat([model(a), model(b)], dim=1)
     torch.testing.assert_close(packed, separate, atol=1e-5, rtol=1e-5)
+
+
+# ---- 2. RoPE scaling: YaRN (Peng et al., 2023) and linear position interpolation --------------------------
+
+# transformers 5.23.0, modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"] / ["linear"] (LlamaConfig with
+# head_dim 64, factor 8, original_max_position_embeddings L, default truncate=True, beta_fast 32, beta_slow 1),
+# run once (transformers is not a test dependency). Its yarn ramp is the reference code's: linear in the
+# dimension index (our ramp="dims"); its attention_factor was 1.2079441541679836 in both cases.
+HF_YARN = {
+    (10000.0, 2048): [
+        1.0, 0.7498942018, 0.5623413324, 0.4216965139, 0.3162277639, 0.2371373624, 0.1778279394, 0.1333521456,
+        0.1000000015, 0.06994204968, 0.0486641489, 0.03365462273, 0.02310895361, 0.01573315077, 0.01060128119,
+        0.007052276749, 0.004615384154, 0.00295631378, 0.001838423545, 0.001094788895, 0.0006081303582,
+        0.0002964217274, 0.0002222849289, 0.0001666901808, 0.0001250000059, 9.373677312e-05, 7.029266271e-05,
+        5.271206101e-05, 3.952847328e-05, 2.96421731e-05, 2.222849253e-05, 1.666901881e-05],
+    (500000.0, 4096): [
+        1.0, 0.6636012793, 0.4403666258, 0.2922278345, 0.1939227581, 0.1286873817, 0.08539710194, 0.05666961893,
+        0.03394988924, 0.02010296844, 0.01173031237, 0.006715823896, 0.003747619456, 0.002016425366,
+        0.001025878591, 0.0004735821276, 0.0001767766807, 0.0001173092314, 7.784655463e-05, 5.165906987e-05,
+        3.428102355e-05, 2.274892904e-05, 1.509621779e-05, 1.001786859e-05, 6.647869668e-06, 4.411534519e-06,
+        2.927499736e-06, 1.942692506e-06, 1.289173156e-06, 8.554969213e-07, 5.677088097e-07, 3.767322596e-07],
+}
+HF_LINEAR_10000 = [  # ROPE_INIT_FUNCTIONS["linear"], base 10000, head_dim 64, factor 8
+    0.125, 0.09373677522, 0.07029266655, 0.05271206424, 0.03952847049, 0.0296421703, 0.02222849242,
+    0.01666901819, 0.01250000019, 0.009373676963, 0.007029266097, 0.005271206144, 0.003952847328,
+    0.002964216983, 0.002222849289, 0.001666901866, 0.001249999972, 0.0009373677894, 0.0007029266562,
+    0.0005271206028, 0.0003952847328, 0.0002964217274, 0.0002222849289, 0.0001666901808, 0.0001250000059,
+    9.373677312e-05, 7.029266271e-05, 5.271206101e-05, 3.952847328e-05, 2.96421731e-05, 2.222849253e-05,
+    1.666901881e-05]
+
+
+def _yarn_paper(head_dim, base, s, length, alpha=1.0, beta=32.0):
+    """The YaRN paper's Definition 2, in numpy: theta_d = b^(-2d/|D|), lambda_d = 2 pi / theta_d,
+    r = L / lambda_d, gamma(r) = 0 (r < alpha), 1 (r > beta), (r - alpha) / (beta - alpha) between,
+    h(theta_d) = (1 - gamma) theta_d / s + gamma theta_d."""
+    theta = base ** (-2.0 * np.arange(head_dim // 2) / head_dim)
+    r = length / (2 * np.pi / theta)
+    gamma = np.where(r < alpha, 0.0, np.where(r > beta, 1.0, (r - alpha) / (beta - alpha)))
+    return (1 - gamma) * theta / s + gamma * theta
+
+
+@pytest.mark.parametrize("base, length", sorted(HF_YARN))
+def test_yarn_frequencies_follow_the_paper(base, length):
+    ours, mscale = inv_frequencies(64, base, RopeScaling(kind="yarn", factor=8, original_max_seq_len=length))
+    np.testing.assert_allclose(ours.numpy(), _yarn_paper(64, base, 8.0, length), rtol=1e-6)
+    assert mscale == pytest.approx(0.1 * math.log(8) + 1)   # sqrt(1/t) = 0.1 ln(s) + 1 (Eq. 22)
+    # transformers (the reference code) agrees wherever gamma is 0 or 1; between, it ramps over the
+    # dimension index instead of r, and our ramp="dims" reproduces it
+    hf = np.array(HF_YARN[(base, length)])
+    r = length * base ** (-2.0 * np.arange(32) / 64) / (2 * np.pi)
+    outside = (r <= 1) | (r >= 32)
+    assert outside.sum() >= 20
+    np.testing.assert_allclose(ours.numpy()[outside], hf[outside], rtol=1e-6)
+    dims, _ = inv_frequencies(64, base, RopeScaling(kind="yarn", factor=8, original_max_seq_len=length, ramp="dims"))
+    np.testing.assert_allclose(dims.numpy(), hf, rtol=1e-6)
+
+
+def test_linear_scaling_is_position_interpolation():
+    ours, mscale = inv_frequencies(64, 10000.0, RopeScaling(kind="linear", factor=8))
+    np.testing.assert_allclose(ours.numpy(), 10000.0 ** (-2.0 * np.arange(32) / 64) / 8, rtol=1e-6)
+    np.testing.assert_allclose(ours.numpy(), HF_LINEAR_10000, rtol=1e-6)
+    assert mscale == 1.0
+
+
+def test_yarn_attention_temperature_scales_the_logits():
+    """softmax(q.k / (t sqrt(D))) with sqrt(1/t) = 0.1 ln s + 1, recomputed here from the layer's weights
+    with our own rotary embedding (paper frequencies)."""
+    s = 16.0
+    cfg = ModelConfig.from_dict({**TINY, "n_layers": 1, "rope_theta": 10000.0,
+                                 "rope_scaling": {"kind": "yarn", "factor": s, "original_max_seq_len": 16}})
+    torch.manual_seed(0)
+    model = cfg.build().eval()
+    seen = {}
+    model.layers[0].attn.register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
+    model(torch.randint(0, 97, (1, 12)))
+    attn, x = model.layers[0].attn, seen["x"].double()
+    hd, t = 4, 12
+    theta = torch.from_numpy(_yarn_paper(hd, 10000.0, s, 16))
+    ang = torch.arange(t, dtype=torch.float64)[:, None] * theta                   # (T, hd/2)
+
+    def rot(z):  # (B, H, T, hd), rotate-half convention
+        z1, z2 = z[..., :hd // 2], z[..., hd // 2:]
+        return torch.cat([z1 * ang.cos() - z2 * ang.sin(), z2 * ang.cos() + z1 * ang.sin()], -1)
+
+    q = rot((x @ attn.wq.weight.double().T).view(1, t, 4, hd).transpose(1, 2))
+    k = rot((x @ attn.wk.weight.double().T).view(1, t, 2, hd).transpose(1, 2)).repeat_interleave(2, 1)
+    v = (x @ attn.wv.weight.double().T).view(1, t, 2, hd).transpose(1, 2).repeat_interleave(2, 1)
+    inv_t = (0.1 * math.log(s) + 1) ** 2
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd) * inv_t
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, t, -1) @ attn.wo.weight.double().T
+    torch.testing.assert_close(seen["out"].double(), y, atol=1e-5, rtol=1e-4)
+
+
+def test_yarn_config_errors_are_one_line():
+    with pytest.raises(ValueError, match="beta_slow=32.*beta_fast=1"):
+        RopeScaling(kind="yarn", factor=4, original_max_seq_len=64, beta_fast=1, beta_slow=32)
+    with pytest.raises(ValueError, match="rope_scaling.ramp='log'"):
+        RopeScaling(kind="yarn", factor=4, original_max_seq_len=64, ramp="log")
