@@ -57,7 +57,8 @@ def _open_sources(spec: dict, split: str) -> dict[str, tuple[ShardSet, float]]:
 
 def mixed_precision(device: torch.device, enabled: bool | None = None):
     """The loop's autocast: bf16 on CUDA, off elsewhere; ``enabled=True`` turns it on anywhere (tests, CPU)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" if enabled is None else enabled)
+    on = device.type == "cuda" if enabled is None else enabled
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 @torch.no_grad()
