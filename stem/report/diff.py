@@ -23,7 +23,8 @@ NOTES = {
     ("table3", "350m", "total_params_b"):
         "Convention: #Total = dense total + n_STEM x V x d_ff (removed up-projections not subtracted), which "
         "reproduces the 1B row exactly; the paper's 350M #Total column (1.14/1.85/3.25, Hash-MoE 1.22) fits no "
-        "consistent table shape, so ours differs by construction (research notes A).",
+        "consistent table shape, so ours differs by construction (research notes A). Hash-MoE: 12 experts per "
+        "MoE layer, sized to STEM's total as Sec. 4.1 says (1.19 B; the caption's 16 experts would give 1.48 B).",
     ("table3", "", "roi"):
         "Ours uses exact GFLOPs/token (2 x active params); the paper's ROI follows from its rounded #GFLOPs column.",
     ("table2", "", "warmup_ratio"): "The paper contradicts itself: Table 2 says 0.01, Sec. 4.1 says 10%.",

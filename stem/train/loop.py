@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -54,6 +53,12 @@ def _open_sources(spec: dict, split: str) -> dict[str, tuple[ShardSet, float]]:
             raise TrainingError(f"source {name!r}: token manifest {manifest} not found (run the tokenize stage)")
         out[name] = (ShardSet(manifest.parent, split), src["weight"])
     return out
+
+
+def mixed_precision(device: torch.device, enabled: bool | None = None):
+    """The loop's autocast: bf16 on CUDA, off elsewhere; ``enabled=True`` turns it on anywhere (tests, CPU)."""
+    on = device.type == "cuda" if enabled is None else enabled
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 @torch.no_grad()
@@ -101,7 +106,7 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         print(f"[{out_dir}] " + memory.describe(memory.estimate(
             model, micro, tc["seq_len"], ctx.world, strategy, model.activation_checkpointing)), file=sys.stderr)
     D.parallelize(model, ctx, strategy)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = mixed_precision(device)
 
     # ---- data and optimizer
     # accum micro-batches of `micro` sequences per step in all; this rank runs every world-th of them
