@@ -67,6 +67,37 @@ def evaluate(model, batches, device, autocast) -> float:
     return sum(losses) / max(1, len(losses))
 
 
+def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0) -> float:
+    """Forward and backward over one optimizer step's micro-batches; returns the step's training loss.
+
+    ``batches`` is the whole step's list (every rank's); this rank runs micro-batches rank, rank+W, ...
+    The objective is the token mean of the whole step: the sum of the losses of every trained target
+    (target != -1) in all micro-batches on all ranks, divided by their total count, so the gradient does
+    not depend on how the batch is split (packed rows carry different numbers of targets). Each
+    micro-batch's mean loss is weighted by count_i / total; FSDP (or the DDP sync) then averages over
+    the W ranks, hence the extra factor W. The count comes from the batches themselves, which every rank
+    holds, so no collective is needed before backward."""
+    counts = [int((y != -1).sum()) for _, y, _ in batches]
+    total = sum(counts)
+    if total == 0:
+        raise TrainingError(f"step {step}: no trained targets in the whole batch (every target is padding)")
+    loss_sum = 0.0
+    for i in range(ctx.rank, len(batches), ctx.world):
+        x, y, pos = batches[i]
+        D.set_gradient_sync(model, ctx, i >= len(batches) - ctx.world)  # reduce once, on the last one
+        x, y, pos = x.to(device), y.to(device), None if pos is None else pos.to(device)
+        if counts[i] == 0:  # nothing to learn here, but FSDP expects the same forward/backward on every rank
+            with autocast:
+                (model(x, positions=pos).float().sum() * 0.0).backward()
+            continue
+        divisor = total / (counts[i] * ctx.world)  # == accum / W when every micro-batch has the same count
+        with autocast:
+            loss = model(x, y, positions=pos)
+        (loss / divisor).backward()
+        loss_sum += loss.item() / divisor
+    return D.all_mean(ctx, loss_sum)
+
+
 def train(spec: dict, threads: int | None = None, max_steps: int | None = None) -> dict:
     """Run (or resume) one training job; returns its summary. ``max_steps`` stops early (tests)."""
     t0 = time.time()
@@ -105,7 +136,6 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
 
     # ---- data and optimizer
     # accum micro-batches of `micro` sequences per step in all; this rank runs every world-th of them
-    accum_local = accum // ctx.world
     sources = _open_sources(spec, "train")
     eos = json.loads(Path(next(iter(spec["data"].values()))["manifest"]).read_text()).get("eos_id", 0)
     loader = MixtureLoader(sources, tc["seq_len"], micro, spec["seed"],
@@ -148,18 +178,8 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
             t_step = time.time()
             lr = get_lr(step, **lr_kw)
             set_lr(opt, lr)
-            loss_sum = 0.0
-            for i in range(accum):
-                x, y, pos = loader.next_batch()      # every rank advances the same global stream ...
-                if i % ctx.world != ctx.rank:        # ... and keeps its own share of it
-                    continue
-                D.set_gradient_sync(model, ctx, i >= accum - ctx.world)  # reduce once, on the last one
-                x, y = x.to(device), y.to(device)
-                with autocast:
-                    loss = model(x, y, positions=None if pos is None else pos.to(device))
-                (loss / accum_local).backward()      # FSDP then averages over ranks: 1/accum in all
-                loss_sum += loss.item() / accum_local
-            loss_sum = D.all_mean(ctx, loss_sum)
+            batches = [loader.next_batch() for _ in range(accum)]  # every rank draws the global stream
+            loss_sum = accumulate_gradients(model, batches, ctx, device, autocast, step)
             if not math.isfinite(loss_sum):
                 raise TrainingError(f"[{out_dir}] non-finite training loss {loss_sum} at step {step} (lr={lr:.3g})")
             D.sync_replicated_grads(model, ctx)
