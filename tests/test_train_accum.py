@@ -76,3 +76,14 @@ def test_a_micro_batch_without_targets_adds_nothing(tiny_data):
     with pytest.raises(TrainingError, match="no trained targets"):
         _split_grads(model, (x, y, pos), 2)
 
+
+
+def test_sparse_table_gradients_are_not_an_option():
+    """table_sparse_grad was documented but could not train (clipping, no SparseAdam): it is gone (issue 10, item 7)."""
+    from stem import config as C
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg["variant_overrides"] = {"stem": {"table_sparse_grad": True}}
+    with pytest.raises(ValueError, match=r"unknown keys \['table_sparse_grad'\]"):
+        C.model_config_for(cfg, "350m", "stem")
+    model = C.model_config_for(C.load_experiment(C.REPO / "config" / "tiny.yaml"), "350m", "stem").build("meta")
+    assert not any(getattr(m, "sparse", False) for m in model.modules())

@@ -129,8 +129,6 @@ def parallelize(model, ctx: DistContext, strategy: str = "fsdp"):
     if strategy not in STRATEGIES:
         raise ValueError(f"parallel strategy {strategy!r}: expected one of {STRATEGIES}")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    if any(getattr(m, "sparse", False) for m in model.modules()):
-        raise ValueError("sparse table gradients are not supported with more than one rank (set table_sparse_grad: false)")
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if ctx.device.type == "cuda" else MixedPrecisionPolicy())
     for m in sharded_leaf_modules(model):
