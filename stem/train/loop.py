@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from stem.data.loader import MixtureLoader, validation_batches
 from stem.data.shards import ShardSet
 from stem.models.accounting import training_flops
 from stem.models.config import ModelConfig
+from stem.train import checkpoint as ck
 from stem.train.checkpoint import atomic_write_json, atomic_write_text, load_weights, save_checkpoint
 from stem.train import distributed as D
 from stem.train import memory
@@ -121,6 +123,7 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         texts += [f"<unused{i}>" for i in range(len(texts), cfg.vocab_size)]
         model.dse_compress.copy_(compression_map(texts).to(device))
     if spec.get("init_from"):
+        check_init_from(spec)
         load_weights(model, Path(spec["init_from"]) / "model.safetensors")
     accounting = model.accounting()
     model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
@@ -150,6 +153,8 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
     # ---- resume
     step, wall_before, val_loss = 0, 0.0, float("nan")
     extra = D.load_state(state_dir, model, opt, ctx)
+    if extra is None and spec.get("init_from") and not tc.get("reset_optimizer", True):
+        ck.load_optimizer(Path(spec["init_from"]) / "optimizer", model, opt)  # carry the previous stage's state
     metrics_path = state_dir / "metrics.jsonl"
     if extra is not None:
         step, wall_before, val_loss = extra["step"], extra["wall_seconds"], extra["val_loss"]
@@ -227,13 +232,46 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         "tokens_by_source": loader.tokens_by_source, **accounting,
     }
     full = D.full_model_view(model, ctx)   # gathers the full weights to rank 0's CPU when sharded
+    optim_dir = None
+    if tc.get("save_optimizer"):           # a later stage carries this optimizer state (reset_optimizer: false)
+        optim_dir = out_dir / ".tmp_optimizer"
+        if ctx.is_main:
+            shutil.rmtree(optim_dir, ignore_errors=True)
+        ck.save_optimizer(optim_dir, model, opt)
     if ctx.is_main:
         summary["final_train_loss"] = _final_train_loss(metrics_path)
-        save_checkpoint(out_dir / "checkpoint", full, spec, spec["tokenizer"], accounting)
+        save_checkpoint(out_dir / "checkpoint", full, spec, spec["tokenizer"], accounting, optim_dir)
         atomic_write_text(out_dir / "metrics.jsonl", metrics_path.read_text())
         atomic_write_json(out_dir / "summary.json", summary)
     D.teardown(ctx)
     return summary
+
+
+# what must equal between a stage and the checkpoint it starts from (the spec's model config: all but the
+# context length and RoPE scaling, which context extension changes)
+_STAGE_FREE_MODEL_KEYS = ("max_seq_len", "rope_scaling")
+
+
+def check_init_from(spec: dict):
+    """The init_from checkpoint is the expected experiment/scale/variant and previous stage, with the same
+    architecture; else one TrainingError line naming its config.json and the mismatch."""
+    ckpt = Path(spec["init_from"])
+    try:
+        saved = ck.read_checkpoint_spec(ckpt)
+    except ValueError as e:
+        raise TrainingError(f"init_from: {e}") from None
+    where = ckpt / "config.json"
+    want = {"experiment": spec["experiment"], "scale": spec["scale"], "variant": spec["variant"],
+            "stage": spec.get("init_stage")}
+    for key, value in want.items():
+        if value is not None and saved.get(key) != value:
+            raise TrainingError(f"{where}: init_from checkpoint has {key} {saved.get(key)!r}, expected {value!r} "
+                                f"(a {spec['stage']} job starts from {want})")
+    model = {k: v for k, v in spec["model"].items() if k not in _STAGE_FREE_MODEL_KEYS}
+    for key, value in model.items():
+        if saved["model"].get(key) != value:
+            raise TrainingError(f"{where}: init_from checkpoint has model.{key} {saved['model'].get(key)!r}, "
+                                f"expected {value!r}")
 
 
 def _event(state_dir: Path, text: str):
