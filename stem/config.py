@@ -17,7 +17,8 @@ SCHEMA = REPO / "config" / "schema.yaml"
 VARIANTS = REPO / "config" / "variants.yaml"
 SCALES = ("350m", "1b")
 STAGES = ("pretrain", "midtrain", "extend")
-TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100}
+TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
+                  "tensorboard": False}
 
 
 class ConfigError(ValueError):

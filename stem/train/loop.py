@@ -178,7 +178,9 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         D.save_state(state_dir, step, model, opt, {"loader": loader.state_dict(), "val_loss": val_loss,
                                                    "wall_seconds": wall_before + time.time() - t0}, ctx)
 
-    with open(metrics_path if ctx.is_main else os.devnull, "a") as log:
+    tb = _tensorboard(out_dir, step) if ctx.is_main and tc.get("tensorboard") else None
+    progress = Progress(f"{spec['scale']}/{spec['variant']}/{spec['stage']}", step, tc["steps"], tokens_per_step)
+    with open(metrics_path if ctx.is_main else os.devnull, "a") as log, (tb or nullcontext()):
         while step < min(tc["steps"], last):
             t_step = time.time()
             lr = get_lr(step, **lr_kw)
@@ -202,9 +204,16 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
                 row.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
             log.write(json.dumps(row) + "\n")
             log.flush()
+            if tb is not None:
+                for key, value in row.items():
+                    if key != "step":
+                        tb.add_scalar(("val/" + key[4:]) if key.startswith("val_") else "train/" + key, value, step)
             if ctx.is_main and (step % tc["log_interval"] == 0 or step == tc["steps"]):
-                print(f"[{spec['scale']}/{spec['variant']}/{spec['stage']}] step {step}/{tc['steps']} "
-                      f"loss {loss_sum:.4f} lr {lr:.2e} {row['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+                line = progress.line(step, loss_sum, lr)
+                print(line, flush=True)                 # the job's output (terminal, Slurm's output file)
+                print(line, file=sys.stderr, flush=True)  # and its log (logs/...)
+                if tb is not None:
+                    tb.flush()
             stopping = D.any_rank(ctx, stop["signal"] is not None)  # all ranks stop at the same step
             if step % tc["checkpoint_interval"] == 0 or stopping:
                 snapshot()
@@ -272,6 +281,41 @@ def check_init_from(spec: dict):
         if saved["model"].get(key) != value:
             raise TrainingError(f"{where}: init_from checkpoint has model.{key} {saved['model'].get(key)!r}, "
                                 f"expected {value!r}")
+
+
+class Progress:
+    """The progress line printed every log_interval: step/total, loss, LR, tokens/s over the interval and
+    the ETA at the throughput since this process started (a resumed job counts from its resume step)."""
+
+    def __init__(self, name: str, step: int, total: int, tokens_per_step: int):
+        self.name, self.total, self.tokens_per_step = name, total, tokens_per_step
+        self.start_step, self.start = step, time.time()
+        self.last_step, self.last = step, self.start
+
+    def line(self, step: int, loss: float, lr: float) -> str:
+        now = time.time()
+        tok_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last, 1e-9)
+        eta = (self.total - step) * (now - self.start) / max(step - self.start_step, 1)
+        self.last_step, self.last = step, now
+        return (f"[{self.name}] step {step}/{self.total} ({100 * step / self.total:.0f}%) loss {loss:.4f} "
+                f"lr {lr:.2e} {tok_s:,.0f} tok/s ETA {_hms(eta)}")
+
+
+def _hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _tensorboard(out_dir: Path, step: int):
+    """A TensorBoard writer for {out_dir}/tensorboard; events from a step after ``step`` (left by a run cut
+    after its last saved state) are purged on resume, so the curves show each step once."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise TrainingError("train.tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
+    if step == 0:   # a fresh start: no curves of an earlier attempt
+        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
+    return SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
 
 
 def _event(state_dir: Path, text: str):
