@@ -245,7 +245,9 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
     if tc.get("save_optimizer"):           # a later stage carries this optimizer state (reset_optimizer: false)
         optim_dir = out_dir / ".tmp_optimizer"
         if ctx.is_main:
-            shutil.rmtree(optim_dir, ignore_errors=True)
+            shutil.rmtree(optim_dir, ignore_errors=True)   # left by an attempt cut short
+        if ctx.world > 1:
+            torch.distributed.barrier()
         ck.save_optimizer(optim_dir, model, opt)
     if ctx.is_main:
         summary["final_train_loss"] = _final_train_loss(metrics_path)
