@@ -3,9 +3,12 @@
 Two kinds, in two places:
 - resumable training state under ``{out_dir}/_state/`` (undeclared to Snakemake, so a failed or
   preempted job keeps it): ``step_{N}/`` folders written to a temp name and renamed, plus a
-  ``latest`` pointer replaced atomically; older states are pruned.
+  ``latest`` pointer replaced atomically; older states are pruned. Each folder's ``manifest.json``
+  (written last) lists its files' sizes: resuming skips a folder that does not match it, with a
+  one-line warning naming the bad file, and takes the previous one.
 - the declared final checkpoint ``{out_dir}/checkpoint/``: model.safetensors, config.json (the job
-  spec, model config included), tokenizer.json, accounting.json; written to a temp folder, renamed.
+  spec, model config included), tokenizer.json, accounting.json, and ``optimizer/`` when the next stage
+  carries the optimizer state (reset_optimizer: false); written to a temp folder, renamed.
 """
 from __future__ import annotations
 
