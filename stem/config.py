@@ -17,7 +17,8 @@ SCHEMA = REPO / "config" / "schema.yaml"
 VARIANTS = REPO / "config" / "variants.yaml"
 SCALES = ("350m", "1b")
 STAGES = ("pretrain", "midtrain", "extend")
-TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100}
+TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
+                  "tensorboard": False}
 
 
 class ConfigError(ValueError):
@@ -76,6 +77,9 @@ def _cross_check(cfg: dict, origin: str):
             if init is not None and (init not in m["stages"] or m["stages"].index(init) >= m["stages"].index(stage)):
                 raise ConfigError(f"{origin}: key '{where}.init_from': {init!r} must be an earlier stage of "
                                   f"matrix.{scale}.stages {m['stages']}")
+            if init is None and spec.get("reset_optimizer") is False:
+                raise ConfigError(f"{origin}: key '{where}.reset_optimizer': false needs an init_from stage "
+                                  "whose optimizer state it carries")
             max_len = spec.get("max_seq_len", cfg["archs"][scale]["max_seq_len"])
             if spec["seq_len"] > max_len:
                 raise ConfigError(f"{origin}: key '{where}.seq_len': {spec['seq_len']} exceeds the model's "
@@ -163,15 +167,23 @@ def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
     data = st.pop("data")
     for key in ("max_seq_len", "rope_scaling"):
         st.pop(key, None)
+    train = {**TRAIN_DEFAULTS, **cfg.get("train", {}), **st}
+    # reset_optimizer (default true): false carries the optimizer state of init_from's stage, which then
+    # saves it in its checkpoint (checkpoint/optimizer/)
+    train["reset_optimizer"] = bool(st.get("reset_optimizer", True)) if init else True
+    train["save_optimizer"] = any(cfg["stages"][s][scale].get("init_from") == stage
+                                  and not cfg["stages"][s][scale].get("reset_optimizer", True)
+                                  for s in cfg["matrix"][scale]["stages"])
     return {
         "experiment": exp, "scale": scale, "variant": variant, "stage": stage,
         "seed": cfg["seed"], "device": cfg["device"],
         "model": model_config_for(cfg, scale, variant, stage).to_dict(),
         "optim": cfg["optim"],
-        "train": {**TRAIN_DEFAULTS, **cfg.get("train", {}), **st},
+        "train": train,
         "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
         "tokenizer": tokenizer_path(exp, scale),
         "init_from": stage_dir(exp, scale, variant, init) + "/checkpoint" if init else None,
+        "init_stage": init,
         "out_dir": stage_dir(exp, scale, variant, stage),
     }
 

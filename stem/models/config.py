@@ -81,7 +81,6 @@ class ModelConfig:
     hash_seed: int = 0                  # seed of the balanced token -> expert map
     table_init: str = "xavier_normal"   # STEM tables: official code uses xavier-normal on [V, d_ff]
     table_init_std: float = 0.02        # used when table_init == "normal"
-    table_sparse_grad: bool = False     # sparse gradients for STEM tables (SparseAdam then)
     init_std: float = 0.02
     dse: DSEConfig | None = None
 

@@ -34,7 +34,7 @@ class StemTable(nn.Embedding):
     """The per-layer V x d_ff table U; its own class so optimizer grouping can find it by type."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.vocab_size, cfg.d_ff, sparse=cfg.table_sparse_grad)
+        super().__init__(cfg.vocab_size, cfg.d_ff)
         self.init_kind, self.init_std = cfg.table_init, cfg.table_init_std
         self.reset_parameters()  # nn.Embedding's own call ran before init_kind was known
 
