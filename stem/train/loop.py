@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
