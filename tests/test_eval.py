@@ -224,3 +224,45 @@ def test_tiny_dag_ends_in_eval_jsons():
     assert len(targets) == 9 + 2 * 3 + 2 * 4  # 7 350m + 2 1b pretrain; 2 midtrain x 3; 2 extend x 4
     snakefile = (C.REPO / "Snakefile").read_text()
     assert 'include: "rules/eval.smk"' in snakefile and "eval_outputs()" in snakefile
+
+
+# ---- lm-eval's own command line (stem-lm-eval) ------------------------------------------------------------
+def test_lm_eval_cli_runs_the_stem_model(ckpt, lm, tmp_path):
+    """The console command `stem-lm-eval` (pyproject [project.scripts]) is lm-eval's CLI with every flag
+    unchanged; run it as a subprocess with lm-eval's default device (cuda:0) on a machine without CUDA
+    for the process, and compare its scores with an in-process evaluation of the same items."""
+    import os
+    import subprocess
+    import sys
+    import tomllib
+
+    from stem import config as C
+    scripts = tomllib.loads((C.REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["stem-lm-eval"] == "stem.eval.lm_eval_cli:main"
+    fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 4, "train_items": 2, "tasks": ["arc_easy"]},
+                            tmp_path / "fx")
+    cmd = [sys.executable, "-m", "stem.eval.lm_eval_cli", "--model", "stem", "--model_args", f"pretrained={ckpt}",
+           "--tasks", "arc_easy", "--include_path", str(tmp_path / "fx"), "--batch_size", "2",
+           "--output_path", str(tmp_path / "out")]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(C.REPO), "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "requested but this machine has no CUDA; using cpu" in r.stderr
+    assert "evaluating on device cpu" in r.stderr
+    (res_file,) = (tmp_path / "out").rglob("results_*.json")
+    got = json.loads(res_file.read_text())
+    assert got["config"]["model"] == "stem" and got["n-samples"]["arc_easy"]["effective"] == 4
+    spec = {**run.suite_spec(_tiny_cfg(tmp_path), "commonsense"), "tasks": ["arc_easy"], "fixtures": str(tmp_path / "fx")}
+    ref = run.run_lm_eval(lm, spec)["results"]["arc_easy"]
+    for k in ("acc,none", "acc_norm,none"):
+        assert got["results"]["arc_easy"][k] == pytest.approx(ref[k])
+
+
+def test_device_falls_back_to_the_one_that_exists(capsys):
+    from stem.eval.lm import pick_device
+    if torch.cuda.is_available():
+        assert pick_device("cuda:0") == "cuda:0"
+    else:
+        assert pick_device("cuda:0") == "cpu" and "no CUDA; using cpu" in capsys.readouterr().err
+    assert pick_device("cpu") == "cpu" and "evaluating on device cpu" in capsys.readouterr().err
+    assert pick_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
