@@ -165,10 +165,74 @@ def test_niah_cells(lm, tmp_path):
     docs = [d for d, _ in zip(synth.long_documents(synth.make_world(**WORLD), 0, 500, 1500), range(5))]
     with pytest.raises(ValueError, match="no room"):
         niah.make_items(lm.tok, docs, [16], [0], 1)
-    items = niah.make_items(lm.tok, docs, [224, 256], [0, 50, 100], 2)
-    assert all(len(lm.tok_encode(it["prompt"])) <= it["length"] for it in items)
+    items = niah.make_items(lm.tok, docs, [224, 256], [0, 50, 100], 2, max_gen_toks=4)
+    assert all(len(lm.tok_encode(it["prompt"])) + 4 <= it["length"] for it in items)
     res = niah.run(lm, items, 4)
     assert [(c["length"], c["depth"]) for c in res["cells"]] == [(L, d) for L in (224, 256) for d in (0, 50, 100)]
+    with pytest.raises(ValueError, match="exceeds the cell"):
+        niah.run(lm, items, 12)  # a larger generation budget than the items were made for
+
+
+class NeedleOracle(torch.nn.Module):
+    """A stand-in model that answers NIAH perfectly from the ids it is given, no more: it decodes them and,
+    if the whole needle of the queried key is among them, emits its value digit by digit and a newline;
+    otherwise EOS. Stateless (no KV cache): each decoding step sees prompt + generated tokens."""
+    supports_kv_cache = False
+
+    def __init__(self, tok, context: int):
+        super().__init__()
+        from types import SimpleNamespace
+        self.tok, self.w = tok, torch.nn.Parameter(torch.zeros(1))
+        self.cfg = SimpleNamespace(max_seq_len=context, vocab_size=tok.vocab_size)
+        self.longest, self.prompts = 0, set()  # longest input; the inputs of first decoding steps
+
+    def forward(self, x, cache=None, **kw):
+        import re
+        assert cache is None and x.shape[0] == 1
+        self.longest = max(self.longest, x.shape[1])
+        text = self.tok.decode(x[0].tolist())
+        nxt = self.tok.eos_id
+        q = list(re.finditer(r"The special magic number for (\w+) mentioned in the provided text is", text))
+        if q:
+            needle = re.search(rf"One of the special magic numbers for {q[-1][1]} is: (\d+)\.", text[:q[-1].start()])
+            target, gen = (needle[1] + "\n" if needle else ""), text[q[-1].end():]
+            if not gen:
+                self.prompts.add(tuple(x[0].tolist()))
+            if target.startswith(gen) and len(gen) < len(target):
+                (nxt,) = self.tok.encode_batch([target[len(gen)]])[0]
+        logits = torch.zeros(1, x.shape[1], self.cfg.vocab_size)
+        logits[0, -1, nxt] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize("experiment", ["tiny", "paper"])
+def test_niah_oracle_scores_100_in_every_cell(ckpt, tmp_path, experiment):
+    """Through run.evaluate (items, decoding with the decoder's left truncation, scoring) with a model
+    whose context is exactly the cell length: prompt plus generation fit, so the needle is never cut."""
+    from stem import config as C
+    from stem.data import synth
+    from stem.eval import niah
+    cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
+    spec = run.suite_spec(cfg, "niah")
+    w = synth.make_world(**WORLD)
+    n_docs = 8 if experiment == "tiny" else 60
+    docs = tmp_path / "long.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d, _ in zip(synth.long_documents(w, 0, 4000, 16000),
+                                                                             range(n_docs))))
+    spec["documents"] = {"kind": "files", "paths": [str(docs)], "format": "jsonl"}
+    lm = StemLM(str(ckpt), device="cpu", batch_size=4)
+    lm.use_cache = False
+    cells = []
+    for length in spec["lengths"]:
+        lm.model, lm._max_length = NeedleOracle(lm.tok, length), length
+        out = run.evaluate(ckpt, {**spec, "lengths": [length]}, lm=lm, limit=1 if experiment == "paper" else None)
+        assert lm.model.longest <= length
+        items = niah.make_items(lm.tok, run._documents(spec, n_chars=8 * length * 4), [length], spec["depths"],
+                                1 if experiment == "paper" else spec["samples"], spec["seed"], 12)
+        assert all(tuple(lm.tok_encode(it["prompt"])) in lm.model.prompts for it in items)  # seen whole
+        cells += out["cells"]
+    assert [(c["length"], c["depth"]) for c in cells] == [(L, d) for L in spec["lengths"] for d in spec["depths"]]
+    assert all(c["accuracy"] == 100.0 for c in cells), [c for c in cells if c["accuracy"] < 100]
 
 
 def test_by_length_buckets():

@@ -180,8 +180,9 @@ def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict]:
     if too_long:
         raise ValueError(f"niah: lengths {too_long} exceed the checkpoint's context ({lm.max_length} tokens)")
     docs = _documents(spec, n_chars=8 * max(spec["lengths"]) * 4)
-    items = niah.make_items(lm.tok, docs, spec["lengths"], spec["depths"], limit or spec["samples"], spec["seed"])
-    res = niah.run(lm, items, spec.get("max_gen_toks", 12))
+    gen = spec.get("max_gen_toks", 12)
+    items = niah.make_items(lm.tok, docs, spec["lengths"], spec["depths"], limit or spec["samples"], spec["seed"], gen)
+    res = niah.run(lm, items, gen)
     out = {"tasks": {"niah": {"metric": "exact_match", "value": res["accuracy"], "stderr": None, "n": res["n"],
                               "version": "stem-niah-1", "all_metrics": {"exact_match": res["accuracy"]}}},
            "groups": {}, "cells": res["cells"]}
