@@ -330,3 +330,71 @@ def test_device_falls_back_to_the_one_that_exists(capsys):
         assert pick_device("cuda:0") == "cpu" and "no CUDA; using cpu" in capsys.readouterr().err
     assert pick_device("cpu") == "cpu" and "evaluating on device cpu" in capsys.readouterr().err
     assert pick_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---- the eval stage reads the checkpoint its job is for (issue 16) -----------------------------------------
+def _ppl_spec(tmp_path):
+    from stem.data import synth
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d, _ in zip(synth.web_documents(synth.make_world(**WORLD)), range(2))))
+    spec = run.suite_spec(_tiny_cfg(tmp_path), "ppl")
+    spec.update(documents={"kind": "files", "paths": [str(docs)], "format": "jsonl"}, device="cpu")
+    return spec
+
+
+def test_eval_refuses_a_checkpoint_of_another_job(ckpt, lm, tmp_path):
+    spec = _ppl_spec(tmp_path)
+    job = {"experiment": "test", "scale": "1b", "variant": "dense", "stage": "pretrain"}
+    out = tmp_path / "out.json"
+    with pytest.raises(ValueError, match=r"checkpoint .*config.json: saved job test/1b/stem/pretrain, but this eval "
+                                         r"job .* is for test/1b/dense/pretrain \(variant 'stem' != 'dense'\)"):
+        run.evaluate(ckpt, {**spec, "job": job}, out, lm=lm)
+    assert not out.exists()
+    # no job in the spec: the output path of the results layout says what the checkpoint must be
+    out = tmp_path / "results" / "test" / "350m" / "stem" / "midtrain" / "eval" / "ppl.json"
+    with pytest.raises(ValueError, match=r"scale '1b' != '350m', stage 'pretrain' != 'midtrain'"):
+        run.evaluate(ckpt, spec, out, lm=lm)
+    assert not out.parent.exists()
+    out = tmp_path / "results" / "test" / "1b" / "stem" / "pretrain" / "eval" / "ppl.json"
+    r = run.evaluate(ckpt, spec, out, lm=lm, limit=1)
+    assert (r["experiment"], r["scale"], r["variant"], r["stage"]) == ("test", "1b", "stem", "pretrain") and out.is_file()
+    assert run.job_spec(_tiny_cfg(tmp_path), "tiny", "1b", "stem", "pretrain", "ppl")["job"] == {
+        "experiment": "tiny", "scale": "1b", "variant": "stem", "stage": "pretrain"}
+    from stem import config as C
+    assert "EV.job_spec(config, w.experiment, w.scale, w.variant, w.stage, w.suite)" in (C.REPO / "rules" / "eval.smk").read_text()
+
+
+def test_eval_job_script_errors_and_labels(ckpt, tmp_path, monkeypatch, capsys):
+    import sys
+    from workflow_scripts import eval_suite
+    from workflow_scripts._entry import run as run_entry
+    spec = _ppl_spec(tmp_path)
+
+    def call(job, *extra):
+        argv = ["eval_suite", "--spec", json.dumps({**spec, "job": job}), "--checkpoint", str(ckpt),
+                "--out", str(tmp_path / "o" / "ppl.json"), "--raw", str(tmp_path / "o" / "raw.json"), *extra]
+        monkeypatch.setattr(sys, "argv", argv)
+        run_entry(eval_suite.main)
+
+    good = {"experiment": "test", "scale": "1b", "variant": "stem", "stage": "pretrain"}
+    with pytest.raises(SystemExit) as e:
+        call({**good, "experiment": "tiny"})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and err[-1].startswith("error: checkpoint ") and "experiment 'test' != 'tiny'" in err[-1]
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit) as e:
+        call(good, "--limit", "0")
+    assert e.value.code == 1 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: limit 0: expected a positive whole number of items per task (or no limit)")
+    call(good)  # the suite's own count of documents (config `documents: 40`; 2 in the file)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("ppl: scores {'ppl': ") and line.endswith(" s") and "; wall time " in line
+    saved = json.loads((tmp_path / "o" / "ppl.json").read_text())
+    assert saved["tasks"]["ppl"]["n"] == 2 and saved["variant"] == "stem"
+
+
+def test_cli_limit_must_be_positive(tmp_path, capsys):
+    from stem.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["eval", "--checkpoint", str(tmp_path / "nope"), "--suite", "commonsense", "--limit", "0"])
+    assert capsys.readouterr().err.strip() == "error: limit 0: expected a positive whole number of items per task (or no limit)"
