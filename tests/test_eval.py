@@ -200,7 +200,7 @@ class NeedleOracle(torch.nn.Module):
                 self.prompts.add(tuple(x[0].tolist()))
             if target.startswith(gen) and len(gen) < len(target):
                 (nxt,) = self.tok.encode_batch([target[len(gen)]])[0]
-        logits = torch.zeros(1, x.shape[1], self.cfg.vocab_size)
+        logits = torch.zeros(1, 1, self.cfg.vocab_size)  # the decoder reads the last position only
         logits[0, -1, nxt] = 1.0
         return logits
 
@@ -211,7 +211,6 @@ def test_niah_oracle_scores_100_in_every_cell(ckpt, tmp_path, experiment):
     whose context is exactly the cell length: prompt plus generation fit, so the needle is never cut."""
     from stem import config as C
     from stem.data import synth
-    from stem.eval import niah
     cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
     spec = run.suite_spec(cfg, "niah")
     w = synth.make_world(**WORLD)
@@ -225,10 +224,12 @@ def test_niah_oracle_scores_100_in_every_cell(ckpt, tmp_path, experiment):
     cells = []
     for length in spec["lengths"]:
         lm.model, lm._max_length = NeedleOracle(lm.tok, length), length
-        out = run.evaluate(ckpt, {**spec, "lengths": [length]}, lm=lm, limit=1 if experiment == "paper" else None)
+        raw = tmp_path / f"raw{length}.json"
+        out = run.evaluate(ckpt, {**spec, "lengths": [length]}, raw_json=raw, lm=lm,
+                           limit=1 if experiment == "paper" else None)
         assert lm.model.longest <= length
-        items = niah.make_items(lm.tok, run._documents(spec, n_chars=8 * length * 4), [length], spec["depths"],
-                                1 if experiment == "paper" else spec["samples"], spec["seed"], 12)
+        items = json.loads(raw.read_text())["items"]
+        assert len(items) == len(spec["depths"]) * (1 if experiment == "paper" else spec["samples"])
         assert all(tuple(lm.tok_encode(it["prompt"])) in lm.model.prompts for it in items)  # seen whole
         cells += out["cells"]
     assert [(c["length"], c["depth"]) for c in cells] == [(L, d) for L in spec["lengths"] for d in spec["depths"]]

@@ -40,24 +40,29 @@ def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max
                                      f"and {max_gen_toks} generated tokens")
                 start = rng.randrange(len(pool))
                 sents, n = [], 0
-                while n < budget:
-                    sent = pool[(start + len(sents)) % len(pool)].strip() + "."
-                    n += n_tokens(" " + sent)
-                    sents.append(sent)
+                while n < budget:  # consecutive sentences until the budget is reached (counted in batches)
+                    chunk = [pool[(start + len(sents) + k) % len(pool)].strip() + "." for k in range(64)]
+                    for sent, ids in zip(chunk, tok.encode_batch([" " + x for x in chunk])):
+                        if n >= budget:
+                            break
+                        n += len(ids)
+                        sents.append(sent)
 
                 def compose(sents):
                     at = round(len(sents) * depth / 100)
                     return " ".join(sents[:at] + [needle] + sents[at:]) + query
 
                 text = compose(sents)
-                while sents and n_tokens(text) + max_gen_toks > length:  # measured on the whole prompt
+                n = n_tokens(text)
+                while sents and n + max_gen_toks > length:  # measured on the whole prompt
                     sents.pop()
                     text = compose(sents)
-                if n_tokens(text) + max_gen_toks > length:
+                    n = n_tokens(text)
+                if n + max_gen_toks > length:
                     raise ValueError(f"niah: length {length} leaves no room for needle, query and "
                                      f"{max_gen_toks} generated tokens")
                 items.append({"length": length, "depth": depth, "key": key, "value": value, "prompt": text,
-                              "prompt_tokens": n_tokens(text)})
+                              "prompt_tokens": n})
     return items
 
 
