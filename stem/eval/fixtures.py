@@ -230,7 +230,7 @@ def musr(rng, w, i, task):
     if sub == "object_placements":
         q = f"Which city would {p.name} most likely be found in?"
         capitals = [c.capital for c in w.countries if c.capital not in {x.city for x in people}]
-        choices, k = _options(rng, p.city, [x.city for x in people if x is not p] + [rng.choice(capitals)], 3)
+        choices, k = _options(rng, p.city, [x.city for x in people if x is not p] + rng.sample(capitals, min(1, len(capitals))), 3)
     else:
         what = "was born in " + str(p.birth_year) if sub == "murder_mysteries" else "worked as " + synth._a(p.profession)
         q = f"Who {what}?"
