@@ -59,6 +59,13 @@ def eval_json(cfg, scale, variant, stage, suite, offset):
     return base
 
 
+def summary_json(cfg, scale, variant, stage, loss):
+    """The keys of stem.train.loop's summary.json that the report reads or checks."""
+    return {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage,
+            "final_val_loss": float(loss[-1]), "final_train_loss": float(np.mean(loss[-10:])),
+            "steps": len(loss), "tokens": 2048 * len(loss)}
+
+
 def write_results(root, cfg, skip=(MISSING,)):
     rng = np.random.default_rng(0)
     stage_suites = {"pretrain": ["commonsense"], "midtrain": ["commonsense", "mmlu", "gsm8k"],
@@ -76,7 +83,7 @@ def write_results(root, cfg, skip=(MISSING,)):
                 if s % 50 == 0:
                     row.update(val_loss=float(l), val_ppl=float(np.exp(l)))
                 f.write(json.dumps(row) + "\n")
-        (d / "summary.json").write_text(json.dumps({"final_val_loss": float(loss[-1]), "tokens": 409600}))
+        (d / "summary.json").write_text(json.dumps(summary_json(cfg, scale, variant, stage, loss)))
         for suite in stage_suites[stage]:
             if (scale, variant) in skip and suite == "commonsense":
                 continue
@@ -281,3 +288,93 @@ def test_report_builds(tmp_path, tiny_cfg, tiny_results):
     diff_md = (rd / "diff" / "diff.md").read_text()
     assert "Directions" in diff_md and "Where the paper disagrees with itself" in diff_md
     assert pd.read_csv(rd / "tables" / "table3.csv")["Model"].tolist()[:2] == ["Baseline", "Hash-MoE"]
+
+
+# ---- every result file read is checked: what its path says, schema, types, ranges -----------------------
+@pytest.fixture
+def fresh_results(tmp_path, tiny_cfg):
+    write_results(tmp_path, tiny_cfg)
+    return tmp_path
+
+
+def test_real_training_summary_passes_the_check(spec_factory, tmp_path):
+    """The check accepts what stem.train.loop really writes (and rejects it under another path)."""
+    from stem.train.loop import train
+    from stem.report.results import ResultError, check_summary
+    spec = spec_factory(tmp_path / "tiny" / "350m" / "stem" / "pretrain", steps=6, eval_interval=3)
+    train(spec)
+    res = Results("tiny", tmp_path)
+    s = res.summary("350m", "stem", "pretrain")
+    assert s["final_val_loss"] > 0 and s["steps"] == 6
+    with pytest.raises(ResultError, match="key 'variant': the file is of variant 'stem' but its path says 'dense'"):
+        check_summary(tmp_path / "x.json", s, {"experiment": "tiny", "scale": "350m", "variant": "dense",
+                                               "stage": "pretrain"})
+
+
+@pytest.mark.parametrize("what, src, dst, key", [
+    ("eval", ("350m", "stem", "pretrain"), ("350m", "dense", "pretrain"), "variant"),
+    ("eval", ("1b", "stem", "pretrain"), ("350m", "stem", "pretrain"), "scale"),
+    ("eval", ("1b", "stem", "midtrain"), ("1b", "stem", "pretrain"), "stage"),
+    ("summary", ("1b", "dense", "pretrain"), ("350m", "dense", "pretrain"), "scale"),
+])
+def test_a_result_of_another_run_in_a_folder_is_refused(fresh_results, tiny_cfg, what, src, dst, key):
+    """Issue 16.1: a file copied from another variant/scale/stage must not fill the wrong row."""
+    from stem.report.results import ResultError
+    name = "eval/commonsense.json" if what == "eval" else "summary.json"
+    target = fresh_results / "tiny" / "/".join(dst) / name
+    target.write_text((fresh_results / "tiny" / "/".join(src) / name).read_text())
+    with pytest.raises(ResultError) as e:
+        T.build_all(tiny_cfg, Results("tiny", fresh_results))
+    msg = str(e.value)
+    assert msg.startswith(f"{target}: key '{key}'") and "\n" not in msg
+    assert f"its path says {dict(zip(('scale', 'variant', 'stage'), dst))[key]!r}" in msg
+
+
+def _edit_json(path, edit):
+    d = json.loads(path.read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("file, edit, message", [
+    ("350m/stem/pretrain/summary.json", "garbage", "not readable as JSON"),
+    ("350m/stem/pretrain/summary.json", lambda d: d.pop("final_train_loss"), "key 'final_train_loss' is missing"),
+    ("350m/stem/pretrain/summary.json", lambda d: d.update(final_val_loss="3.2"),
+     "key 'final_val_loss': expected a finite number >= 0 or null or NaN, got '3.2'"),
+    ("350m/stem/pretrain/summary.json", lambda d: d.update(final_train_loss=float("inf")),
+     "key 'final_train_loss': expected a finite number >= 0, got inf"),
+    ("350m/stem/pretrain/summary.json", lambda d: d.update(steps=6.5), "key 'steps': expected a finite integer"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d["tasks"]["boolq"].update(value=4500.0),
+     "key 'tasks.boolq.value': expected a number in [0, 100] or null, got 4500.0"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d["tasks"]["piqa"].update(value="45.0"),
+     "key 'tasks.piqa.value': expected a number in [0, 100] or null, got '45.0'"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d["tasks"]["piqa"].update(stderr=-1),
+     "key 'tasks.piqa.stderr'"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d.update(tasks=[1, 2]), "key 'tasks'"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d.update(suite="mmlu"),
+     "key 'suite': the file is of suite 'mmlu' but its path says 'commonsense'"),
+    ("1b/stem/extend/eval/niah.json", lambda d: d["cells"][0].update(accuracy=101.0), "key 'cells[0].accuracy'"),
+    ("1b/stem/extend/eval/longbench.json", lambda d: d["by_length"]["table5"][0]["groups"].update(longbench_code=True),
+     "key 'by_length.table5[0].groups.longbench_code'"),
+    ("1b/dense/pretrain/metrics.jsonl", "not json\n{}\n", "1b/dense/pretrain/metrics.jsonl:1: not a JSON line"),
+])
+def test_bad_result_files_fail_with_one_line(fresh_results, tiny_cfg, file, edit, message):
+    """Issue 16.2: garbage, wrong types and out-of-range values stop the aggregate with one line."""
+    from stem.report.results import ResultError
+    path = fresh_results / "tiny" / file
+    if isinstance(edit, str):
+        path.write_text(edit)
+    else:
+        _edit_json(path, edit)
+    res = Results("tiny", fresh_results)
+    with pytest.raises(ResultError) as e:
+        T.build_all(tiny_cfg, res)
+        for name in F.FIGURES:
+            F.draw(name, tiny_cfg, res, {})
+    assert str(e.value).startswith(str(path)) and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_torn_last_metrics_line_is_tolerated(fresh_results):
+    path = fresh_results / "tiny" / "1b" / "dense" / "pretrain" / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 201, "lo')
+    assert len(Results("tiny", fresh_results).metrics("1b", "dense", "pretrain")) == 200
