@@ -378,3 +378,25 @@ def test_torn_last_metrics_line_is_tolerated(fresh_results):
     path = fresh_results / "tiny" / "1b" / "dense" / "pretrain" / "metrics.jsonl"
     path.write_text(path.read_text() + '{"step": 201, "lo')
     assert len(Results("tiny", fresh_results).metrics("1b", "dense", "pretrain")) == 200
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--results", "/nonexistent"], "--results /nonexistent: no tiny/ folder in it"),
+    (["--gate", "table3/350m/*/acc"], "gate pattern 'table3/350m/*/acc' matches no published cell"),
+])
+def test_diff_cli_fails_on_no_results_and_on_a_gate_matching_nothing(fresh_results, capsys, args, message):
+    """Issue 16.3: neither reports 'missing' / 'passed' with exit 0."""
+    from stem.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["diff", "--experiment", "tiny", "--results", str(fresh_results), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: {message}") and err.strip().count("\n") == 0
+
+
+def test_diff_cli_gate_passes_and_fails(fresh_results, capsys):
+    from stem.__main__ import main
+    main(["diff", "--experiment", "tiny", "--results", str(fresh_results), "--gate", "table2/350m/pretrain/lr_schedule"])
+    assert "Gate: **passed** (0 chosen cells" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["diff", "--experiment", "tiny", "--results", str(fresh_results), "--gate", "table3/350m/*/avg"])
+    assert e.value.code == 2 and "gate failed" in capsys.readouterr().err
