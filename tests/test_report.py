@@ -400,3 +400,47 @@ def test_diff_cli_gate_passes_and_fails(fresh_results, capsys):
     with pytest.raises(SystemExit) as e:
         main(["diff", "--experiment", "tiny", "--results", str(fresh_results), "--gate", "table3/350m/*/avg"])
     assert e.value.code == 2 and "gate failed" in capsys.readouterr().err
+
+
+# ---- the report's files are all requested: a missing one (a report killed half-way) is rebuilt --------------
+def test_every_file_the_report_writes_is_requested(tmp_path, tiny_cfg, tiny_results):
+    from stem.report.workflow import report_outputs
+    B.write_tables(tiny_cfg, tiny_results, tmp_path / "reports/tiny/tables")
+    ours = B.load_reproduced(tmp_path / "reports/tiny/tables/reproduced.csv")
+    B.write_diff(tmp_path / "reports/tiny/diff", *B.run_diff(tiny_cfg, ours))
+    written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    wanted = set(report_outputs("tiny"))
+    assert written <= wanted
+    figures = {f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf")}
+    assert wanted == written | figures | {"reports/tiny/README.md"}
+
+
+def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
+    """Issue 16.5: today a deleted (or half-written, killed) figure PDF or diff file leaves 'Nothing to be done'."""
+    import os
+    import subprocess
+    import sys
+    write_results(tmp_path / "results", tiny_cfg, skip=())
+    # the report as a finished run leaves it (contents do not matter to the DAG; the order of mtimes does)
+    files = ["reports/tiny/params.csv", "reports/tiny/params.md", "reports/tiny/README.md",
+             *(f"reports/tiny/tables/{t}.{ext}" for t in B.TABLES for ext in ("csv", "md", "tex")),
+             "reports/tiny/tables/reproduced.csv", *(f"reports/tiny/diff/{f}" for f in B.DIFF_FILES),
+             *(f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf"))]
+    for i, f in enumerate(files):
+        p = tmp_path / f
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("x")
+        t = 2e9 + (0 if "/params." in f else 10 if "/tables/" in f else 30 if f.endswith("README.md") else 20)
+        os.utime(p, (t, t))
+    smk = [sys.executable, "-m", "snakemake", "-s", str(C.REPO / "Snakefile"), "-d", str(tmp_path), "-n",
+           "--allowed-rules", "report_tables", "report_diff", "report_figure", "report_readme", "params"]
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    (tmp_path / "reports/tiny/figures/roi_by_scale.pdf").unlink()
+    (tmp_path / "reports/tiny/diff/cells.csv").unlink()
+    r = subprocess.run(smk, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Job stats:" in r.stdout, (r.stdout + r.stderr)[-2000:]
+    jobs = r.stdout.split("Job stats:")[1].split("total")[0]
+    counts = dict((w[0], int(w[1])) for w in (line.split() for line in jobs.splitlines()) if len(w) == 2
+                  and w[1].isdigit())
+    assert counts == {"report_figure": 1, "report_diff": 1, "report_readme": 1, "all": 1}
+    assert "Missing output files: reports/tiny/figures/roi_by_scale.pdf" in r.stdout
