@@ -298,3 +298,43 @@ def test_hf_source_uses_streaming(monkeypatch):
     with pytest.raises(ValueError, match="record 2: missing text_field 'text'"):
         next(docs)
     assert calls == [("org/data", None, {"split": "train", "streaming": True, "data_files": ["x/*.json.gz"]})]
+
+
+# ----------------------------------------------------------------------------- nothing wrong passes silently
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n", b'{"text": ""}\n{"text": "  "}\n'])
+def test_empty_source_is_an_error_naming_the_file(tmp_path, content):
+    """Issue 16.4: an empty web.jsonl must not let the tokenizer train on the other sources without a word."""
+    from stem.pipeline import make_tokenizer, tokenize
+    (tmp_path / "web.jsonl").write_bytes(content)
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps({"text": f"1 + {i} = {1 + i}"}) + "\n" for i in range(50)))
+    docs = [{"kind": "files", "paths": [str(tmp_path / f"{s}.jsonl")], "format": "jsonl"} for s in ("web", "math")]
+    message = f"{tmp_path / 'web.jsonl'}: no documents (an empty source)"
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
+        make_tokenizer({"kind": "train_bpe", "vocab_size": 300, "documents": docs}, tmp_path / "tok.json")
+    assert not (tmp_path / "tok.json").exists()
+    make_tokenizer({"kind": "train_bpe", "vocab_size": 300, "documents": docs[1:]}, tmp_path / "tok.json")
+    with pytest.raises(ValueError, match="web.jsonl: no documents"):
+        tokenize({"documents": docs[0], "seed": 0, "vocab_size": 300, "max_tokens": None}, tmp_path / "tok.json",
+                 tmp_path / "tokens")
+    assert not (tmp_path / "tokens").exists()
+    (tmp_path / "empty.txt").write_bytes(b" \n")
+    with pytest.raises(ValueError, match="empty.txt: no documents"):
+        list(iter_documents({"kind": "files", "paths": [str(tmp_path / "empty.txt")], "format": "text"}))
+
+
+@pytest.mark.parametrize("name, fmt, sep", [("bad.jsonl", "jsonl", None), ("bad.jsonl.gz", "jsonl", None),
+                                            ("bad.txt", "text", "\n\n"), ("bad.txt", "text", None)])
+def test_non_utf8_input_names_the_file_and_line(tmp_path, name, fmt, sep):
+    """Issue 16.8: today a bare UnicodeDecodeError with neither file nor line."""
+    lines = [json.dumps({"text": "fine"}), json.dumps({"text": "ünïcödé"}), '{"text": "caf\xe9"}'] if fmt == "jsonl" \
+        else ["fine", "", "ünïcödé", "caf\xe9"]
+    raw = "\n".join(lines).encode("utf-8").replace("caf\xc3\xa9".encode("latin-1"), b"caf\xe9")  # latin-1 é
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+    spec = {"kind": "files", "paths": [str(path)], "format": fmt, **({"doc_separator": sep} if sep else {})}
+    with pytest.raises(ValueError) as e:
+        list(iter_documents(spec))
+    assert str(e.value) == (f"{path}:{len(lines)}: not valid UTF-8 (byte 0xe9 at column {lines[-1].index('caf') + 4}); "
+                            "expected UTF-8 text")
