@@ -338,3 +338,49 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, name, fmt, sep):
         list(iter_documents(spec))
     assert str(e.value) == (f"{path}:{len(lines)}: not valid UTF-8 (byte 0xe9 at column {lines[-1].index('caf') + 4}); "
                             "expected UTF-8 text")
+
+
+def _corrupt_in_place(path, index, value, dtype):
+    """Overwrite one token of a shard file, keeping its size (as a disk or copy error would)."""
+    data = np.fromfile(path, dtype=dtype)
+    data[index] = value
+    data.tofile(path)
+
+
+def test_shard_corrupted_in_place_stops_the_loader_with_one_line(corpus, tok, tmp_path):
+    """Issue 16.8: same size, so the open-time size check passes; the checksum on first read catches it."""
+    from stem.data.loader import MixtureLoader
+    out = tmp_path / "shards"
+    m = tokenize_to_shards(iter(corpus[:80]), tok, out, shard_tokens=300, val_fraction=0.0)
+    path = out / "train_00001.bin"
+    old = np.fromfile(path, dtype=m["dtype"])[7]
+    _corrupt_in_place(path, 7, (int(old) + 1) % 100, m["dtype"])  # a valid id: only the checksum sees it
+    loader = MixtureLoader({"web": (ShardSet(out, "train"), 1.0)}, seq_len=16, micro_batch=4, seed=0)
+    with pytest.raises(ValueError) as e:
+        for _ in range(200):
+            loader.next_batch()
+    assert str(e.value).startswith(f"shard {path}: sha256 mismatch") and "\n" not in str(e.value)
+    ss = ShardSet(out, "train")
+    ss.get(0, 10)
+    assert ss._verified == {0}  # lazily: only the shards read so far
+
+
+def test_token_id_beyond_vocab_is_one_line_naming_the_shard(corpus, tok, tmp_path, monkeypatch):
+    """Today an IndexError deep in the model's embedding; with checksums off (STEM_SHARD_CHECKSUMS=0) the
+    always-on id check still names the shard and the token."""
+    from stem.data.loader import MixtureLoader, validation_batches
+    out = tmp_path / "shards"
+    m = tokenize_to_shards(iter(corpus[:80]), tok, out, shard_tokens=300, val_fraction=0.0)
+    path = out / "train_00002.bin"
+    _corrupt_in_place(path, 11, tok.vocab_size, m["dtype"])
+    monkeypatch.setenv("STEM_SHARD_CHECKSUMS", "0")
+    expected = (f"shard {path}: token id {tok.vocab_size} at token 11 is not below the manifest's vocab_size "
+                f"{tok.vocab_size} (corrupt shard, or shards of another tokenizer)")
+    loader = MixtureLoader({"web": (ShardSet(out, "train"), 1.0)}, seq_len=16, micro_batch=4, seed=0)
+    with pytest.raises(ValueError) as e:
+        for _ in range(200):
+            loader.next_batch()
+    assert str(e.value) == expected
+    with pytest.raises(ValueError) as e:
+        validation_batches({"web": ShardSet(out, "train")}, 16, 4, 20)
+    assert str(e.value) == expected
