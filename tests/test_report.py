@@ -395,7 +395,8 @@ def test_diff_cli_fails_on_no_results_and_on_a_gate_matching_nothing(fresh_resul
 
 def test_diff_cli_gate_passes_and_fails(fresh_results, capsys):
     from stem.__main__ import main
-    main(["diff", "--experiment", "tiny", "--results", str(fresh_results), "--gate", "table2/350m/pretrain/lr_schedule"])
+    main(["diff", "--experiment", "tiny", "--results", str(fresh_results),
+          "--gate", "table2/350m/pretrain/lr_schedule"])
     assert "Gate: **passed** (0 chosen cells" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(["diff", "--experiment", "tiny", "--results", str(fresh_results), "--gate", "table3/350m/*/avg"])

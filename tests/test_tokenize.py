@@ -328,8 +328,10 @@ def test_empty_source_is_an_error_naming_the_file(tmp_path, content):
                                             ("bad.txt", "text", "\n\n"), ("bad.txt", "text", None)])
 def test_non_utf8_input_names_the_file_and_line(tmp_path, name, fmt, sep):
     """Issue 16.8: today a bare UnicodeDecodeError with neither file nor line."""
-    lines = [json.dumps({"text": "fine"}), json.dumps({"text": "ünïcödé"}), '{"text": "caf\xe9"}'] if fmt == "jsonl" \
-        else ["fine", "", "ünïcödé", "caf\xe9"]
+    if fmt == "jsonl":
+        lines = [json.dumps({"text": "fine"}), json.dumps({"text": "ünïcödé"}), '{"text": "caf\xe9"}']
+    else:
+        lines = ["fine", "", "ünïcödé", "caf\xe9"]
     raw = "\n".join(lines).encode("utf-8").replace("caf\xc3\xa9".encode("latin-1"), b"caf\xe9")  # latin-1 é
     path = tmp_path / name
     path.write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
