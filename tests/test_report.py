@@ -445,3 +445,43 @@ def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
                   and w[1].isdigit())
     assert counts == {"report_figure": 1, "report_diff": 1, "report_readme": 1, "all": 1}
     assert "Missing output files: reports/tiny/figures/roi_by_scale.pdf" in r.stdout
+
+
+def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
+    """The eval check accepts what stem.eval.run really writes (lm-eval suites with by_length, and NIAH)."""
+    pytest.importorskip("lm_eval")
+    import torch
+    from stem.data import synth
+    from stem.data.tokenizer import train_bpe
+    from stem.eval import fixtures, run
+    from stem.models.config import ModelConfig
+    from stem.train.checkpoint import save_checkpoint
+    world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
+    docs = [doc for doc, _ in zip(synth.web_documents(synth.make_world(**world)), range(200))]
+    train_bpe(docs, 320, tmp_path / "tok.json")
+    cfg = json.loads(json.dumps(tiny_cfg))
+    cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
+    mc = C.model_config_for(cfg, "1b", "stem", "extend").to_dict()
+    torch.manual_seed(0)
+    ident = {"experiment": "tiny", "scale": "1b", "variant": "stem", "stage": "extend"}
+    save_checkpoint(tmp_path / "ckpt", ModelConfig.from_dict(mc).build("cpu"), {**ident, "model": mc},
+                    tmp_path / "tok.json", {})
+    tasks = ["arc_easy", "boolq", "longbench_hotpotqa", "longbench_lcc"]
+    fixtures.write_fixtures({**cfg["eval"]["fixtures"], "world": world, "seed": 0, "items": 4, "train_items": 2,
+                             "tasks": tasks, "groups": {"longbench_multi": ["longbench_hotpotqa"],
+                                                        "longbench_code": ["longbench_lcc"],
+                                                        "longbench": ["longbench_multi", "longbench_code"]}},
+                            tmp_path / "fx")
+    out = tmp_path / "results/tiny/1b/stem/extend/eval"
+    for suite, limit in (("commonsense", None), ("longbench", 4)):
+        spec = run.suite_spec(cfg, suite)
+        spec.update(fixtures=str(tmp_path / "fx"), **({"tasks": tasks[:2]} if suite == "commonsense" else {}))
+        run.evaluate(tmp_path / "ckpt", spec, out / f"{suite}.json", limit=limit)
+    spec = {**run.suite_spec(cfg, "niah"), "lengths": [224, 256], "depths": [0, 100], "samples": 1,
+            "documents": {"kind": "files", "paths": [str(tmp_path / "long.jsonl")], "format": "jsonl"}}
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    run.evaluate(tmp_path / "ckpt", spec, out / "niah.json")
+    res = Results("tiny", tmp_path / "results")
+    assert res.eval("1b", "stem", "extend", "commonsense")["tasks"].keys() == {"arc_easy", "boolq"}
+    assert res.eval("1b", "stem", "extend", "longbench")["by_length"]["table5"]
+    assert len(res.eval("1b", "stem", "extend", "niah")["cells"]) == 4
