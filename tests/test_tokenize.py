@@ -386,3 +386,12 @@ def test_token_id_beyond_vocab_is_one_line_naming_the_shard(corpus, tok, tmp_pat
     with pytest.raises(ValueError) as e:
         validation_batches({"web": ShardSet(out, "train")}, 16, 4, 20)
     assert str(e.value) == expected
+
+
+def test_blank_hf_dataset_is_an_error(tmp_path, monkeypatch):
+    """The real datasets streaming reader on a local file (the 'json' builder: no network)."""
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": " "}\n')
+    with pytest.raises(ValueError, match="hf dataset 'json': no documents"):
+        list(iter_documents({"kind": "hf", "path": "json", "data_files": [str(tmp_path / "blank.jsonl")]}))

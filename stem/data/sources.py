@@ -106,7 +106,7 @@ def _checked(path: str, docs: Iterator[str]) -> Iterator[str]:
             n += bool(doc.strip())
             yield doc
     except UnicodeDecodeError as e:
-        raise _utf8_error(path, e) from None
+        raise _utf8_error(path, e) if os.path.isfile(path) else ValueError(f"{path}: not valid UTF-8 ({e})") from None
     if n == 0:
         raise ValueError(f"{path}: no documents (an empty source); expected at least one non-blank document")
 
@@ -189,7 +189,7 @@ def _iter_hf(spec: dict) -> Iterator[str]:
     path = spec.get("path")
     if not isinstance(path, str) or not path:
         raise ValueError(f"source spec (kind='hf'): 'path' must be a dataset id, got {path!r}")
-    return _gen_hf(spec)
+    return _checked(f"hf dataset {path!r}", _gen_hf(spec))
 
 
 def _gen_hf(spec: dict) -> Iterator[str]:
