@@ -53,14 +53,17 @@ def validate_experiment(cfg: dict, origin: str = "config") -> dict:
 
 
 def _check_sources(cfg: dict, origin: str):
-    """Every source name a mixture, a tokenizer or an eval suite uses is one of ``sources``."""
+    """Every source name a mixture, a tokenizer or an eval suite the matrix runs uses is one of ``sources``."""
     known = sorted(cfg["sources"])
     uses = [(f"stages.{stage}.{scale}.data", list((spec or {}).get("data") or {}))
             for stage, by_scale in cfg["stages"].items() for scale, spec in (by_scale or {}).items()]
     uses += [(f"tokenizer.{scale}.sources", tok.get("sources") or []) for scale, tok in cfg["tokenizer"].items()]
-    for name, suite in ((cfg.get("eval") or {}).get("suites") or {}).items():
+    ev = cfg.get("eval") or {}
+    run = {suite for m in cfg["matrix"].values() for stage in m["stages"]
+           for suite in (ev.get("stages") or {}).get(stage) or []}
+    for name, suite in (ev.get("suites") or {}).items():
         uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
-                 if isinstance(suite, dict) and key in suite]
+                 if name in run and isinstance(suite, dict) and key in suite]
     for key, names in uses:
         unknown = [s for s in names if s not in cfg["sources"]]
         if unknown:

@@ -20,7 +20,8 @@ def tiny_raw():
         {"350m": {**c["stages"]["midtrain"]["1b"], "data": {"wiki": 1.0}}})),
     ("tokenizer.1b.sources", lambda c: c["tokenizer"]["1b"].update(sources=["web", "wiki"])),
     ("eval.suites.niah.haystack", lambda c: c["eval"]["suites"]["niah"].update(haystack="wiki")),
-    ("eval.suites.ppl.source", lambda c: c["eval"]["suites"]["ppl"].update(source="wiki")),
+    ("eval.suites.ppl.source", lambda c: (c["eval"]["suites"]["ppl"].update(source="wiki"),
+                                          c["eval"]["stages"]["pretrain"].append("ppl"))),
 ])
 def test_unknown_source_name_is_one_line_naming_the_key(tiny_raw, key, edit):
     """Issue 16.8: today an eval suite's unknown source is `KeyError: 'wiki'` when its job spec is built."""
@@ -34,3 +35,6 @@ def test_unknown_source_name_is_one_line_naming_the_key(tiny_raw, key, edit):
 def test_known_sources_pass(tiny_raw):
     C.validate_experiment(copy.deepcopy(tiny_raw), origin="tiny.yaml")
     C.load_experiment(C.REPO / "config" / "paper.yaml")
+    cfg = copy.deepcopy(tiny_raw)  # a suite no stage of the matrix runs may name a source the config dropped
+    cfg["eval"]["suites"]["ppl"]["source"] = "wiki"
+    C.validate_experiment(cfg, origin="tiny.yaml")
