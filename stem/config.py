@@ -53,7 +53,26 @@ def validate_experiment(cfg: dict, origin: str = "config") -> dict:
     return cfg
 
 
+def _check_sources(cfg: dict, origin: str):
+    """Every source name a mixture, a tokenizer or an eval suite the matrix runs uses is one of ``sources``."""
+    known = sorted(cfg["sources"])
+    uses = [(f"stages.{stage}.{scale}.data", list((spec or {}).get("data") or {}))
+            for stage, by_scale in cfg["stages"].items() for scale, spec in (by_scale or {}).items()]
+    uses += [(f"tokenizer.{scale}.sources", tok.get("sources") or []) for scale, tok in cfg["tokenizer"].items()]
+    ev = cfg.get("eval") or {}
+    run = {suite for m in cfg["matrix"].values() for stage in m["stages"]
+           for suite in (ev.get("stages") or {}).get(stage) or []}
+    for name, suite in (ev.get("suites") or {}).items():
+        uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
+                 if name in run and isinstance(suite, dict) and key in suite]
+    for key, names in uses:
+        unknown = [s for s in names if s not in cfg["sources"]]
+        if unknown:
+            raise ConfigError(f"{origin}: key '{key}': unknown source {unknown[0]!r}; expected one of {known}")
+
+
 def _cross_check(cfg: dict, origin: str):
+    _check_sources(cfg, origin)
     for scale, m in cfg["matrix"].items():
         for what in ("archs", "tokenizer"):
             if scale not in cfg[what]:
@@ -63,10 +82,6 @@ def _cross_check(cfg: dict, origin: str):
             if spec is None:
                 raise ConfigError(f"{origin}: key 'stages.{stage}.{scale}' missing (listed in matrix.{scale}.stages)")
             where = f"stages.{stage}.{scale}"
-            unknown = [s for s in spec["data"] if s not in cfg["sources"]]
-            if unknown:
-                raise ConfigError(f"{origin}: key '{where}.data': unknown source {unknown[0]!r}; "
-                                  f"expected one of {sorted(cfg['sources'])}")
             total = sum(spec["data"].values())
             if not math.isclose(total, 1.0, abs_tol=1e-6):
                 raise ConfigError(f"{origin}: key '{where}.data': mixture weights sum to {total:g}, expected 1")
@@ -89,9 +104,6 @@ def _cross_check(cfg: dict, origin: str):
             for key in ("sources", "vocab_size"):
                 if key not in tok:
                     raise ConfigError(f"{origin}: key 'tokenizer.{scale}.{key}' missing (needed by kind train_bpe)")
-            bad = [s for s in tok["sources"] if s not in cfg["sources"]]
-            if bad:
-                raise ConfigError(f"{origin}: key 'tokenizer.{scale}.sources': unknown source {bad[0]!r}")
             if tok["vocab_size"] > cfg["archs"][scale]["vocab_size"]:
                 raise ConfigError(f"{origin}: key 'tokenizer.{scale}.vocab_size': {tok['vocab_size']} exceeds "
                                   f"archs.{scale}.vocab_size {cfg['archs'][scale]['vocab_size']}")

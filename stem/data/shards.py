@@ -292,12 +292,17 @@ def _replace_dir(src: Path, dst: Path) -> None:
 class ShardSet:
     """Memory-mapped read access to one split of a shard directory.
 
-    Token positions are global within the split (shards concatenated in order).
+    Token positions are global within the split (shards concatenated in order). What is read is
+    checked: every shard's size when the set is opened, its sha256 against the manifest when it is
+    first read in this process (``checksums``; default: on unless STEM_SHARD_CHECKSUMS=0), and every
+    token read is below the manifest's vocab_size (a max over what ``get`` returns).
     """
 
-    def __init__(self, out_dir, split: str = "train"):
+    def __init__(self, out_dir, split: str = "train", checksums: bool | None = None):
         self.out_dir = Path(out_dir)
         self.split = split
+        self.checksums = os.environ.get("STEM_SHARD_CHECKSUMS", "1") != "0" if checksums is None else checksums
+        self._verified: set[int] = set()
         self.manifest = _load_manifest(self.out_dir / "manifest.json")
         m = self.manifest
         if split not in m["splits"]:
@@ -333,6 +338,8 @@ class ShardSet:
 
     def _shard(self, i: int) -> np.memmap:
         if self._mm[i] is None:
+            if self.checksums and i not in self._verified:
+                self.verify_shard(i)
             self._mm[i] = np.memmap(self.out_dir / self.shards[i]["file"], dtype=self.dtype, mode="r")
         return self._mm[i]
 
@@ -350,6 +357,12 @@ class ShardSet:
             out[pos : pos + take] = self._shard(i)[lo : lo + take]
             pos += take
             i += 1
+        if length and int(out.max()) >= self.vocab_size:
+            at = start + int(out.argmax())
+            j = int(np.searchsorted(self._offsets, at, side="right")) - 1
+            raise ValueError(f"shard {self.out_dir / self.shards[j]['file']}: token id {int(out.max())} at token "
+                             f"{at - int(self._offsets[j])} is not below the manifest's vocab_size {self.vocab_size} "
+                             "(corrupt shard, or shards of another tokenizer)")
         return out
 
     @cached_property
@@ -369,15 +382,22 @@ class ShardSet:
 
     def verify(self) -> bool:
         """Recompute every shard's sha256; raise ValueError on the first mismatch."""
-        for s in self.shards:
-            path = self.out_dir / s["file"]
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    h.update(block)
-            if h.hexdigest() != s["sha256"]:
-                raise ValueError(f"shard {path}: sha256 mismatch (file is corrupt or was modified)")
+        for i in range(len(self.shards)):
+            self.verify_shard(i)
         return True
+
+    def verify_shard(self, i: int) -> None:
+        """Recompute shard ``i``'s sha256 and compare it with the manifest's (ValueError naming the file)."""
+        s = self.shards[i]
+        path = self.out_dir / s["file"]
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        if h.hexdigest() != s["sha256"]:
+            raise ValueError(f"shard {path}: sha256 mismatch ({h.hexdigest()[:12]}..., the manifest says "
+                             f"{s['sha256'][:12]}...): the file is corrupt or was modified; rerun the tokenize stage")
+        self._verified.add(i)
 
 
 def _load_manifest(path: Path) -> dict:

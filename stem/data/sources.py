@@ -89,11 +89,38 @@ def _iter_files(spec: dict) -> Iterator[str]:
 def _gen_files(files, fmt, text_field, sep) -> Iterator[str]:
     for path in files:
         if fmt == "jsonl":
-            yield from _read_jsonl(path, text_field)
+            docs = _read_jsonl(path, text_field)
         elif fmt == "text":
-            yield from _read_text(path, sep)
+            docs = _read_text(path, sep)
         else:
-            yield from _read_parquet(path, text_field)
+            docs = _read_parquet(path, text_field)
+        yield from _checked(path, docs)
+
+
+def _checked(path: str, docs: Iterator[str]) -> Iterator[str]:
+    """``docs`` of one file; a file with no non-blank document, or bytes that are not UTF-8, is an error
+    (one line naming the file, and the line of the first bad byte)."""
+    n = 0
+    try:
+        for doc in docs:
+            n += bool(doc.strip())
+            yield doc
+    except UnicodeDecodeError as e:
+        raise _utf8_error(path, e) if os.path.isfile(path) else ValueError(f"{path}: not valid UTF-8 ({e})") from None
+    if n == 0:
+        raise ValueError(f"{path}: no documents (an empty source); expected at least one non-blank document")
+
+
+def _utf8_error(path: str, e: UnicodeDecodeError) -> ValueError:
+    """Where the first invalid UTF-8 byte of ``path`` is (read again as bytes, line by line)."""
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return ValueError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                                  f"{err.start + 1}); expected UTF-8 text")
+    return ValueError(f"{path}: not valid UTF-8 ({e.reason}); expected UTF-8 text")
 
 
 def _open_text(path: str) -> io.TextIOBase:
@@ -162,7 +189,7 @@ def _iter_hf(spec: dict) -> Iterator[str]:
     path = spec.get("path")
     if not isinstance(path, str) or not path:
         raise ValueError(f"source spec (kind='hf'): 'path' must be a dataset id, got {path!r}")
-    return _gen_hf(spec)
+    return _checked(f"hf dataset {path!r}", _gen_hf(spec))
 
 
 def _gen_hf(spec: dict) -> Iterator[str]:

@@ -173,6 +173,10 @@ def gate(cells: pd.DataFrame, patterns: list[str], tolerance: float | None = Non
     """Cells matching any of ``patterns`` (fnmatch on 'table/scale/variant/column') that are missing or
     beyond tolerance (the per-unit tolerance, or ``tolerance`` when given)."""
     key = cells["table"] + "/" + cells["scale"] + "/" + cells["variant"] + "/" + cells["column"]
+    for p in patterns:
+        if not any(fnmatch(k, p) for k in key):
+            raise ValueError(f"gate pattern {p!r} matches no published cell (cells are table/scale/variant/column, "
+                             "e.g. table3/350m/stem/avg; see diff/cells.csv)")
     chosen = cells[key.map(lambda k: any(fnmatch(k, p) for p in patterns))]
     tol = chosen["tolerance"] if tolerance is None else tolerance
     bad = (chosen["status"] == "missing") | (chosen["delta"].abs() > tol + 1e-9) | (chosen["status"] == "drift") \
