@@ -11,6 +11,7 @@ skip into a failure (CI).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -44,6 +45,10 @@ def test_launcher_commands(monkeypatch):
     tr = launch.build_command(1, 8, 96, cmd)                    # one node: torchrun --standalone
     assert tr[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in tr and "--nproc-per-node=8" in tr
     assert tr[-len(cmd) - 1:] == ["--no-python", *cmd]
+    # torchrun passes Slurm's early warning (SIGURG) and SIGUSR1 on to its workers like SIGTERM ...
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGURG" in tr
+    # ... and waits the stop grace (the warning's lead) before it kills them, instead of its default 30 s
+    assert "--shutdown-timeout=161" in launch.build_command(1, 8, 96, cmd, stop_grace=161)
     with pytest.raises(SystemExit, match="not a Slurm allocation"):
         launch.build_command(2, 8, 96, cmd, env={})
     monkeypatch.setattr(launch, "first_node", lambda job: "node017")
@@ -54,20 +59,32 @@ def test_launcher_commands(monkeypatch):
 
 
 def _dry_run_resources(*args):
+    """({rule: resources of its first job}, {(rule, wildcards): resources}, stdout) of a dry run."""
     r = subprocess.run(["snakemake", *args, "--dry-run"], cwd=REPO, env=_env(), capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    seen, rule = {}, None
+    seen, jobs, rule, wildcards = {}, {}, None, ""
     for line in r.stdout.splitlines():
         if line.startswith(("rule ", "localrule ")):
-            rule = line.split()[1].rstrip(":")
-        elif line.strip().startswith("resources:") and rule not in seen:
-            seen[rule] = dict(kv.split("=", 1) for kv in line.split(":", 1)[1].strip().split(", "))
-    return seen
+            rule, wildcards = line.split()[1].rstrip(":"), ""
+        elif line.strip().startswith("wildcards:"):
+            wildcards = line.split(":", 1)[1].strip()
+        elif line.strip().startswith("resources:"):
+            res = dict(kv.split("=", 1) for kv in line.split(":", 1)[1].strip().split(", "))
+            seen.setdefault(rule, res)
+            jobs[(rule, wildcards)] = res
+    return seen, jobs, r.stdout
+
+
+def _dense_params(V, d, L, kv_dim, d_ff):
+    """Untied embedding + LM head, per layer q/k/v/o + SwiGLU + 2 RMSNorms, final norm (no biases)."""
+    return 2 * V * d + L * (2 * d * d + 2 * d * kv_dim + 3 * d * d_ff + 2 * d) + d
 
 
 def test_paper_profile_dry_run_shows_sbatch_resources():
-    res = _dry_run_resources("--profile", "profiles/slurm")
+    res, jobs, out = _dry_run_resources("--profile", "profiles/slurm")
+    assert out.count("Config file(s): [") == 1 and "paper.yaml" in out.split("Config file(s): ")[1].split("]")[0]
+    assert "tiny.yaml" not in out.split("Config file(s): ")[1].split("]")[0]   # replaced: not even read
     cl = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())["cluster"]
     t350, t1b = cl["train"]["350m"], cl["train"]["1b"]
     tr = res["train"]  # 350m: one node, 8 GPUs
@@ -79,6 +96,33 @@ def test_paper_profile_dry_run_shows_sbatch_resources():
     assert "gpu" not in res["tokenize"] and res["tokenize"]["slurm_partition"] == cl["partition"]
     if "eval" in res:
         assert res["eval"]["gpu"] == "1"
+
+    # the early warning before the time limit: N = 12 B/param (fp32 weights + 2 AdamW moments) / (nodes x
+    # state_write_mb_s) + stop_margin_s. 1B (Llama-3.2-1B shapes, by hand): dense 1,498,482,688 params;
+    # STEM swaps the up-projection (d x d_ff) of 5 layers for a V x d_ff table.
+    dense_1b = _dense_params(128256, 2048, 16, 8 * 64, 8192)
+    assert dense_1b == 1_498_482_688
+    stem_1b = dense_1b + 5 * (128256 - 2048) * 8192
+    for variant, params in (("dense", dense_1b), ("stem", stem_1b)):
+        n = math.ceil(12 * params / (t1b["nodes"] * cl["state_write_mb_s"] * 1e6)) + cl["stop_margin_s"]
+        job = jobs[("train_multinode", f"experiment=paper, scale=1b, variant={variant}, stage=pretrain")]
+        assert job["slurm_extra"] == f"--signal=URG@{n}"
+    assert 12 * stem_1b / 1e9 == pytest.approx(80.0, abs=0.1)        # the ~80 GB of the issue
+    assert jobs[("train_multinode", "experiment=paper, scale=1b, variant=stem, stage=pretrain")]["slurm_extra"] \
+        == "--signal=URG@161"                                          # 80.0 GB / (4 x 500 MB/s) = 41 s + 120 s
+    n_dense_350m = math.ceil(12 * _dense_params(32000, 960, 32, 5 * 64, 2560) / (cl["state_write_mb_s"] * 1e6)) \
+        + cl["stop_margin_s"]
+    assert jobs[("train", "experiment=paper, scale=350m, variant=dense, stage=pretrain")]["slurm_extra"] \
+        == f"--signal=URG@{n_dense_350m}"
+    # torchrun waits as long for its workers (--stop-grace), and the trainer watches Snakemake ($PPID)
+    assert "--stop-grace 161 --owner-pid $PPID --" in out
+
+
+def test_local_profile_reads_the_default_config_once():
+    r = subprocess.run(["snakemake", "--profile", "profiles/local", "--dry-run"], cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"Config file(s): ['{REPO / 'config' / 'tiny.yaml'}']" in r.stdout
 
 
 # ----------------------------------------------------------------------------- a real Slurm

@@ -7,10 +7,11 @@ from workflow_scripts._entry import parser, run, spec_of
 
 
 def main():
+    from stem.train import lifecycle
+    lifecycle.catch_stop_signals()   # before the slow imports: a stop signal arriving now is kept
     p = parser(__doc__)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
-    from stem.train import lifecycle
     lifecycle.die_with_parent()
     lifecycle.watch_owner()
     from stem.train.loop import train

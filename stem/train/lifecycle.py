@@ -1,8 +1,13 @@
 """A training process's life: stop signals, dying with its parent, one trainer per state directory.
 
-- Stop signals: SIGTERM (Slurm's time limit, scancel, preemption) and SIGUSR1 (the early warning that
-  profiles/slurm asks for with ``sbatch --signal=USR1@N``; see rules/train.smk) only set a flag; the loop
-  finishes its step, saves its state and exits 128 + signal, so Snakemake's ``retries`` resume it.
+- Stop signals: SIGTERM (Slurm's time limit, scancel, preemption), SIGURG (the early warning that
+  rules/train.smk asks Slurm for: ``sbatch --signal=URG@N``, N seconds before the time limit) and SIGUSR1
+  only set a flag; the loop finishes its step, saves its state and exits 128 + signal, so Snakemake's
+  ``retries`` resume it. Why URG and not the customary USR1: Slurm sends the warning to every process of
+  every job step, and the Snakemake jobstep process and the rule's shell between the step and the trainer
+  die of USR1 (default action: terminate), while every process ignores URG unless it handles it (only
+  the trainer and torchrun, which passes it on, do). ``catch_stop_signals`` at the start of the process
+  keeps a warning that arrives while it is still importing.
 - Dying with the parent (Linux): ``die_with_parent`` asks the kernel for SIGTERM when the process that
   started the trainer dies (prctl PR_SET_PDEATHSIG; the parent is the rule's shell, or torchrun for its
   workers), and ``watch_owner`` polls one more process, the Snakemake process running the rule
@@ -27,7 +32,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+WARNING_SIGNAL = signal.SIGURG   # sbatch --signal=URG@N (rules/train.smk)
+STOP_SIGNALS = (signal.SIGTERM, WARNING_SIGNAL, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1
 OWNER_ENV = "STEM_OWNER_PID"   # set by workflow_scripts/launch.py --owner-pid; inherited by torchrun's workers
 
@@ -36,22 +42,36 @@ class StateLocked(RuntimeError):
     pass
 
 
+_stop = {"signal": None}   # the first stop signal received (set by the handlers)
+
+
+def _on_stop(sig, frame):
+    if _stop["signal"] is None:
+        _stop["signal"] = sig
+
+
+def catch_stop_signals() -> dict:
+    """Install the stop-signal handlers (main thread); returns the handlers they replaced."""
+    return {s: signal.signal(s, _on_stop) for s in STOP_SIGNALS}
+
+
 @contextmanager
 def job(state_dir, rank: int | None = None):
-    """Around one training job: stop-signal flag (yielded: ``{"signal": None | int}``) and the state lock."""
-    stop = {"signal": None}
-    previous = {s: signal.signal(s, lambda sig, frame: stop.update(signal=sig)) for s in STOP_SIGNALS}
+    """Around one training job: the stop flag (yielded: ``{"signal": None | int}``, kept if a signal came
+    before) and the state lock (rank 0). On exit the handlers are restored and the flag cleared."""
+    previous = catch_stop_signals()
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     lock = None
     try:
         if rank == 0:
             lock = lock_state_dir(state_dir)
-        yield stop
+        yield _stop
     finally:
         if lock is not None:
             lock.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _stop["signal"] = None
 
 
 def lock_state_dir(state_dir):
