@@ -118,6 +118,19 @@ def test_paper_profile_dry_run_shows_sbatch_resources():
     assert "--stop-grace 161 --owner-pid $PPID --" in out
 
 
+def test_stop_warning_longer_than_the_runtime_is_refused(tmp_path):
+    cfg = yaml.safe_load((REPO / "config" / "tiny.yaml").read_text())
+    cfg["cluster"]["train"]["350m"]["runtime"] = 1
+    cfg["cluster"]["stop_margin_s"] = 60
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    r = subprocess.run(["snakemake", "--configfile", str(tmp_path / "c.yaml"), "--replace-workflow-config", "-d",
+                        str(tmp_path), "--dry-run", "-s", str(REPO / "Snakefile")], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "cluster.train.350m.runtime: 1 min leaves no time to train before the stop warning, 61 s before the end" \
+        in r.stderr + r.stdout
+
+
 def test_local_profile_reads_the_default_config_once():
     r = subprocess.run(["snakemake", "--profile", "profiles/local", "--dry-run"], cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=120)
@@ -197,14 +210,29 @@ def _test_config() -> dict:
     cfg["sources"] = {"web": {"kind": "synth", "generator": "web", "bytes": 300000}}
     cfg["world"] = {"seed": 7, "n_countries": 10, "n_people": 30, "n_filler": 200}
     cfg["stages"] = {"pretrain": {"350m": {**cfg["stages"]["pretrain"]["350m"], "batch_size": 8, "micro_batch": 8,
-                                           "seq_len": 64, "steps": 120}}}
-    cfg["train"] = {"log_interval": 10, "eval_interval": 60, "eval_batches": 2, "checkpoint_interval": 10}
+                                           "seq_len": 64, "steps": 160}}}
+    cfg["train"] = {"log_interval": 10, "eval_interval": 80, "eval_batches": 2, "checkpoint_interval": 5}
+    # the stop warning 120 s before the time limit (1 s to write ~2 MB at 500 MB/s + 119 s)
     cfg["cluster"]["train"] = {"350m": {"nodes": 1, "gpus_per_node": 2, "cpus": 2, "mem_mb": 3000, "runtime": 10}}
+    cfg["cluster"].update(state_write_mb_s=500, stop_margin_s=119)
     return cfg
 
 
+def _minutes(elapsed: str) -> int:
+    """squeue's %M ([[d-]h:]m:ss) -> whole minutes."""
+    days, _, hms = elapsed.rpartition("-")
+    parts = [int(x) for x in hms.split(":")]
+    h, m = (parts[0], parts[1]) if len(parts) == 3 else (0, parts[0])
+    return (int(days or 0) * 24 + h) * 60 + m
+
+
 @pytest.mark.slurm
-def test_tiny_pipeline_through_slurm_with_scancel_and_resume(slurm, tmp_path):
+def test_tiny_pipeline_through_slurm_stops_on_the_time_limit_warning_and_resumes(slurm, tmp_path):
+    """The 2-GPU (torchrun, 2 ranks) training job asks for SIGURG 120 s before its time limit (sbatch
+    --signal=URG@120 from the rule's slurm_extra). Once it is training, the test cuts its time limit to the
+    next whole minute + 1 (`scontrol update TimeLimit`), so the limit is 61-120 s away and slurmctld sends the
+    warning at its next check (<= ~30 s): the trainer saves, the job fails before the limit, the retry (a
+    fresh 10 min job) resumes from the state, and the result equals an uninterrupted run."""
     work = tmp_path / "repo"
     _repo_copy(work)
     cfg = _test_config()
@@ -215,33 +243,34 @@ def test_tiny_pipeline_through_slurm_with_scancel_and_resume(slurm, tmp_path):
     proc = subprocess.Popen(["snakemake", "--profile", str(REPO / "profiles" / "slurm-test"), "--configfile",
                              "config/slurm_test.yaml", "--replace-workflow-config", "--jobs", "2", *targets],
                             cwd=work, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
-    # cancel the stem training job (torchrun, 2 ranks on 2 fake GPUs) once it has saved some state
-    cancelled, t0 = None, time.time()
-    while proc.poll() is None and time.time() - t0 < 400:
-        if cancelled is None and (stage / "stem" / "pretrain" / "_state" / "latest").exists():
-            jobs = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %k"], capture_output=True, text=True).stdout
+    cut, t0 = None, time.time()
+    while proc.poll() is None and time.time() - t0 < 500:
+        if cut is None and (stage / "stem" / "pretrain" / "_state" / "latest").exists():
+            jobs = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %M %k"], capture_output=True, text=True).stdout
             for line in jobs.splitlines():
-                job_id, _, comment = line.partition(" ")
+                job_id, elapsed, comment = line.split(" ", 2)
                 if "rule_train" in comment and "stem" in comment:
-                    subprocess.run(["scancel", job_id], check=True)
-                    cancelled = job_id
+                    limit = _minutes(elapsed) + 2
+                    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}"], check=True)
+                    cut = (job_id, elapsed, limit)
         time.sleep(0.5)
     if proc.poll() is None:
         proc.kill()
     log.close()
     out = (tmp_path / "snakemake.log").read_text()
     assert proc.returncode == 0, out[-6000:]
-    assert cancelled, "never saw the stem training job running with saved state\n" + out[-3000:]
+    assert cut, "never saw the stem training job running with saved state\n" + out[-3000:]
+    assert "slurm_extra=--signal=URG@120" in out
     for t in targets:
         assert (work / t).is_file(), t
     events = (stage / "stem" / "pretrain" / "_state" / "events.log").read_text()
-    assert "stopped by signal 15" in events, events  # SIGTERM from scancel: state saved, exit 143, job CANCELLED
-    stopped_at = int(events.split("stopped by signal 15 at step ")[1].split(";")[0])
+    # SIGURG (23) from Slurm, not SIGTERM at the limit: state saved, exit 151, job FAILED, retried
+    assert "stopped by signal 23" in events, f"time limit cut at {cut}:\n{events}"
+    stopped_at = int(events.split("stopped by signal 23 at step ")[1].split(";")[0])
     assert f"resumed at step {stopped_at} (world size 2)" in events, events  # the retry continued from there
-    train_log = (work / "logs" / "tiny" / "350m" / "stem" / "pretrain" / "train.log").read_text()
-    assert f"resuming at step {stopped_at}" in train_log, train_log[-3000:]
+    assert events.count("stopped by signal") == 1, events
     summary = json.loads((stage / "stem" / "pretrain" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 120
+    assert summary["world_size"] == 2 and summary["steps"] == cfg["stages"]["pretrain"]["350m"]["steps"]
 
     # the same job uninterrupted, on one process: the same loss curve
     sys.path.insert(0, str(work))
@@ -256,5 +285,5 @@ def test_tiny_pipeline_through_slurm_with_scancel_and_resume(slurm, tmp_path):
     def losses(d):
         return [json.loads(line)["loss"] for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]
     ref, got = losses(tmp_path / "reference"), losses(stage / "stem" / "pretrain")
-    assert len(got) == len(ref) == 120
+    assert len(got) == len(ref) == summary["steps"]
     assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)
