@@ -94,8 +94,8 @@ def stop_warning_seconds(scale, variant, stage):
     runtime_s = 60 * cluster_resources("train", scale)["runtime"]
     if n >= runtime_s:
         raise WorkflowError(f"cluster.train.{scale}.runtime: {runtime_s // 60} min leaves no time to train before "
-                            f"the stop warning, {n} s before the end ({variant}/{stage}: state write {write:.0f} s "
-                            f"+ cluster.stop_margin_s); expected a runtime above {n // 60 + 1} min")
+                            f"the stop warning, {n} s before the end ({variant}/{stage}: state write {write:.0f} s plus "
+                            f"cluster.stop_margin_s); expected a runtime above {n // 60 + 1} min")
     return n
 
 

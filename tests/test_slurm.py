@@ -1,10 +1,11 @@
 """Slurm: the profiles, the launcher, and a reduced tiny pipeline through a REAL single-node Slurm.
 
-The end-to-end test (marked `slurm`, ~2-3 min) installs Slurm with apt if needed (scripts/slurm_local.sh
+The end-to-end test (marked `slurm`, ~3-5 min) installs Slurm with apt if needed (scripts/slurm_local.sh
 install; Debian packages), starts it (2 fake GPUs), runs a reduced tiny pipeline in a temp copy of the
-repository through `snakemake --profile profiles/slurm-test` (sbatch, squeue polling, outputs), scancels the
-2-GPU (torchrun, 2 ranks) training job mid-run, checks that the retry resumed from its state and ends with
-the loss curve of an uninterrupted run, and stops the daemons it started. It skips only when Slurm
+repository through `snakemake --profile profiles/slurm-test` (sbatch, squeue polling, outputs), cuts the time
+limit of the running 2-GPU (torchrun, 2 ranks) training job so that Slurm sends its early stop warning
+(SIGURG, sbatch --signal from the rule's slurm_extra), checks that the trainer saved on the warning, that the
+retry resumed from its state and ends with the loss curve of an uninterrupted run, and stops the daemons. It skips only when Slurm
 cannot be installed (no apt-get) or the tests do not run as root; set STEM_REQUIRE_SLURM=1 to turn that
 skip into a failure (CI).
 """
