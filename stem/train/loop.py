@@ -31,6 +31,7 @@ from stem.models.config import ModelConfig
 from stem.train import checkpoint as ck
 from stem.train.checkpoint import atomic_write_json, atomic_write_text, load_weights, save_checkpoint
 from stem.train import distributed as D
+from stem.train import lifecycle
 from stem.train import memory
 from stem.train.optim import build_optimizer, set_lr
 from stem.train.schedule import get_lr
@@ -107,7 +108,17 @@ def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0) -
 
 
 def train(spec: dict, threads: int | None = None, max_steps: int | None = None) -> dict:
-    """Run (or resume) one training job; returns its summary. ``max_steps`` stops early (tests)."""
+    """Run (or resume) one training job; returns its summary. ``max_steps`` stops early (tests).
+
+    SIGTERM/SIGUSR1 stop it (state saved); a second trainer on the same ``_state`` refuses (lifecycle)."""
+    try:
+        with lifecycle.job(Path(spec["out_dir"]) / "_state") as stop:
+            return _train(spec, stop, threads, max_steps)
+    except lifecycle.StateLocked as e:
+        raise TrainingError(str(e)) from None
+
+
+def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -> dict:
     t0 = time.time()
     tc, out_dir = spec["train"], Path(spec["out_dir"])
     state_dir = out_dir / "_state"
@@ -173,8 +184,6 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         metrics_path.unlink()
     state_dir.mkdir(parents=True, exist_ok=True)
 
-    stop = {"signal": None}
-    signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
     tokens_per_step = tc["batch_size"] * tc["seq_len"]
     last = step + (max_steps if max_steps is not None else tc["steps"])
     loss_value = float("nan")
