@@ -5,7 +5,6 @@ FSDP and the DDP-backbone strategy) to amortise start-up; the tests compare thei
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess

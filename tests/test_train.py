@@ -95,7 +95,7 @@ def test_resume_gives_the_same_final_loss(spec_factory, tmp_path, variant):
 def test_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, tmp_path):
     full = train(spec_factory(tmp_path / "full", steps=40, checkpoint_interval=5), threads=1)
     spec = spec_factory(tmp_path / "killed", steps=40, checkpoint_interval=5)
-    code = f"import json,sys; from stem.train.loop import train; train(json.loads(sys.argv[1]), threads=1)"
+    code = "import json,sys; from stem.train.loop import train; train(json.loads(sys.argv[1]), threads=1)"
     proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], cwd=REPO,
                             stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
     latest = tmp_path / "killed" / "_state" / "latest"

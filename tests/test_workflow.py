@@ -1,6 +1,5 @@
 """The Snakemake workflow: the paper DAG (dry run), a reduced tiny DAG run for real, one-target reruns,
 and bad input stopping with one clear line."""
-import copy
 import json
 import os
 import subprocess
