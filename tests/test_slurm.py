@@ -182,7 +182,7 @@ def test_launcher_srun_c10d_rendezvous_in_allocation(slurm, tmp_path):
     """The multi-node path (srun + one torchrun per node + c10d on the first node), on the one node we have."""
     probe = tmp_path / "probe.py"
     probe.write_text("import os, torch.distributed as d\nd.init_process_group('gloo')\n"
-                     "print('rank', d.get_rank(), 'of', d.get_world_size(), os.environ['MASTER_ADDR'], flush=True)\n"
+                     "os.write(1, f'rank {d.get_rank()} of {d.get_world_size()} {os.environ[\"MASTER_ADDR\"]}\\n'.encode())\n"
                      "d.destroy_process_group()\n")
     wrap = (f"{sys.executable} {REPO}/workflow_scripts/launch.py --srun --nodes 1 --gpus-per-node 2 --cpus-per-node 2"
             f" -- {sys.executable} {probe}")
