@@ -32,7 +32,7 @@ rule tokenizer:
 # Tokenize is scattered: each source is split into `parts` jobs (sources.<name>.parts, default 1; a
 # contiguous range of its files/shards each, see stem.data.sources), each its own (Slurm) job writing
 # its part directory atomically; a killed job leaves no output and reruns alone. tokenize_gather
-# writes the source's manifest over all parts.
+# (on the head node: it reads the parts' manifests only) writes the source's manifest over all parts.
 rule tokenize_part:
     input:
         tokenizer="data/{experiment}/{scale}/tokenizer/tokenizer.json",
@@ -60,6 +60,7 @@ rule tokenize_gather:
         "data/{experiment}/{scale}/tokens/{source}/manifest.json",
     params:
         out=lambda w: C.tokens_dir(EXP, w.scale, w.source),
+    localrule: True
     log:
         "logs/{experiment}/{scale}/tokenize/{source}/gather.log",
     conda:

@@ -1,11 +1,12 @@
 """Data stages of the workflow: synthetic corpora, tokenizers, token shards. Each takes a job spec."""
 from __future__ import annotations
 
+import shutil
 from itertools import chain
 from pathlib import Path
 
 from stem.data import synth
-from stem.data.shards import gather_parts, tokenize_to_shards
+from stem.data.shards import tokenize_to_shards
 from stem.data.sources import iter_documents
 from stem.data.tokenizer import load_tokenizer, train_bpe
 from stem.train.checkpoint import atomic_write_text
@@ -54,6 +55,9 @@ def tokenize(spec: dict, tokenizer_path, out_dir, workers: int = 2, log=None) ->
                   f"{st['tokens'] / max(st['seconds'], 1e-9):.0f} tokens/s", file=log, flush=True)
 
     max_tokens = int(spec["max_tokens"]) if spec.get("max_tokens") else None
+    out_dir = Path(out_dir)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed run of this job
+        shutil.rmtree(stale, ignore_errors=True)
     t0 = time.perf_counter()
     m = tokenize_to_shards(iter_documents(docs, part if part[1] > 1 else None), tok, out_dir,
                            seed=spec["seed"], num_workers=workers, max_tokens=max_tokens, source=docs,
@@ -62,7 +66,3 @@ def tokenize(spec: dict, tokenizer_path, out_dir, workers: int = 2, log=None) ->
     tokens = sum(s["tokens"] for s in m["splits"].values())
     progress({"documents": m["documents_seen"], "tokens": tokens, "seconds": time.perf_counter() - t0}, final=True)
     return m
-
-
-def gather(part_dirs, out_dir) -> dict:
-    return gather_parts(out_dir, part_dirs)

@@ -1,7 +1,6 @@
-"""Gather the scattered tokenize parts of one source into its manifest."""
+"""Gather the scattered tokenize parts of one source into its manifest (reads JSON only; no torch)."""
 import argparse
-
-from workflow_scripts._entry import run
+import sys
 
 
 def main():
@@ -9,10 +8,14 @@ def main():
     p.add_argument("--out", required=True, help="the source's token directory (manifest.json is written there)")
     p.add_argument("parts", nargs="+", help="the part directories, in order")
     args = p.parse_args()
-    from stem.pipeline import gather
-    m = gather(args.parts, args.out)
+    from stem.data.shards import gather_parts
+    try:
+        m = gather_parts(args.out, args.parts)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     print({s: m["splits"][s]["tokens"] for s in m["splits"]}, f"{len(m['parts'])} parts")
 
 
 if __name__ == "__main__":
-    run(main)
+    main()

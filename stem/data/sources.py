@@ -101,7 +101,7 @@ def _expand_paths(patterns) -> list[str]:
     files: list[str] = []
     for pattern in patterns:
         pattern = os.path.expanduser(str(pattern))
-        matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        matches = sorted(p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p))  # files, pipes
         if not matches:
             raise ValueError(f"source spec: path/glob {pattern!r} matches no file")
         files.extend(matches)
