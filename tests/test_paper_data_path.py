@@ -345,3 +345,62 @@ def test_a_killed_tokenize_job_reruns_alone(world, tmp_path):
     assert not list(tokens.glob(".part*tmp-*"))
     m = json.loads((tokens / "manifest.json").read_text())
     assert m["documents_seen"] == 120 and sum(s["documents"] for s in m["splits"].values()) == 120
+
+
+# ----------------------------------------------------------------------------- files, parts, gather, config
+
+
+def test_jsonl_zst_files_and_parts_partition_the_documents(tmp_path):
+    import zstandard
+
+    texts = [f"document {i} " + "x" * i for i in range(10)]
+    for f in range(2):
+        with zstandard.open(tmp_path / f"s{f}.jsonl.zst", "wt") as fh:
+            fh.writelines(json.dumps({"text": t}) + "\n" for t in texts[5 * f : 5 * f + 5])
+    spec = {"kind": "files", "paths": [str(tmp_path / "*.jsonl.zst")], "format": "jsonl"}
+    assert list(iter_documents(spec)) == texts
+    assert [list(iter_documents(spec, part=(k, 2))) for k in range(2)] == [texts[:5], texts[5:]]  # by file
+    three = [list(iter_documents(spec, part=(k, 3))) for k in range(3)]  # fewer files than parts: stride
+    assert three == [texts[0::3], texts[1::3], texts[2::3]]
+    with pytest.raises(ValueError, match=r"part must be \(k, n\) with 0 <= k < n, got \(2, 2\)"):
+        iter_documents(spec, part=(2, 2))
+
+
+def test_gather_concatenates_parts_and_refuses_mismatched_ones(world, tmp_path):
+    from stem.data.shards import gather_parts
+
+    texts = [_text(random.Random(i), 30) for i in range(40)]
+    for k in range(2):
+        tokenize_to_shards(iter(texts[20 * k : 20 * k + 20]), world["tok"], tmp_path / f"p{k}", shard_tokens=100)
+    m = gather_parts(tmp_path, [tmp_path / "p0", tmp_path / "p1"])
+    whole = tokenize_to_shards(iter(texts), world["tok"], tmp_path / "whole", shard_tokens=100)
+    assert m["documents_seen"] == 40 and m["parts"] == ["p0", "p1"]
+    def docs(d):  # every document (train and val) as a tuple of tokens
+        out = []
+        for split in ("train", "val"):
+            s = ShardSet(d, split)
+            ends = list(s.doc_starts[1:]) + [s.tokens]
+            out += [tuple(s.get(a, b - a)) for a, b in zip(s.doc_starts, ends)]
+        return sorted(out)
+
+    assert docs(tmp_path) == docs(tmp_path / "whole") and len(docs(tmp_path)) == 40
+    assert ShardSet(tmp_path, "train").get(0, 5).tolist() == ShardSet(tmp_path / "p0", "train").get(0, 5).tolist()
+    bad = json.loads((tmp_path / "p1/manifest.json").read_text())
+    bad["eos_id"] = 7
+    (tmp_path / "p1/manifest.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"p1/manifest.json: eos_id 7 differs from .*p0's 0"):
+        gather_parts(tmp_path, [tmp_path / "p0", tmp_path / "p1"])
+
+
+def test_tokenize_spec_splits_caps_and_picks_the_scale_sample():
+    from stem import config as C
+
+    cfg = json.loads(json.dumps(PAPER))
+    s = C.tokenize_spec(cfg, "1b", "nemotron_code", "part00003-of-00064")
+    assert s["part"] == [3, 64] and s["max_tokens"] == -(-35_000_000_000 // 64) and s["documents"]["name"] == "Synthetic-Code"
+    assert C.tokenize_spec(cfg, "350m", "olmo_mix", "part00000-of-01024")["sample"] == [0.0, 0.028]
+    assert C.tokenize_spec(cfg, "1b", "olmo_mix_mid", "part00000-of-00256")["sample"] == [0.28, 0.30]
+    with pytest.raises(C.ConfigError, match=r"key 'sources.olmo_mix_mid.sample': no range for scale '350m'"):
+        C.tokenize_spec(cfg, "350m", "olmo_mix_mid", "part00000-of-00256")
+    with pytest.raises(C.ConfigError, match="part 'part00000-of-00002' is not one of its 64 parts"):
+        C.tokenize_spec(cfg, "1b", "nemotron_code", "part00000-of-00002")
