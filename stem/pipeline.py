@@ -9,7 +9,6 @@ from stem.data import synth
 from stem.data.shards import tokenize_to_shards
 from stem.data.sources import iter_documents
 from stem.data.tokenizer import load_tokenizer, train_bpe
-from stem.train.checkpoint import atomic_write_text
 
 
 def make_corpus(spec: dict, out_path) -> dict:
@@ -21,6 +20,8 @@ def make_corpus(spec: dict, out_path) -> dict:
 
 
 def make_tokenizer(spec: dict, out_path) -> dict:
+    from stem.train.checkpoint import atomic_write_text  # imports torch: only here, not in tokenize jobs
+
     out_path = Path(out_path)
     if spec["kind"] == "train_bpe":
         docs = chain.from_iterable(iter_documents(d) for d in spec["documents"])

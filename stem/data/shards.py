@@ -347,6 +347,7 @@ def gather_parts(out_dir, part_dirs) -> dict:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(manifest, f, indent=2)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600
         os.replace(tmp, out_dir / "manifest.json")
     except BaseException:
         os.unlink(tmp)
