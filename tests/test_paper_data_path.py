@@ -117,7 +117,7 @@ def _local(sources, dataset, folders):
 def _local_sources(world, vocab_size):
     out = {}
     for name, spec in PAPER["sources"].items():
-        spec = dict(spec)
+        spec = json.loads(json.dumps(spec))  # a deep copy: PAPER stays as read
         if spec["kind"] == "hf":
             spec["path"] = str(world["folders"][spec["path"]])
         else:
