@@ -236,6 +236,9 @@ def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -
         if scale not in sample:
             raise ConfigError(f"key 'sources.{source}.sample': no range for scale {scale!r} (have {sorted(sample)})")
         sample = sample[scale]
+    if sample is not None and src.get("doc_keys", "index") != "content":
+        raise ConfigError(f"key 'sources.{source}.sample' needs doc_keys: content (a document's position "
+                          "depends on how the source is split into parts)")
     max_tokens = src.get("max_tokens")
     return {"documents": documents_spec(cfg, source), "seed": cfg["seed"],
             "max_tokens": None if max_tokens is None else -(-int(max_tokens) // n),

@@ -402,5 +402,8 @@ def test_tokenize_spec_splits_caps_and_picks_the_scale_sample():
     assert C.tokenize_spec(cfg, "1b", "olmo_mix_mid", "part00000-of-00256")["sample"] == [0.28, 0.30]
     with pytest.raises(C.ConfigError, match=r"key 'sources.olmo_mix_mid.sample': no range for scale '350m'"):
         C.tokenize_spec(cfg, "350m", "olmo_mix_mid", "part00000-of-00256")
+    cfg["sources"]["olmo_mix"]["doc_keys"] = "index"
+    with pytest.raises(C.ConfigError, match="key 'sources.olmo_mix.sample' needs doc_keys: content"):
+        C.tokenize_spec(cfg, "1b", "olmo_mix", "part00000-of-01024")
     with pytest.raises(C.ConfigError, match="part 'part00000-of-00002' is not one of its 64 parts"):
         C.tokenize_spec(cfg, "1b", "nemotron_code", "part00000-of-00002")
