@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 	else $(PY) -m pip install -q torch==2.13.0 --index-url $(TORCH_INDEX); fi
 	$(PY) -m pip install -q -e '.[test]'
+	@# ProLong's MDS reader; --no-deps: its metadata pulls torchvision and a CUDA torch (see pyproject.toml)
+	$(PY) -m pip install -q --no-deps mosaicml-streaming==0.13.0
 	touch $(STAMP)
 
 smoke: $(STAMP)

@@ -23,6 +23,7 @@ wildcard_constraints:
     variant="[a-z_]+",
     stage="|".join(C.STAGES),
     source="[A-Za-z0-9_]+",
+    part=r"part\d{5}-of-\d{5}",
 
 
 def as_json(obj):
@@ -41,7 +42,7 @@ def train_inputs(w):
     """Tokenizer, token shards of the stage's mixture, and the previous stage's checkpoint (if any)."""
     spec = C.train_spec(config, w.scale, w.variant, w.stage)
     inputs = {"tokenizer": spec["tokenizer"]}
-    inputs.update({f"tokens_{src}": C.tokens_dir(EXP, w.scale, src) for src in spec["data"]})
+    inputs.update({f"tokens_{src}": C.tokens_manifest(EXP, w.scale, src) for src in spec["data"]})
     if spec["init_from"]:
         inputs["init"] = spec["init_from"]
     return inputs

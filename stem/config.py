@@ -160,6 +160,24 @@ def tokens_manifest(exp: str, scale: str, source: str) -> str:
     return f"{tokens_dir(exp, scale, source)}/manifest.json"
 
 
+# Keys of a source that steer its tokenize jobs rather than describe its documents.
+TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample")
+
+
+def source_parts(cfg: dict, source: str) -> int:
+    """How many scattered tokenize jobs a source is split into (`parts`, default 1)."""
+    return int(cfg["sources"][source].get("parts", 1))
+
+
+def part_names(cfg: dict, source: str) -> list[str]:
+    n = source_parts(cfg, source)
+    return [f"part{k:05d}-of-{n:05d}" for k in range(n)]
+
+
+def tokens_part_dir(exp: str, scale: str, source: str, part: str) -> str:
+    return f"{tokens_dir(exp, scale, source)}/{part}"
+
+
 def stage_dir(exp: str, scale: str, variant: str, stage: str) -> str:
     return f"results/{exp}/{scale}/{variant}/{stage}"
 
@@ -212,7 +230,7 @@ def documents_spec(cfg: dict, source: str) -> dict:
     src = cfg["sources"][source]
     if src["kind"] == "synth":
         return {"kind": "files", "paths": [corpus_path(cfg["experiment"], source)], "format": "jsonl"}
-    return {k: v for k, v in src.items() if k != "max_tokens"}
+    return {k: v for k, v in src.items() if k not in TOKENIZE_KEYS}
 
 
 def source_inputs(cfg: dict, source: str) -> list[str]:
@@ -226,8 +244,27 @@ def tokenizer_spec(cfg: dict, scale: str) -> dict:
     return tok
 
 
-def tokenize_spec(cfg: dict, scale: str, source: str) -> dict:
+def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -> dict:
+    """Spec of one tokenize job: part k of n of a source (``part`` as named by ``part_names``).
+    ``max_tokens`` is split evenly over the parts; ``sample`` is a [lo, hi) range of the per-document
+    uniform (or a mapping scale -> range), see stem.data.shards.tokenize_to_shards."""
     if source not in cfg["sources"]:
         raise ConfigError(f"source {source!r}: expected one of {sorted(cfg['sources'])}")
-    return {"documents": documents_spec(cfg, source), "max_tokens": cfg["sources"][source].get("max_tokens"),
-            "seed": cfg["seed"], "vocab_size": cfg["archs"][scale]["vocab_size"]}
+    src, names = cfg["sources"][source], part_names(cfg, source)
+    part = part or names[0]
+    if part not in names:
+        raise ConfigError(f"source {source!r}: part {part!r} is not one of its {len(names)} parts")
+    n = len(names)
+    sample = src.get("sample")
+    if isinstance(sample, dict):
+        if scale not in sample:
+            raise ConfigError(f"key 'sources.{source}.sample': no range for scale {scale!r} (have {sorted(sample)})")
+        sample = sample[scale]
+    if sample is not None and src.get("doc_keys", "index") != "content":
+        raise ConfigError(f"key 'sources.{source}.sample' needs doc_keys: content (a document's position "
+                          "depends on how the source is split into parts)")
+    max_tokens = src.get("max_tokens")
+    return {"documents": documents_spec(cfg, source), "seed": cfg["seed"],
+            "max_tokens": None if max_tokens is None else -(-int(max_tokens) // n),
+            "vocab_size": cfg["archs"][scale]["vocab_size"], "part": [names.index(part), n],
+            "doc_keys": src.get("doc_keys", "index"), "sample": sample}

@@ -94,7 +94,8 @@ def test_paper_profile_dry_run_shows_sbatch_resources():
     mn = res["train_multinode"]  # 1b: 4 nodes, one torchrun per node
     assert (mn["nodes"], mn["gres"], mn["tasks"], mn["mpi"]) == (str(t1b["nodes"]), f"gpu:{t1b['gpus_per_node']}",
                                                                   str(t1b["nodes"]), "srun")
-    assert "gpu" not in res["tokenize"] and res["tokenize"]["slurm_partition"] == cl["partition"]
+    assert "gpu" not in res["tokenize_part"] and res["tokenize_part"]["slurm_partition"] == cl["partition"]
+    assert res["tokenize_part"]["runtime"] == str(cl["tokenize"]["runtime"])
     if "eval" in res:
         assert res["eval"]["gpu"] == "1"
 

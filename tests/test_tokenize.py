@@ -282,22 +282,23 @@ def test_sources_feed_tokenizer_end_to_end(corpus, tok, tmp_path):
     assert ShardSet(tmp_path / "out", "val").tokens == 0
 
 
-def test_hf_source_uses_streaming(monkeypatch):
-    datasets = pytest.importorskip("datasets")
-    calls = []
-
-    def fake_load_dataset(path, name=None, **kwargs):
-        calls.append((path, name, kwargs))
-        return iter([{"text": "a"}, {"text": "b"}, {"other": 1}])
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    spec = {"kind": "hf", "path": "org/data", "name": None, "split": "train", "text_field": "text",
-            "data_files": ["x/*.json.gz"]}
+def test_hf_source_streams_a_real_local_dataset(tmp_path):
+    """The hub reader on a local folder (datasets' own json builder, streaming): data_files, the
+    format check against the builder, and a record without the text field."""
+    pytest.importorskip("datasets")
+    (tmp_path / "x").mkdir()
+    with gzip.open(tmp_path / "x" / "a.json.gz", "wt") as f:
+        f.write('{"text": "a"}\n{"text": "b"}\n{"text": 3}\n')
+    spec = {"kind": "hf", "path": str(tmp_path), "name": None, "split": "train", "text_field": "text",
+            "data_files": ["x/*.json.gz"], "format": "json"}
     docs = iter_documents(spec)
     assert [next(docs), next(docs)] == ["a", "b"]
-    with pytest.raises(ValueError, match="record 2: missing text_field 'text'"):
+    with pytest.raises(ValueError, match="record 2: field 'text' is not a string"):
         next(docs)
-    assert calls == [("org/data", None, {"split": "train", "streaming": True, "data_files": ["x/*.json.gz"]})]
+    with pytest.raises(ValueError, match="its files are 'json' but the source spec says format 'parquet'"):
+        next(iter_documents({**spec, "format": "parquet"}))
+    with pytest.raises(ValueError, match="no text_field 'body'; columns are"):
+        next(iter_documents({**spec, "text_field": "body"}))
 
 
 # ----------------------------------------------------------------------------- nothing wrong passes silently

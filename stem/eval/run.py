@@ -196,11 +196,13 @@ def by_length(raw: dict, ranges: dict, metric: str = "score", field: str = "leng
 
 
 # ---- our own harnesses ------------------------------------------------------------------------------
-def _documents(spec: dict, n_chars: int | None = None, n_docs: int | None = None) -> list[str]:
-    """The first documents of the suite's source, up to n_chars characters or n_docs documents."""
+def _documents(spec: dict, n_chars: int | None = None, n_docs: int | None = None, tok=None) -> list[str]:
+    """The first documents of the suite's source, up to n_chars characters or n_docs documents
+    (a tokenized source, e.g. ProLong's MDS, is decoded with ``tok``)."""
     from stem.data.sources import iter_documents
     docs, total = [], 0
     for d in iter_documents(spec["documents"]):
+        d = d if isinstance(d, str) else tok.decode(d.tolist())
         docs.append(d)
         total += len(d)
         if (n_chars and total >= n_chars) or (n_docs and len(docs) >= n_docs):
@@ -213,7 +215,7 @@ def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict]:
     too_long = [L for L in spec["lengths"] if L > lm.max_length]
     if too_long:
         raise ValueError(f"niah: lengths {too_long} exceed the checkpoint's context ({lm.max_length} tokens)")
-    docs = _documents(spec, n_chars=8 * max(spec["lengths"]) * 4)
+    docs = _documents(spec, n_chars=8 * max(spec["lengths"]) * 4, tok=lm.tok)
     gen = spec.get("max_gen_toks", 12)
     items = niah.make_items(lm.tok, docs, spec["lengths"], spec["depths"], limit or spec["samples"], spec["seed"], gen)
     res = niah.run(lm, items, gen)
@@ -227,7 +229,7 @@ def run_ppl(lm, spec: dict, limit=None) -> tuple[dict, dict]:
     import math
     from lm_eval.api.instance import Instance
 
-    docs = _documents(spec, n_docs=limit or spec["n_documents"])
+    docs = _documents(spec, n_docs=limit or spec["n_documents"], tok=lm.tok)
     reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(docs)]
     lls = lm.loglikelihood_rolling(reqs)
     n_tok = sum(len(lm.tok_encode(d)) for d in docs)
