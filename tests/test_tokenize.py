@@ -395,4 +395,5 @@ def test_blank_hf_dataset_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": " "}\n')
     with pytest.raises(ValueError, match="hf dataset 'json': no documents"):
-        list(iter_documents({"kind": "hf", "path": "json", "data_files": [str(tmp_path / "blank.jsonl")]}))
+        list(iter_documents({"kind": "hf", "path": "json", "format": "json",
+                            "data_files": [str(tmp_path / "blank.jsonl")]}))
