@@ -4,15 +4,22 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 CORES  ?= 2
+# Where the CPU build of torch comes from on a machine without an NVIDIA driver: PyTorch's CPU wheel index
+# (a plain `pip install torch` from PyPI is the multi-GB CUDA build). Override for a mirror, e.g.
+# `make test TORCH_INDEX=https://mirror.example/whl/cpu`. Extra indexes and find-links in the pip
+# configuration still apply (on a machine with a local package mirror, torch comes from there).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: smoke test lint dryrun-paper clean-tiny
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	@# CPU build of torch where there is no CUDA driver (a plain `torch` would pull a multi-GB CUDA build).
+	@# CPU build of torch where there is no NVIDIA driver, from $(TORCH_INDEX) (see above)
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
-	else $(PY) -m pip install -q torch==2.13.0; fi
+	else $(PY) -m pip install -q torch==2.13.0 --index-url $(TORCH_INDEX); fi
 	$(PY) -m pip install -q -e '.[test]'
+	@# ProLong's MDS reader; --no-deps: its metadata pulls torchvision and a CUDA torch (see pyproject.toml)
+	$(PY) -m pip install -q --no-deps mosaicml-streaming==0.13.0
 	touch $(STAMP)
 
 smoke: $(STAMP)

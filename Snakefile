@@ -3,7 +3,12 @@
 #   snakemake --profile profiles/slurm            # the paper's scale (config/paper.yaml), on Slurm
 # One target, e.g.: snakemake --profile profiles/local results/tiny/350m/stem_half/pretrain/summary.json
 
-configfile: f"{workflow.basedir}/config/tiny.yaml"
+# The default config, loaded once here (profiles do not load it again). With --replace-workflow-config
+# (profiles/slurm) it would be discarded anyway, so it is not read at all: "Config file(s)" names only
+# the file in use.
+if not workflow.config_settings.replace_workflow_config:
+
+    configfile: f"{workflow.basedir}/config/tiny.yaml"
 
 
 include: "rules/common.smk"

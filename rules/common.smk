@@ -1,4 +1,5 @@
 import json
+import math
 import sys
 
 from snakemake.utils import validate
@@ -22,6 +23,7 @@ wildcard_constraints:
     variant="[a-z_]+",
     stage="|".join(C.STAGES),
     source="[A-Za-z0-9_]+",
+    part=r"part\d{5}-of-\d{5}",
 
 
 def as_json(obj):
@@ -40,7 +42,7 @@ def train_inputs(w):
     """Tokenizer, token shards of the stage's mixture, and the previous stage's checkpoint (if any)."""
     spec = C.train_spec(config, w.scale, w.variant, w.stage)
     inputs = {"tokenizer": spec["tokenizer"]}
-    inputs.update({f"tokens_{src}": C.tokens_dir(EXP, w.scale, src) for src in spec["data"]})
+    inputs.update({f"tokens_{src}": C.tokens_manifest(EXP, w.scale, src) for src in spec["data"]})
     if spec["init_from"]:
         inputs["init"] = spec["init_from"]
     return inputs
@@ -71,6 +73,31 @@ def cluster_resources(kind, scale=None):
     if j.get("gpus"):
         res["gpu"] = j["gpus"]
     return res
+
+
+def state_bytes(scale, variant, stage):
+    """Bytes of a training job's saved state: fp32 weights + AdamW's two fp32 moments, 12 B per parameter
+    (stem.train.checkpoint / distributed.save_state; DCP writes the same total, shared over the ranks)."""
+    from stem.models.config import ModelConfig
+
+    model = ModelConfig.from_dict(C.train_spec(config, scale, variant, stage)["model"]).build("meta")
+    return 12 * sum(p.numel() for p in model.parameters())
+
+
+def stop_warning_seconds(scale, variant, stage):
+    """N of `sbatch --signal=URG@N`: the time to write the state (state bytes / (nodes x the config's
+    cluster.state_write_mb_s per node)) plus cluster.stop_margin_s (the step in flight, Slurm's 30 s KillWait
+    is not counted on). Slurm sends the warning up to ~60 s early, never late."""
+    cl = config.get("cluster") or {}
+    nodes = cluster_resources("train", scale)["nodes"]
+    write = state_bytes(scale, variant, stage) / (nodes * cl.get("state_write_mb_s", 500) * 1e6)
+    n = math.ceil(write) + cl.get("stop_margin_s", 120)
+    runtime_s = 60 * cluster_resources("train", scale)["runtime"]
+    if n >= runtime_s:
+        raise WorkflowError(f"cluster.train.{scale}.runtime: {runtime_s // 60} min leaves no time to train before "
+                            f"the stop warning, {n} s before the end ({variant}/{stage}: state write {write:.0f} s plus "
+                            f"cluster.stop_margin_s); expected a runtime above {n // 60 + 1} min")
+    return n
 
 
 def _train_setting(scale, key):

@@ -29,19 +29,41 @@ rule tokenizer:
         "python -m workflow_scripts.tokenizer --spec {params.spec:q} --out {output} 2> {log}"
 
 
-rule tokenize:
+# Tokenize is scattered: each source is split into `parts` jobs (sources.<name>.parts, default 1; a
+# contiguous range of its files/shards each, see stem.data.sources), each its own (Slurm) job writing
+# its part directory atomically; a killed job leaves no output and reruns alone. tokenize_gather
+# (on the head node: it reads the parts' manifests only) writes the source's manifest over all parts.
+rule tokenize_part:
     input:
         tokenizer="data/{experiment}/{scale}/tokenizer/tokenizer.json",
         documents=lambda w: C.source_inputs(config, w.source),
     output:
-        directory("data/{experiment}/{scale}/tokens/{source}"),
+        directory("data/{experiment}/{scale}/tokens/{source}/{part}"),
     params:
-        spec=lambda w: as_json(C.tokenize_spec(config, w.scale, w.source)),
-    threads: 2
+        spec=lambda w: as_json(C.tokenize_spec(config, w.scale, w.source, w.part)),
+    threads: ((config.get("cluster") or {}).get("tokenize") or {}).get("cpus", 2)
+    resources:
+        **{k: v for k, v in ((config.get("cluster") or {}).get("tokenize") or {}).items() if k in ("mem_mb", "runtime")},
     log:
-        "logs/{experiment}/{scale}/tokenize/{source}.log",
+        "logs/{experiment}/{scale}/tokenize/{source}/{part}.log",
     conda:
         ENV
     shell:
         "python -m workflow_scripts.tokenize_source --spec {params.spec:q} --tokenizer {input.tokenizer}"
         " --out {output} --threads {threads} 2> {log}"
+
+
+rule tokenize_gather:
+    input:
+        lambda w: [C.tokens_part_dir(EXP, w.scale, w.source, p) for p in C.part_names(config, w.source)],
+    output:
+        "data/{experiment}/{scale}/tokens/{source}/manifest.json",
+    params:
+        out=lambda w: C.tokens_dir(EXP, w.scale, w.source),
+    localrule: True
+    log:
+        "logs/{experiment}/{scale}/tokenize/{source}/gather.log",
+    conda:
+        ENV
+    shell:
+        "python -m workflow_scripts.tokenize_gather --out {params.out} {input} 2> {log}"

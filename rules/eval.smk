@@ -32,7 +32,7 @@ rule eval:
     wildcard_constraints:
         suite="[a-z0-9_]+",
     params:
-        spec=lambda w: as_json(EV.suite_spec(config, w.suite)),
+        spec=lambda w: as_json(EV.job_spec(config, w.experiment, w.scale, w.variant, w.stage, w.suite)),
     threads: 1
     resources:
         gpu=lambda w: 0 if config["device"] == "cpu" else 1,

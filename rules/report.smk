@@ -114,7 +114,7 @@ rule report_readme:
         tables="reports/{experiment}/tables/reproduced.csv",
         diff="reports/{experiment}/diff/summary.json",
         params="reports/{experiment}/params.md",
-        figures=expand("reports/{{experiment}}/figures/{figure}.png", figure=REPORT_FIGURES),
+        everything=lambda w: RW.report_files(w.experiment),  # all of it: a missing file is rebuilt, then this
     output:
         report(
             "reports/{experiment}/README.md",

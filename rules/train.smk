@@ -8,6 +8,15 @@
 # torchrun (one node, several GPUs), or one torchrun per node through srun (several nodes: rule
 # train_multinode, which carries the `mpi` resource so the jobstep executor leaves the srun to us).
 # Snakemake clears the log of a retried job; {stage}/_state/events.log keeps the stop/resume history.
+#
+# Stopping in time: Slurm sends SIGTERM at the time limit and SIGKILL KillWait (30 s by default) later, too
+# little to save a paper-scale state (~81 GB for 1B STEM). So training jobs ask for an early warning,
+# `sbatch --signal=URG@N` (resource slurm_extra), N = state write time at the config's
+# cluster.state_write_mb_s per node + cluster.stop_margin_s (common.smk: stop_warning_seconds). Slurm sends
+# it to every process of the job's steps: the trainer saves and exits, torchrun passes it on and waits N s
+# (--stop-grace) before it would kill its workers, everything else ignores SIGURG (SIGUSR1 would kill the
+# Snakemake jobstep and the shell in between; see stem/train/lifecycle.py). --owner-pid $PPID: the trainer
+# stops (saving) if the Snakemake process running this shell dies, instead of running on as an orphan.
 
 
 rule train:
@@ -23,18 +32,21 @@ rule train:
         spec=lambda w: as_json(C.train_spec(config, w.scale, w.variant, w.stage)),
         gpus_per_node=lambda w: cluster_resources("train", w.scale).get("gpu", 0),
         strategy=(config.get("cluster") or {}).get("strategy", "fsdp"),
+        stop_grace=lambda w: stop_warning_seconds(w.scale, w.variant, w.stage),
     threads: lambda w: cluster_resources("train", w.scale)["cpus_per_task"]
     resources:
         **{k: _train_res(k) for k in ("nodes", "runtime", "cpus_per_task", "mem_mb")},
         **{k: v for k, v in cluster_resources("cpu").items() if k in ("slurm_partition", "slurm_account", "constraint")},
         gpu=lambda w: cluster_resources("train", w.scale).get("gpu", 0),
+        slurm_extra=lambda w: f"--signal=URG@{stop_warning_seconds(w.scale, w.variant, w.stage)}",
     log:
         "logs/{experiment}/{scale}/{variant}/{stage}/train.log",
     conda:
         ENV
     shell:
         "STEM_PARALLEL={params.strategy} python -m workflow_scripts.launch --nodes {resources.nodes}"
-        " --gpus-per-node {params.gpus_per_node} --cpus-per-node {resources.cpus_per_task} --"
+        " --gpus-per-node {params.gpus_per_node} --cpus-per-node {resources.cpus_per_task}"
+        " --stop-grace {params.stop_grace} --owner-pid $PPID --"
         " python -m workflow_scripts.train --spec {params.spec:q} --threads {threads} 2> {log}"
 
 
@@ -45,10 +57,12 @@ use rule train as train_multinode with:
         spec=lambda w: as_json(C.train_spec(config, w.scale, w.variant, w.stage)),
         gpus_per_node=lambda w: _train_setting(w.scale, "gpus_per_node"),
         strategy=(config.get("cluster") or {}).get("strategy", "fsdp"),
+        stop_grace=lambda w: stop_warning_seconds(w.scale, w.variant, w.stage),
     resources:
         **{k: _train_res(k) for k in ("nodes", "runtime", "cpus_per_task", "mem_mb", "gres", "tasks", "tasks_per_gpu")},
         **{k: v for k, v in cluster_resources("cpu").items() if k in ("slurm_partition", "slurm_account", "constraint")},
         mpi="srun",
+        slurm_extra=lambda w: f"--signal=URG@{stop_warning_seconds(w.scale, w.variant, w.stage)}",
 
 
 # Before anything is submitted (not in a dry run): refuse a GPU training job of the DAG whose per-GPU peak,

@@ -59,6 +59,9 @@ def cmd_diff(args):
     from stem.report.results import Results
     cfg = experiment_config(args.experiment)
     res = Results(cfg["experiment"], args.results)
+    if not (res.root / res.experiment).is_dir():
+        raise C.ConfigError(f"--results {args.results}: no {res.experiment}/ folder in it (expected "
+                            f"{args.results}/{res.experiment}/{{scale}}/{{variant}}/{{stage}}/)")
     if args.write:
         ours = write_tables(cfg, res, f"reports/{cfg['experiment']}/tables")
     else:

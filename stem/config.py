@@ -17,7 +17,8 @@ SCHEMA = REPO / "config" / "schema.yaml"
 VARIANTS = REPO / "config" / "variants.yaml"
 SCALES = ("350m", "1b")
 STAGES = ("pretrain", "midtrain", "extend")
-TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100}
+TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
+                  "tensorboard": False}
 
 
 class ConfigError(ValueError):
@@ -52,7 +53,26 @@ def validate_experiment(cfg: dict, origin: str = "config") -> dict:
     return cfg
 
 
+def _check_sources(cfg: dict, origin: str):
+    """Every source name a mixture, a tokenizer or an eval suite the matrix runs uses is one of ``sources``."""
+    known = sorted(cfg["sources"])
+    uses = [(f"stages.{stage}.{scale}.data", list((spec or {}).get("data") or {}))
+            for stage, by_scale in cfg["stages"].items() for scale, spec in (by_scale or {}).items()]
+    uses += [(f"tokenizer.{scale}.sources", tok.get("sources") or []) for scale, tok in cfg["tokenizer"].items()]
+    ev = cfg.get("eval") or {}
+    run = {suite for m in cfg["matrix"].values() for stage in m["stages"]
+           for suite in (ev.get("stages") or {}).get(stage) or []}
+    for name, suite in (ev.get("suites") or {}).items():
+        uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
+                 if name in run and isinstance(suite, dict) and key in suite]
+    for key, names in uses:
+        unknown = [s for s in names if s not in cfg["sources"]]
+        if unknown:
+            raise ConfigError(f"{origin}: key '{key}': unknown source {unknown[0]!r}; expected one of {known}")
+
+
 def _cross_check(cfg: dict, origin: str):
+    _check_sources(cfg, origin)
     for scale, m in cfg["matrix"].items():
         for what in ("archs", "tokenizer"):
             if scale not in cfg[what]:
@@ -62,10 +82,6 @@ def _cross_check(cfg: dict, origin: str):
             if spec is None:
                 raise ConfigError(f"{origin}: key 'stages.{stage}.{scale}' missing (listed in matrix.{scale}.stages)")
             where = f"stages.{stage}.{scale}"
-            unknown = [s for s in spec["data"] if s not in cfg["sources"]]
-            if unknown:
-                raise ConfigError(f"{origin}: key '{where}.data': unknown source {unknown[0]!r}; "
-                                  f"expected one of {sorted(cfg['sources'])}")
             total = sum(spec["data"].values())
             if not math.isclose(total, 1.0, abs_tol=1e-6):
                 raise ConfigError(f"{origin}: key '{where}.data': mixture weights sum to {total:g}, expected 1")
@@ -76,6 +92,9 @@ def _cross_check(cfg: dict, origin: str):
             if init is not None and (init not in m["stages"] or m["stages"].index(init) >= m["stages"].index(stage)):
                 raise ConfigError(f"{origin}: key '{where}.init_from': {init!r} must be an earlier stage of "
                                   f"matrix.{scale}.stages {m['stages']}")
+            if init is None and spec.get("reset_optimizer") is False:
+                raise ConfigError(f"{origin}: key '{where}.reset_optimizer': false needs an init_from stage "
+                                  "whose optimizer state it carries")
             max_len = spec.get("max_seq_len", cfg["archs"][scale]["max_seq_len"])
             if spec["seq_len"] > max_len:
                 raise ConfigError(f"{origin}: key '{where}.seq_len': {spec['seq_len']} exceeds the model's "
@@ -85,9 +104,6 @@ def _cross_check(cfg: dict, origin: str):
             for key in ("sources", "vocab_size"):
                 if key not in tok:
                     raise ConfigError(f"{origin}: key 'tokenizer.{scale}.{key}' missing (needed by kind train_bpe)")
-            bad = [s for s in tok["sources"] if s not in cfg["sources"]]
-            if bad:
-                raise ConfigError(f"{origin}: key 'tokenizer.{scale}.sources': unknown source {bad[0]!r}")
             if tok["vocab_size"] > cfg["archs"][scale]["vocab_size"]:
                 raise ConfigError(f"{origin}: key 'tokenizer.{scale}.vocab_size': {tok['vocab_size']} exceeds "
                                   f"archs.{scale}.vocab_size {cfg['archs'][scale]['vocab_size']}")
@@ -144,6 +160,24 @@ def tokens_manifest(exp: str, scale: str, source: str) -> str:
     return f"{tokens_dir(exp, scale, source)}/manifest.json"
 
 
+# Keys of a source that steer its tokenize jobs rather than describe its documents.
+TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample")
+
+
+def source_parts(cfg: dict, source: str) -> int:
+    """How many scattered tokenize jobs a source is split into (`parts`, default 1)."""
+    return int(cfg["sources"][source].get("parts", 1))
+
+
+def part_names(cfg: dict, source: str) -> list[str]:
+    n = source_parts(cfg, source)
+    return [f"part{k:05d}-of-{n:05d}" for k in range(n)]
+
+
+def tokens_part_dir(exp: str, scale: str, source: str, part: str) -> str:
+    return f"{tokens_dir(exp, scale, source)}/{part}"
+
+
 def stage_dir(exp: str, scale: str, variant: str, stage: str) -> str:
     return f"results/{exp}/{scale}/{variant}/{stage}"
 
@@ -163,15 +197,23 @@ def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
     data = st.pop("data")
     for key in ("max_seq_len", "rope_scaling"):
         st.pop(key, None)
+    train = {**TRAIN_DEFAULTS, **cfg.get("train", {}), **st}
+    # reset_optimizer (default true): false carries the optimizer state of init_from's stage, which then
+    # saves it in its checkpoint (checkpoint/optimizer/)
+    train["reset_optimizer"] = bool(st.get("reset_optimizer", True)) if init else True
+    train["save_optimizer"] = any(cfg["stages"][s][scale].get("init_from") == stage
+                                  and not cfg["stages"][s][scale].get("reset_optimizer", True)
+                                  for s in cfg["matrix"][scale]["stages"])
     return {
         "experiment": exp, "scale": scale, "variant": variant, "stage": stage,
         "seed": cfg["seed"], "device": cfg["device"],
         "model": model_config_for(cfg, scale, variant, stage).to_dict(),
         "optim": cfg["optim"],
-        "train": {**TRAIN_DEFAULTS, **cfg.get("train", {}), **st},
+        "train": train,
         "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
         "tokenizer": tokenizer_path(exp, scale),
         "init_from": stage_dir(exp, scale, variant, init) + "/checkpoint" if init else None,
+        "init_stage": init,
         "out_dir": stage_dir(exp, scale, variant, stage),
     }
 
@@ -188,7 +230,7 @@ def documents_spec(cfg: dict, source: str) -> dict:
     src = cfg["sources"][source]
     if src["kind"] == "synth":
         return {"kind": "files", "paths": [corpus_path(cfg["experiment"], source)], "format": "jsonl"}
-    return {k: v for k, v in src.items() if k != "max_tokens"}
+    return {k: v for k, v in src.items() if k not in TOKENIZE_KEYS}
 
 
 def source_inputs(cfg: dict, source: str) -> list[str]:
@@ -202,8 +244,27 @@ def tokenizer_spec(cfg: dict, scale: str) -> dict:
     return tok
 
 
-def tokenize_spec(cfg: dict, scale: str, source: str) -> dict:
+def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -> dict:
+    """Spec of one tokenize job: part k of n of a source (``part`` as named by ``part_names``).
+    ``max_tokens`` is split evenly over the parts; ``sample`` is a [lo, hi) range of the per-document
+    uniform (or a mapping scale -> range), see stem.data.shards.tokenize_to_shards."""
     if source not in cfg["sources"]:
         raise ConfigError(f"source {source!r}: expected one of {sorted(cfg['sources'])}")
-    return {"documents": documents_spec(cfg, source), "max_tokens": cfg["sources"][source].get("max_tokens"),
-            "seed": cfg["seed"], "vocab_size": cfg["archs"][scale]["vocab_size"]}
+    src, names = cfg["sources"][source], part_names(cfg, source)
+    part = part or names[0]
+    if part not in names:
+        raise ConfigError(f"source {source!r}: part {part!r} is not one of its {len(names)} parts")
+    n = len(names)
+    sample = src.get("sample")
+    if isinstance(sample, dict):
+        if scale not in sample:
+            raise ConfigError(f"key 'sources.{source}.sample': no range for scale {scale!r} (have {sorted(sample)})")
+        sample = sample[scale]
+    if sample is not None and src.get("doc_keys", "index") != "content":
+        raise ConfigError(f"key 'sources.{source}.sample' needs doc_keys: content (a document's position "
+                          "depends on how the source is split into parts)")
+    max_tokens = src.get("max_tokens")
+    return {"documents": documents_spec(cfg, source), "seed": cfg["seed"],
+            "max_tokens": None if max_tokens is None else -(-int(max_tokens) // n),
+            "vocab_size": cfg["archs"][scale]["vocab_size"], "part": [names.index(part), n],
+            "doc_keys": src.get("doc_keys", "index"), "sample": sample}

@@ -1,6 +1,7 @@
 """Data stages of the workflow: synthetic corpora, tokenizers, token shards. Each takes a job spec."""
 from __future__ import annotations
 
+import shutil
 from itertools import chain
 from pathlib import Path
 
@@ -8,7 +9,6 @@ from stem.data import synth
 from stem.data.shards import tokenize_to_shards
 from stem.data.sources import iter_documents
 from stem.data.tokenizer import load_tokenizer, train_bpe
-from stem.train.checkpoint import atomic_write_text
 
 
 def make_corpus(spec: dict, out_path) -> dict:
@@ -20,6 +20,8 @@ def make_corpus(spec: dict, out_path) -> dict:
 
 
 def make_tokenizer(spec: dict, out_path) -> dict:
+    from stem.train.checkpoint import atomic_write_text  # imports torch: only here, not in tokenize jobs
+
     out_path = Path(out_path)
     if spec["kind"] == "train_bpe":
         docs = chain.from_iterable(iter_documents(d) for d in spec["documents"])
@@ -30,11 +32,38 @@ def make_tokenizer(spec: dict, out_path) -> dict:
     return {"vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
 
 
-def tokenize(spec: dict, tokenizer_path, out_dir, workers: int = 2) -> dict:
+def tokenize(spec: dict, tokenizer_path, out_dir, workers: int = 2, log=None) -> dict:
+    """Tokenize part ``spec["part"]`` = [k, n] of a source into ``out_dir``; print progress lines to ``log``."""
+    import sys
+    import time
+
     tok = load_tokenizer(tokenizer_path)
     if tok.vocab_size > spec["vocab_size"]:
         raise ValueError(f"{tokenizer_path}: tokenizer has {tok.vocab_size} tokens but the model's "
                          f"vocab_size is {spec['vocab_size']} (raise archs.<scale>.vocab_size)")
+    docs = spec["documents"]
+    if docs["kind"] == "mds" and tok.vocab_size != docs["vocab_size"]:
+        raise ValueError(f"{tokenizer_path}: tokenizer has {tok.vocab_size} tokens but the MDS source "
+                         f"{docs['paths']} stores ids of a {docs['vocab_size']}-token vocabulary (use that tokenizer)")
+    part = tuple(spec.get("part") or (0, 1))
+    log = log or sys.stderr
+    last = [0.0]
+
+    def progress(st, final=False):
+        if final or st["seconds"] - last[0] >= 10:
+            last[0] = st["seconds"]
+            print(f"tokenize part {part[0]}/{part[1]}: {st['documents']} documents, {st['tokens']} tokens, "
+                  f"{st['tokens'] / max(st['seconds'], 1e-9):.0f} tokens/s", file=log, flush=True)
+
     max_tokens = int(spec["max_tokens"]) if spec.get("max_tokens") else None
-    return tokenize_to_shards(iter_documents(spec["documents"]), tok, out_dir, seed=spec["seed"],
-                              num_workers=workers, max_tokens=max_tokens, source=spec["documents"])
+    out_dir = Path(out_dir)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed run of this job
+        shutil.rmtree(stale, ignore_errors=True)
+    t0 = time.perf_counter()
+    m = tokenize_to_shards(iter_documents(docs, part if part[1] > 1 else None), tok, out_dir,
+                           seed=spec["seed"], num_workers=workers, max_tokens=max_tokens, source=docs,
+                           doc_keys=spec.get("doc_keys", "index"), sample=spec.get("sample"),
+                           allow_empty=part[1] > 1, progress=progress, extra={"part": list(part)})
+    tokens = sum(s["tokens"] for s in m["splits"].values())
+    progress({"documents": m["documents_seen"], "tokens": tokens, "seconds": time.perf_counter() - t0}, final=True)
+    return m

@@ -165,10 +165,75 @@ def test_niah_cells(lm, tmp_path):
     docs = [d for d, _ in zip(synth.long_documents(synth.make_world(**WORLD), 0, 500, 1500), range(5))]
     with pytest.raises(ValueError, match="no room"):
         niah.make_items(lm.tok, docs, [16], [0], 1)
-    items = niah.make_items(lm.tok, docs, [224, 256], [0, 50, 100], 2)
-    assert all(len(lm.tok_encode(it["prompt"])) <= it["length"] for it in items)
+    items = niah.make_items(lm.tok, docs, [224, 256], [0, 50, 100], 2, max_gen_toks=4)
+    assert all(len(lm.tok_encode(it["prompt"])) + 4 <= it["length"] for it in items)
     res = niah.run(lm, items, 4)
     assert [(c["length"], c["depth"]) for c in res["cells"]] == [(L, d) for L in (224, 256) for d in (0, 50, 100)]
+    with pytest.raises(ValueError, match="exceeds the cell"):
+        niah.run(lm, items, 12)  # a larger generation budget than the items were made for
+
+
+class NeedleOracle(torch.nn.Module):
+    """A stand-in model that answers NIAH perfectly from the ids it is given, no more: it decodes them and,
+    if the whole needle of the queried key is among them, emits its value digit by digit and a newline;
+    otherwise EOS. Stateless (no KV cache): each decoding step sees prompt + generated tokens."""
+    supports_kv_cache = False
+
+    def __init__(self, tok, context: int):
+        super().__init__()
+        from types import SimpleNamespace
+        self.tok, self.w = tok, torch.nn.Parameter(torch.zeros(1))
+        self.cfg = SimpleNamespace(max_seq_len=context, vocab_size=tok.vocab_size)
+        self.longest, self.prompts = 0, set()  # longest input; the inputs of first decoding steps
+
+    def forward(self, x, cache=None, **kw):
+        import re
+        assert cache is None and x.shape[0] == 1
+        self.longest = max(self.longest, x.shape[1])
+        text = self.tok.decode(x[0].tolist())
+        nxt = self.tok.eos_id
+        q = list(re.finditer(r"The special magic number for (\w+) mentioned in the provided text is", text))
+        if q:
+            needle = re.search(rf"One of the special magic numbers for {q[-1][1]} is: (\d+)\.", text[:q[-1].start()])
+            target, gen = (needle[1] + "\n" if needle else ""), text[q[-1].end():]
+            if not gen:
+                self.prompts.add(tuple(x[0].tolist()))
+            if target.startswith(gen) and len(gen) < len(target):
+                (nxt,) = self.tok.encode_batch([target[len(gen)]])[0]
+        logits = torch.zeros(1, 1, self.cfg.vocab_size)  # the decoder reads the last position only
+        logits[0, -1, nxt] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize("experiment", ["tiny", "paper"])
+def test_niah_oracle_scores_100_in_every_cell(ckpt, tmp_path, experiment):
+    """Through run.evaluate (items, decoding with the decoder's left truncation, scoring) with a model
+    whose context is exactly the cell length: prompt plus generation fit, so the needle is never cut."""
+    from stem import config as C
+    from stem.data import synth
+    cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
+    spec = run.suite_spec(cfg, "niah")
+    w = synth.make_world(**WORLD)
+    n_docs = 8 if experiment == "tiny" else 60
+    docs = tmp_path / "long.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d, _ in zip(synth.long_documents(w, 0, 4000, 16000),
+                                                                             range(n_docs))))
+    spec["documents"] = {"kind": "files", "paths": [str(docs)], "format": "jsonl"}
+    lm = StemLM(str(ckpt), device="cpu", batch_size=4)
+    lm.use_cache = False
+    cells = []
+    for length in spec["lengths"]:
+        lm.model, lm._max_length = NeedleOracle(lm.tok, length), length
+        raw = tmp_path / f"raw{length}.json"
+        out = run.evaluate(ckpt, {**spec, "lengths": [length]}, raw_json=raw, lm=lm,
+                           limit=1 if experiment == "paper" else None)
+        assert lm.model.longest <= length
+        items = json.loads(raw.read_text())["items"]
+        assert len(items) == len(spec["depths"]) * (1 if experiment == "paper" else spec["samples"])
+        assert all(tuple(lm.tok_encode(it["prompt"])) in lm.model.prompts for it in items)  # seen whole
+        cells += out["cells"]
+    assert [(c["length"], c["depth"]) for c in cells] == [(L, d) for L in spec["lengths"] for d in spec["depths"]]
+    assert all(c["accuracy"] == 100.0 for c in cells), [c for c in cells if c["accuracy"] < 100]
 
 
 def test_by_length_buckets():
@@ -224,3 +289,113 @@ def test_tiny_dag_ends_in_eval_jsons():
     assert len(targets) == 9 + 2 * 3 + 2 * 4  # 7 350m + 2 1b pretrain; 2 midtrain x 3; 2 extend x 4
     snakefile = (C.REPO / "Snakefile").read_text()
     assert 'include: "rules/eval.smk"' in snakefile and "eval_outputs()" in snakefile
+
+
+# ---- lm-eval's own command line (stem-lm-eval) ------------------------------------------------------------
+def test_lm_eval_cli_runs_the_stem_model(ckpt, lm, tmp_path):
+    """The console command `stem-lm-eval` (pyproject [project.scripts]) is lm-eval's CLI with every flag
+    unchanged; run it as a subprocess with lm-eval's default device (cuda:0) on a machine without CUDA
+    for the process, and compare its scores with an in-process evaluation of the same items."""
+    import os
+    import subprocess
+    import sys
+    import tomllib
+
+    from stem import config as C
+    scripts = tomllib.loads((C.REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["stem-lm-eval"] == "stem.eval.lm_eval_cli:main"
+    fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 4, "train_items": 2, "tasks": ["arc_easy"]},
+                            tmp_path / "fx")
+    cmd = [sys.executable, "-m", "stem.eval.lm_eval_cli", "--model", "stem", "--model_args", f"pretrained={ckpt}",
+           "--tasks", "arc_easy", "--include_path", str(tmp_path / "fx"), "--batch_size", "2",
+           "--output_path", str(tmp_path / "out")]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(C.REPO), "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "requested but this machine has no CUDA; using cpu" in r.stderr
+    assert "evaluating on device cpu" in r.stderr
+    (res_file,) = (tmp_path / "out").rglob("results_*.json")
+    got = json.loads(res_file.read_text())
+    assert got["config"]["model"] == "stem" and got["n-samples"]["arc_easy"]["effective"] == 4
+    spec = {**run.suite_spec(_tiny_cfg(tmp_path), "commonsense"), "tasks": ["arc_easy"], "fixtures": str(tmp_path / "fx")}
+    ref = run.run_lm_eval(lm, spec)["results"]["arc_easy"]
+    for k in ("acc,none", "acc_norm,none"):
+        assert got["results"]["arc_easy"][k] == pytest.approx(ref[k])
+
+
+def test_device_falls_back_to_the_one_that_exists(capsys):
+    from stem.eval.lm import pick_device
+    if torch.cuda.is_available():
+        assert pick_device("cuda:0") == "cuda:0"
+    else:
+        assert pick_device("cuda:0") == "cpu" and "no CUDA; using cpu" in capsys.readouterr().err
+    assert pick_device("cpu") == "cpu" and "evaluating on device cpu" in capsys.readouterr().err
+    assert pick_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---- the eval stage reads the checkpoint its job is for (issue 16) -----------------------------------------
+def _ppl_spec(tmp_path):
+    from stem.data import synth
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d, _ in zip(synth.web_documents(synth.make_world(**WORLD)), range(2))))
+    spec = run.suite_spec(_tiny_cfg(tmp_path), "ppl")
+    spec.update(documents={"kind": "files", "paths": [str(docs)], "format": "jsonl"}, device="cpu")
+    return spec
+
+
+def test_eval_refuses_a_checkpoint_of_another_job(ckpt, lm, tmp_path):
+    spec = _ppl_spec(tmp_path)
+    job = {"experiment": "test", "scale": "1b", "variant": "dense", "stage": "pretrain"}
+    out = tmp_path / "out.json"
+    with pytest.raises(ValueError, match=r"checkpoint .*config.json: saved job test/1b/stem/pretrain, but this eval "
+                                         r"job .* is for test/1b/dense/pretrain \(variant 'stem' != 'dense'\)"):
+        run.evaluate(ckpt, {**spec, "job": job}, out, lm=lm)
+    assert not out.exists()
+    # no job in the spec: the output path of the results layout says what the checkpoint must be
+    out = tmp_path / "results" / "test" / "350m" / "stem" / "midtrain" / "eval" / "ppl.json"
+    with pytest.raises(ValueError, match=r"scale '1b' != '350m', stage 'pretrain' != 'midtrain'"):
+        run.evaluate(ckpt, spec, out, lm=lm)
+    assert not out.parent.exists()
+    out = tmp_path / "results" / "test" / "1b" / "stem" / "pretrain" / "eval" / "ppl.json"
+    r = run.evaluate(ckpt, spec, out, lm=lm, limit=1)
+    assert (r["experiment"], r["scale"], r["variant"], r["stage"]) == ("test", "1b", "stem", "pretrain") and out.is_file()
+    assert run.job_spec(_tiny_cfg(tmp_path), "tiny", "1b", "stem", "pretrain", "ppl")["job"] == {
+        "experiment": "tiny", "scale": "1b", "variant": "stem", "stage": "pretrain"}
+    from stem import config as C
+    assert "EV.job_spec(config, w.experiment, w.scale, w.variant, w.stage, w.suite)" in (C.REPO / "rules" / "eval.smk").read_text()
+
+
+def test_eval_job_script_errors_and_labels(ckpt, tmp_path, monkeypatch, capsys):
+    import sys
+    from workflow_scripts import eval_suite
+    from workflow_scripts._entry import run as run_entry
+    spec = _ppl_spec(tmp_path)
+
+    def call(job, *extra):
+        argv = ["eval_suite", "--spec", json.dumps({**spec, "job": job}), "--checkpoint", str(ckpt),
+                "--out", str(tmp_path / "o" / "ppl.json"), "--raw", str(tmp_path / "o" / "raw.json"), *extra]
+        monkeypatch.setattr(sys, "argv", argv)
+        run_entry(eval_suite.main)
+
+    good = {"experiment": "test", "scale": "1b", "variant": "stem", "stage": "pretrain"}
+    with pytest.raises(SystemExit) as e:
+        call({**good, "experiment": "tiny"})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and err[-1].startswith("error: checkpoint ") and "experiment 'test' != 'tiny'" in err[-1]
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit) as e:
+        call(good, "--limit", "0")
+    assert e.value.code == 1 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: limit 0: expected a positive whole number of items per task (or no limit)")
+    call(good)  # the suite's own count of documents (config `documents: 40`; 2 in the file)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("ppl: scores {'ppl': ") and line.endswith(" s") and "; wall time " in line
+    saved = json.loads((tmp_path / "o" / "ppl.json").read_text())
+    assert saved["tasks"]["ppl"]["n"] == 2 and saved["variant"] == "stem"
+
+
+def test_cli_limit_must_be_positive(tmp_path, capsys):
+    from stem.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["eval", "--checkpoint", str(tmp_path / "nope"), "--suite", "commonsense", "--limit", "0"])
+    assert capsys.readouterr().err.strip() == "error: limit 0: expected a positive whole number of items per task (or no limit)"

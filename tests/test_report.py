@@ -59,6 +59,13 @@ def eval_json(cfg, scale, variant, stage, suite, offset):
     return base
 
 
+def summary_json(cfg, scale, variant, stage, loss):
+    """The keys of stem.train.loop's summary.json that the report reads or checks."""
+    return {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage,
+            "final_val_loss": float(loss[-1]), "final_train_loss": float(np.mean(loss[-10:])),
+            "steps": len(loss), "tokens": 2048 * len(loss)}
+
+
 def write_results(root, cfg, skip=(MISSING,)):
     rng = np.random.default_rng(0)
     stage_suites = {"pretrain": ["commonsense"], "midtrain": ["commonsense", "mmlu", "gsm8k"],
@@ -76,7 +83,7 @@ def write_results(root, cfg, skip=(MISSING,)):
                 if s % 50 == 0:
                     row.update(val_loss=float(l), val_ppl=float(np.exp(l)))
                 f.write(json.dumps(row) + "\n")
-        (d / "summary.json").write_text(json.dumps({"final_val_loss": float(loss[-1]), "tokens": 409600}))
+        (d / "summary.json").write_text(json.dumps(summary_json(cfg, scale, variant, stage, loss)))
         for suite in stage_suites[stage]:
             if (scale, variant) in skip and suite == "commonsense":
                 continue
@@ -281,3 +288,200 @@ def test_report_builds(tmp_path, tiny_cfg, tiny_results):
     diff_md = (rd / "diff" / "diff.md").read_text()
     assert "Directions" in diff_md and "Where the paper disagrees with itself" in diff_md
     assert pd.read_csv(rd / "tables" / "table3.csv")["Model"].tolist()[:2] == ["Baseline", "Hash-MoE"]
+
+
+# ---- every result file read is checked: what its path says, schema, types, ranges -----------------------
+@pytest.fixture
+def fresh_results(tmp_path, tiny_cfg):
+    write_results(tmp_path, tiny_cfg)
+    return tmp_path
+
+
+def test_real_training_summary_passes_the_check(spec_factory, tmp_path):
+    """The check accepts what stem.train.loop really writes (and rejects it under another path)."""
+    from stem.train.loop import train
+    from stem.report.results import ResultError, check_summary
+    spec = spec_factory(tmp_path / "tiny" / "350m" / "stem" / "pretrain", steps=6, eval_interval=3)
+    train(spec)
+    res = Results("tiny", tmp_path)
+    s = res.summary("350m", "stem", "pretrain")
+    assert s["final_val_loss"] > 0 and s["steps"] == 6
+    with pytest.raises(ResultError, match="key 'variant': the file is of variant 'stem' but its path says 'dense'"):
+        check_summary(tmp_path / "x.json", s, {"experiment": "tiny", "scale": "350m", "variant": "dense",
+                                               "stage": "pretrain"})
+
+
+@pytest.mark.parametrize("what, src, dst, key", [
+    ("eval", ("350m", "stem", "pretrain"), ("350m", "dense", "pretrain"), "variant"),
+    ("eval", ("1b", "stem", "pretrain"), ("350m", "stem", "pretrain"), "scale"),
+    ("eval", ("1b", "stem", "midtrain"), ("1b", "stem", "pretrain"), "stage"),
+    ("summary", ("1b", "dense", "pretrain"), ("350m", "dense", "pretrain"), "scale"),
+])
+def test_a_result_of_another_run_in_a_folder_is_refused(fresh_results, tiny_cfg, what, src, dst, key):
+    """Issue 16.1: a file copied from another variant/scale/stage must not fill the wrong row."""
+    from stem.report.results import ResultError
+    name = "eval/commonsense.json" if what == "eval" else "summary.json"
+    target = fresh_results / "tiny" / "/".join(dst) / name
+    target.write_text((fresh_results / "tiny" / "/".join(src) / name).read_text())
+    with pytest.raises(ResultError) as e:
+        T.build_all(tiny_cfg, Results("tiny", fresh_results))
+    msg = str(e.value)
+    assert msg.startswith(f"{target}: key '{key}'") and "\n" not in msg
+    assert f"its path says {dict(zip(('scale', 'variant', 'stage'), dst))[key]!r}" in msg
+
+
+def _edit_json(path, edit):
+    d = json.loads(path.read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("file, edit, message", [
+    ("350m/stem/pretrain/summary.json", "garbage", "not readable as JSON"),
+    ("350m/stem/pretrain/summary.json", lambda d: d.pop("final_train_loss"), "key 'final_train_loss' is missing"),
+    ("350m/stem/pretrain/summary.json", lambda d: d.update(final_val_loss="3.2"),
+     "key 'final_val_loss': expected a finite number >= 0 or null or NaN, got '3.2'"),
+    ("350m/stem/pretrain/summary.json", lambda d: d.update(final_train_loss=float("inf")),
+     "key 'final_train_loss': expected a finite number >= 0, got inf"),
+    ("350m/stem/pretrain/summary.json", lambda d: d.update(steps=6.5), "key 'steps': expected a finite integer"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d["tasks"]["boolq"].update(value=4500.0),
+     "key 'tasks.boolq.value': expected a number in [0, 100] or null, got 4500.0"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d["tasks"]["piqa"].update(value="45.0"),
+     "key 'tasks.piqa.value': expected a number in [0, 100] or null, got '45.0'"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d["tasks"]["piqa"].update(stderr=-1),
+     "key 'tasks.piqa.stderr'"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d.update(tasks=[1, 2]), "key 'tasks'"),
+    ("350m/dense/pretrain/eval/commonsense.json", lambda d: d.update(suite="mmlu"),
+     "key 'suite': the file is of suite 'mmlu' but its path says 'commonsense'"),
+    ("1b/stem/extend/eval/niah.json", lambda d: d["cells"][0].update(accuracy=101.0), "key 'cells[0].accuracy'"),
+    ("1b/stem/extend/eval/longbench.json", lambda d: d["by_length"]["table5"][0]["groups"].update(longbench_code=True),
+     "key 'by_length.table5[0].groups.longbench_code'"),
+    ("1b/dense/pretrain/metrics.jsonl", "not json\n{}\n", "1b/dense/pretrain/metrics.jsonl:1: not a JSON line"),
+])
+def test_bad_result_files_fail_with_one_line(fresh_results, tiny_cfg, file, edit, message):
+    """Issue 16.2: garbage, wrong types and out-of-range values stop the aggregate with one line."""
+    from stem.report.results import ResultError
+    path = fresh_results / "tiny" / file
+    if isinstance(edit, str):
+        path.write_text(edit)
+    else:
+        _edit_json(path, edit)
+    res = Results("tiny", fresh_results)
+    with pytest.raises(ResultError) as e:
+        T.build_all(tiny_cfg, res)
+        for name in F.FIGURES:
+            F.draw(name, tiny_cfg, res, {})
+    assert str(e.value).startswith(str(path)) and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_torn_last_metrics_line_is_tolerated(fresh_results):
+    path = fresh_results / "tiny" / "1b" / "dense" / "pretrain" / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 201, "lo')
+    assert len(Results("tiny", fresh_results).metrics("1b", "dense", "pretrain")) == 200
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--results", "/nonexistent"], "--results /nonexistent: no tiny/ folder in it"),
+    (["--gate", "table3/350m/*/acc"], "gate pattern 'table3/350m/*/acc' matches no published cell"),
+])
+def test_diff_cli_fails_on_no_results_and_on_a_gate_matching_nothing(fresh_results, capsys, args, message):
+    """Issue 16.3: neither reports 'missing' / 'passed' with exit 0."""
+    from stem.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["diff", "--experiment", "tiny", "--results", str(fresh_results), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: {message}") and err.strip().count("\n") == 0
+
+
+def test_diff_cli_gate_passes_and_fails(fresh_results, capsys):
+    from stem.__main__ import main
+    main(["diff", "--experiment", "tiny", "--results", str(fresh_results),
+          "--gate", "table2/350m/pretrain/lr_schedule"])
+    assert "Gate: **passed** (0 chosen cells" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["diff", "--experiment", "tiny", "--results", str(fresh_results), "--gate", "table3/350m/*/avg"])
+    assert e.value.code == 2 and "gate failed" in capsys.readouterr().err
+
+
+# ---- the report's files are all requested: a missing one (a report killed half-way) is rebuilt --------------
+def test_every_file_the_report_writes_is_requested(tmp_path, tiny_cfg, tiny_results):
+    from stem.report.workflow import report_outputs
+    B.write_tables(tiny_cfg, tiny_results, tmp_path / "reports/tiny/tables")
+    ours = B.load_reproduced(tmp_path / "reports/tiny/tables/reproduced.csv")
+    B.write_diff(tmp_path / "reports/tiny/diff", *B.run_diff(tiny_cfg, ours))
+    written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    wanted = set(report_outputs("tiny"))
+    assert written <= wanted
+    figures = {f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf")}
+    assert wanted == written | figures | {"reports/tiny/README.md"}
+
+
+def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
+    """Issue 16.5: today a deleted (or half-written, killed) figure PDF or diff file leaves 'Nothing to be done'."""
+    import os
+    import subprocess
+    import sys
+    write_results(tmp_path / "results", tiny_cfg, skip=())
+    # the report as a finished run leaves it (contents do not matter to the DAG; the order of mtimes does)
+    files = ["reports/tiny/params.csv", "reports/tiny/params.md", "reports/tiny/README.md",
+             *(f"reports/tiny/tables/{t}.{ext}" for t in B.TABLES for ext in ("csv", "md", "tex")),
+             "reports/tiny/tables/reproduced.csv", *(f"reports/tiny/diff/{f}" for f in B.DIFF_FILES),
+             *(f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf"))]
+    for i, f in enumerate(files):
+        p = tmp_path / f
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("x")
+        t = 2e9 + (0 if "/params." in f else 10 if "/tables/" in f else 30 if f.endswith("README.md") else 20)
+        os.utime(p, (t, t))
+    smk = [sys.executable, "-m", "snakemake", "-s", str(C.REPO / "Snakefile"), "-d", str(tmp_path), "-n",
+           "--allowed-rules", "report_tables", "report_diff", "report_figure", "report_readme", "params"]
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    (tmp_path / "reports/tiny/figures/roi_by_scale.pdf").unlink()
+    (tmp_path / "reports/tiny/diff/cells.csv").unlink()
+    r = subprocess.run(smk, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Job stats:" in r.stdout, (r.stdout + r.stderr)[-2000:]
+    jobs = r.stdout.split("Job stats:")[1].split("total")[0]
+    counts = dict((w[0], int(w[1])) for w in (line.split() for line in jobs.splitlines()) if len(w) == 2
+                  and w[1].isdigit())
+    assert counts == {"report_figure": 1, "report_diff": 1, "report_readme": 1, "all": 1}
+    assert "Missing output files: reports/tiny/figures/roi_by_scale.pdf" in r.stdout
+
+
+def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
+    """The eval check accepts what stem.eval.run really writes (lm-eval suites with by_length, and NIAH)."""
+    pytest.importorskip("lm_eval")
+    import torch
+    from stem.data import synth
+    from stem.data.tokenizer import train_bpe
+    from stem.eval import fixtures, run
+    from stem.models.config import ModelConfig
+    from stem.train.checkpoint import save_checkpoint
+    world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
+    docs = [doc for doc, _ in zip(synth.web_documents(synth.make_world(**world)), range(200))]
+    train_bpe(docs, 320, tmp_path / "tok.json")
+    cfg = json.loads(json.dumps(tiny_cfg))
+    cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
+    mc = C.model_config_for(cfg, "1b", "stem", "extend").to_dict()
+    torch.manual_seed(0)
+    ident = {"experiment": "tiny", "scale": "1b", "variant": "stem", "stage": "extend"}
+    save_checkpoint(tmp_path / "ckpt", ModelConfig.from_dict(mc).build("cpu"), {**ident, "model": mc},
+                    tmp_path / "tok.json", {})
+    tasks = ["arc_easy", "boolq", "longbench_hotpotqa", "longbench_lcc"]
+    fixtures.write_fixtures({**cfg["eval"]["fixtures"], "world": world, "seed": 0, "items": 4, "train_items": 2,
+                             "tasks": tasks, "groups": {"longbench_multi": ["longbench_hotpotqa"],
+                                                        "longbench_code": ["longbench_lcc"],
+                                                        "longbench": ["longbench_multi", "longbench_code"]}},
+                            tmp_path / "fx")
+    out = tmp_path / "results/tiny/1b/stem/extend/eval"
+    for suite, limit in (("commonsense", 2), ("longbench", 2)):
+        spec = run.suite_spec(cfg, suite)
+        spec.update(fixtures=str(tmp_path / "fx"), **({"tasks": tasks[:2]} if suite == "commonsense" else {}))
+        run.evaluate(tmp_path / "ckpt", spec, out / f"{suite}.json", limit=limit)
+    spec = {**run.suite_spec(cfg, "niah"), "lengths": [224, 256], "depths": [0, 100], "samples": 1,
+            "documents": {"kind": "files", "paths": [str(tmp_path / "long.jsonl")], "format": "jsonl"}}
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    run.evaluate(tmp_path / "ckpt", spec, out / "niah.json")
+    res = Results("tiny", tmp_path / "results")
+    assert res.eval("1b", "stem", "extend", "commonsense")["tasks"].keys() == {"arc_easy", "boolq"}
+    assert res.eval("1b", "stem", "extend", "longbench")["by_length"]["table5"]
+    assert len(res.eval("1b", "stem", "extend", "niah")["cells"]) == 4

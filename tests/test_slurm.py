@@ -1,16 +1,18 @@
 """Slurm: the profiles, the launcher, and a reduced tiny pipeline through a REAL single-node Slurm.
 
-The end-to-end test (marked `slurm`, ~2-3 min) installs Slurm with apt if needed (scripts/slurm_local.sh
+The end-to-end test (marked `slurm`, ~3-5 min) installs Slurm with apt if needed (scripts/slurm_local.sh
 install; Debian packages), starts it (2 fake GPUs), runs a reduced tiny pipeline in a temp copy of the
-repository through `snakemake --profile profiles/slurm-test` (sbatch, squeue polling, outputs), scancels the
-2-GPU (torchrun, 2 ranks) training job mid-run, checks that the retry resumed from its state and ends with
-the loss curve of an uninterrupted run, and stops the daemons it started. It skips only when Slurm
+repository through `snakemake --profile profiles/slurm-test` (sbatch, squeue polling, outputs), cuts the time
+limit of the running 2-GPU (torchrun, 2 ranks) training job so that Slurm sends its early stop warning
+(SIGURG, sbatch --signal from the rule's slurm_extra), checks that the trainer saved on the warning, that the
+retry resumed from its state and ends with the loss curve of an uninterrupted run, and stops the daemons. It skips only when Slurm
 cannot be installed (no apt-get) or the tests do not run as root; set STEM_REQUIRE_SLURM=1 to turn that
 skip into a failure (CI).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -44,6 +46,10 @@ def test_launcher_commands(monkeypatch):
     tr = launch.build_command(1, 8, 96, cmd)                    # one node: torchrun --standalone
     assert tr[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in tr and "--nproc-per-node=8" in tr
     assert tr[-len(cmd) - 1:] == ["--no-python", *cmd]
+    # torchrun passes Slurm's early warning (SIGURG) and SIGUSR1 on to its workers like SIGTERM ...
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGURG" in tr
+    # ... and waits the stop grace (the warning's lead) before it kills them, instead of its default 30 s
+    assert "--shutdown-timeout=161" in launch.build_command(1, 8, 96, cmd, stop_grace=161)
     with pytest.raises(SystemExit, match="not a Slurm allocation"):
         launch.build_command(2, 8, 96, cmd, env={})
     monkeypatch.setattr(launch, "first_node", lambda job: "node017")
@@ -54,20 +60,32 @@ def test_launcher_commands(monkeypatch):
 
 
 def _dry_run_resources(*args):
+    """({rule: resources of its first job}, {(rule, wildcards): resources}, stdout) of a dry run."""
     r = subprocess.run(["snakemake", *args, "--dry-run"], cwd=REPO, env=_env(), capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    seen, rule = {}, None
+    seen, jobs, rule, wildcards = {}, {}, None, ""
     for line in r.stdout.splitlines():
         if line.startswith(("rule ", "localrule ")):
-            rule = line.split()[1].rstrip(":")
-        elif line.strip().startswith("resources:") and rule not in seen:
-            seen[rule] = dict(kv.split("=", 1) for kv in line.split(":", 1)[1].strip().split(", "))
-    return seen
+            rule, wildcards = line.split()[1].rstrip(":"), ""
+        elif line.strip().startswith("wildcards:"):
+            wildcards = line.split(":", 1)[1].strip()
+        elif line.strip().startswith("resources:"):
+            res = dict(kv.split("=", 1) for kv in line.split(":", 1)[1].strip().split(", "))
+            seen.setdefault(rule, res)
+            jobs[(rule, wildcards)] = res
+    return seen, jobs, r.stdout
+
+
+def _dense_params(V, d, L, kv_dim, d_ff):
+    """Untied embedding + LM head, per layer q/k/v/o + SwiGLU + 2 RMSNorms, final norm (no biases)."""
+    return 2 * V * d + L * (2 * d * d + 2 * d * kv_dim + 3 * d * d_ff + 2 * d) + d
 
 
 def test_paper_profile_dry_run_shows_sbatch_resources():
-    res = _dry_run_resources("--profile", "profiles/slurm")
+    res, jobs, out = _dry_run_resources("--profile", "profiles/slurm")
+    assert out.count("Config file(s): [") == 1 and "paper.yaml" in out.split("Config file(s): ")[1].split("]")[0]
+    assert "tiny.yaml" not in out.split("Config file(s): ")[1].split("]")[0]   # replaced: not even read
     cl = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())["cluster"]
     t350, t1b = cl["train"]["350m"], cl["train"]["1b"]
     tr = res["train"]  # 350m: one node, 8 GPUs
@@ -76,9 +94,50 @@ def test_paper_profile_dry_run_shows_sbatch_resources():
     mn = res["train_multinode"]  # 1b: 4 nodes, one torchrun per node
     assert (mn["nodes"], mn["gres"], mn["tasks"], mn["mpi"]) == (str(t1b["nodes"]), f"gpu:{t1b['gpus_per_node']}",
                                                                   str(t1b["nodes"]), "srun")
-    assert "gpu" not in res["tokenize"] and res["tokenize"]["slurm_partition"] == cl["partition"]
+    assert "gpu" not in res["tokenize_part"] and res["tokenize_part"]["slurm_partition"] == cl["partition"]
+    assert res["tokenize_part"]["runtime"] == str(cl["tokenize"]["runtime"])
     if "eval" in res:
         assert res["eval"]["gpu"] == "1"
+
+    # the early warning before the time limit: N = 12 B/param (fp32 weights + 2 AdamW moments) / (nodes x
+    # state_write_mb_s) + stop_margin_s. 1B (Llama-3.2-1B shapes, by hand): dense 1,498,482,688 params;
+    # STEM swaps the up-projection (d x d_ff) of 5 layers for a V x d_ff table.
+    dense_1b = _dense_params(128256, 2048, 16, 8 * 64, 8192)
+    assert dense_1b == 1_498_482_688
+    stem_1b = dense_1b + 5 * (128256 - 2048) * 8192
+    for variant, params in (("dense", dense_1b), ("stem", stem_1b)):
+        n = math.ceil(12 * params / (t1b["nodes"] * cl["state_write_mb_s"] * 1e6)) + cl["stop_margin_s"]
+        job = jobs[("train_multinode", f"experiment=paper, scale=1b, variant={variant}, stage=pretrain")]
+        assert job["slurm_extra"] == f"--signal=URG@{n}"
+    assert 12 * stem_1b / 1e9 == pytest.approx(80.0, abs=0.1)        # the ~80 GB of the issue
+    assert jobs[("train_multinode", "experiment=paper, scale=1b, variant=stem, stage=pretrain")]["slurm_extra"] \
+        == "--signal=URG@161"                                          # 80.0 GB / (4 x 500 MB/s) = 41 s + 120 s
+    n_dense_350m = math.ceil(12 * _dense_params(32000, 960, 32, 5 * 64, 2560) / (cl["state_write_mb_s"] * 1e6)) \
+        + cl["stop_margin_s"]
+    assert jobs[("train", "experiment=paper, scale=350m, variant=dense, stage=pretrain")]["slurm_extra"] \
+        == f"--signal=URG@{n_dense_350m}"
+    # torchrun waits as long for its workers (--stop-grace), and the trainer watches Snakemake ($PPID)
+    assert "--stop-grace 161 --owner-pid $PPID --" in out
+
+
+def test_stop_warning_longer_than_the_runtime_is_refused(tmp_path):
+    cfg = yaml.safe_load((REPO / "config" / "tiny.yaml").read_text())
+    cfg["cluster"]["train"]["350m"]["runtime"] = 1
+    cfg["cluster"]["stop_margin_s"] = 60
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    r = subprocess.run(["snakemake", "--configfile", str(tmp_path / "c.yaml"), "--replace-workflow-config", "-d",
+                        str(tmp_path), "--dry-run", "-s", str(REPO / "Snakefile")], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "cluster.train.350m.runtime: 1 min leaves no time to train before the stop warning, 61 s before the end" \
+        in r.stderr + r.stdout
+
+
+def test_local_profile_reads_the_default_config_once():
+    r = subprocess.run(["snakemake", "--profile", "profiles/local", "--dry-run"], cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"Config file(s): ['{REPO / 'config' / 'tiny.yaml'}']" in r.stdout
 
 
 # ----------------------------------------------------------------------------- a real Slurm
@@ -124,7 +183,7 @@ def test_launcher_srun_c10d_rendezvous_in_allocation(slurm, tmp_path):
     """The multi-node path (srun + one torchrun per node + c10d on the first node), on the one node we have."""
     probe = tmp_path / "probe.py"
     probe.write_text("import os, torch.distributed as d\nd.init_process_group('gloo')\n"
-                     "print('rank', d.get_rank(), 'of', d.get_world_size(), os.environ['MASTER_ADDR'], flush=True)\n"
+                     "os.write(1, f'rank {d.get_rank()} of {d.get_world_size()} {os.environ[\"MASTER_ADDR\"]}\\n'.encode())\n"
                      "d.destroy_process_group()\n")
     wrap = (f"{sys.executable} {REPO}/workflow_scripts/launch.py --srun --nodes 1 --gpus-per-node 2 --cpus-per-node 2"
             f" -- {sys.executable} {probe}")
@@ -153,14 +212,29 @@ def _test_config() -> dict:
     cfg["sources"] = {"web": {"kind": "synth", "generator": "web", "bytes": 300000}}
     cfg["world"] = {"seed": 7, "n_countries": 10, "n_people": 30, "n_filler": 200}
     cfg["stages"] = {"pretrain": {"350m": {**cfg["stages"]["pretrain"]["350m"], "batch_size": 8, "micro_batch": 8,
-                                           "seq_len": 64, "steps": 120}}}
-    cfg["train"] = {"log_interval": 10, "eval_interval": 60, "eval_batches": 2, "checkpoint_interval": 10}
+                                           "seq_len": 64, "steps": 160}}}
+    cfg["train"] = {"log_interval": 10, "eval_interval": 80, "eval_batches": 2, "checkpoint_interval": 5}
+    # the stop warning 120 s before the time limit (1 s to write ~2 MB at 500 MB/s + 119 s)
     cfg["cluster"]["train"] = {"350m": {"nodes": 1, "gpus_per_node": 2, "cpus": 2, "mem_mb": 3000, "runtime": 10}}
+    cfg["cluster"].update(state_write_mb_s=500, stop_margin_s=119)
     return cfg
 
 
+def _minutes(elapsed: str) -> int:
+    """squeue's %M ([[d-]h:]m:ss) -> whole minutes."""
+    days, _, hms = elapsed.rpartition("-")
+    parts = [int(x) for x in hms.split(":")]
+    h, m = (parts[0], parts[1]) if len(parts) == 3 else (0, parts[0])
+    return (int(days or 0) * 24 + h) * 60 + m
+
+
 @pytest.mark.slurm
-def test_tiny_pipeline_through_slurm_with_scancel_and_resume(slurm, tmp_path):
+def test_tiny_pipeline_through_slurm_stops_on_the_time_limit_warning_and_resumes(slurm, tmp_path):
+    """The 2-GPU (torchrun, 2 ranks) training job asks for SIGURG 120 s before its time limit (sbatch
+    --signal=URG@120 from the rule's slurm_extra). Once it is training, the test cuts its time limit to the
+    next whole minute + 1 (`scontrol update TimeLimit`), so the limit is 61-120 s away and slurmctld sends the
+    warning at its next check (<= ~30 s): the trainer saves, the job fails before the limit, the retry (a
+    fresh 10 min job) resumes from the state, and the result equals an uninterrupted run."""
     work = tmp_path / "repo"
     _repo_copy(work)
     cfg = _test_config()
@@ -171,33 +245,34 @@ def test_tiny_pipeline_through_slurm_with_scancel_and_resume(slurm, tmp_path):
     proc = subprocess.Popen(["snakemake", "--profile", str(REPO / "profiles" / "slurm-test"), "--configfile",
                              "config/slurm_test.yaml", "--replace-workflow-config", "--jobs", "2", *targets],
                             cwd=work, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
-    # cancel the stem training job (torchrun, 2 ranks on 2 fake GPUs) once it has saved some state
-    cancelled, t0 = None, time.time()
-    while proc.poll() is None and time.time() - t0 < 400:
-        if cancelled is None and (stage / "stem" / "pretrain" / "_state" / "latest").exists():
-            jobs = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %k"], capture_output=True, text=True).stdout
+    cut, t0 = None, time.time()
+    while proc.poll() is None and time.time() - t0 < 500:
+        if cut is None and (stage / "stem" / "pretrain" / "_state" / "latest").exists():
+            jobs = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %M %k"], capture_output=True, text=True).stdout
             for line in jobs.splitlines():
-                job_id, _, comment = line.partition(" ")
+                job_id, elapsed, comment = line.split(" ", 2)
                 if "rule_train" in comment and "stem" in comment:
-                    subprocess.run(["scancel", job_id], check=True)
-                    cancelled = job_id
+                    limit = _minutes(elapsed) + 2
+                    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}"], check=True)
+                    cut = (job_id, elapsed, limit)
         time.sleep(0.5)
     if proc.poll() is None:
         proc.kill()
     log.close()
     out = (tmp_path / "snakemake.log").read_text()
     assert proc.returncode == 0, out[-6000:]
-    assert cancelled, "never saw the stem training job running with saved state\n" + out[-3000:]
+    assert cut, "never saw the stem training job running with saved state\n" + out[-3000:]
+    assert "slurm_extra=--signal=URG@120" in out
     for t in targets:
         assert (work / t).is_file(), t
     events = (stage / "stem" / "pretrain" / "_state" / "events.log").read_text()
-    assert "stopped by signal 15" in events, events  # SIGTERM from scancel: state saved, exit 143, job CANCELLED
-    stopped_at = int(events.split("stopped by signal 15 at step ")[1].split(";")[0])
+    # SIGURG (23) from Slurm, not SIGTERM at the limit: state saved, exit 151, job FAILED, retried
+    assert "stopped by signal 23" in events, f"time limit cut at {cut}:\n{events}"
+    stopped_at = int(events.split("stopped by signal 23 at step ")[1].split(";")[0])
     assert f"resumed at step {stopped_at} (world size 2)" in events, events  # the retry continued from there
-    train_log = (work / "logs" / "tiny" / "350m" / "stem" / "pretrain" / "train.log").read_text()
-    assert f"resuming at step {stopped_at}" in train_log, train_log[-3000:]
+    assert events.count("stopped by signal") == 1, events
     summary = json.loads((stage / "stem" / "pretrain" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 120
+    assert summary["world_size"] == 2 and summary["steps"] == cfg["stages"]["pretrain"]["350m"]["steps"]
 
     # the same job uninterrupted, on one process: the same loss curve
     sys.path.insert(0, str(work))
@@ -212,5 +287,5 @@ def test_tiny_pipeline_through_slurm_with_scancel_and_resume(slurm, tmp_path):
     def losses(d):
         return [json.loads(line)["loss"] for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]
     ref, got = losses(tmp_path / "reference"), losses(stage / "stem" / "pretrain")
-    assert len(got) == len(ref) == 120
+    assert len(got) == len(ref) == summary["steps"]
     assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)

@@ -282,19 +282,118 @@ def test_sources_feed_tokenizer_end_to_end(corpus, tok, tmp_path):
     assert ShardSet(tmp_path / "out", "val").tokens == 0
 
 
-def test_hf_source_uses_streaming(monkeypatch):
-    datasets = pytest.importorskip("datasets")
-    calls = []
-
-    def fake_load_dataset(path, name=None, **kwargs):
-        calls.append((path, name, kwargs))
-        return iter([{"text": "a"}, {"text": "b"}, {"other": 1}])
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    spec = {"kind": "hf", "path": "org/data", "name": None, "split": "train", "text_field": "text",
-            "data_files": ["x/*.json.gz"]}
+def test_hf_source_streams_a_real_local_dataset(tmp_path):
+    """The hub reader on a local folder (datasets' own json builder, streaming): data_files, the
+    format check against the builder, and a record without the text field."""
+    pytest.importorskip("datasets")
+    (tmp_path / "x").mkdir()
+    with gzip.open(tmp_path / "x" / "a.json.gz", "wt") as f:
+        f.write('{"text": "a"}\n{"text": "b"}\n{"text": 3}\n')
+    spec = {"kind": "hf", "path": str(tmp_path), "name": None, "split": "train", "text_field": "text",
+            "data_files": ["x/*.json.gz"], "format": "json"}
     docs = iter_documents(spec)
     assert [next(docs), next(docs)] == ["a", "b"]
-    with pytest.raises(ValueError, match="record 2: missing text_field 'text'"):
+    with pytest.raises(ValueError, match="record 2: field 'text' is not a string"):
         next(docs)
-    assert calls == [("org/data", None, {"split": "train", "streaming": True, "data_files": ["x/*.json.gz"]})]
+    with pytest.raises(ValueError, match="its files are 'json' but the source spec says format 'parquet'"):
+        next(iter_documents({**spec, "format": "parquet"}))
+    with pytest.raises(ValueError, match="no text_field 'body'; columns are"):
+        next(iter_documents({**spec, "text_field": "body"}))
+
+
+# ----------------------------------------------------------------------------- nothing wrong passes silently
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n", b'{"text": ""}\n{"text": "  "}\n'])
+def test_empty_source_is_an_error_naming_the_file(tmp_path, content):
+    """Issue 16.4: an empty web.jsonl must not let the tokenizer train on the other sources without a word."""
+    from stem.pipeline import make_tokenizer, tokenize
+    (tmp_path / "web.jsonl").write_bytes(content)
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps({"text": f"1 + {i} = {1 + i}"}) + "\n" for i in range(50)))
+    docs = [{"kind": "files", "paths": [str(tmp_path / f"{s}.jsonl")], "format": "jsonl"} for s in ("web", "math")]
+    message = f"{tmp_path / 'web.jsonl'}: no documents (an empty source)"
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
+        make_tokenizer({"kind": "train_bpe", "vocab_size": 300, "documents": docs}, tmp_path / "tok.json")
+    assert not (tmp_path / "tok.json").exists()
+    make_tokenizer({"kind": "train_bpe", "vocab_size": 300, "documents": docs[1:]}, tmp_path / "tok.json")
+    with pytest.raises(ValueError, match="web.jsonl: no documents"):
+        tokenize({"documents": docs[0], "seed": 0, "vocab_size": 300, "max_tokens": None}, tmp_path / "tok.json",
+                 tmp_path / "tokens")
+    assert not (tmp_path / "tokens").exists()
+    (tmp_path / "empty.txt").write_bytes(b" \n")
+    with pytest.raises(ValueError, match="empty.txt: no documents"):
+        list(iter_documents({"kind": "files", "paths": [str(tmp_path / "empty.txt")], "format": "text"}))
+
+
+@pytest.mark.parametrize("name, fmt, sep", [("bad.jsonl", "jsonl", None), ("bad.jsonl.gz", "jsonl", None),
+                                            ("bad.txt", "text", "\n\n"), ("bad.txt", "text", None)])
+def test_non_utf8_input_names_the_file_and_line(tmp_path, name, fmt, sep):
+    """Issue 16.8: today a bare UnicodeDecodeError with neither file nor line."""
+    if fmt == "jsonl":
+        lines = [json.dumps({"text": "fine"}), json.dumps({"text": "ünïcödé"}), '{"text": "caf\xe9"}']
+    else:
+        lines = ["fine", "", "ünïcödé", "caf\xe9"]
+    raw = "\n".join(lines).encode("utf-8").replace("caf\xc3\xa9".encode("latin-1"), b"caf\xe9")  # latin-1 é
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+    spec = {"kind": "files", "paths": [str(path)], "format": fmt, **({"doc_separator": sep} if sep else {})}
+    with pytest.raises(ValueError) as e:
+        list(iter_documents(spec))
+    assert str(e.value) == (f"{path}:{len(lines)}: not valid UTF-8 (byte 0xe9 at column {lines[-1].index('caf') + 4}); "
+                            "expected UTF-8 text")
+
+
+def _corrupt_in_place(path, index, value, dtype):
+    """Overwrite one token of a shard file, keeping its size (as a disk or copy error would)."""
+    data = np.fromfile(path, dtype=dtype)
+    data[index] = value
+    data.tofile(path)
+
+
+def test_shard_corrupted_in_place_stops_the_loader_with_one_line(corpus, tok, tmp_path):
+    """Issue 16.8: same size, so the open-time size check passes; the checksum on first read catches it."""
+    from stem.data.loader import MixtureLoader
+    out = tmp_path / "shards"
+    m = tokenize_to_shards(iter(corpus[:80]), tok, out, shard_tokens=300, val_fraction=0.0)
+    path = out / "train_00001.bin"
+    old = np.fromfile(path, dtype=m["dtype"])[7]
+    _corrupt_in_place(path, 7, (int(old) + 1) % 100, m["dtype"])  # a valid id: only the checksum sees it
+    loader = MixtureLoader({"web": (ShardSet(out, "train"), 1.0)}, seq_len=16, micro_batch=4, seed=0)
+    with pytest.raises(ValueError) as e:
+        for _ in range(200):
+            loader.next_batch()
+    assert str(e.value).startswith(f"shard {path}: sha256 mismatch") and "\n" not in str(e.value)
+    ss = ShardSet(out, "train")
+    ss.get(0, 10)
+    assert ss._verified == {0}  # lazily: only the shards read so far
+
+
+def test_token_id_beyond_vocab_is_one_line_naming_the_shard(corpus, tok, tmp_path, monkeypatch):
+    """Today an IndexError deep in the model's embedding; with checksums off (STEM_SHARD_CHECKSUMS=0) the
+    always-on id check still names the shard and the token."""
+    from stem.data.loader import MixtureLoader, validation_batches
+    out = tmp_path / "shards"
+    m = tokenize_to_shards(iter(corpus[:80]), tok, out, shard_tokens=300, val_fraction=0.0)
+    path = out / "train_00002.bin"
+    _corrupt_in_place(path, 11, tok.vocab_size, m["dtype"])
+    monkeypatch.setenv("STEM_SHARD_CHECKSUMS", "0")
+    expected = (f"shard {path}: token id {tok.vocab_size} at token 11 is not below the manifest's vocab_size "
+                f"{tok.vocab_size} (corrupt shard, or shards of another tokenizer)")
+    loader = MixtureLoader({"web": (ShardSet(out, "train"), 1.0)}, seq_len=16, micro_batch=4, seed=0)
+    with pytest.raises(ValueError) as e:
+        for _ in range(200):
+            loader.next_batch()
+    assert str(e.value) == expected
+    with pytest.raises(ValueError) as e:
+        validation_batches({"web": ShardSet(out, "train")}, 16, 4, 20)
+    assert str(e.value) == expected
+
+
+def test_blank_hf_dataset_is_an_error(tmp_path, monkeypatch):
+    """The real datasets streaming reader on a local file (the 'json' builder: no network)."""
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": " "}\n')
+    with pytest.raises(ValueError, match="hf dataset 'json': no documents"):
+        list(iter_documents({"kind": "hf", "path": "json", "format": "json",
+                            "data_files": [str(tmp_path / "blank.jsonl")]}))

@@ -95,7 +95,7 @@ def test_resume_gives_the_same_final_loss(spec_factory, tmp_path, variant):
 def test_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, tmp_path):
     full = train(spec_factory(tmp_path / "full", steps=40, checkpoint_interval=5), threads=1)
     spec = spec_factory(tmp_path / "killed", steps=40, checkpoint_interval=5)
-    code = f"import json,sys; from stem.train.loop import train; train(json.loads(sys.argv[1]), threads=1)"
+    code = "import json,sys; from stem.train.loop import train; train(json.loads(sys.argv[1]), threads=1)"
     proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], cwd=REPO,
                             stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
     latest = tmp_path / "killed" / "_state" / "latest"
@@ -115,7 +115,7 @@ def test_init_from_starts_from_exactly_those_weights(spec_factory, tmp_path):
     train(spec_factory(tmp_path / "pre", variant="stem"), threads=1)
     spec = spec_factory(tmp_path / "mid", variant="stem", stage="midtrain", schedule="linear",
                         data={"web": 0.65, "math": 0.35})
-    spec["init_from"] = str(tmp_path / "pre" / "checkpoint")
+    spec.update(init_from=str(tmp_path / "pre" / "checkpoint"), init_stage="pretrain")
     train(spec, threads=1, max_steps=0)  # saves the state before any update
     pre, _ = load_checkpoint(tmp_path / "pre" / "checkpoint")
     from safetensors.torch import load_file
@@ -155,7 +155,7 @@ def test_resume_in_the_middle_of_later_stages(spec_factory, tmp_path, stage):
             s = spec_factory(tmp_path / name, stage=stage, data={"long": 0.63, "web": 0.37}, seq_len=96,
                              cross_doc_mask=True, activation_checkpointing=True)
             s["model"]["rope_scaling"] = {"kind": "theta", "theta": 1e6}
-        s["init_from"] = str(tmp_path / "pre" / "checkpoint")
+        s.update(init_from=str(tmp_path / "pre" / "checkpoint"), init_stage="pretrain")
         return s
 
     full = train(spec("full"), threads=1)

@@ -1,6 +1,5 @@
 """The Snakemake workflow: the paper DAG (dry run), a reduced tiny DAG run for real, one-target reruns,
 and bad input stopping with one clear line."""
-import copy
 import json
 import os
 import subprocess
@@ -39,6 +38,11 @@ def test_paper_dag_dry_run(tmp_path):
     # all 350M variants; 1B dense and STEM through three stages (1B jobs span nodes: rule train_multinode)
     assert counts.get("train", 0) + counts.get("train_multinode", 0) == 7 + 2 * 3
     assert counts["tokenizer"] == 2 and "corpus" not in counts  # hub sources and pretrained tokenizers
+    # tokenize is scattered: `parts` jobs per (scale, source) the scale's stages read, one gather each
+    cfg = yaml.safe_load((REPO / "config/paper.yaml").read_text())
+    used = {(scale, src) for scale, m in cfg["matrix"].items() for st in m["stages"] for src in cfg["stages"][st][scale]["data"]}
+    assert counts["tokenize_part"] == sum(cfg["sources"][src]["parts"] for _, src in used) == 2560
+    assert counts["tokenize_gather"] == len(used) == 7
     for target in ["results/paper/350m/stem_gate/pretrain/summary.json", "results/paper/1b/stem/extend/summary.json",
                    "data/paper/1b/tokens/prolong_long"]:
         assert target in r.stdout

@@ -14,12 +14,14 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def run(main):
     """Call main(); turn expected failures into one line on stderr and exit status 1."""
-    from stem.config import ConfigError
-    from stem.train.loop import TrainingError
-
     try:
         main()
-    except (ConfigError, TrainingError, ValueError, FileNotFoundError) as e:
+    except Exception as e:  # the error types are imported only on failure: stem.train.loop imports torch
+        from stem.config import ConfigError
+        from stem.train.loop import TrainingError
+
+        if not isinstance(e, (ConfigError, TrainingError, ValueError, FileNotFoundError)):
+            raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -16,7 +16,8 @@ def main():
     from stem.eval.run import evaluate
     spec = spec_of(args)
     r = evaluate(args.checkpoint, spec, args.out, args.raw, limit=args.limit, device=spec.get("device"))
-    print({t: round(v["value"], 2) for t, v in r["tasks"].items() if v["value"] is not None}, r["wall_seconds"])
+    scores = {t: round(v["value"], 2) for t, v in r["tasks"].items() if v["value"] is not None}
+    print(f"{spec['suite']}: scores {scores}; wall time {r['wall_seconds']:.1f} s")
 
 
 if __name__ == "__main__":

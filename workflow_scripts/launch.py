@@ -10,9 +10,12 @@
   Snakemake's jobstep executor strips most SLURM_* variables (SLURM_JOB_ID survives), so the node list
   is asked from Slurm (squeue) and the counts come from the arguments, not the environment.
 
-The final command replaces this process (exec), so Slurm's SIGTERM (time limit, scancel, preemption)
-reaches srun/torchrun/the trainer directly; the trainer saves its state and exits 143, the job fails,
-Snakemake's ``retries`` resubmits it and training resumes from the state. ``--dry-run`` prints the command.
+The final command replaces this process (exec), so Slurm's SIGTERM (time limit, scancel, preemption) and
+its early warning SIGURG (``sbatch --signal=URG@N``, rules/train.smk) reach srun/torchrun/the trainer
+directly; torchrun passes both on to its workers and waits ``--stop-grace`` seconds for them; the trainer
+saves its state and exits 128 + signal, the job fails, Snakemake's ``retries`` resubmits it and training
+resumes from the state. ``--owner-pid`` makes the trainer stop when that process (Snakemake) dies.
+``--dry-run`` prints the command.
 """
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ import os
 import shlex
 import subprocess
 import sys
+
+# torchrun's default (SIGTERM,SIGINT,SIGHUP,SIGQUIT) plus Slurm's early warning SIGURG (rules/train.smk) and
+# SIGUSR1: on any of them it sends that signal to its workers and waits --shutdown-timeout seconds (default
+# 30) before SIGKILL. Without this it ignores SIGURG and dies of SIGUSR1, leaving its workers unsaved.
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGURG"
 
 
 def first_node(job_id: str) -> str:
@@ -34,9 +42,13 @@ def first_node(job_id: str) -> str:
 
 
 def build_command(nodes: int, gpus_per_node: int, cpus_per_node: int | None, cmd: list[str], srun: bool = False,
-                  env=os.environ) -> list[str]:
+                  env=os.environ, stop_grace: int | None = None) -> list[str]:
     nproc = max(1, gpus_per_node)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                # pass Slurm's early warning on to the workers, like SIGTERM, and give them time to save
+                f"--signals-to-handle={TORCHRUN_SIGNALS}"]
+    if stop_grace:
+        torchrun.append(f"--shutdown-timeout={stop_grace}")
     if nodes == 1 and not srun:
         if nproc == 1:
             return list(cmd)
@@ -59,13 +71,21 @@ def main(argv=None):
     p.add_argument("--gpus-per-node", type=int, default=0, help="processes per node (0: one CPU process)")
     p.add_argument("--cpus-per-node", type=int, default=None)
     p.add_argument("--srun", action="store_true", help="use the srun + c10d path even on one node")
+    p.add_argument("--stop-grace", type=int, default=None, metavar="S",
+                   help="seconds torchrun lets its workers save after a stop signal before it kills them")
+    p.add_argument("--owner-pid", type=int, default=None, metavar="PID",
+                   help="the trainer stops (saving its state) when this process exits; the rule passes $PPID, "
+                        "the Snakemake process running it (see stem/train/lifecycle.py)")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         p.error("no command given (put it after --)")
-    full = build_command(args.nodes, args.gpus_per_node, args.cpus_per_node, cmd, args.srun)
+    full = build_command(args.nodes, args.gpus_per_node, args.cpus_per_node, cmd, args.srun,
+                         stop_grace=args.stop_grace)
+    if args.owner_pid is not None:
+        os.environ["STEM_OWNER_PID"] = str(args.owner_pid)
     print("launch: " + shlex.join(full), file=sys.stderr, flush=True)
     if args.dry_run:
         print(shlex.join(full))

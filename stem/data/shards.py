@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -57,17 +58,35 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def doc_uniform(doc_keys, seed: int = 0) -> np.ndarray:
+    """A uniform in [0, 1) per document key: splitmix64(splitmix64(seed) ^ key) / 2**64 (top 53 bits)."""
+    idx = np.asarray(doc_keys, dtype=np.uint64)
+    key = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))[0]
+    return (_splitmix64(idx ^ key) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def val_mask(doc_indices, fraction: float, seed: int = 0) -> np.ndarray:
     """Deterministic split: document i is in val iff splitmix64(splitmix64(seed) ^ i) / 2**64 < fraction."""
-    idx = np.asarray(doc_indices, dtype=np.uint64)
-    key = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))[0]
-    u = (_splitmix64(idx ^ key) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    return u < fraction
+    return doc_uniform(doc_indices, seed) < fraction
+
+
+SAMPLE_SALT = 0x5A4D504C  # sampling draws its uniform with seed ^ SAMPLE_SALT: independent of the val split
+
+
+def content_keys(docs) -> np.ndarray:
+    """uint64 key per document: the first 8 bytes (little-endian) of blake2b of its UTF-8 text or its
+    token ids' bytes; the same document gets the same key in whichever job or position it is read."""
+    out = np.empty(len(docs), dtype=np.uint64)
+    for i, d in enumerate(docs):
+        data = d.encode("utf-8", "surrogatepass") if isinstance(d, str) else np.ascontiguousarray(d, np.uint32).tobytes()
+        out[i] = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return out
 
 
 def _encode(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Encode texts, append eos to each; return (flat int64 tokens, per-doc lengths)."""
-    ids = tok.encode_batch(texts)
+    """Encode texts (token-id arrays are taken as they are), append eos to each; return (flat int64
+    tokens, per-doc lengths)."""
+    ids = texts if not isinstance(texts[0], str) else tok.encode_batch(texts)
     lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
     flat = np.empty(int(lengths.sum()), dtype=np.int64)
     end = np.cumsum(lengths)
@@ -84,9 +103,9 @@ def _batches(documents: Iterable[str], batch_docs: int, stats: dict) -> Iterator
     texts: list[str] = []
     for i, doc in enumerate(documents):
         stats["documents_seen"] = i + 1
-        if not isinstance(doc, str):
-            raise ValueError(f"document {i} is {type(doc).__name__}, expected str")
-        if not doc:
+        if not isinstance(doc, (str, np.ndarray)):
+            raise ValueError(f"document {i} is {type(doc).__name__}, expected str (or token ids)")
+        if not len(doc):
             stats["empty_documents_skipped"] += 1
             continue
         idx.append(i)
@@ -179,6 +198,11 @@ def tokenize_to_shards(
     num_workers: int = 2,
     max_tokens: int | None = None,
     source: dict | None = None,
+    doc_keys: str = "index",
+    sample: tuple[float, float] | None = None,
+    allow_empty: bool = False,
+    progress=None,
+    extra: dict | None = None,
 ) -> dict:
     """Tokenize ``documents`` into train/val shards under ``out_dir``; return the manifest.
 
@@ -190,6 +214,14 @@ def tokenize_to_shards(
     Empty strings are skipped (they still count for document indices / the split).
     ``max_tokens`` caps train+val tokens; the document crossing the cap is truncated.
     ``source`` (the source spec) is recorded in the manifest.
+    ``doc_keys``: what the val split (and sampling) hashes per document: "index" (its position in the
+    stream) or "content" (blake2b of the document, see ``content_keys``: independent of order and of
+    which scattered job reads it). ``sample=(lo, hi)`` keeps a document iff
+    ``doc_uniform(key, seed ^ SAMPLE_SALT)`` is in [lo, hi): a seeded random fraction hi-lo of the
+    documents of the whole stream; disjoint ranges give disjoint samples. Token-id documents (numpy
+    arrays) are stored as they are, each followed by eos. ``allow_empty``: an empty result is written
+    (a scattered part may hold no document). ``progress(stats)`` is called after every batch with
+    documents, tokens, seconds. ``extra`` is merged into the manifest.
     """
     tok = load_tokenizer(tok) if not hasattr(tok, "encode_batch") else tok
     np_dtype = choose_dtype(dtype, tok.vocab_size)
@@ -199,6 +231,10 @@ def tokenize_to_shards(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_tokens is not None and int(max_tokens) < 1:
         raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+    if doc_keys not in ("index", "content"):
+        raise ValueError(f"doc_keys must be 'index' or 'content', got {doc_keys!r}")
+    if sample is not None and not 0.0 <= float(sample[0]) < float(sample[1]) <= 1.0:
+        raise ValueError(f"sample must be a range [lo, hi) with 0 <= lo < hi <= 1, got {sample!r}")
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -209,9 +245,20 @@ def tokenize_to_shards(
     max_id = np.iinfo(np_dtype).max
     total = 0
     truncated = False
+    t0 = time.perf_counter()
     try:
         _limit_threads(int(num_workers))
         for idx, texts in _batches(documents, int(batch_docs), stats):
+            if doc_keys == "content" or sample is not None:
+                keys = content_keys(texts) if doc_keys == "content" else idx.astype(np.uint64)
+                if sample is not None:
+                    u = doc_uniform(keys, seed ^ SAMPLE_SALT)
+                    keep = np.flatnonzero((u >= sample[0]) & (u < sample[1]))
+                    stats["documents_not_sampled"] = stats.get("documents_not_sampled", 0) + len(texts) - len(keep)
+                    texts, idx, keys = [texts[i] for i in keep], idx[keep], keys[keep]
+                    if not texts:
+                        continue
+                idx = keys
             flat, lengths = _encode(tok, texts)
             if len(flat) and int(flat.max()) > max_id:
                 raise ValueError(f"token id {int(flat.max())} does not fit dtype {np_dtype.name}")
@@ -223,11 +270,13 @@ def tokenize_to_shards(
             writers["val"].write(flat[tok_val], lengths[is_val])
             writers["train"].write(flat[~tok_val], lengths[~is_val])
             total += len(flat)
+            if progress is not None:
+                progress({"documents": stats["documents_seen"], "tokens": total, "seconds": time.perf_counter() - t0})
             if truncated:
                 break
         splits = {s: w.finish() for s, w in writers.items()}
         n_docs = sum(s["documents"] for s in splits.values())
-        if total == 0 or n_docs == 0:
+        if (total == 0 or n_docs == 0) and not allow_empty:
             raise ValueError(
                 f"empty corpus: {stats['documents_seen']} documents read "
                 f"({stats['empty_documents_skipped']} empty), 0 tokens written"
@@ -250,6 +299,10 @@ def tokenize_to_shards(
             "source": source,
             "splits": splits,
         }
+        if doc_keys != "index" or sample is not None:
+            manifest.update(doc_keys=doc_keys, sample=None if sample is None else [float(x) for x in sample],
+                            documents_not_sampled=stats.get("documents_not_sampled", 0))
+        manifest.update(extra or {})
         with open(tmp / "manifest.json", "w") as f:
             json.dump(manifest, f, indent=2)
         _replace_dir(tmp, out_dir)
@@ -257,6 +310,47 @@ def tokenize_to_shards(
         for w in writers.values():
             w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def gather_parts(out_dir, part_dirs) -> dict:
+    """Write ``out_dir/manifest.json`` over the shards of scattered parts (each a directory under
+    ``out_dir`` written by ``tokenize_to_shards``), in part order; return it. The parts must agree
+    on tokenizer, dtype and eos; shard files are listed by their path relative to ``out_dir``."""
+    out_dir = Path(out_dir)
+    parts = [(Path(d), _load_manifest(Path(d) / "manifest.json")) for d in part_dirs]
+    if not parts:
+        raise ValueError(f"{out_dir}: no parts to gather")
+    first = parts[0][1]
+    splits = {s: {"tokens": 0, "documents": 0, "shards": []} for s in SPLITS}
+    for d, m in parts:
+        for key in ("vocab_size", "dtype", "eos_id", "tokenizer_sha256"):
+            if m.get(key) != first.get(key):
+                raise ValueError(f"{d}/manifest.json: {key} {m.get(key)!r} differs from {parts[0][0]}'s {first.get(key)!r}")
+        rel = os.path.relpath(d, out_dir)
+        for name, info in m["splits"].items():
+            splits[name]["tokens"] += int(info["tokens"])
+            splits[name]["documents"] += int(info["documents"])
+            splits[name]["shards"] += [{**sh, "file": f"{rel}/{sh['file']}"} for sh in info["shards"]]
+    if sum(s["tokens"] for s in splits.values()) == 0:
+        raise ValueError(f"{out_dir}: empty corpus: the {len(parts)} parts hold 0 tokens")
+    sums = {k: sum(int(m.get(k) or 0) for _, m in parts)
+            for k in ("documents_seen", "empty_documents_skipped", "documents_not_sampled")}
+    manifest = {**{k: first.get(k) for k in ("format_version", "created_by", "vocab_size", "dtype", "eos_id",
+                                             "tokenizer_sha256", "tokenizer", "shard_tokens", "val_fraction",
+                                             "seed", "source", "doc_keys", "sample")},
+                **sums, "truncated": any(m.get("truncated") for _, m in parts),
+                "parts": [os.path.relpath(d, out_dir) for d, _ in parts], "splits": splits}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.json.", dir=out_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, indent=2)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600
+        os.replace(tmp, out_dir / "manifest.json")
+    except BaseException:
+        os.unlink(tmp)
         raise
     return manifest
 
@@ -292,12 +386,17 @@ def _replace_dir(src: Path, dst: Path) -> None:
 class ShardSet:
     """Memory-mapped read access to one split of a shard directory.
 
-    Token positions are global within the split (shards concatenated in order).
+    Token positions are global within the split (shards concatenated in order). What is read is
+    checked: every shard's size when the set is opened, its sha256 against the manifest when it is
+    first read in this process (``checksums``; default: on unless STEM_SHARD_CHECKSUMS=0), and every
+    token read is below the manifest's vocab_size (a max over what ``get`` returns).
     """
 
-    def __init__(self, out_dir, split: str = "train"):
+    def __init__(self, out_dir, split: str = "train", checksums: bool | None = None):
         self.out_dir = Path(out_dir)
         self.split = split
+        self.checksums = os.environ.get("STEM_SHARD_CHECKSUMS", "1") != "0" if checksums is None else checksums
+        self._verified: set[int] = set()
         self.manifest = _load_manifest(self.out_dir / "manifest.json")
         m = self.manifest
         if split not in m["splits"]:
@@ -333,6 +432,8 @@ class ShardSet:
 
     def _shard(self, i: int) -> np.memmap:
         if self._mm[i] is None:
+            if self.checksums and i not in self._verified:
+                self.verify_shard(i)
             self._mm[i] = np.memmap(self.out_dir / self.shards[i]["file"], dtype=self.dtype, mode="r")
         return self._mm[i]
 
@@ -350,6 +451,12 @@ class ShardSet:
             out[pos : pos + take] = self._shard(i)[lo : lo + take]
             pos += take
             i += 1
+        if length and int(out.max()) >= self.vocab_size:
+            at = start + int(out.argmax())
+            j = int(np.searchsorted(self._offsets, at, side="right")) - 1
+            raise ValueError(f"shard {self.out_dir / self.shards[j]['file']}: token id {int(out.max())} at token "
+                             f"{at - int(self._offsets[j])} is not below the manifest's vocab_size {self.vocab_size} "
+                             "(corrupt shard, or shards of another tokenizer)")
         return out
 
     @cached_property
@@ -369,15 +476,22 @@ class ShardSet:
 
     def verify(self) -> bool:
         """Recompute every shard's sha256; raise ValueError on the first mismatch."""
-        for s in self.shards:
-            path = self.out_dir / s["file"]
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    h.update(block)
-            if h.hexdigest() != s["sha256"]:
-                raise ValueError(f"shard {path}: sha256 mismatch (file is corrupt or was modified)")
+        for i in range(len(self.shards)):
+            self.verify_shard(i)
         return True
+
+    def verify_shard(self, i: int) -> None:
+        """Recompute shard ``i``'s sha256 and compare it with the manifest's (ValueError naming the file)."""
+        s = self.shards[i]
+        path = self.out_dir / s["file"]
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        if h.hexdigest() != s["sha256"]:
+            raise ValueError(f"shard {path}: sha256 mismatch ({h.hexdigest()[:12]}..., the manifest says "
+                             f"{s['sha256'][:12]}...): the file is corrupt or was modified; rerun the tokenize stage")
+        self._verified.add(i)
 
 
 def _load_manifest(path: Path) -> dict:

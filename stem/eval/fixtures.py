@@ -210,14 +210,27 @@ def bbh(rng, w, i, task):
     raise ValueError(f"no fixture generator for BBH subtask {sub!r}")
 
 
+MUSR_ATTRIBUTE = {"murder_mysteries": "birth_year", "team_allocation": "profession", "object_placements": "city"}
+
+
 def musr(rng, w, i, task):
-    people = rng.sample(w.people, 3)
-    narrative = "\n\n".join(" ".join(synth._bio_sentences(rng, p)) for p in people)
-    p = rng.choice(people)
+    """Three people's bios and a question about one of them; the other two are drawn among the people
+    whose asked attribute differs, so exactly one choice is correct."""
     sub = task[len("leaderboard_musr_"):]
+    attr = MUSR_ATTRIBUTE.get(sub)
+    if attr is None:
+        raise ValueError(f"no fixture generator for MuSR subtask {sub!r} (known: {sorted(MUSR_ATTRIBUTE)})")
+    p = rng.choice(w.people)
+    others = [x for x in w.people if getattr(x, attr) != getattr(p, attr)]
+    if len(others) < 2:
+        raise ValueError(f"fixture {task}: the world has fewer than 3 people with distinct {attr}s")
+    people = rng.sample(others, 2) + [p]
+    rng.shuffle(people)
+    narrative = "\n\n".join(" ".join(synth._bio_sentences(rng, x)) for x in people)
     if sub == "object_placements":
         q = f"Which city would {p.name} most likely be found in?"
-        choices, k = _options(rng, p.city, [x.city for x in people if x.city != p.city] + [rng.choice(w.countries).capital], 3)
+        capitals = [c.capital for c in w.countries if c.capital not in {x.city for x in people}]
+        choices, k = _options(rng, p.city, [x.city for x in people if x is not p] + rng.sample(capitals, min(1, len(capitals))), 3)
     else:
         what = "was born in " + str(p.birth_year) if sub == "murder_mysteries" else "worked as " + synth._a(p.profession)
         q = f"Who {what}?"

@@ -1,6 +1,8 @@
 """The ``stem`` model for lm-evaluation-harness: a checkpoint folder written by the training stages.
 
-    lm_eval --model stem --model_args pretrained=results/tiny/1b/stem/extend/checkpoint ...
+    stem-lm-eval --model stem --model_args pretrained=results/tiny/1b/stem/extend/checkpoint ...
+    (lm-eval's own CLI, every flag unchanged, with this model registered: see lm_eval_cli.py;
+    the stock ``lm_eval`` command cannot load models defined outside lm-eval's tree)
     simple_evaluate(model="stem", model_args={"pretrained": ckpt_dir, "batch_size": 32}, ...)
 
 - ``loglikelihood``: requests sorted by length (longest first), left-truncated to the model's
@@ -12,6 +14,7 @@
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -33,7 +36,7 @@ def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None)
         raise ValueError(f"checkpoint {ckpt}: no such folder (train that stage first)")
     if not (ckpt / "tokenizer.json").is_file():
         raise ValueError(f"checkpoint {ckpt}: tokenizer.json is missing (an incomplete or foreign checkpoint)")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(device)
     model, spec = load_checkpoint(ckpt, device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model = model.to(getattr(torch, dtype)).eval()
@@ -41,6 +44,22 @@ def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None)
     if tok.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"checkpoint {ckpt}: tokenizer vocab {tok.vocab_size} > model vocab {model.cfg.vocab_size}")
     return model, tok, spec
+
+
+def pick_device(requested: str | None) -> str:
+    """The device to run on: ``requested`` if this machine has it, else the one it has. lm-eval's CLI
+    passes ``cuda:0`` when no ``--device`` is given, so a missing CUDA falls back to the CPU (said on
+    stderr) instead of failing; the choice is always printed."""
+    have_cuda = torch.cuda.is_available()
+    device = requested or ("cuda" if have_cuda else "cpu")
+    if device.startswith("cuda") and not have_cuda:
+        print(f"stem: device {requested!r} requested but this machine has no CUDA; using cpu", file=sys.stderr)
+        device = "cpu"
+    elif device.startswith("mps") and not torch.backends.mps.is_available():
+        print(f"stem: device {requested!r} requested but MPS is not available; using cpu", file=sys.stderr)
+        device = "cpu"
+    print(f"stem: evaluating on device {device}", file=sys.stderr)
+    return device
 
 
 @register_model("stem")

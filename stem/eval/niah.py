@@ -1,48 +1,79 @@
 """Needle-in-a-haystack for base models (RULER-style completion with key/value needles).
 
-For each (context length, depth) cell, ``samples`` haystacks of ``length`` tokens are cut from the
-configured corpus; a needle "One of the special magic numbers for {key} is: {value}." is inserted at
-``depth`` percent (at a sentence boundary), and the prompt ends with the completion query
-"The special magic number for {key} mentioned in the provided text is". Greedy decoding; a cell's
-accuracy is the share of outputs that contain the value (exact match of the 7-digit number).
+For each (context length, depth) cell, ``samples`` haystacks are cut from the configured corpus; a
+needle "One of the special magic numbers for {key} is: {value}." is inserted at ``depth`` percent (at
+a sentence boundary), and the prompt ends with the completion query "The special magic number for
+{key} mentioned in the provided text is". The cell length is the whole budget: prompt tokens plus
+``max_gen_toks`` generated tokens fit in ``length``, so a model whose context is the cell length sees
+the whole prompt (the decoder never cuts it). Greedy decoding; a cell's accuracy is the share of
+outputs that contain the value (exact match of the 7-digit number).
 """
 from __future__ import annotations
 
 import random
 
 
-def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0) -> list[dict]:
-    """Prompts of exactly-budgeted token length (haystack + needle + query <= length - 8)."""
+def needle_of(key: str, value: str) -> str:
+    return f"One of the special magic numbers for {key} is: {value}."
+
+
+def query_of(key: str) -> str:
+    return (f"\n\nWhat is the special magic number for {key} mentioned in the provided text? "
+            f"The special magic number for {key} mentioned in the provided text is")
+
+
+def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max_gen_toks: int = 12) -> list[dict]:
+    """Prompts with len(prompt tokens) + max_gen_toks <= length, as full as the haystack sentences allow."""
     rng = random.Random(f"niah:{seed}")
     pool = " ".join(documents).split(". ")
+    n_tokens = lambda text: len(tok.encode_batch([text])[0])  # noqa: E731
     items = []
     for length in lengths:
         for depth in depths:
             for s in range(samples):
                 key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))
                 value = str(rng.randint(1_000_000, 9_999_999))
-                needle = f"One of the special magic numbers for {key} is: {value}."
-                query = (f"\n\nWhat is the special magic number for {key} mentioned in the provided text? "
-                         f"The special magic number for {key} mentioned in the provided text is")
-                budget = length - 8 - len(tok.encode_batch([needle + " " + query])[0])
+                needle, query = needle_of(key, value), query_of(key)
+                budget = length - max_gen_toks - n_tokens(needle + " " + query)
                 if budget <= 0:
-                    raise ValueError(f"niah: length {length} leaves no room for a haystack beside needle and query")
+                    raise ValueError(f"niah: length {length} leaves no room for a haystack beside needle, query "
+                                     f"and {max_gen_toks} generated tokens")
                 start = rng.randrange(len(pool))
                 sents, n = [], 0
-                while n < budget:
-                    sent = pool[(start + len(sents)) % len(pool)].strip() + "."
-                    n += len(tok.encode_batch([" " + sent])[0])
-                    sents.append(sent)
-                while sents and len(tok.encode_batch([" ".join(sents)])[0]) > budget:
+                while n < budget:  # consecutive sentences until the budget is reached (counted in batches)
+                    chunk = [pool[(start + len(sents) + k) % len(pool)].strip() + "." for k in range(64)]
+                    for sent, ids in zip(chunk, tok.encode_batch([" " + x for x in chunk])):
+                        if n >= budget:
+                            break
+                        n += len(ids)
+                        sents.append(sent)
+
+                def compose(sents):
+                    at = round(len(sents) * depth / 100)
+                    return " ".join(sents[:at] + [needle] + sents[at:]) + query
+
+                text = compose(sents)
+                n = n_tokens(text)
+                while sents and n + max_gen_toks > length:  # measured on the whole prompt
                     sents.pop()
-                at = round(len(sents) * depth / 100)
-                text = " ".join(sents[:at] + [needle] + sents[at:]) + query
-                items.append({"length": length, "depth": depth, "key": key, "value": value, "prompt": text})
+                    text = compose(sents)
+                    n = n_tokens(text)
+                if n + max_gen_toks > length:
+                    raise ValueError(f"niah: length {length} leaves no room for needle, query and "
+                                     f"{max_gen_toks} generated tokens")
+                items.append({"length": length, "depth": depth, "key": key, "value": value, "prompt": text,
+                              "prompt_tokens": n})
     return items
 
 
 def run(lm, items: list[dict], max_gen_toks: int = 12) -> dict:
     """Score items with a StemLM; returns {"cells": [...], "accuracy": overall percent, "n": ...}."""
+    for it in items:
+        n = len(lm.tok_encode(it["prompt"]))
+        if n + max_gen_toks > it["length"]:
+            raise ValueError(f"niah: a prompt of cell (length {it['length']}, depth {it['depth']}) has {n} tokens: "
+                             f"with {max_gen_toks} generated tokens it exceeds the cell (make_items with "
+                             f"max_gen_toks={max_gen_toks})")
     cells: dict = {}
     outputs = lm.generate_many([it["prompt"] for it in items], ["\n"], max_gen_toks)
     for it, out in zip(items, outputs):

@@ -37,8 +37,42 @@ def suite_spec(cfg: dict, suite: str) -> dict:
                 fixtures=f"data/{cfg['experiment']}/fixtures" if ev.get("fixtures") else None)
     if spec["kind"] in ("niah", "ppl"):
         from stem import config as C
+        if spec["kind"] == "ppl":  # `documents` (a count) is replaced by the reader spec below
+            spec["n_documents"] = spec.get("documents", 100)
         spec["documents"] = C.documents_spec(cfg, spec.get("haystack") or spec["source"])
     return spec
+
+
+def job_spec(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
+    """The spec of one eval job: the suite's spec and the checkpoint it must read (``job``)."""
+    return {**suite_spec(cfg, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
+                                              "stage": stage}}
+
+
+IDENTITY = ("experiment", "scale", "variant", "stage")
+
+
+def expected_job(spec: dict, out_json=None) -> dict | None:
+    """What the checkpoint must be: the job spec's ``job``, else what an output path of the results layout
+    ``.../results/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.json`` says, else None."""
+    if spec.get("job"):
+        return spec["job"]
+    parts = Path(out_json).resolve().parts if out_json else ()
+    if len(parts) >= 7 and parts[-7] == "results" and parts[-2] == "eval":
+        return dict(zip(IDENTITY, parts[-6:-2]))
+    return None
+
+
+def check_job(checkpoint, saved: dict, expected: dict | None, out_json=None) -> None:
+    """One-line error when the checkpoint's saved job spec is not the one this eval job is for."""
+    if not expected:
+        return
+    wrong = [f"{k} {saved.get(k)!r} != {expected[k]!r}" for k in IDENTITY if saved.get(k) != expected[k]]
+    if wrong:
+        have, want = ("/".join(str(d.get(k)) for k in IDENTITY) for d in (saved, expected))
+        job = f"this eval job (output {out_json})" if out_json else "this eval job"
+        raise ValueError(f"checkpoint {Path(checkpoint) / 'config.json'}: saved job {have}, but {job} is for {want} "
+                         f"({', '.join(wrong)})")
 
 
 def suites_for(cfg: dict, stage: str) -> list[str]:
@@ -162,11 +196,13 @@ def by_length(raw: dict, ranges: dict, metric: str = "score", field: str = "leng
 
 
 # ---- our own harnesses ------------------------------------------------------------------------------
-def _documents(spec: dict, n_chars: int | None = None, n_docs: int | None = None) -> list[str]:
-    """The first documents of the suite's source, up to n_chars characters or n_docs documents."""
+def _documents(spec: dict, n_chars: int | None = None, n_docs: int | None = None, tok=None) -> list[str]:
+    """The first documents of the suite's source, up to n_chars characters or n_docs documents
+    (a tokenized source, e.g. ProLong's MDS, is decoded with ``tok``)."""
     from stem.data.sources import iter_documents
     docs, total = [], 0
     for d in iter_documents(spec["documents"]):
+        d = d if isinstance(d, str) else tok.decode(d.tolist())
         docs.append(d)
         total += len(d)
         if (n_chars and total >= n_chars) or (n_docs and len(docs) >= n_docs):
@@ -179,9 +215,10 @@ def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict]:
     too_long = [L for L in spec["lengths"] if L > lm.max_length]
     if too_long:
         raise ValueError(f"niah: lengths {too_long} exceed the checkpoint's context ({lm.max_length} tokens)")
-    docs = _documents(spec, n_chars=8 * max(spec["lengths"]) * 4)
-    items = niah.make_items(lm.tok, docs, spec["lengths"], spec["depths"], limit or spec["samples"], spec["seed"])
-    res = niah.run(lm, items, spec.get("max_gen_toks", 12))
+    docs = _documents(spec, n_chars=8 * max(spec["lengths"]) * 4, tok=lm.tok)
+    gen = spec.get("max_gen_toks", 12)
+    items = niah.make_items(lm.tok, docs, spec["lengths"], spec["depths"], limit or spec["samples"], spec["seed"], gen)
+    res = niah.run(lm, items, gen)
     out = {"tasks": {"niah": {"metric": "exact_match", "value": res["accuracy"], "stderr": None, "n": res["n"],
                               "version": "stem-niah-1", "all_metrics": {"exact_match": res["accuracy"]}}},
            "groups": {}, "cells": res["cells"]}
@@ -192,7 +229,7 @@ def run_ppl(lm, spec: dict, limit=None) -> tuple[dict, dict]:
     import math
     from lm_eval.api.instance import Instance
 
-    docs = _documents(spec, n_docs=limit or spec.get("documents", 100))
+    docs = _documents(spec, n_docs=limit or spec["n_documents"], tok=lm.tok)
     reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(docs)]
     lls = lm.loglikelihood_rolling(reqs)
     n_tok = sum(len(lm.tok_encode(d)) for d in docs)
@@ -208,8 +245,11 @@ def evaluate(checkpoint, spec: dict, out_json=None, raw_json=None, limit=None, l
     from stem.eval.lm import StemLM
     from stem.train.checkpoint import atomic_write_json
 
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+        raise ValueError(f"limit {limit!r}: expected a positive whole number of items per task (or no limit)")
     t0 = time.time()
     lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"])
+    check_job(checkpoint, lm.spec, expected_job(spec, out_json), out_json)
     if spec["kind"] == "lm_eval":
         raw = run_lm_eval(lm, spec, limit)
         norm = normalise(raw, spec)

@@ -21,8 +21,10 @@ class RopeScaling:
     """RoPE adjustment for context extension (OLMo-core style: a small config object).
 
     kind: ``none``; ``theta`` (replace the base by ``theta``); ``linear`` (position interpolation by
-    ``factor``); ``yarn`` (NTK-by-parts interpolation, Peng et al. 2023, with ``factor``,
-    ``original_max_seq_len``, ``beta_fast``, ``beta_slow``).
+    ``factor``); ``yarn`` (Peng et al. 2023: NTK-by-parts interpolation by ``factor`` over
+    ``original_max_seq_len`` with the paper's alpha = ``beta_slow`` and beta = ``beta_fast`` rotation
+    bounds, and its attention temperature). ``ramp``: ``rotations`` (the paper: gamma linear in the
+    rotation count r) or ``dims`` (the reference code and transformers: linear in the dimension index).
     """
 
     kind: str = "none"
@@ -31,6 +33,7 @@ class RopeScaling:
     original_max_seq_len: int | None = None
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    ramp: str = "rotations"
 
     def __post_init__(self):
         if self.kind not in ("none", "theta", "linear", "yarn"):
@@ -41,6 +44,11 @@ class RopeScaling:
             raise ValueError(f"rope_scaling.factor={self.factor}: expected >= 1")
         if self.kind == "yarn" and not self.original_max_seq_len:
             raise ValueError("rope_scaling.kind='yarn' needs rope_scaling.original_max_seq_len")
+        if self.kind == "yarn" and not 0 < self.beta_slow < self.beta_fast:
+            raise ValueError(f"rope_scaling.beta_slow={self.beta_slow}, beta_fast={self.beta_fast}: "
+                             "expected 0 < beta_slow < beta_fast (the paper's alpha < beta, e.g. 1 and 32)")
+        if self.ramp not in ("rotations", "dims"):
+            raise ValueError(f"rope_scaling.ramp={self.ramp!r}: expected rotations (the YaRN paper) or dims")
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,6 @@ class ModelConfig:
     hash_seed: int = 0                  # seed of the balanced token -> expert map
     table_init: str = "xavier_normal"   # STEM tables: official code uses xavier-normal on [V, d_ff]
     table_init_std: float = 0.02        # used when table_init == "normal"
-    table_sparse_grad: bool = False     # sparse gradients for STEM tables (SparseAdam then)
     init_std: float = 0.02
     dse: DSEConfig | None = None
 

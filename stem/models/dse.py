@@ -3,9 +3,10 @@
 Per DSE layer: the suffix N-grams (N in ``orders``) of compressed token ids are hashed by K heads
 (multiplicative-XOR mix with seeded odd multipliers, modulo a distinct prime per head) into
 per-head tables; the concatenated memory e_t gives a key and a value; a context-aware gate
-sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(d)) scales the value; a zero-initialised depthwise causal
-convolution (kernel 4, dilation = max order, SiLU) refines it; the result is added to the residual
-stream before attention. N-grams do not reach across document starts.
+sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(d)) scales the value (Eq. 4, u = alpha * v); a zero-initialised
+depthwise causal convolution (kernel 4, dilation = max order) refines it, y = SiLU(Conv1D(RMSNorm(u))) + u
+(Eq. 5); y is added to the residual stream before attention. Neither the N-grams nor the convolution
+reach across a document start.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class DSEMemory(nn.Module):
         self.w_value = nn.Linear(dc.d_mem, cfg.d_model, bias=False)
         self.norm_h = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.norm_k = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm_u = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.dilation = max(dc.orders)
         self.conv = nn.Conv1d(cfg.d_model, cfg.d_model, dc.conv_kernel, groups=cfg.d_model,
                               dilation=self.dilation, bias=False)
@@ -76,10 +78,24 @@ class DSEMemory(nn.Module):
         mem = torch.cat([tab(r) for tab, r in zip(self.tables, self._rows(cids, doc_ids))], dim=-1)
         key, value = self.w_key(mem), self.w_value(mem)
         score = (self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model)
-        v = torch.sigmoid(score) * value
-        pad = (self.conv.kernel_size[0] - 1) * self.dilation
-        conv = self.conv(F.pad(v.transpose(1, 2), (pad, 0))).transpose(1, 2)
-        return v + F.silu(conv)
+        u = torch.sigmoid(score) * value
+        return F.silu(self._causal_conv(self.norm_u(u), doc_ids)) + u
+
+    def _causal_conv(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """Depthwise causal dilated convolution of x (B, T, d) with ``self.conv``'s weights, as a sum of
+        shifted copies: tap i reads x[t - (W-1-i) * dilation], zero before the row or the document start."""
+        w, t = self.conv.weight[:, 0, :], x.shape[1]   # (d, W)
+        out = torch.zeros_like(x)
+        for i in range(w.shape[1]):
+            shift = (w.shape[1] - 1 - i) * self.dilation
+            if shift >= t:
+                continue
+            xs = F.pad(x, (0, 0, shift, 0))[:, :t]
+            if doc_ids is not None and shift:
+                same = F.pad(doc_ids, (shift, 0), value=-1)[:, :t] == doc_ids
+                xs = xs * same.unsqueeze(-1)
+            out = out + xs * w[:, i]
+        return out
 
     def _rows(self, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> list[torch.Tensor]:
         rows, t = [], 0

@@ -34,7 +34,7 @@ class StemTable(nn.Embedding):
     """The per-layer V x d_ff table U; its own class so optimizer grouping can find it by type."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.vocab_size, cfg.d_ff, sparse=cfg.table_sparse_grad)
+        super().__init__(cfg.vocab_size, cfg.d_ff)
         self.init_kind, self.init_std = cfg.table_init, cfg.table_init_std
         self.reset_parameters()  # nn.Embedding's own call ran before init_kind was known
 
@@ -100,16 +100,14 @@ class HashMoEFFN(nn.Module):
         self.register_buffer("expert_of_token", emap.to(self.w_up.device))
 
     def forward(self, x, ids):
-        flat, out = x.reshape(-1, x.shape[-1]), torch.zeros_like(x).reshape(-1, x.shape[-1])
-        expert = self.expert_of_token[ids.reshape(-1)]
-        for e in range(self.w_up.shape[0]):
-            idx = (expert == e).nonzero(as_tuple=True)[0]
-            if idx.numel() == 0:
-                continue
-            h = flat.index_select(0, idx)
-            y = (F.silu(h @ self.w_gate[e].T) * (h @ self.w_up[e].T)) @ self.w_down[e].T
-            out.index_copy_(0, idx, y)
-        return out.reshape(x.shape)
+        # Tokens sorted by expert, one matmul chain per expert, then put back in order. The output is
+        # built from the experts' results, so it has their dtype (bf16 under autocast).
+        flat, expert = x.reshape(-1, x.shape[-1]), self.expert_of_token[ids.reshape(-1)]
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=self.w_up.shape[0]).tolist()
+        ys = [(F.silu(h @ self.w_gate[e].T) * (h @ self.w_up[e].T)) @ self.w_down[e].T
+              for e, h in enumerate(flat.index_select(0, order).split(counts))]
+        return torch.cat(ys).index_select(0, torch.argsort(order)).reshape(x.shape)
 
 
 def build_ffn(kind: str, cfg: ModelConfig, layer: int) -> nn.Module:

@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 
 from stem.models.config import ModelConfig
 from stem.models.dse import DSEMemory
-from stem.models.ffn import HashMoEFFN, StemTable, build_ffn
+from stem.models.ffn import StemTable, build_ffn
 from stem.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 

@@ -16,13 +16,22 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[
     if scaling.kind == "linear":
         return (inv / scaling.factor).float(), 1.0
     if scaling.kind == "yarn":
-        # NTK-by-parts: interpolate low frequencies (long wavelengths), keep high ones.
-        wavelen = 2 * math.pi / inv
-        orig = scaling.original_max_seq_len
-        low, high = orig / scaling.beta_slow, orig / scaling.beta_fast
-        ramp = ((wavelen - high) / (low - high)).clamp(0, 1)  # 0: keep, 1: interpolate
-        inv = inv / (1 + ramp * (scaling.factor - 1))
-        return inv.float(), 0.1 * math.log(scaling.factor) + 1.0
+        # YaRN (Peng et al., 2023). NTK-by-parts (Sec. 3.2): dimension d turns r = L / lambda_d times over
+        # the original context L; gamma(r) = 0 below alpha, 1 above beta, linear between;
+        # theta_d' = (1 - gamma) theta_d / s + gamma theta_d.
+        s, alpha, beta, length = scaling.factor, scaling.beta_slow, scaling.beta_fast, scaling.original_max_seq_len
+        if scaling.ramp == "rotations":
+            gamma = ((length * inv / (2 * math.pi) - alpha) / (beta - alpha)).clamp(0, 1)
+        else:  # "dims", the reference code's ramp: linear in d between the (floored/ceiled) d where r = beta, alpha
+            def dim_at(r):
+                return head_dim * math.log(length / (2 * math.pi * r)) / (2 * math.log(theta))
+            low, high = max(math.floor(dim_at(beta)), 0), min(math.ceil(dim_at(alpha)), head_dim - 1)
+            d = torch.arange(head_dim // 2, dtype=torch.float64)
+            gamma = 1 - ((d - low) / ((high - low) or 0.001)).clamp(0, 1)
+        inv = (1 - gamma) * inv / s + gamma * inv
+        # Attention temperature (Sec. 3.4): sqrt(1/t) = 0.1 ln s + 1 multiplies cos/sin, so both q and k,
+        # and q.k / sqrt(D) is scaled by 1/t.
+        return inv.float(), 0.1 * math.log(s) + 1.0
     return inv.float(), 1.0
 
 

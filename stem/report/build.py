@@ -20,6 +20,7 @@ from stem.report import tables as T
 from stem.report.results import Results
 
 TABLES = ["table1", "table2", "table3", "table4", "table5", "table6", "figure1b"]
+DIFF_FILES = ["diff.md", "cells.csv", "directions.csv", "paper_consistency.csv", "summary.json"]
 
 
 def _write(path, text: str):

@@ -23,7 +23,8 @@ NOTES = {
     ("table3", "350m", "total_params_b"):
         "Convention: #Total = dense total + n_STEM x V x d_ff (removed up-projections not subtracted), which "
         "reproduces the 1B row exactly; the paper's 350M #Total column (1.14/1.85/3.25, Hash-MoE 1.22) fits no "
-        "consistent table shape, so ours differs by construction (research notes A).",
+        "consistent table shape, so ours differs by construction (research notes A). Hash-MoE: 12 experts per "
+        "MoE layer, sized to STEM's total as Sec. 4.1 says (1.19 B; the caption's 16 experts would give 1.48 B).",
     ("table3", "", "roi"):
         "Ours uses exact GFLOPs/token (2 x active params); the paper's ROI follows from its rounded #GFLOPs column.",
     ("table2", "", "warmup_ratio"): "The paper contradicts itself: Table 2 says 0.01, Sec. 4.1 says 10%.",
@@ -172,6 +173,10 @@ def gate(cells: pd.DataFrame, patterns: list[str], tolerance: float | None = Non
     """Cells matching any of ``patterns`` (fnmatch on 'table/scale/variant/column') that are missing or
     beyond tolerance (the per-unit tolerance, or ``tolerance`` when given)."""
     key = cells["table"] + "/" + cells["scale"] + "/" + cells["variant"] + "/" + cells["column"]
+    for p in patterns:
+        if not any(fnmatch(k, p) for k in key):
+            raise ValueError(f"gate pattern {p!r} matches no published cell (cells are table/scale/variant/column, "
+                             "e.g. table3/350m/stem/avg; see diff/cells.csv)")
     chosen = cells[key.map(lambda k: any(fnmatch(k, p) for p in patterns))]
     tol = chosen["tolerance"] if tolerance is None else tolerance
     bad = (chosen["status"] == "missing") | (chosen["delta"].abs() > tol + 1e-9) | (chosen["status"] == "drift") \

@@ -1,9 +1,10 @@
-"""Read whatever the workflow has produced for one experiment; a missing or unreadable file is None.
+"""Read whatever the workflow has produced for one experiment, checking every file it reads.
 
 Layout: ``{root}/{experiment}/{scale}/{variant}/{stage}/summary.json`` and ``metrics.jsonl`` (training),
-``.../{stage}/eval/{suite}.json`` (evaluation; scores in percent). The eval readers are defensive
-about the shape of ``tasks``/``groups``/``by_length`` so that small format changes show up as gaps,
-not crashes.
+``.../{stage}/eval/{suite}.json`` (evaluation; scores in percent). A file that does not exist yet is
+None (a gap in the tables); a file that exists must be what its path says (the experiment, scale,
+variant, stage and suite it records) and in the agreed format (keys, types, ranges), or reading it
+raises ``ResultError``: one line naming the file, the key, what was expected and what it holds.
 """
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from pathlib import Path
 import pandas as pd
 
 VALUE_KEYS = ("value", "score", "accuracy", "acc", "mean")
+IDENTITY = ("experiment", "scale", "variant", "stage")
+
+
+class ResultError(ValueError):
+    """A result file that is unreadable, not what its path says, or not in the agreed format."""
 
 
 class Results:
@@ -26,23 +32,42 @@ class Results:
     def stage_dir(self, scale, variant, stage) -> Path:
         return self.root / self.experiment / scale / variant / stage
 
+    def _identity(self, scale, variant, stage) -> dict:
+        return dict(zip(IDENTITY, (self.experiment, scale, variant, stage)))
+
     def summary(self, scale, variant, stage) -> dict | None:
-        return read_json(self.stage_dir(scale, variant, stage) / "summary.json")
+        path = self.stage_dir(scale, variant, stage) / "summary.json"
+        data = read_json(path)
+        if data is not None:
+            check_summary(path, data, self._identity(scale, variant, stage))
+        return data
 
     def metrics(self, scale, variant, stage) -> pd.DataFrame | None:
         path = self.stage_dir(scale, variant, stage) / "metrics.jsonl"
         if not path.is_file():
             return None
+        lines = path.read_text().splitlines()
         rows = []
-        for line in path.read_text().splitlines():
+        for i, line in enumerate(lines, 1):
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a torn last line of a run still in progress
+                if i == len(lines):
+                    continue  # a torn last line of a run still in progress
+                raise ResultError(f"{path}:{i}: not a JSON line") from None
+            if not isinstance(row, dict):
+                raise ResultError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+            for key in ("step", "loss"):
+                _number(f"{path}:{i}", row, key, 0, math.inf, required=True)
+            rows.append(row)
         return pd.DataFrame(rows) if rows else None
 
     def eval(self, scale, variant, stage, suite) -> dict | None:
-        return read_json(self.stage_dir(scale, variant, stage) / "eval" / f"{suite}.json")
+        path = self.stage_dir(scale, variant, stage) / "eval" / f"{suite}.json"
+        data = read_json(path)
+        if data is not None:
+            check_eval(path, data, {**self._identity(scale, variant, stage), "suite": suite})
+        return data
 
     def first_eval(self, scale, variant, stages, suite) -> tuple[dict | None, str | None]:
         """The eval JSON of the first stage in ``stages`` that has one (and that stage)."""
@@ -54,12 +79,112 @@ class Results:
 
 
 def read_json(path) -> dict | None:
+    """The JSON object in ``path``; None if there is no such file; ResultError if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        return None
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ResultError(f"{path}: not readable as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ResultError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+# ---- validation: what a result file must hold -----------------------------------------------------
+def _fail(where, key, expected, got):
+    raise ResultError(f"{where}: key '{key}': expected {expected}, got {got!r}")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _number(where, d: dict, key: str, lo: float, hi: float, required=True, nullable=False, name=None,
+            integer=False, allow_nan=False):
+    """Check ``d[key]`` is a number in [lo, hi] (an int if ``integer``; null if ``nullable``)."""
+    name = name or key
+    noun = "integer" if integer else "number"
+    expected = (f"a{'n' * integer} {noun} in [{lo:g}, {hi:g}]" if hi < math.inf else f"a finite {noun} >= {lo:g}") \
+        + (" or null" if nullable else "") + (" or NaN" if allow_nan else "")
+    if key not in d:
+        if required:
+            raise ResultError(f"{where}: key '{name}' is missing (expected {expected})")
+        return
+    x = d[key]
+    if x is None and nullable:
+        return
+    if not _is_number(x) or (integer and not isinstance(x, int)):
+        _fail(where, name, expected, x)
+    if allow_nan and math.isnan(x):
+        return
+    if not math.isfinite(x) or not lo <= x <= hi:
+        _fail(where, name, expected, x)
+
+
+def _identity(where, d: dict, expected: dict):
+    """The experiment/scale/variant/stage (and suite) the file records must be those of its path."""
+    for key, want in expected.items():
+        got = d.get(key)
+        if not isinstance(got, str):
+            _fail(where, key, f"the string {want!r} (from the file's path)", got)
+        if got != want:
+            raise ResultError(f"{where}: key '{key}': the file is of {key} {got!r} but its path says {want!r} "
+                              "(a result of another run in this folder?)")
+
+
+def check_summary(path, d: dict, identity: dict):
+    """A training summary.json (stem.train.loop): identity, losses, steps and tokens."""
+    _identity(path, d, identity)
+    _number(path, d, "final_val_loss", 0, math.inf, nullable=True, allow_nan=True)  # NaN: no validation split
+    _number(path, d, "final_train_loss", 0, math.inf)
+    for key in ("steps", "tokens"):
+        _number(path, d, key, 1, math.inf, integer=True)
+
+
+def _entries(path, d: dict, where: str, lo: float, hi: float):
+    block = d.get(where, {})
+    if not isinstance(block, dict):
+        _fail(path, where, "an object {task: {value, stderr, ...}}", block)
+    for name, e in block.items():
+        if not isinstance(e, dict):
+            _fail(path, f"{where}.{name}", "an object with a 'value'", e)
+        _number(path, e, "value", lo, hi, nullable=True, name=f"{where}.{name}.value")
+        _number(path, e, "stderr", 0, math.inf, required=False, nullable=True, name=f"{where}.{name}.stderr")
+
+
+def check_eval(path, d: dict, identity: dict):
+    """An eval JSON (stem.eval.run): identity, per-task scores in percent (perplexities for ``unit:
+    perplexity`` entries), LongBench rows by length, NIAH cells."""
+    _identity(path, d, identity)
+    if not isinstance(d.get("tasks"), dict):
+        _fail(path, "tasks", "an object {task: {value, stderr, ...}}", d.get("tasks"))
+    ppl = any(isinstance(e, dict) and e.get("unit") == "perplexity" for e in d["tasks"].values())
+    for where in ("tasks", "groups"):
+        _entries(path, d, where, 0, math.inf if ppl else 100)
+    by_length = d.get("by_length", {})
+    if not isinstance(by_length, dict):
+        _fail(path, "by_length", "an object {table: [rows]}", by_length)
+    for table, rows in by_length.items():
+        if not isinstance(rows, list):
+            continue  # "field", "metric": labels
+        for i, row in enumerate(rows):
+            groups = row.get("groups") if isinstance(row, dict) else None
+            if not isinstance(groups, dict):
+                _fail(path, f"by_length.{table}[{i}].groups", "an object {group: score}", groups)
+            for g in groups:
+                _number(path, groups, g, 0, 100, nullable=True, name=f"by_length.{table}[{i}].groups.{g}")
+    cells = d.get("cells", [])
+    if not isinstance(cells, list):
+        _fail(path, "cells", "a list of {length, depth, accuracy}", cells)
+    for i, c in enumerate(cells):
+        if not isinstance(c, dict):
+            _fail(path, f"cells[{i}]", "an object {length, depth, accuracy}", c)
+        _number(path, c, "length", 1, math.inf, integer=True, name=f"cells[{i}].length")
+        _number(path, c, "depth", 0, 100, name=f"cells[{i}].depth")
+        _number(path, c, "accuracy", 0, 100, name=f"cells[{i}].accuracy")
 
 
 def as_number(x) -> float | None:

@@ -2,13 +2,24 @@
 from __future__ import annotations
 
 from stem import config as C
+from stem.report.build import DIFF_FILES, TABLES
 from stem.report.figures import FIGURES
 from stem.report.tables import settings
 
 
+def report_files(experiment: str) -> list[str]:
+    """Every file the aggregate stage writes except the README: tables, diff, figures (PNG and PDF).
+    All are requested (by the README rule and `rule all`), so a missing or incomplete one (a report killed
+    half-way) is rebuilt, and the README after it: Snakemake checks only the outputs something asks for."""
+    r = f"reports/{experiment}"
+    return ([f"{r}/tables/{t}.{ext}" for t in TABLES for ext in ("csv", "md", "tex")] + [f"{r}/tables/reproduced.csv"]
+            + [f"{r}/diff/{name}" for name in DIFF_FILES]
+            + [f"{r}/figures/{f}.{ext}" for f in FIGURES for ext in ("png", "pdf")])
+
+
 def report_outputs(experiment: str) -> list[str]:
-    """What `rule all` needs from the aggregate stage (the README pulls in tables, diff and figures)."""
-    return [f"reports/{experiment}/README.md"]
+    """What `rule all` needs from the aggregate stage: every report file and the README."""
+    return [*report_files(experiment), f"reports/{experiment}/README.md"]
 
 
 def figure_inputs(cfg: dict, evals: list[str], figure: str) -> dict:

@@ -3,16 +3,21 @@
 Two kinds, in two places:
 - resumable training state under ``{out_dir}/_state/`` (undeclared to Snakemake, so a failed or
   preempted job keeps it): ``step_{N}/`` folders written to a temp name and renamed, plus a
-  ``latest`` pointer replaced atomically; older states are pruned.
+  ``latest`` pointer replaced atomically; older states are pruned. Each folder's ``manifest.json``
+  (written last) lists its files' sizes: resuming skips a folder that does not match it, with a
+  one-line warning naming the bad file, and takes the previous one.
 - the declared final checkpoint ``{out_dir}/checkpoint/``: model.safetensors, config.json (the job
-  spec, model config included), tokenizer.json, accounting.json; written to a temp folder, renamed.
+  spec, model config included), tokenizer.json, accounting.json, and ``optimizer/`` when the next stage
+  carries the optimizer state (reset_optimizer: false); written to a temp folder, renamed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,8 +48,23 @@ def save_weights(model, path):
     save_file(_state_dict_for_save(model), str(path))
 
 
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def load_weights(model, path, strict: bool = True):
-    state = load_file(str(path))
+    """Load a safetensors file into ``model``; any problem is one ValueError line naming the file."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: weights file not found")
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # SafetensorError on a truncated or foreign file, OSError
+        raise ValueError(f"{path}: unreadable safetensors file ({type(e).__name__}: {_first_line(e)})") from None
+    own = model.state_dict()
+    bad = [f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
+           if k in own and v.shape != own[k].shape]
+    if bad:
+        raise ValueError(f"{path}: weights do not match the model's shapes ({bad[0]})")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if strict and (missing or unexpected):
         raise ValueError(f"{path}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
@@ -58,6 +78,48 @@ def _replace_dir(tmp: Path, final: Path):
     shutil.rmtree(old, ignore_errors=True)
 
 
+MANIFEST = "manifest.json"
+
+
+def write_manifest(folder):
+    """Written last into a state folder: every file's size. A folder whose files do not match it (a
+    truncated copy, a full disk, a write cut short) is not resumed from."""
+    folder = Path(folder)
+    sizes = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*"))
+             if f.is_file() and f.name != MANIFEST}
+    atomic_write_json(folder / MANIFEST, {"files": sizes})
+
+
+def verify_state(folder) -> str | None:
+    """None if ``folder`` is a complete state, else one line naming the bad file."""
+    folder = Path(folder)
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        if (folder / "extra.json").is_file():
+            return None  # written before manifests existed: only a failed load can tell
+        return f"{manifest}: missing (the state was not completely written)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{manifest}: unreadable ({_first_line(e)})"
+    for name, size in files.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{f}: missing"
+        if f.stat().st_size != size:
+            return f"{f}: {f.stat().st_size} bytes, expected {size} (truncated or overwritten)"
+    return None
+
+
+def state_candidates(state_dir) -> list[Path]:
+    """State folders to resume from, best first: the one ``latest`` names, then the others, newest first."""
+    state_dir = Path(state_dir)
+    found = sorted((p for p in state_dir.glob("step_*") if p.is_dir()), reverse=True)
+    pointer = state_dir / "latest"
+    first = state_dir / pointer.read_text().strip() if pointer.is_file() else None
+    return ([first] if first is not None and first.is_dir() else []) + [p for p in found if p != first]
+
+
 def save_state(state_dir, step: int, model, opt, extra: dict, keep: int = 2):
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -65,32 +127,49 @@ def save_state(state_dir, step: int, model, opt, extra: dict, keep: int = 2):
     save_weights(model, tmp / "model.safetensors")
     torch.save(opt.state_dict(), tmp / "optim.pt")
     atomic_write_json(tmp / "extra.json", {"step": step, **extra})
+    write_manifest(tmp)
     _replace_dir(tmp, state_dir / f"step_{step:08d}")
     atomic_write_text(state_dir / "latest", f"step_{step:08d}\n")
     for old in sorted(state_dir.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_state(state_dir, model, opt) -> dict | None:
-    """Restore the latest state into model/opt; returns its extra dict, or None if there is none."""
-    pointer = Path(state_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    folder = Path(state_dir) / pointer.read_text().strip()
+def load_state(folder, model, opt) -> dict:
+    """Restore the state in ``folder`` (single-process format) into model/opt; returns its extra dict."""
+    folder = Path(folder)
     load_weights(model, folder / "model.safetensors")
     opt.load_state_dict(torch.load(folder / "optim.pt", weights_only=True, map_location="cpu"))
     return json.loads((folder / "extra.json").read_text())
 
 
-def save_checkpoint(out_dir, model, spec: dict, tokenizer_path, accounting: dict):
+def save_checkpoint(out_dir, model, spec: dict, tokenizer_path, accounting: dict, optimizer_dir=None):
+    """``optimizer_dir``: a finished optimizer-state folder (save_optimizer) moved in as ``optimizer/``."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp_ckpt_"))
     save_weights(model, tmp / "model.safetensors")
+    if optimizer_dir is not None:
+        os.replace(optimizer_dir, tmp / "optimizer")
     atomic_write_json(tmp / "config.json", spec)
     atomic_write_json(tmp / "accounting.json", accounting)
     shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
     _replace_dir(tmp, out_dir)
+
+
+def read_checkpoint_spec(ckpt_dir) -> dict:
+    """The job spec saved in a checkpoint folder (config.json), checked to hold a model config."""
+    ckpt_dir = Path(ckpt_dir)
+    for name in ("config.json", "model.safetensors"):
+        if not (ckpt_dir / name).is_file():
+            raise ValueError(f"{ckpt_dir}: not a checkpoint folder ({name} missing)")
+    path = ckpt_dir / "config.json"
+    try:
+        spec = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({_first_line(e)})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        raise ValueError(f"{path}: not a checkpoint config (expected a JSON object with a 'model' object)")
+    return spec
 
 
 def load_checkpoint(ckpt_dir, device="cpu"):
@@ -98,10 +177,50 @@ def load_checkpoint(ckpt_dir, device="cpu"):
     from stem.models.config import ModelConfig
 
     ckpt_dir = Path(ckpt_dir)
-    for name in ("config.json", "model.safetensors"):
-        if not (ckpt_dir / name).is_file():
-            raise ValueError(f"{ckpt_dir}: not a checkpoint folder ({name} missing)")
-    spec = json.loads((ckpt_dir / "config.json").read_text())
-    model = ModelConfig.from_dict(spec["model"]).build(device)
+    spec = read_checkpoint_spec(ckpt_dir)
+    try:
+        model = ModelConfig.from_dict(spec["model"]).build(device)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{ckpt_dir / 'config.json'}: bad model config ({_first_line(e)})") from None
     load_weights(model, ckpt_dir / "model.safetensors")
     return model, spec
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when there is no process group: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# ---- optimizer state carried from one stage to the next (reset_optimizer: false)
+def save_optimizer(folder, model, opt):
+    """The optimizer state, keyed by parameter name, as a DCP checkpoint in ``folder``: every rank writes
+    its own shards (no gather), and it reshards on load, so the next stage may run at another world size.
+    Collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    with _single_process_quiet():
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(folder))
+
+
+def load_optimizer(folder, model, opt):
+    """Restore the moments and step counts saved by save_optimizer into ``opt``; the hyper-parameters
+    (LR multipliers, weight decay, betas, eps) stay those ``opt`` was built with (the new stage's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    folder = Path(folder)
+    if not (folder / ".metadata").is_file():
+        raise ValueError(f"{folder}: no optimizer state in this checkpoint (the previous stage saves it only when "
+                         "the next stage sets reset_optimizer: false; rerun it, or set reset_optimizer: true)")
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(folder))
+    except Exception as e:
+        raise ValueError(f"{folder}: unreadable optimizer state ({type(e).__name__}: {_first_line(e)})") from None
+    set_optimizer_state_dict(model, opt, state["optim"])
+    for g, h in zip(opt.param_groups, hyper):
+        g.update(h)

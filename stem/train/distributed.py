@@ -134,8 +134,6 @@ def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision
     if strategy not in STRATEGIES:
         raise ValueError(f"parallel strategy {strategy!r}: expected one of {STRATEGIES}")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    if any(getattr(m, "sparse", False) for m in model.modules()):
-        raise ValueError("sparse table gradients are not supported with more than one rank (set table_sparse_grad: false)")
     if mixed_precision is None:
         mixed_precision = ctx.device.type == "cuda"
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -197,11 +195,6 @@ def optimizer_for_dtensors(opt, ctx: DistContext, strategy: str):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def _latest(state_dir: Path) -> Path | None:
-    pointer = state_dir / "latest"
-    return state_dir / pointer.read_text().strip() if pointer.is_file() else None
-
-
 def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, keep: int = 2):
     """Resumable state: the single-process format at world size 1, DCP (sharded, reshardable) above."""
     from stem.train import checkpoint as ck
@@ -220,6 +213,7 @@ def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, 
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
     if ctx.is_main:
         ck.atomic_write_json(tmp / "extra.json", {"step": step, "world_size": ctx.world, **extra})
+        ck.write_manifest(tmp)   # after dcp.save returned: every rank's shards are written
         ck._replace_dir(tmp, state_dir / name)
         ck.atomic_write_text(state_dir / "latest", name + "\n")
         for old in sorted(state_dir.glob("step_*"))[:-keep]:
@@ -228,13 +222,32 @@ def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, 
 
 
 def load_state(state_dir, model, opt, ctx: DistContext) -> dict | None:
-    """Restore the latest state (either format, any world size it was saved at); returns its extra dict."""
+    """Restore the latest complete state (either format, any world size it was saved at); returns its extra
+    dict, or None if there is no state. A state that fails its manifest or its load is skipped with a
+    one-line warning naming the bad file, falling back to the previous one; none complete: ValueError."""
     from stem.train import checkpoint as ck
-    folder = _latest(Path(state_dir))
-    if folder is None:
-        return None
+    import sys
+    bad = []
+    for folder in ck.state_candidates(state_dir):
+        problem = ck.verify_state(folder)
+        if problem is None:
+            try:
+                return _load_state_folder(folder, model, opt, ctx)
+            except Exception as e:  # a state written before manifests, damaged in a way sizes do not show
+                problem = f"{folder}: unreadable ({type(e).__name__}: {ck._first_line(e)})"
+        bad.append(problem)
+        if ctx.is_main:
+            print(f"warning: {problem}; falling back to the previous state", file=sys.stderr)
+    if bad:
+        raise ValueError(f"{state_dir}: no complete state to resume from ({bad[0]}); "
+                         "remove the folder to start the job over")
+    return None
+
+
+def _load_state_folder(folder: Path, model, opt, ctx: DistContext) -> dict:
+    from stem.train import checkpoint as ck
     if ctx.world == 1 and not (folder / "dcp").is_dir():
-        return ck.load_state(state_dir, model, opt)
+        return ck.load_state(folder, model, opt)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     if (folder / "dcp").is_dir():
         import torch.distributed.checkpoint as dcp

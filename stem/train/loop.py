@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,8 +28,10 @@ from stem.data.loader import MixtureLoader, validation_batches
 from stem.data.shards import ShardSet
 from stem.models.accounting import training_flops
 from stem.models.config import ModelConfig
+from stem.train import checkpoint as ck
 from stem.train.checkpoint import atomic_write_json, atomic_write_text, load_weights, save_checkpoint
 from stem.train import distributed as D
+from stem.train import lifecycle
 from stem.train import memory
 from stem.train.optim import build_optimizer, set_lr
 from stem.train.schedule import get_lr
@@ -56,6 +59,12 @@ def _open_sources(spec: dict, split: str) -> dict[str, tuple[ShardSet, float]]:
     return out
 
 
+def mixed_precision(device: torch.device, enabled: bool | None = None):
+    """The loop's autocast: bf16 on CUDA, off elsewhere; ``enabled=True`` turns it on anywhere (tests, CPU)."""
+    on = device.type == "cuda" if enabled is None else enabled
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
 @torch.no_grad()
 def evaluate(model, batches, device, autocast) -> float:
     model.eval()
@@ -67,8 +76,49 @@ def evaluate(model, batches, device, autocast) -> float:
     return sum(losses) / max(1, len(losses))
 
 
+def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0) -> float:
+    """Forward and backward over one optimizer step's micro-batches; returns the step's training loss.
+
+    ``batches`` is the whole step's list (every rank's); this rank runs micro-batches rank, rank+W, ...
+    The objective is the token mean of the whole step: the sum of the losses of every trained target
+    (target != -1) in all micro-batches on all ranks, divided by their total count, so the gradient does
+    not depend on how the batch is split (packed rows carry different numbers of targets). Each
+    micro-batch's mean loss is weighted by count_i / total; FSDP (or the DDP sync) then averages over
+    the W ranks, hence the extra factor W. The count comes from the batches themselves, which every rank
+    holds, so no collective is needed before backward. Under FSDP every backward reduce-scatters its
+    gradients, so they stay sharded between micro-batches (stem.train.memory traces that peak)."""
+    counts = [int((y != -1).sum()) for _, y, _ in batches]
+    total = sum(counts)
+    if total == 0:
+        raise TrainingError(f"step {step}: no trained targets in the whole batch (every target is padding)")
+    loss_sum = 0.0
+    for i in range(ctx.rank, len(batches), ctx.world):
+        x, y, pos = batches[i]
+        x, y, pos = x.to(device), y.to(device), None if pos is None else pos.to(device)
+        if counts[i] == 0:  # nothing to learn here, but FSDP expects the same forward/backward on every rank
+            with autocast:
+                (model(x, positions=pos).float().sum() * 0.0).backward()
+            continue
+        divisor = total / (counts[i] * ctx.world)  # == accum / W when every micro-batch has the same count
+        with autocast:
+            loss = model(x, y, positions=pos)
+        (loss / divisor).backward()
+        loss_sum += loss.item() / divisor
+    return D.all_mean(ctx, loss_sum)
+
+
 def train(spec: dict, threads: int | None = None, max_steps: int | None = None) -> dict:
-    """Run (or resume) one training job; returns its summary. ``max_steps`` stops early (tests)."""
+    """Run (or resume) one training job; returns its summary. ``max_steps`` stops early (tests).
+
+    SIGTERM/SIGUSR1 stop it (state saved); a second trainer on the same ``_state`` refuses (lifecycle)."""
+    try:
+        with lifecycle.job(Path(spec["out_dir"]) / "_state") as stop:
+            return _train(spec, stop, threads, max_steps)
+    except lifecycle.StateLocked as e:
+        raise TrainingError(str(e)) from None
+
+
+def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -> dict:
     t0 = time.time()
     tc, out_dir = spec["train"], Path(spec["out_dir"])
     state_dir = out_dir / "_state"
@@ -90,6 +140,7 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         texts += [f"<unused{i}>" for i in range(len(texts), cfg.vocab_size)]
         model.dse_compress.copy_(compression_map(texts).to(device))
     if spec.get("init_from"):
+        check_init_from(spec)
         load_weights(model, Path(spec["init_from"]) / "model.safetensors")
     accounting = model.accounting()
     model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
@@ -101,11 +152,10 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         print(f"[{out_dir}] " + memory.describe(memory.estimate(
             model, micro, tc["seq_len"], ctx.world, strategy, model.activation_checkpointing)), file=sys.stderr)
     D.parallelize(model, ctx, strategy)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = mixed_precision(device)
 
     # ---- data and optimizer
     # accum micro-batches of `micro` sequences per step in all; this rank runs every world-th of them
-    accum_local = accum // ctx.world
     sources = _open_sources(spec, "train")
     eos = json.loads(Path(next(iter(spec["data"].values()))["manifest"]).read_text()).get("eos_id", 0)
     loader = MixtureLoader(sources, tc["seq_len"], micro, spec["seed"],
@@ -120,6 +170,8 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
     # ---- resume
     step, wall_before, val_loss = 0, 0.0, float("nan")
     extra = D.load_state(state_dir, model, opt, ctx)
+    if extra is None and spec.get("init_from") and not tc.get("reset_optimizer", True):
+        ck.load_optimizer(Path(spec["init_from"]) / "optimizer", model, opt)  # carry the previous stage's state
     metrics_path = state_dir / "metrics.jsonl"
     if extra is not None:
         step, wall_before, val_loss = extra["step"], extra["wall_seconds"], extra["val_loss"]
@@ -132,8 +184,6 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         metrics_path.unlink()
     state_dir.mkdir(parents=True, exist_ok=True)
 
-    stop = {"signal": None}
-    signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
     tokens_per_step = tc["batch_size"] * tc["seq_len"]
     last = step + (max_steps if max_steps is not None else tc["steps"])
     loss_value = float("nan")
@@ -143,22 +193,15 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         D.save_state(state_dir, step, model, opt, {"loader": loader.state_dict(), "val_loss": val_loss,
                                                    "wall_seconds": wall_before + time.time() - t0}, ctx)
 
-    with open(metrics_path if ctx.is_main else os.devnull, "a") as log:
+    tb = _tensorboard(out_dir, step) if ctx.is_main and tc.get("tensorboard") else None
+    progress = Progress(f"{spec['scale']}/{spec['variant']}/{spec['stage']}", step, tc["steps"], tokens_per_step)
+    with open(metrics_path if ctx.is_main else os.devnull, "a") as log, (tb or nullcontext()):
         while step < min(tc["steps"], last):
             t_step = time.time()
             lr = get_lr(step, **lr_kw)
             set_lr(opt, lr)
-            loss_sum = 0.0
-            for i in range(accum):
-                x, y, pos = loader.next_batch()      # every rank advances the same global stream ...
-                if i % ctx.world != ctx.rank:        # ... and keeps its own share of it
-                    continue
-                x, y = x.to(device), y.to(device)
-                with autocast:
-                    loss = model(x, y, positions=None if pos is None else pos.to(device))
-                (loss / accum_local).backward()      # FSDP then averages over ranks: 1/accum in all
-                loss_sum += loss.item() / accum_local
-            loss_sum = D.all_mean(ctx, loss_sum)
+            batches = [loader.next_batch() for _ in range(accum)]  # every rank draws the global stream
+            loss_sum = accumulate_gradients(model, batches, ctx, device, autocast, step)
             if not math.isfinite(loss_sum):
                 raise TrainingError(f"[{out_dir}] non-finite training loss {loss_sum} at step {step} (lr={lr:.3g})")
             D.sync_replicated_grads(model, ctx)
@@ -176,9 +219,16 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
                 row.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
             log.write(json.dumps(row) + "\n")
             log.flush()
+            if tb is not None:
+                for key, value in row.items():
+                    if key != "step":
+                        tb.add_scalar(("val/" + key[4:]) if key.startswith("val_") else "train/" + key, value, step)
             if ctx.is_main and (step % tc["log_interval"] == 0 or step == tc["steps"]):
-                print(f"[{spec['scale']}/{spec['variant']}/{spec['stage']}] step {step}/{tc['steps']} "
-                      f"loss {loss_sum:.4f} lr {lr:.2e} {row['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+                line = progress.line(step, loss_sum, lr)
+                print(line, flush=True)                 # the job's output (terminal, Slurm's output file)
+                print(line, file=sys.stderr, flush=True)  # and its log (logs/...)
+                if tb is not None:
+                    tb.flush()
             stopping = D.any_rank(ctx, stop["signal"] is not None)  # all ranks stop at the same step
             if step % tc["checkpoint_interval"] == 0 or stopping:
                 snapshot()
@@ -206,13 +256,83 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
         "tokens_by_source": loader.tokens_by_source, **accounting,
     }
     full = D.full_model_view(model, ctx)   # gathers the full weights to rank 0's CPU when sharded
+    optim_dir = None
+    if tc.get("save_optimizer"):           # a later stage carries this optimizer state (reset_optimizer: false)
+        optim_dir = out_dir / ".tmp_optimizer"
+        if ctx.is_main:
+            shutil.rmtree(optim_dir, ignore_errors=True)   # left by an attempt cut short
+        if ctx.world > 1:
+            torch.distributed.barrier()
+        ck.save_optimizer(optim_dir, model, opt)
     if ctx.is_main:
         summary["final_train_loss"] = _final_train_loss(metrics_path)
-        save_checkpoint(out_dir / "checkpoint", full, spec, spec["tokenizer"], accounting)
+        save_checkpoint(out_dir / "checkpoint", full, spec, spec["tokenizer"], accounting, optim_dir)
         atomic_write_text(out_dir / "metrics.jsonl", metrics_path.read_text())
         atomic_write_json(out_dir / "summary.json", summary)
     D.teardown(ctx)
     return summary
+
+
+# what must equal between a stage and the checkpoint it starts from (the spec's model config: all but the
+# context length and RoPE scaling, which context extension changes)
+_STAGE_FREE_MODEL_KEYS = ("max_seq_len", "rope_scaling")
+
+
+def check_init_from(spec: dict):
+    """The init_from checkpoint is the expected experiment/scale/variant and previous stage, with the same
+    architecture; else one TrainingError line naming its config.json and the mismatch."""
+    ckpt = Path(spec["init_from"])
+    try:
+        saved = ck.read_checkpoint_spec(ckpt)
+    except ValueError as e:
+        raise TrainingError(f"init_from: {e}") from None
+    where = ckpt / "config.json"
+    want = {"experiment": spec["experiment"], "scale": spec["scale"], "variant": spec["variant"],
+            "stage": spec.get("init_stage")}
+    for key, value in want.items():
+        if value is not None and saved.get(key) != value:
+            raise TrainingError(f"{where}: init_from checkpoint has {key} {saved.get(key)!r}, expected {value!r} "
+                                f"(a {spec['stage']} job starts from {want})")
+    model = {k: v for k, v in spec["model"].items() if k not in _STAGE_FREE_MODEL_KEYS}
+    for key, value in model.items():
+        if saved["model"].get(key) != value:
+            raise TrainingError(f"{where}: init_from checkpoint has model.{key} {saved['model'].get(key)!r}, "
+                                f"expected {value!r}")
+
+
+class Progress:
+    """The progress line printed every log_interval: step/total, loss, LR, tokens/s over the interval and
+    the ETA at the throughput since this process started (a resumed job counts from its resume step)."""
+
+    def __init__(self, name: str, step: int, total: int, tokens_per_step: int):
+        self.name, self.total, self.tokens_per_step = name, total, tokens_per_step
+        self.start_step, self.start = step, time.time()
+        self.last_step, self.last = step, self.start
+
+    def line(self, step: int, loss: float, lr: float) -> str:
+        now = time.time()
+        tok_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last, 1e-9)
+        eta = (self.total - step) * (now - self.start) / max(step - self.start_step, 1)
+        self.last_step, self.last = step, now
+        return (f"[{self.name}] step {step}/{self.total} ({100 * step / self.total:.0f}%) loss {loss:.4f} "
+                f"lr {lr:.2e} {tok_s:,.0f} tok/s ETA {_hms(eta)}")
+
+
+def _hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _tensorboard(out_dir: Path, step: int):
+    """A TensorBoard writer for {out_dir}/tensorboard; events from a step after ``step`` (left by a run cut
+    after its last saved state) are purged on resume, so the curves show each step once."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise TrainingError("train.tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
+    if step == 0:   # a fresh start: no curves of an earlier attempt
+        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
+    return SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
 
 
 def _event(state_dir: Path, text: str):
