@@ -134,3 +134,15 @@ def test_memory_command_prints_trace_closed_form_and_limit(traces, monkeypatch, 
     line = [x for x in out.out.splitlines() if x.startswith("1b/stem/pretrain:")]
     assert len(line) == 1 and f"traced {traces[3]['peak_gib']:5.1f} GiB, closed form " in line[0]
     assert line[0].endswith("limit 1.0 GiB  EXCEEDS THE LIMIT") and "1 job(s) exceed" in out.err
+
+
+def test_hashmoe_traces_with_balanced_experts(tmp_path):
+    """Hash-MoE's per-expert token counts are data (bincount + tolist): the tracer gives each expert its
+    balanced share. The traced step holds at least the sharded fp32 weights, gradients and AdamW moments."""
+    cfg = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())
+    cfg["archs"]["350m"]["n_layers"] = 3
+    spec = C.train_spec(cfg, "350m", "hashmoe", "pretrain")
+    r = memory.traced([(spec, WORLD, "fsdp")], tmp_path, workers=1)[0]
+    from stem.models.config import ModelConfig
+    n = sum(p.numel() for p in ModelConfig.from_dict(spec["model"]).build("meta").parameters())
+    assert r["peak_gib"] * GIB > 16 * n / WORLD

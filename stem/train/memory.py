@@ -105,8 +105,9 @@ def _peak_only(cls):
 
 
 def _balanced_nonzero(n_experts: int):
-    """Fake tensors have no data, so ``nonzero`` (Hash-MoE's tokens of one expert) has no size: give each
-    of the ``n_experts`` experts its balanced share of the tokens (what the balanced token map aims at)."""
+    """Fake tensors have no data, so Hash-MoE's tokens per expert (``bincount``, or ``nonzero``) have no
+    size: give each of the ``n_experts`` experts its balanced share of the tokens (what the balanced token
+    map aims at)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -115,8 +116,16 @@ def _balanced_nonzero(n_experts: int):
             if func is torch.ops.aten.nonzero.default:
                 x = args[0]
                 return torch.empty((x.numel() // n_experts, x.dim()), dtype=torch.int64, device=x.device)
+            if func is torch.ops.aten.bincount.default:   # tokens per expert; .tolist() then reads them
+                n = args[0].numel()
+                self.pending += [n // n_experts + (i < n % n_experts) for i in range(n_experts)]
+                return torch.empty(n_experts, dtype=torch.int64, device=args[0].device)
+            if func is torch.ops.aten._local_scalar_dense.default and self.pending:
+                return self.pending.pop(0)
             return func(*args, **(kwargs or {}))
-    return BalancedNonzero()
+    mode = BalancedNonzero()
+    mode.pending = []
+    return mode
 
 
 def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool = True) -> dict:
@@ -218,7 +227,12 @@ def _trace_key(spec: dict, world: int, strategy: str) -> str:
 
 
 def _trace_job(args):
-    return trace(*args)
+    try:
+        return trace(*args)
+    except Exception as e:  # torch's fake-tensor errors do not pickle back from a worker process
+        spec = args[0]
+        raise RuntimeError(f"memory trace of {spec['scale']}/{spec['variant']}/{spec['stage']} failed: "
+                           f"{type(e).__name__}: {e}") from None
 
 
 def traced(jobs: list[tuple[dict, int, str]], cache_dir, workers: int = 1) -> list[dict]:
