@@ -20,7 +20,7 @@ def make_corpus(spec: dict, out_path) -> dict:
 
 
 def make_tokenizer(spec: dict, out_path) -> dict:
-    from stem.train.checkpoint import atomic_write_text  # imports torch: only here, not in tokenize jobs
+    from stem.io import atomic_write_text
 
     out_path = Path(out_path)
     if spec["kind"] == "train_bpe":

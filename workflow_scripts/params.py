@@ -11,7 +11,7 @@ def main():
     import io
 
     from stem.report.params import COLUMNS, accounting_rows, to_markdown
-    from stem.train.checkpoint import atomic_write_text
+    from stem.io import atomic_write_text
     cfg = spec_of(args)
     rows = accounting_rows(cfg)
     buf = io.StringIO()

@@ -9,7 +9,7 @@ def main():
     p.add_argument("--out", required=True)
     args = p.parse_args()
     from stem.report.build import readme
-    from stem.train.checkpoint import atomic_write_text
+    from stem.io import atomic_write_text
     atomic_write_text(args.out, readme(spec_of(args), args.report_dir, args.figures))
 
 

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from functools import cached_property
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from stem.data.tokenizer import load_tokenizer
+from stem.io import atomic_open, make_temp_dir, replace_dir
 
 SPLITS = ("train", "val")
 CREATED_BY = "stem.data.shards"
@@ -237,9 +237,7 @@ def tokenize_to_shards(
         raise ValueError(f"sample must be a range [lo, hi) with 0 <= lo < hi <= 1, got {sample!r}")
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
+    tmp = make_temp_dir(out_dir.parent, f".{out_dir.name}.tmp-")
     writers = {s: _ShardWriter(tmp, s, np_dtype, int(shard_tokens)) for s in SPLITS}
     stats = {"documents_seen": 0, "empty_documents_skipped": 0}
     max_id = np.iinfo(np_dtype).max
@@ -305,7 +303,7 @@ def tokenize_to_shards(
         manifest.update(extra or {})
         with open(tmp / "manifest.json", "w") as f:
             json.dump(manifest, f, indent=2)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -342,23 +340,9 @@ def gather_parts(out_dir, part_dirs) -> dict:
                                              "seed", "source", "doc_keys", "sample")},
                 **sums, "truncated": any(m.get("truncated") for _, m in parts),
                 "parts": [os.path.relpath(d, out_dir) for d, _ in parts], "splits": splits}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.json.", dir=out_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=2)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600
-        os.replace(tmp, out_dir / "manifest.json")
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_open(out_dir / "manifest.json") as f:
+        json.dump(manifest, f, indent=2)
     return manifest
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _truncate(flat, lengths, idx, remaining: int):
@@ -368,16 +352,6 @@ def _truncate(flat, lengths, idx, remaining: int):
     lengths = lengths[: k + 1].copy()
     lengths[k] -= int(ends[k]) - remaining
     return flat[:remaining], lengths, idx[: k + 1]
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    if dst.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-        os.replace(dst, trash / dst.name)
-        os.replace(src, dst)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(src, dst)
 
 
 # ----------------------------------------------------------------------------- reading

@@ -28,10 +28,11 @@ import json
 import os
 import random
 import re
-import uuid
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Iterator
+
+from stem.io import atomic_open
 
 # ----------------------------------------------------------------- the world
 
@@ -634,30 +635,17 @@ GENERATORS: dict[str, Callable[..., Iterator[str]]] = {
 
 def write_jsonl(path: str | os.PathLike, documents: Iterator[str], n_bytes: int) -> dict:
     """Write ``{"text": doc}`` lines until the UTF-8 text bytes reach ``n_bytes``; atomic."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, unlike mkstemp
     n_docs = n_text = 0
     digest = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for doc in documents:
-                if n_text >= n_bytes:
-                    break
-                line = (json.dumps({"text": doc}, ensure_ascii=False) + "\n").encode("utf-8")
-                f.write(line)
-                digest.update(line)
-                n_docs += 1
-                n_text += len(doc.encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "wb", fsync=True) as f:
+        for doc in documents:
+            if n_text >= n_bytes:
+                break
+            line = (json.dumps({"text": doc}, ensure_ascii=False) + "\n").encode("utf-8")
+            f.write(line)
+            digest.update(line)
+            n_docs += 1
+            n_text += len(doc.encode("utf-8"))
     return {"documents": n_docs, "bytes": n_text, "sha256": digest.hexdigest()}
 
 

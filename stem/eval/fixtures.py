@@ -25,6 +25,7 @@ import yaml
 
 from stem.data import synth
 from stem.data.synth import World, make_world
+from stem.io import atomic_write_json, atomic_write_text
 
 TASKS_DIR = Path(lm_eval.__file__).parent / "tasks"
 LETTERS = "ABCDEFGH"
@@ -291,8 +292,7 @@ def _splits(task_yaml: Path) -> tuple[str, list[str]]:
 
 
 def _write_jsonl(path: Path, docs):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in docs))
 
 
 def write_fixtures(spec: dict, out_dir) -> dict:
@@ -315,7 +315,7 @@ def write_fixtures(spec: dict, out_dir) -> dict:
             files[split] = str(path)
         cfg = {"include": str(src), "task": task, "dataset_path": "json", "dataset_name": None,
                "dataset_kwargs": {"data_files": files}}
-        (out / f"{task}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        atomic_write_text(out / f"{task}.yaml", yaml.safe_dump(cfg, sort_keys=False))
         manifest["tasks"][task] = {"source": str(src), "splits": sizes}
     for group, members in spec.get("groups", {}).items():
         real = yaml.safe_load(real_yaml(group).read_text())
@@ -323,7 +323,7 @@ def write_fixtures(spec: dict, out_dir) -> dict:
         if unknown:
             raise ValueError(f"fixture group {group!r}: members {unknown} are neither fixture tasks nor groups")
         cfg = {"group": group, "task": list(members), **{k: v for k, v in real.items() if k not in ("group", "task")}}
-        (out / f"_{group}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        atomic_write_text(out / f"_{group}.yaml", yaml.safe_dump(cfg, sort_keys=False))
         manifest["groups"][group] = {"source": str(real_yaml(group)), "members": list(members)}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    atomic_write_json(out / "manifest.json", manifest)  # last
     return manifest

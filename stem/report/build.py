@@ -24,7 +24,7 @@ DIFF_FILES = ["diff.md", "cells.csv", "directions.csv", "paper_consistency.csv",
 
 
 def _write(path, text: str):
-    from stem.train.checkpoint import atomic_write_text
+    from stem.io import atomic_write_text
     atomic_write_text(path, text)
 
 

@@ -259,14 +259,10 @@ def draw(name: str, cfg: dict, res: Results, ours: dict):
 
 def save(fig, png, pdf=None):
     """Write PNG (and PDF) atomically (temp name + rename)."""
-    import os
-    from pathlib import Path
+    from stem.io import atomic_path
     for path, fmt in ((png, "png"), (pdf, "pdf")):
         if path is None:
             continue
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        fig.savefig(tmp, format=fmt, dpi=130)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=fmt, dpi=130)
     plt.close(fig)

@@ -16,28 +16,13 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-
-def atomic_write_text(path, text: str):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a result file is as readable as any other
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path, obj):
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+from stem.io import atomic_dir, atomic_write_json, atomic_write_text, replace_dir  # noqa: F401 (re-exported)
 
 
 def _state_dict_for_save(model) -> dict:
@@ -68,14 +53,6 @@ def load_weights(model, path, strict: bool = True):
     missing, unexpected = model.load_state_dict(state, strict=False)
     if strict and (missing or unexpected):
         raise ValueError(f"{path}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-
-
-def _replace_dir(tmp: Path, final: Path):
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 MANIFEST = "manifest.json"
@@ -122,14 +99,22 @@ def state_candidates(state_dir) -> list[Path]:
 
 def save_state(state_dir, step: int, model, opt, extra: dict, keep: int = 2):
     state_dir = Path(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=state_dir, prefix=".tmp_"))
-    save_weights(model, tmp / "model.safetensors")
-    torch.save(opt.state_dict(), tmp / "optim.pt")
-    atomic_write_json(tmp / "extra.json", {"step": step, **extra})
-    write_manifest(tmp)
-    _replace_dir(tmp, state_dir / f"step_{step:08d}")
-    atomic_write_text(state_dir / "latest", f"step_{step:08d}\n")
+    with atomic_dir(state_dir / state_name(step), prefix=".tmp_") as tmp:
+        save_weights(model, tmp / "model.safetensors")
+        torch.save(opt.state_dict(), tmp / "optim.pt")
+        atomic_write_json(tmp / "extra.json", {"step": step, **extra})
+        write_manifest(tmp)
+    point_latest(state_dir, step, keep)
+
+
+def state_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def point_latest(state_dir, step: int, keep: int):
+    """After ``step_{step}/`` is complete: point ``latest`` at it and prune all but the newest ``keep`` states."""
+    state_dir = Path(state_dir)
+    atomic_write_text(state_dir / "latest", state_name(step) + "\n")
     for old in sorted(state_dir.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -144,16 +129,13 @@ def load_state(folder, model, opt) -> dict:
 
 def save_checkpoint(out_dir, model, spec: dict, tokenizer_path, accounting: dict, optimizer_dir=None):
     """``optimizer_dir``: a finished optimizer-state folder (save_optimizer) moved in as ``optimizer/``."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp_ckpt_"))
-    save_weights(model, tmp / "model.safetensors")
-    if optimizer_dir is not None:
-        os.replace(optimizer_dir, tmp / "optimizer")
-    atomic_write_json(tmp / "config.json", spec)
-    atomic_write_json(tmp / "accounting.json", accounting)
-    shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-    _replace_dir(tmp, out_dir)
+    with atomic_dir(out_dir, prefix=".tmp_ckpt_") as tmp:
+        save_weights(model, tmp / "model.safetensors")
+        if optimizer_dir is not None:
+            os.replace(optimizer_dir, tmp / "optimizer")
+        atomic_write_json(tmp / "config.json", spec)
+        atomic_write_json(tmp / "accounting.json", accounting)
+        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
 
 
 def read_checkpoint_spec(ckpt_dir) -> dict:

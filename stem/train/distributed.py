@@ -203,8 +203,8 @@ def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, 
         return ck.save_state(state_dir, step, model, opt, extra, keep=keep)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    name = f"step_{step:08d}"
-    tmp = state_dir / f".tmp_{name}"
+    name = ck.state_name(step)
+    tmp = state_dir / f".tmp_{name}"   # one name every rank knows (rank 0 makes it)
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -214,10 +214,8 @@ def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, 
     if ctx.is_main:
         ck.atomic_write_json(tmp / "extra.json", {"step": step, "world_size": ctx.world, **extra})
         ck.write_manifest(tmp)   # after dcp.save returned: every rank's shards are written
-        ck._replace_dir(tmp, state_dir / name)
-        ck.atomic_write_text(state_dir / "latest", name + "\n")
-        for old in sorted(state_dir.glob("step_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        ck.replace_dir(tmp, state_dir / name)
+        ck.point_latest(state_dir, step, keep)
     dist.barrier()
 
 

@@ -29,7 +29,8 @@ from stem.data.shards import ShardSet
 from stem.models.accounting import training_flops
 from stem.models.config import ModelConfig
 from stem.train import checkpoint as ck
-from stem.train.checkpoint import atomic_write_json, atomic_write_text, load_weights, save_checkpoint
+from stem.io import atomic_write_json, atomic_write_text
+from stem.train.checkpoint import load_weights, save_checkpoint
 from stem.train import distributed as D
 from stem.train import lifecycle
 from stem.train import memory

@@ -243,7 +243,7 @@ def traced(jobs: list[tuple[dict, int, str]], cache_dir, workers: int = 1) -> li
     from multiprocessing import get_context
     from pathlib import Path
 
-    from stem.train.checkpoint import atomic_write_json
+    from stem.io import atomic_write_json
     cache_dir = Path(cache_dir)
     paths = [cache_dir / f"{_trace_key(*job)}.json" for job in jobs]
     todo = sorted({str(p): job for p, job in zip(paths, jobs) if not p.is_file()}.items())
