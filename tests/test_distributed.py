@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
-from stem.train import distributed as D  # noqa: E402
+from stem.train import distributed  # noqa: E402
 from stem.train import memory  # noqa: E402
 
 WORKER = r'''
@@ -177,11 +177,11 @@ def test_state_saved_at_two_ranks_resumes_at_one(runs):
 
 
 def test_local_micro_batch_split():
-    assert D.local_micro_batch(512, 16, 1) == (16, 32)
-    assert D.local_micro_batch(512, 16, 8) == (16, 32)
-    assert D.local_micro_batch(16, 16, 2) == (8, 2)
+    assert distributed.local_micro_batch(512, 16, 1) == (16, 32)
+    assert distributed.local_micro_batch(512, 16, 8) == (16, 32)
+    assert distributed.local_micro_batch(16, 16, 2) == (8, 2)
     with pytest.raises(ValueError, match="multiple"):
-        D.local_micro_batch(12, 8, 8)
+        distributed.local_micro_batch(12, 8, 8)
 
 
 def test_memory_estimate_shards_tables_over_all_ranks():

@@ -210,8 +210,8 @@ def test_hashmoe_experts_match_stem_total_at_350m():
 
 def test_hashmoe_remaining_difference_is_in_the_paper_diff():
     from stem.report import build as B
-    from stem.report import diff as D
-    cons = D.paper_consistency(B.paper_accounting())
+    from stem.report import diff
+    cons = diff.paper_consistency(B.paper_accounting())
     row = cons[cons["check"].str.contains("architectures") & (cons["variant"] == "hashmoe")
                & (cons["column"] == "total_params_b")].iloc[0]
     assert row["printed"] == 1.22 and row["recomputed"] == pytest.approx(1.187083, abs=1e-6)

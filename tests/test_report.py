@@ -12,7 +12,7 @@ import pytest
 
 from stem import config as C
 from stem.report import build as B
-from stem.report import diff as D
+from stem.report import diff
 from stem.report import figures as F
 from stem.report import paper_data as P
 from stem.report import tables as T
@@ -109,7 +109,7 @@ def tiny_tables(tiny_cfg, tiny_results):
 
 
 def paper_as_ours():
-    return {t: P.load_table(t) for t in D.COMPARED}
+    return {t: P.load_table(t) for t in diff.COMPARED}
 
 
 def value(df, scale, variant, column):
@@ -177,7 +177,7 @@ def test_table2_from_config(tiny_cfg):
     t2 = T.table2(C.read_yaml(C.REPO / "config" / "paper.yaml"))
     assert value(t2, "350m", "pretrain", "peak_lr") == 2e-3
     assert value(t2, "1b", "context_extend", "cross_doc_masking") == "Yes"
-    cells = D.compare({"table2": t2}, T.settings(tiny_cfg)["tolerance"])
+    cells = diff.compare({"table2": t2}, T.settings(tiny_cfg)["tolerance"])
     t2c = cells[cells["table"] == "table2"].set_index(["scale", "variant", "column"])
     assert t2c.loc[("350m", "pretrain", "peak_lr"), "status"] == "ok"
     assert t2c.loc[("1b", "context_extend", "train_steps"), "status"] == "ok"
@@ -205,31 +205,31 @@ def test_diff_flags_changed_and_missing_cells(tiny_cfg):
     t3 = ours["table3"]
     t3.loc[(t3["scale"] == "350m") & (t3["variant"] == "stem") & (t3["column"] == "arc_easy"), "value"] += 5.0
     ours["table3"] = t3[~((t3["scale"] == "1b") & (t3["variant"] == "stem") & (t3["column"] == "boolq"))]
-    cells = D.compare(ours, T.settings(tiny_cfg)["tolerance"]).set_index(["table", "scale", "variant", "column"])
+    cells = diff.compare(ours, T.settings(tiny_cfg)["tolerance"]).set_index(["table", "scale", "variant", "column"])
     changed = cells.loc[("table3", "350m", "stem", "arc_easy")]
     assert changed["status"] == "drift" and changed["delta"] == pytest.approx(5.0)
     assert cells.loc[("table3", "1b", "stem", "boolq"), "status"] == "missing"
     others = cells.drop([("table3", "350m", "stem", "arc_easy"), ("table3", "1b", "stem", "boolq")])
     assert (others.loc[["table3", "table4", "table5", "table6", "figure1b"], "status"] == "ok").all()
-    s = D.summary("paper", cells.reset_index(), D.directions(ours), D.paper_consistency())
+    s = diff.summary("paper", cells.reset_index(), diff.directions(ours), diff.paper_consistency())
     assert s["largest_gaps"][0]["cell"] == "table3/350m/stem/arc_easy" and s["missing"] == 1
-    failures = D.gate(cells.reset_index(), ["table3/*/stem/arc_*", "table3/1b/stem/boolq"])
+    failures = diff.gate(cells.reset_index(), ["table3/*/stem/arc_*", "table3/1b/stem/boolq"])
     assert {f"{r.variant}/{r.column}" for r in failures.itertuples()} == {"stem/arc_easy", "stem/boolq"}
-    assert D.gate(cells.reset_index(), ["table4/*/*/*"]).empty
+    assert diff.gate(cells.reset_index(), ["table4/*/*/*"]).empty
 
 
 def test_directions():
     ours = paper_as_ours()
     t3 = ours["table3"]
     t3.loc[(t3["scale"] == "350m") & (t3["variant"] == "stem") & (t3["column"] == "avg"), "value"] = 40.0
-    dirs = D.directions(ours).set_index(["table", "scale", "variant", "column"])
+    dirs = diff.directions(ours).set_index(["table", "scale", "variant", "column"])
     assert not dirs.loc[("table3", "350m", "stem", "avg"), "agree"]
     assert dirs.loc[("table3", "350m", "stem_gate", "avg"), "agree"]  # the paper: gate-proj trails baseline
     assert dirs.drop(("table3", "350m", "stem", "avg"))["agree"].all()
 
 
 def test_paper_consistency_surfaces_known_disagreements():
-    cons = D.paper_consistency()
+    cons = diff.paper_consistency()
     bad = set(zip(cons[~cons["consistent"]]["variant"], cons[~cons["consistent"]]["column"]))
     assert ("qwen2.5-3b", "saving_fraction") in bad  # 22.3% by the formula, 22.8% printed
     assert ("common", "warmup_ratio") in bad  # Table 2: 0.01, Sec. 4.1: 10%
@@ -239,7 +239,7 @@ def test_paper_consistency_surfaces_known_disagreements():
 
 
 def test_paper_consistency_with_architectures():
-    cons = D.paper_consistency(B.paper_accounting())
+    cons = diff.paper_consistency(B.paper_accounting())
     arch = cons[cons["check"].str.contains("architectures")].set_index(["scale", "variant", "column"])
     assert arch.loc[("1b", "stem", "total_params_b"), "consistent"]  # 1B row reproduces exactly
     assert not arch.loc[("350m", "stem_half", "total_params_b"), "consistent"]  # research notes A

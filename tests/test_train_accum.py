@@ -12,7 +12,7 @@ import torch
 from stem.data.loader import MixtureLoader
 from stem.data.shards import ShardSet
 from stem.models.config import ModelConfig
-from stem.train import distributed as D
+from stem.train import distributed
 from stem.train.loop import TrainingError, accumulate_gradients
 
 
@@ -39,7 +39,7 @@ def _grads(model):
 def _split_grads(model, rows, micro):
     model.zero_grad(set_to_none=True)
     batches = [tuple(t[i:i + micro] for t in rows) for i in range(0, rows[0].shape[0], micro)]
-    loss = accumulate_gradients(model, batches, D.DistContext(), torch.device("cpu"), nullcontext())
+    loss = accumulate_gradients(model, batches, distributed.DistContext(), torch.device("cpu"), nullcontext())
     return loss, _grads(model)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stem.report import diff as D
+from stem.report import diff
 from stem.report import paper_data as P
 from stem.report import tables as T
 from stem.report.results import Results
@@ -64,10 +64,10 @@ def paper_accounting() -> dict:
 
 def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper_acct=None):
     tol = T.settings(cfg)["tolerance"]
-    cells, dirs = D.compare(ours, tol), D.directions(ours)
-    cons = D.paper_consistency(paper_acct)
-    s = D.summary(cfg["experiment"], cells, dirs, cons)
-    failures = D.gate(cells, list(gate_patterns), gate_tolerance) if gate_patterns else None
+    cells, dirs = diff.compare(ours, tol), diff.directions(ours)
+    cons = diff.paper_consistency(paper_acct)
+    s = diff.summary(cfg["experiment"], cells, dirs, cons)
+    failures = diff.gate(cells, list(gate_patterns), gate_tolerance) if gate_patterns else None
     if failures is not None:
         s["gate"] = {"patterns": list(gate_patterns), "failed": [f"{r.table}/{r.scale}/{r.variant}/{r.column}"
                                                                  for r in failures.itertuples()]}
@@ -76,7 +76,7 @@ def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper
 
 def write_diff(out_dir, s, cells, dirs, cons, failures=None) -> str:
     out = Path(out_dir)
-    md = D.render(s, cells, dirs, cons, failures)
+    md = diff.render(s, cells, dirs, cons, failures)
     _write(out / "diff.md", md)
     _write(out / "cells.csv", _csv(cells))
     _write(out / "directions.csv", _csv(dirs))

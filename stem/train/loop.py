@@ -31,7 +31,7 @@ from stem.models.config import ModelConfig
 from stem.train import checkpoint as ck
 from stem.io import atomic_write_json, atomic_write_text
 from stem.train.checkpoint import load_weights, save_checkpoint
-from stem.train import distributed as D
+from stem.train import distributed
 from stem.train import lifecycle
 from stem.train import memory
 from stem.train.optim import build_optimizer, set_lr
@@ -105,7 +105,7 @@ def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0) -
             loss = model(x, y, positions=pos)
         (loss / divisor).backward()
         loss_sum += loss.item() / divisor
-    return D.all_mean(ctx, loss_sum)
+    return distributed.all_mean(ctx, loss_sum)
 
 
 def train(spec: dict, threads: int | None = None, max_steps: int | None = None) -> dict:
@@ -123,7 +123,7 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
     t0 = time.time()
     tc, out_dir = spec["train"], Path(spec["out_dir"])
     state_dir = out_dir / "_state"
-    ctx = D.setup(resolve_device(spec["device"]))   # joins the torchrun process group when WORLD_SIZE > 1
+    ctx = distributed.setup(resolve_device(spec["device"]))   # joins the torchrun process group when WORLD_SIZE > 1
     device, strategy = ctx.device, os.environ.get("STEM_PARALLEL", tc.get("parallel", "fsdp"))
     if threads:
         torch.set_num_threads(max(1, threads // ctx.local_world))
@@ -148,11 +148,11 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
     if device.type == "cuda" and tc.get("cross_doc_mask"):
         from stem.models.attention import flex_document_mask
         model.flex_mask_fn = flex_document_mask
-    micro, accum = D.local_micro_batch(tc["batch_size"], tc["micro_batch"], ctx.world)
+    micro, accum = distributed.local_micro_batch(tc["batch_size"], tc["micro_batch"], ctx.world)
     if ctx.is_main:
         print(f"[{out_dir}] " + memory.describe(memory.estimate(
             model, micro, tc["seq_len"], ctx.world, strategy, model.activation_checkpointing)), file=sys.stderr)
-    D.parallelize(model, ctx, strategy)
+    distributed.parallelize(model, ctx, strategy)
     autocast = mixed_precision(device)
 
     # ---- data and optimizer
@@ -164,13 +164,13 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
     val = validation_batches({n: ShardSet(s.out_dir, "val") for n, (s, _) in sources.items()},
                              tc["seq_len"], tc["micro_batch"], tc["eval_batches"])
     opt = build_optimizer(model, spec["optim"], tc["lr"], fused=device.type == "cuda")
-    D.optimizer_for_dtensors(opt, ctx, strategy)
+    distributed.optimizer_for_dtensors(opt, ctx, strategy)
     lr_kw = {k: tc[k] for k in ("lr", "steps", "warmup", "schedule", "min_lr_ratio")}
     lr_kw["schedule_steps"] = tc.get("schedule_steps")
 
     # ---- resume
     step, wall_before, val_loss = 0, 0.0, float("nan")
-    extra = D.load_state(state_dir, model, opt, ctx)
+    extra = distributed.load_state(state_dir, model, opt, ctx)
     if extra is None and spec.get("init_from") and not tc.get("reset_optimizer", True):
         ck.load_optimizer(Path(spec["init_from"]) / "optimizer", model, opt)  # carry the previous stage's state
     metrics_path = state_dir / "metrics.jsonl"
@@ -191,7 +191,7 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
     model.train()
 
     def snapshot():
-        D.save_state(state_dir, step, model, opt, {"loader": loader.state_dict(), "val_loss": val_loss,
+        distributed.save_state(state_dir, step, model, opt, {"loader": loader.state_dict(), "val_loss": val_loss,
                                                    "wall_seconds": wall_before + time.time() - t0}, ctx)
 
     tb = _tensorboard(out_dir, step) if ctx.is_main and tc.get("tensorboard") else None
@@ -205,8 +205,8 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
             loss_sum = accumulate_gradients(model, batches, ctx, device, autocast, step)
             if not math.isfinite(loss_sum):
                 raise TrainingError(f"[{out_dir}] non-finite training loss {loss_sum} at step {step} (lr={lr:.3g})")
-            D.sync_replicated_grads(model, ctx)
-            grad_norm = D.clip_grad_norm_(model, spec["optim"]["grad_clip"] or float("inf"), ctx)
+            distributed.sync_replicated_grads(model, ctx)
+            grad_norm = distributed.clip_grad_norm_(model, spec["optim"]["grad_clip"] or float("inf"), ctx)
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
@@ -230,7 +230,7 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
                 print(line, file=sys.stderr, flush=True)  # and its log (logs/...)
                 if tb is not None:
                     tb.flush()
-            stopping = D.any_rank(ctx, stop["signal"] is not None)  # all ranks stop at the same step
+            stopping = distributed.any_rank(ctx, stop["signal"] is not None)  # all ranks stop at the same step
             if step % tc["checkpoint_interval"] == 0 or stopping:
                 snapshot()
             if stopping:
@@ -238,12 +238,12 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
                 print(f"[{out_dir}] stopped by signal {sig} at step {step}; state saved", file=sys.stderr)
                 if ctx.is_main:
                     _event(state_dir, f"stopped by signal {sig} at step {step}; state saved (world size {ctx.world})")
-                D.teardown(ctx)
+                distributed.teardown(ctx)
                 raise SystemExit(128 + sig)
 
     if step < tc["steps"]:  # stopped early on purpose (max_steps): keep the state, write nothing declared
         snapshot()
-        D.teardown(ctx)
+        distributed.teardown(ctx)
         return {"step": step, "loss": loss_value}
 
     wall = wall_before + time.time() - t0
@@ -256,7 +256,7 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
         "wall_seconds": wall, "device": str(device), "world_size": ctx.world,
         "tokens_by_source": loader.tokens_by_source, **accounting,
     }
-    full = D.full_model_view(model, ctx)   # gathers the full weights to rank 0's CPU when sharded
+    full = distributed.full_model_view(model, ctx)   # gathers the full weights to rank 0's CPU when sharded
     optim_dir = None
     if tc.get("save_optimizer"):           # a later stage carries this optimizer state (reset_optimizer: false)
         optim_dir = out_dir / ".tmp_optimizer"
@@ -270,7 +270,7 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
         save_checkpoint(out_dir / "checkpoint", full, spec, spec["tokenizer"], accounting, optim_dir)
         atomic_write_text(out_dir / "metrics.jsonl", metrics_path.read_text())
         atomic_write_json(out_dir / "summary.json", summary)
-    D.teardown(ctx)
+    distributed.teardown(ctx)
     return summary
 
 

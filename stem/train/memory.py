@@ -137,22 +137,22 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
     from torch.distributed.fsdp import FSDPModule
 
     from stem.models.config import ModelConfig
-    from stem.train import distributed as D
+    from stem.train import distributed
     from stem.train.optim import build_optimizer
 
     cfg, tc = ModelConfig.from_dict(spec["model"]), spec["train"]
-    micro, accum = D.local_micro_batch(tc["batch_size"], tc["micro_batch"], world)
+    micro, accum = distributed.local_micro_batch(tc["batch_size"], tc["micro_batch"], world)
     n_micro = min(accum // world, 2)   # from the second micro-batch on, every one holds the same tensors
     device = torch.device("cpu")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else nullcontext()
     sizes = _balanced_nonzero(cfg.n_experts) if "hashmoe" in cfg.ffn else nullcontext()
     with fake_world(world) as mesh, FakeTensorMode(), sizes:
-        ctx = D.DistContext(0, world, 0, 1, device, mesh)
+        ctx = distributed.DistContext(0, world, 0, 1, device, mesh)
         model = cfg.build(device)              # as the loop does: build, then shard
         model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
-        D.parallelize(model, ctx, strategy, mixed_precision=mixed_precision)
+        distributed.parallelize(model, ctx, strategy, mixed_precision=mixed_precision)
         opt = build_optimizer(model, spec["optim"], tc["lr"], fused=mixed_precision)
-        D.optimizer_for_dtensors(opt, ctx, strategy)
+        distributed.optimizer_for_dtensors(opt, ctx, strategy)
         x = torch.randint(0, cfg.vocab_size, (micro, tc["seq_len"]), device=device)
         y = torch.randint(0, cfg.vocab_size, (micro, tc["seq_len"]), device=device)
         for p in model.parameters():          # AdamW's state, as its first step creates it
@@ -172,8 +172,8 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
                     loss = model(x, y)
                 (loss / n_micro).backward()
                 tracker.reset_mod_stats()      # the tracker refuses a second root forward otherwise
-            D.sync_replicated_grads(model, ctx)
-            D.clip_grad_norm_(model, spec["optim"]["grad_clip"] or float("inf"), ctx)
+            distributed.sync_replicated_grads(model, ctx)
+            distributed.clip_grad_norm_(model, spec["optim"]["grad_clip"] or float("inf"), ctx)
             opt.step()
             opt.zero_grad(set_to_none=True)
         peak = tracker.get_tracker_snapshot("peak")
