@@ -79,6 +79,7 @@ def cmd_diff(args):
 
 
 def cmd_memory(args):
+    from stem.models.model import build_model
     from stem.train import memory
     cfg = experiment_config(args.experiment)
     cluster = cfg.get("cluster") or {}
@@ -92,7 +93,7 @@ def cmd_memory(args):
     over = 0
     for (scale, variant, stage), (spec, world, _), r in zip(jobs, specs, memory.traced(specs, args.cache, args.workers)):
         tc = spec["train"]
-        model = C.model_config_for(cfg, scale, variant, stage).build("meta")
+        model = build_model(C.model_config_for(cfg, scale, variant, stage), "meta")
         est = memory.estimate(model, r["micro_batch"], tc["seq_len"], world, strategy,
                               bool(tc.get("activation_checkpointing")))["total_gib"]
         dev = est / r["peak_gib"] - 1

@@ -78,11 +78,11 @@ def bench_attention(seq_len: int = 1024, micro_batch: int = 4, repeats: int = 5,
                     stage: str = "extend", experiment: str = "tiny") -> dict:
     """Attention fwd+bwd time of all layers of one micro-batch: document mask vs plain causal."""
     from stem.data.loader import positions_from_docs
-    from stem.models.model import document_ids
+    from stem.models.model import build_model, document_ids
     from stem.models.rope import rope_cos_sin
 
     cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
-    model = C.model_config_for(cfg, scale, "dense", stage).build()
+    model = build_model(C.model_config_for(cfg, scale, "dense", stage))
     attn = model.layers[0].attn
     torch.manual_seed(0)
     x = torch.randn(micro_batch, seq_len, model.cfg.d_model, requires_grad=True)

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
+from stem.models.model import build_model  # noqa: E402
 from stem.train import distributed  # noqa: E402
 from stem.train import memory  # noqa: E402
 
@@ -154,7 +155,7 @@ def test_optimizer_state_saved_at_two_ranks_loads_at_one(runs):
     for world in ("w1", "w2"):
         ckpt = runs / world / "stem" / "checkpoint"
         spec = read_checkpoint_spec(ckpt)
-        model = ModelConfig.from_dict(spec["model"]).build()
+        model = build_model(ModelConfig.from_dict(spec["model"]))
         opt = build_optimizer(model, spec["optim"], 1.0)
         load_optimizer(ckpt / "optimizer", model, opt)
         states.append({n: opt.state[p] for n, p in model.named_parameters()})
@@ -186,7 +187,7 @@ def test_local_micro_batch_split():
 
 def test_memory_estimate_shards_tables_over_all_ranks():
     cfg = C.load_experiment(REPO / "config" / "paper.yaml")
-    model = C.model_config_for(cfg, "350m", "stem", "pretrain").build("meta")
+    model = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
     e1 = memory.estimate(model, 16, 2048, 1, "fsdp")
     e8 = memory.estimate(model, 16, 2048, 8, "fsdp")
     d8 = memory.estimate(model, 16, 2048, 8, "ddp")

@@ -12,6 +12,7 @@ from stem.eval import fixtures, run  # noqa: E402
 from stem.eval.generate import greedy_generate  # noqa: E402
 from stem.eval.lm import StemLM, cut_at_stop  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
+from stem.models.model import build_model  # noqa: E402
 from stem.train.checkpoint import save_checkpoint  # noqa: E402
 
 WORLD = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
@@ -30,7 +31,7 @@ def ckpt(tmp_path_factory):
     cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
     mc = C.model_config_for(cfg, "1b", "stem").to_dict()
     torch.manual_seed(0)
-    model = ModelConfig.from_dict(mc).build("cpu")
+    model = build_model(ModelConfig.from_dict(mc), "cpu")
     spec = {"experiment": "test", "scale": "1b", "variant": "stem", "stage": "pretrain", "model": mc}
     save_checkpoint(d / "checkpoint", model, spec, d / "tok.json", {})
     return d / "checkpoint"

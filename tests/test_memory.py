@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from stem import config as C
+from stem.models.model import build_model
 from stem.train import memory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def test_peak_grows_by_three_blocks_as_counted(traces):
 @pytest.mark.parametrize("n", [3, 6])
 def test_closed_form_within_ten_percent_of_the_trace(traces, n):
     t = traces[n]
-    model = C.model_config_for(t["cfg"], "1b", "stem", "pretrain").build("meta")
+    model = build_model(C.model_config_for(t["cfg"], "1b", "stem", "pretrain"), "meta")
     est = memory.estimate(model, MICRO, SEQ, WORLD, "fsdp")
     assert est["total_gib"] == pytest.approx(t["peak_gib"], rel=0.10)
 
@@ -144,5 +145,5 @@ def test_hashmoe_traces_with_balanced_experts(tmp_path):
     spec = C.train_spec(cfg, "350m", "hashmoe", "pretrain")
     r = memory.traced([(spec, WORLD, "fsdp")], tmp_path, workers=1)[0]
     from stem.models.config import ModelConfig
-    n = sum(p.numel() for p in ModelConfig.from_dict(spec["model"]).build("meta").parameters())
+    n = sum(p.numel() for p in build_model(ModelConfig.from_dict(spec["model"]), "meta").parameters())
     assert r["peak_gib"] * GIB > 16 * n / WORLD

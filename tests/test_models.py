@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from stem import config as C
 from stem.models.config import ModelConfig, RopeScaling, model_config, resolve_placement
 from stem.models.ffn import HashMoEFFN, balanced_expert_map, build_ffn
-from stem.models.model import KVCache
+from stem.models.model import KVCache, build_model
 
 TINY = dict(vocab_size=97, d_model=16, n_layers=6, n_heads=4, n_kv_heads=2, d_ff=24, max_seq_len=64)
 
@@ -88,7 +88,7 @@ def test_every_variant_forward_backward(variant):
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
     mcfg = C.model_config_for(cfg, "350m", variant)
     torch.manual_seed(0)
-    model = mcfg.build()
+    model = build_model(mcfg)
     ids = torch.randint(0, mcfg.vocab_size, (2, 33))
     loss = model(ids[:, :-1], ids[:, 1:])
     assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(mcfg.vocab_size)).item()) < 1.0
@@ -150,7 +150,7 @@ def test_accounting_exact_counts_350m():
 
 def test_document_mask_isolates_documents():
     torch.manual_seed(0)
-    model = _cfg(ffn=("dense", "stem") * 3).build().eval()
+    model = build_model(_cfg(ffn=("dense", "stem") * 3)).eval()
     ids = torch.randint(0, 97, (1, 20))
     positions = torch.cat([torch.arange(8), torch.arange(12)]).unsqueeze(0)
     other = ids.clone()
@@ -164,7 +164,7 @@ def test_document_mask_isolates_documents():
 
 def test_kv_cache_matches_full_forward():
     torch.manual_seed(0)
-    model = _cfg(ffn=("dense", "hashmoe") * 3, n_experts=4).build().eval()
+    model = build_model(_cfg(ffn=("dense", "hashmoe") * 3, n_experts=4)).eval()
     ids = torch.randint(0, 97, (2, 12))
     full = model(ids)
     cache = KVCache()
@@ -186,7 +186,7 @@ def test_rope_scaling_variants():
 
 
 def test_sequence_longer_than_max_seq_len_is_rejected():
-    model = _cfg().build()
+    model = build_model(_cfg())
     with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
         model(torch.zeros(1, 65, dtype=torch.long))
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from stem import config as C
 from stem.models.config import ModelConfig, RopeScaling
+from stem.models.model import build_model
 from stem.models.rope import inv_frequencies
 from stem.train.loop import mixed_precision
 
@@ -21,7 +22,7 @@ def test_every_variant_trains_under_the_loops_bf16_autocast(variant):
     """Forward + backward under the loop's own autocast (bf16), here on the CPU."""
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
     torch.manual_seed(0)
-    model = C.model_config_for(cfg, "350m", variant).build()
+    model = build_model(C.model_config_for(cfg, "350m", variant))
     ids = torch.randint(0, model.cfg.vocab_size, (2, 33))
     positions = torch.cat([torch.arange(12), torch.arange(20)]).expand(2, 32)  # packed rows too
     autocast = mixed_precision(torch.device("cpu"), enabled=True)
@@ -42,7 +43,7 @@ def test_every_variant_trains_under_the_loops_bf16_autocast(variant):
 def _dse_model(seed=0):
     cfg = ModelConfig.from_dict({**TINY, "dse": {"layers": [1, 4], "rows_per_head": 31, "d_mem": 8, "heads": 2}})
     torch.manual_seed(seed)
-    model = cfg.build().eval()
+    model = build_model(cfg).eval()
     with torch.no_grad():  # trained-looking weights: the zero-initialised conv and unit norms hide the equations
         for m in model.layers:
             if m.dse is not None:
@@ -153,7 +154,7 @@ def test_yarn_attention_temperature_scales_the_logits():
     cfg = ModelConfig.from_dict({**TINY, "n_layers": 1, "rope_theta": 10000.0,
                                  "rope_scaling": {"kind": "yarn", "factor": s, "original_max_seq_len": 16}})
     torch.manual_seed(0)
-    model = cfg.build().eval()
+    model = build_model(cfg).eval()
     seen = {}
     model.layers[0].attn.register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
     model(torch.randint(0, 97, (1, 12)))

@@ -455,6 +455,7 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     from stem.data.tokenizer import train_bpe
     from stem.eval import fixtures, run
     from stem.models.config import ModelConfig
+    from stem.models.model import build_model
     from stem.train.checkpoint import save_checkpoint
     world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
     docs = [doc for doc, _ in zip(synth.web_documents(synth.make_world(**world)), range(200))]
@@ -464,7 +465,7 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     mc = C.model_config_for(cfg, "1b", "stem", "extend").to_dict()
     torch.manual_seed(0)
     ident = {"experiment": "tiny", "scale": "1b", "variant": "stem", "stage": "extend"}
-    save_checkpoint(tmp_path / "ckpt", ModelConfig.from_dict(mc).build("cpu"), {**ident, "model": mc},
+    save_checkpoint(tmp_path / "ckpt", build_model(ModelConfig.from_dict(mc), "cpu"), {**ident, "model": mc},
                     tmp_path / "tok.json", {})
     tasks = ["arc_easy", "boolq", "longbench_hotpotqa", "longbench_lcc"]
     fixtures.write_fixtures({**cfg["eval"]["fixtures"], "world": world, "seed": 0, "items": 4, "train_items": 2,

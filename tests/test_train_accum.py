@@ -12,6 +12,7 @@ import torch
 from stem.data.loader import MixtureLoader
 from stem.data.shards import ShardSet
 from stem.models.config import ModelConfig
+from stem.models.model import build_model
 from stem.train import distributed
 from stem.train.loop import TrainingError, accumulate_gradients
 
@@ -20,7 +21,7 @@ def _model():
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=512, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=48, max_seq_len=128,
                       ffn=("dense", "stem", "dense"))
-    return cfg.build()
+    return build_model(cfg)
 
 
 def _rows(tiny_data, n=8, seq_len=96):
@@ -85,5 +86,5 @@ def test_sparse_table_gradients_are_not_an_option():
     cfg["variant_overrides"] = {"stem": {"table_sparse_grad": True}}
     with pytest.raises(ValueError, match=r"unknown keys \['table_sparse_grad'\]"):
         C.model_config_for(cfg, "350m", "stem")
-    model = C.model_config_for(C.load_experiment(C.REPO / "config" / "tiny.yaml"), "350m", "stem").build("meta")
+    model = build_model(C.model_config_for(C.load_experiment(C.REPO / "config" / "tiny.yaml"), "350m", "stem"), "meta")
     assert not any(getattr(m, "sparse", False) for m in model.modules())

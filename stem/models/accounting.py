@@ -17,6 +17,7 @@ import torch.nn as nn
 from stem.models.config import TABLE_KINDS, ModelConfig
 from stem.models.dse import DSEMemory
 from stem.models.ffn import HashMoEFFN, StemTable
+from stem.models.model import build_model
 
 
 def _numel(params) -> int:
@@ -48,7 +49,7 @@ def accounting(model: nn.Module) -> dict:
 
 def dense_total_params(cfg: ModelConfig) -> int:
     dense = dataclasses.replace(cfg, ffn=("dense",) * cfg.n_layers, dse=None)
-    return _numel(dense.build("meta").parameters())
+    return _numel(build_model(dense, "meta").parameters())
 
 
 def training_flops(active_params: int, tokens: int) -> float:

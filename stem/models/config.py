@@ -128,14 +128,6 @@ class ModelConfig:
             d["dse"] = DSEConfig(**dse)
         return cls(**d)
 
-    def build(self, device=None):
-        """Instantiate the model (on ``device``; ``"meta"`` costs no memory)."""
-        from stem.models.model import Transformer
-        import torch
-
-        with torch.device(device or "cpu"):
-            return Transformer(self)
-
 
 def resolve_placement(spec, n_layers: int) -> list[int]:
     """Layer indices from a placement spec.

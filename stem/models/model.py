@@ -85,6 +85,12 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x), ids)
 
 
+def build_model(cfg: ModelConfig, device=None) -> "Transformer":
+    """Instantiate the model (on ``device``; ``"meta"`` costs no memory)."""
+    with torch.device(device or "cpu"):
+        return Transformer(cfg)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -184,7 +190,3 @@ class Transformer(nn.Module):
         n_grouped = sum(p.numel() for ps in groups.values() for p in ps)
         assert n_grouped == sum(p.numel() for p in self.parameters()), "optimizer groups miss parameters"
         return {k: v for k, v in groups.items() if v}
-
-    def accounting(self) -> dict:
-        from stem.models.accounting import accounting
-        return accounting(self)

@@ -157,11 +157,12 @@ def read_checkpoint_spec(ckpt_dir) -> dict:
 def load_checkpoint(ckpt_dir, device="cpu"):
     """(model, spec) from a checkpoint folder written by save_checkpoint."""
     from stem.models.config import ModelConfig
+    from stem.models.model import build_model
 
     ckpt_dir = Path(ckpt_dir)
     spec = read_checkpoint_spec(ckpt_dir)
     try:
-        model = ModelConfig.from_dict(spec["model"]).build(device)
+        model = build_model(ModelConfig.from_dict(spec["model"]), device)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{ckpt_dir / 'config.json'}: bad model config ({_first_line(e)})") from None
     load_weights(model, ckpt_dir / "model.safetensors")

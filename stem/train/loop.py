@@ -26,7 +26,8 @@ import torch
 
 from stem.data.loader import MixtureLoader, validation_batches
 from stem.data.shards import ShardSet
-from stem.models.accounting import training_flops
+from stem.models.accounting import accounting as model_accounting, training_flops
+from stem.models.model import build_model
 from stem.models.config import ModelConfig
 from stem.train import checkpoint as ck
 from stem.io import atomic_write_json, atomic_write_text
@@ -132,7 +133,7 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
 
     # ---- model, tokenizer-dependent buffers, initial weights
     cfg = ModelConfig.from_dict(spec["model"])
-    model = cfg.build(device)
+    model = build_model(cfg, device)
     if cfg.dse is not None:
         from stem.data.tokenizer import load_tokenizer
         from stem.models.dse import compression_map
@@ -143,7 +144,7 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
     if spec.get("init_from"):
         check_init_from(spec)
         load_weights(model, Path(spec["init_from"]) / "model.safetensors")
-    accounting = model.accounting()
+    accounting = model_accounting(model)
     model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
     if device.type == "cuda" and tc.get("cross_doc_mask"):
         from stem.models.attention import flex_document_mask

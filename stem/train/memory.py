@@ -137,6 +137,7 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
     from torch.distributed.fsdp import FSDPModule
 
     from stem.models.config import ModelConfig
+    from stem.models.model import build_model
     from stem.train import distributed
     from stem.train.optim import build_optimizer
 
@@ -148,7 +149,7 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
     sizes = _balanced_nonzero(cfg.n_experts) if "hashmoe" in cfg.ffn else nullcontext()
     with fake_world(world) as mesh, FakeTensorMode(), sizes:
         ctx = distributed.DistContext(0, world, 0, 1, device, mesh)
-        model = cfg.build(device)              # as the loop does: build, then shard
+        model = build_model(cfg, device)       # as the loop does: build, then shard
         model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
         distributed.parallelize(model, ctx, strategy, mixed_precision=mixed_precision)
         opt = build_optimizer(model, spec["optim"], tc["lr"], fused=mixed_precision)
