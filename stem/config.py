@@ -124,10 +124,6 @@ def variants(cfg: dict) -> dict:
     return {name: _deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {})) for name, spec in base.items()}
 
 
-def variant_label(name: str) -> str:
-    return read_yaml(VARIANTS)[name]["label"]
-
-
 def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):
     from stem.models.config import model_config
 

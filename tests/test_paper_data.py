@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from stem.report import paper_data as pdata
 
@@ -20,6 +21,31 @@ def paper():
     if not PAPER_TXT.exists():
         pytest.skip(f"paper text not found at {PAPER_TXT} (shared seeds folder absent)")
     return PAPER_TXT.read_text(encoding="utf-8")
+
+
+# ---- test-only look-ups (the pipeline reads whole tables through stem.report.paper_data)
+def paper_value(table: str, scale: str | None, variant: str, column: str) -> float:
+    """A single published number. ``variant`` may be the variant id or the paper's row label."""
+    df = pdata._read(table)
+    scale = scale or ""
+    rows = df[(df["scale"] == scale) & ((df["variant"] == variant) | (df["row"] == variant))]
+    if rows.empty:
+        have = sorted(set(df["scale"] + "/" + df["variant"]))
+        raise ValueError(f"{table} has no row scale={scale!r} variant={variant!r}; available: {', '.join(have)}")
+    hit = rows[rows["column"] == column]
+    if len(hit) != 1:
+        have = list(dict.fromkeys(rows["column"]))
+        raise ValueError(f"{table} {scale}/{variant} has no column {column!r}; available: {', '.join(have)}")
+    value = hit["value"].iloc[0]
+    if isinstance(value, str):
+        raise ValueError(f"{table} {scale}/{variant} {column!r} is text ({value!r}), not a number")
+    return float(value)
+
+
+def load_table1_formulas() -> dict:
+    """Table 1's per-layer cost formulas (FFN vs STEM vs savings) as text and printed LaTeX."""
+    with open(pdata.PAPER_DIR / "table1_formulas.yaml", encoding="utf-8") as f:
+        return yaml.safe_load(f)
 
 
 def paper_cells(text: str, number: int) -> dict:
@@ -115,7 +141,7 @@ def test_every_paper_cell_transcribed(paper, number):
 
 
 def test_table1_formulas_match_paper(paper):
-    f = pdata.load_table1_formulas()
+    f = load_table1_formulas()
     cells = [c for phase in ("prefill_training", "decoding") for metric in f[phase].values() for c in metric.values()]
     assert len(cells) == 12
     for c in cells:
@@ -132,19 +158,19 @@ def test_variant_ids_and_labels():
 
 
 def test_loader_api():
-    assert pdata.paper_value("table3", "350m", "stem_half", "arc_challenge") == 40.00
-    assert pdata.paper_value("table3", "1b", "stem", "roi") == 1.08
-    assert pdata.paper_value("table1_saving_fractions", None, "Qwen2.5-7B", "saving_fraction") == 23.9
-    assert pdata.paper_value("table2", "1b", "midtrain", "train_steps") == 50000
+    assert paper_value("table3", "350m", "stem_half", "arc_challenge") == 40.00
+    assert paper_value("table3", "1b", "stem", "roi") == 1.08
+    assert paper_value("table1_saving_fractions", None, "Qwen2.5-7B", "saving_fraction") == 23.9
+    assert paper_value("table2", "1b", "midtrain", "train_steps") == 50000
     assert pdata.load_table("table2").query("column == 'lr_schedule'")["value"].tolist()[2] == "linear"
     with pytest.raises(ValueError, match="unknown paper table 'table9'; available: .*table3"):
         pdata.load_table("table9")
     with pytest.raises(ValueError, match="no row scale='1b' variant='hashmoe'; available: .*350m/hashmoe"):
-        pdata.paper_value("table3", "1b", "hashmoe", "avg")
+        paper_value("table3", "1b", "hashmoe", "avg")
     with pytest.raises(ValueError, match="no column 'arc_e'; available: .*arc_easy"):
-        pdata.paper_value("table3", "1b", "stem", "arc_e")
+        paper_value("table3", "1b", "stem", "arc_e")
     with pytest.raises(ValueError, match="is text"):
-        pdata.paper_value("table2", "1b", "pretrain", "lr_schedule")
+        paper_value("table2", "1b", "pretrain", "lr_schedule")
 
 
 # ---- the paper's internal arithmetic -------------------------------------------------------------
@@ -202,8 +228,8 @@ def test_table1_saving_fractions_recomputed():
 
 
 def test_table2_warmup_contradiction_recorded():
-    assert pdata.paper_value("table2", None, "common", "warmup_ratio") == 0.01
-    assert pdata.paper_value("table2", None, "sec4_1", "warmup_ratio") == 0.10
+    assert paper_value("table2", None, "common", "warmup_ratio") == 0.01
+    assert paper_value("table2", None, "sec4_1", "warmup_ratio") == 0.10
 
 
 def test_table2_steps_match_token_budgets():
@@ -213,8 +239,8 @@ def test_table2_steps_match_token_budgets():
 
 
 def test_figure1b_gap_order(paper):
-    assert pdata.paper_value("figure1b", "1b", "stem", "niah_gap_shortest") == 8.4
-    assert pdata.paper_value("figure1b", "1b", "stem", "niah_gap_longest") == 13
+    assert paper_value("figure1b", "1b", "stem", "niah_gap_shortest") == 8.4
+    assert paper_value("figure1b", "1b", "stem", "niah_gap_longest") == 13
 
 
 @pytest.mark.parametrize("name", ["table5", "table6"])

@@ -11,7 +11,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 PAPER_DIR = Path(__file__).resolve().parents[2] / "reference" / "paper"
 COLUMNS = ["table", "scale", "variant", "row", "column", "value", "unit", "source"]
@@ -58,27 +57,3 @@ def _read(name: str) -> pd.DataFrame:
 def load_table(name: str) -> pd.DataFrame:
     """One paper table as a long DataFrame (a copy; safe to modify)."""
     return _read(name).copy()
-
-
-def paper_value(table: str, scale: str | None, variant: str, column: str) -> float:
-    """A single published number. ``variant`` may be the variant id or the paper's row label."""
-    df = _read(table)
-    scale = scale or ""
-    rows = df[(df["scale"] == scale) & ((df["variant"] == variant) | (df["row"] == variant))]
-    if rows.empty:
-        have = sorted(set(df["scale"] + "/" + df["variant"]))
-        raise ValueError(f"{table} has no row scale={scale!r} variant={variant!r}; available: {', '.join(have)}")
-    hit = rows[rows["column"] == column]
-    if len(hit) != 1:
-        have = list(dict.fromkeys(rows["column"]))
-        raise ValueError(f"{table} {scale}/{variant} has no column {column!r}; available: {', '.join(have)}")
-    value = hit["value"].iloc[0]
-    if isinstance(value, str):
-        raise ValueError(f"{table} {scale}/{variant} {column!r} is text ({value!r}), not a number")
-    return float(value)
-
-
-def load_table1_formulas() -> dict:
-    """Table 1's per-layer cost formulas (FFN vs STEM vs savings) as text and printed LaTeX."""
-    with open(PAPER_DIR / "table1_formulas.yaml", encoding="utf-8") as f:
-        return yaml.safe_load(f)
