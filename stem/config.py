@@ -71,8 +71,19 @@ def _check_sources(cfg: dict, origin: str):
             raise ConfigError(f"{origin}: key '{key}': unknown source {unknown[0]!r}; expected one of {known}")
 
 
+def _check_suite_kinds(cfg: dict, origin: str):
+    """Every eval suite's kind (default lm_eval) is a registered one (stem.eval.run.SUITE_KINDS)."""
+    from stem.eval.run import SUITE_KINDS
+    for name, suite in ((cfg.get("eval") or {}).get("suites") or {}).items():
+        kind = suite.get("kind", "lm_eval") if isinstance(suite, dict) else None
+        if kind not in SUITE_KINDS:
+            raise ConfigError(f"{origin}: key 'eval.suites.{name}.kind': unknown suite kind {kind!r}; "
+                              f"expected one of {sorted(SUITE_KINDS)}")
+
+
 def _cross_check(cfg: dict, origin: str):
     _check_sources(cfg, origin)
+    _check_suite_kinds(cfg, origin)
     for scale, m in cfg["matrix"].items():
         for what in ("archs", "tokenizer"):
             if scale not in cfg[what]:
