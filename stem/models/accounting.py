@@ -3,10 +3,11 @@
 Which parameters are tables or experts comes from the modules' declared roles (``stem.models.registry``).
 
 - ``total_params``: exact count of the model as built.
-- ``paper_total_params``: the paper's Table 3 convention, dense total + n_table_layers * V * d_ff
-  (the removed up-projections are not subtracted); for Hash-MoE and DSE the exact count.
-- ``active_params``: parameters used per token in matrix products: all STEM/DSE tables are lookups
-  (zero FLOPs, not counted) and only one of E Hash-MoE experts runs. For STEM this is
+- ``paper_total_params``: the paper's Table 3 convention, dense total + the parameters whose role is
+  ``paper_table`` (n_table_layers * V * d_ff for STEM: the removed up-projections are not subtracted);
+  without such parameters (Hash-MoE, DSE) the exact count.
+- ``active_params``: parameters used per token in matrix products: ``lookup`` roles (all STEM/DSE tables:
+  zero FLOPs) are not counted, and of an ``expert`` role (dim 0 = E Hash-MoE experts) one expert runs. For STEM this is
   dense total - n_stem * d_model * d_ff (the input embedding counts, as in the paper's dense rows).
 - ``gflops_per_token``: 2 * active / 1e9 (forward, attention's context-dependent term excluded).
 """
