@@ -74,6 +74,12 @@ def test_unregistered_group_is_an_error(toy):
         _cfg().build("cpu").param_groups()
 
 
+def test_role_matching_no_parameter_is_an_error(toy, monkeypatch):
+    monkeypatch.setattr(toy_ffn.ToyBiasTable, "param_roles", {"wieght": toy_ffn.ToyBiasTable.param_roles["weight"]})
+    with pytest.raises(ValueError, match=r"ToyBiasTable.param_roles\['wieght'\]: matches none of its parameters \(weight\)"):
+        _cfg().build("cpu").accounting()
+
+
 def test_builtin_roles_match_the_paper_accounting():
     """STEM tables, Hash-MoE experts and DSE tables are found by their declared roles."""
     cfg = ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=KV, d_ff=F, max_seq_len=32,

@@ -99,12 +99,18 @@ def param_roles(model) -> dict[int, Role]:
     """{id(parameter): Role} for every parameter some module of ``model`` declares a role for."""
     roles: dict[int, Role] = {}
     for m in model.modules():
-        declared = getattr(m, "param_roles", None) or {}
-        for name, p in m.named_parameters():
-            role = next((r for pat, r in declared.items() if fnmatch.fnmatchcase(name, pat)), None)
-            if role is not None:
-                if role.group not in OPTIM_GROUPS:
-                    raise ValueError(f"{type(m).__name__}.param_roles[{name!r}]: group {role.group!r} is not "
-                                     f"registered (expected one of {', '.join(OPTIM_GROUPS)})")
-                roles[id(p)] = role
+        declared = getattr(m, "param_roles", None)
+        if not declared:
+            continue
+        named = list(m.named_parameters())
+        for pattern, role in declared.items():
+            matched = [p for name, p in named if fnmatch.fnmatchcase(name, pattern)]
+            if not matched:
+                raise ValueError(f"{type(m).__name__}.param_roles[{pattern!r}]: matches none of its parameters "
+                                 f"({', '.join(n for n, _ in named) or 'none'})")
+            if role.group not in OPTIM_GROUPS:
+                raise ValueError(f"{type(m).__name__}.param_roles[{pattern!r}]: group {role.group!r} is not "
+                                 f"registered (expected one of {', '.join(OPTIM_GROUPS)})")
+            for p in matched:
+                roles.setdefault(id(p), role)   # the first matching pattern wins
     return roles
