@@ -84,6 +84,12 @@ def _check_suite_kinds(cfg: dict, origin: str):
 def _cross_check(cfg: dict, origin: str):
     _check_sources(cfg, origin)
     _check_suite_kinds(cfg, origin)
+    from stem.models.registry import FFN_KINDS  # torch-free: the kinds' names, classes resolved on use
+    for name, spec in variants(cfg).items():
+        kind = spec.get("ffn", "dense")
+        if kind not in FFN_KINDS:
+            raise ConfigError(f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides): key 'ffn': "
+                              f"{kind!r} is not a registered FFN kind; expected one of {', '.join(FFN_KINDS)}")
     for scale, m in cfg["matrix"].items():
         for what in ("archs", "tokenizer"):
             if scale not in cfg[what]:
