@@ -71,8 +71,25 @@ def _check_sources(cfg: dict, origin: str):
             raise ConfigError(f"{origin}: key '{key}': unknown source {unknown[0]!r}; expected one of {known}")
 
 
+def _check_suite_kinds(cfg: dict, origin: str):
+    """Every eval suite's kind (default lm_eval) is a registered one (stem.eval.kinds)."""
+    from stem.eval.kinds import known_kinds
+    for name, suite in ((cfg.get("eval") or {}).get("suites") or {}).items():
+        kind = suite.get("kind", "lm_eval") if isinstance(suite, dict) else None
+        if kind not in known_kinds():
+            raise ConfigError(f"{origin}: key 'eval.suites.{name}.kind': unknown suite kind {kind!r}; "
+                              f"expected one of {known_kinds()}")
+
+
 def _cross_check(cfg: dict, origin: str):
     _check_sources(cfg, origin)
+    _check_suite_kinds(cfg, origin)
+    from stem.models.registry import FFN_KINDS  # torch-free: the kinds' names, classes resolved on use
+    for name, spec in variants(cfg).items():
+        kind = spec.get("ffn", "dense")
+        if kind not in FFN_KINDS:
+            raise ConfigError(f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides): key 'ffn': "
+                              f"{kind!r} is not a registered FFN kind; expected one of {', '.join(FFN_KINDS)}")
     for scale, m in cfg["matrix"].items():
         for what in ("archs", "tokenizer"):
             if scale not in cfg[what]:

@@ -2,7 +2,6 @@
 or JSON lines .zst with the hub's config layout, ProLong MDS written by mosaicml-streaming's own writer),
 read with config/paper.yaml's own source specs, and a reduced paper-shaped config run through Snakemake
 tokenize -> pretrain -> midtrain -> extend -> NIAH on the CPU; a killed tokenize job reruns alone."""
-import io
 import json
 import os
 import random
@@ -373,7 +372,7 @@ def test_gather_concatenates_parts_and_refuses_mismatched_ones(world, tmp_path):
     for k in range(2):
         tokenize_to_shards(iter(texts[20 * k : 20 * k + 20]), world["tok"], tmp_path / f"p{k}", shard_tokens=100)
     m = gather_parts(tmp_path, [tmp_path / "p0", tmp_path / "p1"])
-    whole = tokenize_to_shards(iter(texts), world["tok"], tmp_path / "whole", shard_tokens=100)
+    tokenize_to_shards(iter(texts), world["tok"], tmp_path / "whole", shard_tokens=100)
     assert m["documents_seen"] == 40 and m["parts"] == ["p0", "p1"]
     def docs(d):  # every document (train and val) as a tuple of tokens
         out = []

@@ -98,6 +98,8 @@ def test_reduced_tiny_dag_runs_for_real_and_reruns_nothing(tmp_path):
     (lambda c: c["stages"]["pretrain"]["350m"].update(data={"wikipedia": 1.0}), "unknown source 'wikipedia'"),
     (lambda c: c["stages"]["pretrain"]["350m"].update(seq_len=4096), "exceeds the model's max_seq_len 256"),
     (lambda c: c["tokenizer"]["350m"].update(vocab_size=100000), "exceeds archs.350m.vocab_size"),
+    (lambda c: c["eval"]["suites"]["ppl"].update(kind="perplexity"),
+     "key 'eval.suites.ppl.kind': unknown suite kind 'perplexity'; expected one of ['lm_eval', 'niah', 'ppl']"),
 ])
 def test_bad_config_stops_with_one_clear_line(tmp_path, edit, message):
     cfg = yaml.safe_load((REPO / "config/tiny.yaml").read_text())

@@ -14,6 +14,9 @@ Output ``results/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.json`` (wri
 All metric values and stderrs are in percent (0-100, as the paper prints them), except a ``ppl``
 suite's perplexities (``"unit": "perplexity"``). The raw lm-eval output (per-sample records
 included) is kept beside it as ``eval/raw/{suite}.json``.
+
+Each suite ``kind`` (lm_eval, niah, ppl) is a runner registered with ``@suite_kind(name)`` in
+``SUITE_KINDS``; the config check, the workflow's inputs and ``evaluate`` all look the kind up there.
 """
 from __future__ import annotations
 
@@ -21,7 +24,15 @@ import json
 import time
 from pathlib import Path
 
-KNOWN_KINDS = ("lm_eval", "niah", "ppl")
+from stem.eval.kinds import SUITE_KINDS, SuiteKind, suite_kind  # the registry of suite kinds; runners below
+
+
+def kind_of(spec: dict) -> SuiteKind:
+    """The registered kind of a suite spec; a one-line error naming the known kinds otherwise."""
+    if spec["kind"] not in SUITE_KINDS:
+        raise ValueError(f"suite {spec.get('suite')!r}: unknown kind {spec['kind']!r} "
+                         f"(expected one of {sorted(SUITE_KINDS)})")
+    return SUITE_KINDS[spec["kind"]]
 
 
 def suite_spec(cfg: dict, suite: str) -> dict:
@@ -31,15 +42,11 @@ def suite_spec(cfg: dict, suite: str) -> dict:
     if suite not in suites:
         raise ValueError(f"suite {suite!r}: not in the {cfg['experiment']} config (expected one of {sorted(suites)})")
     spec = {"kind": "lm_eval", "num_fewshot": None, "metric": [], "gen_kwargs": None, **suites[suite]}
-    if spec["kind"] not in KNOWN_KINDS:
-        raise ValueError(f"suite {suite!r}: unknown kind {spec['kind']!r} (expected one of {KNOWN_KINDS})")
+    kind = kind_of({**spec, "suite": suite})
     spec.update(suite=suite, batch_size=ev.get("batch_size", 32), seed=cfg["seed"], device=cfg.get("device"),
                 fixtures=f"data/{cfg['experiment']}/fixtures" if ev.get("fixtures") else None)
-    if spec["kind"] in ("niah", "ppl"):
-        from stem import config as C
-        if spec["kind"] == "ppl":  # `documents` (a count) is replaced by the reader spec below
-            spec["n_documents"] = spec.get("documents", 100)
-        spec["documents"] = C.documents_spec(cfg, spec.get("haystack") or spec["source"])
+    if kind.resolve:
+        kind.resolve(cfg, spec)
     return spec
 
 
@@ -91,11 +98,8 @@ def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
     from stem import config as C
     spec = suite_spec(cfg, suite)
     inputs = {"checkpoint": f"{C.stage_dir(experiment, scale, variant, stage)}/checkpoint"}
-    if spec["kind"] == "lm_eval" and spec["fixtures"]:
-        inputs["fixtures"] = spec["fixtures"]
-    if spec["kind"] in ("niah", "ppl"):
-        inputs["documents"] = C.source_inputs(cfg, spec.get("haystack") or spec["source"])
-    return inputs
+    kind = kind_of(spec)
+    return {**inputs, **kind.inputs(cfg, spec)} if kind.inputs else inputs
 
 
 # ---- lm-eval suites -----------------------------------------------------------------------------------
@@ -195,6 +199,19 @@ def by_length(raw: dict, ranges: dict, metric: str = "score", field: str = "leng
     return out
 
 
+def _lm_eval_inputs(cfg: dict, spec: dict) -> dict:
+    return {"fixtures": spec["fixtures"]} if spec["fixtures"] else {}
+
+
+@suite_kind("lm_eval", inputs=_lm_eval_inputs)
+def lm_eval_suite(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
+    raw = run_lm_eval(lm, spec, limit)
+    norm = normalise(raw, spec)
+    if spec.get("length_ranges"):
+        norm["by_length"] = by_length(raw, spec["length_ranges"], spec.get("length_metric", "score"))
+    return norm, raw, f"lm-eval {raw.get('lm_eval_version') or _lm_eval_version()}"
+
+
 # ---- our own harnesses ------------------------------------------------------------------------------
 def _documents(spec: dict, n_chars: int | None = None, n_docs: int | None = None, tok=None) -> list[str]:
     """The first documents of the suite's source, up to n_chars characters or n_docs documents
@@ -210,7 +227,27 @@ def _documents(spec: dict, n_chars: int | None = None, n_docs: int | None = None
     return docs
 
 
-def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict]:
+def _source(spec: dict) -> str:
+    return spec.get("haystack") or spec["source"]
+
+
+def _resolve_documents(cfg: dict, spec: dict) -> None:
+    from stem import config as C
+    spec["documents"] = C.documents_spec(cfg, _source(spec))
+
+
+def _resolve_ppl(cfg: dict, spec: dict) -> None:
+    spec["n_documents"] = spec.get("documents", 100)  # `documents` (a count) is replaced by the reader spec
+    _resolve_documents(cfg, spec)
+
+
+def _documents_inputs(cfg: dict, spec: dict) -> dict:
+    from stem import config as C
+    return {"documents": C.source_inputs(cfg, _source(spec))}
+
+
+@suite_kind("niah", resolve=_resolve_documents, inputs=_documents_inputs)
+def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
     from stem.eval import niah
     too_long = [L for L in spec["lengths"] if L > lm.max_length]
     if too_long:
@@ -222,10 +259,11 @@ def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict]:
     out = {"tasks": {"niah": {"metric": "exact_match", "value": res["accuracy"], "stderr": None, "n": res["n"],
                               "version": "stem-niah-1", "all_metrics": {"exact_match": res["accuracy"]}}},
            "groups": {}, "cells": res["cells"]}
-    return out, {"items": items, **res}
+    return out, {"items": items, **res}, "stem.eval.niah"
 
 
-def run_ppl(lm, spec: dict, limit=None) -> tuple[dict, dict]:
+@suite_kind("ppl", resolve=_resolve_ppl, inputs=_documents_inputs)
+def run_ppl(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
     import math
     from lm_eval.api.instance import Instance
 
@@ -237,7 +275,8 @@ def run_ppl(lm, spec: dict, limit=None) -> tuple[dict, dict]:
     ppl, bpb = math.exp(-sum(lls) / n_tok), -sum(lls) / n_bytes / math.log(2)
     entry = {"metric": "token_perplexity", "value": ppl, "stderr": None, "n": len(docs), "version": "stem-ppl-1",
              "unit": "perplexity", "all_metrics": {"token_perplexity": ppl, "bits_per_byte": bpb}}
-    return {"tasks": {"ppl": entry}, "groups": {}}, {"loglikelihoods": lls, "tokens": n_tok, "bytes": n_bytes}
+    raw = {"loglikelihoods": lls, "tokens": n_tok, "bytes": n_bytes}
+    return {"tasks": {"ppl": entry}, "groups": {}}, raw, "stem.eval.ppl"
 
 
 # ---- one suite, end to end -------------------------------------------------------------------------------
@@ -247,18 +286,11 @@ def evaluate(checkpoint, spec: dict, out_json=None, raw_json=None, limit=None, l
 
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise ValueError(f"limit {limit!r}: expected a positive whole number of items per task (or no limit)")
+    kind = kind_of(spec)
     t0 = time.time()
     lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"])
     check_job(checkpoint, lm.spec, expected_job(spec, out_json), out_json)
-    if spec["kind"] == "lm_eval":
-        raw = run_lm_eval(lm, spec, limit)
-        norm = normalise(raw, spec)
-        if spec.get("length_ranges"):
-            norm["by_length"] = by_length(raw, spec["length_ranges"], spec.get("length_metric", "score"))
-        harness = f"lm-eval {raw.get('lm_eval_version') or _lm_eval_version()}"
-    else:
-        norm, raw = (run_niah if spec["kind"] == "niah" else run_ppl)(lm, spec, limit)
-        harness = f"stem.eval.{spec['kind']}"
+    norm, raw, harness = kind.run(lm, spec, limit)
     job = lm.spec
     result = {"experiment": job.get("experiment"), "scale": job.get("scale"), "variant": job.get("variant"),
               "stage": job.get("stage"), "suite": spec["suite"], "checkpoint": str(checkpoint), "limit": limit,

@@ -1,10 +1,13 @@
 """Parameter and FLOP accounting, in the paper's convention and exactly.
 
+Which parameters are tables or experts comes from the modules' declared roles (``stem.models.registry``).
+
 - ``total_params``: exact count of the model as built.
-- ``paper_total_params``: the paper's Table 3 convention, dense total + n_table_layers * V * d_ff
-  (the removed up-projections are not subtracted); for Hash-MoE and DSE the exact count.
-- ``active_params``: parameters used per token in matrix products: all STEM/DSE tables are lookups
-  (zero FLOPs, not counted) and only one of E Hash-MoE experts runs. For STEM this is
+- ``paper_total_params``: the paper's Table 3 convention, dense total + the parameters whose role is
+  ``paper_table`` (n_table_layers * V * d_ff for STEM: the removed up-projections are not subtracted);
+  without such parameters (Hash-MoE, DSE) the exact count.
+- ``active_params``: parameters used per token in matrix products: ``lookup`` roles (all STEM/DSE tables:
+  zero FLOPs) are not counted, and of an ``expert`` role (dim 0 = E Hash-MoE experts) one expert runs. For STEM this is
   dense total - n_stem * d_model * d_ff (the input embedding counts, as in the paper's dense rows).
 - ``gflops_per_token``: 2 * active / 1e9 (forward, attention's context-dependent term excluded).
 """
@@ -14,10 +17,9 @@ import dataclasses
 
 import torch.nn as nn
 
-from stem.models.config import TABLE_KINDS, ModelConfig
-from stem.models.dse import DSEMemory
-from stem.models.ffn import HashMoEFFN, StemTable
+from stem.models.config import ModelConfig
 from stem.models.model import build_model
+from stem.models.registry import param_roles
 
 
 def _numel(params) -> int:
@@ -26,23 +28,21 @@ def _numel(params) -> int:
 
 def accounting(model: nn.Module) -> dict:
     cfg: ModelConfig = model.cfg
+    roles = param_roles(model)
     total = _numel(model.parameters())
-    tables = _numel(m.weight for m in model.modules() if isinstance(m, StemTable))
-    dse_tables = _numel(t.weight for m in model.modules() if isinstance(m, DSEMemory) for t in m.tables)
-    experts = [m for m in model.modules() if isinstance(m, HashMoEFFN)]
-    inactive_experts = sum(_numel(m.parameters()) * (cfg.n_experts - 1) // cfg.n_experts for m in experts)
-    active = total - tables - dse_tables - inactive_experts
-    n_table_layers = sum(k in TABLE_KINDS for k in cfg.ffn)
-    if n_table_layers:
-        paper_total = dense_total_params(cfg) + n_table_layers * cfg.vocab_size * cfg.d_ff
-    else:
-        paper_total = total
+    lookups = _numel(p for p in model.parameters() if id(p) in roles and roles[id(p)].count == "lookup")
+    inactive_experts = sum(p.numel() * (p.shape[0] - 1) // p.shape[0] for p in model.parameters()
+                           if id(p) in roles and roles[id(p)].count == "expert")
+    active = total - lookups - inactive_experts
+    paper_tables = _numel(p for p in model.parameters() if id(p) in roles and roles[id(p)].paper_table)
+    paper_total = dense_total_params(cfg) + paper_tables if paper_tables else total
+    sparse = [i for i, block in enumerate(model.layers) if any(id(p) in roles for p in block.ffn.parameters())]
     return {
         "total_params": total,
         "paper_total_params": paper_total,
         "active_params": active,
         "gflops_per_token": 2 * active / 1e9,
-        "sparse_layers": cfg.sparse_layers,
+        "sparse_layers": sparse,
         "dse_layers": list(cfg.dse.layers) if cfg.dse else [],
     }
 

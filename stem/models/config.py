@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-FFN_KINDS = ("dense", "stem", "stem_gate", "stem_dagger", "hashmoe")
-SPARSE_KINDS = ("stem", "stem_gate", "stem_dagger", "hashmoe")
-TABLE_KINDS = ("stem", "stem_gate", "stem_dagger")
+from stem.models.registry import check_ffn_kind
+
 TABLE_INITS = ("xavier_normal", "normal")
 
 
@@ -90,8 +89,7 @@ class ModelConfig:
         if len(ffn) != self.n_layers:
             raise ValueError(f"ffn: {len(ffn)} kinds given for n_layers={self.n_layers}")
         for kind in ffn:
-            if kind not in FFN_KINDS:
-                raise ValueError(f"ffn kind {kind!r}: expected one of {', '.join(FFN_KINDS)}")
+            check_ffn_kind(kind)
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}: "
                              "need d_model % n_heads == 0 and n_heads % n_kv_heads == 0")
@@ -105,10 +103,6 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
-
-    @property
-    def sparse_layers(self) -> list[int]:
-        return [i for i, k in enumerate(self.ffn) if k in SPARSE_KINDS]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

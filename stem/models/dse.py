@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stem.models.config import DSEConfig, ModelConfig
+from stem.models.registry import Role
 
 
 def _is_prime(n: int) -> bool:
@@ -48,6 +49,12 @@ def compression_map(token_texts: list[str]) -> torch.Tensor:
 
 
 class DSEMemory(nn.Module):
+    # Hashed tables: their own optimizer group (LR x5, no decay), zero FLOPs. The convolution starts at
+    # zero (reset_parameters). The whole memory is one shard unit over all ranks.
+    param_roles = {"tables.*.weight": Role(group="dse_table", count="lookup"),
+                   "conv.weight": Role(init="module")}
+    shard_unit = True
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         dc: DSEConfig = cfg.dse

@@ -5,6 +5,8 @@
 - ``stem_gate``   y = W_d(SiLU(U[t]) * W_u x)                  (gate-proj ablation, Sec. 4.4.2)
 - ``stem_dagger`` y = W_d(SiLU(W_g x) * (W_u x + U[t]))        (STEM-dagger, Eq. 5)
 - ``hashmoe``     y = f_{h(t)}(x), top-1 of E SwiGLU experts, h a seeded balanced token->expert map
+
+Each kind is registered by name in ``stem.models.registry``; the modules declare their parameters' roles.
 """
 from __future__ import annotations
 
@@ -13,6 +15,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stem.models.config import ModelConfig
+from stem.models.registry import Role, ffn_class
+
+# A STEM table is read by token id: its own optimizer group, zero FLOPs, added to the dense total in the
+# paper's convention, initialised by StemTable.reset_parameters (after the backbone's normal init).
+TABLE = Role(group="table", count="lookup", paper_table=True, init="module")
+# Hash-MoE expert weights (dim 0 = expert): backbone matrices, one expert of E active per token.
+EXPERT = Role(group="matrix", count="expert")
 
 
 def _linear(d_in: int, d_out: int) -> nn.Linear:
@@ -20,7 +29,7 @@ def _linear(d_in: int, d_out: int) -> nn.Linear:
 
 
 class DenseFFN(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.w_gate = _linear(cfg.d_model, cfg.d_ff)
         self.w_up = _linear(cfg.d_model, cfg.d_ff)
@@ -31,7 +40,9 @@ class DenseFFN(nn.Module):
 
 
 class StemTable(nn.Embedding):
-    """The per-layer V x d_ff table U; its own class so optimizer grouping can find it by type."""
+    """The per-layer V x d_ff table U, sharded over all ranks as its own unit."""
+    param_roles = {"weight": TABLE}
+    shard_unit = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg.vocab_size, cfg.d_ff)
@@ -46,7 +57,7 @@ class StemTable(nn.Embedding):
 
 
 class StemFFN(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.w_gate = _linear(cfg.d_model, cfg.d_ff)
         self.table = StemTable(cfg)
@@ -57,7 +68,7 @@ class StemFFN(nn.Module):
 
 
 class StemGateFFN(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.table = StemTable(cfg)
         self.w_up = _linear(cfg.d_model, cfg.d_ff)
@@ -68,7 +79,7 @@ class StemGateFFN(nn.Module):
 
 
 class StemDaggerFFN(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.w_gate = _linear(cfg.d_model, cfg.d_ff)
         self.w_up = _linear(cfg.d_model, cfg.d_ff)
@@ -88,6 +99,8 @@ def balanced_expert_map(vocab_size: int, n_experts: int, seed: int) -> torch.Ten
 
 class HashMoEFFN(nn.Module):
     """Hash layer MoE (Roller et al., 2021): no router, no auxiliary loss, one full SwiGLU expert per token."""
+    param_roles = {"w_gate": EXPERT, "w_up": EXPERT, "w_down": EXPERT}
+    shard_unit = True
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -111,6 +124,4 @@ class HashMoEFFN(nn.Module):
 
 
 def build_ffn(kind: str, cfg: ModelConfig, layer: int) -> nn.Module:
-    if kind == "hashmoe":
-        return HashMoEFFN(cfg, layer)
-    return {"dense": DenseFFN, "stem": StemFFN, "stem_gate": StemGateFFN, "stem_dagger": StemDaggerFFN}[kind](cfg)
+    return ffn_class(kind)(cfg, layer)

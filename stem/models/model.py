@@ -17,7 +17,8 @@ import torch.utils.checkpoint
 
 from stem.models.config import ModelConfig
 from stem.models.dse import DSEMemory
-from stem.models.ffn import StemTable, build_ffn
+from stem.models.ffn import build_ffn
+from stem.models.registry import OPTIM_GROUPS, param_roles
 from stem.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 
@@ -118,8 +119,8 @@ class Transformer(nn.Module):
             if p.dim() < 2:
                 continue  # norms are initialised to ones by their modules
             nn.init.normal_(p, std=out_std if name.endswith(("wo.weight", "w_down.weight", "w_down")) else std)
-        for m in self.modules():
-            if isinstance(m, (StemTable, DSEMemory)):
+        for m in self.modules():  # parameters whose declared role says their module initialises them
+            if any(r.init == "module" for r in (getattr(m, "param_roles", None) or {}).values()):
                 m.reset_parameters()
             elif isinstance(m, nn.RMSNorm):
                 nn.init.ones_(m.weight)
@@ -179,13 +180,12 @@ class Transformer(nn.Module):
 
     # ---- parameter groups and accounting ---------------------------------------------------------
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
-        """Named optimizer groups; asserts that they cover every parameter exactly once."""
-        groups: dict[str, list] = {"matrix": [], "norm": [], "table": [], "dse_table": []}
-        table_ids = {id(m.weight) for m in self.modules() if isinstance(m, StemTable)}
-        dse_ids = {id(t.weight) for m in self.modules() if isinstance(m, DSEMemory) for t in m.tables}
+        """Named optimizer groups, in ``OPTIM_GROUPS`` order: a parameter's declared role names its group,
+        else ``norm`` (1-D) or ``matrix``. Asserts that they cover every parameter exactly once."""
+        roles = param_roles(self)
+        groups: dict[str, list] = {name: [] for name in OPTIM_GROUPS}
         for p in self.parameters():
-            key = ("table" if id(p) in table_ids else "dse_table" if id(p) in dse_ids
-                   else "norm" if p.dim() < 2 else "matrix")
+            key = roles[id(p)].group if id(p) in roles else "norm" if p.dim() < 2 else "matrix"
             groups[key].append(p)
         n_grouped = sum(p.numel() for ps in groups.values() for p in ps)
         assert n_grouped == sum(p.numel() for p in self.parameters()), "optimizer groups miss parameters"

@@ -120,10 +120,9 @@ def any_rank(ctx: DistContext, flag: bool) -> bool:
 # ----------------------------------------------------------------------------- wrapping
 
 def sharded_leaf_modules(model) -> list:
-    """Modules sharded over all ranks independently of the backbone: STEM/DSE tables, Hash-MoE FFNs."""
-    from stem.models.dse import DSEMemory
-    from stem.models.ffn import HashMoEFFN, StemTable
-    return [m for m in model.modules() if isinstance(m, (StemTable, HashMoEFFN, DSEMemory))]
+    """Modules sharded over all ranks independently of the backbone: those declaring ``shard_unit``
+    (STEM/DSE tables, Hash-MoE FFNs; ``stem.models.registry``)."""
+    return [m for m in model.modules() if getattr(m, "shard_unit", False)]
 
 
 def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision: bool | None = None):

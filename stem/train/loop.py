@@ -113,6 +113,8 @@ def train(spec: dict, threads: int | None = None, max_steps: int | None = None) 
     """Run (or resume) one training job; returns its summary. ``max_steps`` stops early (tests).
 
     SIGTERM/SIGUSR1 stop it (state saved); a second trainer on the same ``_state`` refuses (lifecycle)."""
+    if spec.get("init_from"):
+        check_init_from(spec)  # before the job takes its state directory: a wrong input leaves nothing behind
     try:
         with lifecycle.job(Path(spec["out_dir"]) / "_state") as stop:
             return _train(spec, stop, threads, max_steps)
@@ -142,7 +144,6 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
         texts += [f"<unused{i}>" for i in range(len(texts), cfg.vocab_size)]
         model.dse_compress.copy_(compression_map(texts).to(device))
     if spec.get("init_from"):
-        check_init_from(spec)
         load_weights(model, Path(spec["init_from"]) / "model.safetensors")
     accounting = model_accounting(model)
     model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))

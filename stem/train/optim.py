@@ -1,12 +1,13 @@
-"""AdamW with named parameter groups owned by the model (matrix, norm, table, dse_table)."""
+"""AdamW with named parameter groups owned by the model (matrix, norm, table, dse_table, and any group a
+registered kind adds: ``stem.models.registry.OPTIM_GROUPS``)."""
 from __future__ import annotations
 
 import torch
 
-# Weight decay and LR multiplier per group unless the config overrides them: norms are not decayed;
-# STEM tables are decayed like the backbone (the official code's separate AdamW uses the same
-# hyper-parameters); DSE tables follow the DSE paper (no decay, LR x5).
-GROUP_DEFAULTS = {"matrix": (1.0, None), "norm": (1.0, 0.0), "table": (1.0, None), "dse_table": (5.0, 0.0)}
+from stem.models.registry import OPTIM_GROUPS
+
+# LR multiplier and weight decay per group unless the config overrides them (see the registry).
+GROUP_DEFAULTS = OPTIM_GROUPS
 
 
 def build_optimizer(model, optim: dict, lr: float, fused: bool = False) -> torch.optim.AdamW:

@@ -1,0 +1,116 @@
+"""FFN kinds and parameter roles: the one place that says what a kind is and how its parameters are treated.
+
+An FFN kind is a module class registered by name (``FFN_KINDS`` below, or ``@register_ffn("name")``) and
+built as ``cls(cfg, layer)``.
+A module (an FFN, a table inside one, a DSE memory) declares what is special about its own parameters:
+
+- ``param_roles``: {parameter name relative to the module (``fnmatch`` pattern): Role}. A parameter
+  without a role is a backbone parameter: group ``norm`` if 1-D else ``matrix``, counted active,
+  initialised by the backbone's normal init.
+- ``shard_unit = True``: the module is its own FSDP unit sharded over all ranks (tables, experts).
+
+Accounting (``stem.models.accounting``), optimizer groups (``Transformer.param_groups``), initialisation
+(``Transformer.init_weights``) and sharding (``stem.train.distributed.sharded_leaf_modules``) read these
+declarations; none of them names a kind. A layer is *sparse* when its FFN declares a role for any parameter.
+This module imports nothing from the model so the config can validate kinds without importing torch.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from dataclasses import dataclass
+
+COUNTS = ("active", "lookup", "expert")
+INITS = ("normal", "module")
+
+
+@dataclass(frozen=True)
+class Role:
+    """How one parameter is treated.
+
+    group: optimizer group (a key of ``OPTIM_GROUPS``).
+    count: accounting, ``active`` (a matrix used per token), ``lookup`` (a table read by index: zero FLOPs,
+        not active) or ``expert`` (dim 0 indexes experts, one of which runs per token).
+    paper_table: the paper's Table 3 convention adds it to the dense model's total (STEM tables).
+    init: ``normal`` (the backbone's normal init) or ``module`` (the declaring module's
+        ``reset_parameters()``, called after the backbone's init, in module order).
+    """
+    group: str = "matrix"
+    count: str = "active"
+    paper_table: bool = False
+    init: str = "normal"
+
+    def __post_init__(self):
+        if self.count not in COUNTS:
+            raise ValueError(f"Role.count={self.count!r}: expected one of {', '.join(COUNTS)}")
+        if self.init not in INITS:
+            raise ValueError(f"Role.init={self.init!r}: expected one of {', '.join(INITS)}")
+
+
+# Optimizer groups in the order the optimizer lists them: name -> (LR multiplier, weight decay or None for
+# the config's). Norms are not decayed; STEM tables are decayed like the backbone (the official code's
+# separate AdamW uses the same hyper-parameters); DSE tables follow the DSE paper (no decay, LR x5).
+OPTIM_GROUPS: dict[str, tuple[float, float | None]] = {
+    "matrix": (1.0, None), "norm": (1.0, 0.0), "table": (1.0, None), "dse_table": (5.0, 0.0)}
+
+# name -> class, or "module:Class" for the built-in kinds (resolved on first use, so a config is checked
+# without importing torch, e.g. while Snakemake builds the DAG).
+FFN_KINDS: dict[str, type | str] = {
+    "dense": "stem.models.ffn:DenseFFN",
+    "stem": "stem.models.ffn:StemFFN",
+    "stem_gate": "stem.models.ffn:StemGateFFN",
+    "stem_dagger": "stem.models.ffn:StemDaggerFFN",
+    "hashmoe": "stem.models.ffn:HashMoEFFN",
+}
+
+
+def register_ffn(name: str):
+    """Class decorator: register an FFN kind under ``name`` (built as ``cls(cfg, layer)``)."""
+    def deco(cls):
+        if name in FFN_KINDS and FFN_KINDS[name] is not cls:
+            raise ValueError(f"ffn kind {name!r} is already registered ({FFN_KINDS[name]})")
+        FFN_KINDS[name] = cls
+        return cls
+    return deco
+
+
+def register_group(name: str, lr_mult: float = 1.0, weight_decay: float | None = None):
+    """Add an optimizer group (listed after the existing ones)."""
+    if name in OPTIM_GROUPS and OPTIM_GROUPS[name] != (lr_mult, weight_decay):
+        raise ValueError(f"optimizer group {name!r} is already registered as {OPTIM_GROUPS[name]}")
+    OPTIM_GROUPS[name] = (lr_mult, weight_decay)
+
+
+def check_ffn_kind(name: str):
+    if name not in FFN_KINDS:
+        raise ValueError(f"ffn kind {name!r}: expected one of {', '.join(FFN_KINDS)}")
+
+
+def ffn_class(name: str) -> type:
+    check_ffn_kind(name)
+    cls = FFN_KINDS[name]
+    if isinstance(cls, str):
+        module, _, attr = cls.partition(":")
+        cls = FFN_KINDS[name] = getattr(importlib.import_module(module), attr)
+    return cls
+
+
+def param_roles(model) -> dict[int, Role]:
+    """{id(parameter): Role} for every parameter some module of ``model`` declares a role for."""
+    roles: dict[int, Role] = {}
+    for m in model.modules():
+        declared = getattr(m, "param_roles", None)
+        if not declared:
+            continue
+        named = list(m.named_parameters())
+        for pattern, role in declared.items():
+            matched = [p for name, p in named if fnmatch.fnmatchcase(name, pattern)]
+            if not matched:
+                raise ValueError(f"{type(m).__name__}.param_roles[{pattern!r}]: matches none of its parameters "
+                                 f"({', '.join(n for n, _ in named) or 'none'})")
+            if role.group not in OPTIM_GROUPS:
+                raise ValueError(f"{type(m).__name__}.param_roles[{pattern!r}]: group {role.group!r} is not "
+                                 f"registered (expected one of {', '.join(OPTIM_GROUPS)})")
+            for p in matched:
+                roles.setdefault(id(p), role)   # the first matching pattern wins
+    return roles
