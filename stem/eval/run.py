@@ -282,7 +282,7 @@ def run_ppl(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
 # ---- one suite, end to end -------------------------------------------------------------------------------
 def evaluate(checkpoint, spec: dict, out_json=None, raw_json=None, limit=None, lm=None, device=None) -> dict:
     from stem.eval.lm import StemLM
-    from stem.train.checkpoint import atomic_write_json
+    from stem.io import atomic_write_json
 
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise ValueError(f"limit {limit!r}: expected a positive whole number of items per task (or no limit)")
@@ -299,7 +299,7 @@ def evaluate(checkpoint, spec: dict, out_json=None, raw_json=None, limit=None, l
     if raw_json:
         from lm_eval.utils import handle_non_serializable
         Path(raw_json).parent.mkdir(parents=True, exist_ok=True)
-        from stem.train.checkpoint import atomic_write_text
+        from stem.io import atomic_write_text
         atomic_write_text(raw_json, json.dumps(raw, default=handle_non_serializable, indent=1))
     if out_json:
         atomic_write_json(out_json, result)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from stem.io import atomic_dir, atomic_write_json, atomic_write_text, replace_dir  # noqa: F401 (re-exported)
+from stem.io import atomic_dir, atomic_write_json, atomic_write_text
 
 
 def _state_dict_for_save(model) -> dict:

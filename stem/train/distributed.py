@@ -47,6 +47,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from stem.io import atomic_write_json, replace_dir
+
 STRATEGIES = ("fsdp", "ddp")
 
 
@@ -211,9 +213,9 @@ def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, 
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
     if ctx.is_main:
-        ck.atomic_write_json(tmp / "extra.json", {"step": step, "world_size": ctx.world, **extra})
+        atomic_write_json(tmp / "extra.json", {"step": step, "world_size": ctx.world, **extra})
         ck.write_manifest(tmp)   # after dcp.save returned: every rank's shards are written
-        ck.replace_dir(tmp, state_dir / name)
+        replace_dir(tmp, state_dir / name)
         ck.point_latest(state_dir, step, keep)
     dist.barrier()
 

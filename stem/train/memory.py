@@ -104,18 +104,15 @@ def _peak_only(cls):
     return Peak
 
 
-def _balanced_nonzero(n_experts: int):
-    """Fake tensors have no data, so Hash-MoE's tokens per expert (``bincount``, or ``nonzero``) have no
-    size: give each of the ``n_experts`` experts its balanced share of the tokens (what the balanced token
-    map aims at)."""
+def _balanced_experts(n_experts: int):
+    """Fake tensors have no data, so Hash-MoE's tokens per expert (``bincount``, then ``.tolist()``) have no
+    values: give each of the ``n_experts`` experts its balanced share of the tokens (what the balanced
+    token map aims at)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class BalancedNonzero(TorchDispatchMode):
+    class BalancedExperts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.nonzero.default:
-                x = args[0]
-                return torch.empty((x.numel() // n_experts, x.dim()), dtype=torch.int64, device=x.device)
             if func is torch.ops.aten.bincount.default:   # tokens per expert; .tolist() then reads them
                 n = args[0].numel()
                 self.pending += [n // n_experts + (i < n % n_experts) for i in range(n_experts)]
@@ -123,7 +120,7 @@ def _balanced_nonzero(n_experts: int):
             if func is torch.ops.aten._local_scalar_dense.default and self.pending:
                 return self.pending.pop(0)
             return func(*args, **(kwargs or {}))
-    mode = BalancedNonzero()
+    mode = BalancedExperts()
     mode.pending = []
     return mode
 
@@ -146,7 +143,7 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
     n_micro = min(accum // world, 2)   # from the second micro-batch on, every one holds the same tensors
     device = torch.device("cpu")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else nullcontext()
-    sizes = _balanced_nonzero(cfg.n_experts) if "hashmoe" in cfg.ffn else nullcontext()
+    sizes = _balanced_experts(cfg.n_experts) if "hashmoe" in cfg.ffn else nullcontext()
     with fake_world(world) as mesh, FakeTensorMode(), sizes:
         ctx = distributed.DistContext(0, world, 0, 1, device, mesh)
         model = build_model(cfg, device)       # as the loop does: build, then shard
