@@ -81,11 +81,24 @@ def _check_suite_kinds(cfg: dict, origin: str):
                               f"expected one of {known_kinds()}")
 
 
+def _check_variant_optim(cfg: dict, name: str, optim, origin: str):
+    import jsonschema
+    schema = read_yaml(SCHEMA)["properties"]["optim"]
+    merged = _deep_merge(cfg["optim"], optim) if isinstance(optim, dict) else optim
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(merged), key=lambda e: list(e.path))
+    if errors:
+        key = ".".join(["optim", *map(str, errors[0].path)])
+        raise ConfigError(f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides): key '{key}': "
+                          f"{errors[0].message}")
+
+
 def _cross_check(cfg: dict, origin: str):
     _check_sources(cfg, origin)
     _check_suite_kinds(cfg, origin)
     from stem.models.registry import FFN_KINDS  # torch-free: the kinds' names, classes resolved on use
     for name, spec in variants(cfg).items():
+        if "optim" in spec:   # a variant's optim keys are merged over the experiment's: the same schema
+            _check_variant_optim(cfg, name, spec["optim"], origin)
         kind = spec.get("ffn", "dense")
         if kind not in FFN_KINDS:
             raise ConfigError(f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides): key 'ffn': "
@@ -221,7 +234,7 @@ def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
         "experiment": exp, "scale": scale, "variant": variant, "stage": stage,
         "seed": cfg["seed"], "device": cfg["device"],
         "model": model_config_for(cfg, scale, variant, stage).to_dict(),
-        "optim": cfg["optim"],
+        "optim": _deep_merge(cfg["optim"], variants(cfg)[variant].get("optim", {})),   # a variant may set e.g. table_update
         "train": train,
         "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
         "tokenizer": tokenizer_path(exp, scale),

@@ -39,10 +39,36 @@ class DenseFFN(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+class RowSparseLookup(torch.autograd.Function):
+    """``weight[ids]`` whose gradient is the batch's unique rows only: a coalesced sparse COO tensor
+    (indices = the sorted unique ids, values = the summed gradient of each row), so backward costs
+    uniq(ids) x d_ff instead of zero-filling and writing a V x d_ff dense gradient."""
+
+    @staticmethod
+    def forward(ctx, weight, ids):
+        ctx.save_for_backward(ids)
+        ctx.shape = weight.shape
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        rows = grad_out.new_zeros(uniq.numel(), ctx.shape[1])
+        rows.index_add_(0, inverse, grad_out.reshape(-1, ctx.shape[1]))
+        grad = torch.sparse_coo_tensor(uniq.unsqueeze(0), rows, ctx.shape, is_coalesced=True, check_invariants=False)
+        return grad, None
+
+
 class StemTable(nn.Embedding):
-    """The per-layer V x d_ff table U, sharded over all ranks as its own unit."""
+    """The per-layer V x d_ff table U, sharded over all ranks as its own unit.
+
+    ``row_sparse = True`` (set by ``stem.train.optim.configure_table_update`` for ``optim.table_update:
+    sparse``): the lookup's gradient holds only the batch's unique rows (``RowSparseLookup``) and the table
+    is not sharded (its sparse gradient is all-gathered instead, ``stem.train.distributed``)."""
     param_roles = {"weight": TABLE}
     shard_unit = True
+    row_sparse = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg.vocab_size, cfg.d_ff)
@@ -54,6 +80,9 @@ class StemTable(nn.Embedding):
             nn.init.xavier_normal_(self.weight)
         else:
             nn.init.normal_(self.weight, std=self.init_std)
+
+    def forward(self, ids):
+        return RowSparseLookup.apply(self.weight, ids) if self.row_sparse else super().forward(ids)
 
 
 class StemFFN(nn.Module):

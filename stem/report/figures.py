@@ -19,7 +19,8 @@ from stem.report import tables as T  # noqa: E402
 from stem.report.results import Results, niah_cells  # noqa: E402
 
 COLORS = {"dense": "#4d4d4d", "hashmoe": "#d62728", "stem": "#1f77b4", "stem_gate": "#9467bd",
-          "stem_dagger": "#8c564b", "stem_half": "#2ca02c", "stem_full": "#ff7f0e", "dse": "#17becf"}
+          "stem_dagger": "#8c564b", "stem_half": "#2ca02c", "stem_full": "#ff7f0e", "dse": "#17becf",
+          "stem_sparse": "#e377c2"}
 LABELS = {**P.VARIANT_LABELS, "stem": "STEM (1/3)"}
 
 # name -> (scale, variants, caption)

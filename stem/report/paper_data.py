@@ -24,6 +24,7 @@ VARIANT_LABELS = {
     "stem_half": "STEM-1/2",
     "stem_full": "STEM-full",
     "dse": "DSE",
+    "stem_sparse": "STEM (sparse update)",   # not a paper variant: STEM with optim.table_update: sparse
 }
 
 COMMONSENSE_TASKS = ["arc_easy", "arc_challenge", "boolq", "piqa", "social_iqa", "hellaswag",

@@ -123,8 +123,14 @@ def any_rank(ctx: DistContext, flag: bool) -> bool:
 
 def sharded_leaf_modules(model) -> list:
     """Modules sharded over all ranks independently of the backbone: those declaring ``shard_unit``
-    (STEM/DSE tables, Hash-MoE FFNs; ``stem.models.registry``)."""
-    return [m for m in model.modules() if getattr(m, "shard_unit", False)]
+    (STEM/DSE tables, Hash-MoE FFNs; ``stem.models.registry``), except row-sparse tables."""
+    return [m for m in model.modules() if getattr(m, "shard_unit", False) and not getattr(m, "row_sparse", False)]
+
+
+def row_sparse_params(model) -> set:
+    """Parameters of row-sparse tables (``optim.table_update: sparse``): replicated on every rank, outside
+    FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead."""
+    return {p for m in model.modules() if getattr(m, "row_sparse", False) for p in m.parameters()}
 
 
 def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision: bool | None = None):
@@ -142,19 +148,27 @@ def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision
     for m in sharded_leaf_modules(model):
         fully_shard(m, mesh=ctx.mesh, mp_policy=mp)
     if strategy == "fsdp":
+        ignored = row_sparse_params(model) or None
         for block in model.layers:
-            fully_shard(block, mesh=ctx.mesh, mp_policy=mp)
-        fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False)
+            fully_shard(block, mesh=ctx.mesh, mp_policy=mp, ignored_params=ignored)
+        fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
     model._stem_strategy = strategy
     return model
 
 
 def sync_replicated_grads(model, ctx: DistContext):
-    """strategy ddp: average the gradients of the replicated (non-DTensor) parameters over all ranks."""
-    if ctx.world == 1 or getattr(model, "_stem_strategy", "fsdp") != "ddp":
+    """Average over all ranks the gradients FSDP does not reduce: the replicated backbone's (strategy ddp)
+    and, under any strategy, the row-sparse tables' (``all_gather_sparse_grad``)."""
+    if ctx.world == 1:
+        return
+    for p in row_sparse_params(model):
+        if p.grad is not None:
+            p.grad = all_gather_sparse_grad(p.grad, ctx)
+    if getattr(model, "_stem_strategy", "fsdp") != "ddp":
         return
     from torch.distributed.tensor import DTensor
-    grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)]
+    grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)
+             and not p.grad.is_sparse]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
@@ -164,10 +178,59 @@ def sync_replicated_grads(model, ctx: DistContext):
         g.copy_(s)
 
 
+def all_gather_sparse_grad(grad: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """The mean over ranks of a sparse (COO) row gradient, identical on every rank: each rank's (unique ids,
+    rows) are all-gathered (padded to the longest), concatenated in rank order and coalesced, then / W (the
+    average FSDP's reduction takes). Traffic: uniq(rows) x (d_ff + 1) per rank, not V x d_ff."""
+    g = grad.coalesce()
+    ids, rows = g.indices()[0], g.values()
+    n = torch.tensor([ids.numel()], device=ids.device)
+    sizes = [torch.zeros_like(n) for _ in range(ctx.world)]
+    dist.all_gather(sizes, n)
+    sizes = [int(s) for s in sizes]
+    longest = max(sizes)
+    pad = longest - ids.numel()
+    ids = torch.cat([ids, ids.new_zeros(pad)])
+    rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    all_ids = [torch.empty_like(ids) for _ in range(ctx.world)]
+    all_rows = [torch.empty_like(rows) for _ in range(ctx.world)]
+    dist.all_gather(all_ids, ids)
+    dist.all_gather(all_rows, rows)
+    ids = torch.cat([a[:k] for a, k in zip(all_ids, sizes)])
+    rows = torch.cat([a[:k] for a, k in zip(all_rows, sizes)])
+    out = torch.sparse_coo_tensor(ids.unsqueeze(0), rows, grad.shape, check_invariants=False).coalesce()
+    out.values().div_(ctx.world)
+    return out
+
+
+def _coalesce_sparse(params):
+    """Sparse gradients coalesced in place (duplicate rows summed: the norm and the update need it)."""
+    for p in params:
+        if p.grad.is_sparse and not p.grad.is_coalesced():
+            p.grad = p.grad.coalesce()
+
+
+def _clip_with_sparse(params, max_norm: float) -> torch.Tensor:
+    """Single process, some gradients row-sparse: the L2 norm over the dense gradients and the sparse ones'
+    rows (a row absent from a sparse gradient is zero), then torch's clipping coefficient on both."""
+    dense = [p for p in params if not p.grad.is_sparse]
+    sparse = [p.grad for p in params if p.grad.is_sparse]
+    sq = torch.nn.utils.get_total_norm([p.grad for p in dense]).float().pow(2) if dense else torch.zeros(())
+    total = (sq + sum(g.values().float().pow(2).sum() for g in sparse)).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in sparse:
+        g.values().mul_(coef)
+    return total
+
+
 def clip_grad_norm_(model, max_norm: float, ctx: DistContext) -> torch.Tensor:
-    """Global L2 gradient clipping over sharded (DTensor) and replicated gradients; returns the norm."""
+    """Global L2 gradient clipping over sharded (DTensor), replicated and row-sparse gradients; returns the norm."""
     params = [p for p in model.parameters() if p.grad is not None]
+    _coalesce_sparse(params)
     if ctx.world == 1:
+        if any(p.grad.is_sparse for p in params):
+            return _clip_with_sparse(params, max_norm)
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     from torch.distributed.tensor import DTensor
     sharded = torch.zeros((), dtype=torch.float32, device=ctx.device)
@@ -175,13 +238,15 @@ def clip_grad_norm_(model, max_norm: float, ctx: DistContext) -> torch.Tensor:
     for p in params:
         if isinstance(p.grad, DTensor):
             sharded += p.grad.to_local().float().pow(2).sum()
+        elif p.grad.is_sparse:      # all-gathered: the same rows on every rank
+            replicated += p.grad.values().float().pow(2).sum()
         else:
             replicated += p.grad.float().pow(2).sum()
     dist.all_reduce(sharded)           # each rank holds distinct shards: sum them
     total = (sharded + replicated).sqrt()  # replicated grads are identical on every rank after the sync
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad.values() if p.grad.is_sparse else p.grad
         g.mul_(coef)
     return total
 

@@ -35,7 +35,7 @@ from stem.train.checkpoint import load_weights, save_checkpoint
 from stem.train import distributed
 from stem.train import lifecycle
 from stem.train import memory
-from stem.train.optim import build_optimizer, set_lr
+from stem.train.optim import build_optimizer, configure_table_update, set_lr
 from stem.train.schedule import get_lr
 
 
@@ -154,6 +154,7 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
     if ctx.is_main:
         print(f"[{out_dir}] " + memory.describe(memory.estimate(
             model, micro, tc["seq_len"], ctx.world, strategy, model.activation_checkpointing)), file=sys.stderr)
+    configure_table_update(model, spec["optim"])   # optim.table_update: sparse -> row-sparse table gradients
     distributed.parallelize(model, ctx, strategy)
     autocast = mixed_precision(device)
 

@@ -1,13 +1,108 @@
 """AdamW with named parameter groups owned by the model (matrix, norm, table, dse_table, and any group a
-registered kind adds: ``stem.models.registry.OPTIM_GROUPS``)."""
+registered kind adds: ``stem.models.registry.OPTIM_GROUPS``).
+
+``optim.table_update`` chooses how the ``table`` group (STEM tables) is trained:
+
+- ``dense`` (default, the paper): the lookup's gradient is a dense V x d_ff tensor and AdamW updates every
+  row every step (rows the batch did not touch still move by their decaying moments and weight decay).
+- ``sparse``: the lookup's gradient holds the batch's unique rows only (``stem.models.ffn.RowSparseLookup``)
+  and ``RowSparseAdamW`` updates only those rows, so a step costs what the batch touches. Semantic
+  difference from dense AdamW: an untouched row is left exactly as it is (its moments do not decay, no
+  weight decay, no momentum step); the group's step count (bias correction) counts every optimizer step.
+  A row touched at every step gets exactly dense AdamW's update; at the first step every row does.
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 
-from stem.models.registry import OPTIM_GROUPS
+from stem.models.registry import OPTIM_GROUPS, param_roles
 
 # LR multiplier and weight decay per group unless the config overrides them (see the registry).
 GROUP_DEFAULTS = OPTIM_GROUPS
+TABLE_UPDATES = ("dense", "sparse")
+SPARSE_GROUP = "table"
+
+
+def table_update(optim: dict) -> str:
+    mode = optim.get("table_update", "dense")
+    if mode not in TABLE_UPDATES:
+        raise ValueError(f"optim.table_update: {mode!r}: expected one of {', '.join(TABLE_UPDATES)}")
+    return mode
+
+
+def configure_table_update(model, optim: dict) -> list:
+    """Before the model is wrapped for data parallelism: with ``table_update: sparse`` every module holding a
+    ``table``-group parameter switches to row-sparse gradients (it must support it: ``row_sparse``). Returns
+    those modules (empty for ``dense``)."""
+    if table_update(optim) == "dense":
+        return []
+    roles = param_roles(model)
+    modules = []
+    for m in model.modules():
+        own = [n for n, p in m.named_parameters(recurse=False) if getattr(roles.get(id(p)), "group", None) == SPARSE_GROUP]
+        if not own:
+            continue
+        if not hasattr(type(m), "row_sparse"):
+            raise ValueError(f"optim.table_update: sparse: {type(m).__name__}.{own[0]} is in the "
+                             f"'{SPARSE_GROUP}' group but its module has no row-sparse lookup (row_sparse)")
+        m.row_sparse = True
+        modules.append(m)
+    return modules
+
+
+class RowSparseAdamW(torch.optim.AdamW):
+    """AdamW whose parameters with a sparse (COO) gradient get a row-wise update of the rows present in it.
+
+    For a touched row i (g its coalesced gradient, t the parameter's step count, incremented every step):
+        p_i *= 1 - lr wd;  m_i = b1 m_i + (1 - b1) g;  v_i = b2 v_i + (1 - b2) g^2
+        p_i -= lr / (1 - b1^t) * m_i / (sqrt(v_i) / sqrt(1 - b2^t) + eps)
+    (torch's AdamW formula); other rows and their moments are not touched. The state has AdamW's keys and
+    shapes (step, exp_avg, exp_avg_sq), so checkpoints, DCP resharding and stage carry-over are unchanged.
+    Dense gradients go through torch's AdamW."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sparse = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None and p.grad.is_sparse]
+        held = [(p, p.grad) for _, p in sparse]
+        for p, _ in held:
+            p.grad = None               # torch's AdamW skips them
+        try:
+            super().step()
+        finally:
+            for p, grad in held:
+                p.grad = grad
+        for group, p in sparse:
+            self._row_step(group, p)
+        return loss
+
+    def _row_step(self, group: dict, p: torch.Tensor):
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("RowSparseAdamW: amsgrad / maximize are not supported for sparse gradients")
+        grad = p.grad.coalesce()
+        rows, g = grad.indices()[0], grad.values()
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        t = float(state["step"])
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        b1, b2 = group["betas"]
+        m = state["exp_avg"].index_select(0, rows).lerp_(g, 1 - b1)
+        v = state["exp_avg_sq"].index_select(0, rows).mul_(b2).addcmul_(g, g, value=1 - b2)
+        w = p.index_select(0, rows).mul_(1 - lr * wd)
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+        state["exp_avg"].index_copy_(0, rows, m)
+        state["exp_avg_sq"].index_copy_(0, rows, v)
+        p.index_copy_(0, rows, w)
 
 
 def build_optimizer(model, optim: dict, lr: float, fused: bool = False) -> torch.optim.AdamW:
@@ -19,7 +114,8 @@ def build_optimizer(model, optim: dict, lr: float, fused: bool = False) -> torch
         lr_mult = o.get("lr_mult", lr_mult)
         wd = o.get("weight_decay", optim["weight_decay"] if wd is None else wd)
         groups.append({"params": params, "name": name, "lr_mult": lr_mult, "weight_decay": wd, "lr": lr * lr_mult})
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(optim["betas"]), eps=optim["eps"], fused=fused)
+    cls = RowSparseAdamW if table_update(optim) == "sparse" else torch.optim.AdamW
+    return cls(groups, lr=lr, betas=tuple(optim["betas"]), eps=optim["eps"], fused=fused)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float):
