@@ -90,28 +90,30 @@ def _losses(out_dir):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     tok, manifest = _make_data(tmp / "data")
-    variants = ["dense", "stem", "hashmoe"]
+    variants = ["dense", "stem", "hashmoe", "stem_sparse"]   # stem_sparse: optim.table_update sparse
     one = [{"spec": _spec(v, tok, manifest, tmp / "w1" / v)} for v in variants]
     two = [{"spec": _spec(v, tok, manifest, tmp / "w2" / v)} for v in variants]
     for job in one + two:   # STEM also saves its final optimizer state (for reset_optimizer: false)
-        job["spec"]["train"]["save_optimizer"] = job["spec"]["variant"] == "stem"
-    two += [{"spec": _spec(v, tok, manifest, tmp / "w2ddp" / v), "strategy": "ddp"} for v in ("dense", "stem")]
+        job["spec"]["train"]["save_optimizer"] = job["spec"]["variant"] in ("stem", "stem_sparse")
+    two += [{"spec": _spec(v, tok, manifest, tmp / "w2ddp" / v), "strategy": "ddp"}
+            for v in ("dense", "stem", "stem_sparse")]
     # token-mean accumulation: 2 ranks x 2 micro-batches of 2 packed rows vs one micro-batch of 8 rows
     one += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w1packed"), 8)}]
     two += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w2packed"), 2)}]
     # saved at world size 2 after 4 steps (a DCP state), resumed below at world size 1
-    two += [{"spec": _spec("stem", tok, manifest, tmp / "reshard" / "stem"), "max_steps": 4}]
+    two += [{"spec": _spec(v, tok, manifest, tmp / "reshard" / v), "max_steps": 4} for v in ("stem", "stem_sparse")]
     _run(two, tmp, 2, "two")
-    state = tmp / "reshard" / "stem" / "_state"
-    saved = state / (state / "latest").read_text().strip()
-    (tmp / "saved_at_two.json").write_text(json.dumps(
-        {"dcp": (saved / "dcp").is_dir(), **json.loads((saved / "extra.json").read_text())}))
-    one += [{"spec": _spec("stem", tok, manifest, tmp / "reshard" / "stem")}]
+    for v in ("stem", "stem_sparse"):
+        state = tmp / "reshard" / v / "_state"
+        saved = state / (state / "latest").read_text().strip()
+        (tmp / f"saved_at_two_{v}.json").write_text(json.dumps(
+            {"dcp": (saved / "dcp").is_dir(), **json.loads((saved / "extra.json").read_text())}))
+        one += [{"spec": _spec(v, tok, manifest, tmp / "reshard" / v)}]
     _run(one, tmp, 1, "one")
     return tmp
 
 
-@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe"])
+@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe", "stem_sparse"])
 def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
     (l1, v1), (l2, v2) = _losses(runs / "w1" / variant), _losses(runs / "w2" / variant)
     assert len(l1) == len(l2) == 6 and len(v1) == len(v2) == 2
@@ -124,9 +126,17 @@ def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
     assert s2["total_params"] == s1["total_params"]  # the gathered checkpoint is the full model
 
 
-@pytest.mark.parametrize("variant", ["dense", "stem"])
+@pytest.mark.parametrize("variant", ["dense", "stem", "stem_sparse"])
 def test_ddp_backbone_with_sharded_tables_matches(runs, variant):
     assert _losses(runs / "w2ddp" / variant)[0] == pytest.approx(_losses(runs / "w1" / variant)[0], rel=1e-4, abs=1e-5)
+
+
+def test_sparse_table_update_trains_differently_at_both_world_sizes(runs):
+    """Same model and data, so the same first loss; then the row-wise update (replicated tables, all-gathered
+    rows) departs from dense AdamW (sharded tables), at 1 and 2 ranks alike."""
+    for world in ("w1", "w2", "w2ddp"):
+        dense, sparse = _losses(runs / world / "stem")[0], _losses(runs / world / "stem_sparse")[0]
+        assert sparse[0] == pytest.approx(dense[0], rel=1e-6) and sparse[-1] != pytest.approx(dense[-1], rel=1e-5)
 
 
 def test_packed_rows_two_ranks_small_micro_batches_follow_one_big_batch(runs):
@@ -136,44 +146,47 @@ def test_packed_rows_two_ranks_small_micro_batches_follow_one_big_batch(runs):
     assert l2 == pytest.approx(l1, rel=2e-6, abs=1e-6)   # mean-of-micro-batch-means drifts by ~1e-4 here
 
 
-def test_final_checkpoints_match_across_world_sizes(runs):
+@pytest.mark.parametrize("variant", ["stem", "stem_sparse"])
+def test_final_checkpoints_match_across_world_sizes(runs, variant):
     from safetensors.torch import load_file
-    a = load_file(str(runs / "w1" / "stem" / "checkpoint" / "model.safetensors"))
-    b = load_file(str(runs / "w2" / "stem" / "checkpoint" / "model.safetensors"))
+    a = load_file(str(runs / "w1" / variant / "checkpoint" / "model.safetensors"))
+    b = load_file(str(runs / "w2" / variant / "checkpoint" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].shape == b[k].shape
         assert (a[k] - b[k]).abs().max().item() < 1e-4, k
 
 
-def test_optimizer_state_saved_at_two_ranks_loads_at_one(runs):
+@pytest.mark.parametrize("variant", ["stem", "stem_sparse"])
+def test_optimizer_state_saved_at_two_ranks_loads_at_one(runs, variant):
     """checkpoint/optimizer/ (DCP, sharded at 2 ranks) loads into a single process like the 1-rank one."""
     from stem.models.config import ModelConfig
     from stem.train.checkpoint import load_optimizer, read_checkpoint_spec
     from stem.train.optim import build_optimizer
     states = []
     for world in ("w1", "w2"):
-        ckpt = runs / world / "stem" / "checkpoint"
+        ckpt = runs / world / variant / "checkpoint"
         spec = read_checkpoint_spec(ckpt)
         model = build_model(ModelConfig.from_dict(spec["model"]))
         opt = build_optimizer(model, spec["optim"], 1.0)
         load_optimizer(ckpt / "optimizer", model, opt)
         states.append({n: opt.state[p] for n, p in model.named_parameters()})
     one, two = states
-    assert len(list((runs / "w2" / "stem" / "checkpoint" / "optimizer").glob("*.distcp"))) == 2   # one per rank
+    assert len(list((runs / "w2" / variant / "checkpoint" / "optimizer").glob("*.distcp"))) == 2   # one per rank
     assert one.keys() == two.keys() and all(float(s["step"]) == 6 for s in one.values())
     for name in one:
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(two[name][k], one[name][k], rtol=1e-3, atol=1e-9), (name, k)
 
 
-def test_state_saved_at_two_ranks_resumes_at_one(runs):
-    saved = json.loads((runs / "saved_at_two.json").read_text())
+@pytest.mark.parametrize("variant", ["stem", "stem_sparse"])
+def test_state_saved_at_two_ranks_resumes_at_one(runs, variant):
+    saved = json.loads((runs / f"saved_at_two_{variant}.json").read_text())
     assert saved["dcp"] and saved["world_size"] == 2 and saved["step"] == 4
-    assert not (runs / "reshard" / "stem" / "summary.json").exists() or \
-        json.loads((runs / "reshard" / "stem" / "summary.json").read_text())["world_size"] == 1
-    full, _ = _losses(runs / "w1" / "stem")
-    resumed, _ = _losses(runs / "reshard" / "stem")
+    assert not (runs / "reshard" / variant / "summary.json").exists() or \
+        json.loads((runs / "reshard" / variant / "summary.json").read_text())["world_size"] == 1
+    full, _ = _losses(runs / "w1" / variant)
+    resumed, _ = _losses(runs / "reshard" / variant)
     assert resumed == pytest.approx(full, rel=1e-4, abs=1e-5)
 
 
