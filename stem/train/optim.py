@@ -48,8 +48,17 @@ def configure_table_update(model, optim: dict) -> list:
             raise ValueError(f"optim.table_update: sparse: {type(m).__name__}.{own[0]} is in the "
                              f"'{SPARSE_GROUP}' group but its module has no row-sparse lookup (row_sparse)")
         m.row_sparse = True
+        for p in m.parameters(recurse=False):
+            p.register_post_accumulate_grad_hook(_coalesce_grad)
         modules.append(m)
     return modules
+
+
+def _coalesce_grad(p):
+    """After each micro-batch's backward: duplicate rows summed, so an accumulated sparse gradient never
+    holds more than V rows (autograd's sum of sparse gradients concatenates them)."""
+    if p.grad is not None and p.grad.is_sparse and not p.grad.is_coalesced():
+        p.grad = p.grad.coalesce()
 
 
 class RowSparseAdamW(torch.optim.AdamW):
