@@ -30,7 +30,7 @@ def cmd_params(args):
 
 def cmd_bench(args):
     from stem import bench
-    bench.main_attention(args) if args.what == "attention" else bench.main(args)
+    {"attention": bench.main_attention, "train": bench.main_train}.get(args.what, bench.main)(args)
 
 
 def cmd_train(args):
@@ -118,12 +118,16 @@ def main(argv=None):
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=["ffn", "attention"])
+    b.add_argument("what", choices=["ffn", "attention", "train"])
     b.add_argument("--scale", default="350m")
     b.add_argument("--tokens", type=int, default=2048)
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--device", default="cpu")
+    b.add_argument("--layers", type=int, default=3, help="train: layers of the reduced model")
+    b.add_argument("--micro-tokens", type=int, nargs=2, default=[512, 1024], metavar=("N1", "N2"),
+                   help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
+                        "from the cost per micro-batch")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("train", help="train one job of an experiment (outside the workflow)")
     t.add_argument("--experiment", default="tiny")

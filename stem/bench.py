@@ -3,9 +3,15 @@
 ``python -m stem bench ffn``: forward+backward time of one STEM FFN layer vs one dense SwiGLU layer at
 a scale's real shapes (default 350M: d 960, d_ff 2560, V 32000), STEM's table gradient dense and
 sparse, and the FLOP ratio the accounting predicts (2 d d_ff vs 3 d d_ff per token).
+
+``python -m stem bench train``: the whole training step (forward + backward + clipping + AdamW) of a model
+at a scale's shapes with fewer layers (default 3, STEM in layer 2 as the 1/3 placement puts it): dense vs
+STEM with the paper's dense table update vs STEM with ``optim.table_update: sparse``, timed interleaved, beside
+the accounting's training-FLOP ratio; and the ratio projected to the paper's tokens per optimizer step.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -112,3 +118,139 @@ def main_attention(args):
     print(f"plain causal (SDPA is_causal):  {1e3 * r['causal_s']:8.2f} ms")
     print(f"document mask (SDPA bool mask): {1e3 * r['document_mask_s']:8.2f} ms   "
           f"ratio {r['document_mask_s'] / r['causal_s']:.2f}   (+ mask build {1e3 * r['mask_build_s']:.2f} ms once a step)")
+
+
+# ---- the whole training step ----------------------------------------------------------------------
+TRAIN_PATHS = (("dense", "dense", "dense"), ("stem", "stem", "dense"), ("stem_sparse", "stem", "sparse"))
+
+
+def _train_models(scale: str, n_layers: int, dev):
+    """{path: (model, optimizer, optim spec)} at ``scale``'s shapes with ``n_layers`` layers, one seed."""
+    from stem.models.config import model_config
+    from stem.models.model import build_model
+    from stem.train.optim import build_optimizer, configure_table_update
+    exp = C.load_experiment(C.REPO / "config" / "paper.yaml")
+    arch, variants = dict(exp["archs"][scale], n_layers=n_layers), C.variants(exp)
+    out = {}
+    for name, variant, update in TRAIN_PATHS:
+        torch.manual_seed(0)
+        model = build_model(model_config(arch, variants[variant]), dev)
+        optim = {**exp["optim"], "table_update": update}
+        configure_table_update(model, optim)
+        out[name] = (model, build_optimizer(model, optim, 1e-4, fused=dev.type == "cuda"), optim)
+    return out, exp
+
+
+def bench_train(scale: str = "350m", n_layers: int = 3, micro_tokens=(512, 1024), repeats: int = 3,
+                device: str = "cpu") -> dict:
+    """One training step = one micro-batch of each size in ``micro_tokens`` (accumulated) + clipping + AdamW.
+    Each piece is timed separately; the paths run in turn inside every repeat (interleaved), medians kept.
+    Two micro-batch sizes give each path's cost per token (slope) and per micro-batch (intercept)."""
+    from stem.models.accounting import accounting
+    from stem.train import distributed
+    dev = torch.device(device)
+    models, exp = _train_models(scale, n_layers, dev)
+    ctx = distributed.DistContext(device=dev)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, models["dense"][0].cfg.vocab_size, (1, n + 1), generator=g)) for n in micro_tokens]
+    batches = [(b[:, :-1].to(dev), b[:, 1:].to(dev)) for b in batches]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    times = {name: {"micro": [[] for _ in micro_tokens], "optim": []} for name in models}
+
+    def step(name, record):
+        model, opt, optim = models[name]
+        for i, (x, y) in enumerate(batches):
+            sync()
+            t = time.perf_counter()
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                loss = model(x, y)
+            (loss / len(batches)).backward()
+            sync()
+            if record:
+                times[name]["micro"][i].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        distributed.clip_grad_norm_(model, optim["grad_clip"], ctx)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if record:
+            times[name]["optim"].append(time.perf_counter() - t)
+
+    for r in range(repeats + 1):          # the first round warms up (allocations, optimizer state)
+        for name in models:
+            step(name, record=r > 0)
+    acct = {name: accounting(m) for name, (m, _, _) in models.items()}
+    unique = int(torch.cat([x.flatten() for x, _ in batches]).unique().numel())
+    rows = {}
+    for name in models:
+        micro = [statistics.median(ts) for ts in times[name]["micro"]]
+        (n1, n2), (t1, t2) = micro_tokens[:2], micro[:2]
+        per_token = (t2 - t1) / (n2 - n1)
+        rows[name] = {"micro_s": micro, "optim_s": statistics.median(times[name]["optim"]),
+                      "per_token_s": per_token, "per_micro_batch_s": t1 - per_token * n1,
+                      "active_params": acct[name]["active_params"], "total_params": acct[name]["total_params"]}
+        rows[name]["step_s"] = sum(micro) + rows[name]["optim_s"]
+    return {"scale": scale, "n_layers": n_layers, "micro_tokens": list(micro_tokens), "repeats": repeats,
+            "device": device, "threads": torch.get_num_threads(), "unique_ids": unique, "rows": rows,
+            "arch": exp["archs"][scale], "stage": exp["stages"]["pretrain"][scale],
+            "stem_layers": acct["stem"]["sparse_layers"]}
+
+
+def expected_unique(vocab: int, tokens: int) -> float:
+    """Expected number of distinct ids among ``tokens`` uniform draws from ``vocab`` (an upper bound for text,
+    whose Zipfian ids repeat more)."""
+    return vocab * -math.expm1(tokens * math.log1p(-1 / vocab))
+
+
+def project(r: dict) -> dict:
+    """Step time at the paper's tokens per optimizer step T (batch_size x seq_len of the scale's pretraining,
+    one device holding the whole batch in micro-batches of micro_batch x seq_len):
+    T x per-token + (T / micro tokens) x max(per-micro-batch, 0) + optimizer step. The sparse path's
+    per-micro-batch and optimizer terms are scaled up by uniq(T) / uniq(bench) (as if they were all
+    proportional to the unique rows they touch: an upper bound), uniq by uniform draws (expected_unique)."""
+    st, vocab = r["stage"], r["arch"]["vocab_size"]
+    tokens = st["batch_size"] * st["seq_len"]
+    micro = st["micro_batch"] * st["seq_len"]
+    grow = expected_unique(vocab, tokens) / r["unique_ids"]
+    out = {"tokens": tokens, "micro_tokens": micro, "unique_growth": grow, "rows": {}}
+    for name, row in r["rows"].items():
+        scale = grow if name == "stem_sparse" else 1.0
+        per_micro = tokens / micro * max(row["per_micro_batch_s"], 0.0) * scale
+        optim = row["optim_s"] * scale
+        total = tokens * row["per_token_s"] + per_micro + optim
+        out["rows"][name] = {"step_s": total, "fixed_share": (per_micro + optim) / total}
+    return out
+
+
+def main_train(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r = bench_train(args.scale, args.layers, tuple(args.micro_tokens), args.repeats, args.device)
+    p = project(r)
+    a, rows = r["arch"], r["rows"]
+    base, flop = rows["dense"], rows["stem"]["active_params"] / rows["dense"]["active_params"]
+    print(f"training step (fwd + bwd + clip + AdamW), {r['scale']} shapes (d={a['d_model']}, d_ff={a['d_ff']}, "
+          f"V={a['vocab_size']}), {r['n_layers']} layers, STEM in layer(s) {r['stem_layers']}; micro-batches of "
+          f"{' + '.join(map(str, r['micro_tokens']))} tokens ({r['unique_ids']} unique ids), device {r['device']}, "
+          f"{r['threads']} threads, median of {r['repeats']} interleaved repeats")
+    print(f"{'path':12} {'step ms':>9} {'vs dense':>9} {'fwd+bwd ms':>11} {'optim ms':>9} {'us/token':>9} "
+          f"{'ms/micro':>9} {'params M':>9}")
+    for name, row in rows.items():
+        print(f"{name:12} {1e3 * row['step_s']:9.1f} {row['step_s'] / base['step_s']:9.3f} "
+              f"{1e3 * sum(row['micro_s']):11.1f} {1e3 * row['optim_s']:9.1f} {1e6 * row['per_token_s']:9.2f} "
+              f"{1e3 * row['per_micro_batch_s']:9.2f} {row['total_params'] / 1e6:9.1f}")
+    sparse = rows["stem_sparse"]["step_s"] / base["step_s"]
+    print(f"accounting: training FLOPs STEM / dense = active params {rows['stem']['active_params']:,} / "
+          f"{base['active_params']:,} = {flop:.3f}")
+    print(f"per token (fwd+bwd slope): STEM / dense = {rows['stem']['per_token_s'] / base['per_token_s']:.3f}")
+    print(f"target STEM sparse <= FLOP ratio x dense: measured {sparse:.3f} vs {flop:.3f}: "
+          f"{'met' if sparse <= flop else 'NOT met'}")
+    pb = p["rows"]["dense"]["step_s"]
+    print(f"projected at the paper's {p['tokens']:,} tokens per optimizer step (micro-batches of "
+          f"{p['micro_tokens']:,} tokens; sparse path's unique-row terms x{p['unique_growth']:.1f}):")
+    for name, row in p["rows"].items():
+        print(f"  {name:12} {row['step_s']:10.1f} s  vs dense {row['step_s'] / pb:.3f}  "
+              f"(per-micro-batch + optimizer terms {100 * row['fixed_share']:.3f} % of the step)")
+    ps = p["rows"]["stem_sparse"]["step_s"] / pb
+    print(f"projected target STEM sparse <= {flop:.3f} x dense: {ps:.3f}: {'met' if ps <= flop else 'NOT met'}")
+    return r, p

@@ -187,3 +187,18 @@ def test_sparse_path_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, tm
     resumed = train(killed, threads=1)
     assert resumed["last_step_loss"] == full["last_step_loss"]
     assert resumed["final_val_loss"] == full["final_val_loss"]
+
+
+def test_memory_estimate_counts_row_sparse_tables_as_replicated():
+    from stem.train import memory
+    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
+    dense = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
+    sparse = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
+    configure_table_update(sparse, {"table_update": "sparse"})
+    e_dense, e_sparse = (memory.estimate(m, 16, 2048, 8, "fsdp") for m in (dense, sparse))
+    n_table = 10 * 32000 * 2560                   # 10 STEM layers of V x d_ff at 350M
+    assert e_sparse["replicated_table_params"] == n_table and e_sparse["sharded_table_params"] == 0
+    assert e_dense["sharded_table_params"] == n_table
+    # fp32 weights, gradient, two moments: the 7/8 of each table FSDP would not hold on this rank
+    extra = 16 * n_table * (1 - 1 / 8) / 1024 ** 3
+    assert e_sparse["total_gib"] - e_dense["total_gib"] == pytest.approx(extra, rel=1e-9)

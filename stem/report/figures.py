@@ -37,6 +37,11 @@ FIGURES = {
     "fig1b_niah": ("1b", ["dense", "stem"],
                    "Figure 1b: Needle-in-a-Haystack accuracy per context length (mean over needle depths) after "
                    "context extension, and the per-cell accuracy as a length x depth heatmap."),
+    "table_update_loss": ("350m", ["stem", "stem_sparse"],
+                          "STEM trained with the paper's dense table update (AdamW on every row) and with "
+                          "optim.table_update: sparse (row-wise AdamW on the rows each batch touches; untouched rows "
+                          "do not move), same data and seed: training loss vs tokens and the final-loss gap "
+                          "(mean of the last 10 steps, and validation loss). Not a paper figure (issue 13, item 5)."),
     "roi_by_scale": (None, None, "Training ROI per scale ((Avg/GFLOPs) / (Avg_base/GFLOPs_base), Table 3): this "
                                  "experiment's models next to the paper's."),
     **{f"paper_vs_ours_{t}": (None, None, f"{T.TITLES[t]}: every published cell, the paper's value (x) against this "
@@ -139,6 +144,22 @@ def fig1a_val_ppl_vs_tokens(cfg, res, ours=None):
     return _curve_figure(cfg, res, "fig1a_val_ppl_vs_tokens", "tokens", "val_ppl", "training tokens",
                          "validation perplexity", "Fig. 1a: validation perplexity vs tokens, 1B",
                          T.settings(cfg)["stages"]["table3"][0])
+
+
+def table_update_loss(cfg, res, ours=None):
+    """Dense vs sparse table update: the two loss curves overlaid, the final-loss gap printed on the plot."""
+    stage = T.settings(cfg)["stages"]["table3"][0]
+    fig = _curve_figure(cfg, res, "table_update_loss", "tokens", "loss", "training tokens",
+                        "training loss (nats/token)", "STEM: dense vs sparse table update, 350M", stage)
+    scale, (dense, sparse), _ = FIGURES["table_update_loss"]
+    a, b = res.summary(scale, dense, stage), res.summary(scale, sparse, stage)
+    if a and b:
+        gap = [f"{what}: sparse {b[k]:.4f} - dense {a[k]:.4f} = {b[k] - a[k]:+.4f}"
+               for what, k in (("final train loss", "final_train_loss"), ("final val loss", "final_val_loss"))
+               if a.get(k) is not None and b.get(k) is not None]
+        fig.axes[0].text(0.02, 0.04, "\n".join(gap), transform=fig.axes[0].transAxes, fontsize=8, va="bottom",
+                         family="monospace")
+    return fig
 
 
 def fig1b_niah(cfg, res, ours=None):

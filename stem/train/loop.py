@@ -151,10 +151,10 @@ def _train(spec: dict, stop: dict, threads: int | None, max_steps: int | None) -
         from stem.models.attention import flex_document_mask
         model.flex_mask_fn = flex_document_mask
     micro, accum = distributed.local_micro_batch(tc["batch_size"], tc["micro_batch"], ctx.world)
+    configure_table_update(model, spec["optim"])   # optim.table_update: sparse -> row-sparse table gradients
     if ctx.is_main:
         print(f"[{out_dir}] " + memory.describe(memory.estimate(
             model, micro, tc["seq_len"], ctx.world, strategy, model.activation_checkpointing)), file=sys.stderr)
-    configure_table_update(model, spec["optim"])   # optim.table_update: sparse -> row-sparse table gradients
     distributed.parallelize(model, ctx, strategy)
     autocast = mixed_precision(device)
 

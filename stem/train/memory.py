@@ -44,13 +44,17 @@ def _block_bytes_per_token(cfg, layer: int) -> int:
 def estimate(model, micro_batch: int, seq_len: int, world: int = 1, strategy: str = "fsdp",
              act_ckpt: bool = False) -> dict:
     """The closed form above for FSDP (``strategy="ddp"``: replicated backbone state, no bf16 gathering)."""
-    from stem.train.distributed import sharded_leaf_modules
+    from stem.train.distributed import row_sparse_params, sharded_leaf_modules
 
     cfg, tokens = model.cfg, micro_batch * seq_len
     leaf = {id(p) for m in sharded_leaf_modules(model) for p in m.parameters()}
+    # row-sparse tables (optim.table_update: sparse) are replicated on every rank; their gradient holds at most
+    # V rows (all of them, at a large batch), counted here as a full replica too
+    rep = {id(p) for p in row_sparse_params(model)}
     n_leaf = sum(p.numel() for p in model.parameters() if id(p) in leaf)
-    n_back = sum(p.numel() for p in model.parameters() if id(p) not in leaf)
-    params = n_leaf / world + n_back / (world if strategy == "fsdp" else 1)
+    n_rep = sum(p.numel() for p in model.parameters() if id(p) in rep)
+    n_back = sum(p.numel() for p in model.parameters() if id(p) not in leaf and id(p) not in rep)
+    params = n_leaf / world + n_back / (world if strategy == "fsdp" else 1) + n_rep
     n_root = sum(p.numel() for m in (model.tok_emb, model.norm, model.lm_head) for p in m.parameters())
     blocks = [_block_bytes_per_token(cfg, i) for i in range(cfg.n_layers)]
     head = 6 * cfg.d_model + 12 * cfg.vocab_size
@@ -60,7 +64,8 @@ def estimate(model, micro_batch: int, seq_len: int, world: int = 1, strategy: st
            "gathered_bf16_gib": (2 * n_root if world > 1 and strategy == "fsdp" else 0) / GIB,
            "activations_gib": acts * tokens / GIB, "logits_gib": head * tokens / GIB,
            "world": world, "strategy": strategy, "micro_batch": micro_batch, "seq_len": seq_len,
-           "activation_checkpointing": act_ckpt, "total_params": n_leaf + n_back, "sharded_table_params": n_leaf}
+           "activation_checkpointing": act_ckpt, "total_params": n_leaf + n_back + n_rep,
+           "sharded_table_params": n_leaf, "replicated_table_params": n_rep}
     out["total_gib"] = sum(out[k] for k in ("params_gib", "grads_gib", "optimizer_gib", "gathered_bf16_gib",
                                             "activations_gib", "logits_gib"))
     return out
