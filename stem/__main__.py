@@ -125,7 +125,7 @@ def main(argv=None):
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--device", default="cpu")
     b.add_argument("--layers", type=int, default=3, help="train: layers of the reduced model")
-    b.add_argument("--micro-tokens", type=int, nargs=2, default=[512, 1024], metavar=("N1", "N2"),
+    b.add_argument("--micro-tokens", type=int, nargs=2, default=[256, 1024], metavar=("N1", "N2"),
                    help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
                         "from the cost per micro-batch")
     b.set_defaults(fn=cmd_bench)
