@@ -57,7 +57,7 @@ def bench_ffn(scale: str = "350m", tokens: int = 2048, repeats: int = 5, device:
     for kind, sparse in [("dense", False), ("stem", False), ("stem", True)]:
         with torch.device(dev):
             ffn = build_ffn(kind, cfg, 0).to(dtype)
-        if sparse:  # the embedding's sparse backward alone (training has no sparse-gradient optimizer path)
+        if sparse:  # nn.Embedding's sparse backward alone (training's row-sparse path: `bench train`)
             ffn.table.sparse = True
         rows.append({"ffn": kind, "table_grad": ("sparse" if sparse else "dense") if kind == "stem" else "-",
                      "seconds": _time_fwd_bwd(ffn, x, ids, repeats, dev)})

@@ -80,7 +80,8 @@ def test_a_micro_batch_without_targets_adds_nothing(tiny_data):
 
 
 def test_sparse_table_gradients_are_not_an_option():
-    """table_sparse_grad was documented but could not train (clipping, no SparseAdam): it is gone (issue 10, item 7)."""
+    """table_sparse_grad was documented but could not train (clipping, no SparseAdam): it is gone (issue 10, item 7).
+    The working option is optim.table_update: sparse (issue 13; tests/test_sparse_tables.py)."""
     from stem import config as C
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
     cfg["variant_overrides"] = {"stem": {"table_sparse_grad": True}}
