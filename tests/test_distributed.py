@@ -134,9 +134,13 @@ def test_ddp_backbone_with_sharded_tables_matches(runs, variant):
 def test_sparse_table_update_trains_differently_at_both_world_sizes(runs):
     """Same model and data, so the same first loss; then the row-wise update (replicated tables, all-gathered
     rows) departs from dense AdamW (sharded tables), at 1 and 2 ranks alike."""
-    for world in ("w1", "w2", "w2ddp"):
+    from safetensors.torch import load_file
+    for world in ("w1", "w2"):
         dense, sparse = _losses(runs / world / "stem")[0], _losses(runs / world / "stem_sparse")[0]
-        assert sparse[0] == pytest.approx(dense[0], rel=1e-6) and sparse[-1] != pytest.approx(dense[-1], rel=1e-5)
+        assert sparse[0] == pytest.approx(dense[0], rel=1e-6)
+        a, b = (load_file(str(runs / world / v / "checkpoint" / "model.safetensors")) for v in ("stem", "stem_sparse"))
+        table = "layers.2.ffn.table.weight"
+        assert (a[table] - b[table]).abs().max().item() > 1e-3   # dense AdamW kept moving untouched rows
 
 
 def test_packed_rows_two_ranks_small_micro_batches_follow_one_big_batch(runs):
