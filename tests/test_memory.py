@@ -41,12 +41,13 @@ def _params(n_layers: int) -> int:
 def traces(tmp_path_factory):
     """Traces (cached where the workflow test's Snakemake run looks for them) at 3 and 6 layers."""
     cache = tmp_path_factory.mktemp("wf") / "results" / "memory_traces"
-    out = {}
-    for n in (3, 6):
-        cfg = _small_paper_config(n, 1.0)
-        spec = C.train_spec(cfg, "1b", "stem", "pretrain")
-        out[n] = memory.traced([(spec, WORLD, "fsdp")], cache, workers=2)[0]
-        out[n]["cfg"], out[n]["spec"] = cfg, spec
+    cfgs = {n: _small_paper_config(n, 1.0) for n in (3, 6)}
+    cfgs["sparse"] = _small_paper_config(3, 1.0)     # 3 layers, optim.table_update: sparse
+    cfgs["sparse"]["optim"]["table_update"] = "sparse"
+    specs = {n: C.train_spec(cfg, "1b", "stem", "pretrain") for n, cfg in cfgs.items()}
+    out = dict(zip(specs, memory.traced([(s, WORLD, "fsdp") for s in specs.values()], cache, workers=2)))
+    for n in specs:
+        out[n]["cfg"], out[n]["spec"] = cfgs[n], specs[n]
     out["cache"] = cache
     return out
 
@@ -147,3 +148,16 @@ def test_hashmoe_traces_with_balanced_experts(tmp_path):
     from stem.models.config import ModelConfig
     n = sum(p.numel() for p in build_model(ModelConfig.from_dict(spec["model"]), "meta").parameters())
     assert r["peak_gib"] * GIB > 16 * n / WORLD
+
+
+def test_sparse_table_update_traces_replicated_tables_and_their_moments(traces):
+    """With table_update sparse the table (layer 2, V x d_ff) is replicated: this rank holds all of its weights,
+    both moments and (added by the trace: outside FSDP the tracker does not see it) its gradient, not 1/8."""
+    table = V * F / GIB                    # the table, in GiB per byte of each entry
+    d, s = traces[3]["parts_gib"], traces["sparse"]["parts_gib"]
+    assert s["OptState"] - d["OptState"] == pytest.approx(8 * table * 7 / 8, rel=1e-3)
+    assert d["Sharded Param"] - s["Sharded Param"] == pytest.approx(4 * table / 8, rel=1e-6)   # not sharded now...
+    assert s["Temp"] - d["Temp"] == pytest.approx(4 * table, rel=1e-3)    # ...but whole (outside FSDP's categories)
+    assert s["Replicated table grad"] == pytest.approx(4 * table, rel=1e-6) and "Replicated table grad" not in d
+    # the peak grows by the 7/8 of the weights, of both moments and of the gradient FSDP no longer shards away
+    assert traces["sparse"]["peak_gib"] - traces[3]["peak_gib"] >= 4 * table * (7 / 8) * 4 * 0.999

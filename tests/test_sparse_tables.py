@@ -202,3 +202,4 @@ def test_memory_estimate_counts_row_sparse_tables_as_replicated():
     # fp32 weights, gradient, two moments: the 7/8 of each table FSDP would not hold on this rank
     extra = 16 * n_table * (1 - 1 / 8) / 1024 ** 3
     assert e_sparse["total_gib"] - e_dense["total_gib"] == pytest.approx(extra, rel=1e-9)
+

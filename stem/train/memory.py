@@ -141,7 +141,7 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
     from stem.train import distributed
-    from stem.train.optim import build_optimizer
+    from stem.train.optim import build_optimizer, configure_table_update
 
     cfg, tc = ModelConfig.from_dict(spec["model"]), spec["train"]
     micro, accum = distributed.local_micro_batch(tc["batch_size"], tc["micro_batch"], world)
@@ -153,7 +153,10 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
         ctx = distributed.DistContext(0, world, 0, 1, device, mesh)
         model = build_model(cfg, device)       # as the loop does: build, then shard
         model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
+        tables = configure_table_update(model, spec["optim"])   # table_update sparse: replicated, outside FSDP
         distributed.parallelize(model, ctx, strategy, mixed_precision=mixed_precision)
+        for m in tables:   # traced with a dense V x d_ff gradient, the sparse one's upper bound (a fake tensor
+            m.row_sparse = False   # cannot run the lookup's torch.unique: its output shape depends on the data)
         opt = build_optimizer(model, spec["optim"], tc["lr"], fused=mixed_precision)
         distributed.optimizer_for_dtensors(opt, ctx, strategy)
         x = torch.randint(0, cfg.vocab_size, (micro, tc["seq_len"]), device=device)
@@ -185,6 +188,12 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
         for k, v in snap.items():
             name = getattr(k, "value", k)      # the tracker's category enums -> their names
             parts[name] = parts.get(name, 0) + v
+    # the tracker does not see the gradient of a parameter outside FSDP (the replicated row-sparse tables):
+    # added as a full fp32 replica, the upper bound of a gradient of at most V rows
+    untracked = 4 * sum(p.numel() for m in tables for p in m.parameters())
+    if untracked:
+        parts["Replicated table grad"] = untracked
+        parts["Total"] += untracked
     return {"peak_gib": parts.pop("Total") / GIB, "parts_gib": {k: v / GIB for k, v in parts.items() if v},
             "world": world, "strategy": strategy, "micro_batch": micro, "seq_len": tc["seq_len"],
             "micro_batches_traced": n_micro, "activation_checkpointing": model.activation_checkpointing}
