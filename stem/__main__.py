@@ -81,6 +81,7 @@ def cmd_diff(args):
 def cmd_memory(args):
     from stem.models.model import build_model
     from stem.train import memory
+    from stem.train.optim import configure_table_update
     cfg = experiment_config(args.experiment)
     cluster = cfg.get("cluster") or {}
     strategy, limit = args.strategy or cluster.get("strategy", "fsdp"), cluster.get("gpu_mem_gib")
@@ -94,6 +95,7 @@ def cmd_memory(args):
     for (scale, variant, stage), (spec, world, _), r in zip(jobs, specs, memory.traced(specs, args.cache, args.workers)):
         tc = spec["train"]
         model = build_model(C.model_config_for(cfg, scale, variant, stage), "meta")
+        configure_table_update(model, spec["optim"])   # table_update sparse: replicated tables
         est = memory.estimate(model, r["micro_batch"], tc["seq_len"], world, strategy,
                               bool(tc.get("activation_checkpointing")))["total_gib"]
         dev = est / r["peak_gib"] - 1
