@@ -203,3 +203,16 @@ def test_memory_estimate_counts_row_sparse_tables_as_replicated():
     extra = 16 * n_table * (1 - 1 / 8) / 1024 ** 3
     assert e_sparse["total_gib"] - e_dense["total_gib"] == pytest.approx(extra, rel=1e-9)
 
+
+
+def test_row_sparse_tables_are_listed_in_module_order():
+    """Every rank all-gathers the tables' gradients in this order: a set (ordered by object ids, which differ
+    between processes) could pair one rank's table with another rank's other table."""
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16,
+                      ffn=("stem", "dense", "stem_gate", "stem_dagger"))
+    model = build_model(cfg, "meta")
+    configure_table_update(model, {"table_update": "sparse"})
+    got = distributed.row_sparse_params(model)
+    assert isinstance(got, list)
+    assert [id(p) for p in got] == [id(model.layers[i].ffn.table.weight) for i in (0, 2, 3)]
+    assert distributed.sharded_leaf_modules(model) == []      # none of them is an FSDP unit

@@ -127,10 +127,11 @@ def sharded_leaf_modules(model) -> list:
     return [m for m in model.modules() if getattr(m, "shard_unit", False) and not getattr(m, "row_sparse", False)]
 
 
-def row_sparse_params(model) -> set:
+def row_sparse_params(model) -> list:
     """Parameters of row-sparse tables (``optim.table_update: sparse``): replicated on every rank, outside
-    FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead."""
-    return {p for m in model.modules() if getattr(m, "row_sparse", False) for p in m.parameters()}
+    FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead. In module
+    order, the same on every rank (the collectives run in this order)."""
+    return [p for m in model.modules() if getattr(m, "row_sparse", False) for p in m.parameters()]
 
 
 def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision: bool | None = None):
@@ -148,7 +149,7 @@ def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision
     for m in sharded_leaf_modules(model):
         fully_shard(m, mesh=ctx.mesh, mp_policy=mp)
     if strategy == "fsdp":
-        ignored = row_sparse_params(model) or None
+        ignored = set(row_sparse_params(model)) or None
         for block in model.layers:
             fully_shard(block, mesh=ctx.mesh, mp_policy=mp, ignored_params=ignored)
         fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
