@@ -144,6 +144,7 @@ rule report_html:
     input:
         tables="reports/{experiment}/tables/reproduced.csv",
         diff="reports/{experiment}/diff/summary.json",
+        params="reports/{experiment}/params.md",  # linked from the page
         everything=lambda w: RW.report_files(w.experiment),
     output:
         "reports/{experiment}/report.html",

@@ -296,6 +296,33 @@ def test_report_builds(tmp_path, tiny_cfg, tiny_results):
     assert pd.read_csv(rd / "tables" / "table3.csv")["Model"].tolist()[:2] == ["Baseline", "Hash-MoE"]
 
 
+def test_readme_and_html_are_built_from_data_not_from_written_markdown(tmp_path, tiny_cfg, tiny_results):
+    """Issue 12.3: the pages come from reproduced.csv and the diff's data; the Markdown the report wrote
+    (tables/*.md, diff/diff.md) is not read back (the old README cut diff.md at a heading)."""
+    import base64
+    import re
+    from stem.report import page
+    rd = tmp_path / "reports" / "tiny"
+    ours = B.write_tables(tiny_cfg, tiny_results, rd / "tables")
+    s, cells, dirs, cons, _ = B.run_diff(tiny_cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))
+    B.write_diff(rd / "diff", s, cells, dirs, cons)
+    F.save(F.draw("roi_by_scale", tiny_cfg, tiny_results, ours), rd / "figures" / "roi_by_scale.png")
+    readme, html = B.readme(tiny_cfg, rd, ["roi_by_scale"]), B.html_report(tiny_cfg, rd, ["roi_by_scale"])
+    for p in [*(rd / "tables").glob("*.md"), rd / "diff" / "diff.md"]:
+        p.write_text("# overwritten\n## Side by side\n")
+    assert B.readme(tiny_cfg, rd, ["roi_by_scale"]) == readme and B.html_report(tiny_cfg, rd, ["roi_by_scale"]) == html
+    # the diff summary in the README is diff.md's, one heading level down, from directions.csv read back
+    assert page.markdown(diff.summary_blocks(s, dirs, level=3)) in readme
+    assert B.load_directions(rd / "diff" / "directions.csv")["agree"].tolist() == dirs["agree"].tolist()
+    for name in B.TABLES:   # every row of every table's CSV, in both pages
+        for r in pd.read_csv(rd / "tables" / f"{name}.csv", dtype=str, keep_default_na=False).itertuples(index=False):
+            assert "| " + " | ".join(r) + " |" in readme
+            assert "<tr>" + "".join(f"<td>{x.replace('<', '&lt;').replace('>', '&gt;')}</td>" for x in r) + "</tr>" in html
+    img = re.search(r'<img alt="roi_by_scale" src="data:image/png;base64,([^"]+)">', html).group(1)
+    assert base64.b64decode(img) == (rd / "figures" / "roi_by_scale.png").read_bytes()
+    assert "<script" not in html and 'href="diff/diff.md"' in html and "<em>paper</em>" in html
+
+
 # ---- every result file read is checked: what its path says, schema, types, ranges -----------------------
 @pytest.fixture
 def fresh_results(tmp_path, tiny_cfg):

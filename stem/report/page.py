@@ -3,7 +3,7 @@ self-contained HTML file (report.html: tables as HTML, figures embedded as base6
 
 Both renderings are made from the same blocks, which are made from the report's data (tables, diff
 results); nothing is parsed back from a rendered file. Inline text may hold ``**bold**``, ```code```
-and ``[text](link)``; a paragraph wrapped in ``_..._`` is italic.
+``*italic*`` and ``[text](link)``; a paragraph wrapped in ``_..._`` is italic.
 """
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def markdown(blocks) -> str:
 
 
 # ---- HTML ----------------------------------------------------------------------------------------
-_INLINE = [(re.compile(r"\*\*(.+?)\*\*"), r"<strong>\1</strong>"), (re.compile(r"`(.+?)`"), r"<code>\1</code>"),
+_INLINE = [(re.compile(r"\*\*(.+?)\*\*"), r"<strong>\1</strong>"), (re.compile(r"\*([^*\s][^*]*?)\*"), r"<em>\1</em>"),
+           (re.compile(r"`(.+?)`"), r"<code>\1</code>"),
            (re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)"), r'<a href="\2">\1</a>')]
 
 
