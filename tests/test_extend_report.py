@@ -217,4 +217,7 @@ def test_a_table_or_figure_registers_once():
         registry.report_figure("roi_by_scale", "again")(toy_figure)
     with pytest.raises(ValueError, match="table 'x': compared / direction_checked needs the paper's cells"):
         registry.PaperTable("x", "X", toy_table, compared=True)
+    for bad in ("reproduced", "Table 7", "t/7"):
+        with pytest.raises(ValueError, match=f"^report table {bad!r}: expected a name of lower-case letters"):
+            registry.paper_table(bad, "X")(toy_table)
     assert TABLE not in registry.tables() and FIGURE not in registry.figures()   # the toys did not leak

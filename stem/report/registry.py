@@ -10,10 +10,19 @@ registered when stem.report.tables and stem.report.figures are imported (``BUILT
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 BUILTIN = ("stem.report.tables", "stem.report.figures")   # modules that register the paper's tables and figures
+NAME = re.compile(r"^[a-z][a-z0-9_]*$")   # a file name under reports/ and a Snakemake output / wildcard value
+RESERVED = {"md", "long", "reproduced"}   # rule report_tables' other outputs, tables/reproduced.csv
+
+
+def _check_name(what: str, name: str):
+    if not isinstance(name, str) or not NAME.match(name) or name in RESERVED:
+        raise ValueError(f"report {what} {name!r}: expected a name of lower-case letters, digits and '_' "
+                         f"(not {', '.join(sorted(RESERVED))})")
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class PaperTable:
     paper_cells: Callable | None = None
 
     def __post_init__(self):
+        _check_name("table", self.name)
         if (self.compared or self.direction_checked) and not self.csv:
             raise ValueError(f"table {self.name!r}: compared / direction_checked needs the paper's cells (csv=...)")
 
@@ -66,6 +76,9 @@ class Figure:
     inputs: Callable | None = None
     scale: str | None = None
     variants: tuple = ()
+
+    def __post_init__(self):
+        _check_name("figure", self.name)
 
 
 TABLES: dict[str, PaperTable] = {}
