@@ -17,17 +17,6 @@ from stem.report import paper_data as P
 from stem.report import registry
 from stem.report import tables as T
 
-NOT_DIRECTIONAL = {"total_params_b", "total_params_exact_b", "active_params_b", "gflops_per_token", "val_loss"}
-NOTES = {
-    ("table3", "350m", "total_params_b"):
-        "Convention: #Total = dense total + n_STEM x V x d_ff (removed up-projections not subtracted), which "
-        "reproduces the 1B row exactly; the paper's 350M #Total column (1.14/1.85/3.25, Hash-MoE 1.22) fits no "
-        "consistent table shape, so ours differs by construction (research notes A). Hash-MoE: 12 experts per "
-        "MoE layer, sized to STEM's total as Sec. 4.1 says (1.19 B; the caption's 16 experts would give 1.48 B).",
-    ("table3", "", "roi"):
-        "Ours uses exact GFLOPs/token (2 x active params); the paper's ROI follows from its rounded #GFLOPs column.",
-    ("table2", "", "warmup_ratio"): "The paper contradicts itself: Table 2 says 0.01, Sec. 4.1 says 10%.",
-}
 CELL_COLUMNS = ["table", "scale", "variant", "row", "column", "unit", "ours", "paper", "delta", "tolerance",
                 "status", "note"]
 
@@ -50,7 +39,8 @@ def paper_cells() -> pd.DataFrame:
 
 
 def _note(table, scale, column) -> str:
-    return NOTES.get((table, scale, column)) or NOTES.get((table, "", column)) or ""
+    notes = registry.table(table).notes
+    return notes.get((scale, column)) or notes.get(("", column)) or ""
 
 
 def compare(ours: dict[str, pd.DataFrame], tol: dict) -> pd.DataFrame:
@@ -87,10 +77,11 @@ def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
     variant beat the same scale's dense baseline in our results where the paper says it does?"""
     rows = []
     for name in registry.direction_checked():
+        undirected = registry.table(name).undirected
         paper = P.load_table(registry.table(name).csv).set_index(["scale", "variant", "column"])["value"]
         mine = ours.get(name, T.frame([])).set_index(["scale", "variant", "column"])["value"]
         for (scale, variant, column), pv in paper.items():
-            if variant == "dense" or column in NOT_DIRECTIONAL or (scale, "dense", column) not in paper.index:
+            if variant == "dense" or column in undirected or (scale, "dense", column) not in paper.index:
                 continue
             p_delta = pv - paper[(scale, "dense", column)]
             o, o_base = mine.get((scale, variant, column), math.nan), mine.get((scale, "dense", column), math.nan)
@@ -149,7 +140,7 @@ def paper_consistency(paper_acct: dict | None = None) -> pd.DataFrame:
                 if (scale, variant, column) in printed:
                     add("Table 3 parameters / FLOPs from the architectures (config/paper.yaml)", "table3", scale,
                         variant, column, printed[(scale, variant, column)], ours, 0.005,
-                        NOTES[("table3", "350m", "total_params_b")] if (scale, column) == ("350m", "total_params_b")
+                        _note("table3", "350m", "total_params_b") if (scale, column) == ("350m", "total_params_b")
                         else "The paper prints 0.37B for the 376,075,200-parameter dense 350M model and 0.74 = 2 x 0.37 "
                         "GFLOPs (exact: 0.752)" if scale == "350m" and variant in ("dense", "hashmoe", "stem_dagger")
                         else "")
@@ -160,7 +151,7 @@ def paper_consistency(paper_acct: dict | None = None) -> pd.DataFrame:
             "saving_fraction", r.value, fr[r.variant], 0.05)
     t2 = P.load_table("table2").set_index(["variant", "column"])["value"]
     add("Warmup ratio: Table 2 caption vs Sec. 4.1 text", "table2", "", "common", "warmup_ratio",
-        t2[("common", "warmup_ratio")], t2[("sec4_1", "warmup_ratio")], 0.0, NOTES[("table2", "", "warmup_ratio")])
+        t2[("common", "warmup_ratio")], t2[("sec4_1", "warmup_ratio")], 0.0, _note("table2", "", "warmup_ratio"))
     return pd.DataFrame(rows)
 
 

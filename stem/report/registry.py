@@ -37,7 +37,9 @@ class PaperTable:
     stages: the training stages whose results feed it, first with a result wins (the config's
         ``report.stages.{name}`` overrides).
     compared: the diff compares it cell by cell with ``csv``; direction_checked: the diff asks whether each
-        variant beats the same scale's dense baseline where the paper says it does.
+        variant beats the same scale's dense baseline where the paper says it does (except in the columns
+        ``undirected``, e.g. parameter counts).
+    notes: {(scale or "", column): text} shown beside those cells in the diff.
     inputs(cfg) -> files its builder reads besides the training summaries and eval JSONs (inputs of the
         workflow's report_tables rule).
     paper_cells(df) -> the reference cells as compared (default: ``csv`` as it is).
@@ -50,6 +52,8 @@ class PaperTable:
     stages: tuple = ()
     compared: bool = False
     direction_checked: bool = False
+    undirected: tuple = ()
+    notes: dict = field(default_factory=dict)
     inputs: Callable | None = None
     paper_cells: Callable | None = None
 

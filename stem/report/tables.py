@@ -421,10 +421,19 @@ registry.paper_table(
     labels={"peak_lr": "Peak LR", "lr_schedule": "LR schedule", "batch_size": "Batch size",
             "max_seq_len": "Max seq len", "train_steps": "Steps", "cross_doc_masking": "Cross-doc masking",
             "train_tokens": "Tokens", "weight_decay": "WD", "beta1": "beta1", "beta2": "beta2",
-            "warmup_ratio": "Warmup", "min_lr_ratio": "Min LR ratio"})(table2)
+            "warmup_ratio": "Warmup", "min_lr_ratio": "Min LR ratio"},
+    notes={("", "warmup_ratio"): "The paper contradicts itself: Table 2 says 0.01, Sec. 4.1 says 10%."})(table2)
 registry.paper_table(
     "table3", "Table 3: pretrained models, zero-shot commonsense accuracy (%), parameters, GFLOPs/token, ROI",
     csv="table3", stages=("pretrain",), compared=True, direction_checked=True, inputs=checkpoints_of("table3"),
+    undirected=("total_params_b", "total_params_exact_b", "active_params_b", "gflops_per_token", "val_loss"),
+    notes={("350m", "total_params_b"):
+           "Convention: #Total = dense total + n_STEM x V x d_ff (removed up-projections not subtracted), which "
+           "reproduces the 1B row exactly; the paper's 350M #Total column (1.14/1.85/3.25, Hash-MoE 1.22) fits no "
+           "consistent table shape, so ours differs by construction (research notes A). Hash-MoE: 12 experts per "
+           "MoE layer, sized to STEM's total as Sec. 4.1 says (1.19 B; the caption's 16 experts would give 1.48 B).",
+           ("", "roi"): "Ours uses exact GFLOPs/token (2 x active params); the paper's ROI follows from its rounded "
+                        "#GFLOPs column."},
     labels={"total_params_b": "#Total Params (B)", "total_params_exact_b": "#Total exact (B)",
             "active_params_b": "#Active Params (B)", **COMMONSENSE_LABELS, "gflops_per_token": "#GFLOPs",
             "roi": "ROI", "val_loss": "val loss"})(table3)
