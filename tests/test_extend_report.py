@@ -195,7 +195,8 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
     assert files == {"tables": "reports/tiny/tables/reproduced.csv", "toy_evals": evals}
     figures.save(figures.draw(FIGURE, cfg, None, ours, files), "reports/tiny/figures/toy_nll.png")
     readme, html = B.readme(cfg, "reports/tiny", [FIGURE]), B.html_report(cfg, "reports/tiny", [FIGURE])
-    assert "### Toy: continuation NLL and lookup parameters" in readme and f"| 350m | STEM | {nll:.2f} | 16,384 |" in readme
+    assert "### Toy: continuation NLL and lookup parameters" in readme
+    assert f"| 350m | STEM | {nll:.2f} | 16,384 |" in readme
     assert "![toy_nll](figures/toy_nll.png)" in readme
     assert f"<td>{nll:.2f}</td><td>16,384</td>" in html and 'src="data:image/png;base64,' in html
     outputs = RW.report_outputs("tiny")
@@ -204,10 +205,11 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
 
 
 def test_report_stages_of_an_unknown_table_is_a_one_line_error():
-    cfg = {"experiment": "tiny", "report": {"stages": {"tabel3": ["pretrain"]}}}
-    with pytest.raises(ValueError, match=r"^config: key 'report.stages.tabel3': unknown table; expected one of "
-                                         r"table3, table4, table5, table6, figure1b$"):
-        T.settings(cfg)
+    for name in ("tabel3", "table1"):
+        cfg = {"experiment": "tiny", "report": {"stages": {name: ["pretrain"]}}}
+        with pytest.raises(ValueError, match=rf"^config: key 'report.stages.{name}': not a table fed by training "
+                                             r"stages; expected one of table3, table4, table5, table6, figure1b$"):
+            T.settings(cfg)
 
 
 def test_a_table_or_figure_registers_once():

@@ -317,7 +317,8 @@ def test_readme_and_html_are_built_from_data_not_from_written_markdown(tmp_path,
     for name in B.TABLES:   # every row of every table's CSV, in both pages
         for r in pd.read_csv(rd / "tables" / f"{name}.csv", dtype=str, keep_default_na=False).itertuples(index=False):
             assert "| " + " | ".join(r) + " |" in readme
-            assert "<tr>" + "".join(f"<td>{x.replace('<', '&lt;').replace('>', '&gt;')}</td>" for x in r) + "</tr>" in html
+            tds = "".join(f"<td>{x.replace('<', '&lt;').replace('>', '&gt;')}</td>" for x in r)
+            assert f"<tr>{tds}</tr>" in html
     img = re.search(r'<img alt="roi_by_scale" src="data:image/png;base64,([^"]+)">', html).group(1)
     assert base64.b64decode(img) == (rd / "figures" / "roi_by_scale.png").read_bytes()
     assert "<script" not in html and 'href="diff/diff.md"' in html and "<em>paper</em>" in html

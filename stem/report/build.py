@@ -91,8 +91,8 @@ def write_diff(out_dir, s, cells, dirs, cons, failures=None) -> str:
 # ---- README and HTML report: one page built from the data ---------------------------------------------
 def load_directions(path) -> pd.DataFrame:
     """directions.csv as diff.directions() returned it ('agree' True / False / missing)."""
-    dirs = pd.read_csv(path, dtype={c: str for c in ("table", "scale", "variant", "column", "paper_says", "ours", "agree")},
-                       keep_default_na=False,
+    text = ("table", "scale", "variant", "column", "paper_says", "ours", "agree")
+    dirs = pd.read_csv(path, dtype=dict.fromkeys(text, str), keep_default_na=False,
                        na_values={"paper_delta": [""], "ours_delta": [""]})
     dirs["agree"] = dirs["agree"].map({"True": True, "False": False, "": None})
     return dirs
@@ -109,7 +109,8 @@ def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: lis
                             "the comparison columns, labelled *paper*."))
     b += [page.Para("Contents: [diff summary](#diff-summary) · [tables](#tables) · [figures](#figures) · "
                     "[conventions](#conventions). Full cell-by-cell diff: [diff/diff.md](diff/diff.md). "
-                    "Tables as CSV / Markdown / LaTeX: [tables/](tables/). Parameter accounting: [params.md](params.md)."),
+                    "Tables as CSV / Markdown / LaTeX: [tables/](tables/). "
+                    "Parameter accounting: [params.md](params.md)."),
           page.Heading(2, "Diff summary"),
           *diff.summary_blocks(s, dirs, len(s["gate"]["failed"]) if "gate" in s else None, level=3),
           page.Heading(2, "Tables")]

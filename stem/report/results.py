@@ -2,8 +2,8 @@
 
 Layout: ``{root}/{experiment}/{scale}/{variant}/{stage}/summary.json`` and ``metrics.jsonl`` (training),
 ``.../{stage}/checkpoint/accounting.json`` (the model's parameter / FLOP accounting, written with its weights
-and its job spec ``config.json``), ``.../{stage}/eval/{suite}.json`` (evaluation; scores in percent). A file that does not exist yet is
-None (a gap in the tables); a file that exists must be what its path says (the experiment, scale,
+and its job spec ``config.json``), ``.../{stage}/eval/{suite}.json`` (evaluation; scores in percent).
+A file that does not exist yet is None (a gap in the tables); a file that exists must be what its path says (the experiment, scale,
 variant, stage and suite it records) and in the agreed format (keys, types, ranges), or reading it
 raises ``ResultError``: one line naming the file, the key, what was expected and what it holds.
 """
@@ -78,7 +78,8 @@ class Results:
         if data is not None:
             spec = read_json(ckpt / "config.json")
             if spec is None:
-                raise ResultError(f"{ckpt / 'config.json'}: missing (the checkpoint's job spec, beside accounting.json)")
+                raise ResultError(f"{ckpt / 'config.json'}: missing (the checkpoint's job spec, beside "
+                                  "accounting.json)")
             _identity(ckpt / "config.json", spec, self._identity(scale, variant, stage))
             check_accounting(ckpt / "accounting.json", data)
         return data

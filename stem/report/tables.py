@@ -64,8 +64,8 @@ def settings(cfg: dict) -> dict:
     rep = cfg.get("report") or {}
     tables = registry.tables()
     for name in rep.get("stages") or {}:
-        if name not in tables:
-            raise ValueError(f"config: key 'report.stages.{name}': unknown table; expected one of "
+        if name not in tables or not tables[name].stages:   # Tables 1 and 2 come from the config alone
+            raise ValueError(f"config: key 'report.stages.{name}': not a table fed by training stages; expected one of "
                              f"{', '.join(n for n, t in tables.items() if t.stages)}")
     defaults = {**DEFAULTS, "stages": {n: list(t.stages) for n, t in tables.items() if t.stages}}
     return {k: {**v, **(rep.get(k) or {})} for k, v in defaults.items()}
@@ -194,7 +194,8 @@ def trained_accounting(cfg: dict, res: Results, scale: str, variant: str, stages
     acct, stage = res.first_accounting(scale, variant, stages)
     if acct is not None:
         return {**acct, "source": f"{scale}/{variant}/{stage}/checkpoint/accounting.json"}
-    return {**accounting(cfg, scale, variant), "source": "accounting of the configured architecture (no checkpoint yet)"}
+    return {**accounting(cfg, scale, variant),
+            "source": "accounting of the configured architecture (no checkpoint yet)"}
 
 
 def checkpoints_of(table: str):
