@@ -171,6 +171,10 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
     assert json.loads((tmp_path / "shard.json").read_text()) == {"sharded": True, "local_rows": V // 2}
     ckpt = stage_dir / "checkpoint"
     assert json.loads((ckpt / "accounting.json").read_text())["total_params"] == dense + V * D
+    assert json.loads((stage_dir / "summary.json").read_text())["steps"] == 2
+    from safetensors.torch import load_file
+    bias = load_file(ckpt / "model.safetensors")["layers.2.ffn.bias.weight"]
+    assert bias.shape == (V, D) and bias.abs().sum() > 0   # zero-initialised, then trained in its own group
 
     # the eval job through the toy suite kind
     (tmp_path / "data" / "tiny").mkdir(parents=True)
