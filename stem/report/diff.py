@@ -237,7 +237,7 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
     blocks += [page.Heading(level, "Summary"), page.Items((
         f"Published result cells compared: **{s['cells']}** — within tolerance: **{s['within_tolerance']}**, "
         f"beyond tolerance: **{s['beyond_tolerance']}**, missing (no result yet): **{s['missing']}**",
-        f"Of these, parameter / GFLOPs cells (from the configured architectures): "
+        f"Of these, parameter / GFLOPs cells (the accounting saved with each checkpoint): "
         f"**{s['architecture_matching']}/{s['architecture_cells']}** within tolerance (see the Table 3 notes)",
         f"Config vs Table 2: **{s['config_matching']}/{s['config_cells']}** hyperparameter cells match",
         f"Directions (variant vs dense baseline, Tables 3–6): agree **{s['directions']['agree']}**, "
