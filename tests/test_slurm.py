@@ -95,6 +95,10 @@ def test_paper_dag_dry_run_through_the_slurm_profile_shows_sbatch_resources():
     used = {(scale, src) for scale, m in cfg["matrix"].items() for st in m["stages"] for src in cfg["stages"][st][scale]["data"]}
     assert counts["tokenize_part"] == sum(cfg["sources"][src]["parts"] for _, src in used) == 2560
     assert counts["tokenize_gather"] == len(used) == 7
+    # the aggregate stage, HTML report included, is part of the paper DAG (one job per registered figure)
+    from stem.report import registry
+    report = [counts.get(r) for r in ("report_tables", "report_diff", "report_figure", "report_readme", "report_html")]
+    assert report == [1, 1, len(registry.figures()), 1, 1]
     for target in ["results/paper/350m/stem_gate/pretrain/summary.json", "results/paper/1b/stem/extend/summary.json",
                    "data/paper/1b/tokens/prolong_long"]:
         assert target in out

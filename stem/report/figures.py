@@ -6,6 +6,7 @@ with the missing panel saying so (so the workflow and the report always have an 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import matplotlib
 
@@ -15,34 +16,14 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from stem.report import paper_data as P  # noqa: E402
+from stem.report import registry  # noqa: E402
 from stem.report import tables as T  # noqa: E402
 from stem.report.results import Results, niah_cells  # noqa: E402
 
 COLORS = {"dense": "#4d4d4d", "hashmoe": "#d62728", "stem": "#1f77b4", "stem_gate": "#9467bd",
           "stem_dagger": "#8c564b", "stem_half": "#2ca02c", "stem_full": "#ff7f0e", "dse": "#17becf"}
 LABELS = {**P.VARIANT_LABELS, "stem": "STEM (1/3)"}
-
-# name -> (scale, variants, caption)
-FIGURES = {
-    "fig5a_loss_vs_tokens": ("350m", ["dense", "hashmoe", "stem"],
-                             "Figure 5a: training loss vs training tokens at the 350M scale for the dense baseline, "
-                             "Hash-MoE and STEM. Crosses mark loss spikes (loss above the trailing median by more "
-                             "than k robust standard deviations, 1.4826 x MAD)."),
-    "fig5b_loss_vs_flops": ("350m", ["stem", "stem_half", "stem_full"],
-                            "Figure 5b: training loss vs training FLOPs for STEM replacing 1/3, 1/2 and all-but-one "
-                            "FFN up-projections (350M scale)."),
-    "fig1a_val_ppl_vs_tokens": ("1b", ["dense", "stem"],
-                                "Figure 1a: validation perplexity vs training tokens at the 1B scale (pretraining)."),
-    "fig1b_niah": ("1b", ["dense", "stem"],
-                   "Figure 1b: Needle-in-a-Haystack accuracy per context length (mean over needle depths) after "
-                   "context extension, and the per-cell accuracy as a length x depth heatmap."),
-    "roi_by_scale": (None, None, "Training ROI per scale ((Avg/GFLOPs) / (Avg_base/GFLOPs_base), Table 3): this "
-                                 "experiment's models next to the paper's."),
-    **{f"paper_vs_ours_{t}": (None, None, f"{T.TITLES[t]}: every published cell, the paper's value (x) against this "
-                                          "experiment's (y); on the diagonal = reproduced exactly.")
-       for t in ("table3", "table4", "table5", "table6")},
-}
-
+FIGURES = registry.FIGURES  # name -> registry.Figure; the entries are at the end of this module
 
 # ---- loss spikes ---------------------------------------------------------------------------------
 def loss_spikes(loss, window: int = 50, k: float = 6.0) -> np.ndarray:
@@ -86,7 +67,7 @@ def _variants(cfg, scale, wanted):
 
 def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, ylabel: str, title: str,
                   stage: str, mark_spikes=False, logy=False):
-    scale, wanted, _ = FIGURES[name]
+    scale, wanted = registry.figure(name).scale, registry.figure(name).variants
     sp = T.settings(cfg)["spikes"]
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     drawn = 0
@@ -122,26 +103,26 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
 
 
 # ---- the figures ---------------------------------------------------------------------------------
-def fig5a_loss_vs_tokens(cfg, res, ours=None):
+def fig5a_loss_vs_tokens(cfg, res, ours=None, files=None):
     return _curve_figure(cfg, res, "fig5a_loss_vs_tokens", "tokens", "loss", "training tokens",
                          "training loss (nats/token)", "Fig. 5a: training loss vs tokens, 350M",
                          T.settings(cfg)["stages"]["table3"][0], mark_spikes=True)
 
 
-def fig5b_loss_vs_flops(cfg, res, ours=None):
+def fig5b_loss_vs_flops(cfg, res, ours=None, files=None):
     return _curve_figure(cfg, res, "fig5b_loss_vs_flops", "train_flops", "loss", "training FLOPs",
                          "training loss (nats/token)", "Fig. 5b: training loss vs training FLOPs, 350M",
                          T.settings(cfg)["stages"]["table3"][0])
 
 
-def fig1a_val_ppl_vs_tokens(cfg, res, ours=None):
+def fig1a_val_ppl_vs_tokens(cfg, res, ours=None, files=None):
     return _curve_figure(cfg, res, "fig1a_val_ppl_vs_tokens", "tokens", "val_ppl", "training tokens",
                          "validation perplexity", "Fig. 1a: validation perplexity vs tokens, 1B",
                          T.settings(cfg)["stages"]["table3"][0])
 
 
-def fig1b_niah(cfg, res, ours=None):
-    scale, wanted, _ = FIGURES["fig1b_niah"]
+def fig1b_niah(cfg, res, ours=None, files=None):
+    scale, wanted = registry.figure("fig1b_niah").scale, registry.figure("fig1b_niah").variants
     stages = T.settings(cfg)["stages"]["figure1b"]
     variants = _variants(cfg, scale, wanted)
     data = {v: niah_cells(res.first_eval(scale, v, stages, "niah")[0]) for v in variants}
@@ -184,7 +165,7 @@ def fig1b_niah(cfg, res, ours=None):
     return fig
 
 
-def roi_by_scale(cfg, res, ours):
+def roi_by_scale(cfg, res, ours, files=None):
     t3 = ours.get("table3", T.frame([]))
     paper = P.load_table("table3")
     scales = list(dict.fromkeys(list(t3["scale"]) or ["350m", "1b"]))
@@ -221,7 +202,7 @@ def _get(df, variant):
     return float(s.iloc[0]) if len(s) and not T._isnan(s.iloc[0]) else math.nan
 
 
-def paper_vs_ours(cfg, res, ours, table: str):
+def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
     from stem.report.diff import compare
     cells = compare(ours, T.settings(cfg)["tolerance"])
     cells = cells[(cells["table"] == table) & cells["unit"].isin(["%", "score"])]
@@ -249,12 +230,9 @@ def paper_vs_ours(cfg, res, ours, table: str):
     return fig
 
 
-def draw(name: str, cfg: dict, res: Results, ours: dict):
-    if name.startswith("paper_vs_ours_"):
-        return paper_vs_ours(cfg, res, ours, name.removeprefix("paper_vs_ours_"))
-    if name not in FIGURES:
-        raise ValueError(f"unknown figure {name!r}; expected one of {', '.join(FIGURES)}")
-    return globals()[name](cfg, res, ours)
+def draw(name: str, cfg: dict, res: Results, ours: dict, files: dict | None = None):
+    """Figure ``name`` (registry entry) drawn from the results, the reproduced tables and its input files."""
+    return registry.figure(name).draw(cfg, res, ours, files or {})
 
 
 def save(fig, png, pdf=None):
@@ -266,3 +244,40 @@ def save(fig, png, pdf=None):
         with atomic_path(path) as tmp:
             fig.savefig(tmp, format=fmt, dpi=130)
     plt.close(fig)
+
+
+# ---- the report's figures, in its order (one entry each; stem.report.registry) --------------------------
+def pretrain_metrics(cfg: dict, evals: list[str], scale: str, variants) -> dict:
+    """inputs of a curve figure: the metrics.jsonl of the pretraining runs it plots."""
+    from stem import config as C
+    stage = T.settings(cfg)["stages"]["table3"][0]  # the curves are of the pretraining runs
+    return {"metrics": [f"{C.stage_dir(cfg['experiment'], s, v, st)}/metrics.jsonl" for s, v, st in C.train_targets(cfg)
+                        if s == scale and v in variants and st == stage]}
+
+
+def _curves(scale, variants):
+    return {"scale": scale, "variants": variants,
+            "inputs": lambda cfg, evals: pretrain_metrics(cfg, evals, scale, variants)}
+
+
+registry.report_figure(
+    "fig5a_loss_vs_tokens", "Figure 5a: training loss vs training tokens at the 350M scale for the dense baseline, "
+    "Hash-MoE and STEM. Crosses mark loss spikes (loss above the trailing median by more than k robust standard "
+    "deviations, 1.4826 x MAD).", **_curves("350m", ("dense", "hashmoe", "stem")))(fig5a_loss_vs_tokens)
+registry.report_figure(
+    "fig5b_loss_vs_flops", "Figure 5b: training loss vs training FLOPs for STEM replacing 1/3, 1/2 and all-but-one "
+    "FFN up-projections (350M scale).", **_curves("350m", ("stem", "stem_half", "stem_full")))(fig5b_loss_vs_flops)
+registry.report_figure(
+    "fig1a_val_ppl_vs_tokens", "Figure 1a: validation perplexity vs training tokens at the 1B scale (pretraining).",
+    **_curves("1b", ("dense", "stem")))(fig1a_val_ppl_vs_tokens)
+registry.report_figure(
+    "fig1b_niah", "Figure 1b: Needle-in-a-Haystack accuracy per context length (mean over needle depths) after "
+    "context extension, and the per-cell accuracy as a length x depth heatmap.", scale="1b", variants=("dense", "stem"),
+    inputs=lambda cfg, evals: {"niah": [p for p in evals if p.endswith("eval/niah.json")]})(fig1b_niah)
+registry.report_figure(
+    "roi_by_scale", "Training ROI per scale ((Avg/GFLOPs) / (Avg_base/GFLOPs_base), Table 3): this experiment's "
+    "models next to the paper's.")(roi_by_scale)
+for _t in ("table3", "table4", "table5", "table6"):
+    registry.report_figure(
+        f"paper_vs_ours_{_t}", f"{registry.table(_t).title}: every published cell, the paper's value (x) against this "
+        "experiment's (y); on the diagonal = reproduced exactly.")(partial(paper_vs_ours, table=_t))
