@@ -51,6 +51,9 @@ def _convert(tp, value, key: str):
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None and type(None) in args:
             return None
+        non_null = [a for a in args if a is not type(None)]
+        if len(non_null) == 1 and dataclasses.is_dataclass(non_null[0]):   # a nested spec: its own errors
+            return _convert(non_null[0], value, key)
         for a in args:
             if a is not type(None):
                 try:
