@@ -132,3 +132,23 @@ def test_memory_trace_runs_the_loops_training_step(monkeypatch):
     assert r["peak_gib"] > 0
     from stem.train import loop
     assert loop.train_step is real
+
+
+def test_the_model_sets_its_dse_vocabulary_from_the_tokenizer():
+    """Ids whose texts share a normal form (NFKC, accents stripped, lowercase, whitespace collapsed) share the
+    smallest such id; ids past the tokenizer's vocabulary are their own (map written by hand)."""
+    from stem.models.config import ModelConfig
+    from stem.models.model import build_model
+
+    class Tok:
+        texts = ["a", "A", "\u00e9", " e", "b"]
+        vocab_size = len(texts)
+
+        def decode(self, ids):
+            return "".join(self.texts[i] for i in ids)
+    cfg = ModelConfig.from_dict({"vocab_size": 7, "d_model": 16, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1,
+                                 "d_ff": 32, "max_seq_len": 16,
+                                 "dse": {"layers": [1], "rows_per_head": 7, "d_mem": 8, "heads": 2}})
+    model = build_model(cfg)
+    model.set_dse_vocabulary(Tok())
+    assert model.dse_compress.tolist() == [0, 0, 2, 2, 4, 5, 6]

@@ -117,13 +117,9 @@ def train(spec: TrainSpec | dict, threads: int | None = None, max_steps: int | N
         with lifecycle.job(layout.state_dir(spec.out_dir)) as stop:
             run = setup(spec, threads)
             resume(run)
-            last = min(spec.train.steps, run.step + (spec.train.steps if max_steps is None else max_steps))
+            last = spec.train.steps if max_steps is None else min(spec.train.steps, run.step + max_steps)
             train_steps(run, stop, last)
-            if run.step < spec.train.steps:  # stopped early on purpose (max_steps): keep the state, write nothing declared
-                save_state(run)
-                distributed.teardown(run.ctx)
-                return {"step": run.step, "loss": run.loss}
-            return finish(run)
+            return finish(run) if run.step == spec.train.steps else pause(run)
     except lifecycle.StateLocked as e:
         raise TrainingError(str(e)) from None
 
@@ -229,6 +225,13 @@ def save_state(run: Run):
     distributed.save_state(run.state_dir, run.step, run.model, run.opt,
                            {"loader": run.loader.state_dict(), "val_loss": run.val_loss,
                             "wall_seconds": run.wall_seconds()}, run.ctx)
+
+
+def pause(run: Run) -> dict:
+    """Stopped early on purpose (``max_steps``): keep the state, write nothing declared."""
+    save_state(run)
+    distributed.teardown(run.ctx)
+    return {"step": run.step, "loss": run.loss}
 
 
 def finish(run: Run) -> dict:
