@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 
@@ -28,12 +29,20 @@ class SpecError(ValueError):
     """A job spec that does not hold what the job needs: one line naming the key."""
 
 
+class _FieldError(Exception):
+    """A dataclass's own check of one of its fields (``__post_init__``); ``_from_dict`` names the full key."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(problem)
+        self.field = field
+
+
 # ---- building a dataclass from JSON, checking each key against its type --------------------------------
 def _describe(tp) -> str:
     if tp is type(None):
         return "null"
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is tuple:
         return "a list of numbers"
@@ -48,7 +57,7 @@ def _convert(tp, value, key: str):
     """``value`` as type ``tp`` (JSON scalars kept as they are: an integer stays one where a number is
     expected, so the JSON does not change); SpecError naming ``key`` otherwise."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         non_null = [a for a in args if a is not type(None)]
@@ -113,8 +122,8 @@ def _from_dict(cls, d, where: str):
         kw[name] = _convert(hints[name], d[name], prefix + name)
     try:
         return cls(**kw)
-    except SpecError as e:
-        raise SpecError(f"key '{prefix}{e}") from None   # a __post_init__ check: "{field}': expected ..."
+    except _FieldError as e:
+        raise SpecError(f"key '{prefix}{e.field}': {e}") from None
 
 
 def _plain(obj):
@@ -150,9 +159,9 @@ class _Spec:
         return json.loads(json.dumps(_plain(self)))
 
 
-def _check(ok: bool, key: str, expected: str, value):
+def _check(ok: bool, field: str, expected: str, value):
     if not ok:
-        raise SpecError(f"{key}': expected {expected}, got {value!r}")   # _from_dict adds "key '<prefix>"
+        raise _FieldError(field, f"expected {expected}, got {value!r}")
 
 
 # ---- training -------------------------------------------------------------------------------------------
