@@ -145,13 +145,13 @@ def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision
         for block in model.layers:
             fully_shard(block, mesh=ctx.mesh, mp_policy=mp)
         fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False)
-    model._stem_strategy = strategy
     return model
 
 
 def sync_replicated_grads(model, ctx: DistContext):
-    """strategy ddp: average the gradients of the replicated (non-DTensor) parameters over all ranks."""
-    if ctx.world == 1 or getattr(model, "_stem_strategy", "fsdp") != "ddp":
+    """Average the gradients of the replicated (non-DTensor) parameters over all ranks: the backbone's under
+    strategy ddp; under fsdp every parameter is a DTensor (sharded) and there are none."""
+    if ctx.world == 1:
         return
     from torch.distributed.tensor import DTensor
     grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)]
