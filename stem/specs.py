@@ -45,7 +45,7 @@ def _describe(tp) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is tuple:
-        return "a list of numbers"
+        return "a list of strings" if typing.get_args(tp)[0] is str else "a list of numbers"
     if origin is dict or tp is dict:
         return "a mapping"
     if dataclasses.is_dataclass(tp):
@@ -87,6 +87,10 @@ def _convert(tp, value, key: str):
         if not isinstance(value, dict):
             raise SpecError(f"key '{key}': expected a mapping, got {value!r}")
         return value
+    if origin is tuple and args[0] is str:     # tuple[str, ...]
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
+            raise SpecError(f"key '{key}': expected a non-empty list of strings, got {value!r}")
+        return tuple(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value) \
                 or (args[-1] is not Ellipsis and len(value) != len(args)):
@@ -308,3 +312,64 @@ class EvalSpec(_Spec):
         if d["job"] is None:
             del d["job"]
         return {**{k: v for k, v in d.items() if k != "options"}, **d["options"]}
+
+
+# ---- aggregate (report) ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spikes:
+    """Figure 5a's loss-spike rule: loss > median of the previous ``window`` logged steps + k x 1.4826 x MAD."""
+    window: int = 50
+    k: float = 6.0
+
+    def __post_init__(self):
+        _check(self.window >= 2, "window", "an integer >= 2", self.window)
+        _check(self.k > 0, "k", "a number > 0", self.k)
+
+
+TOLERANCES = ("accuracy", "params", "gflops", "roi", "other")
+
+
+@dataclass(frozen=True)
+class ReportSpec(_Spec):
+    """The aggregate stage's settings: the experiment config's ``report:`` section over the defaults.
+
+    stages: {table: training stages feeding it, first with results wins} (default: each registered table's
+    own ``stages``); tolerance: the diff's absolute tolerance per kind of cell; spikes: Figure 5a's rule.
+    ``from_config`` checks it once; every report job reads this, never the raw section."""
+    KIND: typing.ClassVar[str] = "report"
+    experiment: str
+    stages: dict[str, tuple[str, ...]]
+    tolerance: dict[str, float]
+    spikes: Spikes = field(default_factory=Spikes)
+
+    def __post_init__(self):
+        from stem.report import registry
+        tables = registry.tables()
+        fed = [n for n, t in tables.items() if t.stages]
+        for name, stages in self.stages.items():
+            _check(name in fed, f"stages.{name}", f"a table fed by training stages ({', '.join(fed)})", name)
+            for st in stages:
+                _check(st in ("pretrain", "midtrain", "extend"), f"stages.{name}", "stages among pretrain, "
+                       "midtrain, extend", list(stages))
+        for name, tol in self.tolerance.items():
+            _check(name in TOLERANCES and tol >= 0, f"tolerance.{name}",
+                   f"a number >= 0 for one of {', '.join(TOLERANCES)}", tol)
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ReportSpec":
+        """The defaults (registry stages, tolerances, spike rule) under the config's ``report:`` section."""
+        from stem.report import registry
+        rep = cfg.get("report") or {}
+        if not isinstance(rep, dict):
+            raise SpecError(f"report spec: key 'report': expected a mapping, got {rep!r}")
+        stages = {n: list(t.stages) for n, t in registry.tables().items() if t.stages}
+        tolerance = {"accuracy": 1.0, "params": 0.01, "gflops": 0.01, "roi": 0.02, "other": 0.0}
+        for key, default in (("stages", stages), ("tolerance", tolerance)):
+            if not isinstance(rep.get(key) or {}, dict):
+                raise SpecError(f"report spec: key 'report.{key}': expected a mapping, got {rep[key]!r}")
+        try:
+            return cls.from_dict({"experiment": cfg["experiment"], "stages": {**stages, **(rep.get("stages") or {})},
+                                  "tolerance": {**tolerance, **(rep.get("tolerance") or {})},
+                                  "spikes": {**dataclasses.asdict(Spikes()), **(rep.get("spikes") or {})}})
+        except SpecError as e:   # name the config's key
+            raise SpecError(str(e).replace("report spec: key '", "config: key 'report.", 1)) from None

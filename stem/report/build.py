@@ -66,7 +66,7 @@ def paper_accounting() -> dict:
 
 
 def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper_acct=None):
-    tol = T.settings(cfg)["tolerance"]
+    tol = T.settings(cfg).tolerance
     cells, dirs = diff.compare(ours, tol), diff.directions(ours)
     cons = diff.paper_consistency(paper_acct)
     s = diff.summary(cfg["experiment"], cells, dirs, cons)
@@ -121,7 +121,7 @@ def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: lis
     for f in figures:
         b += [page.Heading(3, f), page.Para(figs[f].caption), page.Image(f, f"figures/{f}.png"),
               page.Para(f"[pdf](figures/{f}.pdf)")]
-    sp, tol = T.settings(cfg)["spikes"], T.settings(cfg)["tolerance"]
+    sp, tol = T.settings(cfg).spikes, T.settings(cfg).tolerance
     b += [page.Heading(2, "Conventions"), page.Items((
         "**Avg** = mean of the eight zero-shot commonsense tasks (ARC-E, ARC-C, BoolQ, PIQA, SIQA, HellaSwag, "
         "OBQA, WinoGrande); a row missing any task has no Avg (shown as —), never a partial mean.",
@@ -132,8 +132,8 @@ def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: lis
         "column fits no consistent table shape (research notes A) — the diff shows ours next to it.",
         "**#Active** = parameters in matrix products per token; **GFLOPs/token** = 2 x #Active / 1e9. The "
         "parameter columns are the accounting written with each model's checkpoint (`checkpoint/accounting.json`).",
-        f"**Loss spike** = training loss above the median of the previous {sp['window']} logged steps by more "
-        f"than {sp['k']:g} x 1.4826 x MAD (a robust {sp['k']:g}-sigma rule).",
+        f"**Loss spike** = training loss above the median of the previous {sp.window} logged steps by more "
+        f"than {sp.k:g} x 1.4826 x MAD (a robust {sp.k:g}-sigma rule).",
         f"**Tolerances** (absolute): accuracy {tol['accuracy']:g} points, params {tol['params']:g} B, "
         f"GFLOPs {tol['gflops']:g}, ROI {tol['roi']:g}; configurable under `report.tolerance`.",
         "— marks a result that does not exist yet (not a zero).",

@@ -68,7 +68,7 @@ def _variants(cfg, scale, wanted):
 def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, ylabel: str, title: str,
                   stage: str, mark_spikes=False, logy=False):
     scale, wanted = registry.figure(name).scale, registry.figure(name).variants
-    sp = T.settings(cfg)["spikes"]
+    sp = T.settings(cfg).spikes
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     drawn = 0
     for v in _variants(cfg, scale, wanted):
@@ -79,7 +79,7 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
         xs, xl = _scaled(m[x].to_numpy(), xlabel)
         label = LABELS.get(v, v)
         if mark_spikes:
-            spikes = loss_spikes(m[y], sp["window"], sp["k"])
+            spikes = loss_spikes(m[y], sp.window, sp.k)
             label += f" ({int(spikes.sum())} spikes)"
             ax.plot(xs[spikes], m[y].to_numpy()[spikes], "x", color=COLORS.get(v), ms=8, mew=2)
         ax.plot(xs, m[y], color=COLORS.get(v), lw=1.2, label=label, alpha=0.9)
@@ -96,7 +96,7 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
     else:
         _missing(ax, f"no {stage} metrics yet for {', '.join(LABELS.get(v, v) for v in wanted)} at scale {scale}")
     if mark_spikes and drawn:
-        ax.text(0.99, 0.98, f"spike: loss > trailing median + {sp['k']:g} x 1.4826 x MAD (window {sp['window']} steps)",
+        ax.text(0.99, 0.98, f"spike: loss > trailing median + {sp.k:g} x 1.4826 x MAD (window {sp.window} steps)",
                 transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.3")
     _title(fig, title, cfg)
     return fig
@@ -106,24 +106,24 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
 def fig5a_loss_vs_tokens(cfg, res, ours=None, files=None):
     return _curve_figure(cfg, res, "fig5a_loss_vs_tokens", "tokens", "loss", "training tokens",
                          "training loss (nats/token)", "Fig. 5a: training loss vs tokens, 350M",
-                         T.settings(cfg)["stages"]["table3"][0], mark_spikes=True)
+                         T.settings(cfg).stages["table3"][0], mark_spikes=True)
 
 
 def fig5b_loss_vs_flops(cfg, res, ours=None, files=None):
     return _curve_figure(cfg, res, "fig5b_loss_vs_flops", "train_flops", "loss", "training FLOPs",
                          "training loss (nats/token)", "Fig. 5b: training loss vs training FLOPs, 350M",
-                         T.settings(cfg)["stages"]["table3"][0])
+                         T.settings(cfg).stages["table3"][0])
 
 
 def fig1a_val_ppl_vs_tokens(cfg, res, ours=None, files=None):
     return _curve_figure(cfg, res, "fig1a_val_ppl_vs_tokens", "tokens", "val_ppl", "training tokens",
                          "validation perplexity", "Fig. 1a: validation perplexity vs tokens, 1B",
-                         T.settings(cfg)["stages"]["table3"][0])
+                         T.settings(cfg).stages["table3"][0])
 
 
 def fig1b_niah(cfg, res, ours=None, files=None):
     scale, wanted = registry.figure("fig1b_niah").scale, registry.figure("fig1b_niah").variants
-    stages = T.settings(cfg)["stages"]["figure1b"]
+    stages = T.settings(cfg).stages["figure1b"]
     variants = _variants(cfg, scale, wanted)
     data = {v: niah_cells(res.first_eval(scale, v, stages, "niah")[0]) for v in variants}
     fig, axes = plt.subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
@@ -204,7 +204,7 @@ def _get(df, variant):
 
 def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
     from stem.report.diff import compare
-    cells = compare(ours, T.settings(cfg)["tolerance"])
+    cells = compare(ours, T.settings(cfg).tolerance)
     cells = cells[(cells["table"] == table) & cells["unit"].isin(["%", "score"])]
     have = cells.dropna(subset=["delta"])
     fig, ax = plt.subplots(figsize=(6, 5.5), layout="constrained")
@@ -250,7 +250,7 @@ def save(fig, png, pdf=None):
 def pretrain_metrics(cfg: dict, evals: list[str], scale: str, variants) -> dict:
     """inputs of a curve figure: the metrics.jsonl of the pretraining runs it plots."""
     from stem import config as C
-    stage = T.settings(cfg)["stages"]["table3"][0]  # the curves are of the pretraining runs
+    stage = T.settings(cfg).stages["table3"][0]  # the curves are of the pretraining runs
     return {"metrics": [f"{C.stage_dir(cfg['experiment'], s, v, st)}/metrics.jsonl" for s, v, st in C.train_targets(cfg)
                         if s == scale and v in variants and st == stage]}
 

@@ -16,10 +16,6 @@ from stem.report import paper_data as P
 from stem.report import registry
 from stem.report.results import Results, as_number, by_length, niah_cells, range_rows, task_score
 
-DEFAULTS = {  # report: settings; each table's stages come with its registry entry (stem.report.registry)
-    "tolerance": {"accuracy": 1.0, "params": 0.01, "gflops": 0.01, "roi": 0.02, "other": 0.0},
-    "spikes": {"window": 50, "k": 6.0},
-}
 VARIANT_ORDER = list(P.VARIANT_LABELS)
 PAPER_ROW = {"table6": {"dense": "Base"}}  # Table 6 calls the baseline "Base"
 COMMONSENSE_LABELS = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "boolq": "BoolQ", "piqa": "PIQA",
@@ -59,16 +55,11 @@ def longbench_cell(ev: dict | None, table: str, column: str) -> tuple[float | No
     return by_length(ev).get(LONGBENCH[column]), "by_length"
 
 
-def settings(cfg: dict) -> dict:
-    """The experiment's ``report:`` section over the defaults (``stages``: each registered table's)."""
-    rep = cfg.get("report") or {}
-    tables = registry.tables()
-    for name in rep.get("stages") or {}:
-        if name not in tables or not tables[name].stages:   # Tables 1 and 2 come from the config alone
-            raise ValueError(f"config: key 'report.stages.{name}': not a table fed by training stages; expected one of "
-                             f"{', '.join(n for n, t in tables.items() if t.stages)}")
-    defaults = {**DEFAULTS, "stages": {n: list(t.stages) for n, t in tables.items() if t.stages}}
-    return {k: {**v, **(rep.get(k) or {})} for k, v in defaults.items()}
+def settings(cfg: dict):
+    """The experiment's report settings, checked once (``stem.specs.ReportSpec``: the config's ``report:``
+    section over the defaults; each table's stages from its registry entry)."""
+    from stem.specs import ReportSpec
+    return ReportSpec.from_config(cfg)
 
 
 def experiment_label(cfg_or_name) -> str:
@@ -202,14 +193,14 @@ def checkpoints_of(table: str):
     """inputs(cfg) of a registry entry: the checkpoints of the stages feeding ``table`` (their accounting)."""
     def inputs(cfg: dict) -> list[str]:
         from stem import config as C
-        stages = settings(cfg)["stages"][table]
+        stages = settings(cfg).stages[table]
         return [f"{C.stage_dir(cfg['experiment'], s, v, st)}/checkpoint" for s, v, st in C.train_targets(cfg)
                 if st in stages]
     return inputs
 
 
 def table3(cfg: dict, res: Results) -> pd.DataFrame:
-    stages = settings(cfg)["stages"]["table3"]
+    stages = settings(cfg).stages["table3"]
     rows = []
     for scale in scales_with(cfg, stages[0]):
         for v in ordered_variants(cfg["matrix"][scale]["variants"]):
@@ -223,7 +214,7 @@ def table3(cfg: dict, res: Results) -> pd.DataFrame:
 
 
 def table4(cfg: dict, res: Results) -> pd.DataFrame:
-    stages = settings(cfg)["stages"]["table4"]
+    stages = settings(cfg).stages["table4"]
     rows = []
     for scale in scales_with(cfg, stages[0]):
         for v in ordered_variants(cfg["matrix"][scale]["variants"]):
@@ -242,7 +233,7 @@ def table6(cfg: dict, res: Results) -> pd.DataFrame:
 
 
 def longbench_table(table: str, cfg: dict, res: Results) -> pd.DataFrame:
-    stages = settings(cfg)["stages"][table]
+    stages = settings(cfg).stages[table]
     cells = []
     for scale in scales_with(cfg, stages[0]):
         for v in ordered_variants(cfg["matrix"][scale]["variants"]):
@@ -261,7 +252,7 @@ def longbench_table(table: str, cfg: dict, res: Results) -> pd.DataFrame:
 def figure1b(cfg: dict, res: Results) -> pd.DataFrame:
     """NIAH accuracy per context length (mean over depths) and STEM's gap over the baseline at the
     shortest and longest length (the numbers quoted in Sec. 1)."""
-    stages = settings(cfg)["stages"]["figure1b"]
+    stages = settings(cfg).stages["figure1b"]
     cells = []
     for scale in scales_with(cfg, stages[0]):
         per_len = {}
