@@ -1,0 +1,135 @@
+"""The offloaded inference engine (stem.models.offload): logits equal the resident model's for every STEM
+variant, with and without cache and prefetch, full forwards and batched KV-cache decoding; the LFU/LRU cache
+policy against a hand-worked sequence; the counters against hand-counted values."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from stem import config as C
+from stem.eval.generate import greedy_generate_batch
+from stem.models.model import KVCache, build_model
+from stem.models.offload import LFUCache, OffloadedTable, offload
+from stem.train.checkpoint import save_weights
+
+VARIANTS = ["stem", "stem_gate", "stem_dagger", "stem_half", "stem_full"]
+V, D_FF = 64, 24
+
+
+def tiny_model(variant, n_layers=4):
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=n_layers, n_heads=2, n_kv_heads=1, d_ff=D_FF,
+                                max_seq_len=64)
+    torch.manual_seed(0)
+    model = build_model(C.model_config_for(cfg, "350m", variant)).eval()
+    with torch.no_grad():  # tables as large as the activations, so a wrong row shows in the logits
+        for block in model.layers:
+            if hasattr(block.ffn, "table"):
+                block.ffn.table.weight.normal_()
+    return model
+
+
+def offloaded(model, tmp_path, **kw):
+    path = tmp_path / "model.safetensors"
+    if not path.exists():
+        save_weights(model, path)
+    twin = copy.deepcopy(model)
+    return twin, offload(twin, weights=path, **kw)
+
+
+@torch.no_grad()
+def decode_logits(model, prompt, steps):
+    """Logits of a prefill and of ``steps`` batched decode steps with a KV cache (feeding the argmax)."""
+    cache = KVCache()
+    out = [model(prompt, cache=cache)]
+    nxt = out[-1][:, -1:].argmax(-1)
+    for _ in range(steps):
+        out.append(model(nxt, cache=cache))
+        nxt = out[-1][:, -1:].argmax(-1)
+    return out
+
+
+CASES = [(v, {"cache_rows": 8}) for v in VARIANTS] + [("stem_half", {"cache_rows": 0}),
+                                                      ("stem_half", {"cache_rows": 8, "prefetch": False})]
+
+
+@pytest.mark.parametrize("variant,kw", CASES)
+def test_logits_equal_resident(variant, kw, tmp_path):
+    model = tiny_model(variant)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (3, 12), generator=g)
+    with torch.no_grad():
+        ref = [model(ids)] + decode_logits(model, ids, 4)  # the second pass over ids hits the cache
+        assert not torch.equal(ref[0], build_model(model.cfg).eval()(ids)), "tables must matter"
+    twin, engine = offloaded(model, tmp_path, **kw)
+    assert not any(p.shape == (V, D_FF) for p in twin.parameters())  # the tables left the model
+    assert sum(isinstance(m, OffloadedTable) for m in twin.modules()) == len(engine.far) > 0
+    with torch.no_grad():
+        got = [twin(ids)] + decode_logits(twin, ids, 4)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert (engine.hits > 0) == (kw["cache_rows"] > 0)
+    if variant == "stem_half":  # the evaluator's left-padded batched decoding
+        prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
+        assert greedy_generate_batch(twin, prompts, 5) == greedy_generate_batch(model, prompts, 5)
+    engine.close()
+
+
+def test_hit_evicted_in_the_same_forward_reads_its_row_first(tmp_path):
+    """cache_rows=1: id 1 is cached, then a forward hits 1 and admits 2 (read 3 times) in its slot."""
+    model = tiny_model("stem_half")
+    twin, engine = offloaded(model, tmp_path, cache_rows=1)
+    for ids in ([[1]], [[1, 2, 2, 2]], [[1, 2]]):
+        x = torch.tensor(ids)
+        assert torch.equal(twin(x), model(x))
+    assert engine.cache.cached() == {2} and engine.hits == 2  # 1 in the second forward, 2 in the third
+
+
+def test_lfu_lru_policy_hand_worked():
+    c = LFUCache(10, 2)
+
+    def step(ids):
+        uniq, counts = np.unique(ids, return_counts=True)
+        hit = c.access(uniq, counts)[0]
+        return dict(zip(uniq.tolist(), hit.tolist())), c.cached()
+
+    # (ids read, expected hits, expected cache after); counts / last reads worked out by hand
+    assert step([1, 1, 2]) == ({1: False, 2: False}, {1, 2})        # 1: (2, t1), 2: (1, t1)
+    assert step([3]) == ({3: False}, {1, 3})                          # 3: (1, t2) ties 2 on count, newer: 2 out
+    assert step([2]) == ({2: False}, {1, 2})                          # 2: (2, t3) beats 3 (1, t2)
+    assert step([3, 4]) == ({3: False, 4: False}, {2, 3})             # 3: (2, t4); 1 (2, t1) is the LRU of count 2
+    assert step([2, 4]) == ({2: True, 4: False}, {2, 4})              # 2: (3, t5), 4: (2, t5) beats 3 (2, t4)
+    assert step([5, 6]) == ({5: False, 6: False}, {2, 4})             # count 1 < 2: not admitted
+    one = LFUCache(10, 1)
+    one.access(np.array([7, 8]), np.array([1, 1]))
+    assert one.cached() == {7}                                        # same count, same forward: smaller id
+    assert LFUCache(10, 0).access(np.array([1]), np.array([1]))[0].tolist() == [False]
+
+
+def test_counters_hand_counted(tmp_path):
+    model = tiny_model("stem_half")  # STEM layers 1 and 3: 2 tables of 64 x 24 fp32, 96 bytes a row
+    twin, engine = offloaded(model, tmp_path, cache_rows=2, prefetch=False)
+    moved = []
+    for f in engine.far:  # count the rows the far tier really hands over
+        f.gather = (lambda g: lambda ids: moved.append(len(ids)) or g(ids))(f.gather)
+    twin(torch.tensor([[1, 2, 2, 3], [3, 3, 4, 1]]))  # 8 ids, 4 unique, no hit; 3 (x3) and 1 (x2, < 2) cached
+    twin(torch.tensor([[3, 5]]))                       # 2 ids, 2 unique, 3 hits
+    s = engine.stats()
+    assert (s["forwards"], s["total_ids"], s["unique_ids"], s["hits"]) == (2, 10, 6, 1)
+    assert s["hit_rate"] == pytest.approx(1 / 6) and s["unique_per_total"] == pytest.approx(0.6)
+    assert moved == [4, 4, 1, 1]
+    assert s["bytes_moved"] == (4 + 1) * 2 * 96 == 96 * sum(moved)
+    assert s["bytes_per_token"] == pytest.approx(960 / 10)
+    assert s["freed_bytes"] == 2 * 64 * 24 * 4
+
+
+def test_bad_use_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no token-indexed tables"):
+        offload(tiny_model("dense"), weights=tmp_path / "x")
+    with pytest.raises(ValueError, match="pass weights="):
+        offload(tiny_model("stem"))
+    with pytest.raises(ValueError, match="cache_rows=65: expected 0"):
+        offloaded(tiny_model("stem"), tmp_path, cache_rows=65)
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 3)
+    with pytest.raises(ValueError, match="bad.safetensors: not a readable safetensors file"):
+        offload(tiny_model("stem"), weights=tmp_path / "bad.safetensors")
