@@ -49,8 +49,10 @@ def cmd_eval(args):
         raise C.ConfigError("--suite is required (or --bench)")
     spec = run.suite_spec(experiment_config(args.experiment), args.suite)
     raw = args.out[:-5] + ".raw.json" if args.out and args.out.endswith(".json") else None
-    r = run.evaluate(args.checkpoint, spec, args.out, raw, limit=args.limit, device=args.device)
-    print(json.dumps({k: r[k] for k in ("suite", "checkpoint", "limit", "tasks", "groups", "wall_seconds")}, indent=2))
+    r = run.evaluate(args.checkpoint, spec, args.out, raw, limit=args.limit, device=args.device,
+                     model_args={"offload": args.offload, "cache_rows": args.cache_rows})
+    print(json.dumps({k: r[k] for k in ("suite", "checkpoint", "limit", "tasks", "groups", "wall_seconds", "offload")
+                      if k in r}, indent=2))
 
 
 def cmd_diff(args):
@@ -140,6 +142,8 @@ def main(argv=None):
     e.add_argument("--device")
     e.add_argument("--out", help="normalised result JSON (raw lm-eval output goes beside it, as *.raw.json)")
     e.add_argument("--bench", action="store_true", help="print loglikelihood requests/s and generation tokens/s")
+    e.add_argument("--offload", action="store_true", help="STEM tables off the device (stem.models.offload)")
+    e.add_argument("--cache-rows", type=int, default=0, help="with --offload: rows of the LFU cache")
     e.set_defaults(fn=cmd_eval)
     d = sub.add_parser("diff", help="reproduced tables vs the paper's, cell by cell")
     d.add_argument("--experiment", default="tiny")
