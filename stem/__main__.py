@@ -29,6 +29,9 @@ def cmd_params(args):
 
 
 def cmd_bench(args):
+    if args.what == "offload":
+        from stem import bench_offload
+        return bench_offload.main(args)
     from stem import bench
     bench.main_attention(args) if args.what == "attention" else bench.main(args)
 
@@ -120,12 +123,20 @@ def main(argv=None):
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=["ffn", "attention"])
+    b.add_argument("what", choices=["ffn", "attention", "offload"])
     b.add_argument("--scale", default="350m")
     b.add_argument("--tokens", type=int, default=2048)
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--device", default="cpu")
+    o = b.add_argument_group("bench offload (stem.bench_offload)")
+    o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
+    o.add_argument("--batch", type=int, default=8, help="rows of held-out text decoded together")
+    o.add_argument("--prompt", type=int, default=32, help="prefill tokens per row")
+    o.add_argument("--steps", type=int, default=96, help="decode steps")
+    o.add_argument("--cache-rows", type=int, nargs="+", help="cache sizes timed (default d, 4d, 16d rows)")
+    o.add_argument("--json", help="also write the figures as JSON here")
+    o.add_argument("--figure", help="also write the hit-rate figure (PNG) here")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("train", help="train one job of an experiment (outside the workflow)")
     t.add_argument("--experiment", default="tiny")

@@ -103,12 +103,17 @@ class LFUCache:
         none = np.zeros(0, np.int64)
         if self.capacity == 0 or len(miss) == 0:
             return hit, slots[hit], none, none
+        free = np.flatnonzero(self.held < 0)
+        if len(miss) <= len(free):  # room for every miss: nothing to choose
+            self.held[free[:len(miss)]] = uniq[miss]
+            self.slot[uniq[miss]] = free[:len(miss)]
+            return hit, slots[hit], miss, free[:len(miss)]
         held = self.held[self.held >= 0]
         cand = np.concatenate([held, uniq[miss]])
         best = cand[np.lexsort((cand, -self.last[cand], -self.count[cand]))[:self.capacity]]
         evicted = held[~np.isin(held, best)]
         admit = miss[np.isin(uniq[miss], best)]
-        free = np.concatenate([np.flatnonzero(self.held < 0), self.slot[evicted]])[:len(admit)]
+        free = np.concatenate([free, self.slot[evicted]])[:len(admit)]
         self.slot[evicted] = -1
         self.held[free] = uniq[admit]
         self.slot[uniq[admit]] = free
@@ -165,6 +170,11 @@ class OffloadEngine:
         self.reset_stats()
 
     # ---- counters ---------------------------------------------------------------------------------------
+    def reset(self):
+        """An empty cache (same budget) and zeroed counters."""
+        self.cache, self.step = LFUCache(len(self.cache.count), self.cache.capacity), None
+        self.reset_stats()
+
     def reset_stats(self):
         self.forwards = self.total_ids = self.unique_ids = self.hits = self.bytes_moved = 0
 
