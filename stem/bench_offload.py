@@ -249,7 +249,7 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
             "scale": spec.get("scale"), "device": "cpu", "threads": torch.get_num_threads(),
             "shapes": {"vocab": vocab, "d_model": d, "d_ff": d_ff, "layers": cfg.n_layers, "stem_layers": n_stem,
                        "dtype": str(next(resident.parameters()).dtype).removeprefix("torch.")},
-            "workload": {"held_out": str(manifest), "batch": batch, "prompt": prompt, "steps": steps,
+            "workload": {"held_out": str(manifest.relative_to(C.REPO) if manifest.is_relative_to(C.REPO) else manifest), "batch": batch, "prompt": prompt, "steps": steps,
                          "repeats": repeats, "curve_steps": streams.shape[1] - prompt},
             "decode": decode, "hit_rate_curve": hit_curve, "memory": memory, "access": access,
             "uniq_train_batch": batches, "paper": PAPER}

@@ -17,9 +17,9 @@ VARIANTS = ["stem", "stem_gate", "stem_dagger", "stem_half", "stem_full"]
 V, D_FF = 64, 24
 
 
-def tiny_model(variant, n_layers=4):
+def tiny_model(variant, n_kv_heads=1):
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
-    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=n_layers, n_heads=2, n_kv_heads=1, d_ff=D_FF,
+    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=4, n_heads=2, n_kv_heads=n_kv_heads, d_ff=D_FF,
                                 max_seq_len=64)
     torch.manual_seed(0)
     model = build_model(C.model_config_for(cfg, "350m", variant)).eval()
@@ -133,3 +133,48 @@ def test_bad_use_is_a_clear_error(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 3)
     with pytest.raises(ValueError, match="bad.safetensors: not a readable safetensors file"):
         offload(tiny_model("stem"), weights=tmp_path / "bad.safetensors")
+
+
+def test_replayed_hit_rate_equals_the_engines(tmp_path):
+    from stem.bench_offload import decode_seconds, replay_hit_rate
+    model = tiny_model("stem_half")
+    twin, engine = offloaded(model, tmp_path, cache_rows=6)
+    rng = np.random.default_rng(0)
+    ids = np.minimum(rng.zipf(1.3, (3, 14)), V) - 1  # Zipfian ids, as text
+    decode_seconds(twin, torch.from_numpy(ids[:, :4]), torch.from_numpy(ids[:, 4:]))
+    s = engine.stats()
+    assert s["forwards"] == 10 and 0 < s["hit_rate"] < 1
+    assert s["hit_rate"] == replay_hit_rate(ids[:, :4], ids[:, 4:], V, 6)
+
+
+def test_bytes_read_per_decoded_token_match_the_papers_formula(tmp_path):
+    """Sec. 3.2.3 / Table 1, batch 1, MHA: a layer reads 4d^2 + 2Ld (KV) + 3 d d_ff (dense) or 2 d d_ff (STEM)
+    parameters, plus d_ff for the STEM row (Table 1's B_uniq d_ff); fp32."""
+    from stem.bench_offload import decode_step_access
+    d, f, L = 16, D_FF, 6
+    models = {v: tiny_model(v, n_kv_heads=2) for v in ("dense", "stem_half")}  # MHA; STEM in layers 1 and 3
+    models["offloaded"], _ = offloaded(models["stem_half"], tmp_path)
+    prompt, step = torch.tensor([[3, 4, 5, 4, 3]]), torch.tensor([[7]])
+    got = {k: decode_step_access(m, prompt, step) for k, m in models.items()}
+    for layer in range(4):
+        stem = layer in (1, 3)
+        for name in ("stem_half", "offloaded") if stem else ("dense", "stem_half", "offloaded"):
+            m = got[name]
+            per_layer = sum(m.total(k, layer) for k in ("attn", "kv", "ffn")) // 4
+            assert per_layer == 4 * d * d + 2 * L * d + (2 if stem else 3) * d * f, (name, layer)
+            assert m.total("table", layer) == (4 * f if stem else 0)
+            assert m.total("norm", layer) == 4 * 2 * d
+    dense = sum(got["dense"].total(k, 1) for k in ("attn", "kv", "ffn"))
+    stem = sum(got["stem_half"].total(k, 1) for k in ("attn", "kv", "ffn"))
+    assert (dense - stem) / dense == pytest.approx(f / (4 * d + 2 * L + 3 * f))
+    assert got["dense"].total("embedding") == got["dense"].total("head") // V == 4 * d  # one row; the whole head
+
+
+def test_unique_ids_per_training_batch():
+    from stem.bench_offload import unique_per_batch
+    train = np.arange(1000) % 37
+    r = unique_per_batch(train, batch=2, seq_len=10, n=3)
+    assert r["tokens"] == 20 and r["uniq_max"] <= 20
+    rng = np.random.default_rng(0)  # the same windows, counted by hand
+    counts = [len({int(t) for s in rng.integers(0, 990, 2) for t in train[s:s + 10]}) for _ in range(3)]
+    assert r["uniq_mean"] == pytest.approx(sum(counts) / 3) and r["uniq_min"] == min(counts)
