@@ -433,3 +433,5 @@ def test_offloaded_tables_score_the_same_through_simple_evaluate(ckpt, lm, tmp_p
     assert s["forwards"] > 8 and s["hits"] > 0 and s["freed_bytes"] == 320 * 64 * 4  # the table of layer 1
     with pytest.raises(ValueError, match="cache_rows=4: a row cache needs offload=true"):
         StemLM(str(ckpt), device="cpu", cache_rows=4)
+    with pytest.raises(ValueError, match="offload='maybe': expected true or false"):
+        StemLM(str(ckpt), device="cpu", offload="maybe")

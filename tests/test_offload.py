@@ -17,9 +17,9 @@ VARIANTS = ["stem", "stem_gate", "stem_dagger", "stem_half", "stem_full"]
 V, D_FF = 64, 24
 
 
-def tiny_model(variant, n_kv_heads=1):
+def tiny_model(variant, n_kv_heads=1, vocab=V):
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
-    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=4, n_heads=2, n_kv_heads=n_kv_heads, d_ff=D_FF,
+    cfg["archs"]["350m"].update(vocab_size=vocab, d_model=16, n_layers=4, n_heads=2, n_kv_heads=n_kv_heads, d_ff=D_FF,
                                 max_seq_len=64)
     torch.manual_seed(0)
     model = build_model(C.model_config_for(cfg, "350m", variant)).eval()
@@ -178,3 +178,31 @@ def test_unique_ids_per_training_batch():
     rng = np.random.default_rng(0)  # the same windows, counted by hand
     counts = [len({int(t) for s in rng.integers(0, 990, 2) for t in train[s:s + 10]}) for _ in range(3)]
     assert r["uniq_mean"] == pytest.approx(sum(counts) / 3) and r["uniq_min"] == min(counts)
+
+
+def test_bench_offload_end_to_end(tiny_data, tmp_path, capsys):
+    """python -m stem bench offload on a small checkpoint trained on nothing: the table, JSON and figure."""
+    import json
+
+    from stem.__main__ import main
+    from stem.train.checkpoint import save_checkpoint
+    model = tiny_model("stem_half", vocab=512)  # the tiny data's vocabulary
+    spec = {"experiment": "test", "scale": "350m", "variant": "stem_half", "stage": "pretrain",
+            "model": model.cfg.to_dict(), "data": {"web": {"manifest": tiny_data["manifests"]["web"], "weight": 1.0}},
+            "train": {"batch_size": 2, "seq_len": 16}}
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, model, spec, tiny_data["tokenizer"], {})
+    out = tmp_path / "out"
+    main(["bench", "offload", "--checkpoint", str(ckpt), "--batch", "2", "--prompt", "4", "--steps", "6",
+          "--repeats", "1", "--cache-rows", "16", "--json", str(out / "o.json"), "--figure", str(out / "o.png")])
+    r = json.loads((out / "o.json").read_text())
+    assert (out / "o.png").stat().st_size > 0 and "hit rate vs cache rows" in capsys.readouterr().out
+    assert [x["config"] for x in r["decode"]] == ["resident", "offload cache=0", "offload cache=16",
+                                                   "offload cache=0 no prefetch"]
+    no_cache = r["decode"][1]
+    assert no_cache["bytes_per_token"] == pytest.approx(no_cache["unique_per_total"] * 2 * D_FF * 4)
+    assert r["memory"]["freed_vs_dense_per_stem_layer"] == pytest.approx(1 / 3)
+    assert r["memory"]["table_bytes_offloaded"] == 2 * 512 * D_FF * 4
+    with pytest.raises(SystemExit):
+        main(["bench", "offload", "--checkpoint", str(ckpt), "--prompt", "60", "--steps", "8"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --prompt 60 + --steps 8 exceed the checkpoint's max_seq_len 64"

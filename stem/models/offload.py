@@ -110,9 +110,10 @@ class LFUCache:
             return hit, slots[hit], miss, free[:len(miss)]
         held = self.held[self.held >= 0]
         cand = np.concatenate([held, uniq[miss]])
-        best = cand[np.lexsort((cand, -self.last[cand], -self.count[cand]))[:self.capacity]]
-        evicted = held[~np.isin(held, best)]
-        admit = miss[np.isin(uniq[miss], best)]
+        keep = np.zeros(len(self.count), bool)
+        keep[cand[np.lexsort((cand, -self.last[cand], -self.count[cand]))[:self.capacity]]] = True
+        evicted = held[~keep[held]]
+        admit = miss[keep[uniq[miss]]]
         free = np.concatenate([free, self.slot[evicted]])[:len(admit)]
         self.slot[evicted] = -1
         self.held[free] = uniq[admit]
