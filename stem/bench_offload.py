@@ -160,6 +160,26 @@ def unique_per_batch(train: np.ndarray, batch: int, seq_len: int, n: int = 16, s
             "uniq_min": int(min(counts)), "uniq_max": int(max(counts)), "batches": n}
 
 
+def paper_shapes(dtype=torch.bfloat16) -> list[dict]:
+    """FFN memory on the device at the paper's shapes (config/paper.yaml, models on the meta device): dense,
+    STEM with its tables offloaded, the tables; and the cache budget (d_model rows) as a share of V."""
+    from stem.models.model import build_model
+    from stem.models.offload import token_tables
+    cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")
+    size = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for scale in cfg["matrix"]:
+        dense, stem = (build_model(C.model_config_for(cfg, scale, v), "meta") for v in ("dense", "stem"))
+        tables = sum(m.weight.numel() for _, _, m in token_tables(stem)) * size
+        ffn = [sum(p.numel() for b in m.layers for p in b.ffn.parameters()) * size for m in (dense, stem)]
+        rows.append({"scale": scale, "dtype": str(dtype).removeprefix("torch."), "dense_ffn_bytes": ffn[0],
+                     "stem_offloaded_ffn_bytes": ffn[1] - tables, "table_bytes": tables,
+                     "stem_layers": len(token_tables(stem)), "layers": stem.cfg.n_layers,
+                     "freed_vs_dense_model": 1 - (ffn[1] - tables) / ffn[0],
+                     "cache_budget_rows": stem.cfg.d_model, "budget_fraction_of_vocab": stem.cfg.d_model / stem.cfg.vocab_size})
+    return rows
+
+
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 32, steps: int = 96,
                   cache_rows: list[int] | None = None, curve: list[int] | None = None, repeats: int = 3) -> dict:
@@ -252,7 +272,7 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
             "workload": {"held_out": str(manifest.relative_to(C.REPO) if manifest.is_relative_to(C.REPO) else manifest), "batch": batch, "prompt": prompt, "steps": steps,
                          "repeats": repeats, "curve_steps": streams.shape[1] - prompt},
             "decode": decode, "hit_rate_curve": hit_curve, "memory": memory, "access": access,
-            "uniq_train_batch": batches, "paper": PAPER}
+            "uniq_train_batch": batches, "paper_shapes": paper_shapes(), "paper": PAPER}
 
 
 # ---- output ----------------------------------------------------------------------------------------------
@@ -284,6 +304,11 @@ def render(r: dict) -> str:
                  f"{mem['freed_vs_dense_per_stem_layer']:.1%} of a STEM layer's FFN, "
                  f"{mem['freed_vs_dense_model']:.1%} of the model's FFN memory ({mem['stem_layers']}/{mem['layers']} "
                  "layers STEM)")
+    for x in r["paper_shapes"]:
+        lines.append(f"  paper shapes {x['scale']} ({x['dtype']}): dense FFN {x['dense_ffn_bytes'] / 2 ** 30:.2f} GiB, STEM "
+                     f"offloaded {x['stem_offloaded_ffn_bytes'] / 2 ** 30:.2f} GiB ({x['freed_vs_dense_model']:.1%} freed; "
+                     f"{x['stem_layers']}/{x['layers']} layers STEM), tables off the device {x['table_bytes'] / 2 ** 30:.2f} GiB; "
+                     f"cache budget d_model = {x['cache_budget_rows']} rows = {x['budget_fraction_of_vocab']:.1%} of V")
     lines.append(f"paper: {PAPER['ffn_freed']}")
     dn, st = acc["dense"], acc["stem"]
     lines.append(f"parameter bytes read per decoded token (batch 1, context {acc['context_length']}): dense "

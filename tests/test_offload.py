@@ -203,6 +203,12 @@ def test_bench_offload_end_to_end(tiny_data, tmp_path, capsys):
     assert no_cache["bytes_per_token"] == pytest.approx(no_cache["unique_per_total"] * 2 * D_FF * 4)
     assert r["memory"]["freed_vs_dense_per_stem_layer"] == pytest.approx(1 / 3)
     assert r["memory"]["table_bytes_offloaded"] == 2 * 512 * D_FF * 4
+    paper = {x["scale"]: x for x in r["paper_shapes"]}  # bf16; 350M: d 960, d_ff 2560, 10 of 32 layers STEM, V 32000
+    assert paper["350m"]["dense_ffn_bytes"] == 32 * 3 * 960 * 2560 * 2
+    assert paper["350m"]["stem_offloaded_ffn_bytes"] == (32 * 3 - 10) * 960 * 2560 * 2
+    assert paper["350m"]["table_bytes"] == 10 * 32000 * 2560 * 2
+    assert paper["1b"]["table_bytes"] == 5 * 128256 * 8192 * 2  # d 2048, d_ff 8192, 5 of 16 layers, V 128256
+    assert paper["1b"]["freed_vs_dense_model"] == pytest.approx(5 / (16 * 3))
     with pytest.raises(SystemExit):
         main(["bench", "offload", "--checkpoint", str(ckpt), "--prompt", "60", "--steps", "8"])
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --prompt 60 + --steps 8 exceed the checkpoint's max_seq_len 64"
