@@ -212,3 +212,13 @@ def test_bench_offload_end_to_end(tiny_data, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "offload", "--checkpoint", str(ckpt), "--prompt", "60", "--steps", "8"])
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --prompt 60 + --steps 8 exceed the checkpoint's max_seq_len 64"
+
+
+def test_warm_replay_starts_with_the_most_frequent_ids():
+    from stem.bench_offload import replay_hit_rate
+    warm = np.array([5] * 3 + [6] * 2 + [7])  # the 2-row cache starts with 5 and 6
+    steps = np.array([[5, 6, 7, 5]])          # hits: 5, 6, miss 7 (count 2 < 4, 3: not admitted), hit 5
+    assert replay_hit_rate(np.array([[6]]), steps, 10, 2, warm) == 3 / 4
+    # cold: the prefill caches 6; 5 misses (free slot), 6 hits (count 2), 7 misses and evicts 5 (count 1 like 7,
+    # older), 5 misses again and evicts 7 (count 2 > 1): one hit in four
+    assert replay_hit_rate(np.array([[6]]), steps, 10, 2) == 1 / 4
