@@ -17,8 +17,7 @@ def main():
     torch.set_num_threads(1)
     r = bench_offload(args.checkpoint, spec["batch"], spec["prompt"], spec["steps"], spec.get("cache_rows"),
                       repeats=spec["repeats"])
-    text = render(r)
-    print(text)
+    text = render(r)  # the table `python -m stem bench offload` prints, kept as offload.md
     hit_rate_figure(r, args.figure)
     atomic_write_text(args.md, f"```\n{text}\n```\n")
     atomic_write_json(args.json, r)  # last: the rule's first output
