@@ -255,7 +255,7 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
     access = {}
     for name, model in (("dense", dense), ("stem", resident)):
         m = decode_step_access(model, one_p, one_s)
-        layer = [i for i, k in enumerate(cfg.ffn) if k != "dense"][0] if name == "stem" else 0
+        layer = next(i for i, k in enumerate(cfg.ffn) if k != "dense") if name == "stem" else 0
         access[name] = {"total": m.total(), "ffn": m.total("ffn"), "table_rows": m.total("table"),
                         "kv": m.total("kv"), "attn": m.total("attn"), "stem_layer_ffn": m.total("ffn", layer),
                         "stem_layer_table": m.total("table", layer)}

@@ -110,8 +110,15 @@ def test_counters_hand_counted(tmp_path):
     model = tiny_model("stem_half")  # STEM layers 1 and 3: 2 tables of 64 x 24 fp32, 96 bytes a row
     twin, engine = offloaded(model, tmp_path, cache_rows=2, prefetch=False)
     moved = []
-    for f in engine.far:  # count the rows the far tier really hands over
-        f.gather = (lambda g: lambda ids: moved.append(len(ids)) or g(ids))(f.gather)
+
+    def counting(gather):  # count the rows the far tier really hands over
+        def wrapped(ids):
+            moved.append(len(ids))
+            return gather(ids)
+        return wrapped
+
+    for f in engine.far:
+        f.gather = counting(f.gather)
     twin(torch.tensor([[1, 2, 2, 3], [3, 3, 4, 1]]))  # 8 ids, 4 unique, no hit; 3 (x3) and 1 (x2, < 2) cached
     twin(torch.tensor([[3, 5]]))                       # 2 ids, 2 unique, 3 hits
     s = engine.stats()
@@ -193,7 +200,7 @@ def test_bench_offload_end_to_end(tiny_data, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     save_checkpoint(ckpt, model, spec, tiny_data["tokenizer"], {})
     out = tmp_path / "out"
-    main(["bench", "offload", "--checkpoint", str(ckpt), "--batch", "2", "--prompt", "4", "--steps", "6",
+    main(["bench", "offload", "--checkpoint", str(ckpt), "--batch", "8", "--prompt", "4", "--steps", "6",
           "--repeats", "1", "--cache-rows", "16", "--json", str(out / "o.json"), "--figure", str(out / "o.png")])
     r = json.loads((out / "o.json").read_text())
     assert (out / "o.png").stat().st_size > 0 and "hit rate vs cache rows" in capsys.readouterr().out

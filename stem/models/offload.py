@@ -196,7 +196,8 @@ class OffloadEngine:
         uniq, counts = uniq.cpu().numpy(), counts.cpu().numpy()
         hit, hit_slots, admit, admit_slots = self.cache.access(uniq, counts)
         miss_pos = np.flatnonzero(~hit)
-        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        def dev(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
         miss_rank = np.cumsum(~hit) - 1            # position of each miss among the misses
         st = _Step(ids, uniq, inverse.to(self.device), uniq[miss_pos], dev(np.flatnonzero(hit)), dev(miss_pos),
                    dev(hit_slots), dev(miss_rank[admit]), dev(admit_slots))
