@@ -229,3 +229,25 @@ def test_warm_replay_starts_with_the_most_frequent_ids():
     # cold: the prefill caches 6; 5 misses (free slot), 6 hits (count 2), 7 misses and evicts 5 (count 1 like 7,
     # older), 5 misses again and evicts 7 (count 2 > 1): one hit in four
     assert replay_hit_rate(np.array([[6]]), steps, 10, 2) == 1 / 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_offloaded_never_reads_the_tables_into_the_model(tmp_path, dtype):
+    from stem.models.offload import load_offloaded
+    from stem.train.checkpoint import save_checkpoint
+    model = tiny_model("stem_full")
+    spec = {"experiment": "test", "scale": "350m", "variant": "stem_full", "stage": "pretrain",
+            "model": model.cfg.to_dict()}
+    (tmp_path / "tok.json").write_text("{}")
+    save_checkpoint(tmp_path / "ckpt", model, spec, tmp_path / "tok.json", {})
+    got, saved = load_offloaded(tmp_path / "ckpt", "cpu", dtype, cache_rows=4)
+    assert saved["variant"] == "stem_full" and len(got.offload_engine.far) == 3
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(got(ids), model.to(dtype)(ids))
+    from safetensors.torch import load_file, save_file
+    state = load_file(tmp_path / "ckpt" / "model.safetensors")
+    state["stray.weight"] = torch.zeros(2)
+    save_file(state, tmp_path / "ckpt" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"weights do not match the model \(missing \[\], unexpected \['stray.weight'\]"):
+        load_offloaded(tmp_path / "ckpt")

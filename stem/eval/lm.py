@@ -30,8 +30,8 @@ from stem.eval.generate import greedy_generate, greedy_generate_batch
 def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None, offload: bool = False,
                   cache_rows: int = 0):
     """(model, tokenizer, spec) from a checkpoint folder, in eval mode; clear errors on bad folders. With
-    ``offload`` the STEM tables stay off the device (stem.models.offload; ``model.offload_engine``): the
-    model is loaded on the CPU and only the rest moves to ``device``."""
+    ``offload`` the STEM tables stay off the device (stem.models.offload; ``model.offload_engine``) and are
+    never read into memory whole: only the rest of the model is loaded, on ``device``."""
     from stem.data.tokenizer import load_tokenizer
     from stem.train.checkpoint import load_checkpoint
 
@@ -41,15 +41,16 @@ def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None,
     if not (ckpt / "tokenizer.json").is_file():
         raise ValueError(f"checkpoint {ckpt}: tokenizer.json is missing (an incomplete or foreign checkpoint)")
     device = pick_device(device)
-    model, spec = load_checkpoint(ckpt, "cpu" if offload else device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    model = model.to(getattr(torch, dtype)).eval()
     if offload:
-        from stem.models.offload import offload as offload_tables
+        from stem.models.offload import load_offloaded
         try:
-            offload_tables(model, ckpt / "model.safetensors", device, cache_rows)
+            model, spec = load_offloaded(ckpt, device, getattr(torch, dtype), cache_rows)
         except ValueError as e:
             raise ValueError(f"checkpoint {ckpt}: {e}") from None
+    else:
+        model, spec = load_checkpoint(ckpt, device)
+        model = model.to(getattr(torch, dtype)).eval()
     tok = load_tokenizer(ckpt / "tokenizer.json")
     if tok.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"checkpoint {ckpt}: tokenizer vocab {tok.vocab_size} > model vocab {model.cfg.vocab_size}")

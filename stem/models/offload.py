@@ -30,6 +30,7 @@ import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,6 +61,9 @@ class MappedRows:
     def gather(self, ids: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.take(self.rows, ids, axis=0))
         return (t.view(torch.bfloat16) if self.bf16 else t).to(self.dtype)
+
+    def read_all(self) -> torch.Tensor:
+        return self.gather(np.arange(self.shape[0]))
 
 
 class HostRows:
@@ -288,22 +292,25 @@ def offload(model, weights=None, device=None, cache_rows: int = 0, prefetch: boo
     device = torch.device(device) if device is not None else next(model.parameters()).device
     names = {id(m): n for n, m in model.named_modules()}
     dtype = tables[0][2].weight.dtype
-    if device.type == "cuda":
-        far = [HostRows(m.weight) for _, _, m in tables]
-    elif weights is None:
-        raise ValueError("offload on the CPU reads the tables from a safetensors file: pass weights= "
-                         "(e.g. the checkpoint's model.safetensors)")
-    else:
+    if weights is not None:
         far = [MappedRows(weights, f"{names[id(m)]}.weight", dtype) for _, _, m in tables]
         for (_, _, m), f in zip(tables, far):
             if f.shape != tuple(m.weight.shape):
                 raise ValueError(f"{weights}: {names[id(m)]}.weight has shape {f.shape}, the model's table "
                                  f"{tuple(m.weight.shape)}")
+        if device.type == "cuda":
+            far = [HostRows(f.read_all()) for f in far]
+    elif device.type == "cuda":
+        far = [HostRows(m.weight) for _, _, m in tables]
+    else:
+        raise ValueError("offload on the CPU reads the tables from a safetensors file: pass weights= "
+                         "(e.g. the checkpoint's model.safetensors)")
     engine = OffloadEngine(far, device, dtype, int(cache_rows), prefetch)
     for j, (parent, attr, m) in enumerate(tables):
         engine.freed_bytes += m.weight.numel() * m.weight.element_size()
         setattr(parent, attr, OffloadedTable(engine, j, tuple(m.weight.shape)))
-    model.to(device)
+    if next(model.parameters()).device.type != "meta":  # a meta model is materialised by its caller
+        model.to(device)
 
     def announce(module, args, kwargs):
         ids = args[0] if args else kwargs["ids"]
@@ -312,3 +319,41 @@ def offload(model, weights=None, device=None, cache_rows: int = 0, prefetch: boo
     engine.hook = model.register_forward_pre_hook(announce, with_kwargs=True)
     model.offload_engine = engine
     return engine
+
+
+def load_offloaded(ckpt_dir, device="cpu", dtype=torch.float32, cache_rows: int = 0, prefetch: bool = True):
+    """(model, spec) from a checkpoint folder without ever reading its tables into memory: the model is built
+    on the meta device, its tables offloaded (the far tier reads model.safetensors), the rest materialised on
+    ``device`` and read from the file tensor by tensor."""
+    from safetensors import safe_open
+
+    from stem.models.config import ModelConfig
+    from stem.models.model import build_model
+    from stem.train.checkpoint import read_checkpoint_spec
+
+    ckpt = Path(ckpt_dir)
+    weights = ckpt / "model.safetensors"
+    spec = read_checkpoint_spec(ckpt)
+    try:
+        model = build_model(ModelConfig.from_dict(spec["model"]), "meta").to(dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{ckpt / 'config.json'}: bad model config ({e})") from None
+    tables = {f"{n}.weight" for n, m in model.named_modules() if m in {t for _, _, t in token_tables(model)}}
+    offload(model, weights, device, cache_rows, prefetch)
+    model.to_empty(device=device)
+    model.init_weights()  # the buffers not saved with the weights (RoPE frequencies); the weights come next
+    own = model.state_dict()
+    try:
+        with safe_open(str(weights), framework="pt", device="cpu") as f:
+            have = set(f.keys())
+            if have != set(own) | tables:
+                raise ValueError(f"{weights}: weights do not match the model (missing "
+                                 f"{sorted(set(own) - have)[:3]}, unexpected {sorted(have - set(own) - tables)[:3]})")
+            for k, v in own.items():
+                t = f.get_tensor(k)
+                if t.shape != v.shape:
+                    raise ValueError(f"{weights}: {k} {tuple(t.shape)} vs model {tuple(v.shape)}")
+                v.copy_(t)
+    except OSError as e:
+        raise ValueError(f"{weights}: unreadable safetensors file ({e})") from None
+    return model.eval(), spec
