@@ -251,3 +251,18 @@ def test_load_offloaded_never_reads_the_tables_into_the_model(tmp_path, dtype):
     save_file(state, tmp_path / "ckpt" / "model.safetensors")
     with pytest.raises(ValueError, match=r"weights do not match the model \(missing \[\], unexpected \['stray.weight'\]"):
         load_offloaded(tmp_path / "ckpt")
+
+
+def test_far_tiers_return_exact_rows(tmp_path):
+    """HostRows (the CUDA far tier; pinned only where CUDA exists) and MappedRows (bf16 file, cast on read)."""
+    from safetensors.torch import save_file
+
+    from stem.models.offload import HostRows, MappedRows
+    w = torch.randn(10, 6)
+    ids = np.array([7, 0, 3])
+    assert torch.equal(HostRows(w).gather(ids), w[ids])
+    save_file({"t": w.to(torch.bfloat16)}, tmp_path / "w.safetensors")
+    rows = MappedRows(tmp_path / "w.safetensors", "t", torch.float32).gather(ids)
+    assert torch.equal(rows, w.to(torch.bfloat16)[ids].float())
+    with pytest.raises(ValueError, match="no 2-D float tensor 'u'"):
+        MappedRows(tmp_path / "w.safetensors", "u", torch.float32)
