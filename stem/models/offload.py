@@ -160,7 +160,7 @@ class _Step:
 
 class OffloadEngine:
     def __init__(self, far: list, device: torch.device, dtype: torch.dtype, cache_rows: int, prefetch: bool):
-        self.far, self.device, self.dtype, self.prefetch = far, device, dtype, prefetch
+        self.far, self.device, self.dtype = far, device, dtype
         vocab, d_ff = far[0].shape
         if not 0 <= cache_rows <= vocab:
             raise ValueError(f"cache_rows={cache_rows}: expected 0 (no cache) to {vocab} (the vocabulary)")
@@ -200,8 +200,10 @@ class OffloadEngine:
         uniq, counts = uniq.cpu().numpy(), counts.cpu().numpy()
         hit, hit_slots, admit, admit_slots = self.cache.access(uniq, counts)
         miss_pos = np.flatnonzero(~hit)
+
         def dev(a):
             return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
         miss_rank = np.cumsum(~hit) - 1            # position of each miss among the misses
         st = _Step(ids, uniq, inverse.to(self.device), uniq[miss_pos], dev(np.flatnonzero(hit)), dev(miss_pos),
                    dev(hit_slots), dev(miss_rank[admit]), dev(admit_slots))
