@@ -16,6 +16,7 @@ include: "rules/data.smk"
 include: "rules/train.smk"
 include: "rules/eval.smk"
 include: "rules/report.smk"
+include: "rules/bench.smk"
 
 
 apply_cluster_defaults()  # partition/account/size defaults for rules that set none (data, reports)

@@ -280,7 +280,9 @@ def run_ppl(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
 
 
 # ---- one suite, end to end -------------------------------------------------------------------------------
-def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None, device=None) -> dict:
+def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None, device=None,
+             model_args: dict | None = None) -> dict:
+    """``model_args``: further StemLM arguments (e.g. offload=True, cache_rows=N)."""
     from stem.eval.lm import StemLM
     from stem.io import atomic_write_json
     from stem.specs import EvalSpec
@@ -291,7 +293,7 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
     kind = kind_of(spec)
     spec = EvalSpec.from_dict(spec).to_dict()   # checked once; the runners read its JSON mapping
     t0 = time.time()
-    lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"])
+    lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"], **(model_args or {}))
     check_job(checkpoint, lm.spec, expected_job(spec, out_json), out_json)
     norm, raw, harness = kind.run(lm, spec, limit)
     job = lm.spec
@@ -299,6 +301,8 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
               "stage": job.get("stage"), "suite": spec["suite"], "checkpoint": str(checkpoint), "limit": limit,
               "harness": harness, "fixtures": spec.get("fixtures"), "num_fewshot": spec.get("num_fewshot"),
               "gen_kwargs": spec.get("gen_kwargs"), **norm, "wall_seconds": round(time.time() - t0, 2)}
+    if getattr(lm, "offload", None) is not None:  # STEM tables off the device: the engine's counters
+        result["offload"] = lm.offload.stats()
     if raw_json:
         from lm_eval.utils import handle_non_serializable
         Path(raw_json).parent.mkdir(parents=True, exist_ok=True)

@@ -281,3 +281,30 @@ for _t in ("table3", "table4", "table5", "table6"):
     registry.report_figure(
         f"paper_vs_ours_{_t}", f"{registry.table(_t).title}: every published cell, the paper's value (x) against this "
         "experiment's (y); on the diagonal = reproduced exactly.")(partial(paper_vs_ours, table=_t))
+
+
+def offload_hit_rate(cfg, res, ours, files):
+    """The offload benchmark's hit rate vs cache rows (rule bench_offload, stem.bench_offload); it runs on the
+    350M STEM pretrain checkpoint, so an experiment without that run shows the gap."""
+    import json
+    from pathlib import Path
+    if "offload" not in files:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        _missing(ax, "no 350m stem pretrain run in this experiment's matrix: nothing to benchmark")
+        _title(fig, "Offloaded STEM tables: hit rate vs cache size", cfg)
+        return fig
+    from stem.bench_offload import hit_rate_figure
+    return hit_rate_figure(json.loads(Path(files["offload"]).read_text()))
+
+
+def _offload_inputs(cfg, evals) -> dict:
+    if "stem" not in cfg["matrix"].get("350m", {}).get("variants", []):
+        return {}
+    return {"offload": f"reports/{cfg['experiment']}/offload/offload.json"}
+
+
+registry.report_figure(
+    "offload_hit_rate", "Offloaded STEM tables (paper Sec. 3.4): LFU cache hit rate vs cache rows per STEM layer "
+    "while decoding held-out text with the 350M STEM checkpoint, beside the paper's > 80 %; offload/offload.md "
+    "holds the throughput, bytes moved, memory and uniq(BL) figures.",
+    inputs=_offload_inputs)(offload_hit_rate)
