@@ -183,7 +183,7 @@ def test_table2_from_config(tiny_cfg):
     t2 = T.table2(C.read_yaml(C.REPO / "config" / "paper.yaml"))
     assert value(t2, "350m", "pretrain", "peak_lr") == 2e-3
     assert value(t2, "1b", "context_extend", "cross_doc_masking") == "Yes"
-    cells = diff.compare({"table2": t2}, T.settings(tiny_cfg)["tolerance"])
+    cells = diff.compare({"table2": t2}, T.settings(tiny_cfg).tolerance)
     t2c = cells[cells["table"] == "table2"].set_index(["scale", "variant", "column"])
     assert t2c.loc[("350m", "pretrain", "peak_lr"), "status"] == "ok"
     assert t2c.loc[("1b", "context_extend", "train_steps"), "status"] == "ok"
@@ -211,7 +211,7 @@ def test_diff_flags_changed_and_missing_cells(tiny_cfg):
     t3 = ours["table3"]
     t3.loc[(t3["scale"] == "350m") & (t3["variant"] == "stem") & (t3["column"] == "arc_easy"), "value"] += 5.0
     ours["table3"] = t3[~((t3["scale"] == "1b") & (t3["variant"] == "stem") & (t3["column"] == "boolq"))]
-    cells = diff.compare(ours, T.settings(tiny_cfg)["tolerance"]).set_index(["table", "scale", "variant", "column"])
+    cells = diff.compare(ours, T.settings(tiny_cfg).tolerance).set_index(["table", "scale", "variant", "column"])
     changed = cells.loc[("table3", "350m", "stem", "arc_easy")]
     assert changed["status"] == "drift" and changed["delta"] == pytest.approx(5.0)
     assert cells.loc[("table3", "1b", "stem", "boolq"), "status"] == "missing"
