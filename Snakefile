@@ -15,6 +15,7 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/train.smk"
 include: "rules/eval.smk"
+include: "rules/analyze.smk"
 include: "rules/report.smk"
 
 
@@ -26,5 +27,6 @@ rule all:
     input:
         train_outputs(),
         eval_outputs(),
+        analysis_outputs(),
         params_tables(),
         report_outputs(),
