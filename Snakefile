@@ -28,5 +28,6 @@ rule all:
         train_outputs(),
         eval_outputs(),
         analysis_outputs(),
+        analysis_reports(),
         params_tables(),
         report_outputs(),

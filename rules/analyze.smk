@@ -5,8 +5,10 @@
 #   snakemake --profile profiles/local results/tiny/350m/stem/pretrain/analysis/editing.json
 # Which checkpoints and analyses: config `analysis:`; reports/{experiment}/analysis/ aggregates them.
 from stem.analysis import workflow as AW  # noqa: E402
+from stem.analysis.report import OUTPUTS as AR_OUTPUTS  # noqa: E402
 
 analysis_outputs = lambda: AW.targets(config)  # noqa: E731
+analysis_reports = lambda: [f"reports/{EXP}/analysis/{n}" for n in AR_OUTPUTS] if AW.analyses(config) else []  # noqa: E731
 
 
 rule analyze:
@@ -19,6 +21,8 @@ rule analyze:
     params:
         spec=lambda w: as_json(AW.job_spec(config, w.scale, w.variant, w.stage, w.analysis)),
     threads: 1
+    resources:
+        gpu=lambda w: 0 if config["device"] == "cpu" else 1,
     log:
         "logs/{experiment}/{scale}/{variant}/{stage}/analysis/{analysis}.log",
     conda:
@@ -26,3 +30,21 @@ rule analyze:
     shell:
         "python -m workflow_scripts.analyze --spec {params.spec:q} --checkpoint {input.checkpoint}"
         " --out {output} --threads {threads} 2> {log}"
+
+
+# The aggregate: tables, Figs 6a-c, the Heaps figure, the capacity probe and the directions with confidence.
+rule analysis_report:
+    input:
+        analyses=lambda w: analysis_outputs(),
+        evals=lambda w: eval_outputs(),
+    output:
+        [f"reports/{{experiment}}/analysis/{name}" for name in AR_OUTPUTS],
+    params:
+        spec=lambda w: as_json(config),
+        out=lambda w: f"reports/{w.experiment}/analysis",
+    log:
+        "logs/{experiment}/analysis_report.log",
+    conda:
+        ENV
+    shell:
+        "python -m workflow_scripts.analysis_report --spec {params.spec:q} --out-dir {params.out} 2> {log}"

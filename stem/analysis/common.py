@@ -12,15 +12,17 @@ from stem.models.registry import param_roles
 TINY_NOTE = "tiny experiment: CPU-sized stand-in models on a synthetic world, never comparable to the paper's scale"
 
 
-def load(ckpt_dir):
-    """(model in eval mode on the CPU in float32, tokenizer, saved job spec); one-line errors on bad folders."""
+def load(ckpt_dir, device: str = "cpu"):
+    """(model in eval mode in float32 on ``device`` (CPU when CUDA is absent), tokenizer, saved job spec);
+    one-line errors on bad folders."""
     from stem.data.tokenizer import load_tokenizer
     from stem.train.checkpoint import load_checkpoint
 
     ckpt = Path(ckpt_dir)
     if not (ckpt / "tokenizer.json").is_file():
         raise ValueError(f"checkpoint {ckpt}: tokenizer.json is missing (not a finished checkpoint folder)")
-    model, spec = load_checkpoint(ckpt, "cpu")
+    device = device if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+    model, spec = load_checkpoint(ckpt, device)
     return model.float().eval(), load_tokenizer(ckpt / "tokenizer.json"), spec
 
 
@@ -63,7 +65,7 @@ def score_many(model, queries: list[tuple[list[int], list[list[int]]]], max_rows
         x = torch.zeros(len(chunk), max(len(r[2]) for r in chunk), dtype=torch.long)
         for i, r in enumerate(chunk):
             x[i, :len(r[2])] = torch.tensor(r[2])
-        logp = F.log_softmax(model(x).float(), dim=-1)
+        logp = F.log_softmax(model(x.to(model.tok_emb.weight.device)).float(), dim=-1).cpu()
         for i, (qi, ci, ids, n) in enumerate(chunk):
             pos = torch.arange(n - 1, len(ids) - 1)
             scores[qi][ci] = logp[i, pos, torch.tensor(ids[n:])].sum()

@@ -52,7 +52,7 @@ def run(ckpt_dir, spec: dict) -> dict:
     from stem.analysis.common import load, table_sites
     from stem.data.shards import ShardSet
 
-    model, tok, saved = load(ckpt_dir)
+    model, tok, saved = load(ckpt_dir, spec.get("device", "cpu"))
     shards = ShardSet(Path(spec["manifest"]).parent, "val")
     window = min(len(shards), model.cfg.max_seq_len)
     tokens = shards.get(0, window).astype("int64").tolist()
@@ -66,7 +66,7 @@ def run(ckpt_dir, spec: dict) -> dict:
             if name == "w_down" and isinstance(m, torch.nn.Linear):
                 hooks.append(m.register_forward_pre_hook(lambda m, a, i=i: captured.__setitem__((i, "down_input"), a[0])))
     try:
-        model(torch.tensor([tokens]))
+        model(torch.tensor([tokens], device=model.tok_emb.weight.device))
     finally:
         for h in hooks:
             h.remove()
@@ -76,10 +76,10 @@ def run(ckpt_dir, spec: dict) -> dict:
     for i in range(len(model.layers)):
         sets = {}
         if i in tables:
-            sets["table"] = describe(pairwise_cos(tables[i][torch.tensor(ids)]))
+            sets["table"] = describe(pairwise_cos(tables[i][torch.tensor(ids)].cpu()))
         for key in ("up_proj", "down_input"):
             if (i, key) in captured:
-                sets[key] = describe(pairwise_cos(captured[i, key][0, p]))
+                sets[key] = describe(pairwise_cos(captured[i, key][0, p].cpu()))
         layers.append({"layer": i, "ffn": model.cfg.ffn[i], **sets})
     return {"analysis": "spread", "source": spec["source"], "n_tokens": len(ids), "window": window,
             "bins": BINS, "range": [-1.0, 1.0], "layers": layers}

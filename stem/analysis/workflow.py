@@ -12,7 +12,7 @@ This module imports no torch (Snakemake builds the DAG with it).
 """
 from __future__ import annotations
 
-ANALYSES = ("editing", "heaps", "spread", "capacity")
+ANALYSES = ("editing", "heaps", "spread", "capacity", "heldout")
 NEEDS_WORLD = ("capacity",)
 
 
@@ -38,7 +38,7 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
     if name not in analyses(cfg):
         raise ValueError(f"analysis {name!r}: not configured for experiment {cfg['experiment']!r} "
                          f"(config key 'analysis.{name}'); expected one of {analyses(cfg)}")
-    spec = {**cfg["analysis"][name], "analysis": name,
+    spec = {**cfg["analysis"][name], "analysis": name, "device": cfg.get("device", "cpu"),
             "job": {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}}
     if cfg.get("world") and name in ("editing", "capacity"):
         spec["world"] = cfg["world"]
@@ -53,5 +53,5 @@ def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> d
     from stem import config as C
     spec = job_spec(cfg, scale, variant, stage, name)
     inputs = {"checkpoint": f"{C.stage_dir(cfg['experiment'], scale, variant, stage)}/checkpoint"}
-    inputs.update({k: spec[k] for k in ("manifest", "corpus") if k in spec})
+    inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts") if spec.get(k)})
     return inputs
