@@ -214,3 +214,21 @@ def test_analysis_directions_constructed():
     assert rows["spread"]["verdict"].startswith("agree")
     assert rows["capacity"]["verdict"] == "agree" and rows["capacity"]["ours_delta"] == 1.0
     assert rows["heaps"]["verdict"] == "agree" and rows["heaps"]["ours_delta"] == pytest.approx(0.3)
+
+
+def test_config_checks_analysis_source_and_facts(tmp_path):
+    import copy
+
+    from stem import config as C
+    from stem.analysis.editing import read_facts
+    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
+    cfg["analysis"]["heaps"]["source"] = "wikipedia"
+    with pytest.raises(C.ConfigError, match="key 'analysis.heaps.source': unknown source 'wikipedia'"):
+        C.validate_experiment(cfg)
+    bad = tmp_path / "facts.yaml"
+    bad.write_text("kinds:\n  place:\n    templates: {capital: 'The capital of {e} is'}\n"
+                   "    entities: {Spain: {capital: ' Madrid'}}\npairs:\n  - {kind: place, source: Spain, target: Oz}\n")
+    with pytest.raises(ValueError, match=r"key 'pairs\[0\].target': 'Oz' is not an entity of kind 'place'"):
+        read_facts(bad)
+    facts, pairs = read_facts(C.REPO / "reference/analysis/edit_facts.yaml")
+    assert {"source": "United States", "target": "California", "kind": "place"} in pairs

@@ -289,23 +289,30 @@ def summarize(edits: list[dict]) -> list[dict]:
 
 
 def example(model, tok, facts, edits, sites, pad_id, ex: dict) -> dict:
-    """Greedy continuations of one prompt before and after one edit (the README's example)."""
+    """One edit shown as Fig. 7 shows it: the top-k next tokens (with probabilities) of the source prompt, of
+    the control (target) prompt and of the source prompt after the edit, and greedy continuations of each.
+    Without a named pair it is the first pair of that kind (the seeded draw; not chosen by its outcome)."""
     from stem.eval.generate import greedy_generate
     kind, s, t, relation = ex["kind"], ex.get("source"), ex.get("target"), ex["relation"]
-    if s is None:  # the first edit of that kind/relation
+    if s is None:
         e = next(e for e in edits if e["kind"] == kind and e["relation"] == relation)
         s, t = e["source"], e["target"]
     src, tgt = encode(tok, " " + s), encode(tok, " " + t)
     scheme = ex.get("scheme") or schemes_for(len(src), len(tgt))[0]
     site = "stem" if "stem" in sites else "embedding"
-    text = facts[kind]["templates"][relation].format(e=s)
-    ids = encode(tok, text)
-    gen = lambda: tok.decode(greedy_generate(model, ids, ex.get("tokens", 12), tok.eos_id))  # noqa: E731
-    original = gen()
+    template, k, n = facts[kind]["templates"][relation], ex.get("topk", 4), ex.get("tokens", 12)
+    src_ids, ctrl_ids = encode(tok, template.format(e=s)), encode(tok, template.format(e=t))
+
+    @torch.no_grad()
+    def show(ids):
+        p = F.softmax(model(torch.tensor([ids], device=model.tok_emb.weight.device))[0, -1].float(), dim=-1)
+        top = p.topk(k)
+        return {"topk": [[tok.decode([int(i)]), round(float(q), 4)] for q, i in zip(top.values, top.indices)],
+                "greedy": tok.decode(greedy_generate(model, ids, n, tok.eos_id))}
+    original, control = show(src_ids), show(ctrl_ids)
     with edited(sites[site], src, plan(scheme, len(src), tgt, pad_id, [tok.decode([i]) for i in tgt])):
-        after = gen()
-    control = tok.decode(greedy_generate(model, encode(tok, facts[kind]["templates"][relation].format(e=t)),
-                                         ex.get("tokens", 12), tok.eos_id))
-    return {"prompt": text, "source": s, "target": t, "scheme": scheme, "site": site,
-            "source_answer": facts[kind]["entities"][s][relation], "target_answer": facts[kind]["entities"][t][relation],
-            "original": original, "edited": after, "control": control}
+        after = show(src_ids)
+    return {"prompt": template.format(e=s), "control_prompt": template.format(e=t), "source": s, "target": t,
+            "scheme": scheme, "site": site, "source_answer": facts[kind]["entities"][s][relation],
+            "target_answer": facts[kind]["entities"][t][relation],
+            "original": original, "control": control, "edited": after}

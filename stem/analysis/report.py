@@ -190,16 +190,14 @@ def heaps_fig(res: dict, label: str):
     from stem.report.figures import COLORS
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for (s, v, st), r in sorted(res.items()):
-        if v not in ("dense", "stem"):
+        if v != "stem":  # the curve depends on the scale's tokenizer and held-out text only
             continue
-        if v == "dense":
-            f = r["fit"]
-            L = np.asarray(r["lengths"], float)
-            a.loglog(L, r["unique"], "o", label=f"{s}: held-out {r['source']}")
-            a.loglog(L, f["K"] * L ** f["beta"], "-", label=f"{s}: K={f['K']:.3g}, beta={f['beta']:.3f}")
-        else:
-            b.loglog(r["lengths"], r["activated_stem_params"], "o-", color=COLORS["stem"] if s == "1b" else None,
-                     label=f"{s} STEM, |S|={r['n_stem_layers']}")
+        f, L = r["fit"], np.asarray(r["lengths"], float)
+        a.loglog(L, r["unique"], "o", label=f"{s}: held-out {r['source']}")
+        a.loglog(L, f["K"] * L ** f["beta"], "-", label=f"{s}: K={f['K']:.3g}, beta={f['beta']:.3f}")
+    for (s, v, st), r in sorted(res.items()):
+        b.loglog(r["lengths"], r["activated_stem_params"], "o-", color=COLORS.get(v), alpha=0.5 if s == "350m" else 1,
+                 label=f"{s} {v}, |S|={r['n_stem_layers']}")
     a.set(xlabel="context length L (tokens)", ylabel="unique token ids L_uniq", title="Heaps fit L_uniq = K L^beta")
     b.set(xlabel="context length L (tokens)", ylabel="|S| d_ff L_uniq",
           title="activated STEM parameters per sequence")
@@ -241,8 +239,17 @@ def readme(label: str, counts: dict, res: dict) -> str:
              "(rules/analyze.smk, stem/analysis). Direction verdicts: " +
              ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", ""]
     if ex:
-        lines += ["Edit example:", "", f"- prompt `{ex['prompt']}` ({ex['source']} -> {ex['target']}, "
-                  f"{ex['scheme']} on the {ex['site']} vectors)", f"- original: `{ex['original']!r}`",
-                  f"- edited: `{ex['edited']!r}`", f"- control prompt: `{ex['control']!r}`", ""]
+        lines += example_md(ex) + [""]
     lines += [f"- {k}: {v}" for k, v in CLAIMS.items()]
     return "\n".join(lines) + "\n"
+
+
+def example_md(ex: dict) -> list[str]:
+    """The README's edit example: Fig. 7's three top-k columns and the greedy continuations."""
+    row = lambda name, prompt, d: (f"| {name} | `{prompt}` | "  # noqa: E731
+                                   + ", ".join(f"`{t!r}` {p:.3f}" for t, p in d["topk"]) + f" | `{d['greedy']!r}` |")
+    return [f"Edit: {ex['source']} -> {ex['target']} ({ex['scheme']} of the {ex['site']} vectors; answers "
+            f"`{ex['source_answer']}` / `{ex['target_answer']}`)", "",
+            "| model | prompt | top next tokens (probability) | greedy continuation |", "|---|---|---|---|",
+            row("original", ex["prompt"], ex["original"]), row("control (target prompt)", ex["control_prompt"], ex["control"]),
+            row("edited", ex["prompt"], ex["edited"])]

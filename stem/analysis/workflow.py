@@ -27,10 +27,30 @@ def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
     return [(s, v, st) for s, v, st in C.train_targets(cfg) if st in (stages.get(s) or [])]
 
 
+def has_tables(cfg: dict, scale: str, variant: str) -> bool:
+    """Whether the variant's model declares a token-indexed table (built on the meta device: no memory)."""
+    from stem import config as C
+    from stem.analysis.common import table_sites
+    from stem.models.config import ModelConfig
+    from stem.models.model import build_model
+    return bool(table_sites(build_model(ModelConfig.from_dict(C.train_spec(cfg, scale, variant, "pretrain")["model"]),
+                                        "meta")))
+
+
+# Analyses a checkpoint gets by default (any one can still be asked for by its path): Heaps' curve is the same
+# for every model of a scale and only the tables make it a parameter count, so only models with tables; the
+# held-out losses are compared with the dense baseline's, so dense and models with tables.
+ONLY_FOR = {"heaps": lambda tables, variant: tables, "heldout": lambda tables, variant: tables or variant == "dense"}
+
+
 def targets(cfg: dict) -> list[str]:
     from stem import config as C
-    return [f"{C.stage_dir(cfg['experiment'], s, v, st)}/analysis/{name}.json"
-            for s, v, st in checkpoints(cfg) for name in analyses(cfg)]
+    out = []
+    for s, v, st in checkpoints(cfg):
+        tables = has_tables(cfg, s, v)
+        out += [f"{C.stage_dir(cfg['experiment'], s, v, st)}/analysis/{name}.json" for name in analyses(cfg)
+                if ONLY_FOR.get(name, lambda t, v: True)(tables, v)]
+    return out
 
 
 def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
