@@ -191,6 +191,14 @@ def test_analyze_end_to_end(tiny_data, tmp_path, one_thread):
     assert r["restored_bit_identical"] and r["sites"] == ["embedding", "stem"]
     assert {e["case"] for e in r["edits"]} <= set(E.CASES) and r["edits"]
     assert json.loads((tmp_path / "editing.json").read_text())["label"].startswith("tiny")
+    # the shipped prompt set of the paper config: its explicit pairs (Fig. 7, Sec. 3.3, country -> state)
+    from stem import config as C
+    paper = {**ed, "facts": str(C.REPO / "reference/analysis/edit_facts.yaml"), "relations": {"place": ["capital"]},
+             "pairs_per_case": 0}
+    paper.pop("world")
+    p = analyze(ckpt, paper, tmp_path / "paper_editing.json")
+    assert {(e["source"], e["target"]) for e in p["edits"]} >= {("Spain", "Germany"), ("United States", "California")}
+    assert {e["scheme"] for e in p["edits"]} >= {"pad_left", "copy", "subset", "average"}
     h = analyze(ckpt, {"analysis": "heaps", "job": job, "source": "web", "manifest": tiny_data["manifests"]["web"],
                        "lengths": [4, 16, 64], "windows": 2}, tmp_path / "heaps.json")
     assert h["n_stem_layers"] == 1 and h["activated_stem_params"][0] == cfg.d_ff * h["unique"][0]
@@ -232,3 +240,24 @@ def test_config_checks_analysis_source_and_facts(tmp_path):
         read_facts(bad)
     facts, pairs = read_facts(C.REPO / "reference/analysis/edit_facts.yaml")
     assert {"source": "United States", "target": "California", "kind": "place"} in pairs
+
+
+def test_embedding_swap_on_dense_model_equals_control_prompt(tiny_data, one_thread):
+    """An independent check of the measurement: in a dense model, swapping the input embedding rows of an
+    equal-length source and target is the same computation as the target (control) prompt, so the edited
+    next-token distribution must equal the control's (KL 0, full top-k overlap)."""
+    from stem.data.synth import make_world
+    from stem.data.tokenizer import load_tokenizer
+    tok = load_tokenizer(tiny_data["tokenizer"])
+    cfg = ModelConfig(vocab_size=512, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=64)
+    torch.manual_seed(1)
+    model = build_model(cfg).eval()
+    facts = E.world_facts(make_world(7, 20, 60, 500), {})
+    facts = {"country": {**facts["country"], "templates": {"capital": facts["country"]["templates"]["capital"]}}}
+    pairs = [p for p in E.choose_pairs(tok, facts, 3, 0) if p["case"] == "equal"]
+    assert pairs
+    r = E.measure(model, tok, facts, pairs, {"topk": 4, "collateral": 2, "known_entities": 3, "seed": 0})
+    swaps = [e for e in r["edits"] if e["scheme"] == "swap"]
+    assert swaps and r["sites"] == ["embedding"] and r["restored_bit_identical"]
+    for e in swaps:
+        assert e["kl_control"] == pytest.approx(0.0, abs=1e-9) and e["topk_overlap"] == 1.0

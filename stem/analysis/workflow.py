@@ -60,6 +60,9 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
                          f"(config key 'analysis.{name}'); expected one of {analyses(cfg)}")
     spec = {**cfg["analysis"][name], "analysis": name, "device": cfg.get("device", "cpu"),
             "job": {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}}
+    if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
+        from pathlib import Path
+        spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
     if cfg.get("world") and name in ("editing", "capacity"):
         spec["world"] = cfg["world"]
     if "source" in spec:
