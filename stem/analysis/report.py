@@ -222,8 +222,10 @@ def build(cfg: dict, out_dir, root=".") -> dict:
     dirs = V.table_directions(cfg, root) + V.loss_directions(res.get("heldout", empty)) + analysis_directions(res)
     dirs_df = pd.DataFrame(dirs)
     if len(dirs_df):
+        # Only Tables 3/4 print an effect size; elsewhere the paper states a direction (paper_delta is its sign).
         half = (dirs_df["hi"].astype(float) - dirs_df["lo"].astype(float)) / 2
-        dirs_df["paper_effect_resolvable"] = np.where(half.isna(), None, half < dirs_df["paper_delta"].abs())
+        sized = dirs_df["table"].isin(["table3", "table4"]) & half.notna()
+        dirs_df["paper_effect_resolvable"] = np.where(sized, half < dirs_df["paper_delta"].abs(), None)
     _write(dirs_df, out, "directions", "Directions with confidence (paired bootstrap, 95%)", label)
     _save(fig6(res.get("spread", empty), label), out, "fig6_spread")
     _save(heaps_fig(res.get("heaps", empty), label), out, "heaps")
@@ -233,13 +235,14 @@ def build(cfg: dict, out_dir, root=".") -> dict:
 
 
 def readme(label: str, counts: dict, res: dict) -> str:
-    ex = next((r["example"] for r in res.get("editing", {}).values() if r.get("example") and r["variant"] == "stem"), None)
+    ex, where = next(((r["example"], k) for k, r in sorted(res.get("editing", {}).items())
+                      if r.get("example") and r["variant"] == "stem"), (None, None))  # "1b" sorts first
     lines = [f"# Analyses ({label})", "",
              "Knowledge editing, angular spread, Heaps-law parameter usage and the capacity probe "
              "(rules/analyze.smk, stem/analysis). Direction verdicts: " +
              ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", ""]
     if ex:
-        lines += example_md(ex) + [""]
+        lines += [f"Edit example ({'/'.join(where)}):", ""] + example_md(ex) + [""]
     lines += [f"- {k}: {v}" for k, v in CLAIMS.items()]
     return "\n".join(lines) + "\n"
 
