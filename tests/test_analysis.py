@@ -238,7 +238,7 @@ def test_config_checks_analysis_source_and_facts(tmp_path):
                    "    entities: {Spain: {capital: ' Madrid'}}\npairs:\n  - {kind: place, source: Spain, target: Oz}\n")
     with pytest.raises(ValueError, match=r"key 'pairs\[0\].target': 'Oz' is not an entity of kind 'place'"):
         read_facts(bad)
-    facts, pairs = read_facts(C.REPO / "reference/analysis/edit_facts.yaml")
+    _, pairs = read_facts(C.REPO / "reference/analysis/edit_facts.yaml")
     assert {"source": "United States", "target": "California", "kind": "place"} in pairs
 
 

@@ -52,7 +52,7 @@ def buckets(counts: dict[str, int]) -> tuple[dict[str, str], list[int]]:
 
 def run(ckpt_dir, spec: dict) -> dict:
     from stem.analysis.common import load, world_of
-    model, tok, saved = load(ckpt_dir, spec.get("device", "cpu"))
+    model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
     world = world_of(spec)
     rng = random.Random(f"capacity:{spec['seed']}")
     countries = rng.sample(world.countries, min(spec["countries"], len(world.countries)))

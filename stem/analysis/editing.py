@@ -27,7 +27,13 @@ import random
 import torch
 import torch.nn.functional as F
 
-from stem.analysis.common import encode, find_span, score_many, state_digest, table_sites
+from stem.analysis.common import (
+    encode,
+    find_span,
+    score_many,
+    state_digest,
+    table_sites,
+)
 
 SCHEMES = ("swap", "pad_left", "pad_right", "copy", "subset", "average")
 CASES = ("equal", "longer", "shorter")  # n_s == n_t, n_s > n_t, n_s < n_t
@@ -156,7 +162,7 @@ def _pad_id(tok) -> tuple[int, str]:
 
 def run(ckpt_dir, spec: dict) -> dict:
     from stem.analysis.common import load, world_of
-    model, tok, saved = load(ckpt_dir, spec.get("device", "cpu"))
+    model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
     explicit = []
     if spec.get("facts"):  # a shipped prompt set (real checkpoints): reference/analysis/edit_facts.yaml
         facts, explicit = read_facts(spec["facts"])
@@ -167,7 +173,7 @@ def run(ckpt_dir, spec: dict) -> dict:
     for p in explicit:
         p["case"] = case_of(len(encode(tok, " " + p["source"])), len(encode(tok, " " + p["target"])))
     pairs = explicit + choose_pairs(tok, facts, spec["pairs_per_case"], spec["seed"])
-    out = measure(model, tok, facts, [p for p in pairs if p["kind"] in facts], spec, saved)
+    out = measure(model, tok, facts, [p for p in pairs if p["kind"] in facts], spec)
     if not spec.get("facts"):
         out["transfer"] = ("country -> state transfer (Sec. 3.3): not run; the synthetic world has no "
                            "sub-national entity with a capital (only countries, their cities and people)")
@@ -195,7 +201,7 @@ def read_facts(path) -> tuple[dict, list[dict]]:
     return d["kinds"], pairs
 
 
-def measure(model, tok, facts: dict, pairs: list[dict], spec: dict, saved: dict | None = None) -> dict:
+def measure(model, tok, facts: dict, pairs: list[dict], spec: dict) -> dict:
     k, n_coll = spec["topk"], spec["collateral"]
     pad_id, pad_name = _pad_id(tok)
     stem_w = [w for _, w in table_sites(model)]

@@ -17,7 +17,7 @@ def run(ckpt_dir, spec: dict) -> dict:
     from stem.analysis.common import load
     from stem.data.shards import ShardSet
 
-    model, tok, saved = load(ckpt_dir, spec.get("device", "cpu"))
+    model, _, _ = load(ckpt_dir, spec.get("device", "cpu"))
     shards = ShardSet(Path(spec["manifest"]).parent, "val")
     n = min(spec["seq_len"], model.cfg.max_seq_len) + 1
     if len(shards) < n:

@@ -148,6 +148,7 @@ def _save(fig, out: Path, name: str):
 
 def fig6(res: dict, label: str):
     import matplotlib.pyplot as plt
+
     from stem.report.figures import COLORS
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     titles = ("(a) STEM table vectors, per STEM layer", "(b) dense up-projection outputs vs STEM vectors",
@@ -159,7 +160,7 @@ def fig6(res: dict, label: str):
         edges = np.linspace(*r["range"], r["bins"] + 1)
         mid = (edges[:-1] + edges[1:]) / 2
 
-        def dens(h):
+        def dens(h, edges=edges):
             h = np.asarray(h, float)
             return h / max(1.0, h.sum()) / (edges[1] - edges[0])
         for layer in r["layers"]:
@@ -187,6 +188,7 @@ def fig6(res: dict, label: str):
 
 def heaps_fig(res: dict, label: str):
     import matplotlib.pyplot as plt
+
     from stem.report.figures import COLORS
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for (s, v, st), r in sorted(res.items()):

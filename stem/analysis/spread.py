@@ -30,7 +30,7 @@ def pairwise_cos(v: torch.Tensor) -> torch.Tensor:
 def describe(c: torch.Tensor) -> dict:
     q = torch.quantile(c, torch.tensor(QUANTILES, dtype=c.dtype))
     return {"pairs": int(c.numel()), "mean_abs": float(c.abs().mean()), "mean": float(c.mean()),
-            "quantiles": {f"q{int(round(p * 100)):02d}": float(x) for p, x in zip(QUANTILES, q)},
+            "quantiles": {f"q{round(p * 100):02d}": float(x) for p, x in zip(QUANTILES, q)},
             "hist": torch.histc(c.float(), bins=BINS, min=-1.0, max=1.0).long().tolist()}
 
 
@@ -52,7 +52,7 @@ def run(ckpt_dir, spec: dict) -> dict:
     from stem.analysis.common import load, table_sites
     from stem.data.shards import ShardSet
 
-    model, tok, saved = load(ckpt_dir, spec.get("device", "cpu"))
+    model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
     shards = ShardSet(Path(spec["manifest"]).parent, "val")
     window = min(len(shards), model.cfg.max_seq_len)
     tokens = shards.get(0, window).astype("int64").tolist()
