@@ -261,3 +261,42 @@ def test_embedding_swap_on_dense_model_equals_control_prompt(tiny_data, one_thre
     assert swaps and r["sites"] == ["embedding"] and r["restored_bit_identical"]
     for e in swaps:
         assert e["kl_control"] == pytest.approx(0.0, abs=1e-9) and e["topk_overlap"] == 1.0
+
+
+def test_analysis_report_writes_every_output(tmp_path):
+    """report.build from hand-made analysis JSONs: every file of OUTPUTS, the tiny label, the directions."""
+    import copy
+
+    from stem import config as C
+    from stem.analysis import report as AR
+    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
+    cfg["matrix"] = {"350m": {"variants": ["dense", "stem"], "stages": ["pretrain"]}}
+    hist = [0] * 40 + [10] + [0] * 39
+    stats = {"mean_abs": 0.1, "mean": 0.0, "pairs": 10, "quantiles": {"q50": 0.0}, "hist": hist}
+    edit = {"site": "stem", "kl_control": 0.1, "kl_control_before": 0.3}
+    summary = [{"site": "stem", "scheme": "swap", "case": "all", "n": 1, "success": 0.0}]
+    per = {"dense": {"spread": {"layers": [{"layer": 0, "ffn": "dense", "up_proj": {**stats, "mean_abs": 0.5}}]},
+                     "heldout": {"window_loss": [3.0, 3.1, 3.2]}},
+           "stem": {"spread": {"layers": [{"layer": 0, "ffn": "stem", "table": stats, "down_input": stats}]},
+                    "heldout": {"window_loss": [2.9, 3.0, 3.0]},
+                    "heaps": {"n_stem_layers": 1, "fit": {"K": 2.0, "beta": 0.5, "r2": 1.0}, "lengths": [4, 16],
+                              "unique": [4.0, 8.0], "activated_stem_params": [96.0, 192.0], "source": "web"},
+                    "editing": {"summary": summary, "edits": [edit] * 3}}}
+    for v, analyses in per.items():
+        for name, body in analyses.items():
+            body = {**body, "analysis": name, "scale": "350m", "variant": v, "stage": "pretrain", "bins": 80,
+                    "range": [-1.0, 1.0]}
+            p = tmp_path / f"results/tiny/350m/{v}/pretrain/analysis/{name}.json"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(body))
+    out = tmp_path / "reports/tiny/analysis"
+    counts = AR.build(cfg, out, root=tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == sorted(AR.OUTPUTS)
+    assert "not paper scale" in (out / "README.md").read_text()
+    dirs = (out / "directions.csv").read_text()
+    assert "heldout_loss,350m,stem" in dirs and "editing,350m,stem" in dirs and "spread,350m,stem" in dirs
+    assert counts.get("agree", 0) >= 2  # loss (-0.13 on every window) and the edit's KL reduction (+0.2)
+    bad = tmp_path / "results/tiny/350m/stem/pretrain/analysis/heaps.json"
+    bad.write_text(json.dumps({**json.loads(bad.read_text()), "variant": "dense"}))
+    with pytest.raises(ValueError, match="heaps.json: records heaps/350m/dense/pretrain, expected heaps/350m/stem"):
+        AR.build(cfg, out, root=tmp_path)

@@ -146,6 +146,11 @@ def _save(fig, out: Path, name: str):
     save(fig, out / f"{name}.png", out / f"{name}.pdf")
 
 
+def _legend(ax):
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
 def fig6(res: dict, label: str):
     import matplotlib.pyplot as plt
 
@@ -180,17 +185,32 @@ def fig6(res: dict, label: str):
                     axes[1].plot(mid, dens(layer["up_proj"]["hist"]), color=COLORS["dense"], alpha=0.7,
                                  label=f"{s} dense up-proj" if layer["layer"] == min(stem_layers) else None)
     for ax in axes:
-        ax.legend(fontsize=7)
+        _legend(ax)
     fig.suptitle(f"Figure 6 (angular spread), {label}", fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def heaps_fig(res: dict, label: str):
+def niah_curves(cfg: dict, root=".") -> dict[str, tuple[list, list]]:
+    """{variant: (lengths, mean NIAH accuracy over depths)} of the 1B models at Fig. 1b's stage, where present."""
+    from stem.report.results import niah_cells
+    out = {}
+    stage = ((cfg.get("report") or {}).get("stages") or {}).get("figure1b", ["extend"])[0]
+    for v in ("dense", "stem"):
+        p = Path(root) / "results" / cfg["experiment"] / "1b" / v / stage / "eval" / "niah.json"
+        if p.is_file():
+            cells = niah_cells(json.loads(p.read_text()))
+            if len(cells):
+                m = cells.groupby("length")["accuracy"].mean()
+                out[v] = (m.index.tolist(), m.tolist())
+    return out
+
+
+def heaps_fig(res: dict, label: str, niah: dict | None = None):
     import matplotlib.pyplot as plt
 
     from stem.report.figures import COLORS
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     for (s, v, st), r in sorted(res.items()):
         if v != "stem":  # the curve depends on the scale's tokenizer and held-out text only
             continue
@@ -203,7 +223,12 @@ def heaps_fig(res: dict, label: str):
     a.set(xlabel="context length L (tokens)", ylabel="unique token ids L_uniq", title="Heaps fit L_uniq = K L^beta")
     b.set(xlabel="context length L (tokens)", ylabel="|S| d_ff L_uniq",
           title="activated STEM parameters per sequence")
-    a.legend(fontsize=7), b.legend(fontsize=7)
+    for v, (lengths, acc) in (niah or {}).items():
+        c.plot(lengths, acc, "o-", color=COLORS[v], label=f"1b {v}")
+    c.set(xscale="log", xlabel="context length (tokens)", ylabel="NIAH accuracy (%)", ylim=(-2, 102),
+          title="beside it: Fig. 1b, NIAH accuracy vs length" + ("" if niah else " (no results)"))
+    for ax in (a, b, c):
+        _legend(ax)
     fig.suptitle(f"Sec. 3.2.5 context-length adaptive parameter usage, {label}", fontsize=10)
     fig.tight_layout()
     return fig
@@ -230,7 +255,7 @@ def build(cfg: dict, out_dir, root=".") -> dict:
         dirs_df["paper_effect_resolvable"] = np.where(sized, half < dirs_df["paper_delta"].abs(), None)
     _write(dirs_df, out, "directions", "Directions with confidence (paired bootstrap, 95%)", label)
     _save(fig6(res.get("spread", empty), label), out, "fig6_spread")
-    _save(heaps_fig(res.get("heaps", empty), label), out, "heaps")
+    _save(heaps_fig(res.get("heaps", empty), label, niah_curves(cfg, root)), out, "heaps")
     counts = dirs_df["verdict"].value_counts().to_dict() if len(dirs_df) else {}
     atomic_write_text(out / "README.md", readme(label, counts, res))
     return counts
