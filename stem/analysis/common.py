@@ -53,24 +53,33 @@ def encode(tok, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def score_many(model, queries: list[tuple[list[int], list[list[int]]]], max_rows: int = 1024):
+def score_many(model, queries: list[tuple[list[int], list[list[int]]]], max_tokens: int = 8192):
     """For each (prompt, candidates): (sum log-probability of each candidate continuation after the prompt,
-    the next-token log-probabilities after the prompt). Rows are right-padded into batches of ``max_rows``:
-    causal attention keeps each row's real positions exact."""
+    the next-token log-probabilities after the prompt). Rows are right-padded into batches of at most
+    ``max_tokens`` padded tokens (bounds the logits at a large vocabulary); causal attention keeps each row's
+    real positions exact."""
     rows = [(qi, ci, p + c, len(p)) for qi, (p, cands) in enumerate(queries) for ci, c in enumerate(cands)]
     scores = [torch.empty(len(c)) for _, c in queries]
     nxt: list = [None] * len(queries)
-    for b in range(0, len(rows), max_rows):
-        chunk = rows[b:b + max_rows]
-        x = torch.zeros(len(chunk), max(len(r[2]) for r in chunk), dtype=torch.long)
+    device = model.tok_emb.weight.device
+    b = 0
+    while b < len(rows):
+        width = len(rows[b][2])
+        e = b + 1
+        while e < len(rows) and max(width, len(rows[e][2])) * (e + 1 - b) <= max_tokens:
+            width = max(width, len(rows[e][2]))
+            e += 1
+        chunk = rows[b:e]
+        x = torch.zeros(len(chunk), width, dtype=torch.long)
         for i, r in enumerate(chunk):
             x[i, :len(r[2])] = torch.tensor(r[2])
-        logp = F.log_softmax(model(x.to(model.tok_emb.weight.device)).float(), dim=-1).cpu()
+        logp = F.log_softmax(model(x.to(device)).float(), dim=-1)
         for i, (qi, ci, ids, n) in enumerate(chunk):
-            pos = torch.arange(n - 1, len(ids) - 1)
-            scores[qi][ci] = logp[i, pos, torch.tensor(ids[n:])].sum()
+            pos = torch.arange(n - 1, len(ids) - 1, device=device)
+            scores[qi][ci] = logp[i, pos, torch.tensor(ids[n:], device=device)].sum().cpu()
             if nxt[qi] is None:
-                nxt[qi] = logp[i, n - 1].clone()
+                nxt[qi] = logp[i, n - 1].cpu()
+        b = e
     return list(zip(scores, nxt))
 
 

@@ -24,7 +24,11 @@ def run(ckpt_dir, spec: dict) -> dict:
         raise ValueError(f"{spec['manifest']}: validation split has {len(shards)} tokens, fewer than one window of {n}")
     starts = np.linspace(0, len(shards) - n, spec["windows"]).astype(int)
     x = torch.from_numpy(np.stack([shards.get(s, n) for s in starts]).astype(np.int64))
-    logits = model(x[:, :-1].to(model.tok_emb.weight.device)).float().cpu()
-    loss = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none").mean(dim=1)
+    device, losses = model.tok_emb.weight.device, []
+    for b in range(0, len(x), spec.get("batch", 8)):  # bounded logits at a large vocabulary
+        xb = x[b:b + spec.get("batch", 8)].to(device)
+        logits = model(xb[:, :-1]).float()
+        losses.append(F.cross_entropy(logits.transpose(1, 2), xb[:, 1:], reduction="none").mean(dim=1).cpu())
+    loss = torch.cat(losses)
     return {"analysis": "heldout", "source": spec["source"], "seq_len": n - 1, "starts": starts.tolist(),
             "window_loss": loss.tolist(), "mean_loss": float(loss.mean())}

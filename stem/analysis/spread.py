@@ -54,17 +54,21 @@ def run(ckpt_dir, spec: dict) -> dict:
 
     model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
     shards = ShardSet(Path(spec["manifest"]).parent, "val")
-    window = min(len(shards), model.cfg.max_seq_len)
+    window = min(len(shards), model.cfg.max_seq_len, spec.get("window") or model.cfg.max_seq_len)
     tokens = shards.get(0, window).astype("int64").tolist()
     ids, pos = first_occurrences(tokens, spec["n_tokens"], {tok.eos_id})
-    captured: dict = {}
+    p = torch.tensor(pos, device=model.tok_emb.weight.device)
+    captured: dict = {}  # only the sampled positions are kept (a long window's activations are not)
+
+    def keep(i, key, t):
+        captured[i, key] = t[0, p].float().cpu()
     hooks = []
     for i, layer in enumerate(model.layers):
         for name, m in layer.ffn.named_children():
             if name == "w_up" and isinstance(m, torch.nn.Linear):
-                hooks.append(m.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__((i, "up_proj"), out)))
+                hooks.append(m.register_forward_hook(lambda m, a, out, i=i: keep(i, "up_proj", out)))
             if name == "w_down" and isinstance(m, torch.nn.Linear):
-                hooks.append(m.register_forward_pre_hook(lambda m, a, i=i: captured.__setitem__((i, "down_input"), a[0])))
+                hooks.append(m.register_forward_pre_hook(lambda m, a, i=i: keep(i, "down_input", a[0])))
     try:
         model(torch.tensor([tokens], device=model.tok_emb.weight.device))
     finally:
@@ -72,14 +76,13 @@ def run(ckpt_dir, spec: dict) -> dict:
             h.remove()
     tables = {int(n.split(".")[1]): w for n, w in table_sites(model) if n.startswith("layers.")}
     layers = []
-    p = torch.tensor(pos)
     for i in range(len(model.layers)):
         sets = {}
         if i in tables:
             sets["table"] = describe(pairwise_cos(tables[i][torch.tensor(ids)].cpu()))
         for key in ("up_proj", "down_input"):
             if (i, key) in captured:
-                sets[key] = describe(pairwise_cos(captured[i, key][0, p].cpu()))
+                sets[key] = describe(pairwise_cos(captured[i, key]))
         layers.append({"layer": i, "ffn": model.cfg.ffn[i], **sets})
     return {"analysis": "spread", "source": spec["source"], "n_tokens": len(ids), "window": window,
             "bins": BINS, "range": [-1.0, 1.0], "layers": layers}
