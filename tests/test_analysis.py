@@ -300,3 +300,17 @@ def test_analysis_report_writes_every_output(tmp_path):
     bad.write_text(json.dumps({**json.loads(bad.read_text()), "variant": "dense"}))
     with pytest.raises(ValueError, match="heaps.json: records heaps/350m/dense/pretrain, expected heaps/350m/stem"):
         AR.build(cfg, out, root=tmp_path)
+
+
+def test_tables_found_by_role_at_paper_shapes():
+    """The edit sites of the real models (meta device: shapes only): one table per STEM layer, found by the
+    declared lookup role, for every variant with tables; none for dense and Hash-MoE."""
+    from stem import config as C
+    from stem.analysis import workflow as AW
+    from stem.analysis.common import stem_layers
+    cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")
+    model = build_model(ModelConfig.from_dict(C.train_spec(cfg, "1b", "stem", "pretrain")["model"]), "meta")
+    assert stem_layers(model) == [2, 5, 8, 11, 14]            # every third from 2: 5 of 16 (README, Variants)
+    assert all(w.shape == (128256, 8192) for _, w in table_sites(model))
+    assert [AW.has_tables(cfg, "350m", v) for v in ("dense", "hashmoe", "stem_gate", "stem_full")] == \
+        [False, False, True, True]
