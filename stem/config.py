@@ -67,6 +67,8 @@ def _check_sources(cfg: dict, origin: str):
     for name, suite in (ev.get("suites") or {}).items():
         uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
                  if name in run and isinstance(suite, dict) and key in suite]
+    uses += [(f"analysis.{name}.source", [a["source"]]) for name, a in (cfg.get("analysis") or {}).items()
+             if isinstance(a, dict) and "source" in a]
     for key, names in uses:
         unknown = [s for s in names if s not in cfg["sources"]]
         if unknown:

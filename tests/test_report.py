@@ -485,6 +485,8 @@ def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
              *(f"reports/tiny/tables/{t}.{ext}" for t in B.TABLES for ext in ("csv", "md", "tex")),
              "reports/tiny/tables/reproduced.csv", *(f"reports/tiny/diff/{f}" for f in B.DIFF_FILES),
              *(f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf"))]
+    from stem.analysis import report as AR, workflow as AW  # the analyze stage's outputs, as a finished run leaves them
+    files += [*AW.targets(tiny_cfg), *(f"reports/tiny/analysis/{f}" for f in AR.OUTPUTS)]
     for i, f in enumerate(files):
         p = tmp_path / f
         p.parent.mkdir(parents=True, exist_ok=True)

@@ -293,3 +293,11 @@ def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.Dat
     md += ["", f"{len(consistency) - len(bad)} other recomputations agree with the printed numbers "
            "(all checks: `diff/paper_consistency.csv`).", ""] + [f"- {n}" for n in notes] + [""]
     return head + "\n".join(md)
+
+
+def confident_directions(cfg: dict, root=".") -> pd.DataFrame:
+    """The direction check with a confidence per verdict (stem.analysis.verdict): each Table 3/4 accuracy
+    direction (per task and the average) by a paired bootstrap over the benchmark items, read as agree /
+    disagree / inconclusive. Kept beside ``directions`` (point estimates), which it does not change."""
+    from stem.analysis.verdict import table_directions
+    return pd.DataFrame(table_directions(cfg, root))
