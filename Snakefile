@@ -15,7 +15,9 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/train.smk"
 include: "rules/eval.smk"
+include: "rules/analyze.smk"
 include: "rules/report.smk"
+include: "rules/bench.smk"
 
 
 apply_cluster_defaults()  # partition/account/size defaults for rules that set none (data, reports)
@@ -26,5 +28,7 @@ rule all:
     input:
         train_outputs(),
         eval_outputs(),
+        analysis_outputs(),
+        analysis_reports(),
         params_tables(),
         report_outputs(),

@@ -6,6 +6,7 @@ from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
 from stem import config as C  # noqa: E402
+from stem import layout as L  # noqa: E402  (every path of the workflow)
 
 try:  # one clear line naming the key first; then Snakemake's own schema validation (same schema)
     C.validate_experiment(config, origin="workflow config")
@@ -31,7 +32,7 @@ def as_json(obj):
 
 
 def train_outputs():
-    return [f"{C.stage_dir(EXP, s, v, st)}/summary.json" for s, v, st in C.train_targets(config)]
+    return [L.summary(EXP, s, v, st) for s, v, st in C.train_targets(config)]
 
 
 def params_tables():
@@ -42,7 +43,7 @@ def train_inputs(w):
     """Tokenizer, token shards of the stage's mixture, and the previous stage's checkpoint (if any)."""
     spec = C.train_spec(config, w.scale, w.variant, w.stage)
     inputs = {"tokenizer": spec["tokenizer"]}
-    inputs.update({f"tokens_{src}": C.tokens_manifest(EXP, w.scale, src) for src in spec["data"]})
+    inputs.update({f"tokens_{src}": L.tokens_manifest(EXP, w.scale, src) for src in spec["data"]})
     if spec["init_from"]:
         inputs["init"] = spec["init_from"]
     return inputs

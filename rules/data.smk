@@ -3,7 +3,7 @@
 
 rule corpus:
     output:
-        "data/{experiment}/corpus/{source}.jsonl",
+        L.corpus_path("{experiment}", "{source}"),
     params:
         spec=lambda w: as_json(C.corpus_spec(config, w.source)),
     log:
@@ -18,7 +18,7 @@ rule tokenizer:
     input:
         lambda w: [p for s in config["tokenizer"][w.scale].get("sources", []) for p in C.source_inputs(config, s)],
     output:
-        "data/{experiment}/{scale}/tokenizer/tokenizer.json",
+        L.tokenizer_path("{experiment}", "{scale}"),
     params:
         spec=lambda w: as_json(C.tokenizer_spec(config, w.scale)),
     log:
@@ -35,10 +35,10 @@ rule tokenizer:
 # (on the head node: it reads the parts' manifests only) writes the source's manifest over all parts.
 rule tokenize_part:
     input:
-        tokenizer="data/{experiment}/{scale}/tokenizer/tokenizer.json",
+        tokenizer=L.tokenizer_path("{experiment}", "{scale}"),
         documents=lambda w: C.source_inputs(config, w.source),
     output:
-        directory("data/{experiment}/{scale}/tokens/{source}/{part}"),
+        directory(L.tokens_part_dir("{experiment}", "{scale}", "{source}", "{part}")),
     params:
         spec=lambda w: as_json(C.tokenize_spec(config, w.scale, w.source, w.part)),
     threads: ((config.get("cluster") or {}).get("tokenize") or {}).get("cpus", 2)
@@ -55,11 +55,11 @@ rule tokenize_part:
 
 rule tokenize_gather:
     input:
-        lambda w: [C.tokens_part_dir(EXP, w.scale, w.source, p) for p in C.part_names(config, w.source)],
+        lambda w: [L.tokens_part_dir(EXP, w.scale, w.source, p) for p in C.part_names(config, w.source)],
     output:
-        "data/{experiment}/{scale}/tokens/{source}/manifest.json",
+        L.tokens_manifest("{experiment}", "{scale}", "{source}"),
     params:
-        out=lambda w: C.tokens_dir(EXP, w.scale, w.source),
+        out=lambda w: L.tokens_dir(EXP, w.scale, w.source),
     localrule: True
     log:
         "logs/{experiment}/{scale}/tokenize/{source}/gather.log",

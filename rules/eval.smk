@@ -12,7 +12,7 @@ eval_outputs = lambda: EV.eval_targets(config)  # noqa: E731
 
 rule eval_fixtures:
     output:
-        directory("data/{experiment}/fixtures"),
+        directory(L.fixtures_dir("{experiment}")),
     params:
         spec=lambda w: as_json({**config["eval"]["fixtures"], "world": config.get("world", {}), "seed": config["seed"]}),
     log:
@@ -27,8 +27,8 @@ rule eval:
     input:
         unpack(lambda w: EV.rule_inputs(config, w.experiment, w.scale, w.variant, w.stage, w.suite)),
     output:
-        result="results/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.json",
-        raw="results/{experiment}/{scale}/{variant}/{stage}/eval/raw/{suite}.json",
+        result=L.eval_json(*L.STAGE, "{suite}"),
+        raw=L.eval_raw(*L.STAGE, "{suite}"),
     wildcard_constraints:
         suite="[a-z0-9_]+",
     params:
@@ -37,7 +37,7 @@ rule eval:
     resources:
         gpu=lambda w: 0 if config["device"] == "cpu" else 1,
     log:
-        "logs/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.log",
+        L.eval_log(*L.STAGE, "{suite}"),
     conda:
         ENV
     shell:

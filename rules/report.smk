@@ -1,12 +1,15 @@
-# Reports: parameter accounting, then the aggregate stage - the paper's tables, the paper diff, the figures
-# and reports/{experiment}/README.md - rebuilt from whatever results exist (gaps shown, never zeros).
-#   snakemake --profile profiles/local --report reports/tiny/report.html   # Snakemake's HTML report
+# Reports: parameter accounting, then the aggregate stage - the paper's tables, the paper diff, the figures,
+# reports/{experiment}/README.md and the self-contained reports/{experiment}/report.html - rebuilt from
+# whatever results exist (gaps shown, never zeros). Which tables and figures: stem.report.registry.
+import re  # noqa: E402
 from functools import partial  # noqa: E402
 
+from stem.report import registry as report_registry  # noqa: E402
 from stem.report import workflow as RW  # noqa: E402
-from stem.report.build import TABLES as REPORT_TABLES  # noqa: E402
-from stem.report.figures import FIGURES as REPORT_FIGURES  # noqa: E402
 from stem.report.tables import experiment_label  # noqa: E402
+
+REPORT_TABLES = list(report_registry.tables())
+REPORT_FIGURES = report_registry.figures()
 
 # Eval JSONs of this experiment: rules/eval.smk defines eval_outputs() (none without it).
 eval_results = lambda: globals().get("eval_outputs", list)()  # noqa: E731
@@ -34,6 +37,7 @@ rule report_tables:
     input:
         summaries=lambda w: train_outputs(),
         evals=lambda w: eval_results(),
+        other=lambda w: RW.table_inputs(config),  # what a table reads besides (Table 3: checkpoint accounting)
     output:
         **{
             name: report(
@@ -96,17 +100,18 @@ rule report_figure:
         ),
         pdf="reports/{experiment}/figures/{figure}.pdf",
     wildcard_constraints:
-        figure="|".join(REPORT_FIGURES),
+        figure="|".join(map(re.escape, REPORT_FIGURES)),
     params:
         spec=lambda w: as_json(config),
-        caption=lambda w: REPORT_FIGURES[w.figure][2],
+        caption=lambda w: REPORT_FIGURES[w.figure].caption,
+        files=lambda w: as_json(RW.figure_inputs(config, eval_results(), w.figure)),
     log:
         "logs/{experiment}/report_figure_{figure}.log",
     conda:
         ENV
     shell:
         "MPLBACKEND=Agg python -m workflow_scripts.report_figure --spec {params.spec:q} --name {wildcards.figure} "
-        "--reproduced {input.tables} --png {output.png} --pdf {output.pdf} 2> {log}"
+        "--reproduced {input.tables} --files {params.files:q} --png {output.png} --pdf {output.pdf} 2> {log}"
 
 
 rule report_readme:
@@ -132,4 +137,25 @@ rule report_readme:
         ENV
     shell:
         "python -m workflow_scripts.report_readme --spec {params.spec:q} --report-dir {params.out} "
+        "--figures {params.figures} --out {output} 2> {log}"
+
+
+rule report_html:
+    input:
+        tables="reports/{experiment}/tables/reproduced.csv",
+        diff="reports/{experiment}/diff/summary.json",
+        params="reports/{experiment}/params.md",  # linked from the page
+        everything=lambda w: RW.report_files(w.experiment),
+    output:
+        "reports/{experiment}/report.html",
+    params:
+        spec=lambda w: as_json(config),
+        figures=" ".join(REPORT_FIGURES),
+        out=lambda w: f"reports/{w.experiment}",
+    log:
+        "logs/{experiment}/report_html.log",
+    conda:
+        ENV
+    shell:
+        "python -m workflow_scripts.report_readme --html --spec {params.spec:q} --report-dir {params.out} "
         "--figures {params.figures} --out {output} 2> {log}"

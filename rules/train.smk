@@ -8,6 +8,7 @@
 # torchrun (one node, several GPUs), or one torchrun per node through srun (several nodes: rule
 # train_multinode, which carries the `mpi` resource so the jobstep executor leaves the srun to us).
 # Snakemake clears the log of a retried job; {stage}/_state/events.log keeps the stop/resume history.
+# The backbone's parallel strategy (cluster.strategy: fsdp or ddp) travels in the job spec (train.parallel).
 #
 # Stopping in time: Slurm sends SIGTERM at the time limit and SIGKILL KillWait (30 s by default) later, too
 # little to save a paper-scale state (~81 GB for 1B STEM). So training jobs ask for an early warning,
@@ -23,15 +24,14 @@ rule train:
     input:
         unpack(train_inputs),
     output:
-        summary="results/{experiment}/{scale}/{variant}/{stage}/summary.json",
-        metrics="results/{experiment}/{scale}/{variant}/{stage}/metrics.jsonl",
-        checkpoint=directory("results/{experiment}/{scale}/{variant}/{stage}/checkpoint"),
+        summary=L.summary(*L.STAGE),
+        metrics=L.metrics(*L.STAGE),
+        checkpoint=directory(L.checkpoint(*L.STAGE)),
     wildcard_constraints:
         scale=_scales_regex(multinode=False),
     params:
         spec=lambda w: as_json(C.train_spec(config, w.scale, w.variant, w.stage)),
         gpus_per_node=lambda w: cluster_resources("train", w.scale).get("gpu", 0),
-        strategy=(config.get("cluster") or {}).get("strategy", "fsdp"),
         stop_grace=lambda w: stop_warning_seconds(w.scale, w.variant, w.stage),
     threads: lambda w: cluster_resources("train", w.scale)["cpus_per_task"]
     resources:
@@ -40,11 +40,11 @@ rule train:
         gpu=lambda w: cluster_resources("train", w.scale).get("gpu", 0),
         slurm_extra=lambda w: f"--signal=URG@{stop_warning_seconds(w.scale, w.variant, w.stage)}",
     log:
-        "logs/{experiment}/{scale}/{variant}/{stage}/train.log",
+        L.train_log(*L.STAGE),
     conda:
         ENV
     shell:
-        "STEM_PARALLEL={params.strategy} python -m workflow_scripts.launch --nodes {resources.nodes}"
+        "python -m workflow_scripts.launch --nodes {resources.nodes}"
         " --gpus-per-node {params.gpus_per_node} --cpus-per-node {resources.cpus_per_task}"
         " --stop-grace {params.stop_grace} --owner-pid $PPID --"
         " python -m workflow_scripts.train --spec {params.spec:q} --threads {threads} 2> {log}"
@@ -56,7 +56,6 @@ use rule train as train_multinode with:
     params:
         spec=lambda w: as_json(C.train_spec(config, w.scale, w.variant, w.stage)),
         gpus_per_node=lambda w: _train_setting(w.scale, "gpus_per_node"),
-        strategy=(config.get("cluster") or {}).get("strategy", "fsdp"),
         stop_grace=lambda w: stop_warning_seconds(w.scale, w.variant, w.stage),
     resources:
         **{k: _train_res(k) for k in ("nodes", "runtime", "cpus_per_task", "mem_mb", "gres", "tasks", "tasks_per_gpu")},

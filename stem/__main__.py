@@ -29,6 +29,9 @@ def cmd_params(args):
 
 
 def cmd_bench(args):
+    if args.what == "offload":
+        from stem import bench_offload
+        return bench_offload.main(args)
     from stem import bench
     {"attention": bench.main_attention, "train": bench.main_train}.get(args.what, bench.main)(args)
 
@@ -49,8 +52,10 @@ def cmd_eval(args):
         raise C.ConfigError("--suite is required (or --bench)")
     spec = run.suite_spec(experiment_config(args.experiment), args.suite)
     raw = args.out[:-5] + ".raw.json" if args.out and args.out.endswith(".json") else None
-    r = run.evaluate(args.checkpoint, spec, args.out, raw, limit=args.limit, device=args.device)
-    print(json.dumps({k: r[k] for k in ("suite", "checkpoint", "limit", "tasks", "groups", "wall_seconds")}, indent=2))
+    r = run.evaluate(args.checkpoint, spec, args.out, raw, limit=args.limit, device=args.device,
+                     model_args={"offload": args.offload, "cache_rows": args.cache_rows})
+    print(json.dumps({k: r[k] for k in ("suite", "checkpoint", "limit", "tasks", "groups", "wall_seconds", "offload")
+                      if k in r}, indent=2))
 
 
 def cmd_diff(args):
@@ -120,7 +125,7 @@ def main(argv=None):
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=["ffn", "attention", "train"])
+    b.add_argument("what", choices=["ffn", "attention", "train", "offload"])
     b.add_argument("--scale", default="350m")
     b.add_argument("--tokens", type=int, default=2048)
     b.add_argument("--repeats", type=int, default=5)
@@ -130,6 +135,14 @@ def main(argv=None):
     b.add_argument("--micro-tokens", type=int, nargs=2, default=[256, 1024], metavar=("N1", "N2"),
                    help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
                         "from the cost per micro-batch")
+    o = b.add_argument_group("bench offload (stem.bench_offload)")
+    o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
+    o.add_argument("--batch", type=int, default=8, help="rows of held-out text decoded together")
+    o.add_argument("--prompt", type=int, default=32, help="prefill tokens per row")
+    o.add_argument("--steps", type=int, default=96, help="decode steps")
+    o.add_argument("--cache-rows", type=int, nargs="+", help="cache sizes timed (default d, 4d, 16d rows)")
+    o.add_argument("--json", help="also write the figures as JSON here")
+    o.add_argument("--figure", help="also write the hit-rate figure (PNG) here")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("train", help="train one job of an experiment (outside the workflow)")
     t.add_argument("--experiment", default="tiny")
@@ -146,6 +159,8 @@ def main(argv=None):
     e.add_argument("--device")
     e.add_argument("--out", help="normalised result JSON (raw lm-eval output goes beside it, as *.raw.json)")
     e.add_argument("--bench", action="store_true", help="print loglikelihood requests/s and generation tokens/s")
+    e.add_argument("--offload", action="store_true", help="STEM tables off the device (stem.models.offload)")
+    e.add_argument("--cache-rows", type=int, default=0, help="with --offload: rows of the LFU cache")
     e.set_defaults(fn=cmd_eval)
     d = sub.add_parser("diff", help="reproduced tables vs the paper's, cell by cell")
     d.add_argument("--experiment", default="tiny")

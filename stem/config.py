@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
+
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "config" / "schema.yaml"
 VARIANTS = REPO / "config" / "variants.yaml"
@@ -65,6 +67,8 @@ def _check_sources(cfg: dict, origin: str):
     for name, suite in (ev.get("suites") or {}).items():
         uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
                  if name in run and isinstance(suite, dict) and key in suite]
+    uses += [(f"analysis.{name}.source", [a["source"]]) for name, a in (cfg.get("analysis") or {}).items()
+             if isinstance(a, dict) and "source" in a]
     for key, names in uses:
         unknown = [s for s in names if s not in cfg["sources"]]
         if unknown:
@@ -169,23 +173,7 @@ def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = No
     return model_config(arch, all_variants[variant])
 
 
-# ---- paths ---------------------------------------------------------------------------------------
-def corpus_path(exp: str, source: str) -> str:
-    return f"data/{exp}/corpus/{source}.jsonl"
-
-
-def tokenizer_path(exp: str, scale: str) -> str:
-    return f"data/{exp}/{scale}/tokenizer/tokenizer.json"
-
-
-def tokens_dir(exp: str, scale: str, source: str) -> str:
-    return f"data/{exp}/{scale}/tokens/{source}"
-
-
-def tokens_manifest(exp: str, scale: str, source: str) -> str:
-    return f"{tokens_dir(exp, scale, source)}/manifest.json"
-
-
+# ---- paths: stem.layout ------------------------------------------------------------------------
 # Keys of a source that steer its tokenize jobs rather than describe its documents.
 TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample")
 
@@ -200,21 +188,14 @@ def part_names(cfg: dict, source: str) -> list[str]:
     return [f"part{k:05d}-of-{n:05d}" for k in range(n)]
 
 
-def tokens_part_dir(exp: str, scale: str, source: str, part: str) -> str:
-    return f"{tokens_dir(exp, scale, source)}/{part}"
-
-
-def stage_dir(exp: str, scale: str, variant: str, stage: str) -> str:
-    return f"results/{exp}/{scale}/{variant}/{stage}"
-
-
 # ---- job specs -----------------------------------------------------------------------------------
 def train_targets(cfg: dict) -> list[tuple[str, str, str]]:
     return [(scale, v, stage) for scale, m in cfg["matrix"].items() for v in m["variants"] for stage in m["stages"]]
 
 
-def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
-    """The fully resolved spec of one training job."""
+def train_job(cfg: dict, scale: str, variant: str, stage: str):
+    """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
+    from stem.specs import TrainSpec
     exp = cfg["experiment"]
     if scale not in cfg["matrix"] or stage not in cfg["matrix"][scale]["stages"]:
         raise ConfigError(f"stage {stage!r} at scale {scale!r} is not in the {exp} experiment's matrix")
@@ -230,7 +211,8 @@ def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
     train["save_optimizer"] = any(cfg["stages"][s][scale].get("init_from") == stage
                                   and not cfg["stages"][s][scale].get("reset_optimizer", True)
                                   for s in cfg["matrix"][scale]["stages"])
-    return {
+    train["parallel"] = (cfg.get("cluster") or {}).get("strategy", "fsdp")   # the backbone's, under torchrun
+    return TrainSpec.from_dict({
         "experiment": exp, "scale": scale, "variant": variant, "stage": stage,
         "seed": cfg["seed"], "device": cfg["device"],
         "model": model_config_for(cfg, scale, variant, stage).to_dict(),
@@ -238,10 +220,15 @@ def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
         "train": train,
         "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
         "tokenizer": tokenizer_path(exp, scale),
-        "init_from": stage_dir(exp, scale, variant, init) + "/checkpoint" if init else None,
+        "init_from": checkpoint(exp, scale, variant, init) if init else None,
         "init_stage": init,
         "out_dir": stage_dir(exp, scale, variant, stage),
-    }
+    })
+
+
+def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
+    """The JSON form of ``train_job``: what the train rule passes to its job (``--spec``)."""
+    return train_job(cfg, scale, variant, stage).to_dict()
 
 
 def corpus_spec(cfg: dict, source: str) -> dict:

@@ -56,3 +56,15 @@ def make_spec(tiny_data, out_dir, variant="stem", stage="pretrain", data=None, *
 @pytest.fixture
 def spec_factory(tiny_data):
     return lambda out_dir, **kw: make_spec(tiny_data, Path(out_dir), **kw)
+
+
+def job_counts(stdout: str) -> dict:
+    """Parse the 'Job stats' table of a dry run."""
+    lines = stdout.split("Job stats:")[1].splitlines()[3:]
+    counts = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            break
+        counts[parts[0]] = int(parts[1])
+    return counts

@@ -31,7 +31,7 @@ jobs = json.load(open(sys.argv[2]))
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     dist.init_process_group("gloo")        # one group for all jobs (train() joins it, does not destroy it)
 for job in jobs:
-    os.environ["STEM_PARALLEL"] = job.get("strategy", "fsdp")
+    job["spec"]["train"]["parallel"] = job.get("strategy", "fsdp")   # the backbone's strategy travels in the spec
     train(job["spec"], threads=1, max_steps=job.get("max_steps"))
 '''
 

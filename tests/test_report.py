@@ -5,6 +5,7 @@ format for the tiny experiment), so these tests do not need a trained model and 
 """
 import json
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -15,6 +16,7 @@ from stem.report import build as B
 from stem.report import diff
 from stem.report import figures as F
 from stem.report import paper_data as P
+from stem.report import registry
 from stem.report import tables as T
 from stem.report.results import Results, by_length, parse_range, task_score
 
@@ -85,6 +87,10 @@ def write_results(root, cfg, skip=(MISSING,)):
                     row.update(val_loss=float(l), val_ppl=float(np.exp(l)))
                 f.write(json.dumps(row) + "\n")
         (d / "summary.json").write_text(json.dumps(summary_json(cfg, scale, variant, stage, loss)))
+        (d / "checkpoint").mkdir()  # what stem.train.checkpoint writes besides the weights: job spec, accounting
+        (d / "checkpoint" / "config.json").write_text(json.dumps(
+            {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}))
+        (d / "checkpoint" / "accounting.json").write_text(json.dumps(T.accounting(cfg, scale, variant)))
         for suite in stage_suites[stage]:
             if (scale, variant) in skip and suite == "commonsense":
                 continue
@@ -110,7 +116,7 @@ def tiny_tables(tiny_cfg, tiny_results):
 
 
 def paper_as_ours():
-    return {t: P.load_table(t) for t in diff.COMPARED}
+    return {t: P.load_table(t) for t in registry.compared()}
 
 
 def value(df, scale, variant, column):
@@ -178,7 +184,7 @@ def test_table2_from_config(tiny_cfg):
     t2 = T.table2(C.read_yaml(C.REPO / "config" / "paper.yaml"))
     assert value(t2, "350m", "pretrain", "peak_lr") == 2e-3
     assert value(t2, "1b", "context_extend", "cross_doc_masking") == "Yes"
-    cells = diff.compare({"table2": t2}, T.settings(tiny_cfg)["tolerance"])
+    cells = diff.compare({"table2": t2}, T.settings(tiny_cfg).tolerance)
     t2c = cells[cells["table"] == "table2"].set_index(["scale", "variant", "column"])
     assert t2c.loc[("350m", "pretrain", "peak_lr"), "status"] == "ok"
     assert t2c.loc[("1b", "context_extend", "train_steps"), "status"] == "ok"
@@ -206,7 +212,7 @@ def test_diff_flags_changed_and_missing_cells(tiny_cfg):
     t3 = ours["table3"]
     t3.loc[(t3["scale"] == "350m") & (t3["variant"] == "stem") & (t3["column"] == "arc_easy"), "value"] += 5.0
     ours["table3"] = t3[~((t3["scale"] == "1b") & (t3["variant"] == "stem") & (t3["column"] == "boolq"))]
-    cells = diff.compare(ours, T.settings(tiny_cfg)["tolerance"]).set_index(["table", "scale", "variant", "column"])
+    cells = diff.compare(ours, T.settings(tiny_cfg).tolerance).set_index(["table", "scale", "variant", "column"])
     changed = cells.loc[("table3", "350m", "stem", "arc_easy")]
     assert changed["status"] == "drift" and changed["delta"] == pytest.approx(5.0)
     assert cells.loc[("table3", "1b", "stem", "boolq"), "status"] == "missing"
@@ -285,10 +291,38 @@ def test_report_builds(tmp_path, tiny_cfg, tiny_results):
     text = B.readme(tiny_cfg, rd, ["fig5a_loss_vs_tokens", "roi_by_scale"])
     assert "experiment: tiny (embedded default, not paper scale)" in text and "not a paper-scale result" in text
     assert "![fig5a_loss_vs_tokens](figures/fig5a_loss_vs_tokens.png)" in text
-    assert all(T.TITLES[t] in text for t in B.TABLES) and "Tiny-scale comparison" in text
+    assert all(registry.table(t).title in text for t in B.TABLES) and "Tiny-scale comparison" in text
     diff_md = (rd / "diff" / "diff.md").read_text()
     assert "Directions" in diff_md and "Where the paper disagrees with itself" in diff_md
     assert pd.read_csv(rd / "tables" / "table3.csv")["Model"].tolist()[:2] == ["Baseline", "Hash-MoE"]
+
+
+def test_readme_and_html_are_built_from_data_not_from_written_markdown(tmp_path, tiny_cfg, tiny_results):
+    """Issue 12.3: the pages come from reproduced.csv and the diff's data; the Markdown the report wrote
+    (tables/*.md, diff/diff.md) is not read back (the old README cut diff.md at a heading)."""
+    import base64
+    import re
+    from stem.report import page
+    rd = tmp_path / "reports" / "tiny"
+    ours = B.write_tables(tiny_cfg, tiny_results, rd / "tables")
+    s, cells, dirs, cons, _ = B.run_diff(tiny_cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))
+    B.write_diff(rd / "diff", s, cells, dirs, cons)
+    F.save(F.draw("roi_by_scale", tiny_cfg, tiny_results, ours), rd / "figures" / "roi_by_scale.png")
+    readme, html = B.readme(tiny_cfg, rd, ["roi_by_scale"]), B.html_report(tiny_cfg, rd, ["roi_by_scale"])
+    for p in [*(rd / "tables").glob("*.md"), rd / "diff" / "diff.md"]:
+        p.write_text("# overwritten\n## Side by side\n")
+    assert B.readme(tiny_cfg, rd, ["roi_by_scale"]) == readme and B.html_report(tiny_cfg, rd, ["roi_by_scale"]) == html
+    # the diff summary in the README is diff.md's, one heading level down, from directions.csv read back
+    assert page.markdown(diff.summary_blocks(s, dirs, level=3)) in readme
+    assert B.load_directions(rd / "diff" / "directions.csv")["agree"].tolist() == dirs["agree"].tolist()
+    for name in B.TABLES:   # every row of every table's CSV, in both pages
+        for r in pd.read_csv(rd / "tables" / f"{name}.csv", dtype=str, keep_default_na=False).itertuples(index=False):
+            assert "| " + " | ".join(r) + " |" in readme
+            tds = "".join(f"<td>{x.replace('<', '&lt;').replace('>', '&gt;')}</td>" for x in r)
+            assert f"<tr>{tds}</tr>" in html
+    img = re.search(r'<img alt="roi_by_scale" src="data:image/png;base64,([^"]+)">', html).group(1)
+    assert base64.b64decode(img) == (rd / "figures" / "roi_by_scale.png").read_bytes()
+    assert "<script" not in html and 'href="diff/diff.md"' in html and "<em>paper</em>" in html
 
 
 # ---- every result file read is checked: what its path says, schema, types, ranges -----------------------
@@ -310,6 +344,26 @@ def test_real_training_summary_passes_the_check(spec_factory, tmp_path):
     with pytest.raises(ResultError, match="key 'variant': the file is of variant 'stem' but its path says 'dense'"):
         check_summary(tmp_path / "x.json", s, {"experiment": "tiny", "scale": "350m", "variant": "dense",
                                                "stage": "pretrain"})
+    # Table 3's parameter columns are the accounting written with the checkpoint, not recomputed from the
+    # experiment's config (whose 350M architecture is another one): the exact total is the number of values
+    # in the checkpoint's weights, counted here from the safetensors file alone.
+    from safetensors import safe_open
+    ckpt = tmp_path / "tiny" / "350m" / "stem" / "pretrain" / "checkpoint"
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        n_weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    cfg = {**C.load_experiment(C.REPO / "config" / "tiny.yaml"), "matrix": {"350m": {"variants": ["stem"],
+                                                                                     "stages": ["pretrain"]}}}
+    t3 = T.build_all(cfg, res)["table3"]
+    saved = json.loads((ckpt / "accounting.json").read_text())
+    assert value(t3, "350m", "stem", "total_params_exact_b") * 1e9 == pytest.approx(n_weights, abs=0.5)
+    assert value(t3, "350m", "stem", "active_params_b") * 1e9 == pytest.approx(saved["active_params"], abs=0.5)
+    assert value(t3, "350m", "stem", "gflops_per_token") == saved["gflops_per_token"]
+    assert T.accounting(cfg, "350m", "stem")["total_params"] != n_weights   # what recomputing would have said
+    assert set(t3[t3["column"] == "total_params_b"]["source"]) == {"350m/stem/pretrain/checkpoint/accounting.json"}
+    shutil.rmtree(ckpt)   # before the model has a checkpoint: the configured architecture's, marked as such
+    t3 = T.build_all(cfg, res)["table3"]
+    assert value(t3, "350m", "stem", "total_params_exact_b") * 1e9 == T.accounting(cfg, "350m", "stem")["total_params"]
+    assert t3[t3["column"] == "active_params_b"]["source"].iloc[0].endswith("(no checkpoint yet)")
 
 
 @pytest.mark.parametrize("what, src, dst, key", [
@@ -358,6 +412,10 @@ def _edit_json(path, edit):
     ("1b/stem/extend/eval/longbench.json", lambda d: d["by_length"]["table5"][0]["groups"].update(longbench_code=True),
      "key 'by_length.table5[0].groups.longbench_code'"),
     ("1b/dense/pretrain/metrics.jsonl", "not json\n{}\n", "1b/dense/pretrain/metrics.jsonl:1: not a JSON line"),
+    ("350m/stem/pretrain/checkpoint/accounting.json", lambda d: d.update(active_params=-5),
+     "key 'active_params': expected a finite integer >= 1, got -5"),
+    ("350m/stem/pretrain/checkpoint/config.json", lambda d: d.update(variant="dense"),
+     "key 'variant': the file is of variant 'dense' but its path says 'stem'"),
 ])
 def test_bad_result_files_fail_with_one_line(fresh_results, tiny_cfg, file, edit, message):
     """Issue 16.2: garbage, wrong types and out-of-range values stop the aggregate with one line."""
@@ -414,7 +472,7 @@ def test_every_file_the_report_writes_is_requested(tmp_path, tiny_cfg, tiny_resu
     wanted = set(report_outputs("tiny"))
     assert written <= wanted
     figures = {f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf")}
-    assert wanted == written | figures | {"reports/tiny/README.md"}
+    assert wanted == written | figures | {"reports/tiny/README.md", "reports/tiny/report.html"}
 
 
 def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
@@ -424,18 +482,20 @@ def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
     import sys
     write_results(tmp_path / "results", tiny_cfg, skip=())
     # the report as a finished run leaves it (contents do not matter to the DAG; the order of mtimes does)
-    files = ["reports/tiny/params.csv", "reports/tiny/params.md", "reports/tiny/README.md",
+    files = ["reports/tiny/params.csv", "reports/tiny/params.md", "reports/tiny/README.md", "reports/tiny/report.html",
              *(f"reports/tiny/tables/{t}.{ext}" for t in B.TABLES for ext in ("csv", "md", "tex")),
              "reports/tiny/tables/reproduced.csv", *(f"reports/tiny/diff/{f}" for f in B.DIFF_FILES),
              *(f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf"))]
+    from stem.analysis import report as AR, workflow as AW  # the analyze stage's outputs, as a finished run leaves them
+    files += [*AW.targets(tiny_cfg), *(f"reports/tiny/analysis/{f}" for f in AR.OUTPUTS)]
     for i, f in enumerate(files):
         p = tmp_path / f
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text("x")
-        t = 2e9 + (0 if "/params." in f else 10 if "/tables/" in f else 30 if f.endswith("README.md") else 20)
+        t = 2e9 + (0 if "/params." in f else 10 if "/tables/" in f else 30 if f.endswith(("README.md", ".html")) else 20)
         os.utime(p, (t, t))
     smk = [sys.executable, "-m", "snakemake", "-s", str(C.REPO / "Snakefile"), "-d", str(tmp_path), "-n",
-           "--allowed-rules", "report_tables", "report_diff", "report_figure", "report_readme", "params"]
+           "--allowed-rules", "report_tables", "report_diff", "report_figure", "report_readme", "report_html", "params"]
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     (tmp_path / "reports/tiny/figures/roi_by_scale.pdf").unlink()
     (tmp_path / "reports/tiny/diff/cells.csv").unlink()
@@ -444,7 +504,7 @@ def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
     jobs = r.stdout.split("Job stats:")[1].split("total")[0]
     counts = dict((w[0], int(w[1])) for w in (line.split() for line in jobs.splitlines()) if len(w) == 2
                   and w[1].isdigit())
-    assert counts == {"report_figure": 1, "report_diff": 1, "report_readme": 1, "all": 1}
+    assert counts == {"report_figure": 1, "report_diff": 1, "report_readme": 1, "report_html": 1, "all": 1}
     assert "Missing output files: reports/tiny/figures/roi_by_scale.pdf" in r.stdout
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "workflow_scripts"))
 
 import launch  # noqa: E402
+from conftest import job_counts  # noqa: E402
 
 SCRIPT = REPO / "scripts" / "slurm_local.sh"
 VENV_BIN = str(Path(sys.executable).parent)
@@ -82,8 +83,25 @@ def _dense_params(V, d, L, kv_dim, d_ff):
     return 2 * V * d + L * (2 * d * d + 2 * d * kv_dim + 3 * d * d_ff + 2 * d) + d
 
 
-def test_paper_profile_dry_run_shows_sbatch_resources():
+def test_paper_dag_dry_run_through_the_slurm_profile_shows_sbatch_resources():
+    """One dry run of the paper DAG (it takes ~20 s to build): the jobs it holds, then their sbatch resources."""
     res, jobs, out = _dry_run_resources("--profile", "profiles/slurm")
+    counts = job_counts(out)
+    # all 350M variants; 1B dense and STEM through three stages (1B jobs span nodes: rule train_multinode)
+    assert counts.get("train", 0) + counts.get("train_multinode", 0) == 7 + 2 * 3
+    assert counts["tokenizer"] == 2 and "corpus" not in counts  # hub sources and pretrained tokenizers
+    # tokenize is scattered: `parts` jobs per (scale, source) the scale's stages read, one gather each
+    cfg = yaml.safe_load((REPO / "config/paper.yaml").read_text())
+    used = {(scale, src) for scale, m in cfg["matrix"].items() for st in m["stages"] for src in cfg["stages"][st][scale]["data"]}
+    assert counts["tokenize_part"] == sum(cfg["sources"][src]["parts"] for _, src in used) == 2560
+    assert counts["tokenize_gather"] == len(used) == 7
+    # the aggregate stage, HTML report included, is part of the paper DAG (one job per registered figure)
+    from stem.report import registry
+    report = [counts.get(r) for r in ("report_tables", "report_diff", "report_figure", "report_readme", "report_html")]
+    assert report == [1, 1, len(registry.figures()), 1, 1]
+    for target in ["results/paper/350m/stem_gate/pretrain/summary.json", "results/paper/1b/stem/extend/summary.json",
+                   "data/paper/1b/tokens/prolong_long"]:
+        assert target in out
     assert out.count("Config file(s): [") == 1 and "paper.yaml" in out.split("Config file(s): ")[1].split("]")[0]
     assert "tiny.yaml" not in out.split("Config file(s): ")[1].split("]")[0]   # replaced: not even read
     cl = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())["cluster"]
@@ -248,7 +266,7 @@ def test_tiny_pipeline_through_slurm_stops_on_the_time_limit_warning_and_resumes
                              "config/slurm_test.yaml", "--replace-workflow-config", "--jobs", "2", *targets],
                             cwd=work, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
     cut, t0 = None, time.time()
-    while proc.poll() is None and time.time() - t0 < 500:
+    while proc.poll() is None and time.time() - t0 < 900:  # ~230 s on a quiet machine
         if cut is None and (stage / "stem" / "pretrain" / "_state" / "latest").exists():
             jobs = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %M %k"], capture_output=True, text=True).stdout
             for line in jobs.splitlines():

@@ -122,6 +122,9 @@ def test_init_from_starts_from_exactly_those_weights(spec_factory, tmp_path):
     start = load_file(str(tmp_path / "mid" / "_state" / "step_00000000" / "model.safetensors"))
     for k, v in pre.state_dict().items():
         assert torch.equal(start[k], v), k
+    # the spec as stem.config builds it, unserialised (python -m stem train): tuples where JSON has lists
+    spec.update(out_dir=str(tmp_path / "mid2"), model={**spec["model"], "ffn": tuple(spec["model"]["ffn"])})
+    assert train(spec, threads=1, max_steps=0)["step"] == 0
 
 
 def test_non_finite_loss_stops_with_a_clear_error(spec_factory, tmp_path):

@@ -14,7 +14,7 @@ from stem.data.shards import ShardSet
 from stem.models.config import ModelConfig
 from stem.models.model import build_model
 from stem.train import distributed
-from stem.train.loop import TrainingError, accumulate_gradients
+from stem.train.step import TrainingError, accumulate_gradients
 
 
 def _model():

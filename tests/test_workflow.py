@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import job_counts
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
@@ -16,36 +17,6 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
 def snakemake(*args, cwd):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     return subprocess.run([*SNAKEMAKE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-
-
-def job_counts(stdout: str) -> dict:
-    """Parse the 'Job stats' table of a dry run."""
-    lines = stdout.split("Job stats:")[1].splitlines()[3:]
-    counts = {}
-    for line in lines:
-        parts = line.split()
-        if len(parts) != 2 or not parts[1].isdigit():
-            break
-        counts[parts[0]] = int(parts[1])
-    return counts
-
-
-def test_paper_dag_dry_run(tmp_path):
-    r = snakemake("-n", "--configfile", str(REPO / "config/paper.yaml"), "--replace-workflow-config",
-                  "-d", str(tmp_path), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    counts = job_counts(r.stdout)
-    # all 350M variants; 1B dense and STEM through three stages (1B jobs span nodes: rule train_multinode)
-    assert counts.get("train", 0) + counts.get("train_multinode", 0) == 7 + 2 * 3
-    assert counts["tokenizer"] == 2 and "corpus" not in counts  # hub sources and pretrained tokenizers
-    # tokenize is scattered: `parts` jobs per (scale, source) the scale's stages read, one gather each
-    cfg = yaml.safe_load((REPO / "config/paper.yaml").read_text())
-    used = {(scale, src) for scale, m in cfg["matrix"].items() for st in m["stages"] for src in cfg["stages"][st][scale]["data"]}
-    assert counts["tokenize_part"] == sum(cfg["sources"][src]["parts"] for _, src in used) == 2560
-    assert counts["tokenize_gather"] == len(used) == 7
-    for target in ["results/paper/350m/stem_gate/pretrain/summary.json", "results/paper/1b/stem/extend/summary.json",
-                   "data/paper/1b/tokens/prolong_long"]:
-        assert target in r.stdout
 
 
 def _reduced_config(tmp_path) -> Path:

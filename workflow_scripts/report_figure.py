@@ -1,4 +1,6 @@
 """Draw one figure of the report (PNG and PDF)."""
+import json
+
 from workflow_scripts._entry import parser, run, spec_of
 
 
@@ -7,6 +9,7 @@ def main():
     p.add_argument("--name", required=True)
     p.add_argument("--results", default="results")
     p.add_argument("--reproduced", required=True)
+    p.add_argument("--files", default="{}", help="JSON {name: path or [paths]}: the figure's inputs (registry)")
     p.add_argument("--png", required=True)
     p.add_argument("--pdf", required=True)
     args = p.parse_args()
@@ -14,8 +17,8 @@ def main():
     from stem.report.figures import draw, save
     from stem.report.results import Results
     cfg = spec_of(args)
-    save(draw(args.name, cfg, Results(cfg["experiment"], args.results), load_reproduced(args.reproduced)),
-         args.png, args.pdf)
+    save(draw(args.name, cfg, Results(cfg["experiment"], args.results), load_reproduced(args.reproduced),
+              json.loads(args.files)), args.png, args.pdf)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Assemble reports/{experiment}/README.md from the tables, the diff and the figures."""
+"""Assemble reports/{experiment}/README.md (or, with --html, the self-contained report.html) from the tables,
+the diff and the figures."""
 from workflow_scripts._entry import parser, run, spec_of
 
 
@@ -7,10 +8,11 @@ def main():
     p.add_argument("--report-dir", required=True)
     p.add_argument("--figures", nargs="*", default=[])
     p.add_argument("--out", required=True)
+    p.add_argument("--html", action="store_true", help="write the HTML report instead of the README")
     args = p.parse_args()
-    from stem.report.build import readme
+    from stem.report.build import html_report, readme
     from stem.io import atomic_write_text
-    atomic_write_text(args.out, readme(spec_of(args), args.report_dir, args.figures))
+    atomic_write_text(args.out, (html_report if args.html else readme)(spec_of(args), args.report_dir, args.figures))
 
 
 if __name__ == "__main__":

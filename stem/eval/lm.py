@@ -4,6 +4,7 @@
     (lm-eval's own CLI, every flag unchanged, with this model registered: see lm_eval_cli.py;
     the stock ``lm_eval`` command cannot load models defined outside lm-eval's tree)
     simple_evaluate(model="stem", model_args={"pretrained": ckpt_dir, "batch_size": 32}, ...)
+    model_args ``offload=true,cache_rows=N``: STEM tables off the device (stem.models.offload), N cached rows
 
 - ``loglikelihood``: requests sorted by length (longest first), left-truncated to the model's
   context, right-padded into batches (causal attention: padding never changes the real positions,
@@ -26,8 +27,11 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from stem.eval.generate import greedy_generate, greedy_generate_batch
 
 
-def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None):
-    """(model, tokenizer, spec) from a checkpoint folder, in eval mode; clear errors on bad folders."""
+def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None, offload: bool = False,
+                  cache_rows: int = 0):
+    """(model, tokenizer, spec) from a checkpoint folder, in eval mode; clear errors on bad folders. With
+    ``offload`` the STEM tables stay off the device (stem.models.offload; ``model.offload_engine``) and are
+    never read into memory whole: only the rest of the model is loaded, on ``device``."""
     from stem.data.tokenizer import load_tokenizer
     from stem.train.checkpoint import load_checkpoint
 
@@ -37,9 +41,16 @@ def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None)
     if not (ckpt / "tokenizer.json").is_file():
         raise ValueError(f"checkpoint {ckpt}: tokenizer.json is missing (an incomplete or foreign checkpoint)")
     device = pick_device(device)
-    model, spec = load_checkpoint(ckpt, device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    model = model.to(getattr(torch, dtype)).eval()
+    if offload:
+        from stem.models.offload import load_offloaded
+        try:
+            model, spec = load_offloaded(ckpt, device, getattr(torch, dtype), cache_rows)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {ckpt}: {e}") from None
+    else:
+        model, spec = load_checkpoint(ckpt, device)
+        model = model.to(getattr(torch, dtype)).eval()
     tok = load_tokenizer(ckpt / "tokenizer.json")
     if tok.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"checkpoint {ckpt}: tokenizer vocab {tok.vocab_size} > model vocab {model.cfg.vocab_size}")
@@ -66,9 +77,15 @@ def pick_device(requested: str | None) -> str:
 class StemLM(TemplateLM):
     def __init__(self, pretrained: str, device: str | None = None, dtype: str | None = None,
                  batch_size: int | str = 32, max_gen_toks: int = 256, max_length: int | None = None,
-                 use_cache: bool = True, **kwargs):
+                 use_cache: bool = True, offload: bool | str = False, cache_rows: int | str = 0, **kwargs):
         super().__init__()
-        self.model, self.tok, self.spec = load_for_eval(pretrained, device, dtype)
+        offload = _flag("offload", offload)
+        if not str(cache_rows).isdigit():
+            raise ValueError(f"model argument cache_rows={cache_rows!r}: expected a whole number of rows >= 0")
+        if offload is False and int(cache_rows):
+            raise ValueError(f"cache_rows={cache_rows}: a row cache needs offload=true")
+        self.model, self.tok, self.spec = load_for_eval(pretrained, device, dtype, offload, int(cache_rows))
+        self.offload = getattr(self.model, "offload_engine", None)  # counters: self.offload.stats()
         self._device = next(self.model.parameters()).device
         self.batch_size = 32 if batch_size in ("auto", None) else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
@@ -185,6 +202,15 @@ class StemLM(TemplateLM):
 
     def generate(self, context: str, until: list[str], max_new: int) -> str:
         return self.generate_many([context], until, max_new)[0]
+
+
+def _flag(name: str, value) -> bool:
+    """A boolean model argument: True/False, or the strings true/false (lm-eval passes strings as typed)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise ValueError(f"model argument {name}={value!r}: expected true or false")
 
 
 def cut_at_stop(text: str, until: list[str]) -> str:

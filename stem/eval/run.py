@@ -24,6 +24,7 @@ import json
 import time
 from pathlib import Path
 
+from stem import layout
 from stem.eval.kinds import SUITE_KINDS, SuiteKind, suite_kind  # the registry of suite kinds; runners below
 
 
@@ -44,19 +45,22 @@ def suite_spec(cfg: dict, suite: str) -> dict:
     spec = {"kind": "lm_eval", "num_fewshot": None, "metric": [], "gen_kwargs": None, **suites[suite]}
     kind = kind_of({**spec, "suite": suite})
     spec.update(suite=suite, batch_size=ev.get("batch_size", 32), seed=cfg["seed"], device=cfg.get("device"),
-                fixtures=f"data/{cfg['experiment']}/fixtures" if ev.get("fixtures") else None)
+                fixtures=layout.fixtures_dir(cfg["experiment"]) if ev.get("fixtures") else None)
     if kind.resolve:
         kind.resolve(cfg, spec)
     return spec
 
 
 def job_spec(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
-    """The spec of one eval job: the suite's spec and the checkpoint it must read (``job``)."""
-    return {**suite_spec(cfg, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
+    """The spec of one eval job (the JSON of a stem.specs.EvalSpec, checked): the suite's spec and the
+    checkpoint it must read (``job``)."""
+    from stem.specs import EvalSpec
+    spec = {**suite_spec(cfg, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
                                               "stage": stage}}
+    return EvalSpec.from_dict(spec).to_dict()
 
 
-IDENTITY = ("experiment", "scale", "variant", "stage")
+IDENTITY = layout.IDENTITY
 
 
 def expected_job(spec: dict, out_json=None) -> dict | None:
@@ -64,10 +68,7 @@ def expected_job(spec: dict, out_json=None) -> dict | None:
     ``.../results/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.json`` says, else None."""
     if spec.get("job"):
         return spec["job"]
-    parts = Path(out_json).resolve().parts if out_json else ()
-    if len(parts) >= 7 and parts[-7] == "results" and parts[-2] == "eval":
-        return dict(zip(IDENTITY, parts[-6:-2]))
-    return None
+    return layout.eval_identity(out_json) if out_json else None
 
 
 def check_job(checkpoint, saved: dict, expected: dict | None, out_json=None) -> None:
@@ -90,14 +91,13 @@ def suites_for(cfg: dict, stage: str) -> list[str]:
 def eval_targets(cfg: dict) -> list[str]:
     """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage."""
     from stem import config as C
-    return [f"{C.stage_dir(cfg['experiment'], s, v, st)}/eval/{suite}.json"
+    return [layout.eval_json(cfg["experiment"], s, v, st, suite)
             for s, v, st in C.train_targets(cfg) for suite in suites_for(cfg, st)]
 
 
 def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
-    from stem import config as C
     spec = suite_spec(cfg, suite)
-    inputs = {"checkpoint": f"{C.stage_dir(experiment, scale, variant, stage)}/checkpoint"}
+    inputs = {"checkpoint": layout.checkpoint(experiment, scale, variant, stage)}
     kind = kind_of(spec)
     return {**inputs, **kind.inputs(cfg, spec)} if kind.inputs else inputs
 
@@ -280,15 +280,20 @@ def run_ppl(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
 
 
 # ---- one suite, end to end -------------------------------------------------------------------------------
-def evaluate(checkpoint, spec: dict, out_json=None, raw_json=None, limit=None, lm=None, device=None) -> dict:
+def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None, device=None,
+             model_args: dict | None = None) -> dict:
+    """``model_args``: further StemLM arguments (e.g. offload=True, cache_rows=N)."""
     from stem.eval.lm import StemLM
     from stem.io import atomic_write_json
+    from stem.specs import EvalSpec
 
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise ValueError(f"limit {limit!r}: expected a positive whole number of items per task (or no limit)")
+    spec = spec.to_dict() if isinstance(spec, EvalSpec) else spec
     kind = kind_of(spec)
+    spec = EvalSpec.from_dict(spec).to_dict()   # checked once; the runners read its JSON mapping
     t0 = time.time()
-    lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"])
+    lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"], **(model_args or {}))
     check_job(checkpoint, lm.spec, expected_job(spec, out_json), out_json)
     norm, raw, harness = kind.run(lm, spec, limit)
     job = lm.spec
@@ -296,6 +301,8 @@ def evaluate(checkpoint, spec: dict, out_json=None, raw_json=None, limit=None, l
               "stage": job.get("stage"), "suite": spec["suite"], "checkpoint": str(checkpoint), "limit": limit,
               "harness": harness, "fixtures": spec.get("fixtures"), "num_fewshot": spec.get("num_fewshot"),
               "gen_kwargs": spec.get("gen_kwargs"), **norm, "wall_seconds": round(time.time() - t0, 2)}
+    if getattr(lm, "offload", None) is not None:  # STEM tables off the device: the engine's counters
+        result["offload"] = lm.offload.stats()
     if raw_json:
         from lm_eval.utils import handle_non_serializable
         Path(raw_json).parent.mkdir(parents=True, exist_ok=True)

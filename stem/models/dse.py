@@ -48,6 +48,14 @@ def compression_map(token_texts: list[str]) -> torch.Tensor:
     return torch.tensor([first.setdefault(normalise_token(t), i) for i, t in enumerate(token_texts)])
 
 
+def token_compression(tok, vocab_size: int) -> torch.Tensor:
+    """``compression_map`` of a model's ``vocab_size`` ids from its tokenizer (``decode``, ``vocab_size``): each
+    id's decoded text; ids past the tokenizer's vocabulary are each their own class."""
+    texts = [tok.decode([i]) for i in range(min(tok.vocab_size, vocab_size))]
+    texts += [f"<unused{i}>" for i in range(len(texts), vocab_size)]
+    return compression_map(texts)
+
+
 class DSEMemory(nn.Module):
     # Hashed tables: their own optimizer group (LR x5, no decay), zero FLOPs. The convolution starts at
     # zero (reset_parameters). The whole memory is one shard unit over all ranks.

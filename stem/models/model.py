@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from stem.models.config import ModelConfig
-from stem.models.dse import DSEMemory
+from stem.models.dse import DSEMemory, token_compression
 from stem.models.ffn import build_ffn
 from stem.models.registry import OPTIM_GROUPS, param_roles
 from stem.models.rope import apply_rope, inv_frequencies, rope_cos_sin
@@ -104,7 +104,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # DSE vocabulary compression (identity until set from the tokenizer; saved with the weights).
         self.register_buffer("dse_compress", torch.arange(cfg.vocab_size), persistent=cfg.dse is not None)
-        self.flex_mask_fn = None  # stem.models.attention.flex_document_mask on CUDA (set by the trainer)
+        self.flex_mask_fn = None  # stem.models.attention.flex_document_mask (set_training_options, CUDA)
         self.activation_checkpointing = False
         if self.inv_freq.device.type != "meta":
             self.init_weights()
@@ -126,6 +126,19 @@ class Transformer(nn.Module):
                 nn.init.ones_(m.weight)
         self.inv_freq.copy_(inv_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)[0])
         self.dse_compress.copy_(torch.arange(self.cfg.vocab_size))
+
+    def set_training_options(self, activation_checkpointing: bool = False, flex_attention: bool = False):
+        """How training runs, not what it computes: recompute each block in backward (activation
+        checkpointing); build packed rows' document masks with flex attention (used on CUDA only)."""
+        self.activation_checkpointing = activation_checkpointing
+        self.flex_mask_fn = None
+        if flex_attention:
+            from stem.models.attention import flex_document_mask
+            self.flex_mask_fn = flex_document_mask
+
+    def set_dse_vocabulary(self, tok):
+        """DSE's vocabulary compression from the tokenizer's token texts (saved with the weights)."""
+        self.dse_compress.copy_(token_compression(tok, self.cfg.vocab_size).to(self.dse_compress.device))
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(self, ids, targets=None, positions=None, cache: KVCache | None = None, attn_mask=None):

@@ -1,10 +1,11 @@
-"""Write the report's pieces under ``reports/{experiment}/``: tables, diff, README.
+"""Write the report's pieces under ``reports/{experiment}/``: tables, diff, README, HTML report.
 
-    tables/{table1..table6,figure1b}.{csv,md,tex}   the paper's tables from this experiment
-    tables/reproduced.csv                           all of them, long format (the diff's input)
+    tables/{name}.{csv,md,tex}     every registered table (stem.report.registry) from this experiment
+    tables/reproduced.csv          all of them, long format (the diff's, README's and HTML report's input)
     diff/diff.md, cells.csv, directions.csv, paper_consistency.csv, summary.json
-    figures/*.png|pdf                               (stem.report.figures)
-    README.md                                       everything above in one page
+    figures/*.png|pdf              every registered figure (stem.report.figures)
+    README.md, report.html         everything above in one page, both made from the same page blocks
+                                   (stem.report.page) built from the data above (never from rendered text)
 """
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from pathlib import Path
 import pandas as pd
 
 from stem.report import diff
+from stem.report import page
 from stem.report import paper_data as P
+from stem.report import registry
 from stem.report import tables as T
 from stem.report.results import Results
 
-TABLES = ["table1", "table2", "table3", "table4", "table5", "table6", "figure1b"]
+TABLES = registry.TABLES  # name -> PaperTable, every registered table (filled when stem.report.tables is imported)
 DIFF_FILES = ["diff.md", "cells.csv", "directions.csv", "paper_consistency.csv", "summary.json"]
 
 
@@ -38,11 +41,11 @@ def write_tables(cfg: dict, res: Results, out_dir) -> dict[str, pd.DataFrame]:
     out = Path(out_dir)
     ours = T.build_all(cfg, res)
     label = T.experiment_label(cfg)
-    for name in TABLES:
+    for name, table in registry.tables().items():
         w = T.wide(ours[name])
         _write(out / f"{name}.csv", _csv(w))
-        _write(out / f"{name}.md", f"# {T.TITLES[name]}\n\n_{label}_\n\n{T.to_markdown(w)}")
-        _write(out / f"{name}.tex", T.to_latex(w, f"{T.TITLES[name]} ({label})"))
+        _write(out / f"{name}.md", f"# {table.title}\n\n_{label}_\n\n{T.to_markdown(w)}")
+        _write(out / f"{name}.tex", T.to_latex(w, f"{table.title} ({label})"))
     _write(out / "reproduced.csv", _csv(pd.concat([ours[n] for n in TABLES], ignore_index=True)))
     return ours
 
@@ -63,7 +66,7 @@ def paper_accounting() -> dict:
 
 
 def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper_acct=None):
-    tol = T.settings(cfg)["tolerance"]
+    tol = T.settings(cfg).tolerance
     cells, dirs = diff.compare(ours, tol), diff.directions(ours)
     cons = diff.paper_consistency(paper_acct)
     s = diff.summary(cfg["experiment"], cells, dirs, cons)
@@ -85,47 +88,76 @@ def write_diff(out_dir, s, cells, dirs, cons, failures=None) -> str:
     return md
 
 
-# ---- README --------------------------------------------------------------------------------------
-def readme(cfg: dict, report_dir, figures: list[str]) -> str:
-    """One page: label, diff summary, every table, every figure, conventions. Links are relative."""
-    from stem.report.figures import FIGURES
-    rd = Path(report_dir)
+# ---- README and HTML report: one page built from the data ---------------------------------------------
+def load_directions(path) -> pd.DataFrame:
+    """directions.csv as diff.directions() returned it ('agree' True / False / missing)."""
+    text = ("table", "scale", "variant", "column", "paper_says", "ours", "agree")
+    dirs = pd.read_csv(path, dtype=dict.fromkeys(text, str), keep_default_na=False,
+                       na_values={"paper_delta": [""], "ours_delta": [""]})
+    dirs["agree"] = dirs["agree"].map({"True": True, "False": False, "": None})
+    return dirs
+
+
+def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: list[str]) -> list:
+    """The one-page report: label, diff summary, every table, every figure, conventions. Links are relative."""
     exp, label = cfg["experiment"], T.experiment_label(cfg)
-    s = json.loads((rd / "diff" / "summary.json").read_text())
-    diff_md = (rd / "diff" / "diff.md").read_text()
-    summary = diff_md.split("\n", 1)[-1].split("## Side by side", 1)[0].replace("\n## ", "\n### ")
-    md = [f"# STEM reproduction report — {label}", ""]
+    figs = registry.figures()
+    b = [page.Heading(1, f"STEM reproduction report — {label}")]
     if exp != "paper":
-        md += [f"> Every number below was produced by the **{exp}** experiment (config/{exp}.yaml). It is not a "
-               "paper-scale result and must not be read as one; the paper's numbers appear only in the "
-               "comparison columns, labelled *paper*.", ""]
-    md += ["Contents: [diff summary](#diff-summary) · [tables](#tables) · [figures](#figures) · "
-           "[conventions](#conventions). Full cell-by-cell diff: [diff/diff.md](diff/diff.md). "
-           "Tables as CSV / Markdown / LaTeX: [tables/](tables/). Parameter accounting: [params.md](params.md).", "",
-           "## Diff summary", summary.strip(), "", "## Tables", ""]
-    for name in TABLES:
-        body = (rd / "tables" / f"{name}.md").read_text().split("\n", 4)[-1]  # drop the title + label lines
-        md += [f"### {T.TITLES[name]}", "", body.strip(), "",
-               f"[csv](tables/{name}.csv) · [tex](tables/{name}.tex)", ""]
-    md += ["## Figures", ""]
+        b.append(page.Quote(f"Every number below was produced by the **{exp}** experiment (config/{exp}.yaml). It is "
+                            "not a paper-scale result and must not be read as one; the paper's numbers appear only in "
+                            "the comparison columns, labelled *paper*."))
+    b += [page.Para("Contents: [diff summary](#diff-summary) · [tables](#tables) · [figures](#figures) · "
+                    "[conventions](#conventions). Full cell-by-cell diff: [diff/diff.md](diff/diff.md). "
+                    "Tables as CSV / Markdown / LaTeX: [tables/](tables/). "
+                    "Parameter accounting: [params.md](params.md)."),
+          page.Heading(2, "Diff summary"),
+          *diff.summary_blocks(s, dirs, len(s["gate"]["failed"]) if "gate" in s else None, level=3),
+          page.Heading(2, "Tables")]
+    for name, table in registry.tables().items():
+        b += [page.Heading(3, table.title), page.Table(T.wide(ours.get(name, T.frame([])))),
+              page.Para(f"[csv](tables/{name}.csv) · [tex](tables/{name}.tex)")]
+    b.append(page.Heading(2, "Figures"))
     for f in figures:
-        md += [f"### {f}", "", FIGURES[f][2], "", f"![{f}](figures/{f}.png)", "", f"[pdf](figures/{f}.pdf)", ""]
-    sp, tol = T.settings(cfg)["spikes"], T.settings(cfg)["tolerance"]
-    md += ["## Conventions", "",
-           "- **Avg** = mean of the eight zero-shot commonsense tasks (ARC-E, ARC-C, BoolQ, PIQA, SIQA, HellaSwag, "
-           "OBQA, WinoGrande); a row missing any task has no Avg (shown as —), never a partial mean.",
-           "- **ROI** = (Avg / GFLOPs-per-token) / (Avg_base / GFLOPs_base) against the dense baseline of the same "
-           "scale (equal training tokens, so this is accuracy per training FLOP, normalised).",
-           "- **#Total** follows the paper's convention: dense total + n_STEM x V x d_ff (the removed "
-           "up-projections are not subtracted); `#Total exact` is the model as built. The paper's 350M #Total "
-           "column fits no consistent table shape (research notes A) — the diff shows ours next to it.",
-           "- **#Active** = parameters in matrix products per token; **GFLOPs/token** = 2 x #Active / 1e9.",
-           f"- **Loss spike** = training loss above the median of the previous {sp['window']} logged steps by more "
-           f"than {sp['k']:g} x 1.4826 x MAD (a robust {sp['k']:g}-sigma rule).",
-           f"- **Tolerances** (absolute): accuracy {tol['accuracy']:g} points, params {tol['params']:g} B, "
-           f"GFLOPs {tol['gflops']:g}, ROI {tol['roi']:g}; configurable under `report.tolerance`.",
-           "- — marks a result that does not exist yet (not a zero).",
-           f"- Regenerate: `snakemake --profile profiles/local` (tables, diff, figures, this page); "
-           f"`python -m stem diff --experiment {exp}` prints the diff.", ""]
-    md.append(f"_Cells: {s['cells']} compared, {s['within_tolerance']} within tolerance, {s['missing']} missing._")
-    return "\n".join(md) + "\n"
+        b += [page.Heading(3, f), page.Para(figs[f].caption), page.Image(f, f"figures/{f}.png"),
+              page.Para(f"[pdf](figures/{f}.pdf)")]
+    sp, tol = T.settings(cfg).spikes, T.settings(cfg).tolerance
+    b += [page.Heading(2, "Conventions"), page.Items((
+        "**Avg** = mean of the eight zero-shot commonsense tasks (ARC-E, ARC-C, BoolQ, PIQA, SIQA, HellaSwag, "
+        "OBQA, WinoGrande); a row missing any task has no Avg (shown as —), never a partial mean.",
+        "**ROI** = (Avg / GFLOPs-per-token) / (Avg_base / GFLOPs_base) against the dense baseline of the same "
+        "scale (equal training tokens, so this is accuracy per training FLOP, normalised).",
+        "**#Total** follows the paper's convention: dense total + n_STEM x V x d_ff (the removed "
+        "up-projections are not subtracted); `#Total exact` is the model as built. The paper's 350M #Total "
+        "column fits no consistent table shape (research notes A) — the diff shows ours next to it.",
+        "**#Active** = parameters in matrix products per token; **GFLOPs/token** = 2 x #Active / 1e9. The "
+        "parameter columns are the accounting written with each model's checkpoint (`checkpoint/accounting.json`).",
+        f"**Loss spike** = training loss above the median of the previous {sp.window} logged steps by more "
+        f"than {sp.k:g} x 1.4826 x MAD (a robust {sp.k:g}-sigma rule).",
+        f"**Tolerances** (absolute): accuracy {tol['accuracy']:g} points, params {tol['params']:g} B, "
+        f"GFLOPs {tol['gflops']:g}, ROI {tol['roi']:g}; configurable under `report.tolerance`.",
+        "— marks a result that does not exist yet (not a zero).",
+        f"Regenerate: `snakemake --profile profiles/local` (tables, diff, figures, this page and report.html); "
+        f"`python -m stem diff --experiment {exp}` prints the diff.")),
+        page.Para(f"_Cells: {s['cells']} compared, {s['within_tolerance']} within tolerance, {s['missing']} missing._")]
+    return b
+
+
+def report_page(cfg: dict, report_dir, figures: list[str] | None = None) -> list:
+    """The page's blocks from the report's data files: reproduced.csv, diff/summary.json, diff/directions.csv."""
+    rd = Path(report_dir)
+    s = json.loads((rd / "diff" / "summary.json").read_text())
+    figures = list(registry.figures()) if figures is None else figures
+    return page_blocks(cfg, load_reproduced(rd / "tables" / "reproduced.csv"), s,
+                       load_directions(rd / "diff" / "directions.csv"), figures)
+
+
+def readme(cfg: dict, report_dir, figures: list[str] | None = None) -> str:
+    """reports/{experiment}/README.md."""
+    return page.markdown(report_page(cfg, report_dir, figures))
+
+
+def html_report(cfg: dict, report_dir, figures: list[str] | None = None) -> str:
+    """reports/{experiment}/report.html: the README's page, self-contained (figures embedded)."""
+    return page.to_html(report_page(cfg, report_dir, figures), f"STEM reproduction report — "
+                        f"{T.experiment_label(cfg)}", report_dir)

@@ -1,7 +1,8 @@
 """Reproduced vs published, cell by cell; where the paper disagrees with itself; direction checks.
 
-``compare`` joins an experiment's tables (``tables.build_all``) with the paper's cells,
-``directions`` asks whether each variant beats the dense baseline where the paper says it does,
+``compare`` joins an experiment's tables (``tables.build_all``) with the paper's cells of every table
+registered as ``compared`` (stem.report.registry), ``directions`` asks whether each variant beats the
+dense baseline where the paper says it does,
 ``paper_consistency`` recomputes printed numbers from other printed numbers, ``gate`` selects cells
 a user wants to hold within a tolerance. ``render`` writes it all as one Markdown document.
 """
@@ -14,21 +15,9 @@ import numpy as np
 import pandas as pd
 
 from stem.report import paper_data as P
+from stem.report import registry
 from stem.report import tables as T
 
-COMPARED = ["table2", "table3", "table4", "table5", "table6", "figure1b"]
-DIRECTION_TABLES = ["table3", "table4", "table5", "table6"]
-NOT_DIRECTIONAL = {"total_params_b", "total_params_exact_b", "active_params_b", "gflops_per_token", "val_loss"}
-NOTES = {
-    ("table3", "350m", "total_params_b"):
-        "Convention: #Total = dense total + n_STEM x V x d_ff (removed up-projections not subtracted), which "
-        "reproduces the 1B row exactly; the paper's 350M #Total column (1.14/1.85/3.25, Hash-MoE 1.22) fits no "
-        "consistent table shape, so ours differs by construction (research notes A). Hash-MoE: 12 experts per "
-        "MoE layer, sized to STEM's total as Sec. 4.1 says (1.19 B; the caption's 16 experts would give 1.48 B).",
-    ("table3", "", "roi"):
-        "Ours uses exact GFLOPs/token (2 x active params); the paper's ROI follows from its rounded #GFLOPs column.",
-    ("table2", "", "warmup_ratio"): "The paper contradicts itself: Table 2 says 0.01, Sec. 4.1 says 10%.",
-}
 CELL_COLUMNS = ["table", "scale", "variant", "row", "column", "unit", "ours", "paper", "delta", "tolerance",
                 "status", "note"]
 
@@ -41,27 +30,24 @@ def tolerance_for(column: str, unit: str, tol: dict) -> float:
 
 
 def paper_cells() -> pd.DataFrame:
-    """The paper's comparable cells; Table 2's common row is repeated for every stage it applies to."""
+    """The paper's cells of every compared table (as its entry's ``paper_cells`` presents them)."""
     frames = []
-    for name in COMPARED:
-        df = P.load_table(name)
-        if name == "table2":
-            stages = df[df["scale"] != ""][["scale", "variant", "row"]].drop_duplicates()
-            common = df[df["variant"] == "common"]
-            spread = [common.assign(scale=s.scale, variant=s.variant, row=s.row) for s in stages.itertuples()]
-            df = pd.concat([df[df["scale"] != ""], *spread], ignore_index=True)
-        frames.append(df)
+    for name in registry.compared():
+        t = registry.table(name)
+        df = P.load_table(t.csv)
+        frames.append(t.paper_cells(df) if t.paper_cells else df)
     return pd.concat(frames, ignore_index=True)
 
 
 def _note(table, scale, column) -> str:
-    return NOTES.get((table, scale, column)) or NOTES.get((table, "", column)) or ""
+    notes = registry.table(table).notes
+    return notes.get((scale, column)) or notes.get(("", column)) or ""
 
 
 def compare(ours: dict[str, pd.DataFrame], tol: dict) -> pd.DataFrame:
     """One row per published cell: ours, paper, delta, the tolerance and a status
     ('ok' within tolerance, 'drift' beyond it, 'missing' where we have no number yet)."""
-    mine = pd.concat([ours[t] for t in COMPARED if t in ours], ignore_index=True)
+    mine = pd.concat([ours[t] for t in registry.compared() if t in ours], ignore_index=True)
     mine = mine.drop_duplicates(["table", "scale", "variant", "column"]).set_index(["table", "scale", "variant",
                                                                                       "column"])["value"]
     rows = []
@@ -88,14 +74,15 @@ def compare(ours: dict[str, pd.DataFrame], tol: dict) -> pd.DataFrame:
 
 
 def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """For every non-baseline cell of Tables 3-6 (and ROI): does the variant beat the same scale's
-    dense baseline in our results where the paper says it does?"""
+    """For every non-baseline cell of the direction-checked tables (Tables 3-6, ROI included): does the
+    variant beat the same scale's dense baseline in our results where the paper says it does?"""
     rows = []
-    for name in DIRECTION_TABLES:
-        paper = P.load_table(name).set_index(["scale", "variant", "column"])["value"]
+    for name in registry.direction_checked():
+        undirected = registry.table(name).undirected
+        paper = P.load_table(registry.table(name).csv).set_index(["scale", "variant", "column"])["value"]
         mine = ours.get(name, T.frame([])).set_index(["scale", "variant", "column"])["value"]
         for (scale, variant, column), pv in paper.items():
-            if variant == "dense" or column in NOT_DIRECTIONAL or (scale, "dense", column) not in paper.index:
+            if variant == "dense" or column in undirected or (scale, "dense", column) not in paper.index:
                 continue
             p_delta = pv - paper[(scale, "dense", column)]
             o, o_base = mine.get((scale, variant, column), math.nan), mine.get((scale, "dense", column), math.nan)
@@ -154,7 +141,7 @@ def paper_consistency(paper_acct: dict | None = None) -> pd.DataFrame:
                 if (scale, variant, column) in printed:
                     add("Table 3 parameters / FLOPs from the architectures (config/paper.yaml)", "table3", scale,
                         variant, column, printed[(scale, variant, column)], ours, 0.005,
-                        NOTES[("table3", "350m", "total_params_b")] if (scale, column) == ("350m", "total_params_b")
+                        _note("table3", "350m", "total_params_b") if (scale, column) == ("350m", "total_params_b")
                         else "The paper prints 0.37B for the 376,075,200-parameter dense 350M model and 0.74 = 2 x 0.37 "
                         "GFLOPs (exact: 0.752)" if scale == "350m" and variant in ("dense", "hashmoe", "stem_dagger")
                         else "")
@@ -165,7 +152,7 @@ def paper_consistency(paper_acct: dict | None = None) -> pd.DataFrame:
             "saving_fraction", r.value, fr[r.variant], 0.05)
     t2 = P.load_table("table2").set_index(["variant", "column"])["value"]
     add("Warmup ratio: Table 2 caption vs Sec. 4.1 text", "table2", "", "common", "warmup_ratio",
-        t2[("common", "warmup_ratio")], t2[("sec4_1", "warmup_ratio")], 0.0, NOTES[("table2", "", "warmup_ratio")])
+        t2[("common", "warmup_ratio")], t2[("sec4_1", "warmup_ratio")], 0.0, _note("table2", "", "warmup_ratio"))
     return pd.DataFrame(rows)
 
 
@@ -231,59 +218,67 @@ def side_by_side(cells: pd.DataFrame, table: str) -> str:
             s = f"{_num(c.ours, c.column, c.unit)} / {_num(c.paper, c.column, c.unit)}"
             if not T._isnan(c.delta) and c.delta != 0:
                 s += f" ({_delta(c.delta)})"
-            r[T.column_label(c.column)] = s + (" ⚠" if c.status == "drift" else "")
+            r[T.column_label(c.column, table)] = s + (" ⚠" if c.status == "drift" else "")
         out.append(r)
     return T.to_markdown(pd.DataFrame(out).fillna(""))
 
 
-def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
-           gate_failures: pd.DataFrame | None = None) -> str:
-    tiny = not s["paper_scale"]
-    md = [f"# Paper diff — {s['label']}", ""]
-    if tiny:
-        md += ["> **Tiny-scale comparison.** These models are orders of magnitude smaller and trained on a "
-               "synthetic corpus, so absolute deltas against the paper are expected to be large and are not a "
-               "reproduction verdict. The informative part is the **direction check**: does each variant beat "
-               "the dense baseline where the paper says it does?", ""]
-    md += ["## Summary", "",
-           f"- Published result cells compared: **{s['cells']}** — within tolerance: **{s['within_tolerance']}**, "
-           f"beyond tolerance: **{s['beyond_tolerance']}**, missing (no result yet): **{s['missing']}**",
-           f"- Of these, parameter / GFLOPs cells (from the configured architectures): "
-           f"**{s['architecture_matching']}/{s['architecture_cells']}** within tolerance (see the Table 3 notes)",
-           f"- Config vs Table 2: **{s['config_matching']}/{s['config_cells']}** hyperparameter cells match",
-           f"- Directions (variant vs dense baseline, Tables 3–6): agree **{s['directions']['agree']}**, "
-           f"disagree **{s['directions']['disagree']}**, missing **{s['directions']['missing']}**",
-           f"- Places where the paper disagrees with itself: **{s['paper_inconsistencies']}** (see below)",
-           "- Tolerances (absolute): accuracy points / params (B) / GFLOPs / ROI as configured in `report.tolerance`;"
-           " text cells must match exactly.", ""]
-    if gate_failures is not None:
-        md += [f"- Gate: **{'FAILED' if len(gate_failures) else 'passed'}** ({len(gate_failures)} chosen cells "
-               "missing or beyond tolerance)", ""]
+def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, level: int = 2) -> list:
+    """The diff's summary as page blocks (diff.md at ``level`` 2; the README and HTML report one level down):
+    counts, the largest gaps and the direction check."""
+    from stem.report import page
+    blocks = []
+    if not s["paper_scale"]:
+        blocks.append(page.Quote(
+            "**Tiny-scale comparison.** These models are orders of magnitude smaller and trained on a synthetic "
+            "corpus, so absolute deltas against the paper are expected to be large and are not a reproduction "
+            "verdict. The informative part is the **direction check**: does each variant beat the dense baseline "
+            "where the paper says it does?"))
+    blocks += [page.Heading(level, "Summary"), page.Items((
+        f"Published result cells compared: **{s['cells']}** — within tolerance: **{s['within_tolerance']}**, "
+        f"beyond tolerance: **{s['beyond_tolerance']}**, missing (no result yet): **{s['missing']}**",
+        f"Of these, parameter / GFLOPs cells (the accounting saved with each checkpoint): "
+        f"**{s['architecture_matching']}/{s['architecture_cells']}** within tolerance (see the Table 3 notes)",
+        f"Config vs Table 2: **{s['config_matching']}/{s['config_cells']}** hyperparameter cells match",
+        f"Directions (variant vs dense baseline, Tables 3–6): agree **{s['directions']['agree']}**, "
+        f"disagree **{s['directions']['disagree']}**, missing **{s['directions']['missing']}**",
+        f"Places where the paper disagrees with itself: **{s['paper_inconsistencies']}** (see below)",
+        "Tolerances (absolute): accuracy points / params (B) / GFLOPs / ROI as configured in `report.tolerance`;"
+        " text cells must match exactly."))]
+    if gate_failed is not None:
+        blocks.append(page.Items((f"Gate: **{'FAILED' if gate_failed else 'passed'}** ({gate_failed} chosen cells "
+                                  "missing or beyond tolerance)",)))
     if s["largest_gaps"]:
-        md += ["### Largest gaps among result cells (accuracy, scores, ROI; in units of each cell's tolerance)", "",
-               "| Cell | Ours | Paper | Delta | Tolerance |", "|---|---|---|---|---|"]
-        md += [f"| {g['cell']} | {_num(g['ours'])} | {_num(g['paper'])} | {_delta(g['delta'])} | {g['tolerance']:g} |"
-               for g in s["largest_gaps"]]
-        md.append("")
-    md += ["## Directions: does each variant beat the baseline where the paper says it does?", ""]
+        gaps = pd.DataFrame([(g["cell"], _num(g["ours"]), _num(g["paper"]), _delta(g["delta"]), f"{g['tolerance']:g}")
+                             for g in s["largest_gaps"]], columns=["Cell", "Ours", "Paper", "Delta", "Tolerance"])
+        blocks += [page.Heading(level + 1, "Largest gaps among result cells (accuracy, scores, ROI; in units of each "
+                                "cell's tolerance)"), page.Table(gaps)]
+    blocks.append(page.Heading(level, "Directions: does each variant beat the baseline where the paper says it does?"))
     if len(dirs):
-        g = dirs.groupby(["table", "scale", "variant"], sort=False)
-        md += ["| Table | Scale | Variant | Paper: Avg vs baseline | Ours: Avg vs baseline | Cells agreeing |",
-               "|---|---|---|---|---|---|"]
-        for (table, scale, variant), d in g:
+        rows = []
+        for (table, scale, variant), d in dirs.groupby(["table", "scale", "variant"], sort=False):
             avg = d[d["column"] == "avg"]
             pa = f"{avg['paper_delta'].iloc[0]:+.2f}" if len(avg) else "n/a"
             oa = ("—" if T._isnan(avg["ours_delta"].iloc[0]) else f"{avg['ours_delta'].iloc[0]:+.2f}") if len(avg) \
                 else "n/a"
             known = d["agree"].dropna()
-            md.append(f"| {table} | {scale} | {P.VARIANT_LABELS.get(variant, variant)} | {pa} | {oa} | "
-                      f"{int(known.sum())}/{len(known)} ({len(d) - len(known)} missing) |")
-        md.append("")
+            rows.append((table, scale, P.VARIANT_LABELS.get(variant, variant), pa, oa,
+                         f"{int(known.sum())}/{len(known)} ({len(d) - len(known)} missing)"))
+        blocks.append(page.Table(pd.DataFrame(rows, columns=[
+            "Table", "Scale", "Variant", "Paper: Avg vs baseline", "Ours: Avg vs baseline", "Cells agreeing"])))
+    return blocks
+
+
+def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
+           gate_failures: pd.DataFrame | None = None) -> str:
+    from stem.report.page import markdown
+    head = f"# Paper diff — {s['label']}\n\n"
+    md = [markdown(summary_blocks(s, dirs, None if gate_failures is None else len(gate_failures)))]
     md += ["## Side by side (ours / paper (ours − paper); ⚠ beyond tolerance; — no result yet)", ""]
-    for table in COMPARED:
+    for table in registry.compared():
         body = side_by_side(cells, table)
         if body:
-            md += [f"### {T.TITLES[table]}", "", body]
+            md += [f"### {registry.table(table).title}", "", body]
             notes = sorted({n for n in cells[cells["table"] == table]["note"] if n})
             md += [f"- {n}" for n in notes] + ([""] if notes else [])
     md += ["## Where the paper disagrees with itself", "",
@@ -297,4 +292,12 @@ def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.Dat
     notes = sorted({n for n in bad["note"] if n})
     md += ["", f"{len(consistency) - len(bad)} other recomputations agree with the printed numbers "
            "(all checks: `diff/paper_consistency.csv`).", ""] + [f"- {n}" for n in notes] + [""]
-    return "\n".join(md)
+    return head + "\n".join(md)
+
+
+def confident_directions(cfg: dict, root=".") -> pd.DataFrame:
+    """The direction check with a confidence per verdict (stem.analysis.verdict): each Table 3/4 accuracy
+    direction (per task and the average) by a paired bootstrap over the benchmark items, read as agree /
+    disagree / inconclusive. Kept beside ``directions`` (point estimates), which it does not change."""
+    from stem.analysis.verdict import table_directions
+    return pd.DataFrame(table_directions(cfg, root))

@@ -6,6 +6,7 @@ with the missing panel saying so (so the workflow and the report always have an 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import matplotlib
 
@@ -15,6 +16,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from stem.report import paper_data as P  # noqa: E402
+from stem.report import registry  # noqa: E402
 from stem.report import tables as T  # noqa: E402
 from stem.report.results import Results, niah_cells  # noqa: E402
 
@@ -22,33 +24,7 @@ COLORS = {"dense": "#4d4d4d", "hashmoe": "#d62728", "stem": "#1f77b4", "stem_gat
           "stem_dagger": "#8c564b", "stem_half": "#2ca02c", "stem_full": "#ff7f0e", "dse": "#17becf",
           "stem_sparse": "#e377c2"}
 LABELS = {**P.VARIANT_LABELS, "stem": "STEM (1/3)"}
-
-# name -> (scale, variants, caption)
-FIGURES = {
-    "fig5a_loss_vs_tokens": ("350m", ["dense", "hashmoe", "stem"],
-                             "Figure 5a: training loss vs training tokens at the 350M scale for the dense baseline, "
-                             "Hash-MoE and STEM. Crosses mark loss spikes (loss above the trailing median by more "
-                             "than k robust standard deviations, 1.4826 x MAD)."),
-    "fig5b_loss_vs_flops": ("350m", ["stem", "stem_half", "stem_full"],
-                            "Figure 5b: training loss vs training FLOPs for STEM replacing 1/3, 1/2 and all-but-one "
-                            "FFN up-projections (350M scale)."),
-    "fig1a_val_ppl_vs_tokens": ("1b", ["dense", "stem"],
-                                "Figure 1a: validation perplexity vs training tokens at the 1B scale (pretraining)."),
-    "fig1b_niah": ("1b", ["dense", "stem"],
-                   "Figure 1b: Needle-in-a-Haystack accuracy per context length (mean over needle depths) after "
-                   "context extension, and the per-cell accuracy as a length x depth heatmap."),
-    "table_update_loss": ("350m", ["stem", "stem_sparse"],
-                          "STEM trained with the paper's dense table update (AdamW on every row) and with "
-                          "optim.table_update: sparse (row-wise AdamW on the rows each batch touches; untouched rows "
-                          "do not move), same data and seed: training loss vs tokens and the final-loss gap "
-                          "(mean of the last 10 steps, and validation loss). Not a paper figure (issue 13, item 5)."),
-    "roi_by_scale": (None, None, "Training ROI per scale ((Avg/GFLOPs) / (Avg_base/GFLOPs_base), Table 3): this "
-                                 "experiment's models next to the paper's."),
-    **{f"paper_vs_ours_{t}": (None, None, f"{T.TITLES[t]}: every published cell, the paper's value (x) against this "
-                                          "experiment's (y); on the diagonal = reproduced exactly.")
-       for t in ("table3", "table4", "table5", "table6")},
-}
-
+FIGURES = registry.FIGURES  # name -> registry.Figure; the entries are at the end of this module
 
 # ---- loss spikes ---------------------------------------------------------------------------------
 def loss_spikes(loss, window: int = 50, k: float = 6.0) -> np.ndarray:
@@ -92,8 +68,8 @@ def _variants(cfg, scale, wanted):
 
 def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, ylabel: str, title: str,
                   stage: str, mark_spikes=False, logy=False):
-    scale, wanted, _ = FIGURES[name]
-    sp = T.settings(cfg)["spikes"]
+    scale, wanted = registry.figure(name).scale, registry.figure(name).variants
+    sp = T.settings(cfg).spikes
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     drawn = 0
     for v in _variants(cfg, scale, wanted):
@@ -104,7 +80,7 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
         xs, xl = _scaled(m[x].to_numpy(), xlabel)
         label = LABELS.get(v, v)
         if mark_spikes:
-            spikes = loss_spikes(m[y], sp["window"], sp["k"])
+            spikes = loss_spikes(m[y], sp.window, sp.k)
             label += f" ({int(spikes.sum())} spikes)"
             ax.plot(xs[spikes], m[y].to_numpy()[spikes], "x", color=COLORS.get(v), ms=8, mew=2)
         ax.plot(xs, m[y], color=COLORS.get(v), lw=1.2, label=label, alpha=0.9)
@@ -121,37 +97,38 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
     else:
         _missing(ax, f"no {stage} metrics yet for {', '.join(LABELS.get(v, v) for v in wanted)} at scale {scale}")
     if mark_spikes and drawn:
-        ax.text(0.99, 0.98, f"spike: loss > trailing median + {sp['k']:g} x 1.4826 x MAD (window {sp['window']} steps)",
+        ax.text(0.99, 0.98, f"spike: loss > trailing median + {sp.k:g} x 1.4826 x MAD (window {sp.window} steps)",
                 transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.3")
     _title(fig, title, cfg)
     return fig
 
 
 # ---- the figures ---------------------------------------------------------------------------------
-def fig5a_loss_vs_tokens(cfg, res, ours=None):
+def fig5a_loss_vs_tokens(cfg, res, ours=None, files=None):
     return _curve_figure(cfg, res, "fig5a_loss_vs_tokens", "tokens", "loss", "training tokens",
                          "training loss (nats/token)", "Fig. 5a: training loss vs tokens, 350M",
-                         T.settings(cfg)["stages"]["table3"][0], mark_spikes=True)
+                         T.settings(cfg).stages["table3"][0], mark_spikes=True)
 
 
-def fig5b_loss_vs_flops(cfg, res, ours=None):
+def fig5b_loss_vs_flops(cfg, res, ours=None, files=None):
     return _curve_figure(cfg, res, "fig5b_loss_vs_flops", "train_flops", "loss", "training FLOPs",
                          "training loss (nats/token)", "Fig. 5b: training loss vs training FLOPs, 350M",
-                         T.settings(cfg)["stages"]["table3"][0])
+                         T.settings(cfg).stages["table3"][0])
 
 
-def fig1a_val_ppl_vs_tokens(cfg, res, ours=None):
+def fig1a_val_ppl_vs_tokens(cfg, res, ours=None, files=None):
     return _curve_figure(cfg, res, "fig1a_val_ppl_vs_tokens", "tokens", "val_ppl", "training tokens",
                          "validation perplexity", "Fig. 1a: validation perplexity vs tokens, 1B",
-                         T.settings(cfg)["stages"]["table3"][0])
+                         T.settings(cfg).stages["table3"][0])
 
 
-def table_update_loss(cfg, res, ours=None):
+def table_update_loss(cfg, res, ours=None, files=None):
     """Dense vs sparse table update: the two loss curves overlaid, the final-loss gap printed on the plot."""
-    stage = T.settings(cfg)["stages"]["table3"][0]
+    stage = T.settings(cfg).stages["table3"][0]
     fig = _curve_figure(cfg, res, "table_update_loss", "tokens", "loss", "training tokens",
                         "training loss (nats/token)", "STEM: dense vs sparse table update, 350M", stage)
-    scale, (dense, sparse), _ = FIGURES["table_update_loss"]
+    entry = registry.figure("table_update_loss")
+    scale, (dense, sparse) = entry.scale, entry.variants
     ax = fig.axes[0]
     for line in ax.get_lines():   # the dense update drawn wider, underneath: the curves nearly coincide
         if line.get_label() == LABELS[dense]:
@@ -167,9 +144,9 @@ def table_update_loss(cfg, res, ours=None):
     return fig
 
 
-def fig1b_niah(cfg, res, ours=None):
-    scale, wanted, _ = FIGURES["fig1b_niah"]
-    stages = T.settings(cfg)["stages"]["figure1b"]
+def fig1b_niah(cfg, res, ours=None, files=None):
+    scale, wanted = registry.figure("fig1b_niah").scale, registry.figure("fig1b_niah").variants
+    stages = T.settings(cfg).stages["figure1b"]
     variants = _variants(cfg, scale, wanted)
     data = {v: niah_cells(res.first_eval(scale, v, stages, "niah")[0]) for v in variants}
     fig, axes = plt.subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
@@ -211,7 +188,7 @@ def fig1b_niah(cfg, res, ours=None):
     return fig
 
 
-def roi_by_scale(cfg, res, ours):
+def roi_by_scale(cfg, res, ours, files=None):
     t3 = ours.get("table3", T.frame([]))
     paper = P.load_table("table3")
     scales = list(dict.fromkeys(list(t3["scale"]) or ["350m", "1b"]))
@@ -248,9 +225,9 @@ def _get(df, variant):
     return float(s.iloc[0]) if len(s) and not T._isnan(s.iloc[0]) else math.nan
 
 
-def paper_vs_ours(cfg, res, ours, table: str):
+def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
     from stem.report.diff import compare
-    cells = compare(ours, T.settings(cfg)["tolerance"])
+    cells = compare(ours, T.settings(cfg).tolerance)
     cells = cells[(cells["table"] == table) & cells["unit"].isin(["%", "score"])]
     have = cells.dropna(subset=["delta"])
     fig, ax = plt.subplots(figsize=(6, 5.5), layout="constrained")
@@ -276,12 +253,9 @@ def paper_vs_ours(cfg, res, ours, table: str):
     return fig
 
 
-def draw(name: str, cfg: dict, res: Results, ours: dict):
-    if name.startswith("paper_vs_ours_"):
-        return paper_vs_ours(cfg, res, ours, name.removeprefix("paper_vs_ours_"))
-    if name not in FIGURES:
-        raise ValueError(f"unknown figure {name!r}; expected one of {', '.join(FIGURES)}")
-    return globals()[name](cfg, res, ours)
+def draw(name: str, cfg: dict, res: Results, ours: dict, files: dict | None = None):
+    """Figure ``name`` (registry entry) drawn from the results, the reproduced tables and its input files."""
+    return registry.figure(name).draw(cfg, res, ours, files or {})
 
 
 def save(fig, png, pdf=None):
@@ -293,3 +267,85 @@ def save(fig, png, pdf=None):
         with atomic_path(path) as tmp:
             fig.savefig(tmp, format=fmt, dpi=130)
     plt.close(fig)
+
+
+# ---- the report's figures, in its order (one entry each; stem.report.registry) --------------------------
+def pretrain_metrics(cfg: dict, evals: list[str], scale: str, variants) -> dict:
+    """inputs of a curve figure: the metrics.jsonl of the pretraining runs it plots."""
+    from stem import config as C
+    stage = T.settings(cfg).stages["table3"][0]  # the curves are of the pretraining runs
+    return {"metrics": [f"{C.stage_dir(cfg['experiment'], s, v, st)}/metrics.jsonl" for s, v, st in C.train_targets(cfg)
+                        if s == scale and v in variants and st == stage]}
+
+
+def _curves(scale, variants):
+    return {"scale": scale, "variants": variants,
+            "inputs": lambda cfg, evals: pretrain_metrics(cfg, evals, scale, variants)}
+
+
+registry.report_figure(
+    "fig5a_loss_vs_tokens", "Figure 5a: training loss vs training tokens at the 350M scale for the dense baseline, "
+    "Hash-MoE and STEM. Crosses mark loss spikes (loss above the trailing median by more than k robust standard "
+    "deviations, 1.4826 x MAD).", **_curves("350m", ("dense", "hashmoe", "stem")))(fig5a_loss_vs_tokens)
+registry.report_figure(
+    "fig5b_loss_vs_flops", "Figure 5b: training loss vs training FLOPs for STEM replacing 1/3, 1/2 and all-but-one "
+    "FFN up-projections (350M scale).", **_curves("350m", ("stem", "stem_half", "stem_full")))(fig5b_loss_vs_flops)
+registry.report_figure(
+    "fig1a_val_ppl_vs_tokens", "Figure 1a: validation perplexity vs training tokens at the 1B scale (pretraining).",
+    **_curves("1b", ("dense", "stem")))(fig1a_val_ppl_vs_tokens)
+registry.report_figure(
+    "fig1b_niah", "Figure 1b: Needle-in-a-Haystack accuracy per context length (mean over needle depths) after "
+    "context extension, and the per-cell accuracy as a length x depth heatmap.", scale="1b", variants=("dense", "stem"),
+    inputs=lambda cfg, evals: {"niah": [p for p in evals if p.endswith("eval/niah.json")]})(fig1b_niah)
+registry.report_figure(
+    "roi_by_scale", "Training ROI per scale ((Avg/GFLOPs) / (Avg_base/GFLOPs_base), Table 3): this experiment's "
+    "models next to the paper's.")(roi_by_scale)
+for _t in ("table3", "table4", "table5", "table6"):
+    registry.report_figure(
+        f"paper_vs_ours_{_t}", f"{registry.table(_t).title}: every published cell, the paper's value (x) against this "
+        "experiment's (y); on the diagonal = reproduced exactly.")(partial(paper_vs_ours, table=_t))
+
+
+def offload_hit_rate(cfg, res, ours, files):
+    """The offload benchmark's hit rate vs cache rows (rule bench_offload, stem.bench_offload); it runs on the
+    350M STEM pretrain checkpoint, so an experiment without that run shows the gap."""
+    import json
+    from pathlib import Path
+    if "offload" not in files:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        _missing(ax, "no 350m stem pretrain run in this experiment's matrix: nothing to benchmark")
+        _title(fig, "Offloaded STEM tables: hit rate vs cache size", cfg)
+        return fig
+    from stem.bench_offload import hit_rate_figure
+    return hit_rate_figure(json.loads(Path(files["offload"]).read_text()))
+
+
+def _offload_inputs(cfg, evals) -> dict:
+    if "stem" not in cfg["matrix"].get("350m", {}).get("variants", []):
+        return {}
+    return {"offload": f"reports/{cfg['experiment']}/offload/offload.json"}
+
+
+registry.report_figure(
+    "offload_hit_rate", "Offloaded STEM tables (paper Sec. 3.4): LFU cache hit rate vs cache rows per STEM layer "
+    "while decoding held-out text with the 350M STEM checkpoint, beside the paper's > 80 %; offload/offload.md "
+    "holds the throughput, bytes moved, memory and uniq(BL) figures.",
+    inputs=_offload_inputs)(offload_hit_rate)
+
+
+def _table_update_inputs(cfg, evals) -> dict:
+    """The two pretraining runs' metrics.jsonl (curves) and summary.json (the final-loss gap)."""
+    from stem import config as C
+    from stem import layout as L
+    stage = T.settings(cfg).stages["table3"][0]
+    runs = [(s, v) for s, v, st in C.train_targets(cfg) if s == "350m" and v in ("stem", "stem_sparse") and st == stage]
+    return {"metrics": [L.metrics(cfg["experiment"], s, v, stage) for s, v in runs],
+            "summaries": [L.summary(cfg["experiment"], s, v, stage) for s, v in runs]}
+
+
+registry.report_figure(
+    "table_update_loss", "STEM trained with the paper's dense table update (AdamW on every row) and with "
+    "optim.table_update: sparse (row-wise AdamW on the rows each batch touches; untouched rows do not move), same "
+    "data and seed: training loss vs tokens and the final-loss gap (mean of the last 10 steps, and validation "
+    "loss). Not a paper figure (issue 13, item 5).", scale="350m", variants=("stem", "stem_sparse"),
+    inputs=_table_update_inputs)(table_update_loss)

@@ -1,8 +1,9 @@
 """Read whatever the workflow has produced for one experiment, checking every file it reads.
 
 Layout: ``{root}/{experiment}/{scale}/{variant}/{stage}/summary.json`` and ``metrics.jsonl`` (training),
-``.../{stage}/eval/{suite}.json`` (evaluation; scores in percent). A file that does not exist yet is
-None (a gap in the tables); a file that exists must be what its path says (the experiment, scale,
+``.../{stage}/checkpoint/accounting.json`` (the model's parameter / FLOP accounting, written with its weights
+and its job spec ``config.json``), ``.../{stage}/eval/{suite}.json`` (evaluation; scores in percent).
+A file that does not exist yet is None (a gap in the tables); a file that exists must be what its path says (the experiment, scale,
 variant, stage and suite it records) and in the agreed format (keys, types, ranges), or reading it
 raises ``ResultError``: one line naming the file, the key, what was expected and what it holds.
 """
@@ -68,6 +69,28 @@ class Results:
         if data is not None:
             check_eval(path, data, {**self._identity(scale, variant, stage), "suite": suite})
         return data
+
+    def accounting(self, scale, variant, stage) -> dict | None:
+        """The accounting saved with the stage's checkpoint; the checkpoint's job spec (config.json) must be
+        this experiment, scale, variant and stage."""
+        ckpt = self.stage_dir(scale, variant, stage) / "checkpoint"
+        data = read_json(ckpt / "accounting.json")
+        if data is not None:
+            spec = read_json(ckpt / "config.json")
+            if spec is None:
+                raise ResultError(f"{ckpt / 'config.json'}: missing (the checkpoint's job spec, beside "
+                                  "accounting.json)")
+            _identity(ckpt / "config.json", spec, self._identity(scale, variant, stage))
+            check_accounting(ckpt / "accounting.json", data)
+        return data
+
+    def first_accounting(self, scale, variant, stages) -> tuple[dict | None, str | None]:
+        """The checkpoint accounting of the first stage in ``stages`` that has one (and that stage)."""
+        for stage in stages:
+            acct = self.accounting(scale, variant, stage)
+            if acct is not None:
+                return acct, stage
+        return None, None
 
     def first_eval(self, scale, variant, stages, suite) -> tuple[dict | None, str | None]:
         """The eval JSON of the first stage in ``stages`` that has one (and that stage)."""
@@ -142,6 +165,13 @@ def check_summary(path, d: dict, identity: dict):
     _number(path, d, "final_train_loss", 0, math.inf)
     for key in ("steps", "tokens"):
         _number(path, d, key, 1, math.inf, integer=True)
+
+
+def check_accounting(path, d: dict):
+    """A checkpoint's accounting.json (stem.models.accounting): parameter counts and GFLOPs per token."""
+    for key in ("total_params", "paper_total_params", "active_params"):
+        _number(path, d, key, 1, math.inf, integer=True)
+    _number(path, d, "gflops_per_token", 0, math.inf)
 
 
 def _entries(path, d: dict, where: str, lo: float, hi: float):

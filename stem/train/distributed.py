@@ -153,19 +153,18 @@ def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision
         for block in model.layers:
             fully_shard(block, mesh=ctx.mesh, mp_policy=mp, ignored_params=ignored)
         fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
-    model._stem_strategy = strategy
     return model
 
 
 def sync_replicated_grads(model, ctx: DistContext):
-    """Average over all ranks the gradients FSDP does not reduce: the replicated backbone's (strategy ddp)
-    and, under any strategy, the row-sparse tables' (``all_gather_sparse_grad``)."""
+    """Average over all ranks the gradients FSDP does not reduce: the row-sparse tables' (kept out of FSDP and
+    replicated; ``all_gather_sparse_grad``) and the other replicated (non-DTensor) parameters', the backbone's
+    under strategy ddp (under fsdp every other parameter is a DTensor, sharded)."""
     if ctx.world == 1:
         return
     for p in row_sparse_params(model):
         if p.grad is not None:
             p.grad = all_gather_sparse_grad(p.grad, ctx)
-    if getattr(model, "_stem_strategy", "fsdp") != "ddp":
         return
     from torch.distributed.tensor import DTensor
     grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)

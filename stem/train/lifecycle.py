@@ -42,6 +42,21 @@ class StateLocked(RuntimeError):
     pass
 
 
+class Stopped(Exception):
+    """Raised by the loop once a stop signal's step is done and its state saved (on every rank, at the same
+    step); ``job`` turns it into the exit status 128 + signal, after a line in the log and in events.log."""
+
+    def __init__(self, sig: int, step: int, world: int = 1):
+        super().__init__(f"stopped by signal {sig} at step {step}; state saved")
+        self.signal, self.step, self.world = sig, step, world
+
+
+def event(state_dir, text: str):
+    """One line in ``{state_dir}/events.log``: the stop/resume history survives Snakemake's retries."""
+    with open(Path(state_dir) / "events.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+
+
 _stop = {"signal": None}   # the first stop signal received (set by the handlers)
 
 
@@ -58,7 +73,8 @@ def catch_stop_signals() -> dict:
 @contextmanager
 def job(state_dir, rank: int | None = None):
     """Around one training job: the stop flag (yielded: ``{"signal": None | int}``, kept if a signal came
-    before) and the state lock (rank 0). On exit the handlers are restored and the flag cleared."""
+    before) and the state lock (rank 0). A ``Stopped`` raised inside exits 128 + signal (SystemExit). On exit
+    the handlers are restored and the flag cleared."""
     previous = catch_stop_signals()
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     lock = None
@@ -66,6 +82,11 @@ def job(state_dir, rank: int | None = None):
         if rank == 0:
             lock = lock_state_dir(state_dir)
         yield _stop
+    except Stopped as e:
+        print(f"[{Path(state_dir).parent}] {e}", file=sys.stderr)
+        if rank == 0:
+            event(state_dir, f"{e} (world size {e.world})")
+        raise SystemExit(128 + e.signal) from None
     finally:
         if lock is not None:
             lock.close()

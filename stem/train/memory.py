@@ -109,58 +109,65 @@ def _peak_only(cls):
     return Peak
 
 
-def _balanced_experts(n_experts: int):
-    """Fake tensors have no data, so Hash-MoE's tokens per expert (``bincount``, then ``.tolist()``) have no
-    values: give each of the ``n_experts`` experts its balanced share of the tokens (what the balanced
-    token map aims at)."""
+def _fake_values(n_experts: int):
+    """Fake tensors have no data: the values the training step reads from them. Hash-MoE's tokens per
+    expert (``bincount``, then ``.tolist()``) are each of the ``n_experts`` experts' balanced share of the
+    tokens (what the balanced token map aims at); any other scalar read (``.item()``: the step's loss and its
+    mean over ranks) is 1 (it sets no tensor's size)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class BalancedExperts(TorchDispatchMode):
+    class FakeValues(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.bincount.default:   # tokens per expert; .tolist() then reads them
+            if func is torch.ops.aten.bincount.default and n_experts:   # tokens per expert; .tolist() reads them
                 n = args[0].numel()
                 self.pending += [n // n_experts + (i < n % n_experts) for i in range(n_experts)]
                 return torch.empty(n_experts, dtype=torch.int64, device=args[0].device)
-            if func is torch.ops.aten._local_scalar_dense.default and self.pending:
-                return self.pending.pop(0)
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return self.pending.pop(0) if self.pending else (1.0 if args[0].dtype.is_floating_point else 1)
             return func(*args, **(kwargs or {}))
-    mode = BalancedExperts()
+    mode = FakeValues()
     mode.pending = []
     return mode
 
 
-def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool = True) -> dict:
-    """Rank 0's peak tensor memory over one training step of the job ``spec`` at ``world`` ranks."""
+def trace(spec, world: int, strategy: str | None = None, mixed_precision: bool = True) -> dict:
+    """Rank 0's peak tensor memory over one training step (``stem.train.step.train_step``, as the loop runs
+    it) of the job ``spec`` (a TrainSpec or its JSON) at ``world`` ranks; ``strategy`` overrides the spec's."""
+    import dataclasses
+
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    from stem.models.config import ModelConfig
     from stem.models.model import build_model
+    from stem.specs import TrainSpec
     from stem.train import distributed
-    from stem.train.optim import build_optimizer, configure_table_update
+    from stem.train.optim import configure_table_update
+    from stem.train.step import make_optimizer, train_step
 
-    cfg, tc = ModelConfig.from_dict(spec["model"]), spec["train"]
-    micro, accum = distributed.local_micro_batch(tc["batch_size"], tc["micro_batch"], world)
+    spec = TrainSpec.coerce(spec)
+    strategy = strategy or spec.train.parallel
+    spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallel=strategy))
+    cfg, tc = spec.model, spec.train
+    micro, accum = distributed.local_micro_batch(tc.batch_size, tc.micro_batch, world)
     n_micro = min(accum // world, 2)   # from the second micro-batch on, every one holds the same tensors
     device = torch.device("cpu")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else nullcontext()
-    sizes = _balanced_experts(cfg.n_experts) if "hashmoe" in cfg.ffn else nullcontext()
-    with fake_world(world) as mesh, FakeTensorMode(), sizes:
+    values = _fake_values(cfg.n_experts if "hashmoe" in cfg.ffn else 0)
+    with fake_world(world) as mesh, FakeTensorMode(), values:
         ctx = distributed.DistContext(0, world, 0, 1, device, mesh)
         model = build_model(cfg, device)       # as the loop does: build, then shard
-        model.activation_checkpointing = bool(tc.get("activation_checkpointing", False))
-        tables = configure_table_update(model, spec["optim"])   # table_update sparse: replicated, outside FSDP
+        model.set_training_options(activation_checkpointing=tc.activation_checkpointing)
+        tables = configure_table_update(model, spec.to_dict()["optim"])   # sparse: replicated, outside FSDP
         distributed.parallelize(model, ctx, strategy, mixed_precision=mixed_precision)
         for m in tables:   # traced with a dense V x d_ff gradient, the sparse one's upper bound (a fake tensor
             m.row_sparse = False   # cannot run the lookup's torch.unique: its output shape depends on the data)
-        opt = build_optimizer(model, spec["optim"], tc["lr"], fused=mixed_precision)
-        distributed.optimizer_for_dtensors(opt, ctx, strategy)
-        x = torch.randint(0, cfg.vocab_size, (micro, tc["seq_len"]), device=device)
-        y = torch.randint(0, cfg.vocab_size, (micro, tc["seq_len"]), device=device)
+        opt = make_optimizer(model, spec, ctx, fused=mixed_precision)
+        x = torch.randint(0, cfg.vocab_size, (micro, tc.seq_len), device=device)
+        y = torch.randint(0, cfg.vocab_size, (micro, tc.seq_len), device=device)
         for p in model.parameters():          # AdamW's state, as its first step creates it
             p.grad = torch.zeros_like(p)
         opt.step()
@@ -172,16 +179,12 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
         else:
             tracker.track_external(model, opt, x, y)
         model.train()
-        with tracker:                          # one step of stem.train.loop.train, less its logging
-            for _ in range(n_micro):
-                with autocast:
-                    loss = model(x, y)
-                (loss / n_micro).backward()
-                tracker.reset_mod_stats()      # the tracker refuses a second root forward otherwise
-            distributed.sync_replicated_grads(model, ctx)
-            distributed.clip_grad_norm_(model, spec["optim"]["grad_clip"] or float("inf"), ctx)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        # the step's micro-batches of every rank: rank 0 runs n_micro of them (the same tensors), every target trained
+        batches = [(x, y, None)] * (n_micro * world)
+        with tracker:                          # one step of the training loop, less its logging
+            train_step(model, opt, batches, ctx, autocast, tc.lr, spec.optim.grad_clip,
+                       counts=[x.numel()] * len(batches),
+                       on_backward=tracker.reset_mod_stats)   # the tracker refuses a second root forward otherwise
         peak = tracker.get_tracker_snapshot("peak")
     parts: dict = {}
     for snap in peak.values():   # one device
@@ -195,13 +198,14 @@ def trace(spec: dict, world: int, strategy: str = "fsdp", mixed_precision: bool 
         parts["Replicated table grad"] = untracked
         parts["Total"] += untracked
     return {"peak_gib": parts.pop("Total") / GIB, "parts_gib": {k: v / GIB for k, v in parts.items() if v},
-            "world": world, "strategy": strategy, "micro_batch": micro, "seq_len": tc["seq_len"],
+            "world": world, "strategy": strategy, "micro_batch": micro, "seq_len": tc.seq_len,
             "micro_batches_traced": n_micro, "activation_checkpointing": model.activation_checkpointing}
 
 
 # ----------------------------------------------------------------------------- jobs of an experiment
 
-CODE = ("stem/models", "stem/train/distributed.py", "stem/train/memory.py", "stem/train/optim.py")
+CODE = ("stem/models", "stem/train/distributed.py", "stem/train/memory.py", "stem/train/optim.py",
+        "stem/train/step.py")
 
 
 def job_layout(cfg: dict, scale: str) -> tuple[int, int]:

@@ -1,0 +1,27 @@
+# Systems benchmarks whose figures go into the report. bench_offload: the offloaded STEM engine
+# (stem/bench_offload.py, `python -m stem bench offload`) on the experiment's 350m STEM pretrain checkpoint,
+# decoding held-out text (the val split of its own training data): tokens/s, hit rate vs cache rows (figure),
+# bytes moved per token, FFN memory freed, parameter bytes per decoded token, uniq(BL). Seconds at tiny scale;
+# on the CPU at paper scale too (minutes: the 350M model decodes once per cache configuration). The report's
+# figure offload_hit_rate reads its JSON, so the aggregate stage asks for it.
+#   snakemake --profile profiles/local reports/tiny/offload/offload.json
+
+
+rule bench_offload:
+    input:
+        checkpoint=L.checkpoint("{experiment}", "350m", "stem", "pretrain"),
+        tokens=lambda w: [L.tokens_manifest(w.experiment, "350m", src)
+                          for src in C.train_spec(config, "350m", "stem", "pretrain")["data"]],
+    output:
+        json="reports/{experiment}/offload/offload.json",
+        md="reports/{experiment}/offload/offload.md",
+    params:
+        spec=lambda w: as_json({"batch": 8, "prompt": 32, "steps": 48, "repeats": 2}),
+    threads: 1
+    log:
+        "logs/{experiment}/bench_offload.log",
+    conda:
+        ENV
+    shell:
+        "python -m workflow_scripts.bench_offload --spec {params.spec:q} --checkpoint {input.checkpoint}"
+        " --json {output.json} --md {output.md} 2> {log}"

@@ -1,0 +1,106 @@
+"""What the analyses share: loading a checkpoint, finding its token-indexed tables, scoring continuations."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from stem.models.registry import param_roles
+
+TINY_NOTE = "tiny experiment: CPU-sized stand-in models on a synthetic world, never comparable to the paper's scale"
+
+
+def load(ckpt_dir, device: str = "cpu"):
+    """(model in eval mode in float32 on ``device`` (CPU when CUDA is absent), tokenizer, saved job spec);
+    one-line errors on bad folders."""
+    from stem.data.tokenizer import load_tokenizer
+    from stem.train.checkpoint import load_checkpoint
+
+    ckpt = Path(ckpt_dir)
+    if not (ckpt / "tokenizer.json").is_file():
+        raise ValueError(f"checkpoint {ckpt}: tokenizer.json is missing (not a finished checkpoint folder)")
+    device = device if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+    model, spec = load_checkpoint(ckpt, device)
+    return model.float().eval(), load_tokenizer(ckpt / "tokenizer.json"), spec
+
+
+def table_sites(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, weight) of every token-indexed table the model declares (role count ``lookup`` counted in the
+    paper's table convention: the STEM tables, one per STEM layer), in layer order."""
+    roles = param_roles(model)
+    return [(n, p) for n, p in model.named_parameters()
+            if id(p) in roles and roles[id(p)].count == "lookup" and roles[id(p)].paper_table]
+
+
+def stem_layers(model) -> list[int]:
+    """Indices of the layers holding a STEM table."""
+    return sorted({int(n.split(".")[1]) for n, _ in table_sites(model) if n.startswith("layers.")})
+
+
+def state_digest(model) -> str:
+    """sha256 over every parameter and buffer's bytes (to check that an edit was undone bit for bit)."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode_batch([text])[0]
+
+
+@torch.no_grad()
+def score_many(model, queries: list[tuple[list[int], list[list[int]]]], max_tokens: int = 8192):
+    """For each (prompt, candidates): (sum log-probability of each candidate continuation after the prompt,
+    the next-token log-probabilities after the prompt). Rows are right-padded into batches of at most
+    ``max_tokens`` padded tokens (bounds the logits at a large vocabulary); causal attention keeps each row's
+    real positions exact."""
+    rows = [(qi, ci, p + c, len(p)) for qi, (p, cands) in enumerate(queries) for ci, c in enumerate(cands)]
+    scores = [torch.empty(len(c)) for _, c in queries]
+    nxt: list = [None] * len(queries)
+    device = model.tok_emb.weight.device
+    b = 0
+    while b < len(rows):
+        width = len(rows[b][2])
+        e = b + 1
+        while e < len(rows) and max(width, len(rows[e][2])) * (e + 1 - b) <= max_tokens:
+            width = max(width, len(rows[e][2]))
+            e += 1
+        chunk = rows[b:e]
+        x = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, r in enumerate(chunk):
+            x[i, :len(r[2])] = torch.tensor(r[2])
+        logp = F.log_softmax(model(x.to(device)).float(), dim=-1)
+        for i, (qi, ci, ids, n) in enumerate(chunk):
+            pos = torch.arange(n - 1, len(ids) - 1, device=device)
+            scores[qi][ci] = logp[i, pos, torch.tensor(ids[n:], device=device)].sum().cpu()
+            if nxt[qi] is None:
+                nxt[qi] = logp[i, n - 1].cpu()
+        b = e
+    return list(zip(scores, nxt))
+
+
+def score_candidates(model, prompt: list[int], candidates: list[list[int]]):
+    """``score_many`` for one prompt."""
+    return score_many(model, [(prompt, candidates)])[0]
+
+
+def find_span(ids: list[int], span: list[int]) -> int:
+    """Start of the first occurrence of ``span`` in ``ids``."""
+    for i in range(len(ids) - len(span) + 1):
+        if ids[i:i + len(span)] == span:
+            return i
+    raise ValueError(f"entity tokens {span} not found in prompt tokens {ids} (the tokenizer merges across the "
+                     "entity's boundary: use a template with a space before the entity)")
+
+
+def world_of(spec: dict):
+    from stem.data.synth import make_world
+    return make_world(**spec["world"])
+
+
+def rel(path) -> str:
+    return str(Path(path))

@@ -1,0 +1,324 @@
+"""Knowledge editing by replacing token-indexed vectors (STEM paper Sec. 3.3, 5.2; Figs 3, 4, 7).
+
+A *source* entity appears in the prompt ("The capital of Spain is"); a *target* entity is the one the model
+should behave as if it had seen. The prompt text is unchanged: at every STEM layer, the table rows of the
+source entity's tokens are replaced by vectors built from the target entity's rows (Sec. 5.2:
+e_{Spain,l} <- e_{Germany,l}). With n_s source and n_t target tokens, a *plan* gives, per source position,
+the target tokens whose vectors are averaged into it (Sec. 3.3, Fig. 4):
+
+- ``swap``      n_s == n_t: one to one;
+- ``pad_left``  n_s > n_t: the pad token's vector on the left, then the target tokens (the paper's default);
+- ``pad_right`` n_s > n_t: the target tokens, then the pad token's vector;
+- ``copy``      n_s > n_t: each target token floor(n_s / n_t) times, the last repeated to cover n_s;
+- ``subset``    n_s < n_t: the n_s most informative target tokens, in their order (``informativeness``);
+- ``average``   any lengths: the mean of all target vectors at every source position.
+
+A source token id that occurs twice in the span with different plans gets the mean of its positions'
+vectors (a table row is one vector per token id). ``edited`` writes the rows and restores the saved originals
+on exit, bit for bit. The same plans applied to the token embedding (``tok_emb``) are the intervention a
+dense model admits at the same place (a token-indexed parameter, the input side): the reference for dense
+and Hash-MoE, and a comparison for the STEM variants.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+
+import torch
+import torch.nn.functional as F
+
+from stem.analysis.common import (
+    encode,
+    find_span,
+    score_many,
+    state_digest,
+    table_sites,
+)
+
+SCHEMES = ("swap", "pad_left", "pad_right", "copy", "subset", "average")
+CASES = ("equal", "longer", "shorter")  # n_s == n_t, n_s > n_t, n_s < n_t
+
+
+def case_of(n_s: int, n_t: int) -> str:
+    return "equal" if n_s == n_t else "longer" if n_s > n_t else "shorter"
+
+
+def schemes_for(n_s: int, n_t: int) -> tuple[str, ...]:
+    return {"equal": ("swap", "average"), "longer": ("pad_left", "pad_right", "copy", "average"),
+            "shorter": ("subset", "average")}[case_of(n_s, n_t)]
+
+
+def informativeness(piece: str, token_id: int) -> tuple[int, int]:
+    """Sort key of a target token for ``subset``: more letters first (a function word or a one-letter subword
+    carries less of the name than a long subword), then the higher id (byte-level BPE numbers merges in the
+    order it learns them, so a higher id is a later merge: a longer, rarer piece)."""
+    return sum(c.isalpha() for c in piece), token_id
+
+
+def plan(scheme: str, n_s: int, target: list[int], pad_id: int | None = None,
+         pieces: list[str] | None = None) -> list[tuple[int, ...]]:
+    """Per source position, the target token ids whose vectors are averaged into it."""
+    n_t = len(target)
+    if n_s < 1 or n_t < 1:
+        raise ValueError(f"edit plan: need at least one source and one target token, got n_s={n_s}, n_t={n_t}")
+    if scheme not in schemes_for(n_s, n_t):
+        raise ValueError(f"edit scheme {scheme!r} does not apply to n_s={n_s}, n_t={n_t} ({case_of(n_s, n_t)}); "
+                         f"expected one of {', '.join(schemes_for(n_s, n_t))}")
+    if scheme == "swap":
+        return [(t,) for t in target]
+    if scheme == "average":
+        return [tuple(target)] * n_s
+    if scheme in ("pad_left", "pad_right"):
+        if pad_id is None:
+            raise ValueError(f"edit scheme {scheme!r} needs a pad token id")
+        pad = [(pad_id,)] * (n_s - n_t)
+        own = [(t,) for t in target]
+        return pad + own if scheme == "pad_left" else own + pad
+    if scheme == "copy":
+        out = [(t,) for t in target for _ in range(n_s // n_t)]
+        return out + [(target[-1],)] * (n_s - len(out))
+    # subset
+    pieces = pieces if pieces is not None else [""] * n_t
+    best = sorted(range(n_t), key=lambda i: informativeness(pieces[i], target[i]), reverse=True)[:n_s]
+    return [(target[i],) for i in sorted(best)]
+
+
+def edit_rows(weight: torch.Tensor, source: list[int], positions: list[tuple[int, ...]]) -> dict[int, torch.Tensor]:
+    """{source token id: its new row}, built from the *original* rows (a target may share a source token)."""
+    acc: dict[int, list[torch.Tensor]] = {}
+    for s, ts in zip(source, positions):
+        acc.setdefault(s, []).append(weight[list(ts)].mean(dim=0))
+    return {s: torch.stack(vs).mean(dim=0) for s, vs in acc.items()}
+
+
+@contextlib.contextmanager
+def edited(weights: list[torch.Tensor], source: list[int], positions: list[tuple[int, ...]]):
+    """Within the block, every weight's source rows are replaced; on exit the saved rows are written back."""
+    saved = []
+    with torch.no_grad():
+        new = [edit_rows(w, source, positions) for w in weights]  # all computed before any row is written
+        for w, rows in zip(weights, new):
+            ids = torch.tensor(sorted(rows))
+            saved.append((w, ids, w[ids].clone()))
+            w[ids] = torch.stack([rows[int(i)] for i in ids]).to(w.dtype)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for w, ids, rows in saved:
+                w[ids] = rows
+
+
+# ---- the measurement ---------------------------------------------------------------------------------------
+def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
+    """KL(p || q) in nats from log-probabilities."""
+    return float((p_log.exp() * (p_log - q_log)).sum())
+
+
+def topk_overlap(a_log: torch.Tensor, b_log: torch.Tensor, k: int) -> float:
+    a, b = set(a_log.topk(k).indices.tolist()), set(b_log.topk(k).indices.tolist())
+    return len(a & b) / k
+
+
+def world_facts(world, spec: dict) -> dict:
+    """The synthetic world's entities as edit facts: {kind: {"templates": {relation: prompt}, "entities":
+    {name: {relation: answer}}}}. Answers carry their leading space (how they follow the prompt)."""
+    from stem.data.synth import _a
+    return {
+        "country": {"templates": {"capital": "The capital of {e} is", "language": "The people of {e} speak"},
+                    "entities": {c.name: {"capital": " " + c.capital, "language": " " + c.language}
+                                 for c in world.countries}},
+        "person": {"templates": {"profession": "By profession, {e} was", "city": "The city of {e} was"},
+                   "entities": {p.name: {"profession": " " + _a(p.profession), "city": " " + p.city}
+                                for p in world.people}},
+    }
+
+
+def choose_pairs(tok, facts: dict, per_case: int, seed: int) -> list[dict]:
+    """Up to ``per_case`` (source, target) pairs per kind and length case, seeded, distinct answers."""
+    rng = random.Random(f"edit-pairs:{seed}")
+    pairs = []
+    for kind, f in facts.items():
+        names = list(f["entities"])
+        ntok = {n: len(encode(tok, " " + n)) for n in names}
+        by_case: dict[str, list] = {c: [] for c in CASES}
+        for s in names:
+            for t in names:
+                if s != t and all(f["entities"][s][r] != f["entities"][t][r] for r in f["templates"]):
+                    by_case[case_of(ntok[s], ntok[t])].append((s, t))
+        for case in CASES:
+            for s, t in rng.sample(by_case[case], min(per_case, len(by_case[case]))):
+                pairs.append({"kind": kind, "source": s, "target": t, "case": case})
+    return pairs
+
+
+def _pad_id(tok) -> tuple[int, str]:
+    for name in ("<|pad|>", "<pad>", "<|finetune_right_pad_id|>"):
+        i = tok.tokenizer.token_to_id(name)
+        if i is not None:
+            return i, name
+    return tok.eos_id, tok.eos_token
+
+
+def run(ckpt_dir, spec: dict) -> dict:
+    from stem.analysis.common import load, world_of
+    model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
+    explicit = []
+    if spec.get("facts"):  # a shipped prompt set (real checkpoints): reference/analysis/edit_facts.yaml
+        facts, explicit = read_facts(spec["facts"])
+    else:
+        facts = world_facts(world_of(spec), spec)
+    facts = {k: {**f, "templates": {r: f["templates"][r] for r in spec["relations"].get(k, [])}}
+             for k, f in facts.items() if spec["relations"].get(k)}
+    for p in explicit:
+        p["case"] = case_of(len(encode(tok, " " + p["source"])), len(encode(tok, " " + p["target"])))
+    pairs = explicit + choose_pairs(tok, facts, spec["pairs_per_case"], spec["seed"])
+    out = measure(model, tok, facts, [p for p in pairs if p["kind"] in facts], spec)
+    if not spec.get("facts"):
+        out["transfer"] = ("country -> state transfer (Sec. 3.3): not run; the synthetic world has no "
+                           "sub-national entity with a capital (only countries, their cities and people)")
+    return out
+
+
+def read_facts(path) -> tuple[dict, list[dict]]:
+    """(facts by kind, explicit pairs) from a prompt-set YAML; one-line errors naming the file and key."""
+    import yaml
+    with open(path, encoding="utf-8") as f:
+        d = yaml.safe_load(f)
+    if not isinstance(d, dict) or not isinstance(d.get("kinds"), dict):
+        raise ValueError(f"{path}: expected a mapping with a 'kinds' mapping")
+    for kind, f in d["kinds"].items():
+        for name, answers in (f.get("entities") or {}).items():
+            missing = [r for r in f.get("templates") or {} if r not in (answers or {})]
+            if missing:
+                raise ValueError(f"{path}: key 'kinds.{kind}.entities.{name}': no answer for relation {missing[0]!r}")
+    pairs = [dict(p) for p in d.get("pairs") or []]
+    for i, p in enumerate(pairs):
+        ents = (d["kinds"].get(p.get("kind")) or {}).get("entities") or {}
+        bad = [k for k in ("source", "target") if p.get(k) not in ents]
+        if bad:
+            raise ValueError(f"{path}: key 'pairs[{i}].{bad[0]}': {p.get(bad[0])!r} is not an entity of kind {p.get('kind')!r}")
+    return d["kinds"], pairs
+
+
+def measure(model, tok, facts: dict, pairs: list[dict], spec: dict) -> dict:
+    k, n_coll = spec["topk"], spec["collateral"]
+    pad_id, pad_name = _pad_id(tok)
+    stem_w = [w for _, w in table_sites(model)]
+    sites = ({"stem": stem_w} if stem_w else {}) | {"embedding": [model.tok_emb.weight]}
+    digest = state_digest(model)
+    rng = random.Random(f"edit-collateral:{spec['seed']}")
+
+    cand_cache: dict = {}
+
+    def candidates(kind, relation):
+        if (kind, relation) not in cand_cache:
+            values = sorted({e[relation] for e in facts[kind]["entities"].values()})
+            cand_cache[kind, relation] = values, [encode(tok, v) for v in values]
+        return cand_cache[kind, relation]
+
+    def predict(kind, relation, names):
+        """{name: (predicted answer, candidate scores, next-token log-probs)}, one batched forward."""
+        values, cands = candidates(kind, relation)
+        template = facts[kind]["templates"][relation]
+        res = score_many(model, [(encode(tok, template.format(e=n)), cands) for n in names])
+        return {n: (values[int(sc.argmax())], sc, nxt) for n, (sc, nxt) in zip(names, res)}
+
+    # unedited accuracy per (kind, relation) on a sample: how much of each relation the model knows at all
+    known = {}
+    for kind, f in facts.items():
+        sample = random.Random(f"known:{spec['seed']}").sample(list(f["entities"]),
+                                                             min(spec["known_entities"], len(f["entities"])))
+        for relation in f["templates"]:
+            preds = predict(kind, relation, sample)
+            hits = [preds[n][0] == f["entities"][n][relation] for n in sample]
+            known[f"{kind}/{relation}"] = {"accuracy": sum(hits) / len(hits), "n": len(hits),
+                                           "chance": 1 / len(candidates(kind, relation)[0])}
+    edits = []
+    for pair in pairs:
+        kind, s, t = pair["kind"], pair["source"], pair["target"]
+        ents = facts[kind]["entities"]
+        src, tgt = encode(tok, " " + s), encode(tok, " " + t)
+        pieces = [tok.decode([i]) for i in tgt]
+        others = [n for n in ents if n not in (s, t)]
+        coll = rng.sample(others, min(n_coll, len(others)))
+        for relation in facts[kind]["templates"]:
+            find_span(encode(tok, facts[kind]["templates"][relation].format(e=s)), src)
+            values = candidates(kind, relation)[0]
+            i_s, i_t = values.index(ents[s][relation]), values.index(ents[t][relation])
+            before = predict(kind, relation, [s, t] + coll)
+            pred0, sc0, nxt0 = before[s]
+            ctrl = before[t][2]
+            for scheme in schemes_for(len(src), len(tgt)):
+                positions = plan(scheme, len(src), tgt, pad_id, pieces)
+                for site, weights in sites.items():
+                    with edited(weights, src, positions):
+                        after = predict(kind, relation, [s] + coll)
+                    pred1, sc1, nxt1 = after[s]
+                    edits.append({
+                        "kind": kind, "relation": relation, "source": s, "target": t, "case": pair["case"],
+                        "n_s": len(src), "n_t": len(tgt), "scheme": scheme, "site": site,
+                        "plan": [list(p) for p in positions],
+                        "source_answer": ents[s][relation], "target_answer": ents[t][relation],
+                        "before": pred0, "after": pred1,
+                        "success": pred1 == ents[t][relation],
+                        "flip": bool(sc1[i_t] > sc1[i_s]), "flip_before": bool(sc0[i_t] > sc0[i_s]),
+                        "margin_gain": float((sc1[i_t] - sc1[i_s]) - (sc0[i_t] - sc0[i_s])),
+                        "topk_overlap": topk_overlap(nxt1, ctrl, k), "topk_overlap_before": topk_overlap(nxt0, ctrl, k),
+                        "kl_control": kl(ctrl, nxt1), "kl_control_before": kl(ctrl, nxt0),
+                        "collateral_changed": sum(after[n][0] != before[n][0] for n in coll) / max(1, len(coll)),
+                        "collateral_kl": sum(kl(before[n][2], after[n][2]) for n in coll) / max(1, len(coll)),
+                    })
+    restored = state_digest(model) == digest
+    if not restored:
+        raise RuntimeError("an edit was not undone bit for bit (model state digest changed)")
+    out = {"analysis": "editing", "topk": k, "collateral_entities": n_coll, "pad_token": pad_name,
+           "sites": sorted(sites), "known": known, "summary": summarize(edits), "edits": edits,
+           "restored_bit_identical": restored, "state_sha256": digest,
+           "subset_rule": "most letters, then highest BPE id (latest merge), target order kept"}
+    if spec.get("example"):
+        out["example"] = example(model, tok, facts, edits, sites, pad_id, spec["example"])
+    return out
+
+
+def summarize(edits: list[dict]) -> list[dict]:
+    """Means per (site, scheme) and per (site, scheme, case)."""
+    groups: dict[tuple, list[dict]] = {}
+    for e in edits:
+        groups.setdefault((e["site"], e["scheme"], "all"), []).append(e)
+        groups.setdefault((e["site"], e["scheme"], e["case"]), []).append(e)
+    keys = ("success", "flip", "flip_before", "margin_gain", "topk_overlap", "topk_overlap_before", "kl_control",
+            "kl_control_before", "collateral_changed", "collateral_kl")
+    return [{"site": site, "scheme": scheme, "case": case, "n": len(es),
+             **{key: sum(float(e[key]) for e in es) / len(es) for key in keys}}
+            for (site, scheme, case), es in sorted(groups.items())]
+
+
+def example(model, tok, facts, edits, sites, pad_id, ex: dict) -> dict:
+    """One edit shown as Fig. 7 shows it: the top-k next tokens (with probabilities) of the source prompt, of
+    the control (target) prompt and of the source prompt after the edit, and greedy continuations of each.
+    Without a named pair it is the first pair of that kind (the seeded draw; not chosen by its outcome)."""
+    from stem.eval.generate import greedy_generate
+    kind, s, t, relation = ex["kind"], ex.get("source"), ex.get("target"), ex["relation"]
+    if s is None:
+        e = next(e for e in edits if e["kind"] == kind and e["relation"] == relation)
+        s, t = e["source"], e["target"]
+    src, tgt = encode(tok, " " + s), encode(tok, " " + t)
+    scheme = ex.get("scheme") or schemes_for(len(src), len(tgt))[0]
+    site = "stem" if "stem" in sites else "embedding"
+    template, k, n = facts[kind]["templates"][relation], ex.get("topk", 4), ex.get("tokens", 12)
+    src_ids, ctrl_ids = encode(tok, template.format(e=s)), encode(tok, template.format(e=t))
+
+    @torch.no_grad()
+    def show(ids):
+        p = F.softmax(model(torch.tensor([ids], device=model.tok_emb.weight.device))[0, -1].float(), dim=-1)
+        top = p.topk(k)
+        return {"topk": [[tok.decode([int(i)]), round(float(q), 4)] for q, i in zip(top.values, top.indices)],
+                "greedy": tok.decode(greedy_generate(model, ids, n, tok.eos_id))}
+    original, control = show(src_ids), show(ctrl_ids)
+    with edited(sites[site], src, plan(scheme, len(src), tgt, pad_id, [tok.decode([i]) for i in tgt])):
+        after = show(src_ids)
+    return {"prompt": template.format(e=s), "control_prompt": template.format(e=t), "source": s, "target": t,
+            "scheme": scheme, "site": site, "source_answer": facts[kind]["entities"][s][relation],
+            "target_answer": facts[kind]["entities"][t][relation],
+            "original": original, "control": control, "edited": after}

@@ -1,0 +1,34 @@
+"""Per-window held-out loss: the items of the paired bootstrap behind the loss direction (stem.analysis.verdict).
+
+``windows`` windows of ``seq_len`` tokens at evenly spaced offsets of a source's validation split (the same
+windows for every variant of a scale: same tokenizer, same split); each window's mean next-token loss.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def run(ckpt_dir, spec: dict) -> dict:
+    from stem.analysis.common import load
+    from stem.data.shards import ShardSet
+
+    model, _, _ = load(ckpt_dir, spec.get("device", "cpu"))
+    shards = ShardSet(Path(spec["manifest"]).parent, "val")
+    n = min(spec["seq_len"], model.cfg.max_seq_len) + 1
+    if len(shards) < n:
+        raise ValueError(f"{spec['manifest']}: validation split has {len(shards)} tokens, fewer than one window of {n}")
+    starts = np.linspace(0, len(shards) - n, spec["windows"]).astype(int)
+    x = torch.from_numpy(np.stack([shards.get(s, n) for s in starts]).astype(np.int64))
+    device, losses = model.tok_emb.weight.device, []
+    for b in range(0, len(x), spec.get("batch", 8)):  # bounded logits at a large vocabulary
+        xb = x[b:b + spec.get("batch", 8)].to(device)
+        logits = model(xb[:, :-1]).float()
+        losses.append(F.cross_entropy(logits.transpose(1, 2), xb[:, 1:], reduction="none").mean(dim=1).cpu())
+    loss = torch.cat(losses)
+    return {"analysis": "heldout", "source": spec["source"], "seq_len": n - 1, "starts": starts.tolist(),
+            "window_loss": loss.tolist(), "mean_loss": float(loss.mean())}

@@ -1,0 +1,149 @@
+"""Direction verdicts with a confidence: agree / disagree / inconclusive.
+
+A direction compares a variant with the dense baseline on the *same items* (benchmark questions, held-out
+windows, probe facts). ``paired_bootstrap`` resamples the items (with replacement, the same draw for both
+models) and gives the mean difference b - a with a percentile interval; ``classify`` reads it against the
+sign the paper reports: the interval above zero (or below) is a direction, one that contains zero is
+*inconclusive* (the tiny fixtures cannot tell). ``grouped_bootstrap`` is the same for a mean of per-group
+means (the commonsense average: each task resampled within itself).
+
+``table_directions`` applies it to the diff's accuracy directions (Tables 3 and 4, per task and the average)
+from the per-item lm-eval samples; ``loss_directions`` to the held-out loss (analysis ``heldout``). This is
+kept apart from ``stem.report.diff.directions`` (point estimates); the report shows both.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+LEVEL = 0.95
+N_BOOT = 2000
+
+
+def paired_bootstrap(a, b, n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL) -> dict:
+    """Mean of b - a over paired items, with a percentile bootstrap interval."""
+    return grouped_bootstrap([(a, b)], n_boot, seed, level)
+
+
+def grouped_bootstrap(groups, n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL) -> dict:
+    """Mean over groups of (mean b - mean a) within each group; every group resampled on its own items."""
+    rng = np.random.default_rng(seed)
+    deltas, boots, n = [], np.zeros(n_boot), 0
+    for a, b in groups:
+        d = np.asarray(b, float) - np.asarray(a, float)
+        if d.ndim != 1 or d.size == 0 or np.asarray(a).shape != np.asarray(b).shape:
+            raise ValueError(f"paired bootstrap: need two equal-length non-empty item lists, got {np.shape(a)} "
+                             f"and {np.shape(b)}")
+        deltas.append(d.mean())
+        boots += d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
+        n += d.size
+    boots /= len(groups)
+    lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
+    return {"delta": float(np.mean(deltas)), "lo": float(lo), "hi": float(hi), "n": n, "level": level}
+
+
+def classify(ci: dict, paper_sign: float) -> str:
+    """agree / disagree when the interval excludes zero, inconclusive when it does not (or the paper ties)."""
+    observed = 1 if ci["lo"] > 0 else -1 if ci["hi"] < 0 else 0
+    expected = int(np.sign(paper_sign))
+    if observed == 0 or expected == 0:
+        return "inconclusive"
+    return "agree" if observed == expected else "disagree"
+
+
+# ---- applied to the experiment's results -------------------------------------------------------------------
+def item_scores(raw_json, task: str, metric: str) -> dict[int, float]:
+    """{doc_id: per-item score} of one task from lm-eval's raw output (``metric`` as 'acc_norm,none')."""
+    name, _, filt = metric.partition(",")
+    raw = json.loads(Path(raw_json).read_text())
+    samples = (raw.get("samples") or {}).get(task)
+    if samples is None:
+        raise ValueError(f"{raw_json}: no per-item samples for task {task!r}")
+    out = {int(s["doc_id"]): float(s[name]) for s in samples if s.get("filter", "none") == (filt or "none")}
+    if not out:
+        raise ValueError(f"{raw_json}: task {task!r} has no items with metric {metric!r}")
+    return out
+
+
+def _paired(a: dict, b: dict):
+    keys = sorted(set(a) & set(b))
+    return [a[k] for k in keys], [b[k] for k in keys]
+
+
+def _task_items(root, exp, scale, variant, stage, suite, task, subtasks=None):
+    """Per-item scores of a task (a group's subtasks pooled by item), or None if the results are missing."""
+    d = Path(root) / "results" / exp / scale / variant / stage / "eval"
+    res, raw = d / f"{suite}.json", d / "raw" / f"{suite}.json"
+    if not (res.is_file() and raw.is_file()):
+        return None
+    info = json.loads(res.read_text())["tasks"].get(task)
+    if info is None:
+        return None
+    out = {}
+    for sub in subtasks or [task]:
+        out.update({(sub, k): v for k, v in item_scores(raw, sub, info["metric"]).items()})
+    return out
+
+
+def table_directions(cfg: dict, root=".") -> list[dict]:
+    """Each Table 3/4 accuracy direction (variant vs dense, per task and the commonsense average) with its
+    paired-bootstrap interval over items and a verdict against the paper's sign."""
+    from stem.report import paper_data as P
+    exp = cfg["experiment"]
+    stages = (cfg.get("report") or {}).get("stages") or {}
+    groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
+    suite_of = {t: "commonsense" for t in P.COMMONSENSE_TASKS} | {"mmlu": "mmlu", "gsm8k": "gsm8k"}
+    rows = []
+    for table in ("table3", "table4"):
+        paper = P.load_table(table).set_index(["scale", "variant", "column"])["value"]
+        for (scale, variant, column), pv in paper.items():
+            if variant == "dense" or (scale, "dense", column) not in paper.index:
+                continue
+            if column not in suite_of and column != "avg":
+                continue
+            p_delta = float(pv - paper[(scale, "dense", column)])
+            stage = next((st for st in stages.get(table, []) if (Path(root) / "results" / exp / scale / variant / st
+                                                                  / "eval").is_dir()), None)
+            ci = None
+            if stage is not None:
+                tasks = P.COMMONSENSE_TASKS if column == "avg" else [column]
+                pairs = []
+                for t in tasks:
+                    a = _task_items(root, exp, scale, "dense", stage, suite_of[t], t, groups.get(t))
+                    b = _task_items(root, exp, scale, variant, stage, suite_of[t], t, groups.get(t))
+                    if a is None or b is None:
+                        pairs = []
+                        break
+                    pairs.append(_paired(a, b))
+                if pairs:
+                    ci = grouped_bootstrap([(np.asarray(x) * 100, np.asarray(y) * 100) for x, y in pairs])
+            rows.append({"table": table, "scale": scale, "variant": variant, "column": column, "stage": stage,
+                         "paper_delta": p_delta, **_ci_cols(ci, p_delta),
+                         "source": f"{table.capitalize()}, {scale}, {variant} vs dense, column {column}"})
+    return rows
+
+
+def _ci_cols(ci, sign) -> dict:
+    if ci is None:
+        return {"ours_delta": None, "lo": None, "hi": None, "n": 0, "verdict": "missing"}
+    return {"ours_delta": ci["delta"], "lo": ci["lo"], "hi": ci["hi"], "n": ci["n"], "verdict": classify(ci, sign)}
+
+
+# The paper's loss claim: STEM variants train to a lower loss than the dense baseline (Sec. 4.4, Fig. 5a/5b);
+# a lower loss is the "better" direction, so the expected sign of (variant - dense) is negative.
+LOSS_SOURCE = "Sec. 4.4 / Fig. 5a-5b: STEM variants reach a lower training loss than the dense baseline"
+
+
+def loss_directions(analyses: dict) -> list[dict]:
+    """``analyses``: {(scale, variant, stage): heldout JSON}; each variant vs the dense model of its scale/stage."""
+    rows = []
+    for (scale, variant, stage), r in sorted(analyses.items()):
+        base = analyses.get((scale, "dense", stage))
+        if variant == "dense" or base is None or not variant.startswith("stem"):
+            continue
+        ci = paired_bootstrap(base["window_loss"], r["window_loss"])
+        rows.append({"table": "heldout_loss", "scale": scale, "variant": variant, "column": "val_loss",
+                     "stage": stage, "paper_delta": -1.0, **_ci_cols(ci, -1.0), "source": LOSS_SOURCE})
+    return rows

@@ -1,0 +1,80 @@
+"""The analyze stage in the DAG: targets, job specs and inputs from the experiment config's ``analysis:``.
+
+    analysis:
+      stages: {350m: [pretrain], 1b: [extend]}     # which trained checkpoints are analysed
+      editing:  {...}                               # one key per analysis (absent = not run)
+      heaps:    {source: web, lengths: [...], windows: 8}
+      spread:   {source: web, n_tokens: 256}
+      capacity: {source: web, countries: 40, people: 60, choices: 10, seed: 0}   # needs the synthetic world
+
+One job per (checkpoint, analysis): ``results/{experiment}/{scale}/{variant}/{stage}/analysis/{name}.json``.
+This module imports no torch (Snakemake builds the DAG with it).
+"""
+from __future__ import annotations
+
+ANALYSES = ("editing", "heaps", "spread", "capacity", "heldout")
+NEEDS_WORLD = ("capacity",)
+
+
+def analyses(cfg: dict) -> list[str]:
+    a = cfg.get("analysis") or {}
+    return [n for n in ANALYSES if a.get(n) is not None and (n not in NEEDS_WORLD or cfg.get("world"))]
+
+
+def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
+    from stem import config as C
+    stages = (cfg.get("analysis") or {}).get("stages") or {}
+    return [(s, v, st) for s, v, st in C.train_targets(cfg) if st in (stages.get(s) or [])]
+
+
+def has_tables(cfg: dict, scale: str, variant: str) -> bool:
+    """Whether the variant's model declares a token-indexed table (built on the meta device: no memory)."""
+    from stem import config as C
+    from stem.analysis.common import table_sites
+    from stem.models.config import ModelConfig
+    from stem.models.model import build_model
+    return bool(table_sites(build_model(ModelConfig.from_dict(C.train_spec(cfg, scale, variant, "pretrain")["model"]),
+                                        "meta")))
+
+
+# Analyses a checkpoint gets by default (any one can still be asked for by its path): Heaps' curve is the same
+# for every model of a scale and only the tables make it a parameter count, so only models with tables; the
+# held-out losses are compared with the dense baseline's, so dense and models with tables.
+ONLY_FOR = {"heaps": lambda tables, variant: tables, "heldout": lambda tables, variant: tables or variant == "dense"}
+
+
+def targets(cfg: dict) -> list[str]:
+    from stem import config as C
+    out = []
+    for s, v, st in checkpoints(cfg):
+        tables = has_tables(cfg, s, v)
+        out += [f"{C.stage_dir(cfg['experiment'], s, v, st)}/analysis/{name}.json" for name in analyses(cfg)
+                if ONLY_FOR.get(name, lambda t, v: True)(tables, v)]
+    return out
+
+
+def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
+    from stem import config as C
+    if name not in analyses(cfg):
+        raise ValueError(f"analysis {name!r}: not configured for experiment {cfg['experiment']!r} "
+                         f"(config key 'analysis.{name}'); expected one of {analyses(cfg)}")
+    spec = {**cfg["analysis"][name], "analysis": name, "device": cfg.get("device", "cpu"),
+            "job": {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}}
+    if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
+        from pathlib import Path
+        spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
+    if cfg.get("world") and name in ("editing", "capacity"):
+        spec["world"] = cfg["world"]
+    if "source" in spec:
+        spec["manifest"] = C.tokens_manifest(cfg["experiment"], scale, spec["source"])
+        if name == "capacity":
+            spec["corpus"] = f"data/{cfg['experiment']}/corpus/{spec['source']}.jsonl"
+    return spec
+
+
+def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
+    from stem import config as C
+    spec = job_spec(cfg, scale, variant, stage, name)
+    inputs = {"checkpoint": f"{C.stage_dir(cfg['experiment'], scale, variant, stage)}/checkpoint"}
+    inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts") if spec.get(k)})
+    return inputs

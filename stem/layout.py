@@ -1,0 +1,94 @@
+"""Where every file of the workflow lives: the one place for the paths the rules (rules/*.smk) declare and
+the code reads and writes.
+
+    data/{experiment}/corpus/{source}.jsonl                     synthetic corpora
+    data/{experiment}/{scale}/tokenizer/tokenizer.json
+    data/{experiment}/{scale}/tokens/{source}/[{part}/]manifest.json
+    data/{experiment}/fixtures/                                 offline eval fixtures (tiny)
+    results/{experiment}/{scale}/{variant}/{stage}/             one training job ("stage folder"):
+        summary.json, metrics.jsonl, checkpoint/, _state/ (resumable, undeclared), tensorboard/,
+        eval/{suite}.json, eval/raw/{suite}.json
+    logs/{experiment}/{scale}/{variant}/{stage}/train.log, .../eval/{suite}.log
+
+Every function takes the path's parts; called with wildcard names (``"{experiment}"``, ...; ``STAGE``) it
+gives the rule's pattern, so a rule and the code cannot disagree. Torch-free (the Snakefile imports it).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+IDENTITY = ("experiment", "scale", "variant", "stage")
+STAGE = tuple("{" + k + "}" for k in IDENTITY)   # wildcards: stage_dir(*STAGE) is the rules' pattern
+# what a training job writes in its stage folder (a train spec's ``out_dir``)
+SUMMARY, METRICS, CHECKPOINT, STATE, TENSORBOARD = "summary.json", "metrics.jsonl", "checkpoint", "_state", "tensorboard"
+
+
+# ---- data ------------------------------------------------------------------------------------------
+def corpus_path(exp: str, source: str) -> str:
+    return f"data/{exp}/corpus/{source}.jsonl"
+
+
+def tokenizer_path(exp: str, scale: str) -> str:
+    return f"data/{exp}/{scale}/tokenizer/tokenizer.json"
+
+
+def tokens_dir(exp: str, scale: str, source: str) -> str:
+    return f"data/{exp}/{scale}/tokens/{source}"
+
+
+def tokens_manifest(exp: str, scale: str, source: str) -> str:
+    return f"{tokens_dir(exp, scale, source)}/manifest.json"
+
+
+def tokens_part_dir(exp: str, scale: str, source: str, part: str) -> str:
+    return f"{tokens_dir(exp, scale, source)}/{part}"
+
+
+def fixtures_dir(exp: str) -> str:
+    return f"data/{exp}/fixtures"
+
+
+# ---- one training job's folder ------------------------------------------------------------------------
+def stage_dir(exp: str, scale: str, variant: str, stage: str) -> str:
+    return f"results/{exp}/{scale}/{variant}/{stage}"
+
+
+def summary(exp: str, scale: str, variant: str, stage: str) -> str:
+    return f"{stage_dir(exp, scale, variant, stage)}/{SUMMARY}"
+
+
+def metrics(exp: str, scale: str, variant: str, stage: str) -> str:
+    return f"{stage_dir(exp, scale, variant, stage)}/{METRICS}"
+
+
+def checkpoint(exp: str, scale: str, variant: str, stage: str) -> str:
+    return f"{stage_dir(exp, scale, variant, stage)}/{CHECKPOINT}"
+
+
+def eval_json(exp: str, scale: str, variant: str, stage: str, suite: str) -> str:
+    return f"{stage_dir(exp, scale, variant, stage)}/eval/{suite}.json"
+
+
+def eval_raw(exp: str, scale: str, variant: str, stage: str, suite: str) -> str:
+    return f"{stage_dir(exp, scale, variant, stage)}/eval/raw/{suite}.json"
+
+
+def train_log(exp: str, scale: str, variant: str, stage: str) -> str:
+    return f"logs/{exp}/{scale}/{variant}/{stage}/train.log"
+
+
+def eval_log(exp: str, scale: str, variant: str, stage: str, suite: str) -> str:
+    return f"logs/{exp}/{scale}/{variant}/{stage}/eval/{suite}.log"
+
+
+def state_dir(out_dir) -> Path:
+    """A stage folder's resumable training state (undeclared to Snakemake, so a failed job keeps it)."""
+    return Path(out_dir) / STATE
+
+
+def eval_identity(path) -> dict | None:
+    """The experiment/scale/variant/stage an eval JSON's path names (``eval_json``'s inverse), else None."""
+    parts = Path(path).resolve().parts
+    if len(parts) >= 7 and parts[-7] == "results" and parts[-2] == "eval":
+        return dict(zip(IDENTITY, parts[-6:-2]))
+    return None

@@ -1,0 +1,361 @@
+"""Offloaded STEM tables for inference (paper Sec. 3.4): the tables leave the compute device, each forward
+fetches only the rows of its unique token ids, one STEM layer ahead, and hot rows stay in an LFU cache.
+
+    engine = offload(model, weights="ckpt/model.safetensors", cache_rows=256)
+    logits = model(ids)            # every forward goes through the engine (a forward pre-hook)
+    engine.stats()                 # hit rate, unique/total ids, bytes moved per token
+
+Tiers. Far: the tables off the device, pinned host memory when the model computes on CUDA, else a memory
+map of the safetensors file (a gather pages in only the rows it reads). Near: this forward's rows and the
+cache, on the compute device.
+
+Per forward: the token ids are known before any layer runs, so a forward pre-hook on the model takes their
+unique ids (dedup), asks the cache which it holds and starts fetching the missing rows of the first STEM
+layer; each STEM layer, when it looks its rows up, starts the fetch of the next STEM layer's rows (a
+background thread; on CUDA the host-to-device copy runs on a side stream) and then waits for its own. Rows
+are exact copies of the table's, so the logits equal the resident model's.
+
+Which modules are tables: the registry's parameter roles. A submodule of a layer's FFN that declares a
+``lookup`` role for its own ``weight`` is a token-indexed table (the FFN calls it with the token ids, as an
+``nn.Embedding``); it is replaced by an ``OffloadedTable``, which holds no parameters.
+
+Cache (``LFUCache``): one directory for all STEM layers (they read the same ids), rows per layer. An id's
+count is the number of tokens that have read it over the engine's life, cached or not. After each forward
+the cache holds the ``cache_rows`` ids with the highest count among the ids it held and the forward's misses;
+equal counts go to the most recently used (LRU tie-break), then to the smaller id.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from stem.models.registry import param_roles
+
+_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}  # BF16: raw bits
+
+
+class MappedRows:
+    """One [V, d] tensor of a safetensors file, memory-mapped (the far tier on CPU)."""
+
+    def __init__(self, path, name: str, dtype: torch.dtype):
+        try:
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                info = json.loads(f.read(n)).get(name)
+        except (OSError, ValueError, struct.error) as e:
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        if info is None or info["dtype"] not in _NUMPY or len(info["shape"]) != 2:
+            raise ValueError(f"{path}: no 2-D float tensor {name!r} (expected the model's table weights)")
+        self.bf16 = info["dtype"] == "BF16"
+        self.rows = np.memmap(path, dtype=_NUMPY[info["dtype"]], mode="r", offset=8 + n + info["data_offsets"][0],
+                              shape=tuple(info["shape"]))
+        self.shape, self.dtype = tuple(info["shape"]), dtype
+
+    def gather(self, ids: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.take(self.rows, ids, axis=0))
+        return (t.view(torch.bfloat16) if self.bf16 else t).to(self.dtype)
+
+    def read_all(self) -> torch.Tensor:
+        return self.gather(np.arange(self.shape[0]))
+
+
+class HostRows:
+    """A table in host memory, pinned when CUDA is there (the far tier of a CUDA model)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.rows = weight.detach().to("cpu", copy=True)
+        if torch.cuda.is_available():
+            self.rows = self.rows.pin_memory()
+        self.shape, self.dtype = tuple(self.rows.shape), self.rows.dtype
+
+    def gather(self, ids: np.ndarray) -> torch.Tensor:
+        idx = torch.from_numpy(ids)
+        if not self.rows.is_pinned():
+            return self.rows.index_select(0, idx)
+        out = torch.empty((len(ids), self.shape[1]), dtype=self.dtype, pin_memory=True)  # caching host allocator
+        return torch.index_select(self.rows, 0, idx, out=out)
+
+
+class LFUCache:
+    """Which ids the near tier holds, and in which slot: LFU with LRU tie-break (see the module docstring)."""
+
+    def __init__(self, vocab_size: int, capacity: int):
+        self.capacity = capacity
+        self.count = np.zeros(vocab_size, np.int64)     # tokens that read each id
+        self.last = np.zeros(vocab_size, np.int64)      # the last forward (clock) that read it
+        self.slot = np.full(vocab_size, -1, np.int64)   # id -> slot, -1 when not cached
+        self.held = np.full(capacity, -1, np.int64)     # slot -> id, -1 when free
+        self.clock = 0
+
+    def access(self, uniq: np.ndarray, counts: np.ndarray):
+        """One forward reads the sorted unique ids ``uniq`` (``counts`` tokens each). Returns (hit mask over
+        uniq, the hits' slots, positions in uniq of the misses admitted, their slots); the hits' slots are
+        read before the admitted rows are written (an id hit now may be evicted now)."""
+        self.clock += 1
+        self.count[uniq] += counts
+        self.last[uniq] = self.clock
+        slots = self.slot[uniq]
+        hit = slots >= 0
+        miss = np.flatnonzero(~hit)
+        none = np.zeros(0, np.int64)
+        if self.capacity == 0 or len(miss) == 0:
+            return hit, slots[hit], none, none
+        free = np.flatnonzero(self.held < 0)
+        if len(miss) <= len(free):  # room for every miss: nothing to choose
+            self.held[free[:len(miss)]] = uniq[miss]
+            self.slot[uniq[miss]] = free[:len(miss)]
+            return hit, slots[hit], miss, free[:len(miss)]
+        held = self.held[self.held >= 0]
+        cand = np.concatenate([held, uniq[miss]])
+        keep = np.zeros(len(self.count), bool)
+        keep[cand[np.lexsort((cand, -self.last[cand], -self.count[cand]))[:self.capacity]]] = True
+        evicted = held[~keep[held]]
+        admit = miss[keep[uniq[miss]]]
+        free = np.concatenate([free, self.slot[evicted]])[:len(admit)]
+        self.slot[evicted] = -1
+        self.held[free] = uniq[admit]
+        self.slot[uniq[admit]] = free
+        return hit, slots[hit], admit, free
+
+    def cached(self) -> set[int]:
+        return {int(i) for i in self.held if i >= 0}
+
+
+class OffloadedTable(nn.Module):
+    """Stands where a table was: its rows come from the engine."""
+
+    def __init__(self, engine: "OffloadEngine", index: int, shape: tuple[int, int]):
+        super().__init__()
+        self.engine, self.index, self.shape = engine, index, shape
+
+    def forward(self, ids):
+        return self.engine.lookup(self.index, ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.shape[0]}, {self.shape[1]}, offloaded (STEM layer {self.index})"
+
+
+@dataclass
+class _Step:
+    """One forward: its ids, their dedup, the cache's answer, the fetches under way."""
+    ids: torch.Tensor
+    uniq: np.ndarray
+    inverse: torch.Tensor            # (B*T,) position in uniq, on the device
+    miss: np.ndarray                 # ids to fetch
+    hit_pos: torch.Tensor            # positions in uniq of hits / misses, on the device
+    miss_pos: torch.Tensor
+    hit_slots: torch.Tensor
+    admit: torch.Tensor              # positions in ``miss`` of the rows admitted to the cache, and their slots
+    admit_slots: torch.Tensor
+    fetches: dict = field(default_factory=dict)
+    looked_up: set = field(default_factory=set)
+
+
+class OffloadEngine:
+    def __init__(self, far: list, device: torch.device, dtype: torch.dtype, cache_rows: int, prefetch: bool):
+        self.far, self.device, self.dtype = far, device, dtype
+        vocab, d_ff = far[0].shape
+        if not 0 <= cache_rows <= vocab:
+            raise ValueError(f"cache_rows={cache_rows}: expected 0 (no cache) to {vocab} (the vocabulary)")
+        self.cache = LFUCache(vocab, cache_rows)
+        self.rows = torch.empty((len(far), cache_rows, d_ff), dtype=dtype, device=device)  # near-tier cache rows
+        self.row_bytes = d_ff * torch.empty((), dtype=dtype).element_size()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="stem-prefetch") if prefetch else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.step: _Step | None = None
+        self.freed_bytes = 0      # table bytes taken off the compute device
+        self.hook = None
+        self.reset_stats()
+
+    # ---- counters ---------------------------------------------------------------------------------------
+    def reset(self):
+        """An empty cache (same budget) and zeroed counters."""
+        self.cache, self.step = LFUCache(len(self.cache.count), self.cache.capacity), None
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.forwards = self.total_ids = self.unique_ids = self.hits = self.bytes_moved = 0
+
+    def stats(self) -> dict:
+        """hit_rate: cached / unique ids over the forwards (every STEM layer reads the same ids);
+        bytes_moved: far-to-near row bytes, all STEM layers; per token: over every id of every forward."""
+        return {"forwards": self.forwards, "total_ids": self.total_ids, "unique_ids": self.unique_ids,
+                "hits": self.hits, "hit_rate": self.hits / self.unique_ids if self.unique_ids else 0.0,
+                "unique_per_total": self.unique_ids / self.total_ids if self.total_ids else 0.0,
+                "bytes_moved": self.bytes_moved,
+                "bytes_per_token": self.bytes_moved / self.total_ids if self.total_ids else 0.0,
+                "cache_rows": self.cache.capacity, "stem_layers": len(self.far), "freed_bytes": self.freed_bytes}
+
+    # ---- one forward ------------------------------------------------------------------------------------
+    def begin(self, ids: torch.Tensor) -> _Step:
+        """Dedup the forward's ids, consult the cache, start fetching the first STEM layer's missing rows."""
+        uniq, inverse, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        uniq, counts = uniq.cpu().numpy(), counts.cpu().numpy()
+        hit, hit_slots, admit, admit_slots = self.cache.access(uniq, counts)
+        miss_pos = np.flatnonzero(~hit)
+
+        def dev(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+        miss_rank = np.cumsum(~hit) - 1            # position of each miss among the misses
+        st = _Step(ids, uniq, inverse.to(self.device), uniq[miss_pos], dev(np.flatnonzero(hit)), dev(miss_pos),
+                   dev(hit_slots), dev(miss_rank[admit]), dev(admit_slots))
+        self.forwards += 1
+        self.total_ids += ids.numel()
+        self.unique_ids += len(uniq)
+        self.hits += int(hit.sum())
+        self.bytes_moved += len(miss_pos) * len(self.far) * self.row_bytes
+        self.step = st
+        self._start(st, 0)
+        return st
+
+    def _start(self, st: _Step, j: int):
+        if self.pool is not None and j < len(self.far):
+            st.fetches[j] = self.pool.submit(self._fetch, j, st.miss)
+
+    def _fetch(self, j: int, miss: np.ndarray):
+        rows = self.far[j].gather(miss)
+        if self.stream is None:
+            return rows.to(self.device), None
+        with torch.cuda.stream(self.stream):
+            rows = rows.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return rows, done
+
+    def _wait(self, st: _Step, j: int) -> torch.Tensor:
+        rows, done = st.fetches.pop(j).result() if j in st.fetches else self._fetch(j, st.miss)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+            rows.record_stream(torch.cuda.current_stream(self.device))
+        return rows
+
+    def lookup(self, j: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of STEM layer ``j`` for ``ids`` (B, T) -> (B, T, d_ff)."""
+        st = self.step
+        if st is None or st.ids is not ids or j in st.looked_up:  # a call the pre-hook did not announce
+            st = self.begin(ids)
+        st.looked_up.add(j)
+        fetched = self._wait(st, j)
+        self._start(st, j + 1)                      # the next STEM layer's rows, while this one computes
+        if len(st.hit_pos) == 0:
+            rows = fetched
+        else:
+            rows = torch.empty((len(st.uniq), fetched.shape[1]), dtype=self.dtype, device=self.device)
+            rows[st.hit_pos] = self.rows[j, st.hit_slots]
+            rows[st.miss_pos] = fetched
+        if len(st.admit):
+            self.rows[j, st.admit_slots] = fetched[st.admit]
+        return rows[st.inverse].view(*ids.shape, -1)
+
+    def close(self):
+        """Stop the prefetch thread and detach from the model (the tables stay offloaded)."""
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+
+def token_tables(model) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, table) of every token-indexed table, in layer order: a submodule of a layer's FFN
+    declaring a ``lookup`` role for its own ``weight`` (stem.models.registry)."""
+    found = []
+    for block in model.layers:
+        roles = param_roles(block.ffn)
+        for name, m in block.ffn.named_modules():
+            w = m._parameters.get("weight") if name else None
+            if w is None or id(w) not in roles or roles[id(w)].count != "lookup":
+                continue
+            if not isinstance(m, nn.Embedding):
+                raise ValueError(f"{type(m).__name__}: a lookup table the engine cannot offload (expected an "
+                                 "nn.Embedding read as weight[ids])")
+            parent_name, _, attr = name.rpartition(".")
+            found.append((block.ffn.get_submodule(parent_name), attr, m))
+    return found
+
+
+def offload(model, weights=None, device=None, cache_rows: int = 0, prefetch: bool = True) -> OffloadEngine:
+    """Take ``model``'s STEM tables off the compute device, move the rest to ``device`` (default: where the
+    model is) and serve the tables' rows through an ``OffloadEngine`` (returned; also ``model.offload_engine``).
+    On CUDA the far tier is pinned host memory; on the CPU it is ``weights``, the safetensors file holding
+    the tables under the model's state-dict names (a checkpoint's model.safetensors)."""
+    tables = token_tables(model)
+    if not tables:
+        raise ValueError("offload: the model has no token-indexed tables (a STEM FFN kind) to offload")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    names = {id(m): n for n, m in model.named_modules()}
+    dtype = tables[0][2].weight.dtype
+    if weights is not None:
+        far = [MappedRows(weights, f"{names[id(m)]}.weight", dtype) for _, _, m in tables]
+        for (_, _, m), f in zip(tables, far):
+            if f.shape != tuple(m.weight.shape):
+                raise ValueError(f"{weights}: {names[id(m)]}.weight has shape {f.shape}, the model's table "
+                                 f"{tuple(m.weight.shape)}")
+        if device.type == "cuda":
+            far = [HostRows(f.read_all()) for f in far]
+    elif device.type == "cuda":
+        far = [HostRows(m.weight) for _, _, m in tables]
+    else:
+        raise ValueError("offload on the CPU reads the tables from a safetensors file: pass weights= "
+                         "(e.g. the checkpoint's model.safetensors)")
+    engine = OffloadEngine(far, device, dtype, int(cache_rows), prefetch)
+    for j, (parent, attr, m) in enumerate(tables):
+        engine.freed_bytes += m.weight.numel() * m.weight.element_size()
+        setattr(parent, attr, OffloadedTable(engine, j, tuple(m.weight.shape)))
+    if next(model.parameters()).device.type != "meta":  # a meta model is materialised by its caller
+        model.to(device)
+
+    def announce(module, args, kwargs):
+        ids = args[0] if args else kwargs["ids"]
+        engine.begin(ids)
+
+    engine.hook = model.register_forward_pre_hook(announce, with_kwargs=True)
+    model.offload_engine = engine
+    return engine
+
+
+def load_offloaded(ckpt_dir, device="cpu", dtype=torch.float32, cache_rows: int = 0, prefetch: bool = True):
+    """(model, spec) from a checkpoint folder without ever reading its tables into memory: the model is built
+    on the meta device, its tables offloaded (the far tier reads model.safetensors), the rest materialised on
+    ``device`` and read from the file tensor by tensor."""
+    from safetensors import safe_open
+
+    from stem.models.config import ModelConfig
+    from stem.models.model import build_model
+    from stem.train.checkpoint import read_checkpoint_spec
+
+    ckpt = Path(ckpt_dir)
+    weights = ckpt / "model.safetensors"
+    spec = read_checkpoint_spec(ckpt)
+    try:
+        model = build_model(ModelConfig.from_dict(spec["model"]), "meta").to(dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{ckpt / 'config.json'}: bad model config ({e})") from None
+    tables = {f"{n}.weight" for n, m in model.named_modules() if m in {t for _, _, t in token_tables(model)}}
+    offload(model, weights, device, cache_rows, prefetch)
+    model.to_empty(device=device)
+    model.init_weights()  # the buffers not saved with the weights (RoPE frequencies); the weights come next
+    own = model.state_dict()
+    try:
+        with safe_open(str(weights), framework="pt", device="cpu") as f:
+            have = set(f.keys())
+            if have != set(own) | tables:
+                raise ValueError(f"{weights}: weights do not match the model (missing "
+                                 f"{sorted(set(own) - have)[:3]}, unexpected {sorted(have - set(own) - tables)[:3]})")
+            for k, v in own.items():
+                t = f.get_tensor(k)
+                if t.shape != v.shape:
+                    raise ValueError(f"{weights}: {k} {tuple(t.shape)} vs model {tuple(v.shape)}")
+                v.copy_(t)
+    except OSError as e:
+        raise ValueError(f"{weights}: unreadable safetensors file ({e})") from None
+    return model.eval(), spec

@@ -1,0 +1,145 @@
+"""The report's tables and figures by name: the one list the aggregate stage reads.
+
+A table is registered with ``@paper_table(name, title, ...)`` on its builder, a figure with
+``@report_figure(name, caption, ...)`` on its drawing function. The workflow (rules/report.smk through
+stem.report.workflow), the table writer, the diff, the figures, the README and the HTML report all iterate
+``tables()`` / ``figures()``; none of them names a table or a figure. The paper's own tables and figures are
+registered when stem.report.tables and stem.report.figures are imported (``BUILTIN``); ``tables()`` and
+``figures()`` import them first. This module imports nothing of the project.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+BUILTIN = ("stem.report.tables", "stem.report.figures")   # modules that register the paper's tables and figures
+NAME = re.compile(r"^[a-z][a-z0-9_]*$")   # a file name under reports/ and a Snakemake output / wildcard value
+RESERVED = {"md", "long", "reproduced"}   # rule report_tables' other outputs, tables/reproduced.csv
+
+
+def _check_name(what: str, name: str):
+    if not isinstance(name, str) or not NAME.match(name) or name in RESERVED:
+        raise ValueError(f"report {what} {name!r}: expected a name of lower-case letters, digits and '_' "
+                         f"(not {', '.join(sorted(RESERVED))})")
+
+
+@dataclass(frozen=True)
+class PaperTable:
+    """One table of the report.
+
+    name: file name under ``reports/{experiment}/tables/`` and the ``table`` column of its cells.
+    title: heading of its Markdown, LaTeX, README and HTML versions.
+    build(cfg, res) -> long DataFrame in ``paper_data.COLUMNS`` (value NaN where there is no result yet).
+    csv: the paper's cells, ``reference/paper/{csv}.csv``; None for a table the paper does not print.
+    labels: {column id: printed column label}.
+    stages: the training stages whose results feed it, first with a result wins (the config's
+        ``report.stages.{name}`` overrides).
+    compared: the diff compares it cell by cell with ``csv``; direction_checked: the diff asks whether each
+        variant beats the same scale's dense baseline where the paper says it does (except in the columns
+        ``undirected``, e.g. parameter counts).
+    notes: {(scale or "", column): text} shown beside those cells in the diff.
+    inputs(cfg) -> files its builder reads besides the training summaries and eval JSONs (inputs of the
+        workflow's report_tables rule).
+    paper_cells(df) -> the reference cells as compared (default: ``csv`` as it is).
+    """
+    name: str
+    title: str
+    build: Callable
+    csv: str | None = None
+    labels: dict = field(default_factory=dict)
+    stages: tuple = ()
+    compared: bool = False
+    direction_checked: bool = False
+    undirected: tuple = ()
+    notes: dict = field(default_factory=dict)
+    inputs: Callable | None = None
+    paper_cells: Callable | None = None
+
+    def __post_init__(self):
+        _check_name("table", self.name)
+        if (self.compared or self.direction_checked) and not self.csv:
+            raise ValueError(f"table {self.name!r}: compared / direction_checked needs the paper's cells (csv=...)")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of the report (PNG and PDF under ``reports/{experiment}/figures/``).
+
+    draw(cfg, res, ours, files) -> a matplotlib figure; ``ours`` = {table: long DataFrame} (the reproduced
+        tables), ``files`` = what ``inputs`` named (paths, relative to the working directory).
+    caption: under the figure in the README and the HTML report.
+    inputs(cfg, evals) -> {name: path or [paths]} the figure reads besides the reproduced tables; ``evals``
+        lists the experiment's eval JSONs.
+    scale, variants: what a curve figure plots (None / () for figures that choose for themselves).
+    """
+    name: str
+    draw: Callable
+    caption: str
+    inputs: Callable | None = None
+    scale: str | None = None
+    variants: tuple = ()
+
+    def __post_init__(self):
+        _check_name("figure", self.name)
+
+
+TABLES: dict[str, PaperTable] = {}
+FIGURES: dict[str, Figure] = {}
+
+
+def paper_table(name: str, title: str, **kw):
+    """Decorator: register ``build(cfg, res)`` as table ``name`` (keywords: the fields of PaperTable)."""
+    def register(build):
+        if name in TABLES:
+            raise ValueError(f"report table {name!r}: already registered ({TABLES[name].build.__qualname__})")
+        TABLES[name] = PaperTable(name, title, build, **kw)
+        return build
+    return register
+
+
+def report_figure(name: str, caption: str, **kw):
+    """Decorator: register ``draw(cfg, res, ours, files)`` as figure ``name`` (keywords: Figure's fields)."""
+    def register(draw):
+        if name in FIGURES:
+            raise ValueError(f"report figure {name!r}: already registered")
+        FIGURES[name] = Figure(name, draw, caption, **kw)
+        return draw
+    return register
+
+
+def _builtins():
+    for module in BUILTIN:
+        importlib.import_module(module)
+
+
+def tables() -> dict[str, PaperTable]:
+    """Every registered table, in registration order (the paper's first)."""
+    _builtins()
+    return TABLES
+
+
+def figures() -> dict[str, Figure]:
+    _builtins()
+    return FIGURES
+
+
+def table(name: str) -> PaperTable:
+    if name not in tables():
+        raise ValueError(f"unknown report table {name!r}; expected one of {', '.join(TABLES)}")
+    return TABLES[name]
+
+
+def figure(name: str) -> Figure:
+    if name not in figures():
+        raise ValueError(f"unknown figure {name!r}; expected one of {', '.join(FIGURES)}")
+    return FIGURES[name]
+
+
+def compared() -> list[str]:
+    return [n for n, t in tables().items() if t.compared]
+
+
+def direction_checked() -> list[str]:
+    return [n for n, t in tables().items() if t.direction_checked]

@@ -1,0 +1,379 @@
+"""Typed job specs: what one training or evaluation job is told, beside the model's ``ModelConfig``.
+
+The workflow resolves each job's spec from the experiment config (``stem.config.train_spec``,
+``stem.eval.run.job_spec``) and passes it to the job as JSON (a rule parameter, so Snakemake reruns exactly
+the jobs whose spec changed). The job builds the dataclass with ``from_dict`` once, which checks every key
+(one line naming the key and what is expected), and reads typed fields from then on. ``to_dict`` gives the
+JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
+
+Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
+``activation_checkpointing``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+JSON of the jobs that do not use it unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+
+from stem.models.config import ModelConfig
+
+STRATEGIES = ("fsdp", "ddp")              # the backbone's parallel strategy (stem.train.distributed)
+SCHEDULES = ("cosine", "linear", "constant")
+TABLE_UPDATES = ("dense", "sparse")        # optim.table_update (stem.train.optim)
+OPTIONAL = {"omit_default": True}       # field metadata: left out of to_dict() at its default
+
+
+class SpecError(ValueError):
+    """A job spec that does not hold what the job needs: one line naming the key."""
+
+
+class _FieldError(Exception):
+    """A dataclass's own check of one of its fields (``__post_init__``); ``_from_dict`` names the full key."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(problem)
+        self.field = field
+
+
+# ---- building a dataclass from JSON, checking each key against its type --------------------------------
+def _describe(tp) -> str:
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return "a list of strings" if typing.get_args(tp)[0] is str else "a list of numbers"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _convert(tp, value, key: str):
+    """``value`` as type ``tp`` (JSON scalars kept as they are: an integer stays one where a number is
+    expected, so the JSON does not change); SpecError naming ``key`` otherwise."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_null = [a for a in args if a is not type(None)]
+        if len(non_null) == 1 and dataclasses.is_dataclass(non_null[0]):   # a nested spec: its own errors
+            return _convert(non_null[0], value, key)
+        for a in args:
+            if a is not type(None):
+                try:
+                    return _convert(a, value, key)
+                except SpecError:
+                    pass
+        raise SpecError(f"key '{key}': expected {_describe(tp)}, got {value!r}")
+    if tp is ModelConfig:
+        if not isinstance(value, dict):
+            raise SpecError(f"key '{key}': expected a model config mapping, got {value!r}")
+        try:
+            return ModelConfig.from_dict(value)
+        except (TypeError, ValueError) as e:
+            raise SpecError(f"key '{key}': {e}") from None
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, key)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise SpecError(f"key '{key}': expected a mapping, got {value!r}")
+        return {k: _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise SpecError(f"key '{key}': expected a mapping, got {value!r}")
+        return value
+    if origin is tuple and args[0] is str:     # tuple[str, ...]
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
+            raise SpecError(f"key '{key}': expected a non-empty list of strings, got {value!r}")
+        return tuple(value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value) \
+                or (args[-1] is not Ellipsis and len(value) != len(args)):
+            n = "" if args[-1] is Ellipsis else f"{len(args)} "
+            raise SpecError(f"key '{key}': expected a list of {n}numbers, got {value!r}")
+        return tuple(value)
+    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
+          float: _is_number(value), str: isinstance(value, str)}.get(tp)
+    if not ok:
+        raise SpecError(f"key '{key}': expected {_describe(tp)}, got {value!r}")
+    return value
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _from_dict(cls, d, where: str):
+    if not isinstance(d, dict):
+        raise SpecError(f"key '{where}': expected a mapping, got {d!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise SpecError(f"key '{prefix}{unknown[0]}': unknown (expected one of {', '.join(fields)})")
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for name, f in fields.items():
+        if name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise SpecError(f"key '{prefix}{name}' missing (expected {_describe(hints[name])})")
+            continue
+        kw[name] = _convert(hints[name], d[name], prefix + name)
+    try:
+        return cls(**kw)
+    except _FieldError as e:
+        raise SpecError(f"key '{prefix}{e.field}': {e}") from None
+
+
+def _plain(obj):
+    """JSON-ready form of a spec: nested dataclasses as mappings, optional fields at their default left out."""
+    if isinstance(obj, ModelConfig):
+        return obj.to_dict()
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_default") and getattr(obj, f.name) == f.default)}
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+class _Spec:
+    """from_dict / to_dict for a job spec dataclass."""
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """Build and check a spec; SpecError ``{kind} spec: key 'a.b': expected ..., got ...`` otherwise."""
+        try:
+            return _from_dict(cls, d, "")
+        except SpecError as e:
+            raise SpecError(f"{cls.KIND} spec: {e}") from None
+
+    @classmethod
+    def coerce(cls, spec):
+        """A spec given either as this dataclass or as its JSON mapping."""
+        return spec if isinstance(spec, cls) else cls.from_dict(spec)
+
+    def to_dict(self) -> dict:
+        """The JSON mapping (lists for tuples: what a JSON round trip gives)."""
+        return json.loads(json.dumps(_plain(self)))
+
+
+def _check(ok: bool, field: str, expected: str, value):
+    if not ok:
+        raise _FieldError(field, f"expected {expected}, got {value!r}")
+
+
+# ---- training -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DataSource:
+    weight: float
+    manifest: str            # the source's token manifest (layout.tokens_manifest)
+
+    def __post_init__(self):
+        _check(self.weight > 0, "weight", "a number > 0", self.weight)
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """AdamW (stem.train.optim.build_optimizer); ``groups``: per optimizer group ``lr_mult`` / ``weight_decay``
+    overrides of the registry's defaults."""
+    betas: tuple[float, float]
+    weight_decay: float
+    eps: float
+    grad_clip: float | None
+    groups: dict = field(default_factory=dict)
+    table_update: str = field(default="dense", metadata=OPTIONAL)   # stem.train.optim: dense (paper) | sparse
+
+    def __post_init__(self):
+        _check(self.table_update in TABLE_UPDATES, "table_update", f"one of {', '.join(TABLE_UPDATES)}",
+               self.table_update)
+        for name, o in self.groups.items():
+            _check(isinstance(o, dict) and set(o) <= {"lr_mult", "weight_decay"}
+                   and all(_is_number(v) for v in o.values()), f"groups.{name}",
+                   "a mapping of lr_mult and/or weight_decay numbers", o)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The ``train`` section: one stage's schedule and batch layout, logging, checkpoints, parallelism."""
+    lr: float
+    schedule: str
+    warmup: float
+    min_lr_ratio: float
+    batch_size: int          # global, in sequences
+    micro_batch: int         # per-GPU sequences per forward (an upper bound under data parallelism)
+    seq_len: int
+    steps: int
+    cross_doc_mask: bool = False
+    reset_optimizer: bool = True    # false: carry init_from's optimizer state (checkpoint/optimizer/)
+    save_optimizer: bool = False    # true: a later stage carries this one's optimizer state
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 4
+    checkpoint_interval: int = 100
+    tensorboard: bool = False
+    schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
+    activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
+    parallel: str = field(default="fsdp", metadata=OPTIONAL)   # the backbone's strategy under torchrun
+
+    def __post_init__(self):
+        _check(self.schedule in SCHEDULES, "schedule", f"one of {', '.join(SCHEDULES)}", self.schedule)
+        _check(self.parallel in STRATEGIES, "parallel", f"one of {', '.join(STRATEGIES)}", self.parallel)
+        _check(self.lr > 0, "lr", "a number > 0", self.lr)
+        for key in ("warmup", "min_lr_ratio"):
+            _check(0 <= getattr(self, key) <= 1, key, "a number in [0, 1]", getattr(self, key))
+        for key in ("batch_size", "micro_batch", "seq_len", "steps", "log_interval", "eval_interval",
+                    "checkpoint_interval"):
+            _check(getattr(self, key) >= 1, key, "an integer >= 1", getattr(self, key))
+        _check(self.eval_batches >= 0, "eval_batches", "an integer >= 0", self.eval_batches)
+        _check(self.schedule_steps is None or self.schedule_steps >= 1, "schedule_steps", "an integer >= 1 or null",
+               self.schedule_steps)
+
+    def lr_schedule(self) -> dict:
+        """Keyword arguments of stem.train.schedule.get_lr."""
+        return {"lr": self.lr, "steps": self.steps, "warmup": self.warmup, "schedule": self.schedule,
+                "min_lr_ratio": self.min_lr_ratio, "schedule_steps": self.schedule_steps}
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class TrainSpec(_Spec):
+    """One training job: (experiment, scale, variant, stage), its model, optimizer, schedule, data and places."""
+    KIND: typing.ClassVar[str] = "train"
+    experiment: str
+    scale: str
+    variant: str
+    stage: str
+    seed: int
+    device: str              # auto, cpu or cuda
+    model: ModelConfig
+    optim: OptimSpec
+    train: TrainSettings
+    data: dict[str, DataSource]
+    tokenizer: str           # tokenizer.json (copied into the checkpoint)
+    init_from: str | None    # the previous stage's checkpoint folder
+    init_stage: str | None   # ... and that stage's name
+    out_dir: str             # the stage folder (stem.layout.stage_dir)
+
+    def __post_init__(self):
+        _check(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
+        _check(len(self.data) > 0, "data", "at least one source", self.data)
+
+    @property
+    def name(self) -> str:
+        return f"{self.scale}/{self.variant}/{self.stage}"
+
+
+# ---- evaluation -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobId:
+    experiment: str
+    scale: str
+    variant: str
+    stage: str
+
+
+@dataclass(frozen=True)
+class EvalSpec(_Spec):
+    """One eval job: a suite of a registered kind (stem.eval.kinds) run on one checkpoint. The common keys are
+    typed; a kind's own keys (tasks, metric, lengths, documents, ...) stay in ``options``, and ``to_dict`` puts
+    them back beside the common ones (the flat mapping a kind's runner reads)."""
+    KIND: typing.ClassVar[str] = "eval"
+    suite: str
+    kind: str
+    batch_size: int
+    seed: int
+    device: str | None = None
+    fixtures: str | None = None      # offline fixture folder (tiny), else lm-eval's own data
+    job: JobId | None = None         # the checkpoint this job must read (checked against its config.json)
+    options: dict = field(default_factory=dict)
+
+    COMMON: typing.ClassVar[tuple] = ("suite", "kind", "batch_size", "seed", "device", "fixtures", "job")
+
+    def __post_init__(self):
+        from stem.eval.kinds import known_kinds
+        _check(self.kind in known_kinds(), "kind", f"a registered suite kind ({', '.join(known_kinds())})", self.kind)
+        _check(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        if not isinstance(d, dict):
+            raise SpecError(f"eval spec: expected a mapping, got {d!r}")
+        common = {k: v for k, v in d.items() if k in cls.COMMON}
+        return super().from_dict({**common, "options": {k: v for k, v in d.items() if k not in cls.COMMON}})
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if d["job"] is None:
+            del d["job"]
+        return {**{k: v for k, v in d.items() if k != "options"}, **d["options"]}
+
+
+# ---- aggregate (report) ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spikes:
+    """Figure 5a's loss-spike rule: loss > median of the previous ``window`` logged steps + k x 1.4826 x MAD."""
+    window: int = 50
+    k: float = 6.0
+
+    def __post_init__(self):
+        _check(self.window >= 2, "window", "an integer >= 2", self.window)
+        _check(self.k > 0, "k", "a number > 0", self.k)
+
+
+TOLERANCES = ("accuracy", "params", "gflops", "roi", "other")
+
+
+@dataclass(frozen=True)
+class ReportSpec(_Spec):
+    """The aggregate stage's settings: the experiment config's ``report:`` section over the defaults.
+
+    stages: {table: training stages feeding it, first with results wins} (default: each registered table's
+    own ``stages``); tolerance: the diff's absolute tolerance per kind of cell; spikes: Figure 5a's rule.
+    ``from_config`` checks it once; every report job reads this, never the raw section."""
+    KIND: typing.ClassVar[str] = "report"
+    experiment: str
+    stages: dict[str, tuple[str, ...]]
+    tolerance: dict[str, float]
+    spikes: Spikes = field(default_factory=Spikes)
+
+    def __post_init__(self):
+        from stem.report import registry
+        tables = registry.tables()
+        fed = [n for n, t in tables.items() if t.stages]
+        for name, stages in self.stages.items():
+            _check(name in fed, f"stages.{name}", f"a table fed by training stages ({', '.join(fed)})", name)
+            for st in stages:
+                _check(st in ("pretrain", "midtrain", "extend"), f"stages.{name}", "stages among pretrain, "
+                       "midtrain, extend", list(stages))
+        for name, tol in self.tolerance.items():
+            _check(name in TOLERANCES and tol >= 0, f"tolerance.{name}",
+                   f"a number >= 0 for one of {', '.join(TOLERANCES)}", tol)
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ReportSpec":
+        """The defaults (registry stages, tolerances, spike rule) under the config's ``report:`` section."""
+        from stem.report import registry
+        rep = cfg.get("report") or {}
+        if not isinstance(rep, dict):
+            raise SpecError(f"report spec: key 'report': expected a mapping, got {rep!r}")
+        stages = {n: list(t.stages) for n, t in registry.tables().items() if t.stages}
+        tolerance = {"accuracy": 1.0, "params": 0.01, "gflops": 0.01, "roi": 0.02, "other": 0.0}
+        for key, default in (("stages", stages), ("tolerance", tolerance)):
+            if not isinstance(rep.get(key) or {}, dict):
+                raise SpecError(f"report spec: key 'report.{key}': expected a mapping, got {rep[key]!r}")
+        try:
+            return cls.from_dict({"experiment": cfg["experiment"], "stages": {**stages, **(rep.get("stages") or {})},
+                                  "tolerance": {**tolerance, **(rep.get("tolerance") or {})},
+                                  "spikes": {**dataclasses.asdict(Spikes()), **(rep.get("spikes") or {})}})
+        except SpecError as e:   # name the config's key
+            raise SpecError(str(e).replace("report spec: key '", "config: key 'report.", 1)) from None

@@ -1,0 +1,70 @@
+"""One optimizer step, shared by the training loop (stem.train.loop) and the memory trace (stem.train.memory):
+the optimizer as a job builds it, then forward/backward over the step's micro-batches, gradient sync and
+clipping, and the update."""
+from __future__ import annotations
+
+import math
+
+from stem.train import distributed
+from stem.train.optim import build_optimizer, set_lr
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def make_optimizer(model, spec, ctx, fused: bool):
+    """The job's AdamW over the model's parameter groups (``spec``: a TrainSpec), ready for its sharding."""
+    opt = build_optimizer(model, spec.to_dict()["optim"], spec.train.lr, fused=fused)
+    return distributed.optimizer_for_dtensors(opt, ctx, spec.train.parallel)
+
+
+def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, counts=None, on_backward=None) -> float:
+    """Forward and backward over one optimizer step's micro-batches; returns the step's training loss.
+
+    ``batches`` is the whole step's list (every rank's); this rank runs micro-batches rank, rank+W, ...
+    The objective is the token mean of the whole step: the sum of the losses of every trained target
+    (target != -1) in all micro-batches on all ranks, divided by their total count, so the gradient does
+    not depend on how the batch is split (packed rows carry different numbers of targets). Each
+    micro-batch's mean loss is weighted by count_i / total; FSDP (or the DDP sync) then averages over
+    the W ranks, hence the extra factor W. The count comes from the batches themselves, which every rank
+    holds, so no collective is needed before backward (``counts`` gives them instead: the memory trace's
+    fake tensors hold no values). Under FSDP every backward reduce-scatters its gradients, so they stay
+    sharded between micro-batches (stem.train.memory traces that peak). ``on_backward()`` runs after each
+    micro-batch's backward (the memory tracker's bookkeeping)."""
+    counts = [int((y != -1).sum()) for _, y, _ in batches] if counts is None else counts
+    total = sum(counts)
+    if total == 0:
+        raise TrainingError(f"step {step}: no trained targets in the whole batch (every target is padding)")
+    loss_sum = 0.0
+    for i in range(ctx.rank, len(batches), ctx.world):
+        x, y, pos = batches[i]
+        x, y, pos = x.to(device), y.to(device), None if pos is None else pos.to(device)
+        if counts[i] == 0:  # nothing to learn here, but FSDP expects the same forward/backward on every rank
+            with autocast:
+                (model(x, positions=pos).float().sum() * 0.0).backward()
+        else:
+            divisor = total / (counts[i] * ctx.world)  # == accum / W when every micro-batch has the same count
+            with autocast:
+                loss = model(x, y, positions=pos)
+            (loss / divisor).backward()
+            loss_sum += loss.item() / divisor
+        if on_backward is not None:
+            on_backward()
+    return distributed.all_mean(ctx, loss_sum)
+
+
+def train_step(model, opt, batches, ctx, autocast, lr: float, grad_clip: float | None, step: int = 0,
+               counts=None, on_backward=None):
+    """One optimizer step at learning rate ``lr``: gradients of the step's token-mean loss (above), averaged
+    over replicas and clipped to ``grad_clip`` (global L2 norm; None: no clipping), then the update.
+    Returns (training loss, gradient norm before clipping)."""
+    set_lr(opt, lr)
+    loss = accumulate_gradients(model, batches, ctx, ctx.device, autocast, step, counts, on_backward)
+    if not math.isfinite(loss):
+        raise TrainingError(f"non-finite training loss {loss} at step {step} (lr={lr:.3g})")
+    distributed.sync_replicated_grads(model, ctx)
+    grad_norm = distributed.clip_grad_norm_(model, grad_clip or float("inf"), ctx)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, grad_norm

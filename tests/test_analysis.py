@@ -1,0 +1,316 @@
+"""The analyze stage (stem/analysis): edit schemes and their undo, the Heaps fit, cosine spread, verdicts."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stem.analysis import editing as E
+from stem.analysis import heaps as H
+from stem.analysis import spread as S
+from stem.analysis import verdict as V
+from stem.analysis.common import state_digest, table_sites
+from stem.models.config import ModelConfig
+from stem.models.model import build_model
+
+
+def small_model(ffn=("dense", "stem", "dense", "stem")):
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=len(ffn), n_heads=2, n_kv_heads=1, d_ff=24,
+                      max_seq_len=32, ffn=list(ffn))
+    torch.manual_seed(0)
+    return build_model(cfg).eval()
+
+
+# ---- edit plans: hand-worked examples (Sec. 3.3, Fig. 4) ------------------------------------------------
+def test_plans_hand_worked():
+    assert E.plan("swap", 2, [5, 6]) == [(5,), (6,)]
+    assert E.plan("pad_left", 4, [7, 8], pad_id=1) == [(1,), (1,), (7,), (8,)]
+    assert E.plan("pad_right", 4, [7, 8], pad_id=1) == [(7,), (8,), (1,), (1,)]
+    # floor(5/2) = 2 copies each, then the last target covers the fifth position
+    assert E.plan("copy", 5, [7, 8]) == [(7,), (7,), (8,), (8,), (8,)]
+    assert E.plan("copy", 7, [1, 2, 3]) == [(1,), (1,), (2,), (2,), (3,), (3,), (3,)]
+    assert E.plan("average", 3, [7, 8]) == [(7, 8)] * 3
+    assert E.plan("average", 1, [7, 8, 9]) == [(7, 8, 9)]
+    # subset, n_s = 2 of [" of"(10), "Gre"(20), "at"(30)]: letters 2, 3, 2 -> "Gre" first, then the tie of
+    # two letters goes to the higher id 30; target order kept
+    assert E.plan("subset", 2, [10, 20, 30], pieces=[" of", "Gre", "at"]) == [(20,), (30,)]
+    assert E.plan("subset", 1, [10, 20, 30], pieces=[" of", "Gre", "at"]) == [(20,)]
+
+
+def test_plan_rejects_scheme_of_other_case():
+    assert E.schemes_for(2, 2) == ("swap", "average")
+    assert E.schemes_for(3, 2) == ("pad_left", "pad_right", "copy", "average")
+    assert E.schemes_for(1, 2) == ("subset", "average")
+    with pytest.raises(ValueError, match="does not apply to n_s=3, n_t=2"):
+        E.plan("swap", 3, [1, 2])
+    with pytest.raises(ValueError, match="needs a pad token"):
+        E.plan("pad_left", 3, [1, 2])
+
+
+def test_edit_rows_from_original_rows():
+    w = torch.arange(12, dtype=torch.float32).view(6, 2)
+    # a true swap of rows 1 and 2: each new row is read before any is written
+    rows = E.edit_rows(w, [1, 2], [(2,), (1,)])
+    assert torch.equal(rows[1], w[2]) and torch.equal(rows[2], w[1])
+    # a source id twice in the span: the mean of its positions' vectors ((w4 + w5)/2 and w3)
+    rows = E.edit_rows(w, [3, 3], [(4, 5), (3,)])
+    assert torch.equal(rows[3], ((w[4] + w[5]) / 2 + w[3]) / 2)
+
+
+def test_edit_then_undo_restores_bit_for_bit():
+    model = small_model()
+    sites = [w for _, w in table_sites(model)]
+    assert [n for n, _ in table_sites(model)] == ["layers.1.ffn.table.weight", "layers.3.ffn.table.weight"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    digest = state_digest(model)
+    ids = torch.tensor([[3, 9, 10, 4]])
+    out0 = model(ids)
+    with E.edited(sites + [model.tok_emb.weight], [9, 10], [(20,), (21, 22)]):
+        for w in sites:
+            assert torch.equal(w[9], before_row(before, w, model, 20))
+        assert not torch.equal(model(ids), out0)
+    assert state_digest(model) == digest
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model(ids), out0)
+    # also when the block raises
+    with pytest.raises(RuntimeError):
+        with E.edited(sites, [9], [(20,)]):
+            raise RuntimeError("inside the edit")
+    assert state_digest(model) == digest
+
+
+def before_row(state, w, model, i):
+    name = next(n for n, p in model.named_parameters() if p is w)
+    return state[name][i]
+
+
+def test_kl_and_topk_overlap():
+    p = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))
+    q = torch.log(torch.tensor([0.25, 0.25, 0.25, 0.25]))
+    # KL(p||q) = 0.5 ln 2 + 0.25 ln 1 + 2 * 0.125 ln 0.5 = 0.25 ln 2
+    assert E.kl(p, q) == pytest.approx(0.25 * math.log(2))
+    assert E.topk_overlap(p, p, 2) == 1.0
+    assert E.topk_overlap(p, torch.log(torch.tensor([0.1, 0.1, 0.4, 0.4])), 2) == 0.0
+
+
+# ---- Heaps (Sec. 3.2.5) -------------------------------------------------------------------------------------
+def test_heaps_fit_recovers_exact_power_law():
+    # a stream whose prefix of length n holds exactly floor(2 sqrt(n)) distinct ids: at n = 16, 64, 256, 1024
+    # that is 8, 16, 32, 64 = 2 n^0.5 exactly
+    tokens, seen = [], 0
+    for n in range(1, 1025):
+        target = math.floor(2 * math.sqrt(n))
+        if target > seen:
+            seen += 1
+            tokens.append(seen)
+        else:
+            tokens.append(1)
+    tokens = np.array(tokens)
+    lengths = [16, 64, 256, 1024]
+    assert H.unique_counts(tokens, lengths) == [8, 16, 32, 64]
+    L, u = H.heaps_curve(tokens, lengths + [5000], windows=1)  # 5000 does not fit: left out
+    assert L == lengths
+    fit = H.fit_power_law(L, u)
+    assert fit["K"] == pytest.approx(2.0, rel=1e-9) and fit["beta"] == pytest.approx(0.5, abs=1e-9)
+    assert fit["r2"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="fewer than two"):
+        H.heaps_curve(tokens, [2000, 3000], windows=1)
+
+
+# ---- angular spread (Fig. 6) ---------------------------------------------------------------------------------
+def test_pairwise_cos_against_numpy():
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=(7, 5))
+    u = v / np.linalg.norm(v, axis=1, keepdims=True)
+    ref = [u[i] @ u[j] for i in range(7) for j in range(i + 1, 7)]
+    got = S.pairwise_cos(torch.tensor(v)).numpy()
+    assert np.allclose(np.sort(got), np.sort(ref))
+    d = S.describe(torch.tensor(ref))
+    assert d["pairs"] == 21 and d["mean_abs"] == pytest.approx(np.mean(np.abs(ref)))
+    assert sum(d["hist"]) == 21
+    orth = S.describe(S.pairwise_cos(torch.eye(4)))
+    assert orth["mean_abs"] == 0.0 and orth["pairs"] == 6
+
+
+def test_first_occurrences():
+    assert S.first_occurrences([5, 0, 5, 7, 0, 8, 9], 3, {0}) == ([5, 7, 8], [0, 3, 5])
+
+
+# ---- verdicts (issue item 5) ------------------------------------------------------------------------------
+def test_bootstrap_verdicts_on_constructed_inputs():
+    a = [0, 1] * 50
+    better = V.paired_bootstrap(a, [1] * 100)       # every item up by 0 or 1: mean +0.5, interval above 0
+    assert better["delta"] == 0.5 and better["lo"] > 0
+    assert V.classify(better, paper_sign=+2.1) == "agree"
+    assert V.classify(better, paper_sign=-0.4) == "disagree"
+    same = V.paired_bootstrap(a, a[1:] + a[:1])     # half the items up, half down: interval around 0
+    assert same["delta"] == 0 and same["lo"] < 0 < same["hi"]
+    assert V.classify(same, paper_sign=+3.0) == "inconclusive"
+    assert V.classify(better, paper_sign=0.0) == "inconclusive"
+    # the average of per-group means: groups (+1 everywhere) and (0 everywhere) -> +0.5 with zero width
+    g = V.grouped_bootstrap([([0] * 5, [1] * 5), ([1] * 20, [1] * 20)])
+    assert (g["delta"], g["lo"], g["hi"], g["n"]) == (0.5, 0.5, 0.5, 25)
+    with pytest.raises(ValueError, match="equal-length"):
+        V.paired_bootstrap([1, 2], [1])
+
+
+def test_loss_directions_lower_is_better():
+    base = {"window_loss": [3.0, 3.2, 3.1, 3.3] * 5}
+    stem = {"window_loss": [2.9, 3.0, 3.0, 3.1] * 5}
+    rows = V.loss_directions({("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
+    assert len(rows) == 1 and rows[0]["verdict"] == "agree" and rows[0]["ours_delta"] == pytest.approx(-0.15)
+
+
+# ---- one analysis end to end on a real (untrained) checkpoint -------------------------------------------------
+@pytest.fixture
+def one_thread():
+    """One intra-op thread (as the workflow runs analyses): two spin-waiting threads on a busy 2-core
+    machine made this test 20x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_analyze_end_to_end(tiny_data, tmp_path, one_thread):
+    from stem.analysis.run import analyze
+    from stem.train.checkpoint import save_checkpoint
+    cfg = ModelConfig(vocab_size=512, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=64,
+                      ffn=("dense", "stem"))
+    model = build_model(cfg).eval()
+    spec = {"experiment": "tiny", "scale": "350m", "variant": "stem", "stage": "pretrain",
+            "model": json.loads(json.dumps(cfg.to_dict()))}
+    ckpt = tmp_path / "checkpoint"
+    save_checkpoint(ckpt, model, spec, tiny_data["tokenizer"], {})
+    job = {"experiment": "tiny", "scale": "350m", "variant": "stem", "stage": "pretrain"}
+    world = {"seed": 7, "n_countries": 20, "n_people": 60, "n_filler": 500}
+    ed = {"analysis": "editing", "job": job, "world": world, "relations": {"country": ["capital"], "person": ["profession"]},
+          "pairs_per_case": 1, "collateral": 1, "known_entities": 2, "topk": 4, "seed": 0}
+    r = analyze(ckpt, ed, tmp_path / "editing.json")
+    assert r["restored_bit_identical"] and r["sites"] == ["embedding", "stem"]
+    assert {e["case"] for e in r["edits"]} <= set(E.CASES) and r["edits"]
+    assert json.loads((tmp_path / "editing.json").read_text())["label"].startswith("tiny")
+    # the shipped prompt set of the paper config: its explicit pairs (Fig. 7, Sec. 3.3, country -> state)
+    from stem import config as C
+    paper = {**ed, "facts": str(C.REPO / "reference/analysis/edit_facts.yaml"), "relations": {"place": ["capital"]},
+             "pairs_per_case": 0}
+    paper.pop("world")
+    p = analyze(ckpt, paper, tmp_path / "paper_editing.json")
+    assert {(e["source"], e["target"]) for e in p["edits"]} >= {("Spain", "Germany"), ("United States", "California")}
+    assert {e["scheme"] for e in p["edits"]} >= {"pad_left", "copy", "subset", "average"}
+    h = analyze(ckpt, {"analysis": "heaps", "job": job, "source": "web", "manifest": tiny_data["manifests"]["web"],
+                       "lengths": [4, 16, 64], "windows": 2}, tmp_path / "heaps.json")
+    assert h["n_stem_layers"] == 1 and h["activated_stem_params"][0] == cfg.d_ff * h["unique"][0]
+    with pytest.raises(ValueError, match="not the one this analysis job is for"):
+        analyze(ckpt, {**ed, "job": {**job, "variant": "dense"}}, tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_analysis_directions_constructed():
+    from stem.analysis.report import analysis_directions
+    layer = lambda i, **sets: {"layer": i, "ffn": "x", **{k: {"mean_abs": v, "pairs": 10} for k, v in sets.items()}}  # noqa: E731
+    spread = {("350m", "dense", "pretrain"): {"layers": [layer(0, up_proj=0.5), layer(1, up_proj=0.4)]},
+              ("350m", "stem", "pretrain"): {"layers": [layer(0), layer(1, table=0.1)]}}
+    items = lambda hits: [{"relation": "capital", "entity": f"e{i}", "hit": h} for i, h in enumerate(hits)]  # noqa: E731
+    cap = {("350m", "dense", "pretrain"): {"items": items([0] * 30)},
+           ("350m", "stem", "pretrain"): {"items": items([1] * 30)}}
+    heaps = {("350m", "stem", "pretrain"): {"n_stem_layers": 2, "fit": {"beta": 0.7}, "lengths": [1, 2, 3],
+                                            "activated_stem_params": [10, 20, 30]}}
+    rows = {r["table"]: r for r in analysis_directions({"spread": spread, "capacity": cap, "heaps": heaps})}
+    assert rows["spread"]["ours_delta"] == pytest.approx(0.3)   # dense 0.4 at the STEM layer 1, STEM 0.1
+    assert rows["spread"]["verdict"].startswith("agree")
+    assert rows["capacity"]["verdict"] == "agree" and rows["capacity"]["ours_delta"] == 1.0
+    assert rows["heaps"]["verdict"] == "agree" and rows["heaps"]["ours_delta"] == pytest.approx(0.3)
+
+
+def test_config_checks_analysis_source_and_facts(tmp_path):
+    import copy
+
+    from stem import config as C
+    from stem.analysis.editing import read_facts
+    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
+    cfg["analysis"]["heaps"]["source"] = "wikipedia"
+    with pytest.raises(C.ConfigError, match="key 'analysis.heaps.source': unknown source 'wikipedia'"):
+        C.validate_experiment(cfg)
+    bad = tmp_path / "facts.yaml"
+    bad.write_text("kinds:\n  place:\n    templates: {capital: 'The capital of {e} is'}\n"
+                   "    entities: {Spain: {capital: ' Madrid'}}\npairs:\n  - {kind: place, source: Spain, target: Oz}\n")
+    with pytest.raises(ValueError, match=r"key 'pairs\[0\].target': 'Oz' is not an entity of kind 'place'"):
+        read_facts(bad)
+    _, pairs = read_facts(C.REPO / "reference/analysis/edit_facts.yaml")
+    assert {"source": "United States", "target": "California", "kind": "place"} in pairs
+
+
+def test_embedding_swap_on_dense_model_equals_control_prompt(tiny_data, one_thread):
+    """An independent check of the measurement: in a dense model, swapping the input embedding rows of an
+    equal-length source and target is the same computation as the target (control) prompt, so the edited
+    next-token distribution must equal the control's (KL 0, full top-k overlap)."""
+    from stem.data.synth import make_world
+    from stem.data.tokenizer import load_tokenizer
+    tok = load_tokenizer(tiny_data["tokenizer"])
+    cfg = ModelConfig(vocab_size=512, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=64)
+    torch.manual_seed(1)
+    model = build_model(cfg).eval()
+    facts = E.world_facts(make_world(7, 20, 60, 500), {})
+    facts = {"country": {**facts["country"], "templates": {"capital": facts["country"]["templates"]["capital"]}}}
+    pairs = [p for p in E.choose_pairs(tok, facts, 3, 0) if p["case"] == "equal"]
+    assert pairs
+    r = E.measure(model, tok, facts, pairs, {"topk": 4, "collateral": 2, "known_entities": 3, "seed": 0})
+    swaps = [e for e in r["edits"] if e["scheme"] == "swap"]
+    assert swaps and r["sites"] == ["embedding"] and r["restored_bit_identical"]
+    for e in swaps:
+        assert e["kl_control"] == pytest.approx(0.0, abs=1e-9) and e["topk_overlap"] == 1.0
+
+
+def test_analysis_report_writes_every_output(tmp_path):
+    """report.build from hand-made analysis JSONs: every file of OUTPUTS, the tiny label, the directions."""
+    import copy
+
+    from stem import config as C
+    from stem.analysis import report as AR
+    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
+    cfg["matrix"] = {"350m": {"variants": ["dense", "stem"], "stages": ["pretrain"]}}
+    hist = [0] * 40 + [10] + [0] * 39
+    stats = {"mean_abs": 0.1, "mean": 0.0, "pairs": 10, "quantiles": {"q50": 0.0}, "hist": hist}
+    edit = {"site": "stem", "kl_control": 0.1, "kl_control_before": 0.3}
+    summary = [{"site": "stem", "scheme": "swap", "case": "all", "n": 1, "success": 0.0}]
+    per = {"dense": {"spread": {"layers": [{"layer": 0, "ffn": "dense", "up_proj": {**stats, "mean_abs": 0.5}}]},
+                     "heldout": {"window_loss": [3.0, 3.1, 3.2]}},
+           "stem": {"spread": {"layers": [{"layer": 0, "ffn": "stem", "table": stats, "down_input": stats}]},
+                    "heldout": {"window_loss": [2.9, 3.0, 3.0]},
+                    "heaps": {"n_stem_layers": 1, "fit": {"K": 2.0, "beta": 0.5, "r2": 1.0}, "lengths": [4, 16],
+                              "unique": [4.0, 8.0], "activated_stem_params": [96.0, 192.0], "source": "web"},
+                    "editing": {"summary": summary, "edits": [edit] * 3}}}
+    for v, analyses in per.items():
+        for name, body in analyses.items():
+            body = {**body, "analysis": name, "scale": "350m", "variant": v, "stage": "pretrain", "bins": 80,
+                    "range": [-1.0, 1.0]}
+            p = tmp_path / f"results/tiny/350m/{v}/pretrain/analysis/{name}.json"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(body))
+    out = tmp_path / "reports/tiny/analysis"
+    counts = AR.build(cfg, out, root=tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == sorted(AR.OUTPUTS)
+    assert "not paper scale" in (out / "README.md").read_text()
+    dirs = (out / "directions.csv").read_text()
+    assert "heldout_loss,350m,stem" in dirs and "editing,350m,stem" in dirs and "spread,350m,stem" in dirs
+    assert counts.get("agree", 0) >= 2  # loss (-0.13 on every window) and the edit's KL reduction (+0.2)
+    bad = tmp_path / "results/tiny/350m/stem/pretrain/analysis/heaps.json"
+    bad.write_text(json.dumps({**json.loads(bad.read_text()), "variant": "dense"}))
+    with pytest.raises(ValueError, match="heaps.json: records heaps/350m/dense/pretrain, expected heaps/350m/stem"):
+        AR.build(cfg, out, root=tmp_path)
+
+
+def test_tables_found_by_role_at_paper_shapes():
+    """The edit sites of the real models (meta device: shapes only): one table per STEM layer, found by the
+    declared lookup role, for every variant with tables; none for dense and Hash-MoE."""
+    from stem import config as C
+    from stem.analysis import workflow as AW
+    from stem.analysis.common import stem_layers
+    cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")
+    model = build_model(ModelConfig.from_dict(C.train_spec(cfg, "1b", "stem", "pretrain")["model"]), "meta")
+    assert stem_layers(model) == [2, 5, 8, 11, 14]            # every third from 2: 5 of 16 (README, Variants)
+    assert all(w.shape == (128256, 8192) for _, w in table_sites(model))
+    assert [AW.has_tables(cfg, "350m", v) for v in ("dense", "hashmoe", "stem_gate", "stem_full")] == \
+        [False, False, True, True]

@@ -1,0 +1,20 @@
+"""Run one analysis (stem.analysis) on one checkpoint; spec resolved by the workflow from config `analysis:`."""
+from workflow_scripts._entry import parser, run, spec_of
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from stem.analysis.run import analyze
+    r = analyze(args.checkpoint, spec_of(args), args.out)
+    print(f"{r['analysis']}: {args.out} written in {r['wall_seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    run(main)
