@@ -165,7 +165,6 @@ def sync_replicated_grads(model, ctx: DistContext):
     for p in row_sparse_params(model):
         if p.grad is not None:
             p.grad = all_gather_sparse_grad(p.grad, ctx)
-        return
     from torch.distributed.tensor import DTensor
     grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)
              and not p.grad.is_sparse]
