@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-BUILTIN = ("stem.report.tables", "stem.report.figures")   # modules that register the paper's tables and figures
+BUILTIN = ("stem.report.tables", "stem.report.figures", "stem.analysis.report")   # modules that register tables, figures
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")   # a file name under reports/ and a Snakemake output / wildcard value
 RESERVED = {"md", "long", "reproduced"}   # rule report_tables' other outputs, tables/reproduced.csv
 
