@@ -4,8 +4,8 @@ A table is registered with ``@paper_table(name, title, ...)`` on its builder, a 
 ``@report_figure(name, caption, ...)`` on its drawing function. The workflow (rules/report.smk through
 stem.report.workflow), the table writer, the diff, the figures, the README and the HTML report all iterate
 ``tables()`` / ``figures()``; none of them names a table or a figure. The paper's own tables and figures are
-registered when stem.report.tables and stem.report.figures are imported (``BUILTIN``); ``tables()`` and
-``figures()`` import them first. This module imports nothing of the project.
+registered when stem.report.tables and stem.report.figures are imported, the analyze stage's by
+stem.analysis.report (``BUILTIN``); ``tables()`` and ``figures()`` import them first. This module imports nothing of the project.
 """
 from __future__ import annotations
 
