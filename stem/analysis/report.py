@@ -38,12 +38,14 @@ CLAIMS = {
 }
 
 
-def load_all(cfg: dict, root=".") -> dict[str, dict]:
-    """{analysis: {(scale, variant, stage): JSON}} for every analysis JSON that exists."""
+def load_all(cfg: dict, root=".", results=None) -> dict[str, dict]:
+    """{analysis: {(scale, variant, stage): JSON}} for every analysis JSON that exists (``results``: the
+    results folder, default ``{root}/results``)."""
+    results = Path(results) if results is not None else Path(root) / "results"
     out: dict[str, dict] = {n: {} for n in analyses(cfg)}
     for scale, variant, stage in checkpoints(cfg):
         for name in out:
-            p = Path(root) / "results" / cfg["experiment"] / scale / variant / stage / "analysis" / f"{name}.json"
+            p = results / cfg["experiment"] / scale / variant / stage / "analysis" / f"{name}.json"
             if p.is_file():
                 r = json.loads(p.read_text())
                 if (r.get("analysis"), r.get("scale"), r.get("variant"), r.get("stage")) != (name, scale, variant, stage):
@@ -178,13 +180,13 @@ def fig6(res: dict, label: str):
     return fig
 
 
-def niah_curves(cfg: dict, root=".") -> dict[str, tuple[list, list]]:
+def niah_curves(cfg: dict, results="results") -> dict[str, tuple[list, list]]:
     """{variant: (lengths, mean NIAH accuracy over depths)} of the 1B models at Fig. 1b's stage, where present."""
     from stem.report.results import niah_cells
     out = {}
     stage = ((cfg.get("report") or {}).get("stages") or {}).get("figure1b", ["extend"])[0]
     for v in ("dense", "stem"):
-        p = Path(root) / "results" / cfg["experiment"] / "1b" / v / stage / "eval" / "niah.json"
+        p = Path(results) / cfg["experiment"] / "1b" / v / stage / "eval" / "niah.json"
         if p.is_file():
             cells = niah_cells(json.loads(p.read_text()))
             if len(cells):
@@ -221,9 +223,9 @@ def heaps_fig(res: dict, label: str, niah: dict | None = None):
     return fig
 
 
-def directions_frame(cfg: dict, root, res: dict) -> pd.DataFrame:
+def directions_frame(cfg: dict, results, res: dict) -> pd.DataFrame:
     """Every direction with its confidence: Tables 3/4 accuracy, held-out loss and one per analysis."""
-    dirs_df = pd.DataFrame(V.table_directions(cfg, root) + V.loss_directions(res.get("heldout", {}))
+    dirs_df = pd.DataFrame(V.table_directions(cfg, results=results) + V.loss_directions(res.get("heldout", {}))
                            + analysis_directions(res))
     if len(dirs_df):
         # Only Tables 3/4 print an effect size; elsewhere the paper states a direction (paper_delta is its sign).
@@ -242,8 +244,8 @@ def example_rows(ex: dict) -> list[tuple[str, str, str, str]]:
 
 
 # ---- the registry's view (stem.report.registry): long tables in paper_data.COLUMNS, figures from the JSONs ----
-def _root(res) -> Path:
-    return Path(res.root).parent  # Results.root is {root}/results
+def _load(cfg: dict, res) -> dict:
+    return load_all(cfg, results=res.root)
 
 
 def _json_path(cfg: dict, key: tuple, name: str) -> str:
@@ -260,13 +262,13 @@ def _long(table: str, cfg: dict, name: str, res: dict, rows) -> pd.DataFrame:
 
 def editing_long(cfg: dict, res) -> pd.DataFrame:
     skip = ("site", "scheme", "case")
-    return _long("editing", cfg, "editing", load_all(cfg, _root(res)).get("editing", {}), lambda k, r: [
+    return _long("editing", cfg, "editing", _load(cfg, res).get("editing", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {row['site']} {row['scheme']}", c, x, "") for row in r["summary"] if row["case"] == "all"
         for c, x in row.items() if c not in skip])
 
 
 def spread_long(cfg: dict, res) -> pd.DataFrame:
-    return _long("spread", cfg, "spread", load_all(cfg, _root(res)).get("spread", {}), lambda k, r: [
+    return _long("spread", cfg, "spread", _load(cfg, res).get("spread", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: L{layer['layer']} {layer['ffn']} {key}", c, x, "") for layer in r["layers"]
         for key in ("table", "up_proj", "down_input") if key in layer
         for c, x in (("pairs", layer[key]["pairs"]), ("mean_abs_cos", layer[key]["mean_abs"]),
@@ -274,20 +276,20 @@ def spread_long(cfg: dict, res) -> pd.DataFrame:
 
 
 def heaps_long(cfg: dict, res) -> pd.DataFrame:
-    return _long("heaps", cfg, "heaps", load_all(cfg, _root(res)).get("heaps", {}), lambda k, r: [
+    return _long("heaps", cfg, "heaps", _load(cfg, res).get("heaps", {}), lambda k, r: [
         (f"{k[1]} {k[2]}", c, x, "") for c, x in
         (("K", r["fit"]["K"]), ("beta", r["fit"]["beta"]), ("r2", r["fit"]["r2"]), ("n_stem_layers", r["n_stem_layers"]),
          ("L", r["lengths"][-1]), ("L_uniq", r["unique"][-1]), ("activated_stem_params", r["activated_stem_params"][-1]))])
 
 
 def capacity_long(cfg: dict, res) -> pd.DataFrame:
-    return _long("capacity", cfg, "capacity", load_all(cfg, _root(res)).get("capacity", {}), lambda k, r: [
+    return _long("capacity", cfg, "capacity", _load(cfg, res).get("capacity", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {rel}", c, x, "") for rel, row in r["table"].items() for c, x in row.items()])
 
 
 def directions_long(cfg: dict, res) -> pd.DataFrame:
     from stem.report import tables as T
-    df = directions_frame(cfg, _root(res), load_all(cfg, _root(res)))
+    df = directions_frame(cfg, res.root, _load(cfg, res))
     cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "verdict", "paper_effect_resolvable")
     return T.frame([T.cell("directions", r["scale"], r["variant"], c, None if pd.isna(r.get(c)) else r.get(c),
                            r["source"], row=f"{r['variant']} {r['stage']}: {r['table']} {r['column']}", unit="")
@@ -296,7 +298,7 @@ def directions_long(cfg: dict, res) -> pd.DataFrame:
 
 def edit_example_long(cfg: dict, res) -> pd.DataFrame:
     from stem.report import tables as T
-    ed = load_all(cfg, _root(res)).get("editing", {})
+    ed = _load(cfg, res).get("editing", {})
     k, ex = next(((k, r["example"]) for k, r in sorted(ed.items()) if r.get("example") and k[1] == "stem"),
                  (None, None))  # "1b" sorts first
     if ex is None:
@@ -343,31 +345,32 @@ def _figure_inputs(name: str, niah=False):
 
 def _niah(cfg: dict, res, files: dict) -> dict:
     """niah_curves where the figure was given NIAH JSONs (an experiment without them: the panel says so)."""
-    return niah_curves(cfg, _root(res)) if files.get("niah") else {}
+    return niah_curves(cfg, res.root) if files.get("niah") else {}
 
 
 def _register():
     from stem.report import registry
     from stem.report import figures, tables  # noqa: F401  (the paper's tables and figures register first)
+    gap = dict(empty="_(no rows: no analysis results for this table yet, or config `analysis:` does not run it)_")
     label = {"pairs": "pairs", "mean_abs_cos": "mean |cos|", "mean_cos": "mean cos"}
     registry.paper_table(
         "editing", "Knowledge editing (Sec. 3.3, 5.2; Fig. 7): edit success, flip, top-k overlap and "
         "KL(control || edited) beside their unedited values, per site and scheme (all cases)",
-        inputs=table_inputs("editing"))(editing_long)
+        inputs=table_inputs("editing"), **gap)(editing_long)
     registry.paper_table("edit_example", "Knowledge editing: one edit example (Fig. 7's columns)",
                          labels={"topk": "top next tokens (probability)", "greedy": "greedy continuation"},
-                         inputs=table_inputs("editing"))(edit_example_long)
+                         inputs=table_inputs("editing"), **gap)(edit_example_long)
     registry.paper_table(
         "spread", "Angular spread (Sec. 5.1; Fig. 6): pairwise cosine statistics per layer and vector set",
-        labels=label, inputs=table_inputs("spread"))(spread_long)
+        labels=label, inputs=table_inputs("spread"), **gap)(spread_long)
     registry.paper_table(
         "heaps", "Heaps law and activated STEM parameters (Sec. 3.2.5) at the longest context length L",
-        labels={"activated_stem_params": "|S| d_ff L_uniq"}, inputs=table_inputs("heaps"))(heaps_long)
+        labels={"activated_stem_params": "|S| d_ff L_uniq"}, inputs=table_inputs("heaps"), **gap)(heaps_long)
     registry.paper_table("capacity", "Knowledge capacity probe: recall per relation (chance level beside it)",
-                         inputs=table_inputs("capacity"))(capacity_long)
+                         inputs=table_inputs("capacity"), **gap)(capacity_long)
     registry.paper_table(
         "directions", "Directions with confidence (paired bootstrap, 95%): Tables 3/4 accuracy, held-out loss and "
-        "each analysis against the paper's claim", inputs=all_inputs)(directions_long)
+        "each analysis against the paper's claim", inputs=all_inputs, **gap)(directions_long)
     registry.report_figure(
         "fig6_spread", "Figure 6a-c (angular spread): pairwise cosine similarity of (a) the STEM table vectors, "
         "(b) the dense up-projection outputs beside the STEM vectors at the same layers, (c) the down-projection "

@@ -43,6 +43,7 @@ class PaperTable:
     inputs(cfg) -> files its builder reads besides the training summaries and eval JSONs (inputs of the
         workflow's report_tables rule).
     paper_cells(df) -> the reference cells as compared (default: ``csv`` as it is).
+    empty: what its Markdown, the README and the HTML say when it has no rows (None: page.Table's default).
     """
     name: str
     title: str
@@ -56,6 +57,7 @@ class PaperTable:
     notes: dict = field(default_factory=dict)
     inputs: Callable | None = None
     paper_cells: Callable | None = None
+    empty: str | None = None
 
     def __post_init__(self):
         _check_name("table", self.name)
