@@ -306,6 +306,11 @@ def test_analysis_tables_and_figures_through_the_registry(tmp_path):
     spread = t["spread"].build(cfg, res)
     assert cell(spread, "dense pretrain: L0 dense up_proj", "mean_abs_cos") == 0.5
     assert cell(spread, "stem pretrain: L0 stem table", "q50") == 0.0 and len(spread) == 3 * 4
+    import re
+
+    from stem.report.tables import to_markdown, wide
+    md = to_markdown(wide(spread)).splitlines()   # "mean |cos|" escaped: every line has the header's cells
+    assert "mean \\|cos\\|" in md[0] and len({len(re.findall(r"(?<!\\)\|", line)) for line in md}) == 1
     editing = t["editing"].build(cfg, res)
     assert set(editing["column"]) == {"n", "success"} and len(editing) == 2  # the case "all" only
     assert t["capacity"].build(cfg, res).empty and t["edit_example"].build(cfg, res).empty

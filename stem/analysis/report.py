@@ -292,7 +292,8 @@ def directions_long(cfg: dict, res) -> pd.DataFrame:
     df = directions_frame(cfg, res.root, _load(cfg, res))
     cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "verdict", "paper_effect_resolvable")
     return T.frame([T.cell("directions", r["scale"], r["variant"], c, None if pd.isna(r.get(c)) else r.get(c),
-                           r["source"], row=f"{r['variant']} {r['stage']}: {r['table']} {r['column']}", unit="")
+                           r["source"], row=f"{r['variant']} {r['stage'] if isinstance(r['stage'], str) else '(no stage)'}: "
+                           f"{r['table']} {r['column']}", unit="")
                     for r in df.to_dict("records") for c in cols if c in r])
 
 
