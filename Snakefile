@@ -29,6 +29,5 @@ rule all:
         train_outputs(),
         eval_outputs(),
         analysis_outputs(),
-        analysis_reports(),
         params_tables(),
         report_outputs(),

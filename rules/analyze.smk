@@ -3,12 +3,11 @@
 # (Sec. 5.1; Fig. 6a-c), the knowledge capacity probe. One job per (checkpoint, analysis), so one analysis
 # reruns alone:
 #   snakemake --profile profiles/local results/tiny/350m/stem/pretrain/analysis/editing.json
-# Which checkpoints and analyses: config `analysis:`; reports/{experiment}/analysis/ aggregates them.
+# Which checkpoints and analyses: config `analysis:`; their tables and figures are report tables / figures
+# (stem.analysis.report registers them with stem.report.registry), built by rules/report.smk.
 from stem.analysis import workflow as AW  # noqa: E402
-from stem.analysis.report import OUTPUTS as AR_OUTPUTS  # noqa: E402
 
 analysis_outputs = lambda: AW.targets(config)  # noqa: E731
-analysis_reports = lambda: [f"reports/{EXP}/analysis/{n}" for n in AR_OUTPUTS] if AW.analyses(config) else []  # noqa: E731
 
 
 rule analyze:
@@ -31,20 +30,3 @@ rule analyze:
         "python -m workflow_scripts.analyze --spec {params.spec:q} --checkpoint {input.checkpoint}"
         " --out {output} --threads {threads} 2> {log}"
 
-
-# The aggregate: tables, Figs 6a-c, the Heaps figure, the capacity probe and the directions with confidence.
-rule analysis_report:
-    input:
-        analyses=lambda w: analysis_outputs(),
-        evals=lambda w: eval_outputs(),
-    output:
-        [f"reports/{{experiment}}/analysis/{name}" for name in AR_OUTPUTS],
-    params:
-        spec=lambda w: as_json(config),
-        out=lambda w: f"reports/{w.experiment}/analysis",
-    log:
-        "logs/{experiment}/analysis_report.log",
-    conda:
-        ENV
-    shell:
-        "python -m workflow_scripts.analysis_report --spec {params.spec:q} --out-dir {params.out} 2> {log}"

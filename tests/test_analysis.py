@@ -263,18 +263,25 @@ def test_embedding_swap_on_dense_model_equals_control_prompt(tiny_data, one_thre
         assert e["kl_control"] == pytest.approx(0.0, abs=1e-9) and e["topk_overlap"] == 1.0
 
 
-def test_analysis_report_writes_every_output(tmp_path):
-    """report.build from hand-made analysis JSONs: every file of OUTPUTS, the tiny label, the directions."""
+def test_analysis_tables_and_figures_through_the_registry(tmp_path):
+    """The registered report-only tables and figures from hand-made analysis JSONs: cells copied from the JSONs
+    (long format), the directions with confidence, a wrong JSON named; no analysis configured: empty tables
+    and figures that say so."""
     import copy
 
+    import matplotlib.pyplot as plt
+
     from stem import config as C
-    from stem.analysis import report as AR
+    from stem.report import registry
+    from stem.report.figures import draw
+    from stem.report.results import Results
     cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
     cfg["matrix"] = {"350m": {"variants": ["dense", "stem"], "stages": ["pretrain"]}}
     hist = [0] * 40 + [10] + [0] * 39
     stats = {"mean_abs": 0.1, "mean": 0.0, "pairs": 10, "quantiles": {"q50": 0.0}, "hist": hist}
     edit = {"site": "stem", "kl_control": 0.1, "kl_control_before": 0.3}
-    summary = [{"site": "stem", "scheme": "swap", "case": "all", "n": 1, "success": 0.0}]
+    summary = [{"site": "stem", "scheme": "swap", "case": "all", "n": 1, "success": 0.0},
+               {"site": "stem", "scheme": "swap", "case": "equal", "n": 1, "success": 0.0}]
     per = {"dense": {"spread": {"layers": [{"layer": 0, "ffn": "dense", "up_proj": {**stats, "mean_abs": 0.5}}]},
                      "heldout": {"window_loss": [3.0, 3.1, 3.2]}},
            "stem": {"spread": {"layers": [{"layer": 0, "ffn": "stem", "table": stats, "down_input": stats}]},
@@ -289,17 +296,47 @@ def test_analysis_report_writes_every_output(tmp_path):
             p = tmp_path / f"results/tiny/350m/{v}/pretrain/analysis/{name}.json"
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(json.dumps(body))
-    out = tmp_path / "reports/tiny/analysis"
-    counts = AR.build(cfg, out, root=tmp_path)
-    assert sorted(p.name for p in out.iterdir()) == sorted(AR.OUTPUTS)
-    assert "not paper scale" in (out / "README.md").read_text()
-    dirs = (out / "directions.csv").read_text()
-    assert "heldout_loss,350m,stem" in dirs and "editing,350m,stem" in dirs and "spread,350m,stem" in dirs
-    assert counts.get("agree", 0) >= 2  # loss (-0.13 on every window) and the edit's KL reduction (+0.2)
+    res = Results("tiny", tmp_path / "results")
+    t = {n: registry.table(n) for n in ("editing", "spread", "heaps", "capacity", "directions", "edit_example")}
+    assert not any(x.csv or x.compared for x in t.values())
+    cell = lambda df, row, col: df[(df["row"] == row) & (df["column"] == col)]["value"].item()  # noqa: E731
+    heaps = t["heaps"].build(cfg, res)
+    assert cell(heaps, "stem pretrain", "activated_stem_params") == 192.0 and cell(heaps, "stem pretrain", "K") == 2.0
+    assert heaps["source"].iloc[0] == "results/tiny/350m/stem/pretrain/analysis/heaps.json"
+    spread = t["spread"].build(cfg, res)
+    assert cell(spread, "dense pretrain: L0 dense up_proj", "mean_abs_cos") == 0.5
+    assert cell(spread, "stem pretrain: L0 stem table", "q50") == 0.0 and len(spread) == 3 * 4
+    import re
+
+    from stem.report.tables import to_markdown, wide
+    md = to_markdown(wide(spread)).splitlines()   # "mean |cos|" escaped: every line has the header's cells
+    assert "mean \\|cos\\|" in md[0] and len({len(re.findall(r"(?<!\\)\|", line)) for line in md}) == 1
+    editing = t["editing"].build(cfg, res)
+    assert set(editing["column"]) == {"n", "success"} and len(editing) == 2  # the case "all" only
+    assert t["capacity"].build(cfg, res).empty and t["edit_example"].build(cfg, res).empty
+    dirs = t["directions"].build(cfg, res)
+    verdict = dirs[dirs["column"] == "verdict"].set_index("row")["value"]
+    assert verdict["stem pretrain: heldout_loss val_loss"] == "agree"   # -0.13 on every window
+    assert verdict["stem pretrain: editing KL(control||edited) reduction"] == "agree"   # +0.2 on every edit
+    assert cell(dirs, "stem pretrain: spread dense mean|cos| - STEM mean|cos|", "ours_delta") == pytest.approx(0.4)
+    inputs = t["heaps"].inputs(cfg)
+    assert inputs == ["results/tiny/350m/stem/pretrain/analysis/heaps.json"]
+    for name, fig_name in (("spread", "fig6_spread"), ("heaps", "heaps_law")):
+        files = {"analysis": [str(tmp_path / p) for p in registry.figure(fig_name).inputs(cfg, [])["analysis"]]}
+        assert files["analysis"]
+        fig = draw(fig_name, cfg, res, {}, files)
+        assert any(line.get_xydata().size for ax in fig.axes for line in ax.get_lines())
+        plt.close(fig)
     bad = tmp_path / "results/tiny/350m/stem/pretrain/analysis/heaps.json"
     bad.write_text(json.dumps({**json.loads(bad.read_text()), "variant": "dense"}))
     with pytest.raises(ValueError, match="heaps.json: records heaps/350m/dense/pretrain, expected heaps/350m/stem"):
-        AR.build(cfg, out, root=tmp_path)
+        t["heaps"].build(cfg, res)
+    del cfg["analysis"]
+    assert all(x.build(cfg, res).empty for n, x in t.items() if n != "directions")
+    assert all(x.inputs(cfg) == [] for x in t.values())
+    fig = draw("fig6_spread", cfg, res, {}, registry.figure("fig6_spread").inputs(cfg, []))
+    assert "config has no analysis.spread" in " ".join(x.get_text() for x in fig.axes[0].texts)
+    plt.close(fig)
 
 
 def test_tables_found_by_role_at_paper_shapes():

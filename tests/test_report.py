@@ -486,13 +486,14 @@ def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
              *(f"reports/tiny/tables/{t}.{ext}" for t in B.TABLES for ext in ("csv", "md", "tex")),
              "reports/tiny/tables/reproduced.csv", *(f"reports/tiny/diff/{f}" for f in B.DIFF_FILES),
              *(f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf"))]
-    from stem.analysis import report as AR, workflow as AW  # the analyze stage's outputs, as a finished run leaves them
-    files += [*AW.targets(tiny_cfg), *(f"reports/tiny/analysis/{f}" for f in AR.OUTPUTS)]
+    from stem.analysis import workflow as AW  # the analyze stage's outputs, as a finished run leaves them
+    analyses = AW.targets(tiny_cfg)
+    files += analyses
     for i, f in enumerate(files):
         p = tmp_path / f
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text("x")
-        t = 2e9 + (0 if "/params." in f else 10 if "/tables/" in f else 30 if f.endswith(("README.md", ".html")) else 20)
+        t = 2e9 + (0 if "/params." in f or f in analyses else 10 if "/tables/" in f else 30 if f.endswith(("README.md", ".html")) else 20)
         os.utime(p, (t, t))
     smk = [sys.executable, "-m", "snakemake", "-s", str(C.REPO / "Snakefile"), "-d", str(tmp_path), "-n",
            "--allowed-rules", "report_tables", "report_diff", "report_figure", "report_readme", "report_html", "params"]

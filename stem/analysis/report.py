@@ -1,17 +1,19 @@
-"""Tables and figures of the analyze stage, from the per-checkpoint analysis JSONs.
+"""Tables and figures of the analyze stage, from the per-checkpoint analysis JSONs, registered with the
+report's registry (stem.report.registry; report-only tables, no paper CSV, not compared) at the end of this
+module, so they land in ``reports/{experiment}/tables/`` and ``figures/``, the report's README and HTML:
 
-``build(cfg, out_dir, root)`` writes ``reports/{experiment}/analysis/``:
-
-- ``editing.{csv,md}``: per scale/stage/variant, site (``stem`` tables or the ``embedding``) and scheme: edit
+- table ``editing``: per scale/stage/variant, site (``stem`` tables or the ``embedding``) and scheme: edit
   success (the target's answer ranks first), flip (target answer above the source's), top-k overlap with
   the control prompt and KL(control || edited) next to their unedited values (Fig. 7), collateral change;
-- ``spread.{csv,md}`` and ``fig6_spread.{png,pdf}``: Fig. 6a-c histograms and their statistics;
-- ``heaps.{csv,md}`` and ``heaps.{png,pdf}``: L_uniq vs L with the fit's K and beta, activated STEM params;
-- ``capacity.{csv,md}``: recall per relation and entity-frequency bucket (chance level beside it);
-- ``directions.{csv,md}``: every direction with its confidence (stem.analysis.verdict): Tables 3/4 accuracy
+- table ``spread`` (statistics per layer) and figure ``fig6_spread``: Fig. 6a-c histograms;
+- table ``heaps`` (the fit's K, beta, r2 and the activated STEM params at the longest L) and figure
+  ``heaps_law``: L_uniq vs L with the fit, activated STEM params vs L, NIAH accuracy beside it;
+- table ``capacity``: recall per relation and entity-frequency bucket (chance level beside it);
+- table ``directions``: every direction with its confidence (stem.analysis.verdict): Tables 3/4 accuracy
   per task, held-out loss, and one per analysis, each against the paper's claim (source named).
 
-Registering it with the report's registry: ``OUTPUTS`` lists the files, ``build`` is the one entry point.
+An experiment without an ``analysis:`` section (or without one analysis) gets empty tables (a visible gap) and
+figures that say so.
 """
 from __future__ import annotations
 
@@ -22,10 +24,7 @@ import numpy as np
 import pandas as pd
 
 from stem.analysis import verdict as V
-from stem.analysis.workflow import analyses, checkpoints
-
-OUTPUTS = [f"{n}.{ext}" for n in ("editing", "spread", "heaps", "capacity", "directions") for ext in ("csv", "md")] \
-    + [f"{n}.{ext}" for n in ("fig6_spread", "heaps") for ext in ("png", "pdf")] + ["README.md"]
+from stem.analysis.workflow import analyses, checkpoints, targets
 
 # The paper's claims each analysis is read against (data with their source).
 CLAIMS = {
@@ -39,12 +38,14 @@ CLAIMS = {
 }
 
 
-def load_all(cfg: dict, root=".") -> dict[str, dict]:
-    """{analysis: {(scale, variant, stage): JSON}} for every analysis JSON that exists."""
+def load_all(cfg: dict, root=".", results=None) -> dict[str, dict]:
+    """{analysis: {(scale, variant, stage): JSON}} for every analysis JSON that exists (``results``: the
+    results folder, default ``{root}/results``)."""
+    results = Path(results) if results is not None else Path(root) / "results"
     out: dict[str, dict] = {n: {} for n in analyses(cfg)}
     for scale, variant, stage in checkpoints(cfg):
         for name in out:
-            p = Path(root) / "results" / cfg["experiment"] / scale / variant / stage / "analysis" / f"{name}.json"
+            p = results / cfg["experiment"] / scale / variant / stage / "analysis" / f"{name}.json"
             if p.is_file():
                 r = json.loads(p.read_text())
                 if (r.get("analysis"), r.get("scale"), r.get("variant"), r.get("stage")) != (name, scale, variant, stage):
@@ -134,18 +135,6 @@ def analysis_directions(all_res: dict) -> list[dict]:
     return rows
 
 
-def _write(df: pd.DataFrame, out: Path, name: str, title: str, label: str):
-    from stem.io import atomic_write_text
-    atomic_write_text(out / f"{name}.csv", df.to_csv(index=False))
-    body = df.to_markdown(index=False, floatfmt=".4g") if len(df) else "(no results yet)"
-    atomic_write_text(out / f"{name}.md", f"# {title}\n\n{label}\n\n{body}\n")
-
-
-def _save(fig, out: Path, name: str):
-    from stem.report.figures import save
-    save(fig, out / f"{name}.png", out / f"{name}.pdf")
-
-
 def _legend(ax):
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
@@ -191,13 +180,13 @@ def fig6(res: dict, label: str):
     return fig
 
 
-def niah_curves(cfg: dict, root=".") -> dict[str, tuple[list, list]]:
+def niah_curves(cfg: dict, results="results") -> dict[str, tuple[list, list]]:
     """{variant: (lengths, mean NIAH accuracy over depths)} of the 1B models at Fig. 1b's stage, where present."""
     from stem.report.results import niah_cells
     out = {}
     stage = ((cfg.get("report") or {}).get("stages") or {}).get("figure1b", ["extend"])[0]
     for v in ("dense", "stem"):
-        p = Path(root) / "results" / cfg["experiment"] / "1b" / v / stage / "eval" / "niah.json"
+        p = Path(results) / cfg["experiment"] / "1b" / v / stage / "eval" / "niah.json"
         if p.is_file():
             cells = niah_cells(json.loads(p.read_text()))
             if len(cells):
@@ -234,52 +223,165 @@ def heaps_fig(res: dict, label: str, niah: dict | None = None):
     return fig
 
 
-def build(cfg: dict, out_dir, root=".") -> dict:
-    from stem.io import atomic_write_text
-    from stem.report.tables import experiment_label
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    label = experiment_label(cfg["experiment"])
-    res = load_all(cfg, root)
-    empty: dict = {}
-    _write(editing_table(res.get("editing", empty)), out, "editing", "Knowledge editing (Sec. 3.3, 5.2; Fig. 7)", label)
-    _write(spread_table(res.get("spread", empty)), out, "spread", "Angular spread (Sec. 5.1; Fig. 6)", label)
-    _write(heaps_table(res.get("heaps", empty)), out, "heaps", "Heaps law and activated STEM parameters (Sec. 3.2.5)", label)
-    _write(capacity_table(res.get("capacity", empty)), out, "capacity", "Knowledge capacity probe", label)
-    dirs = V.table_directions(cfg, root) + V.loss_directions(res.get("heldout", empty)) + analysis_directions(res)
-    dirs_df = pd.DataFrame(dirs)
+def directions_frame(cfg: dict, results, res: dict) -> pd.DataFrame:
+    """Every direction with its confidence: Tables 3/4 accuracy, held-out loss and one per analysis."""
+    dirs_df = pd.DataFrame(V.table_directions(cfg, results=results) + V.loss_directions(res.get("heldout", {}))
+                           + analysis_directions(res))
     if len(dirs_df):
         # Only Tables 3/4 print an effect size; elsewhere the paper states a direction (paper_delta is its sign).
         half = (dirs_df["hi"].astype(float) - dirs_df["lo"].astype(float)) / 2
         sized = dirs_df["table"].isin(["table3", "table4"]) & half.notna()
         dirs_df["paper_effect_resolvable"] = np.where(sized, half < dirs_df["paper_delta"].abs(), None)
-    _write(dirs_df, out, "directions", "Directions with confidence (paired bootstrap, 95%)", label)
-    _save(fig6(res.get("spread", empty), label), out, "fig6_spread")
-    _save(heaps_fig(res.get("heaps", empty), label, niah_curves(cfg, root)), out, "heaps")
-    counts = dirs_df["verdict"].value_counts().to_dict() if len(dirs_df) else {}
-    atomic_write_text(out / "README.md", readme(label, counts, res))
-    return counts
+    return dirs_df
 
 
-def readme(label: str, counts: dict, res: dict) -> str:
-    ex, where = next(((r["example"], k) for k, r in sorted(res.get("editing", {}).items())
-                      if r.get("example") and r["variant"] == "stem"), (None, None))  # "1b" sorts first
-    lines = [f"# Analyses ({label})", "",
-             "Knowledge editing, angular spread, Heaps-law parameter usage and the capacity probe "
-             "(rules/analyze.smk, stem/analysis). Direction verdicts: " +
-             ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", ""]
-    if ex:
-        lines += [f"Edit example ({'/'.join(where)}):", ""] + example_md(ex) + [""]
-    lines += [f"- {k}: {v}" for k, v in CLAIMS.items()]
-    return "\n".join(lines) + "\n"
+def example_rows(ex: dict) -> list[tuple[str, str, str, str]]:
+    """Fig. 7's three top-k columns and the greedy continuations: (model, prompt, top next tokens, greedy)."""
+    topk = lambda d: ", ".join(f"{t!r} {p:.3f}" for t, p in d["topk"])  # noqa: E731
+    return [(name, prompt, topk(d), repr(d["greedy"])) for name, prompt, d in
+            (("original", ex["prompt"], ex["original"]), ("control (target prompt)", ex["control_prompt"], ex["control"]),
+             ("edited", ex["prompt"], ex["edited"]))]
 
 
-def example_md(ex: dict) -> list[str]:
-    """The README's edit example: Fig. 7's three top-k columns and the greedy continuations."""
-    row = lambda name, prompt, d: (f"| {name} | `{prompt}` | "  # noqa: E731
-                                   + ", ".join(f"`{t!r}` {p:.3f}" for t, p in d["topk"]) + f" | `{d['greedy']!r}` |")
-    return [f"Edit: {ex['source']} -> {ex['target']} ({ex['scheme']} of the {ex['site']} vectors; answers "
-            f"`{ex['source_answer']}` / `{ex['target_answer']}`)", "",
-            "| model | prompt | top next tokens (probability) | greedy continuation |", "|---|---|---|---|",
-            row("original", ex["prompt"], ex["original"]), row("control (target prompt)", ex["control_prompt"], ex["control"]),
-            row("edited", ex["prompt"], ex["edited"])]
+# ---- the registry's view (stem.report.registry): long tables in paper_data.COLUMNS, figures from the JSONs ----
+def _load(cfg: dict, res) -> dict:
+    return load_all(cfg, results=res.root)
+
+
+def _json_path(cfg: dict, key: tuple, name: str) -> str:
+    s, v, st = key
+    return f"results/{cfg['experiment']}/{s}/{v}/{st}/analysis/{name}.json"
+
+
+def _long(table: str, cfg: dict, name: str, res: dict, rows) -> pd.DataFrame:
+    """rows(key, JSON) -> [(row, column, value, unit)] per checkpoint; ``row`` names the model first."""
+    from stem.report import tables as T
+    return T.frame([T.cell(table, k[0], k[1], c, val, _json_path(cfg, k, name), row=row, unit=unit)
+                    for k, r in sorted(res.items()) for row, c, val, unit in rows(k, r)])
+
+
+def editing_long(cfg: dict, res) -> pd.DataFrame:
+    skip = ("site", "scheme", "case")
+    return _long("editing", cfg, "editing", _load(cfg, res).get("editing", {}), lambda k, r: [
+        (f"{k[1]} {k[2]}: {row['site']} {row['scheme']}", c, x, "") for row in r["summary"] if row["case"] == "all"
+        for c, x in row.items() if c not in skip])
+
+
+def spread_long(cfg: dict, res) -> pd.DataFrame:
+    return _long("spread", cfg, "spread", _load(cfg, res).get("spread", {}), lambda k, r: [
+        (f"{k[1]} {k[2]}: L{layer['layer']} {layer['ffn']} {key}", c, x, "") for layer in r["layers"]
+        for key in ("table", "up_proj", "down_input") if key in layer
+        for c, x in (("pairs", layer[key]["pairs"]), ("mean_abs_cos", layer[key]["mean_abs"]),
+                     ("mean_cos", layer[key]["mean"]), *layer[key]["quantiles"].items())])
+
+
+def heaps_long(cfg: dict, res) -> pd.DataFrame:
+    return _long("heaps", cfg, "heaps", _load(cfg, res).get("heaps", {}), lambda k, r: [
+        (f"{k[1]} {k[2]}", c, x, "") for c, x in
+        (("K", r["fit"]["K"]), ("beta", r["fit"]["beta"]), ("r2", r["fit"]["r2"]), ("n_stem_layers", r["n_stem_layers"]),
+         ("L", r["lengths"][-1]), ("L_uniq", r["unique"][-1]), ("activated_stem_params", r["activated_stem_params"][-1]))])
+
+
+def capacity_long(cfg: dict, res) -> pd.DataFrame:
+    return _long("capacity", cfg, "capacity", _load(cfg, res).get("capacity", {}), lambda k, r: [
+        (f"{k[1]} {k[2]}: {rel}", c, x, "") for rel, row in r["table"].items() for c, x in row.items()])
+
+
+def directions_long(cfg: dict, res) -> pd.DataFrame:
+    from stem.report import tables as T
+    df = directions_frame(cfg, res.root, _load(cfg, res))
+    cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "verdict", "paper_effect_resolvable")
+    return T.frame([T.cell("directions", r["scale"], r["variant"], c, None if pd.isna(r.get(c)) else r.get(c),
+                           r["source"], row=f"{r['variant']} {r['stage'] if isinstance(r['stage'], str) else '(no stage)'}: "
+                           f"{r['table']} {r['column']}", unit="")
+                    for r in df.to_dict("records") for c in cols if c in r])
+
+
+def edit_example_long(cfg: dict, res) -> pd.DataFrame:
+    from stem.report import tables as T
+    ed = _load(cfg, res).get("editing", {})
+    k, ex = next(((k, r["example"]) for k, r in sorted(ed.items()) if r.get("example") and k[1] == "stem"),
+                 (None, None))  # "1b" sorts first
+    if ex is None:
+        return T.frame([])
+    row0 = f"{ex['source']} -> {ex['target']} ({ex['scheme']} of the {ex['site']} vectors)"
+    return T.frame([T.cell("edit_example", k[0], k[1], c, x, _json_path(cfg, k, "editing"),
+                           row=f"{row0}: {model}", unit="")
+                    for model, *vals in example_rows(ex) for c, x in zip(("prompt", "topk", "greedy"), vals)])
+
+
+def table_inputs(name: str):
+    return lambda cfg: [p for p in targets(cfg) if p.endswith(f"/analysis/{name}.json")]
+
+
+def all_inputs(cfg: dict) -> list[str]:
+    return targets(cfg)
+
+
+def _figure(name: str, draw_fn, what: str):
+    """draw(cfg, res, ours, files): the analysis JSONs ``files["analysis"]`` (keyed by what each records)."""
+    def draw(cfg, res, ours, files):
+        from stem.report.tables import experiment_label
+        got = {}
+        for path in files.get("analysis", []):
+            r = json.loads(Path(path).read_text())
+            got[r["scale"], r["variant"], r["stage"]] = r
+        fig = draw_fn(cfg, res, got, experiment_label(cfg), files)
+        if not got:
+            from stem.report.figures import _missing
+            _missing(fig.axes[0], f"no {what} results: this experiment's config has no analysis.{name}" if name not in
+                     analyses(cfg) else f"no {what} results yet")
+        return fig
+    return draw
+
+
+def _figure_inputs(name: str, niah=False):
+    def inputs(cfg, evals):
+        out = {"analysis": table_inputs(name)(cfg)}
+        if niah:
+            out["niah"] = [p for p in evals if p.endswith("eval/niah.json")]
+        return out
+    return inputs
+
+
+def _niah(cfg: dict, res, files: dict) -> dict:
+    """niah_curves where the figure was given NIAH JSONs (an experiment without them: the panel says so)."""
+    return niah_curves(cfg, res.root) if files.get("niah") else {}
+
+
+def _register():
+    from stem.report import registry
+    from stem.report import figures, tables  # noqa: F401  (the paper's tables and figures register first)
+    gap = dict(empty="_(no rows: no analysis results for this table yet, or config `analysis:` does not run it)_")
+    label = {"pairs": "pairs", "mean_abs_cos": "mean |cos|", "mean_cos": "mean cos"}
+    registry.paper_table(
+        "editing", "Knowledge editing (Sec. 3.3, 5.2; Fig. 7): edit success, flip, top-k overlap and "
+        "KL(control || edited) beside their unedited values, per site and scheme (all cases)",
+        inputs=table_inputs("editing"), **gap)(editing_long)
+    registry.paper_table("edit_example", "Knowledge editing: one edit example (Fig. 7's columns)",
+                         labels={"topk": "top next tokens (probability)", "greedy": "greedy continuation"},
+                         inputs=table_inputs("editing"), **gap)(edit_example_long)
+    registry.paper_table(
+        "spread", "Angular spread (Sec. 5.1; Fig. 6): pairwise cosine statistics per layer and vector set",
+        labels=label, inputs=table_inputs("spread"), **gap)(spread_long)
+    registry.paper_table(
+        "heaps", "Heaps law and activated STEM parameters (Sec. 3.2.5) at the longest context length L",
+        labels={"activated_stem_params": "|S| d_ff L_uniq"}, inputs=table_inputs("heaps"), **gap)(heaps_long)
+    registry.paper_table("capacity", "Knowledge capacity probe: recall per relation (chance level beside it)",
+                         inputs=table_inputs("capacity"), **gap)(capacity_long)
+    registry.paper_table(
+        "directions", "Directions with confidence (paired bootstrap, 95%): Tables 3/4 accuracy, held-out loss and "
+        "each analysis against the paper's claim", inputs=all_inputs, **gap)(directions_long)
+    registry.report_figure(
+        "fig6_spread", "Figure 6a-c (angular spread): pairwise cosine similarity of (a) the STEM table vectors, "
+        "(b) the dense up-projection outputs beside the STEM vectors at the same layers, (c) the down-projection "
+        "inputs after gating.", inputs=_figure_inputs("spread"))(
+        _figure("spread", lambda cfg, res, got, label, files: fig6(got, label), "angular spread"))
+    registry.report_figure(
+        "heaps_law", "Sec. 3.2.5: unique tokens L_uniq vs context length L with the Heaps fit K L^beta, the "
+        "activated STEM parameters |S| d_ff L_uniq, and Fig. 1b's NIAH accuracy beside it.",
+        inputs=_figure_inputs("heaps", niah=True))(
+        _figure("heaps", lambda cfg, res, got, label, files: heaps_fig(got, label, _niah(cfg, res, files)), "Heaps-law"))
+
+
+_register()

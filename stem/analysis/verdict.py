@@ -72,9 +72,9 @@ def _paired(a: dict, b: dict):
     return [a[k] for k in keys], [b[k] for k in keys]
 
 
-def _task_items(root, exp, scale, variant, stage, suite, task, subtasks=None):
+def _task_items(results, exp, scale, variant, stage, suite, task, subtasks=None):
     """Per-item scores of a task (a group's subtasks pooled by item), or None if the results are missing."""
-    d = Path(root) / "results" / exp / scale / variant / stage / "eval"
+    d = Path(results) / exp / scale / variant / stage / "eval"
     res, raw = d / f"{suite}.json", d / "raw" / f"{suite}.json"
     if not (res.is_file() and raw.is_file()):
         return None
@@ -87,9 +87,11 @@ def _task_items(root, exp, scale, variant, stage, suite, task, subtasks=None):
     return out
 
 
-def table_directions(cfg: dict, root=".") -> list[dict]:
+def table_directions(cfg: dict, root=".", results=None) -> list[dict]:
     """Each Table 3/4 accuracy direction (variant vs dense, per task and the commonsense average) with its
-    paired-bootstrap interval over items and a verdict against the paper's sign."""
+    paired-bootstrap interval over items and a verdict against the paper's sign. ``results``: the results
+    folder (default ``{root}/results``)."""
+    results = Path(results) if results is not None else Path(root) / "results"
     from stem.report import paper_data as P
     exp = cfg["experiment"]
     stages = (cfg.get("report") or {}).get("stages") or {}
@@ -104,15 +106,15 @@ def table_directions(cfg: dict, root=".") -> list[dict]:
             if column not in suite_of and column != "avg":
                 continue
             p_delta = float(pv - paper[(scale, "dense", column)])
-            stage = next((st for st in stages.get(table, []) if (Path(root) / "results" / exp / scale / variant / st
+            stage = next((st for st in stages.get(table, []) if (results / exp / scale / variant / st
                                                                   / "eval").is_dir()), None)
             ci = None
             if stage is not None:
                 tasks = P.COMMONSENSE_TASKS if column == "avg" else [column]
                 pairs = []
                 for t in tasks:
-                    a = _task_items(root, exp, scale, "dense", stage, suite_of[t], t, groups.get(t))
-                    b = _task_items(root, exp, scale, variant, stage, suite_of[t], t, groups.get(t))
+                    a = _task_items(results, exp, scale, "dense", stage, suite_of[t], t, groups.get(t))
+                    b = _task_items(results, exp, scale, variant, stage, suite_of[t], t, groups.get(t))
                     if a is None or b is None:
                         pairs = []
                         break

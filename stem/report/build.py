@@ -44,7 +44,7 @@ def write_tables(cfg: dict, res: Results, out_dir) -> dict[str, pd.DataFrame]:
     for name, table in registry.tables().items():
         w = T.wide(ours[name])
         _write(out / f"{name}.csv", _csv(w))
-        _write(out / f"{name}.md", f"# {table.title}\n\n_{label}_\n\n{T.to_markdown(w)}")
+        _write(out / f"{name}.md", f"# {table.title}\n\n_{label}_\n\n{T.to_markdown(w, table.empty)}")
         _write(out / f"{name}.tex", T.to_latex(w, f"{table.title} ({label})"))
     _write(out / "reproduced.csv", _csv(pd.concat([ours[n] for n in TABLES], ignore_index=True)))
     return ours
@@ -115,7 +115,7 @@ def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: lis
           *diff.summary_blocks(s, dirs, len(s["gate"]["failed"]) if "gate" in s else None, level=3),
           page.Heading(2, "Tables")]
     for name, table in registry.tables().items():
-        b += [page.Heading(3, table.title), page.Table(T.wide(ours.get(name, T.frame([])))),
+        b += [page.Heading(3, table.title), page.Table(T.wide(ours.get(name, T.frame([]))), *[table.empty] * bool(table.empty)),
               page.Para(f"[csv](tables/{name}.csv) · [tex](tables/{name}.tex)")]
     b.append(page.Heading(2, "Figures"))
     for f in figures:

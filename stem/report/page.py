@@ -54,8 +54,9 @@ class Image:
 def md_table(w: pd.DataFrame, empty: str = Table.empty) -> str:
     if w.empty:
         return empty + "\n"
-    lines = ["| " + " | ".join(w.columns) + " |", "|" + "|".join(["---"] * len(w.columns)) + "|"]
-    lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in w.itertuples(index=False)]
+    esc = lambda x: str(x).replace("|", r"\|")  # noqa: E731  (a '|' in a cell, e.g. mean |cos|, ends the cell)
+    lines = ["| " + " | ".join(map(esc, w.columns)) + " |", "|" + "|".join(["---"] * len(w.columns)) + "|"]
+    lines += ["| " + " | ".join(map(esc, r)) + " |" for r in w.itertuples(index=False)]
     return "\n".join(lines) + "\n"
 
 

@@ -4,8 +4,8 @@ A table is registered with ``@paper_table(name, title, ...)`` on its builder, a 
 ``@report_figure(name, caption, ...)`` on its drawing function. The workflow (rules/report.smk through
 stem.report.workflow), the table writer, the diff, the figures, the README and the HTML report all iterate
 ``tables()`` / ``figures()``; none of them names a table or a figure. The paper's own tables and figures are
-registered when stem.report.tables and stem.report.figures are imported (``BUILTIN``); ``tables()`` and
-``figures()`` import them first. This module imports nothing of the project.
+registered when stem.report.tables and stem.report.figures are imported, the analyze stage's by
+stem.analysis.report (``BUILTIN``); ``tables()`` and ``figures()`` import them first. This module imports nothing of the project.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-BUILTIN = ("stem.report.tables", "stem.report.figures")   # modules that register the paper's tables and figures
+BUILTIN = ("stem.report.tables", "stem.report.figures", "stem.analysis.report")   # modules that register tables, figures
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")   # a file name under reports/ and a Snakemake output / wildcard value
 RESERVED = {"md", "long", "reproduced"}   # rule report_tables' other outputs, tables/reproduced.csv
 
@@ -43,6 +43,7 @@ class PaperTable:
     inputs(cfg) -> files its builder reads besides the training summaries and eval JSONs (inputs of the
         workflow's report_tables rule).
     paper_cells(df) -> the reference cells as compared (default: ``csv`` as it is).
+    empty: what its Markdown, the README and the HTML say when it has no rows (None: page.Table's default).
     """
     name: str
     title: str
@@ -56,6 +57,7 @@ class PaperTable:
     notes: dict = field(default_factory=dict)
     inputs: Callable | None = None
     paper_cells: Callable | None = None
+    empty: str | None = None
 
     def __post_init__(self):
         _check_name("table", self.name)

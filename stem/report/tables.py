@@ -358,7 +358,7 @@ def fmt(value, column: str, unit: str = "") -> str:
 def wide(df: pd.DataFrame) -> pd.DataFrame:
     """The paper's layout: one row per (scale, variant), one column per metric, printed cells."""
     if df.empty:
-        return pd.DataFrame()
+        return pd.DataFrame(columns=["Scale", "Model"])  # its CSV still has a header
     out = []
     for (scale, variant, row), g in df.groupby(["scale", "variant", "row"], sort=False):
         r = {"Scale": scale, "Model": row}
@@ -378,9 +378,9 @@ def column_label(column: str, table: str | None = None) -> str:
     return next((t.labels[column] for t in tables.values() if column in t.labels), column)
 
 
-def to_markdown(w: pd.DataFrame) -> str:
-    from stem.report.page import md_table
-    return md_table(w)
+def to_markdown(w: pd.DataFrame, empty: str | None = None) -> str:
+    from stem.report.page import Table, md_table
+    return md_table(w, empty or Table.empty)
 
 
 def to_latex(w: pd.DataFrame, caption: str) -> str:
