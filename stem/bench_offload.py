@@ -334,34 +334,6 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
-def hit_rate_figure(r: dict):
-    """Hit rate vs cache rows, with the paper's 80 % and the removed up-projection's memory marked (the report's
-    figure offload_hit_rate, stem.report.figures)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from stem.report.tables import experiment_label
-    xs = [x["cache_rows"] for x in r["hit_rate_curve"]]
-    ys = [100 * x["hit_rate"] for x in r["hit_rate_curve"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, ys, "o-", color="#1f77b4", label="LFU (LRU tie-break), held-out decode, cold start")
-    ax.plot(xs, [100 * x["hit_rate_warm"] for x in r["hit_rate_curve"]], "s--", color="#2ca02c",
-            label="same, counts warmed on the training split")
-    ax.axhline(80, color="#d62728", ls="--", lw=1, label="paper: > 80 % (Sec. 3.4)")
-    ax.axvline(r["memory"]["cache_budget_rows"], color="0.4", ls=":", lw=1,
-               label="d_model rows = removed up-projection's memory")
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(0, 100)
-    ax.set_xlabel(f"cache rows per STEM layer (V = {r['shapes']['vocab']})")
-    ax.set_ylabel("hit rate (%)")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Offloaded STEM tables: hit rate vs cache size\n{experiment_label(r['experiment'] or '?')}",
-                 fontsize=10)
-    fig.tight_layout()
-    return fig
-
-
 def main(args):
     from stem.io import atomic_write_json
     torch.set_num_threads(args.threads or 1)  # one thread unless asked: steadier timings on a shared machine
@@ -370,6 +342,6 @@ def main(args):
     if args.json:
         atomic_write_json(args.json, r)
     if args.figure:
-        from stem.report.figures import save
+        from stem.report.figures import hit_rate_figure, save
         save(hit_rate_figure(r), args.figure)
     return r

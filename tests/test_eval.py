@@ -287,7 +287,7 @@ def test_tiny_dag_ends_in_eval_jsons():
     targets = run.eval_targets(cfg)
     assert "results/tiny/350m/stem/pretrain/eval/commonsense.json" in targets
     assert "results/tiny/1b/dense/extend/eval/longbench.json" in targets
-    assert len(targets) == 9 + 2 * 3 + 2 * 4  # 7 350m + 2 1b pretrain; 2 midtrain x 3; 2 extend x 4
+    assert len(targets) == 10 + 2 * 3 + 2 * 4  # 8 350m (stem_sparse too) + 2 1b pretrain; 2 midtrain x 3; 2 extend x 4
     snakefile = (C.REPO / "Snakefile").read_text()
     assert 'include: "rules/eval.smk"' in snakefile and "eval_outputs()" in snakefile
 
