@@ -14,7 +14,7 @@ rule analyze:
     input:
         unpack(lambda w: AW.rule_inputs(config, w.scale, w.variant, w.stage, w.analysis)),
     output:
-        "results/{experiment}/{scale}/{variant}/{stage}/analysis/{analysis}.json",
+        L.analysis_json(*L.STAGE, "{analysis}"),
     wildcard_constraints:
         analysis="|".join(AW.ANALYSES),
     params:
@@ -23,7 +23,7 @@ rule analyze:
     resources:
         gpu=lambda w: 0 if config["device"] == "cpu" else 1,
     log:
-        "logs/{experiment}/{scale}/{variant}/{stage}/analysis/{analysis}.log",
+        L.analysis_log(*L.STAGE, "{analysis}"),
     conda:
         ENV
     shell:

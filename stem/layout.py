@@ -7,8 +7,8 @@ the code reads and writes.
     data/{experiment}/fixtures/                                 offline eval fixtures (tiny)
     results/{experiment}/{scale}/{variant}/{stage}/             one training job ("stage folder"):
         summary.json, metrics.jsonl, checkpoint/, _state/ (resumable, undeclared), tensorboard/,
-        eval/{suite}.json, eval/raw/{suite}.json
-    logs/{experiment}/{scale}/{variant}/{stage}/train.log, .../eval/{suite}.log
+        eval/{suite}.json, eval/raw/{suite}.json, analysis/{name}.json
+    logs/{experiment}/{scale}/{variant}/{stage}/train.log, .../eval/{suite}.log, .../analysis/{name}.log
 
 Every function takes the path's parts; called with wildcard names (``"{experiment}"``, ...; ``STAGE``) it
 gives the rule's pattern, so a rule and the code cannot disagree. Torch-free (the Snakefile imports it).
@@ -71,6 +71,14 @@ def eval_json(exp: str, scale: str, variant: str, stage: str, suite: str) -> str
 
 def eval_raw(exp: str, scale: str, variant: str, stage: str, suite: str) -> str:
     return f"{stage_dir(exp, scale, variant, stage)}/eval/raw/{suite}.json"
+
+
+def analysis_json(exp: str, scale: str, variant: str, stage: str, name: str) -> str:
+    return f"{stage_dir(exp, scale, variant, stage)}/analysis/{name}.json"
+
+
+def analysis_log(exp: str, scale: str, variant: str, stage: str, name: str) -> str:
+    return f"logs/{exp}/{scale}/{variant}/{stage}/analysis/{name}.log"
 
 
 def train_log(exp: str, scale: str, variant: str, stage: str) -> str:

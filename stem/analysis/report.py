@@ -249,8 +249,8 @@ def _load(cfg: dict, res) -> dict:
 
 
 def _json_path(cfg: dict, key: tuple, name: str) -> str:
-    s, v, st = key
-    return f"results/{cfg['experiment']}/{s}/{v}/{st}/analysis/{name}.json"
+    from stem import layout as L
+    return L.analysis_json(cfg["experiment"], *key, name)
 
 
 def _long(table: str, cfg: dict, name: str, res: dict, rows) -> pd.DataFrame:

@@ -44,11 +44,11 @@ ONLY_FOR = {"heaps": lambda tables, variant: tables, "heldout": lambda tables, v
 
 
 def targets(cfg: dict) -> list[str]:
-    from stem import config as C
+    from stem import layout as L
     out = []
     for s, v, st in checkpoints(cfg):
         tables = has_tables(cfg, s, v)
-        out += [f"{C.stage_dir(cfg['experiment'], s, v, st)}/analysis/{name}.json" for name in analyses(cfg)
+        out += [L.analysis_json(cfg["experiment"], s, v, st, name) for name in analyses(cfg)
                 if ONLY_FOR.get(name, lambda t, v: True)(tables, v)]
     return out
 
@@ -73,8 +73,8 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
 
 
 def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
-    from stem import config as C
+    from stem import layout as L
     spec = job_spec(cfg, scale, variant, stage, name)
-    inputs = {"checkpoint": f"{C.stage_dir(cfg['experiment'], scale, variant, stage)}/checkpoint"}
+    inputs = {"checkpoint": L.checkpoint(cfg["experiment"], scale, variant, stage)}
     inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts") if spec.get(k)})
     return inputs

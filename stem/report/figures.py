@@ -273,8 +273,9 @@ def save(fig, png, pdf=None):
 def pretrain_metrics(cfg: dict, evals: list[str], scale: str, variants) -> dict:
     """inputs of a curve figure: the metrics.jsonl of the pretraining runs it plots."""
     from stem import config as C
+    from stem import layout as L
     stage = T.settings(cfg).stages["table3"][0]  # the curves are of the pretraining runs
-    return {"metrics": [f"{C.stage_dir(cfg['experiment'], s, v, st)}/metrics.jsonl" for s, v, st in C.train_targets(cfg)
+    return {"metrics": [L.metrics(cfg["experiment"], s, v, st) for s, v, st in C.train_targets(cfg)
                         if s == scale and v in variants and st == stage]}
 
 

@@ -193,9 +193,9 @@ def checkpoints_of(table: str):
     """inputs(cfg) of a registry entry: the checkpoints of the stages feeding ``table`` (their accounting)."""
     def inputs(cfg: dict) -> list[str]:
         from stem import config as C
+        from stem import layout as L
         stages = settings(cfg).stages[table]
-        return [f"{C.stage_dir(cfg['experiment'], s, v, st)}/checkpoint" for s, v, st in C.train_targets(cfg)
-                if st in stages]
+        return [L.checkpoint(cfg["experiment"], s, v, st) for s, v, st in C.train_targets(cfg) if st in stages]
     return inputs
 
 
