@@ -2,6 +2,7 @@
 #   snakemake --profile profiles/local            # the embedded default (config/tiny.yaml), on the CPU
 #   snakemake --profile profiles/slurm            # the paper's scale (config/paper.yaml), on Slurm
 # One target, e.g.: snakemake --profile profiles/local results/tiny/350m/stem_half/pretrain/summary.json
+# The DSE paper's Sec. 3 sweeps: snakemake --profile profiles/local --cores 2 sweep_rho (or sweep_slots)
 
 # The default config, loaded once here (profiles do not load it again). With --replace-workflow-config
 # (profiles/slurm) it would be discarded anyway, so it is not read at all: "Config file(s)" names only
@@ -18,6 +19,7 @@ include: "rules/eval.smk"
 include: "rules/analyze.smk"
 include: "rules/report.smk"
 include: "rules/bench.smk"
+include: "rules/sweep.smk"
 
 
 apply_cluster_defaults()  # partition/account/size defaults for rules that set none (data, reports)
@@ -31,3 +33,4 @@ rule all:
         analysis_outputs(),
         params_tables(),
         report_outputs(),
+        sweep_outputs(),  # [] unless sweeps.in_all (rules/sweep.smk)

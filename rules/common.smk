@@ -21,7 +21,7 @@ ENV = "../environment.yml"
 wildcard_constraints:
     experiment=EXP,
     scale="|".join(C.SCALES),
-    variant="[a-z_]+",
+    variant="[a-z][a-z0-9_]*",  # named variants and sweep points (rho_0p75, slots_4096)
     stage="|".join(C.STAGES),
     source="[A-Za-z0-9_]+",
     part=r"part\d{5}-of-\d{5}",

@@ -143,6 +143,9 @@ def _cross_check(cfg: dict, origin: str):
                                   f"archs.{scale}.vocab_size {cfg['archs'][scale]['vocab_size']}")
         elif "path" not in tok:
             raise ConfigError(f"{origin}: key 'tokenizer.{scale}.path' missing (needed by kind pretrained)")
+    if cfg.get("sweeps"):   # the DSE paper's Sec. 3 sweeps: every point builds, within tolerance
+        from stem import sweeps
+        sweeps.validate(cfg, origin)
 
 
 # ---- variants and models -------------------------------------------------------------------------
@@ -158,6 +161,23 @@ def variants(cfg: dict) -> dict:
     return {name: _deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {})) for name, spec in base.items()}
 
 
+def variant_spec(cfg: dict, variant: str) -> dict:
+    """A variant's spec: one of config/variants.yaml (with variant_overrides), or a point of the config's
+    ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
+    it overrides)."""
+    all_variants = variants(cfg)
+    if variant in all_variants:
+        return all_variants[variant]
+    from stem import sweeps
+    if cfg.get("sweeps") and sweeps.is_sweep_id(variant):
+        points = sweeps.variant_specs(cfg)
+        if variant in points:
+            return points[variant]
+        raise ConfigError(f"variant {variant!r}: not a point of the config's sweeps: section (expected one of "
+                          f"{', '.join(points)})")
+    raise ConfigError(f"variant {variant!r}: expected one of {sorted(all_variants)}")
+
+
 def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):
     from stem.models.config import model_config
 
@@ -167,10 +187,8 @@ def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = No
         for key in ("max_seq_len", "rope_scaling"):
             if key in spec:
                 arch[key] = spec[key]
-    all_variants = variants(cfg)
-    if variant not in all_variants:
-        raise ConfigError(f"variant {variant!r}: expected one of {sorted(all_variants)}")
-    return model_config(arch, all_variants[variant])
+    spec = {k: v for k, v in variant_spec(cfg, variant).items() if k != "stage"}
+    return model_config(arch, spec)
 
 
 # ---- paths: stem.layout ------------------------------------------------------------------------
@@ -199,7 +217,8 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
     exp = cfg["experiment"]
     if scale not in cfg["matrix"] or stage not in cfg["matrix"][scale]["stages"]:
         raise ConfigError(f"stage {stage!r} at scale {scale!r} is not in the {exp} experiment's matrix")
-    st = dict(cfg["stages"][stage][scale])
+    vspec = variant_spec(cfg, variant)
+    st = {**cfg["stages"][stage][scale], **vspec.get("stage", {})}   # a sweep point's settings (sweeps.train)
     init = st.pop("init_from", None)
     data = st.pop("data")
     for key in ("max_seq_len", "rope_scaling"):
@@ -216,7 +235,7 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
         "experiment": exp, "scale": scale, "variant": variant, "stage": stage,
         "seed": cfg["seed"], "device": cfg["device"],
         "model": model_config_for(cfg, scale, variant, stage).to_dict(),
-        "optim": _deep_merge(cfg["optim"], variants(cfg)[variant].get("optim", {})),   # a variant may set e.g. table_update
+        "optim": _deep_merge(cfg["optim"], vspec.get("optim", {})),   # a variant may set e.g. table_update
         "train": train,
         "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
         "tokenizer": tokenizer_path(exp, scale),

@@ -9,6 +9,8 @@ the code reads and writes.
         summary.json, metrics.jsonl, checkpoint/, _state/ (resumable, undeclared), tensorboard/,
         eval/{suite}.json, eval/raw/{suite}.json, analysis/{name}.json
     logs/{experiment}/{scale}/{variant}/{stage}/train.log, .../eval/{suite}.log, .../analysis/{name}.log
+    reports/{experiment}/sweeps/{kind}.{json,md,png,pdf}          the DSE paper's Sec. 3 sweeps (stem.sweeps)
+    logs/{experiment}/sweeps/{kind}.log
 
 Every function takes the path's parts; called with wildcard names (``"{experiment}"``, ...; ``STAGE``) it
 gives the rule's pattern, so a rule and the code cannot disagree. Torch-free (the Snakefile imports it).
@@ -87,6 +89,27 @@ def train_log(exp: str, scale: str, variant: str, stage: str) -> str:
 
 def eval_log(exp: str, scale: str, variant: str, stage: str, suite: str) -> str:
     return f"logs/{exp}/{scale}/{variant}/{stage}/eval/{suite}.log"
+
+
+# ---- sweeps (stem.sweeps, rules/sweep.smk) ---------------------------------------------------------------
+SWEEP_FILES = ("json", "md", "png", "pdf")
+
+
+def sweep_dir(exp: str) -> str:
+    return f"reports/{exp}/sweeps"
+
+
+def sweep_file(exp: str, kind: str, ext: str) -> str:
+    """A sweep's result (json), its table (md) or its figure (png, pdf)."""
+    return f"{sweep_dir(exp)}/{kind}.{ext}"
+
+
+def sweep_files(exp: str, kind: str) -> list[str]:
+    return [sweep_file(exp, kind, ext) for ext in SWEEP_FILES]
+
+
+def sweep_log(exp: str, kind: str) -> str:
+    return f"logs/{exp}/sweeps/{kind}.log"
 
 
 def state_dir(out_dir) -> Path:

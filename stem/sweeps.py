@@ -1,0 +1,563 @@
+"""The DSE paper's Sec. 3 sweeps (Fig. 2), as generated variants of the experiment's own training jobs.
+
+- ``rho`` (Sec. 3.1, Fig. 2 left, sparsity allocation): P_tot = trainable parameters without the token
+  embedding and the LM head, P_act = those used per token, P_free = P_tot - P_act. rho is the fraction of
+  P_free in routed MoE experts (rho = 1: the pure MoE model ``sweeps.rho.base``). For each rho the hybrid keeps
+  E' = k + round(rho (E - k)) routed experts (k = top-k, E the base's experts: the routed experts' inactive
+  part is rho P_free) and gets the DSE memory of ``sweeps.rho.memory`` with the table rows that bring its
+  P_tot nearest the base's. P_act then differs from the base's by the memory's projections, convolution and
+  norms (which run per token) less the removed experts' router columns; both deviations are recorded and
+  must be within ``sweeps.rho.tolerance``.
+- ``slots`` (Sec. 3.2, Fig. 2 right, memory scaling): the backbone ``sweeps.slots.base`` with the DSE memory
+  of ``sweeps.slots.memory`` at each ``rows_per_head`` (each table has the first prime >= it rows, as
+  stem.models.dse builds it); M = the memory's slots, every table row of every DSE layer. The figure fits
+  loss = a + b log10(M) by least squares (slope b per decade of slots, r^2).
+
+Each point is a variant id (``rho_0p833``, ``slots_4096``) that the train rule builds like any other
+(``stem.config.variant_spec``), trained at ``sweeps.scale`` / ``sweeps.stage`` with the stage's settings and
+``sweeps.train`` over them, so results live in ``results/{experiment}/{scale}/{variant}/{stage}/``. Parameter
+counts here are plain arithmetic on the config (torch-free: the workflow resolves the variants while it
+builds the DAG); tests check them against the built models and against a hand computation.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+KINDS = ("rho", "slots")
+ID = re.compile(r"^(rho|slots)_[0-9][0-9p]*$")
+# the routed MoE FFN's defaults (stem.models.config.ModelConfig: moe_experts, moe_shared, moe_top_k, moe_d_ff)
+MOE_DEFAULTS = {"moe_experts": 8, "moe_shared": 1, "moe_top_k": 2, "moe_d_ff": 0}
+TOLERANCE = {"p_tot": 0.001, "p_act": 0.03}   # relative deviations from the rho = 1 model's, default
+CLAIMS = {
+    "rho": ("DSE paper Sec. 3.1 / Fig. 2 left: validation loss vs rho is U-shaped; the pure MoE (rho = 1) is not "
+            "optimal, the optimum is near rho = 0.75-0.80"),
+    "slots": ("DSE paper Sec. 3.2 / Fig. 2 right: at a fixed backbone, validation loss decreases roughly "
+              "log-linearly in the number of DSE slots M"),
+}
+
+
+class SweepError(ValueError):
+    """A sweeps: section that cannot be built: one line naming the key, the value and what is expected."""
+
+
+# ---- ids -------------------------------------------------------------------------------------------------
+def rho_id(rho: float) -> str:
+    """``rho_0p833`` for 0.833, ``rho_1`` for 1.0: at most three decimals, '.' written 'p' (file-safe)."""
+    if not 0 <= rho <= 1 or round(rho, 3) != rho:
+        raise SweepError(f"rho {rho!r}: expected a number in [0, 1] with at most three decimals")
+    return "rho_" + f"{rho:.3f}".rstrip("0").rstrip(".").replace(".", "p")
+
+
+def slots_id(rows_per_head: int) -> str:
+    return f"slots_{int(rows_per_head)}"
+
+
+def is_sweep_id(name: str) -> bool:
+    return bool(ID.match(name))
+
+
+# ---- parameter arithmetic (torch-free) --------------------------------------------------------------------
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin (exact below 3.3e24)."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+    if n in small:
+        return True
+    if any(n % p == 0 for p in small):
+        return False
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+@lru_cache(maxsize=4096)
+def table_rows(rows_per_head: int, tables: int) -> tuple[int, ...]:
+    """The rows of a DSE layer's tables: the first ``tables`` primes >= rows_per_head (stem.models.dse)."""
+    out, n = [], rows_per_head
+    while len(out) < tables:
+        if _is_prime(n):
+            out.append(n)
+        n += 1
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameters of a model without its token embedding and LM head (the DSE paper's Sec. 3.1 convention)."""
+    p_tot: int          # trainable parameters
+    p_act: int          # used per token (shared + top-k experts, router, projections; no table rows)
+    moe_free: int       # routed experts not selected per token
+    dse_tables: int     # DSE table parameters (looked up, not in P_act)
+    dse_slots: int      # DSE table rows, all tables of all DSE layers (M)
+    moe_experts: int    # routed experts per MoE layer (0 without MoE layers)
+
+    @property
+    def p_free(self) -> int:
+        return self.p_tot - self.p_act
+
+
+def _moe(m: dict, key: str) -> int:
+    return int(m.get(key, MOE_DEFAULTS[key]))
+
+
+def counts(m: dict) -> Counts:
+    """Counts of a resolved model config (``ModelConfig.to_dict()``'s keys: shapes, ``ffn`` per layer, ``dse``
+    with its ``layers``). Per layer: attention q, k, v, o (no biases) and two RMSNorms; FFN ``dense`` (SwiGLU,
+    3 d d_ff) or ``moe`` (shared + E routed SwiGLU experts of width moe_d_ff or d_ff, router d x E; active: the
+    shared and top-k experts and the router); a DSE layer's tables (first primes >= rows_per_head rows, d_mem /
+    (orders x heads) wide), its key and value projections (d_mem x d each), depthwise convolution (d x kernel)
+    and three RMSNorms; the final norm."""
+    d, n_layers = int(m["d_model"]), int(m["n_layers"])
+    kv = int(m["n_kv_heads"]) * (d // int(m["n_heads"]))
+    ffn = tuple(m.get("ffn") or ()) or ("dense",) * n_layers
+    tot = act = n_layers * (2 * d * d + 2 * d * kv + 2 * d) + d
+    moe_free = n_moe = 0
+    for kind in ffn:
+        if kind == "dense":
+            tot, act = tot + 3 * d * int(m["d_ff"]), act + 3 * d * int(m["d_ff"])
+        elif kind == "moe":
+            e = 3 * d * (_moe(m, "moe_d_ff") or int(m["d_ff"]))
+            n_e, shared, k = _moe(m, "moe_experts"), _moe(m, "moe_shared"), _moe(m, "moe_top_k")
+            tot += (shared + n_e) * e + d * n_e
+            act += (shared + k) * e + d * n_e
+            moe_free += (n_e - k) * e
+            n_moe += 1
+        else:
+            raise SweepError(f"ffn kind {kind!r}: the sweep's parameter arithmetic knows dense and moe FFNs only")
+    tables = slots = 0
+    dse = m.get("dse")
+    if dse:
+        orders, heads = tuple(dse.get("orders", (2, 3))), int(dse.get("heads", 8))
+        n_tables, d_mem = len(orders) * heads, int(dse["d_mem"])
+        if d_mem % n_tables:   # as stem.models.dse.DSEMemory refuses it
+            raise SweepError(f"dse.d_mem={d_mem}: must divide evenly over {n_tables} order x head tables")
+        rows = sum(table_rows(int(dse["rows_per_head"]), n_tables))
+        for _ in dse["layers"]:
+            slots += rows
+            tables += rows * (d_mem // n_tables)
+            proj = 2 * d_mem * d + int(dse.get("conv_kernel", 4)) * d + 3 * d
+            tot, act = tot + proj, act + proj
+        tot += tables
+    return Counts(tot, act, moe_free, tables, slots, _moe(m, "moe_experts") if n_moe else 0)
+
+
+# ---- the sweeps' points ----------------------------------------------------------------------------------
+def section(cfg: dict, kind: str) -> dict:
+    sw = cfg.get("sweeps") or {}
+    if kind not in KINDS:
+        raise SweepError(f"sweep {kind!r}: expected one of {', '.join(KINDS)}")
+    if kind not in sw:
+        raise SweepError(f"{cfg.get('experiment', 'config')}: key 'sweeps.{kind}' missing (the {kind} sweep's "
+                         "points; config/tiny.yaml has an example)")
+    return sw[kind]
+
+
+def _resolve(cfg: dict, spec: dict) -> dict:
+    """A variant spec resolved at the sweep's scale into ModelConfig's dict form, without building it (the
+    moe_* fields are read by ``counts``)."""
+    from stem.models.config import resolve_placement
+    arch = dict(cfg["archs"][cfg["sweeps"]["scale"]])
+    n = int(arch["n_layers"])
+    kind = spec.get("ffn", "dense")
+    layers = resolve_placement(spec.get("placement"), n) if kind != "dense" else []
+    out = {**arch, **{k: v for k, v in spec.items() if k not in ("ffn", "placement", "label", "dse", "optim", "stage")},
+           "ffn": tuple(kind if i in layers else "dense" for i in range(n))}
+    if spec.get("dse"):
+        dse = dict(spec["dse"])
+        out["dse"] = {**{k: v for k, v in dse.items() if k != "placement"},
+                      "layers": resolve_placement(dse.get("placement"), n)}
+    return out
+
+
+def _named(cfg: dict, kind: str, key: str) -> dict:
+    from stem.config import variants
+    name = section(cfg, kind)[key]
+    named = variants(cfg)
+    if name not in named:
+        raise SweepError(f"key 'sweeps.{kind}.{key}': {name!r} is not a variant; expected one of {sorted(named)}")
+    return named[name]
+
+
+def _memory(cfg: dict, kind: str) -> dict:
+    """The DSE section the points use: the memory variant's (with variant_overrides), sweeps.{kind}.dse over it."""
+    from stem.config import _deep_merge
+    sw = section(cfg, kind)
+    mem = _named(cfg, kind, "memory").get("dse")
+    if not mem:
+        raise SweepError(f"key 'sweeps.{kind}.memory': variant {sw['memory']!r} has no dse: section; expected a "
+                         "variant with a DSE memory (e.g. dse)")
+    mem = _deep_merge(mem, sw.get("dse") or {})
+    n_tables = len(tuple(mem.get("orders", (2, 3)))) * int(mem.get("heads", 8))
+    if int(mem["d_mem"]) % n_tables:
+        raise SweepError(f"key 'sweeps.{kind}.dse': d_mem {mem['d_mem']} (memory {sw['memory']!r} with sweeps.{kind}.dse "
+                         f"over it) must divide evenly over its {n_tables} order x head tables")
+    return mem
+
+
+def _base(cfg: dict, kind: str) -> dict:
+    base = copy.deepcopy(_named(cfg, kind, "base"))
+    name = section(cfg, kind)["base"]
+    if base.get("dse"):
+        raise SweepError(f"key 'sweeps.{kind}.base': variant {name!r} already has a DSE memory; expected a backbone "
+                         f"without one (the sweep adds sweeps.{kind}.memory's)")
+    if kind == "rho" and base.get("ffn") != "moe":
+        raise SweepError(f"key 'sweeps.rho.base': variant {name!r} has ffn {base.get('ffn', 'dense')!r}; expected a "
+                         "variant with ffn moe (the rho = 1 pure MoE model)")
+    return base
+
+
+def _stage(cfg: dict) -> dict:
+    return dict((cfg.get("sweeps") or {}).get("train") or {})
+
+
+def _label(kind: str, x) -> str:
+    return f"rho = {x:g}" if kind == "rho" else f"DSE rows/head {x}"
+
+
+def _nearest_rows(budget: int, n_layers: int, n_tables: int, width: int) -> int:
+    """rows_per_head whose tables (n_layers x the first n_tables primes >= it, ``width`` wide) hold the
+    number of parameters nearest ``budget`` (the smaller on a tie)."""
+    def params(r):
+        return n_layers * width * sum(table_rows(r, n_tables))
+    lo, hi = 2, max(4, 2 * budget // max(1, n_layers * width * n_tables) + 2)
+    while params(hi) < budget:
+        hi *= 2
+    while hi - lo > 1:   # largest r with params(r) <= budget is lo (params is non-decreasing in r)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if params(mid) <= budget else (lo, mid)
+    return lo if budget - params(lo) <= params(hi) - budget else hi
+
+
+def rho_points(cfg: dict) -> list[dict]:
+    """Every rho point: its variant spec and parameter counts next to the rho = 1 model's."""
+    return [dict(p) for p in _rho_points(json.dumps(_relevant(cfg), sort_keys=True))]
+
+
+@lru_cache(maxsize=16)
+def _rho_points(key: str) -> tuple:
+    cfg = json.loads(key)
+    sw = section(cfg, "rho")
+    base, mem = _base(cfg, "rho"), _memory(cfg, "rho")
+    tol = {**TOLERANCE, **(sw.get("tolerance") or {})}
+    ref_m = _resolve(cfg, base)
+    ref = counts(ref_m)
+    n_e, k = _moe(ref_m, "moe_experts"), _moe(ref_m, "moe_top_k")
+    if ref.moe_free <= 0:
+        raise SweepError(f"key 'sweeps.rho.base': variant {sw['base']!r} has no inactive routed experts "
+                         f"(moe_experts {n_e}, moe_top_k {k}); expected moe_experts > moe_top_k")
+    points, seen = [], {}
+    for rho in sw["values"]:
+        try:
+            vid = rho_id(rho)
+        except SweepError as e:
+            raise SweepError(f"key 'sweeps.rho.values': {e}") from None
+        experts = k + math.floor(rho * (n_e - k) + 0.5)
+        if experts in seen:
+            raise SweepError(f"key 'sweeps.rho.values': rho {rho:g} and {seen[experts]:g} both give {experts} routed "
+                             f"experts ({n_e - k} inactive at rho = 1, so rho moves in steps of 1/{n_e - k}); expected "
+                             "values that give distinct expert counts")
+        seen[experts] = rho
+        spec = {**copy.deepcopy(base), "label": _label("rho", rho), "moe_experts": experts}
+        if experts < n_e:
+            moe_only = counts(_resolve(cfg, spec))
+            probe = {**spec, "dse": {**mem, "rows_per_head": 2}}
+            fixed = counts(_resolve(cfg, probe))
+            proj = fixed.p_tot - fixed.dse_tables - moe_only.p_tot     # the memory's per-token parameters
+            budget = ref.p_tot - moe_only.p_tot - proj
+            if budget <= 0:
+                raise SweepError(f"key 'sweeps.rho.values': rho {rho:g} frees {ref.p_tot - moe_only.p_tot:,} "
+                                 f"parameters, fewer than the memory's {proj:,} per-token ones; expected a smaller rho")
+            n_dse = len(_resolve(cfg, probe)["dse"]["layers"])
+            n_tables = len(tuple(mem.get("orders", (2, 3)))) * int(mem.get("heads", 8))
+            rows = _nearest_rows(budget, n_dse, n_tables, int(mem["d_mem"]) // n_tables)
+            spec["dse"] = {**mem, "rows_per_head": rows}
+        elif rho != 1:
+            raise SweepError(f"key 'sweeps.rho.values': rho {rho:g} keeps all {n_e} routed experts (steps of "
+                             f"1/{n_e - k}), so nothing is left for the memory; expected rho <= "
+                             f"{1 - 0.5 / (n_e - k):.3f} or 1")
+        c = counts(_resolve(cfg, spec))
+        dev_tot, dev_act = (c.p_tot - ref.p_tot) / ref.p_tot, (c.p_act - ref.p_act) / ref.p_act
+        for key, dev in (("p_tot", dev_tot), ("p_act", dev_act)):
+            if abs(dev) > tol[key]:
+                raise SweepError(f"key 'sweeps.rho.values': rho {rho:g} gives {key.replace('p_', 'P_')} "
+                                 f"{getattr(c, key):,}, {100 * dev:+.2f}% from the rho = 1 model's "
+                                 f"{getattr(ref, key):,}; expected within sweeps.rho.tolerance.{key} = {tol[key]:g}")
+        points.append({"variant": vid, "rho": rho, "spec": spec, "moe_experts": experts,
+                       "rows_per_head": spec["dse"]["rows_per_head"] if "dse" in spec else 0,
+                       "rho_actual": c.moe_free / c.p_free if c.p_free else 0.0,
+                       **asdict(c), "p_free": c.p_free, "p_tot_dev": dev_tot, "p_act_dev": dev_act,
+                       "ref_p_tot": ref.p_tot, "ref_p_act": ref.p_act})
+    return tuple(tuple(p.items()) for p in points)
+
+
+def slots_points(cfg: dict) -> list[dict]:
+    sw = section(cfg, "slots")
+    base, mem = _base(cfg, "slots"), _memory(cfg, "slots")
+    values = sw["rows_per_head"]
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise SweepError(f"key 'sweeps.slots.rows_per_head': {values}: expected strictly increasing values")
+    points = []
+    for rows in values:
+        spec = {**copy.deepcopy(base), "label": _label("slots", rows), "dse": {**mem, "rows_per_head": int(rows)}}
+        c = counts(_resolve(cfg, spec))
+        points.append({"variant": slots_id(rows), "rows_per_head": int(rows), "spec": spec, **asdict(c),
+                       "p_free": c.p_free})
+    return points
+
+
+def _relevant(cfg: dict) -> dict:
+    """What the points depend on (the cache key): experiment, archs, overrides, sweeps."""
+    return {k: cfg.get(k) for k in ("experiment", "archs", "variant_overrides", "sweeps")}
+
+
+def points(cfg: dict, kind: str) -> list[dict]:
+    return rho_points(cfg) if kind == "rho" else slots_points(cfg)
+
+
+def variant_specs(cfg: dict) -> dict[str, dict]:
+    """{variant id: variant spec} of every sweep point of the config; a point's spec carries ``stage`` (the
+    stage settings it overrides, ``sweeps.train``)."""
+    out = {}
+    for kind in KINDS:
+        if kind in (cfg.get("sweeps") or {}):
+            for p in points(cfg, kind):
+                out[p["variant"]] = {**p["spec"], "stage": _stage(cfg)}
+    return out
+
+
+def variant_ids(cfg: dict, kind: str) -> list[str]:
+    return [p["variant"] for p in points(cfg, kind)]
+
+
+def validate(cfg: dict, origin: str):
+    """The sweeps: section builds: its scale and stage are in the matrix, every point is a valid model config
+    within tolerance (one line naming the key otherwise)."""
+    from stem.config import ConfigError, variants
+    sw = cfg.get("sweeps")
+    if not sw:
+        return
+    scale, stage = sw["scale"], sw["stage"]
+    if stage not in (cfg["matrix"].get(scale) or {}).get("stages", []):
+        raise ConfigError(f"{origin}: key 'sweeps.stage': {stage!r} at scale {scale!r} is not in the matrix "
+                          f"(matrix.{scale}.stages); expected a stage the experiment trains")
+    try:
+        specs = variant_specs(cfg)
+        from stem.models.config import ModelConfig
+        for name, spec in specs.items():
+            if name in variants(cfg):
+                raise SweepError(f"sweep point {name!r}: clashes with the variant of that name")
+            try:
+                ModelConfig.from_dict(_resolve(cfg, spec))
+            except (TypeError, ValueError) as e:
+                raise SweepError(f"sweep point {name!r}: {e}") from None
+    except SweepError as e:
+        raise ConfigError(f"{origin}: {e}") from None
+
+
+# ---- results ---------------------------------------------------------------------------------------------
+def fit_loglinear(x, y) -> dict:
+    """Least squares y = a + b log10(x): slope b (per decade of x), intercept a, r^2."""
+    import numpy as np
+    lx, y = np.log10(np.asarray(x, float)), np.asarray(y, float)
+    if len(lx) < 2 or np.ptp(lx) == 0:
+        raise ValueError(f"log-linear fit: expected at least two distinct x values, got {list(x)}")
+    b, a = np.polyfit(lx, y, 1)
+    ss_res, ss_tot = float(((y - (a + b * lx)) ** 2).sum()), float(((y - y.mean()) ** 2).sum())
+    return {"slope_per_decade": float(b), "intercept": float(a), "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0,
+            "n": int(len(lx))}
+
+
+def collect(cfg: dict, kind: str, results_root="results") -> dict:
+    """The sweep's result: every point's counts (the config's arithmetic, checked against the trained model's
+    accounting in its summary.json) and final validation loss, the optimum (rho) or the log-linear fit (slots)."""
+    from stem.report.results import ResultError, Results
+    from stem.report.tables import experiment_label
+    sw = cfg["sweeps"]
+    scale, stage = sw["scale"], sw["stage"]
+    res = Results(cfg["experiment"], results_root)
+    d, V = cfg["archs"][scale]["d_model"], cfg["archs"][scale]["vocab_size"]
+    rows = []
+    for p in points(cfg, kind):
+        s = res.summary(scale, p["variant"], stage)
+        where = res.stage_dir(scale, p["variant"], stage) / "summary.json"
+        if s is None:
+            raise ResultError(f"{where}: missing (sweep point {p['variant']} has not been trained)")
+        built = {"p_tot": s.get("total_params", 0) - 2 * V * d, "p_act": s.get("active_params", 0) - 2 * V * d}
+        if built["p_tot"] != p["p_tot"]:
+            raise ResultError(f"{where}: key 'total_params': {s.get('total_params')!r} is not the sweep's count "
+                              f"{p['p_tot'] + 2 * V * d:,} (P_tot {p['p_tot']:,} + embedding and head)")
+        row = {k: v for k, v in p.items() if k != "spec"}
+        row.update(val_loss=s["final_val_loss"], train_loss=s["final_train_loss"], steps=s["steps"],
+                   tokens=s["tokens"], wall_seconds=s.get("wall_seconds"), p_act_accounting=built["p_act"])
+        rows.append(row)
+    out = {"experiment": cfg["experiment"], "label": experiment_label(cfg), "kind": kind, "scale": scale,
+           "stage": stage, "base": sw[kind]["base"], "memory": sw[kind]["memory"], "train": _stage(cfg),
+           "claim": CLAIMS[kind], "points": rows}
+    losses = [r["val_loss"] for r in rows]
+    if any(x is None or not math.isfinite(x) for x in losses):
+        raise ResultError(f"sweep {kind}: a point has no validation loss ({[r['variant'] for r in rows]}: {losses})")
+    if kind == "rho":
+        best = min(rows, key=lambda r: r["val_loss"])
+        pure = next((r for r in rows if r["rho"] == 1), None)
+        out["target"] = {"p_tot": rows[0]["ref_p_tot"], "p_act": rows[0]["ref_p_act"]}
+        out["tolerance"] = {**TOLERANCE, **(sw["rho"].get("tolerance") or {})}
+        out["optimum"] = {"variant": best["variant"], "rho": best["rho"], "rho_actual": best["rho_actual"],
+                          "val_loss": best["val_loss"],
+                          "gain_vs_pure_moe": pure["val_loss"] - best["val_loss"] if pure else None}
+    else:
+        out["fit"] = fit_loglinear([r["dse_slots"] for r in rows], losses)
+    return out
+
+
+def _fmt(n: float) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.3f}M" if n >= 1e6 else f"{n:,}"
+
+
+def markdown(r: dict) -> str:
+    kind = r["kind"]
+    title = ("Sparsity allocation: validation loss vs rho (DSE paper Sec. 3.1, Fig. 2 left)" if kind == "rho"
+             else "Memory scaling: validation loss vs DSE slots (DSE paper Sec. 3.2, Fig. 2 right)")
+    lines = [f"# {title}", "", f"_{r['label']}; scale {r['scale']}, stage {r['stage']}, base `{r['base']}`, memory "
+             f"`{r['memory']}`, sweep settings {r['train'] or 'as the stage'}_", "", f"Paper: {r['claim']}.", ""]
+    if kind == "rho":
+        t = r["target"]
+        lines += [f"Target (rho = 1): P_tot {t['p_tot']:,}, P_act {t['p_act']:,} (no embedding, no LM head); "
+                  f"tolerance {r['tolerance']}.", "",
+                  "| variant | rho | rho actual | routed experts | DSE rows/head | P_tot | dP_tot | P_act | dP_act | "
+                  "MoE free | DSE tables | val loss |", "|" + "---|" * 12]
+        for p in r["points"]:
+            lines.append(f"| {p['variant']} | {p['rho']:g} | {p['rho_actual']:.3f} | {p['moe_experts']} | "
+                         f"{p['rows_per_head'] or '-'} | {p['p_tot']:,} | {100 * p['p_tot_dev']:+.3f}% | {p['p_act']:,} "
+                         f"| {100 * p['p_act_dev']:+.2f}% | {p['moe_free']:,} | {p['dse_tables']:,} | "
+                         f"{p['val_loss']:.4f} |")
+        o = r["optimum"]
+        gain = "" if o["gain_vs_pure_moe"] is None else f", {o['gain_vs_pure_moe']:+.4f} below pure MoE (rho = 1)"
+        lines += ["", f"Lowest validation loss: **{o['variant']}** (rho {o['rho']:g}, actual {o['rho_actual']:.3f}) "
+                      f"at {o['val_loss']:.4f}{gain}."]
+    else:
+        lines += ["| variant | DSE rows/head | slots M | DSE tables | P_tot | P_act | val loss |", "|" + "---|" * 7]
+        for p in r["points"]:
+            lines.append(f"| {p['variant']} | {p['rows_per_head']} | {p['dse_slots']:,} | {p['dse_tables']:,} | "
+                         f"{p['p_tot']:,} | {p['p_act']:,} | {p['val_loss']:.4f} |")
+        f = r["fit"]
+        lines += ["", f"Least-squares fit val loss = a + b log10(M): b = **{f['slope_per_decade']:+.4f}** per decade of "
+                      f"slots, a = {f['intercept']:.4f}, r^2 = {f['r2']:.3f} ({f['n']} points)."]
+    lines += ["", "Validation loss: each run's final_val_loss (summary.json). Counts: stem.sweeps arithmetic, equal to "
+                  "the built model's (checked). Not a paper-scale result unless the experiment is `paper`."]
+    return "\n".join(lines) + "\n"
+
+
+def figure(r: dict):
+    """Fig. 2 left (rho, optimum marked) or right (log slots with the fit), from a ``collect`` result."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, ax = plt.subplots(figsize=(6.5, 4.5), layout="constrained")
+    pts, label = r["points"], r["label"]
+    if r["kind"] == "rho":
+        xs, ys = [p["rho_actual"] for p in pts], [p["val_loss"] for p in pts]
+        order = np.argsort(xs)
+        ax.plot(np.asarray(xs)[order], np.asarray(ys)[order], "o-", color="#17becf", label="hybrid MoE + DSE")
+        for p in pts:
+            ax.annotate(f"E={p['moe_experts']}", (p["rho_actual"], p["val_loss"]), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=7, color="0.35")
+        o = r["optimum"]
+        ax.plot([o["rho_actual"]], [o["val_loss"]], "*", ms=16, color="#d62728",
+                label=f"optimum: rho = {o['rho_actual']:.3f}, loss {o['val_loss']:.4f}")
+        ax.set_xlabel("allocation ratio rho (fraction of P_free in routed experts; 1 = pure MoE)")
+        ax.set_title(f"Sparsity allocation at P_tot {_fmt(r['target']['p_tot'])}, P_act {_fmt(r['target']['p_act'])}"
+                     f"\n{label}", fontsize=9)
+    else:
+        xs, ys = [p["dse_slots"] for p in pts], [p["val_loss"] for p in pts]
+        ax.semilogx(xs, ys, "o", color="#17becf", label="DSE (fixed backbone)")
+        f = r["fit"]
+        grid = np.logspace(np.log10(min(xs)), np.log10(max(xs)), 50)
+        ax.semilogx(grid, f["intercept"] + f["slope_per_decade"] * np.log10(grid), "--", color="0.3",
+                    label=f"fit: slope {f['slope_per_decade']:+.4f} / decade, r$^2$ = {f['r2']:.3f}")
+        ax.text(0.02, 0.04, f"loss = {f['intercept']:.4f} {f['slope_per_decade']:+.4f} log10(M)\n"
+                            f"r^2 = {f['r2']:.3f}, {f['n']} points", transform=ax.transAxes, fontsize=8,
+                color="0.2", va="bottom")
+        ax.set_xlabel("DSE slots M (table rows over all tables and DSE layers, log scale)")
+        ax.set_title(f"Memory scaling: backbone {r['base']}, memory {r['memory']}\n{label}", fontsize=9)
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    return fig
+
+
+# ---- the workflow (rules/sweep.smk) ---------------------------------------------------------------------------
+def summaries(cfg: dict, kind: str) -> list[str]:
+    """The training summaries a sweep collects (inputs of rule sweep_report)."""
+    from stem import layout as L
+    section(cfg, kind)
+    sw = cfg["sweeps"]
+    return [L.summary(cfg["experiment"], sw["scale"], v, sw["stage"]) for v in variant_ids(cfg, kind)]
+
+
+def targets(cfg: dict) -> list[str]:
+    """What `rule all` needs from the sweeps: every sweep's files when sweeps.in_all is true, else nothing."""
+    from stem import layout as L
+    return [f for kind in KINDS if in_all(cfg) and kind in cfg["sweeps"] for f in L.sweep_files(cfg["experiment"], kind)]
+
+
+# ---- the report's figures (stem.report.registry) ----------------------------------------------------------
+def in_all(cfg: dict) -> bool:
+    return bool((cfg.get("sweeps") or {}).get("in_all"))
+
+
+def _report_inputs(kind):
+    def inputs(cfg, evals):
+        from stem import layout as L
+        if not in_all(cfg) or kind not in cfg["sweeps"]:
+            return {}
+        return {"sweep": L.sweep_file(cfg["experiment"], kind, "json")}
+    return inputs
+
+
+def _report_draw(kind):
+    def draw(cfg, res, ours, files):
+        from pathlib import Path
+        if "sweep" in files:
+            return figure(json.loads(Path(files["sweep"]).read_text()))
+        from stem.report.figures import _missing, _title, plt
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        _missing(ax, f"the {kind} sweep is not part of this run (sweeps.in_all is false or sweeps.{kind} is "
+                     f"missing); run it with `snakemake sweep_{kind}`")
+        _title(fig, "DSE paper Fig. 2 " + ("left: loss vs rho" if kind == "rho" else "right: loss vs DSE slots"), cfg)
+        return fig
+    return draw
+
+
+def register_figures():
+    from stem.report import registry
+    registry.report_figure(
+        "sweep_rho", "Sparsity allocation (DSE paper Sec. 3.1, Fig. 2 left): validation loss vs rho, the fraction of "
+        "the inactive parameters in routed MoE experts (1 = pure MoE), the rest in DSE table rows, at the rho = 1 "
+        "model's P_tot and P_act (deviations in sweeps/rho.md); lowest loss marked. The paper finds a U-shape with "
+        "its optimum near rho = 0.75-0.80.", inputs=_report_inputs("rho"))(_report_draw("rho"))
+    registry.report_figure(
+        "sweep_slots", "Memory scaling (DSE paper Sec. 3.2, Fig. 2 right): validation loss vs the number of DSE "
+        "slots at a fixed backbone, with the least-squares fit loss = a + b log10(M) (slope and r^2 in the figure "
+        "and sweeps/slots.json). The paper finds it roughly log-linear.", inputs=_report_inputs("slots"))(
+        _report_draw("slots"))
+
+
+register_figures()
