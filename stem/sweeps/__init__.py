@@ -17,7 +17,8 @@ Each point is a variant id (``rho_0p833``, ``slots_4096``) that the train rule b
 (``stem.config.variant_spec``), trained at ``sweeps.scale`` / ``sweeps.stage`` with the stage's settings and
 ``sweeps.train`` over them, so results live in ``results/{experiment}/{scale}/{variant}/{stage}/``. Parameter
 counts here are plain arithmetic on the config (torch-free: the workflow resolves the variants while it
-builds the DAG); tests check them against the built models and against a hand computation.
+builds the DAG); tests check them against the built models and against a hand computation. The report's figures
+``sweep_rho`` / ``sweep_slots``: stem.sweeps.report.
 """
 from __future__ import annotations
 
@@ -503,6 +504,11 @@ def figure(r: dict):
     return fig
 
 
+def in_all(cfg: dict) -> bool:
+    """sweeps.in_all: `rule all` and the report's figures include the sweeps."""
+    return bool((cfg.get("sweeps") or {}).get("in_all"))
+
+
 # ---- the workflow (rules/sweep.smk) ---------------------------------------------------------------------------
 def summaries(cfg: dict, kind: str) -> list[str]:
     """The training summaries a sweep collects (inputs of rule sweep_report)."""
@@ -516,48 +522,3 @@ def targets(cfg: dict) -> list[str]:
     """What `rule all` needs from the sweeps: every sweep's files when sweeps.in_all is true, else nothing."""
     from stem import layout as L
     return [f for kind in KINDS if in_all(cfg) and kind in cfg["sweeps"] for f in L.sweep_files(cfg["experiment"], kind)]
-
-
-# ---- the report's figures (stem.report.registry) ----------------------------------------------------------
-def in_all(cfg: dict) -> bool:
-    return bool((cfg.get("sweeps") or {}).get("in_all"))
-
-
-def _report_inputs(kind):
-    def inputs(cfg, evals):
-        from stem import layout as L
-        if not in_all(cfg) or kind not in cfg["sweeps"]:
-            return {}
-        return {"sweep": L.sweep_file(cfg["experiment"], kind, "json")}
-    return inputs
-
-
-def _report_draw(kind):
-    def draw(cfg, res, ours, files):
-        from pathlib import Path
-        if "sweep" in files:
-            return figure(json.loads(Path(files["sweep"]).read_text()))
-        from stem.report.figures import _missing, _title, plt
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        _missing(ax, f"the {kind} sweep is not part of this run (sweeps.in_all is false or sweeps.{kind} is "
-                     f"missing); run it with `snakemake sweep_{kind}`")
-        _title(fig, "DSE paper Fig. 2 " + ("left: loss vs rho" if kind == "rho" else "right: loss vs DSE slots"), cfg)
-        return fig
-    return draw
-
-
-def register_figures():
-    from stem.report import registry
-    registry.report_figure(
-        "sweep_rho", "Sparsity allocation (DSE paper Sec. 3.1, Fig. 2 left): validation loss vs rho, the fraction of "
-        "the inactive parameters in routed MoE experts (1 = pure MoE), the rest in DSE table rows, at the rho = 1 "
-        "model's P_tot and P_act (deviations in sweeps/rho.md); lowest loss marked. The paper finds a U-shape with "
-        "its optimum near rho = 0.75-0.80.", inputs=_report_inputs("rho"))(_report_draw("rho"))
-    registry.report_figure(
-        "sweep_slots", "Memory scaling (DSE paper Sec. 3.2, Fig. 2 right): validation loss vs the number of DSE "
-        "slots at a fixed backbone, with the least-squares fit loss = a + b log10(M) (slope and r^2 in the figure "
-        "and sweeps/slots.json). The paper finds it roughly log-linear.", inputs=_report_inputs("slots"))(
-        _report_draw("slots"))
-
-
-register_figures()
