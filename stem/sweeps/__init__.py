@@ -449,7 +449,8 @@ def markdown(r: dict) -> str:
                          f"| {100 * p['p_act_dev']:+.2f}% | {p['moe_free']:,} | {p['dse_tables']:,} | "
                          f"{p['val_loss']:.4f} |")
         o = r["optimum"]
-        gain = "" if o["gain_vs_pure_moe"] is None else f", {o['gain_vs_pure_moe']:+.4f} below pure MoE (rho = 1)"
+        gain = "" if o["gain_vs_pure_moe"] is None else \
+            f"; pure MoE (rho = 1) minus this: {o['gain_vs_pure_moe']:+.4f}"
         lines += ["", f"Lowest validation loss: **{o['variant']}** (rho {o['rho']:g}, actual {o['rho_actual']:.3f}) "
                       f"at {o['val_loss']:.4f}{gain}."]
     else:
@@ -476,7 +477,8 @@ def figure(r: dict):
     if r["kind"] == "rho":
         xs, ys = [p["rho_actual"] for p in pts], [p["val_loss"] for p in pts]
         order = np.argsort(xs)
-        ax.plot(np.asarray(xs)[order], np.asarray(ys)[order], "o-", color="#17becf", label="hybrid MoE + DSE")
+        ax.plot(np.asarray(xs)[order], np.asarray(ys)[order], "o-", color="#17becf",
+                label="MoE + DSE at iso P_tot (rho = 1: pure MoE; E = routed experts)")
         for p in pts:
             ax.annotate(f"E={p['moe_experts']}", (p["rho_actual"], p["val_loss"]), textcoords="offset points",
                         xytext=(0, 6), ha="center", fontsize=7, color="0.35")
@@ -500,7 +502,7 @@ def figure(r: dict):
         ax.set_title(f"Memory scaling: backbone {r['base']}, memory {r['memory']}\n{label}", fontsize=9)
     ax.set_ylabel("validation loss (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="best")
     return fig
 
 
