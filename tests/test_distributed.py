@@ -1,7 +1,7 @@
 """Distributed training on the CPU (gloo): 2 processes == 1 process, checkpoints reshard across world sizes.
 
 One torchrun (2 ranks) and one plain python process each run a list of small jobs (dense, STEM, Hash-MoE,
-FSDP and the DDP-backbone strategy) to amortise start-up; the tests compare their metrics. ~30 s in all.
+routed MoE, FSDP and the DDP-backbone strategy) to amortise start-up; the tests compare their metrics. ~30 s in all.
 """
 from __future__ import annotations
 
@@ -52,9 +52,11 @@ def _spec(variant, tok, manifest, out_dir, steps=6):
     cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
     cfg["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64,
                                 max_seq_len=64)
-    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}}
+    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 32}}
     cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=8, seq_len=32, steps=steps, lr=3e-3)
     cfg["train"].update(log_interval=100, eval_interval=3, eval_batches=2, checkpoint_interval=3)
+    if variant == "moe":   # the balance loss is per forward call: both world sizes run micro-batches of 4 rows
+        cfg["stages"]["pretrain"]["350m"]["micro_batch"] = 4
     spec = C.train_spec(cfg, "350m", variant, "pretrain")
     spec["data"] = {"web": {"weight": 1.0, "manifest": manifest}}
     spec.update(tokenizer=tok, out_dir=str(out_dir), device="cpu")
@@ -90,7 +92,7 @@ def _losses(out_dir):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     tok, manifest = _make_data(tmp / "data")
-    variants = ["dense", "stem", "hashmoe", "stem_sparse"]   # stem_sparse: optim.table_update sparse
+    variants = ["dense", "stem", "hashmoe", "stem_sparse", "moe"]   # stem_sparse: optim.table_update sparse
     one = [{"spec": _spec(v, tok, manifest, tmp / "w1" / v)} for v in variants]
     two = [{"spec": _spec(v, tok, manifest, tmp / "w2" / v)} for v in variants]
     for job in one + two:   # STEM also saves its final optimizer state (for reset_optimizer: false)
@@ -113,7 +115,7 @@ def runs(tmp_path_factory):
     return tmp
 
 
-@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe", "stem_sparse"])
+@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe", "stem_sparse", "moe"])
 def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
     (l1, v1), (l2, v2) = _losses(runs / "w1" / variant), _losses(runs / "w2" / variant)
     assert len(l1) == len(l2) == 6 and len(v1) == len(v2) == 2
