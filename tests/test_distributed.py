@@ -98,7 +98,7 @@ def runs(tmp_path_factory):
     for job in one + two:   # STEM also saves its final optimizer state (for reset_optimizer: false)
         job["spec"]["train"]["save_optimizer"] = job["spec"]["variant"] in ("stem", "stem_sparse")
     two += [{"spec": _spec(v, tok, manifest, tmp / "w2ddp" / v), "strategy": "ddp"}
-            for v in ("dense", "stem", "stem_sparse")]
+            for v in ("dense", "stem", "stem_sparse", "moe")]
     # token-mean accumulation: 2 ranks x 2 micro-batches of 2 packed rows vs one micro-batch of 8 rows
     one += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w1packed"), 8)}]
     two += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w2packed"), 2)}]
@@ -128,7 +128,7 @@ def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
     assert s2["total_params"] == s1["total_params"]  # the gathered checkpoint is the full model
 
 
-@pytest.mark.parametrize("variant", ["dense", "stem", "stem_sparse"])
+@pytest.mark.parametrize("variant", ["dense", "stem", "stem_sparse", "moe"])
 def test_ddp_backbone_with_sharded_tables_matches(runs, variant):
     assert _losses(runs / "w2ddp" / variant)[0] == pytest.approx(_losses(runs / "w1" / variant)[0], rel=1e-4, abs=1e-5)
 
@@ -152,7 +152,7 @@ def test_packed_rows_two_ranks_small_micro_batches_follow_one_big_batch(runs):
     assert l2 == pytest.approx(l1, rel=2e-6, abs=1e-6)   # mean-of-micro-batch-means drifts by ~1e-4 here
 
 
-@pytest.mark.parametrize("variant", ["stem", "stem_sparse"])
+@pytest.mark.parametrize("variant", ["stem", "stem_sparse", "moe"])
 def test_final_checkpoints_match_across_world_sizes(runs, variant):
     from safetensors.torch import load_file
     a = load_file(str(runs / "w1" / variant / "checkpoint" / "model.safetensors"))

@@ -15,7 +15,7 @@ the same final loss as an uninterrupted run (the data loader's position is part 
 Distributed: under torchrun (WORLD_SIZE > 1) the same loop runs data-parallel (stem.train.distributed):
 rank r keeps micro-batches r, r+W, ... of each step, so a step sees the same sequences at any world size;
 the backbone is FSDP2-sharded (or replicated: the spec's ``train.parallel: ddp``), STEM/DSE tables and
-Hash-MoE experts are sharded over all ranks; resumable state is a DCP checkpoint that resumes at any world
+Hash-MoE / routed-MoE experts are sharded over all ranks; resumable state is a DCP checkpoint that resumes at any world
 size. At world size 1 every distributed helper falls through and the maths is the single-process loop's.
 """
 from __future__ import annotations
