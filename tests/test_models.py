@@ -163,9 +163,10 @@ def test_document_mask_isolates_documents():
     torch.testing.assert_close(a[0, 8:], model(ids[:, 8:])[0], atol=1e-5, rtol=1e-5)
 
 
-def test_kv_cache_matches_full_forward():
+@pytest.mark.parametrize("kind", ["hashmoe", "moe"])
+def test_kv_cache_matches_full_forward(kind):
     torch.manual_seed(0)
-    model = build_model(_cfg(ffn=("dense", "hashmoe") * 3, n_experts=4)).eval()
+    model = build_model(_cfg(ffn=("dense", kind) * 3, n_experts=4, moe_experts=4, moe_d_ff=8)).eval()
     ids = torch.randint(0, 97, (2, 12))
     full = model(ids)
     cache = KVCache()
