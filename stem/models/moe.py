@@ -15,8 +15,9 @@ does, so bf16 rounding does not decide the routing. The ``moe_shared`` shared ex
 SwiGLU of width ``moe_shared * f`` (the sum of SwiGLUs is the SwiGLU of their concatenated hidden units:
 the same function and the same parameters, as DeepSeek's ``shared_experts`` module).
 
-Expert-level balance loss (DeepSeekMoE Eq. 12-14), per MoE layer, over the T tokens of the forward call
-(all of them, padding included: the layer does not see the targets):
+DeepSeekMoE's expert-level balance loss, per MoE layer, over the T tokens of the forward call (all of them,
+padding included: the layer does not see the targets); the DSE paper does not state its balance setting, so
+alpha = ``moe_aux_coef`` defaults to 0.01:
 
     L = alpha * sum_i f_i P_i,   f_i = E / (k T) * #{t : i in top-k(s_t)},   P_i = (1 / T) sum_t s_{i,t}
 
