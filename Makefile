@@ -29,7 +29,7 @@ smoke: $(STAMP)
 	     "report: reports/tiny/README.md and reports/tiny/report.html"
 
 test: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -p no:cacheprovider
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -p no:cacheprovider -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --lint

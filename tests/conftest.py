@@ -40,7 +40,7 @@ def make_spec(tiny_data, out_dir, variant="stem", stage="pretrain", data=None, *
     cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
     cfg["archs"]["350m"].update(vocab_size=512, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=48,
                                 max_seq_len=256)
-    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "dse": {"dse": {"rows_per_head": 101, "d_mem": 16, "heads": 2}}}
+    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 24}, "dse": {"dse": {"rows_per_head": 101, "d_mem": 16, "heads": 2}}}
     spec = C.train_spec(cfg, "350m", variant, "pretrain")
     spec["stage"] = stage
     spec["train"].update(batch_size=4, micro_batch=2, seq_len=32, steps=12, warmup=0.1, lr=3e-3,
@@ -68,3 +68,12 @@ def job_counts(stdout: str) -> dict:
             break
         counts[parts[0]] = int(parts[1])
     return counts
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): the tests on the
+    real Slurm (the module-scoped ``slurm`` cluster) on one, everything else on the other. The Slurm tests
+    mostly wait on the scheduler's polls, so the rest of the suite runs beside them. Without xdist the mark
+    does nothing."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("slurm" if "slurm" in item.fixturenames else "main"))

@@ -1,7 +1,7 @@
 """Distributed training on the CPU (gloo): 2 processes == 1 process, checkpoints reshard across world sizes.
 
 One torchrun (2 ranks) and one plain python process each run a list of small jobs (dense, STEM, Hash-MoE,
-FSDP and the DDP-backbone strategy) to amortise start-up; the tests compare their metrics. ~30 s in all.
+routed MoE, FSDP and the DDP-backbone strategy) to amortise start-up; the tests compare their metrics. ~30 s in all.
 """
 from __future__ import annotations
 
@@ -52,9 +52,11 @@ def _spec(variant, tok, manifest, out_dir, steps=6):
     cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
     cfg["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64,
                                 max_seq_len=64)
-    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}}
+    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 32}}
     cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=8, seq_len=32, steps=steps, lr=3e-3)
     cfg["train"].update(log_interval=100, eval_interval=3, eval_batches=2, checkpoint_interval=3)
+    if variant == "moe":   # the balance loss is per forward call: both world sizes run micro-batches of 4 rows
+        cfg["stages"]["pretrain"]["350m"]["micro_batch"] = 4
     spec = C.train_spec(cfg, "350m", variant, "pretrain")
     spec["data"] = {"web": {"weight": 1.0, "manifest": manifest}}
     spec.update(tokenizer=tok, out_dir=str(out_dir), device="cpu")
@@ -90,13 +92,13 @@ def _losses(out_dir):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     tok, manifest = _make_data(tmp / "data")
-    variants = ["dense", "stem", "hashmoe", "stem_sparse"]   # stem_sparse: optim.table_update sparse
+    variants = ["dense", "stem", "hashmoe", "stem_sparse", "moe"]   # stem_sparse: optim.table_update sparse
     one = [{"spec": _spec(v, tok, manifest, tmp / "w1" / v)} for v in variants]
     two = [{"spec": _spec(v, tok, manifest, tmp / "w2" / v)} for v in variants]
     for job in one + two:   # STEM also saves its final optimizer state (for reset_optimizer: false)
         job["spec"]["train"]["save_optimizer"] = job["spec"]["variant"] in ("stem", "stem_sparse")
     two += [{"spec": _spec(v, tok, manifest, tmp / "w2ddp" / v), "strategy": "ddp"}
-            for v in ("dense", "stem", "stem_sparse")]
+            for v in ("dense", "stem", "stem_sparse", "moe")]
     # token-mean accumulation: 2 ranks x 2 micro-batches of 2 packed rows vs one micro-batch of 8 rows
     one += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w1packed"), 8)}]
     two += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w2packed"), 2)}]
@@ -113,7 +115,7 @@ def runs(tmp_path_factory):
     return tmp
 
 
-@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe", "stem_sparse"])
+@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe", "stem_sparse", "moe"])
 def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
     (l1, v1), (l2, v2) = _losses(runs / "w1" / variant), _losses(runs / "w2" / variant)
     assert len(l1) == len(l2) == 6 and len(v1) == len(v2) == 2
@@ -126,7 +128,7 @@ def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
     assert s2["total_params"] == s1["total_params"]  # the gathered checkpoint is the full model
 
 
-@pytest.mark.parametrize("variant", ["dense", "stem", "stem_sparse"])
+@pytest.mark.parametrize("variant", ["dense", "stem", "stem_sparse", "moe"])
 def test_ddp_backbone_with_sharded_tables_matches(runs, variant):
     assert _losses(runs / "w2ddp" / variant)[0] == pytest.approx(_losses(runs / "w1" / variant)[0], rel=1e-4, abs=1e-5)
 
@@ -150,7 +152,7 @@ def test_packed_rows_two_ranks_small_micro_batches_follow_one_big_batch(runs):
     assert l2 == pytest.approx(l1, rel=2e-6, abs=1e-6)   # mean-of-micro-batch-means drifts by ~1e-4 here
 
 
-@pytest.mark.parametrize("variant", ["stem", "stem_sparse"])
+@pytest.mark.parametrize("variant", ["stem", "stem_sparse", "moe"])
 def test_final_checkpoints_match_across_world_sizes(runs, variant):
     from safetensors.torch import load_file
     a = load_file(str(runs / "w1" / variant / "checkpoint" / "model.safetensors"))

@@ -161,3 +161,21 @@ def test_sparse_table_update_traces_replicated_tables_and_their_moments(traces):
     assert s["Replicated table grad"] == pytest.approx(4 * table, rel=1e-6) and "Replicated table grad" not in d
     # the peak grows by the 7/8 of the weights, of both moments and of the gradient FSDP no longer shards away
     assert traces["sparse"]["peak_gib"] - traces[3]["peak_gib"] >= 4 * table * (7 / 8) * 4 * 0.999
+
+
+def test_routed_moe_traces_and_the_closed_form_follows():
+    """The routed MoE's assignments per expert are data too (top-k, bincount + tolist): traced with each expert's
+    balanced share, 350M shapes with 3 layers (2 MoE layers of 1 shared + top-2 of 16 experts, 640 wide). The
+    closed form counts its saved activations by hand (stem.train.memory's docstring): within 10 % of the trace."""
+    cfg = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())
+    cfg["archs"]["350m"]["n_layers"] = 3
+    cfg["variant_overrides"] = {"moe": {"moe_experts": 16, "moe_shared": 1, "moe_top_k": 2, "moe_d_ff": 640}}
+    stage = cfg["stages"]["pretrain"]["350m"]
+    stage["batch_size"] = stage["micro_batch"] * WORLD      # one micro-batch a rank: half the trace's time
+    spec = C.train_spec(cfg, "350m", "moe", "pretrain")
+    r = memory.trace(spec, WORLD)      # in this process (it holds no process group): no worker's start-up
+    model = build_model(C.model_config_for(cfg, "350m", "moe", "pretrain"), "meta")
+    n = sum(p.numel() for p in model.parameters())
+    assert r["peak_gib"] * GIB > 16 * n / WORLD
+    est = memory.estimate(model, r["micro_batch"], r["seq_len"], WORLD, "fsdp")
+    assert est["total_gib"] == pytest.approx(r["peak_gib"], rel=0.10)

@@ -1,5 +1,6 @@
 """Model zoo: each FFN kind against its formula, every variant's forward/backward, placement, accounting."""
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -162,9 +163,10 @@ def test_document_mask_isolates_documents():
     torch.testing.assert_close(a[0, 8:], model(ids[:, 8:])[0], atol=1e-5, rtol=1e-5)
 
 
-def test_kv_cache_matches_full_forward():
+@pytest.mark.parametrize("kind", ["hashmoe", "moe"])
+def test_kv_cache_matches_full_forward(kind):
     torch.manual_seed(0)
-    model = build_model(_cfg(ffn=("dense", "hashmoe") * 3, n_experts=4)).eval()
+    model = build_model(_cfg(ffn=("dense", kind) * 3, n_experts=4, moe_experts=4, moe_d_ff=8)).eval()
     ids = torch.randint(0, 97, (2, 12))
     full = model(ids)
     cache = KVCache()
@@ -205,3 +207,165 @@ def test_dse_compression_and_ngram_hash_respect_documents():
     rows_doc = mem._rows(cids, docs)
     assert any(r[0, 4] != rd[0, 4] for r, rd in zip(rows, rows_doc))  # position 4 reached into doc 0 before
     assert all(rd[0, 0] == rd[0, 3] for rd in rows_doc)  # both are document starts with the same token
+
+
+# ---- routed MoE (ffn kind ``moe``, stem/models/moe.py): DeepSeekMoE, the DSE paper's baseline ------------
+
+def _moe(**kw):
+    cfg = _cfg(**{"moe_experts": 5, "moe_shared": 2, "moe_top_k": 2, "moe_d_ff": 8, **kw})
+    torch.manual_seed(1)
+    f = build_ffn("moe", cfg, 1)
+    for p in f.parameters():   # trained-looking weights (a router at init std routes almost uniformly)
+        torch.nn.init.normal_(p, std=0.5)
+    return f
+
+
+def _swiglu(x, wg, wu, wd):
+    return wd @ (F.silu(wg @ x) * (wu @ x))
+
+
+def test_moe_matches_a_per_token_reference(xs):
+    """y_t = sum of the shared experts + sum over top-k of s_{i,t} FFN_i(x_t), s = softmax of the router's
+    logits, gates not renormalised: one token at a time in float64, each shared expert separately (the module
+    runs them as one SwiGLU of 2 f hidden units)."""
+    x, ids = xs
+    f = _moe()
+    out = f(x, ids)
+    w = {n: p.detach().double() for n, p in f.named_parameters()}
+    fe = 8
+    for b in range(2):
+        for t in range(5):
+            h = x[b, t].double()
+            s = torch.softmax(w["router.weight"] @ h, dim=0)
+            top = sorted(range(5), key=lambda i: -s[i].item())[:2]
+            y = sum(_swiglu(h, w["shared.w_gate.weight"][j * fe:(j + 1) * fe], w["shared.w_up.weight"][j * fe:(j + 1) * fe],
+                            w["shared.w_down.weight"][:, j * fe:(j + 1) * fe]) for j in range(2))
+            y = y + sum(s[i] * _swiglu(h, w["experts.w_gate"][i], w["experts.w_up"][i], w["experts.w_down"][i])
+                        for i in top)
+            torch.testing.assert_close(out[b, t].double(), y, rtol=1e-5, atol=1e-5)
+    no_shared = _moe(moe_shared=0)
+    assert no_shared.shared is None and no_shared(x, ids).shape == x.shape
+
+
+def test_moe_balance_loss_by_hand():
+    """L = alpha sum_i f_i P_i, f_i = E / (k T) #{t: i in top-k}, P_i = mean_t s_{i,t}. Router logits set to
+    x's first E coordinates: E = 2, k = 1, tokens with logits (ln 3, 0) -> s = (3/4, 1/4)."""
+    f = build_ffn("moe", _cfg(moe_experts=2, moe_top_k=1, moe_d_ff=4, moe_aux_coef=0.1), 1)
+    with torch.no_grad():
+        f.router.weight.zero_()
+        f.router.weight[0, 0] = f.router.weight[1, 1] = 1.0
+    a, b = [math.log(3), 0.0], [0.0, math.log(3)]
+    x = torch.zeros(1, 2, 16)
+    x[0, 0, :2], x[0, 1, :2] = torch.tensor(a), torch.tensor(b)
+    f.train()(x, None)
+    # one token each: f = (1, 1), P = (1/2, 1/2): L = alpha exactly (perfect balance)
+    assert f.aux_loss.item() == pytest.approx(0.1 * (1 * 0.5 + 1 * 0.5))
+    x[0, 1, :2] = torch.tensor(a)
+    f(x, None)
+    # both to expert 0: f = (2 / 2 * 2, 0) = (2, 0), P = (3/4, 1/4): L = 0.1 * 1.5
+    assert f.aux_loss.item() == pytest.approx(0.1 * 1.5)
+    f.eval()(x, None)
+    assert f.aux_loss is None
+
+
+def test_moe_balance_loss_matches_numpy(xs):
+    import numpy as np
+    x, ids = xs
+    f = _moe(moe_top_k=3, moe_aux_coef=0.03).train()
+    f(x, ids)
+    h = x.reshape(-1, 16).numpy().astype(np.float64)
+    logits = h @ f.router.weight.detach().numpy().astype(np.float64).T
+    s = np.exp(logits - logits.max(1, keepdims=True))
+    s /= s.sum(1, keepdims=True)
+    top = np.argsort(-s, axis=1)[:, :3]
+    counts = np.bincount(top.ravel(), minlength=5)
+    expected = 0.03 * np.sum(5 / (3 * 10) * counts * s.mean(0))
+    assert f.aux_loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_moe_router_gets_gradient_from_gates_and_balance_loss(xs):
+    x, ids = xs
+    for coef, use_output in ((0.0, True), (0.01, False)):
+        f = _moe(moe_aux_coef=coef).train()
+        y = f(x, ids)
+        (y.sum() if use_output else f.aux_loss).backward()
+        assert f.router.weight.grad is not None and f.router.weight.grad.abs().sum() > 0
+
+
+def test_moe_model_loss_is_ce_plus_balance_in_training_only():
+    torch.manual_seed(0)
+    model = build_model(_cfg(ffn=("dense",) + ("moe",) * 5, moe_experts=4, moe_d_ff=8))
+    ids = torch.randint(0, 97, (2, 13))
+    logits = model(ids[:, :-1])          # no targets: logits only, nothing kept
+    assert model.aux_loss is None and all(m.aux_loss is None for m in model.aux_modules)
+    ce = F.cross_entropy(logits.view(-1, 97), ids[:, 1:].reshape(-1))
+    inputs = {}                          # each MoE layer's input, to recompute its balance loss from its routing
+    hooks = [m.register_forward_hook(lambda m, a, out: inputs.update({m: a[0]})) for m in model.aux_modules]
+    loss = model(ids[:, :-1], ids[:, 1:])
+    for h in hooks:
+        h.remove()
+    aux = 0.0
+    for m, x in inputs.items():
+        scores, _, chosen = m.route(x.reshape(-1, 16))
+        aux = aux + m.balance_loss(scores, torch.bincount(chosen.reshape(-1), minlength=m.n_experts))
+    assert len(inputs) == 5 and model.aux_loss.item() == pytest.approx(aux.item(), rel=1e-6)
+    torch.testing.assert_close(loss, ce + aux)
+    model.eval()
+    torch.testing.assert_close(model(ids[:, :-1], ids[:, 1:]), ce)
+    assert model.aux_loss is None
+    dense = build_model(_cfg())
+    assert dense.aux_modules == [] and dense(ids[:, :-1], ids[:, 1:]).grad_fn.name() == "NllLossBackward0"
+
+
+def test_moe_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = build_model(_cfg(ffn=("dense", "moe") * 3, moe_experts=4, moe_d_ff=8))
+    ids = torch.randint(0, 97, (2, 13))
+    grads = []
+    for ckpt in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.set_training_options(activation_checkpointing=ckpt)
+        model(ids[:, :-1], ids[:, 1:]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert all(m.aux_loss is None for m in model.aux_modules)   # the recomputation keeps none either
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_moe_config_errors_are_one_line():
+    for kw, msg in (({"moe_top_k": 9}, r"moe_top_k=9: expected 1 <= moe_top_k <= moe_experts \(8\)"),
+                    ({"moe_top_k": 0}, "moe_top_k=0"), ({"moe_experts": 0}, "moe_experts=0: expected >= 1"),
+                    ({"moe_shared": -1}, "moe_shared=-1"), ({"moe_d_ff": -4}, "moe_d_ff=-4"),
+                    ({"moe_aux_coef": -0.1}, "moe_aux_coef=-0.1")):
+        with pytest.raises(ValueError, match=msg):
+            _cfg(**kw)
+
+
+def test_moe_keys_left_out_of_specs_at_their_defaults():
+    """A model that keeps the MoE defaults (every existing variant) has the JSON it had before they existed."""
+    assert not any(k.startswith("moe_") for k in _cfg().to_dict())
+    cfg = _cfg(ffn=("moe",) * 6, moe_top_k=3, moe_d_ff=8)
+    d = cfg.to_dict()
+    assert d["moe_top_k"] == 3 and d["moe_d_ff"] == 8 and "moe_experts" not in d
+    assert ModelConfig.from_dict(d) == cfg
+
+
+def test_moe_accounting_by_hand():
+    """350M paper shapes, variant moe (every layer from 1, config/variants.yaml, ModelConfig defaults): per MoE
+    layer the dense SwiGLU 3 d d_ff is replaced by a router d E, 1 shared and E = 8 routed experts of
+    3 d f (f = d_ff), top-2: total + (1 + 8) 3 d f + d E, active + (1 + 2) 3 d f + d E."""
+    d, f, e, n = 960, 2560, 8, 31
+    dense = 376_075_200
+    moe = _acc("350m", "moe")
+    assert moe["sparse_layers"] == list(range(1, 32))
+    assert moe["total_params"] == moe["paper_total_params"] == dense + n * ((1 + e) * 3 * d * f + d * e - 3 * d * f)
+    assert moe["active_params"] == dense + n * ((1 + 2) * 3 * d * f + d * e - 3 * d * f)
+    assert moe["gflops_per_token"] == 2 * moe["active_params"] / 1e9
+    tiny = C.model_config_for(C.load_experiment(C.REPO / "config" / "tiny.yaml"), "350m", "moe")
+    from stem.models.accounting import accounting
+    acc, (d, f) = accounting(build_model(tiny, "meta")), (64, 64)   # 1 shared + top-2 of 8 experts, 64 wide
+    dense_tiny = accounting(build_model(C.model_config_for(C.load_experiment(C.REPO / "config" / "tiny.yaml"),
+                                                           "350m", "dense"), "meta"))
+    per_layer = 3 * d * 192
+    assert acc["active_params"] == dense_tiny["active_params"] + 5 * (3 * 3 * d * f + d * 8 - per_layer)
+    assert acc["total_params"] == dense_tiny["total_params"] + 5 * (9 * 3 * d * f + d * 8 - per_layer)

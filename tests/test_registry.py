@@ -41,7 +41,7 @@ def _cfg():
 
 
 def test_unknown_kind_one_line_error():
-    with pytest.raises(ValueError, match=r"^ffn kind 'toy_bias': expected one of dense, stem, .*hashmoe$"):
+    with pytest.raises(ValueError, match=r"^ffn kind 'toy_bias': expected one of dense, stem, .*hashmoe, moe$"):
         _cfg()
 
 

@@ -79,7 +79,7 @@ def test_packed_rows_restart_positions_and_mask_cross_document_targets(tiny_data
     assert positions_from_docs(np.array([0, 0, 1, 1, 1, -1])).tolist() == [0, 1, 0, 1, 2, 0]
 
 
-@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe"])
+@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe", "moe"])
 def test_resume_gives_the_same_final_loss(spec_factory, tmp_path, variant):
     full = train(spec_factory(tmp_path / "full", variant=variant), threads=1)
     spec = spec_factory(tmp_path / "split", variant=variant)
@@ -90,6 +90,10 @@ def test_resume_gives_the_same_final_loss(spec_factory, tmp_path, variant):
     assert resumed["final_val_loss"] == full["final_val_loss"]
     rows = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
+    # the routed MoE logs its balance loss beside the cross-entropy (~ alpha x 2 MoE layers when balanced)
+    assert all(("aux_loss" in r) == (variant == "moe") for r in rows)
+    if variant == "moe":
+        assert all(0 < r["aux_loss"] < 0.1 and r["loss"] > 1 for r in rows)
 
 
 def test_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, tmp_path):

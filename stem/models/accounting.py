@@ -7,7 +7,8 @@ Which parameters are tables or experts comes from the modules' declared roles (`
   ``paper_table`` (n_table_layers * V * d_ff for STEM: the removed up-projections are not subtracted);
   without such parameters (Hash-MoE, DSE) the exact count.
 - ``active_params``: parameters used per token in matrix products: ``lookup`` roles (all STEM/DSE tables:
-  zero FLOPs) are not counted, and of an ``expert`` role (dim 0 = E Hash-MoE experts) one expert runs. For STEM this is
+  zero FLOPs) are not counted, and of an ``expert`` role (dim 0 = E experts) ``active_experts`` run: one of
+  Hash-MoE's, top-k of the routed MoE's (its router and shared experts run for every token). For STEM this is
   dense total - n_stem * d_model * d_ff (the input embedding counts, as in the paper's dense rows).
 - ``gflops_per_token``: 2 * active / 1e9 (forward, attention's context-dependent term excluded).
 """
@@ -31,7 +32,7 @@ def accounting(model: nn.Module) -> dict:
     roles = param_roles(model)
     total = _numel(model.parameters())
     lookups = _numel(p for p in model.parameters() if id(p) in roles and roles[id(p)].count == "lookup")
-    inactive_experts = sum(p.numel() * (p.shape[0] - 1) // p.shape[0] for p in model.parameters()
+    inactive_experts = sum(_inactive_expert_params(p, roles[id(p)]) for p in model.parameters()
                            if id(p) in roles and roles[id(p)].count == "expert")
     active = total - lookups - inactive_experts
     paper_tables = _numel(p for p in model.parameters() if id(p) in roles and roles[id(p)].paper_table)
@@ -45,6 +46,15 @@ def accounting(model: nn.Module) -> dict:
         "sparse_layers": sparse,
         "dse_layers": list(cfg.dse.layers) if cfg.dse else [],
     }
+
+
+def _inactive_expert_params(p, role) -> int:
+    """Parameters of the experts that do not run for a token: (E - a) / E of an ``expert`` parameter whose
+    dim 0 indexes E experts, a = ``role.active_experts`` of which run (Hash-MoE 1, routed MoE top-k)."""
+    e, a = p.shape[0], role.active_experts
+    if a > e:
+        raise ValueError(f"an expert parameter of shape {tuple(p.shape)} declares {a} active experts of {e}")
+    return p.numel() // e * (e - a)
 
 
 def dense_total_params(cfg: ModelConfig) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from stem.models.registry import check_ffn_kind
 
 TABLE_INITS = ("xavier_normal", "normal")
+OPTIONAL = {"omit_default": True}   # field metadata: left out of to_dict() at its default (see ModelConfig.to_dict)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,14 @@ class ModelConfig:
     table_init_std: float = 0.02        # used when table_init == "normal"
     init_std: float = 0.02
     dse: DSEConfig | None = None
+    # Routed top-k MoE (ffn kind ``moe``, DeepSeekMoE; stem.models.moe): per MoE layer ``moe_shared`` shared
+    # and ``moe_experts`` routed SwiGLU experts of hidden width ``moe_d_ff`` (0: d_ff), ``moe_top_k`` routed
+    # experts per token, load-balancing loss weight ``moe_aux_coef`` (alpha).
+    moe_experts: int = field(default=8, metadata=OPTIONAL)
+    moe_shared: int = field(default=1, metadata=OPTIONAL)
+    moe_top_k: int = field(default=2, metadata=OPTIONAL)
+    moe_d_ff: int = field(default=0, metadata=OPTIONAL)
+    moe_aux_coef: float = field(default=0.01, metadata=OPTIONAL)
 
     def __post_init__(self):
         ffn = tuple(self.ffn) or ("dense",) * self.n_layers
@@ -99,13 +108,35 @@ class ModelConfig:
             bad = [i for i in self.dse.layers if not 0 <= i < self.n_layers]
             if bad:
                 raise ValueError(f"dse.layers {bad}: outside 0..{self.n_layers - 1}")
+        if self.moe_experts < 1:
+            raise ValueError(f"moe_experts={self.moe_experts}: expected >= 1 (routed experts per MoE layer)")
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k={self.moe_top_k}: expected 1 <= moe_top_k <= moe_experts ({self.moe_experts})")
+        if self.moe_shared < 0:
+            raise ValueError(f"moe_shared={self.moe_shared}: expected >= 0 (shared experts per MoE layer)")
+        if self.moe_d_ff < 0:
+            raise ValueError(f"moe_d_ff={self.moe_d_ff}: expected >= 0 (0: each expert is d_ff={self.d_ff} wide)")
+        if not self.moe_aux_coef >= 0:
+            raise ValueError(f"moe_aux_coef={self.moe_aux_coef}: expected >= 0 (the balance loss weight alpha)")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def expert_d_ff(self) -> int:
+        """Hidden width of each routed-MoE expert (shared and routed)."""
+        return self.moe_d_ff or self.d_ff
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a mapping; those added after the first specs were written (``OPTIONAL``: the MoE
+        keys) only when they differ from their default, so the spec JSON of a model that does not use them,
+        and the jobs Snakemake reruns, stay as they were. ``from_dict`` fills them back in."""
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("omit_default") and d[f.name] == f.default:
+                del d[f.name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

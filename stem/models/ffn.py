@@ -5,6 +5,7 @@
 - ``stem_gate``   y = W_d(SiLU(U[t]) * W_u x)                  (gate-proj ablation, Sec. 4.4.2)
 - ``stem_dagger`` y = W_d(SiLU(W_g x) * (W_u x + U[t]))        (STEM-dagger, Eq. 5)
 - ``hashmoe``     y = f_{h(t)}(x), top-1 of E SwiGLU experts, h a seeded balanced token->expert map
+- ``moe``         shared + softmax-routed top-k SwiGLU experts with a balance loss (DeepSeekMoE; stem.models.moe)
 
 Each kind is registered by name in ``stem.models.registry``; the modules declare their parameters' roles.
 """
@@ -29,11 +30,12 @@ def _linear(d_in: int, d_out: int) -> nn.Linear:
 
 
 class DenseFFN(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, d_ff: int | None = None):
         super().__init__()
-        self.w_gate = _linear(cfg.d_model, cfg.d_ff)
-        self.w_up = _linear(cfg.d_model, cfg.d_ff)
-        self.w_down = _linear(cfg.d_ff, cfg.d_model)
+        f = d_ff or cfg.d_ff   # another width: the routed MoE's shared experts
+        self.w_gate = _linear(cfg.d_model, f)
+        self.w_up = _linear(cfg.d_model, f)
+        self.w_down = _linear(f, cfg.d_model)
 
     def forward(self, x, ids):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

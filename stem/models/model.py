@@ -105,6 +105,10 @@ class Transformer(nn.Module):
         # DSE vocabulary compression (identity until set from the tokenizer; saved with the weights).
         self.register_buffer("dse_compress", torch.arange(cfg.vocab_size), persistent=cfg.dse is not None)
         self.flex_mask_fn = None  # stem.models.attention.flex_document_mask (set_training_options, CUDA)
+        # modules adding an auxiliary loss to the training objective (stem.models.registry); a plain list, so
+        # they are not registered twice
+        self.aux_modules = [m for m in self.modules() if m is not self and hasattr(m, "aux_loss")]
+        self.aux_loss = None
         self.activation_checkpointing = False
         if self.inv_freq.device.type != "meta":
             self.init_weights()
@@ -170,10 +174,27 @@ class Transformer(nn.Module):
                 x = layer(x, ids, cos, sin, mask, cache, i, cids, doc_ids)
         if cache is not None:
             cache.length += t
+        aux = self._take_aux_losses()
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        if aux is None:
+            return loss
+        self.aux_loss = aux.detach()
+        return loss + aux
+
+    def _take_aux_losses(self):
+        """The sum of the auxiliary losses this forward's modules set (``aux_loss``, stem.models.registry: the
+        routed MoE's balance losses), None if none (eval mode, or no such module); each is reset to None, so
+        no graph outlives its forward. The last sum is kept, detached, as ``self.aux_loss`` (for the log)."""
+        self.aux_loss = None
+        if not self.aux_modules:
+            return None
+        taken = [m.aux_loss for m in self.aux_modules if m.aux_loss is not None]
+        for m in self.aux_modules:
+            m.aux_loss = None
+        return torch.stack(taken).sum() if taken else None
 
     def _document_mask(self, doc_ids):
         if self.flex_mask_fn is not None and doc_ids.is_cuda:

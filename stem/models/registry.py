@@ -8,6 +8,10 @@ A module (an FFN, a table inside one, a DSE memory) declares what is special abo
   without a role is a backbone parameter: group ``norm`` if 1-D else ``matrix``, counted active,
   initialised by the backbone's normal init.
 - ``shard_unit = True``: the module is its own FSDP unit sharded over all ranks (tables, experts).
+- ``aux_loss``: a module whose training forward sets ``self.aux_loss`` (a scalar tensor; the routed MoE's
+  load-balancing loss) adds it to the training objective: ``Transformer.forward`` with targets returns the
+  cross-entropy plus these in training mode (the cross-entropy alone in eval mode) and takes them (resets
+  them to None) on every forward.
 
 Accounting (``stem.models.accounting``), optimizer groups (``Transformer.param_groups``), initialisation
 (``Transformer.init_weights``) and sharding (``stem.train.distributed.sharded_leaf_modules``) read these
@@ -30,7 +34,9 @@ class Role:
 
     group: optimizer group (a key of ``OPTIM_GROUPS``).
     count: accounting, ``active`` (a matrix used per token), ``lookup`` (a table read by index: zero FLOPs,
-        not active) or ``expert`` (dim 0 indexes experts, one of which runs per token).
+        not active) or ``expert`` (dim 0 indexes experts, ``active_experts`` of which run per token).
+    active_experts: for ``count="expert"``, how many of the E experts run per token (Hash-MoE 1, a routed
+        top-k MoE k; a module whose k comes from its config declares its roles per instance).
     paper_table: the paper's Table 3 convention adds it to the dense model's total (STEM tables).
     init: ``normal`` (the backbone's normal init) or ``module`` (the declaring module's
         ``reset_parameters()``, called after the backbone's init, in module order).
@@ -39,12 +45,15 @@ class Role:
     count: str = "active"
     paper_table: bool = False
     init: str = "normal"
+    active_experts: int = 1
 
     def __post_init__(self):
         if self.count not in COUNTS:
             raise ValueError(f"Role.count={self.count!r}: expected one of {', '.join(COUNTS)}")
         if self.init not in INITS:
             raise ValueError(f"Role.init={self.init!r}: expected one of {', '.join(INITS)}")
+        if self.active_experts < 1:
+            raise ValueError(f"Role.active_experts={self.active_experts}: expected >= 1")
 
 
 # Optimizer groups in the order the optimizer lists them: name -> (LR multiplier, weight decay or None for
@@ -61,6 +70,7 @@ FFN_KINDS: dict[str, type | str] = {
     "stem_gate": "stem.models.ffn:StemGateFFN",
     "stem_dagger": "stem.models.ffn:StemDaggerFFN",
     "hashmoe": "stem.models.ffn:HashMoEFFN",
+    "moe": "stem.models.moe:RoutedMoEFFN",
 }
 
 

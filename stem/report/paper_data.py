@@ -25,6 +25,7 @@ VARIANT_LABELS = {
     "stem_full": "STEM-full",
     "dse": "DSE",
     "stem_sparse": "STEM (sparse update)",   # not a paper variant: STEM with optim.table_update: sparse
+    "moe": "MoE",                             # the DSE paper's routed MoE baseline (DeepSeekMoE)
 }
 
 COMMONSENSE_TASKS = ["arc_easy", "arc_challenge", "boolq", "piqa", "social_iqa", "hellaswag",

@@ -38,7 +38,7 @@ def to_markdown(rows: list[dict], title: str) -> str:
                      f"{_fmt(r['paper_total_params'])} | {_fmt(r['active_params'])} | {r['gflops_per_token']:.4f} | "
                      f"{r['n_sparse_layers']}: {r['sparse_layers'] or '-'} |")
     lines += ["", "#Total: exact count of the model as built. #Total (paper conv.): dense total + "
-              "n_STEM_layers x V x d_ff (Table 3's convention; exact count for Hash-MoE and DSE). #Active: parameters "
+              "n_STEM_layers x V x d_ff (Table 3's convention; exact count for Hash-MoE, MoE and DSE). #Active: parameters "
               "in matrix products per token (table lookups and unselected experts excluded). GFLOPs/token = "
               "2 x #Active / 1e9."]
     return "\n".join(lines) + "\n"

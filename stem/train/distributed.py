@@ -13,7 +13,7 @@ micro-batch is ``min(micro_batch, batch_size // W)`` (the config's micro_batch i
 Sharding (``parallelize``):
 - the backbone: ``fully_shard`` per transformer block plus the root (FSDP2, ``strategy="fsdp"``), or
   replicated with one gradient all-reduce per step (``strategy="ddp"``, for small models);
-- STEM tables, DSE tables and Hash-MoE experts: each such module gets its own ``fully_shard`` unit on the
+- STEM tables, DSE tables, Hash-MoE experts and the routed MoE's experts: each such module gets its own ``fully_shard`` unit on the
   world mesh *before* the backbone is wrapped, so they are sharded over all ranks (dim 0: table rows /
   experts) whatever the backbone strategy. FSDP reduce-scatters their gradients over the whole world,
   i.e. across every data-parallel replica on every node (the official code leaves replicas of its
@@ -123,7 +123,7 @@ def any_rank(ctx: DistContext, flag: bool) -> bool:
 
 def sharded_leaf_modules(model) -> list:
     """Modules sharded over all ranks independently of the backbone: those declaring ``shard_unit``
-    (STEM/DSE tables, Hash-MoE FFNs; ``stem.models.registry``), except row-sparse tables."""
+    (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts; ``stem.models.registry``), except row-sparse tables."""
     return [m for m in model.modules() if getattr(m, "shard_unit", False) and not getattr(m, "row_sparse", False)]
 
 

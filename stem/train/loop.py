@@ -4,6 +4,10 @@
 ``train_steps`` (the step loop: one ``stem.train.step.train_step`` a step, logging, evaluation, state) ->
 ``finish`` (checkpoint, metrics, summary).
 
+Metrics (``metrics.jsonl``, one row a step): ``loss`` is the training cross-entropy (token mean over the
+step); a model with auxiliary losses (the routed MoE's load balancing) minimises ``loss + aux_loss`` and logs
+``aux_loss`` beside it. Validation loss is the cross-entropy alone (the model in eval mode).
+
 Resumable: state is saved every ``checkpoint_interval`` steps (and on SIGTERM, e.g. Slurm
 preemption) under ``{out_dir}/_state``; rerunning the same spec continues from there and ends with
 the same final loss as an uninterrupted run (the data loader's position is part of the state).
@@ -11,7 +15,7 @@ the same final loss as an uninterrupted run (the data loader's position is part 
 Distributed: under torchrun (WORLD_SIZE > 1) the same loop runs data-parallel (stem.train.distributed):
 rank r keeps micro-batches r, r+W, ... of each step, so a step sees the same sequences at any world size;
 the backbone is FSDP2-sharded (or replicated: the spec's ``train.parallel: ddp``), STEM/DSE tables and
-Hash-MoE experts are sharded over all ranks; resumable state is a DCP checkpoint that resumes at any world
+Hash-MoE / routed-MoE experts are sharded over all ranks; resumable state is a DCP checkpoint that resumes at any world
 size. At world size 1 every distributed helper falls through and the maths is the single-process loop's.
 """
 from __future__ import annotations
@@ -201,14 +205,17 @@ def train_steps(run: Run, stop: dict, last: int):
             t_step = time.time()
             lr = get_lr(run.step, **tc.lr_schedule())
             batches = [run.loader.next_batch() for _ in range(run.accum)]  # every rank draws the global stream
+            aux = {}
             try:
                 loss, grad_norm = train_step(run.model, run.opt, batches, ctx, run.autocast, lr, spec.optim.grad_clip,
-                                             run.step)
+                                             run.step, metrics=aux)
             except TrainingError as e:
                 raise TrainingError(f"[{run.out_dir}] {e}") from None
+            if aux:   # a model with auxiliary losses (routed MoE): "loss" is the cross-entropy, "aux_loss" the rest
+                loss -= aux["aux_loss"]
             run.step, run.loss = run.step + 1, loss
             tokens = run.step * tc.tokens_per_step
-            row = {"step": run.step, "tokens": tokens, "lr": lr, "loss": loss, "grad_norm": float(grad_norm),
+            row = {"step": run.step, "tokens": tokens, "lr": lr, "loss": loss, **aux, "grad_norm": float(grad_norm),
                    "tokens_per_s": tc.tokens_per_step / (time.time() - t_step),
                    "train_flops": training_flops(run.accounting["active_params"], tokens)}
             if run.step % tc.eval_interval == 0 or run.step == tc.steps:

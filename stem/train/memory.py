@@ -20,7 +20,10 @@ Not counted: the CUDA context, NCCL buffers, allocator fragmentation (leave ~10 
   fp32 q and k, 4 d + 4 kv; the rotated bf16 q, 2 d; keys and values expanded to all heads for the
   kernel, 4 d; the kernel's output, 2 d, and its re-laid-out copy that wo saves, 2 d; the kernel's fp32
   log-sum-exp, 4 per head); the FFN 8 d_ff (SwiGLU / STEM: gate, SiLU, up or table row, product: 2 d_ff
-  each; Hash-MoE adds the gathered inputs, 2 d). With activation checkpointing only each block's input
+  each; Hash-MoE adds the gathered inputs, 2 d). The routed MoE (``moe``): 8 f_e per shared expert and per
+  routed assignment (k a token), the router's fp32 input 4 d and scores 4 E, each assignment's gathered
+  input and expert output 2 d + 2 d, and 26 per assignment (its expert index from top-k, the gather and
+  inverse-permutation indices, int64, and its gate in bf16). With activation checkpointing only each block's input
   (2 d) is kept, plus one block's set while it is recomputed.
 - the loss: the peak is at the start of backward, when every activation is still alive and
   cross-entropy's backward holds the fp32 log-softmax output, its incoming gradient and its result:
@@ -37,8 +40,12 @@ def _block_bytes_per_token(cfg, layer: int) -> int:
     d, f = cfg.d_model, cfg.d_ff
     kv = cfg.n_kv_heads * cfg.head_dim
     attn = 6 * d + 4 * d + 4 * kv + 2 * d + 4 * d + 2 * d + 2 * d + 4 * cfg.n_heads + 4
-    ffn = 6 * d + 8 * f + 4 + (2 * d if cfg.ffn[layer] == "hashmoe" else 0)
-    return attn + ffn
+    if cfg.ffn[layer] == "moe":
+        fe, k, e = cfg.expert_d_ff, cfg.moe_top_k, cfg.moe_experts
+        body = 8 * fe * (cfg.moe_shared + k) + 4 * d + 4 * k * d + 4 * e + 26 * k
+    else:
+        body = 8 * f + (2 * d if cfg.ffn[layer] == "hashmoe" else 0)
+    return attn + 6 * d + body + 4
 
 
 def estimate(model, micro_batch: int, seq_len: int, world: int = 1, strategy: str = "fsdp",
@@ -109,20 +116,22 @@ def _peak_only(cls):
     return Peak
 
 
-def _fake_values(n_experts: int):
-    """Fake tensors have no data: the values the training step reads from them. Hash-MoE's tokens per
-    expert (``bincount``, then ``.tolist()``) are each of the ``n_experts`` experts' balanced share of the
-    tokens (what the balanced token map aims at); any other scalar read (``.item()``: the step's loss and its
-    mean over ranks) is 1 (it sets no tensor's size)."""
+def _fake_values():
+    """Fake tensors have no data: the values the training step reads from them. The MoE FFNs' assignments per
+    expert (``bincount(expert, minlength=E)``, then ``.tolist()``) are each of the E experts' balanced share
+    of the assignments (what Hash-MoE's balanced token map and the routed MoE's balance loss aim at); any other
+    scalar read (``.item()``: the step's loss and its mean over ranks) is 1 (it sets no tensor's size)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class FakeValues(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.bincount.default and n_experts:   # tokens per expert; .tolist() reads them
-                n = args[0].numel()
-                self.pending += [n // n_experts + (i < n % n_experts) for i in range(n_experts)]
-                return torch.empty(n_experts, dtype=torch.int64, device=args[0].device)
+            if func is torch.ops.aten.bincount.default:   # assignments per expert; .tolist() reads them
+                n, e = args[0].numel(), (kwargs or {}).get("minlength", args[2] if len(args) > 2 else 0)
+                if not e:
+                    raise RuntimeError("memory trace: a bincount without minlength (its size depends on the data)")
+                self.pending += [n // e + (i < n % e) for i in range(e)]
+                return torch.empty(e, dtype=torch.int64, device=args[0].device)
             if func is torch.ops.aten._local_scalar_dense.default:
                 return self.pending.pop(0) if self.pending else (1.0 if args[0].dtype.is_floating_point else 1)
             return func(*args, **(kwargs or {}))
@@ -156,7 +165,7 @@ def trace(spec, world: int, strategy: str | None = None, mixed_precision: bool =
     n_micro = min(accum // world, 2)   # from the second micro-batch on, every one holds the same tensors
     device = torch.device("cpu")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else nullcontext()
-    values = _fake_values(cfg.n_experts if "hashmoe" in cfg.ffn else 0)
+    values = _fake_values()
     with fake_world(world) as mesh, FakeTensorMode(), values:
         ctx = distributed.DistContext(0, world, 0, 1, device, mesh)
         model = build_model(cfg, device)       # as the loop does: build, then shard

@@ -19,8 +19,11 @@ def make_optimizer(model, spec, ctx, fused: bool):
     return distributed.optimizer_for_dtensors(opt, ctx, spec.train.parallel)
 
 
-def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, counts=None, on_backward=None) -> float:
-    """Forward and backward over one optimizer step's micro-batches; returns the step's training loss.
+def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, counts=None, on_backward=None,
+                         metrics: dict | None = None) -> float:
+    """Forward and backward over one optimizer step's micro-batches; returns the step's training loss (the
+    objective: cross-entropy plus, for a model with auxiliary losses such as the routed MoE's balance loss,
+    those; ``metrics``, if given, receives their part as ``aux_loss``, weighted and averaged like the loss).
 
     ``batches`` is the whole step's list (every rank's); this rank runs micro-batches rank, rank+W, ...
     The objective is the token mean of the whole step: the sum of the losses of every trained target
@@ -36,7 +39,7 @@ def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, c
     total = sum(counts)
     if total == 0:
         raise TrainingError(f"step {step}: no trained targets in the whole batch (every target is padding)")
-    loss_sum = 0.0
+    loss_sum = aux_sum = 0.0
     for i in range(ctx.rank, len(batches), ctx.world):
         x, y, pos = batches[i]
         x, y, pos = x.to(device), y.to(device), None if pos is None else pos.to(device)
@@ -49,18 +52,23 @@ def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, c
                 loss = model(x, y, positions=pos)
             (loss / divisor).backward()
             loss_sum += loss.item() / divisor
+            aux = getattr(model, "aux_loss", None)   # the forward's auxiliary losses (stem.models.model)
+            if aux is not None:
+                aux_sum += aux.item() / divisor
         if on_backward is not None:
             on_backward()
+    if metrics is not None and getattr(model, "aux_modules", None):   # the model's structure: the same on every rank
+        metrics["aux_loss"] = distributed.all_mean(ctx, aux_sum)
     return distributed.all_mean(ctx, loss_sum)
 
 
 def train_step(model, opt, batches, ctx, autocast, lr: float, grad_clip: float | None, step: int = 0,
-               counts=None, on_backward=None):
+               counts=None, on_backward=None, metrics: dict | None = None):
     """One optimizer step at learning rate ``lr``: gradients of the step's token-mean loss (above), averaged
     over replicas and clipped to ``grad_clip`` (global L2 norm; None: no clipping), then the update.
-    Returns (training loss, gradient norm before clipping)."""
+    Returns (training loss, gradient norm before clipping); ``metrics``: as ``accumulate_gradients``."""
     set_lr(opt, lr)
-    loss = accumulate_gradients(model, batches, ctx, ctx.device, autocast, step, counts, on_backward)
+    loss = accumulate_gradients(model, batches, ctx, ctx.device, autocast, step, counts, on_backward, metrics)
     if not math.isfinite(loss):
         raise TrainingError(f"non-finite training loss {loss} at step {step} (lr={lr:.3g})")
     distributed.sync_replicated_grads(model, ctx)
