@@ -14,11 +14,8 @@ import yaml
 from conftest import job_counts
 from stem import config as C
 from stem import sweeps as S
-from stem.models.registry import FFN_KINDS
 
 REPO = Path(__file__).resolve().parents[1]
-HAS_MOE = "moe" in FFN_KINDS and "moe" in C.read_yaml(C.VARIANTS)
-needs_moe = pytest.mark.skipif(not HAS_MOE, reason="needs the routed MoE FFN (ffn kind moe, branch wt-moe)")
 
 
 def _naive_primes(start, n):
@@ -32,11 +29,9 @@ def _naive_primes(start, n):
 
 
 def tiny_cfg(**sweeps) -> dict:
-    """config/tiny.yaml with the tiny routed MoE (1 shared + top-2 of 8 experts of width 64) and ``sweeps``."""
+    """config/tiny.yaml (its routed MoE: 1 shared + top-2 of 8 experts of width 64) with ``sweeps`` instead of its own."""
     cfg = copy.deepcopy(C.read_yaml(REPO / "config" / "tiny.yaml"))
-    if "rho" in sweeps:   # (config/tiny.yaml has it once the moe variant exists)
-        cfg.setdefault("variant_overrides", {}).setdefault(
-            "moe", {"moe_experts": 8, "moe_shared": 1, "moe_top_k": 2, "moe_d_ff": 64})
+    assert cfg["variant_overrides"]["moe"] == {"moe_experts": 8, "moe_shared": 1, "moe_top_k": 2, "moe_d_ff": 64}
     base = {"scale": "350m", "stage": "pretrain", "train": {"steps": 100}}
     cfg["sweeps"] = {**base, **sweeps}
     return cfg
@@ -45,15 +40,6 @@ def tiny_cfg(**sweeps) -> dict:
 RHO = {"base": "moe", "memory": "dse", "dse": {"d_mem": 32}, "values": [1.0, 0.833, 0.667, 0.5, 0.333],
        "tolerance": {"p_tot": 0.001, "p_act": 0.035}}
 SLOTS = {"base": "dense", "memory": "dse", "rows_per_head": [64, 256, 1024]}
-
-
-@pytest.fixture
-def moe_variants(tmp_path, monkeypatch):
-    """config/variants.yaml with the routed MoE variant of the wt-moe interface where the checkout has none yet."""
-    if "moe" not in C.read_yaml(C.VARIANTS):
-        path = tmp_path / "variants.yaml"
-        path.write_text(C.VARIANTS.read_text() + "\nmoe: {label: MoE, ffn: moe, placement: {start: 1}}\n")
-        monkeypatch.setattr(C, "VARIANTS", path)
 
 
 # ---- parameter arithmetic ------------------------------------------------------------------------------------
@@ -101,7 +87,6 @@ def test_counts_match_the_built_models():
         assert mc.dse.rows_per_head == p["rows_per_head"]
 
 
-@needs_moe
 def test_rho_counts_match_the_built_moe_models():
     from stem.models.accounting import accounting
     from stem.models.model import build_model
@@ -112,7 +97,7 @@ def test_rho_counts_match_the_built_moe_models():
         assert (a["total_params"] - emb, a["active_params"] - emb) == (p["p_tot"], p["p_act"]), p["variant"]
 
 
-def test_rho_points_keep_p_tot_and_p_act(moe_variants):
+def test_rho_points_keep_p_tot_and_p_act():
     """Each rho: E' = 2 + round(6 rho) routed experts, DSE rows nearest the rho = 1 model's P_tot; P_tot and P_act
     re-derived by hand from (E', rows) and within the stated tolerance of the pure MoE's."""
     cfg = tiny_cfg(rho=RHO)
@@ -221,7 +206,7 @@ def test_bad_slots_section_is_a_one_line_error(edit, message):
                                  "model's 298,304; expected within sweeps.rho.tolerance.p_act = 0.035"),
     (lambda r: r.update(tolerance={"p_tot": 0.0}), "gives P_tot"),
 ])
-def test_bad_rho_section_is_a_one_line_error(moe_variants, edit, message):
+def test_bad_rho_section_is_a_one_line_error(edit, message):
     cfg = tiny_cfg(rho=copy.deepcopy(RHO))
     edit(cfg["sweeps"]["rho"])
     with pytest.raises(S.SweepError) as e:
@@ -273,7 +258,7 @@ def test_collect_slots_writes_the_fit_and_refuses_a_wrong_model(tmp_path):
         S.collect(cfg, "slots", tmp_path)
 
 
-def test_collect_rho_marks_the_optimum(tmp_path, moe_variants):
+def test_collect_rho_marks_the_optimum(tmp_path):
     cfg = tiny_cfg(rho=RHO)
     pts = S.rho_points(cfg)
     losses = {"rho_1": 3.40, "rho_0p833": 3.35, "rho_0p667": 3.37, "rho_0p5": 3.41, "rho_0p333": 3.50}
@@ -291,7 +276,6 @@ def test_collect_rho_marks_the_optimum(tmp_path, moe_variants):
 
 
 # ---- the workflow ------------------------------------------------------------------------------------------------
-@needs_moe
 def test_dry_run_of_both_sweep_targets(tmp_path):
     """`snakemake -n sweep_rho sweep_slots` on config/tiny.yaml: one training job per point, one collection per
     sweep, the targets (and the data jobs of a fresh folder)."""
