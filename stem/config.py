@@ -214,9 +214,15 @@ def train_targets(cfg: dict) -> list[tuple[str, str, str]]:
 def train_job(cfg: dict, scale: str, variant: str, stage: str):
     """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
     from stem.specs import TrainSpec
+    from stem.sweeps import is_sweep_id
     exp = cfg["experiment"]
-    if scale not in cfg["matrix"] or stage not in cfg["matrix"][scale]["stages"]:
+    point = is_sweep_id(variant)   # a sweep point: trained at sweeps.scale / sweeps.stage, matrix or not
+    if not point and (scale not in cfg["matrix"] or stage not in cfg["matrix"][scale]["stages"]):
         raise ConfigError(f"stage {stage!r} at scale {scale!r} is not in the {exp} experiment's matrix")
+    sw = cfg.get("sweeps") or {}
+    if point and (scale, stage) != (sw.get("scale"), sw.get("stage")):
+        raise ConfigError(f"variant {variant!r}: a sweep point, trained at sweeps.scale / sweeps.stage "
+                          f"({sw.get('scale')} / {sw.get('stage')}), not at {scale} / {stage}")
     vspec = variant_spec(cfg, variant)
     st = {**cfg["stages"][stage][scale], **vspec.get("stage", {})}   # a sweep point's settings (sweeps.train)
     init = st.pop("init_from", None)
@@ -227,9 +233,9 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
     # reset_optimizer (default true): false carries the optimizer state of init_from's stage, which then
     # saves it in its checkpoint (checkpoint/optimizer/)
     train["reset_optimizer"] = bool(st.get("reset_optimizer", True)) if init else True
-    train["save_optimizer"] = any(cfg["stages"][s][scale].get("init_from") == stage
-                                  and not cfg["stages"][s][scale].get("reset_optimizer", True)
-                                  for s in cfg["matrix"][scale]["stages"])
+    train["save_optimizer"] = not point and any(cfg["stages"][s][scale].get("init_from") == stage
+                                                and not cfg["stages"][s][scale].get("reset_optimizer", True)
+                                                for s in cfg["matrix"][scale]["stages"])
     train["parallel"] = (cfg.get("cluster") or {}).get("strategy", "fsdp")   # the backbone's, under torchrun
     return TrainSpec.from_dict({
         "experiment": exp, "scale": scale, "variant": variant, "stage": stage,

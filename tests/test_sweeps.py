@@ -169,13 +169,22 @@ def test_train_spec_of_a_sweep_point():
     plain = C.read_yaml(REPO / "config" / "tiny.yaml")
     plain.pop("sweeps", None)
     assert C.train_spec(cfg, "350m", "dse", "pretrain") == C.train_spec(plain, "350m", "dse", "pretrain")
+    # the sweep's scale need not be in the matrix
+    cfg["matrix"].pop("350m")
+    assert C.train_spec(cfg, "350m", "slots_256", "pretrain") == spec
+    with pytest.raises(C.ConfigError, match=r"^variant 'slots_256': a sweep point, trained at sweeps.scale / "
+                                            r"sweeps.stage \(350m / pretrain\), not at 1b / pretrain$"):
+        C.train_spec(cfg, "1b", "slots_256", "pretrain")
     with pytest.raises(C.ConfigError, match=r"^variant 'slots_100': not a point of the config's sweeps: section "
                                             r"\(expected one of slots_64, slots_256, slots_1024\)$"):
         C.train_spec(cfg, "350m", "slots_100", "pretrain")
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda s: s.update(stage="extend"), "key 'sweeps.stage': 'extend' at scale '350m' is not in the matrix"),
+    (lambda s: s.update(stage="extend"), "key 'sweeps.stage': 'extend' at scale '350m' is not in stages; expected "
+                                         "a stage trained from scratch"),
+    (lambda s: s.update(scale="1b", stage="midtrain"), "key 'sweeps.stage': 'midtrain' at scale '1b' starts from "
+                                                       "'pretrain'; expected a stage trained from scratch"),
     (lambda s: s["slots"].update(rows_per_head=[256, 64]), "key 'sweeps.slots.rows_per_head': [256, 64]: expected "
                                                            "strictly increasing values"),
     (lambda s: s["slots"].update(rows_per_head=[1, 64]), "key 'sweeps.slots.rows_per_head.0': 1 is less than"),

@@ -246,13 +246,16 @@ def _nearest_rows(budget: int, n_layers: int, n_tables: int, width: int) -> int:
     return lo if budget - params(lo) <= params(hi) - budget else hi
 
 
-def rho_points(cfg: dict) -> list[dict]:
-    """Every rho point: its variant spec and parameter counts next to the rho = 1 model's."""
-    return [dict(p) for p in _rho_points(json.dumps(_relevant(cfg), sort_keys=True))]
+def rho_points(cfg: dict, strict: bool = True) -> list[dict]:
+    """Every rho point: its variant spec and parameter counts next to the rho = 1 model's. ``strict`` (whenever
+    the sweep is built or trained): a point outside sweeps.rho.tolerance, or with no parameters left for the
+    memory, is an error; not strict (loading the config, which may have reshaped archs for another purpose):
+    the point is still built and checked as a model config."""
+    return [dict(p) for p in _rho_points(json.dumps(_relevant(cfg), sort_keys=True), strict)]
 
 
 @lru_cache(maxsize=16)
-def _rho_points(key: str) -> tuple:
+def _rho_points(key: str, strict: bool) -> tuple:
     cfg = json.loads(key)
     sw = section(cfg, "rho")
     base, mem = _base(cfg, "rho"), _memory(cfg, "rho")
@@ -282,12 +285,12 @@ def _rho_points(key: str) -> tuple:
             fixed = counts(_resolve(cfg, probe))
             proj = fixed.p_tot - fixed.dse_tables - moe_only.p_tot     # the memory's per-token parameters
             budget = ref.p_tot - moe_only.p_tot - proj
-            if budget <= 0:
+            if budget <= 0 and strict:
                 raise SweepError(f"key 'sweeps.rho.values': rho {rho:g} frees {ref.p_tot - moe_only.p_tot:,} "
                                  f"parameters, fewer than the memory's {proj:,} per-token ones; expected a smaller rho")
             n_dse = len(_resolve(cfg, probe)["dse"]["layers"])
             n_tables = len(tuple(mem.get("orders", (2, 3)))) * int(mem.get("heads", 8))
-            rows = _nearest_rows(budget, n_dse, n_tables, int(mem["d_mem"]) // n_tables)
+            rows = _nearest_rows(max(budget, 1), n_dse, n_tables, int(mem["d_mem"]) // n_tables)
             spec["dse"] = {**mem, "rows_per_head": rows}
         elif rho != 1:
             raise SweepError(f"key 'sweeps.rho.values': rho {rho:g} keeps all {n_e} routed experts (steps of "
@@ -296,7 +299,7 @@ def _rho_points(key: str) -> tuple:
         c = counts(_resolve(cfg, spec))
         dev_tot, dev_act = (c.p_tot - ref.p_tot) / ref.p_tot, (c.p_act - ref.p_act) / ref.p_act
         for key, dev in (("p_tot", dev_tot), ("p_act", dev_act)):
-            if abs(dev) > tol[key]:
+            if abs(dev) > tol[key] and strict:
                 raise SweepError(f"key 'sweeps.rho.values': rho {rho:g} gives {key.replace('p_', 'P_')} "
                                  f"{getattr(c, key):,}, {100 * dev:+.2f}% from the rho = 1 model's "
                                  f"{getattr(ref, key):,}; expected within sweeps.rho.tolerance.{key} = {tol[key]:g}")
@@ -328,17 +331,17 @@ def _relevant(cfg: dict) -> dict:
     return {k: cfg.get(k) for k in ("experiment", "archs", "variant_overrides", "sweeps")}
 
 
-def points(cfg: dict, kind: str) -> list[dict]:
-    return rho_points(cfg) if kind == "rho" else slots_points(cfg)
+def points(cfg: dict, kind: str, strict: bool = True) -> list[dict]:
+    return rho_points(cfg, strict) if kind == "rho" else slots_points(cfg)
 
 
-def variant_specs(cfg: dict) -> dict[str, dict]:
+def variant_specs(cfg: dict, strict: bool = True) -> dict[str, dict]:
     """{variant id: variant spec} of every sweep point of the config; a point's spec carries ``stage`` (the
     stage settings it overrides, ``sweeps.train``)."""
     out = {}
     for kind in KINDS:
         if kind in (cfg.get("sweeps") or {}):
-            for p in points(cfg, kind):
+            for p in points(cfg, kind, strict):
                 out[p["variant"]] = {**p["spec"], "stage": _stage(cfg)}
     return out
 
@@ -348,18 +351,26 @@ def variant_ids(cfg: dict, kind: str) -> list[str]:
 
 
 def validate(cfg: dict, origin: str):
-    """The sweeps: section builds: its scale and stage are in the matrix, every point is a valid model config
-    within tolerance (one line naming the key otherwise)."""
+    """The sweeps: section builds: its scale and stage are in the matrix, its variants are what the sweeps need,
+    every point is a valid model config (one line naming the key otherwise). The tolerance of the rho points
+    depends on the architecture and is checked when the sweep is built (``strict``), so a config that reshapes
+    archs for another target still loads."""
     from stem.config import ConfigError, variants
     sw = cfg.get("sweeps")
     if not sw:
         return
     scale, stage = sw["scale"], sw["stage"]
-    if stage not in (cfg["matrix"].get(scale) or {}).get("stages", []):
-        raise ConfigError(f"{origin}: key 'sweeps.stage': {stage!r} at scale {scale!r} is not in the matrix "
-                          f"(matrix.{scale}.stages); expected a stage the experiment trains")
+    for what in ("archs", "tokenizer"):
+        if scale not in cfg[what]:
+            raise ConfigError(f"{origin}: key 'sweeps.scale': {scale!r} has no {what}.{scale}; expected a scale the "
+                              f"experiment defines")
+    spec = (cfg["stages"].get(stage) or {}).get(scale)
+    if spec is None or spec.get("init_from") is not None:
+        raise ConfigError(f"{origin}: key 'sweeps.stage': {stage!r} at scale {scale!r} "
+                          + ("is not in stages" if spec is None else f"starts from {spec['init_from']!r}")
+                          + "; expected a stage trained from scratch (init_from: null), e.g. pretrain")
     try:
-        specs = variant_specs(cfg)
+        specs = variant_specs(cfg, strict=False)
         from stem.models.config import ModelConfig
         for name, spec in specs.items():
             if name in variants(cfg):
