@@ -262,6 +262,9 @@ def test_collect_slots_writes_the_fit_and_refuses_a_wrong_model(tmp_path):
     bad.write_text(json.dumps({**s, "total_params": s["total_params"] + 1}))
     with pytest.raises(ValueError, match=r"slots_256/pretrain/summary.json: key 'total_params': .* is not the sweep's"):
         S.collect(cfg, "slots", tmp_path)
+    bad.write_text(json.dumps({**s, "active_params": s["active_params"] - 64}))
+    with pytest.raises(ValueError, match=r"slots_256/pretrain/summary.json: key 'active_params': .* \(P_act 313,024 "):
+        S.collect(cfg, "slots", tmp_path)
     bad.unlink()
     with pytest.raises(ValueError, match="slots_256/pretrain/summary.json: missing"):
         S.collect(cfg, "slots", tmp_path)

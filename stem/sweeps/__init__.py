@@ -397,8 +397,8 @@ def fit_loglinear(x, y) -> dict:
 
 
 def collect(cfg: dict, kind: str, results_root="results") -> dict:
-    """The sweep's result: every point's counts (the config's arithmetic, checked against the trained model's
-    accounting in its summary.json) and final validation loss, the optimum (rho) or the log-linear fit (slots)."""
+    """The sweep's result: every point's counts (the config's arithmetic, equal to the trained model's accounting
+    in its summary.json, total and active, or a one-line error) and final validation loss, the optimum (rho) or the log-linear fit (slots)."""
     from stem.report.results import ResultError, Results
     from stem.report.tables import experiment_label
     sw = cfg["sweeps"]
@@ -412,12 +412,13 @@ def collect(cfg: dict, kind: str, results_root="results") -> dict:
         if s is None:
             raise ResultError(f"{where}: missing (sweep point {p['variant']} has not been trained)")
         built = {"p_tot": s.get("total_params", 0) - 2 * V * d, "p_act": s.get("active_params", 0) - 2 * V * d}
-        if built["p_tot"] != p["p_tot"]:
-            raise ResultError(f"{where}: key 'total_params': {s.get('total_params')!r} is not the sweep's count "
-                              f"{p['p_tot'] + 2 * V * d:,} (P_tot {p['p_tot']:,} + embedding and head)")
+        for key, name in (("p_tot", "total_params"), ("p_act", "active_params")):
+            if built[key] != p[key]:
+                raise ResultError(f"{where}: key '{name}': {s.get(name)!r} is not the sweep's count "
+                                  f"{p[key] + 2 * V * d:,} ({key.replace('p_', 'P_')} {p[key]:,} + embedding and head)")
         row = {k: v for k, v in p.items() if k != "spec"}
         row.update(val_loss=s["final_val_loss"], train_loss=s["final_train_loss"], steps=s["steps"],
-                   tokens=s["tokens"], wall_seconds=s.get("wall_seconds"), p_act_accounting=built["p_act"])
+                   tokens=s["tokens"], wall_seconds=s.get("wall_seconds"))
         rows.append(row)
     out = {"experiment": cfg["experiment"], "label": experiment_label(cfg), "kind": kind, "scale": scale,
            "stage": stage, "base": sw[kind]["base"], "memory": sw[kind]["memory"], "train": _stage(cfg),
