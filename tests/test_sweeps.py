@@ -301,3 +301,19 @@ def test_dry_run_of_both_sweep_targets(tmp_path):
         (n_rho + n_slots, 2, 1, 1)
     assert "results/tiny/350m/rho_0p833/pretrain/summary.json" in r.stdout
     assert "reports/tiny/sweeps/slots.png" in r.stdout
+
+
+def test_paper_sweeps_at_the_350m_arch():
+    """config/paper.yaml: the sweeps' MoE backbone (base_overrides: 1 shared + top-3 of 49 experts of 640) by hand,
+    d 960, 31 MoE layers: dense 350M without embedding / head 314,635,200; per MoE layer experts 3 * 960 * 640 =
+    1,843,200 each and router 960 * 49 replace the dense FFN 3 * 960 * 2560 = 7,372,800. Every rho point is within
+    its tolerance (strict) and the slots span the paper's 2.58e5 .. 1e7."""
+    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
+    rho = S.rho_points(cfg)
+    e, router, ffn = 1_843_200, 960 * 49, 7_372_800
+    assert (rho[0]["p_tot"], rho[0]["p_act"]) == (314_635_200 + 31 * (50 * e + router - ffn),
+                                                  314_635_200 + 31 * (4 * e + router - ffn)) == (2_944_496_640, 316_093_440)
+    assert [p["moe_experts"] for p in rho] == [49, 44, 40, 35, 31, 26, 21]
+    assert C.model_config_for(cfg, "350m", "moe").moe_experts == 8    # the moe variant itself is unchanged
+    slots = [p["dse_slots"] for p in S.slots_points(cfg)]
+    assert 2.5e5 < slots[0] < 2.7e5 and 0.99e7 < slots[-1] < 1.01e7

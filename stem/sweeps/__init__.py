@@ -213,7 +213,9 @@ def _memory(cfg: dict, kind: str) -> dict:
 
 
 def _base(cfg: dict, kind: str) -> dict:
-    base = copy.deepcopy(_named(cfg, kind, "base"))
+    """The base variant (with variant_overrides), sweeps.{kind}.base_overrides over it."""
+    from stem.config import _deep_merge
+    base = _deep_merge(_named(cfg, kind, "base"), section(cfg, kind).get("base_overrides") or {})
     name = section(cfg, kind)["base"]
     if base.get("dse"):
         raise SweepError(f"key 'sweeps.{kind}.base': variant {name!r} already has a DSE memory; expected a backbone "
