@@ -152,6 +152,18 @@ def test_mechanism_analyses_end_to_end(tiny_data, tmp_path, monkeypatch):
             "baseline_checkpoint": str(ckpts["dense"])}
     wf = AW.job_spec(cfg, "350m", "dse", "pretrain", "cka")
     assert wf["baseline_checkpoint"] == "results/tiny/350m/dense/pretrain/checkpoint" and wf["world"] == cfg["world"]
+    small = {**cfg, "matrix": {"350m": {"variants": ["dense", "stem", "dse"], "stages": ["pretrain"]}}}
+    mech = [t for t in AW.targets(small) if t.rsplit("/", 1)[1] in ("logitlens.json", "cka.json", "dse_disabled.json")]
+    assert sorted(mech) == [f"results/tiny/350m/dse/pretrain/analysis/{n}.json"
+                            for n in ("cka", "dse_disabled", "logitlens")]   # DSE models only
+    bad = copy.deepcopy(small)
+    bad["analysis"]["cka"]["baseline"] = "hashmoe"
+    with pytest.raises(ValueError, match="key 'analysis.cka.baseline' is 'hashmoe', which the tiny matrix does not"):
+        AW.job_spec(bad, "350m", "dse", "pretrain", "cka")
+    assert not [t for t in AW.targets(bad) if t.endswith("cka.json")]
+    bad["analysis"]["dse_disabled"]["categories"]["context"] = ["triviaqa"]
+    with pytest.raises(ValueError, match=r"categories.context': tasks \['triviaqa'\] are not in eval suite"):
+        AW.job_spec(bad, "350m", "dse", "pretrain", "dse_disabled")
     ll = analyze(ckpts["dse"], {**base, "analysis": "logitlens", "windows": 3, "seq_len": 32}, tmp_path / "ll.json")
     assert len(ll["model"]["kl"]) == 3 and ll["model"]["kl"][-1] == 0 and ll["baseline_model"]["kl"][-1] == 0
     assert np.array(ll["model"]["window_kl"]).shape == (3, 3) and ll["tokens"] == 3 * 32

@@ -101,6 +101,12 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
     if name == "dse_disabled":   # the eval suite whose fixtures, shots and metric the ablation runs with
         from stem.eval.run import suite_spec
         spec["eval"] = suite_spec(cfg, spec["suite"])
+        groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
+        known = set(spec["eval"]["tasks"]) | {t for g in spec["eval"]["tasks"] for t in groups.get(g, [])}
+        for cat, tasks in spec["categories"].items():
+            if set(tasks) - known:
+                raise ValueError(f"key 'analysis.dse_disabled.categories.{cat}': tasks {sorted(set(tasks) - known)} "
+                                 f"are not in eval suite {spec['suite']!r} (expected some of {sorted(known)})")
     if "source" in spec:
         spec["manifest"] = C.tokens_manifest(cfg["experiment"], scale, spec["source"])
         if name == "capacity":
