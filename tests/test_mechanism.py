@@ -180,6 +180,15 @@ def test_mechanism_analyses_end_to_end(tiny_data, tmp_path, monkeypatch):
     S = np.array(c["S"])
     assert S.shape == (3, 3) and c["n_tokens"] == min(64, len(where)) and len(c["alignment"]) == 3
     assert all(0 <= a <= 2 for a in c["alignment"])
+    assert c["shift"] == pytest.approx(np.subtract(c["alignment"], c["self_alignment"]).tolist())
+    # the reference: the baseline against itself has S = 1 on the diagonal, a_j^self from that matrix
+    from stem.analysis.cka import features, minibatch_cka, soft_alignment
+    from stem.analysis.common import load
+    dense = load(ckpts["dense"])[0]
+    fb = features(dense, val_windows(tiny_data["manifests"]["web"], 64, 20)[1], where[:c["n_tokens"]])
+    Sself = minibatch_cka(fb, fb, 8)
+    assert torch.allclose(torch.diagonal(Sself), torch.ones(3, dtype=torch.float64))
+    assert c["self_alignment"] == pytest.approx(soft_alignment(Sself, 2))
     with pytest.raises(ValueError, match="tokens 'entities': needs the synthetic world"):
         analyze(ckpts["dse"], {**base, "analysis": "cka", "windows": 2, "seq_len": 16, "tokens": "entities",
                                "n_tokens": 8, "batch": 4, "topk": 2}, tmp_path / "x.json")
@@ -227,7 +236,8 @@ def test_mechanism_tables_figures_and_directions_through_the_registry(tmp_path):
         "logitlens": {"baseline": "dense", "model": {"layers": [0, 1, 2], "kl": [1.0, 0.5, 0.0], "window_kl": window(1.0, 0.5, 0.0)},
                       "baseline_model": {"layers": [0, 1, 2], "kl": [2.0, 1.0, 0.0], "window_kl": window(2.0, 1.0, 0.0)}},
         "cka": {"baseline": "dense", "S": [[0.9, 0.2, 0.1], [0.3, 0.8, 0.4], [0.1, 0.7, 0.9]], "alignment": [0.25, 1.5, 1.7],
-                "shift": [0.25, 0.5, -0.3], "topk": 2, "n_tokens": 64, "tokens": "entities"},
+                "self_alignment": [0.1, 1.0, 1.9], "shift": [0.15, 0.5, -0.2], "topk": 2, "n_tokens": 64,
+                "tokens": "entities"},
         "dse_disabled": {"modes": ["normal", "disabled", "forced"], "categories": {"factual": ["arc_easy"], "context": ["boolq"]},
                          "items": items,
                          "retained": [{"mode": "disabled", "category": "factual", "task": "arc_easy", "accuracy": 25.0,
@@ -258,7 +268,7 @@ def test_mechanism_tables_figures_and_directions_through_the_registry(tmp_path):
                                                       .read_text())} for n in bodies})}
     lens = next(x for (tb, _), x in rows.items() if tb == "logitlens")
     assert lens["ours_delta"] == pytest.approx(-0.75) and lens["verdict"] == "agree"   # (1 + .5)/2 - (2 + 1)/2
-    assert next(x for (tb, _), x in rows.items() if tb == "cka")["ours_delta"] == pytest.approx(0.15)
+    assert next(x for (tb, _), x in rows.items() if tb == "cka")["ours_delta"] == pytest.approx(0.15)   # mean shift
     assert rows["dse_disabled", "retained % (DSE disabled): context - factual"]["verdict"] == "agree"
     assert rows["dse_disabled", "retained % of factual tasks: forced - disabled"]["ours_delta"] == pytest.approx(50.0)
     dirs = registry.table("directions").build(cfg, res)

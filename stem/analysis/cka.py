@@ -7,7 +7,9 @@ estimator of Song et al. (2012) (``hsic1``), accumulated over minibatches of ``b
 (2021) and Davari et al. (2022) do: each of the three HSIC terms is the mean of its per-minibatch values.
 S[i, j] is that CKA for every (baseline layer i, DSE layer j) pair of block outputs (0-based). The soft
 alignment a_j (Eq. 9) is the S-weighted centroid of the ``topk`` baseline layers most similar to DSE layer j;
-a_j > j means DSE layer j looks like a deeper baseline layer.
+a_j > j means DSE layer j looks like a deeper baseline layer. The top-k centroid is biased at the ends (a_0 >= 0
+is pulled up, a_{L-1} down, for any model), so the same index of the baseline against itself, a_j^self from
+CKA(baseline, baseline), is kept as the reference: ``shift`` = a_j - a_j^self (0 for a copy of the baseline).
 
 Tokens: the paper takes the final token of each named entity (Few-NERD). ``tokens: entities`` does the same
 with the synthetic world's entity names (countries, capitals and cities, people) where they occur in the
@@ -124,10 +126,12 @@ def run(ckpt_dir, spec: dict) -> dict:
     if n_tok < max(4, spec["batch"]):
         raise ValueError(f"analysis.cka: {n_tok} tokens found in {spec['windows']} held-out windows, fewer than one "
                          f"minibatch of {spec['batch']} (raise windows or lower batch)")
-    S = minibatch_cka(features(base, x, where), features(model, x, where), spec["batch"])
+    fb = features(base, x, where)
+    S = minibatch_cka(fb, features(model, x, where), spec["batch"])
     a = soft_alignment(S, spec["topk"])
+    ref = soft_alignment(minibatch_cka(fb, fb, spec["batch"]), spec["topk"])
     return {"analysis": "cka", "source": spec["source"], "seq_len": n, "starts": starts.tolist(),
             "tokens": spec["tokens"], "n_tokens": n_tok, "minibatches": n_tok // spec["batch"],
             "batch": spec["batch"], "topk": spec["topk"], "baseline": spec["baseline"],
             "S": S.tolist(), "rows": "baseline layer i", "columns": "model layer j", "alignment": a,
-            "shift": [aj - j for j, aj in enumerate(a)]}
+            "self_alignment": ref, "shift": [aj - r for aj, r in zip(a, ref)]}

@@ -5,7 +5,8 @@ report-only, no paper CSV, not compared):
 - table ``logitlens`` and figure ``dse_logitlens``: KL(final || layer) per layer, DSE beside its baseline
   (the DSE paper's Fig. 3a);
 - table ``cka`` and figure ``dse_cka``: the CKA matrix S[baseline layer i, DSE layer j] as a heatmap with the
-  soft alignment a_j (Eq. 9) over it and the diagonal for reference (Fig. 3b-c);
+  soft alignment a_j (Eq. 9) over it and, for reference, the baseline's own a_j^self (the diagonal as the top-k
+  centroid sees it) (Fig. 3b-c);
 - table ``dse_disabled`` and figure ``dse_ablation``: retained performance (% of the full model) per task and
   category with the DSE gate forced to 0 and 1 (App. G, Figs 9-10);
 - ``mechanism_directions``: their rows of the ``directions`` table (stem.analysis.report), each against the
@@ -78,7 +79,7 @@ def mechanism_directions(all_res: dict) -> list[dict]:
     for (s, v, st), r in sorted(all_res.get("cka", {}).items()):
         shift = float(np.mean(r["shift"]))
         rows.append({"table": "cka", "scale": s, "variant": v, "stage": st,
-                     "column": f"mean over DSE layers of a_j - j (top-{r['topk']}, vs {r['baseline']})",
+                     "column": f"mean over DSE layers of a_j - a_j^self (top-{r['topk']}, vs {r['baseline']})",
                      "paper_delta": 1.0, "ours_delta": shift, "lo": None, "hi": None, "n": r["n_tokens"],
                      "verdict": "agree (point estimate)" if shift > 0 else "disagree (point estimate)",
                      "source": CLAIMS["cka"]})
@@ -138,7 +139,8 @@ def cka_fig(res: dict, label: str):
         im = ax.imshow(S, origin="lower", cmap="viridis", vmin=0, vmax=1, aspect="auto")
         j = np.arange(S.shape[1])
         ax.plot(j, r["alignment"], "w--", lw=2, label=f"soft alignment a_j (top-{r['topk']})")
-        ax.plot(j, j, ":", color="0.8", lw=1, label="diagonal")
+        ax.plot(j, r["self_alignment"], ":", color="0.85", lw=1.5,
+                label=f"a_j of {r['baseline']} vs itself (the diagonal, top-{r['topk']} biased)")
         ax.set(xlabel=f"{key[1]} layer j", ylabel=f"{r['baseline']} layer i",
                title=f"{key[0]} {key[2]}: linear CKA on {r['n_tokens']} "
                      + ("entity-final tokens" if r["tokens"] == "entities" else "held-out tokens"))
@@ -193,6 +195,8 @@ def cka_long(cfg: dict, res) -> pd.DataFrame:
           for j, x in enumerate(row)],
         *[(f"{k[1]} {k[2]}: soft alignment a_j (top-{r['topk']})", f"{k[1]} L{j}", a, "")
           for j, a in enumerate(r["alignment"])],
+        *[(f"{k[1]} {k[2]}: {r['baseline']} vs itself a_j^self", f"{k[1]} L{j}", a, "")
+          for j, a in enumerate(r["self_alignment"])],
         (f"{k[1]} {k[2]}: tokens", "n_tokens", r["n_tokens"], "")])
 
 
@@ -223,8 +227,9 @@ def _register():
         AR._figure("logitlens", lambda cfg, res, got, label, files: logitlens_fig(got, label), "LogitLens"))
     registry.report_figure(
         "dse_cka", "DSE paper Fig. 3b-c: linear CKA (minibatch, unbiased HSIC) between baseline layer i and DSE "
-        "layer j on the last tokens of entity names, with the soft alignment a_j (dashed white); above the "
-        "diagonal: DSE layer j resembles a deeper baseline layer.", inputs=AR._figure_inputs("cka"))(
+        "layer j on the last tokens of entity names, with the soft alignment a_j (dashed white) and the baseline's "
+        "own a_j^self (dotted: the diagonal as the top-k centroid sees it); above it: DSE layer j resembles a "
+        "deeper baseline layer.", inputs=AR._figure_inputs("cka"))(
         AR._figure("cka", lambda cfg, res, got, label, files: cka_fig(got, label), "CKA"))
     registry.report_figure(
         "dse_ablation", "DSE paper Figs 9-10: retained performance (% of the full model's accuracy) per task and "
