@@ -117,7 +117,7 @@ def logitlens_fig(res: dict, label: str):
             ax.plot(d["layers"][:-1], d["kl"][:-1], style, color=COLORS.get(name), alpha=1 - 0.35 * k,
                     label=f"{s} {st}: {name}")
     if res:
-        ax.set_xticks(range(max(len(r["model"]["layers"]) for r in res.values())))
+        ax.set_xticks(range(max(len(r["model"]["layers"]) for r in res.values()) - 1))   # the last: KL 0
     ax.set(xlabel="layer (0-based block output)", ylabel="KL(final || layer) (nats)", yscale="log",
            title="LogitLens: KL of each layer's early exit to the final distribution (last layer: 0)")
     ax.title.set_fontsize(9)
