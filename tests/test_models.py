@@ -369,3 +369,52 @@ def test_moe_accounting_by_hand():
     per_layer = 3 * d * 192
     assert acc["active_params"] == dense_tiny["active_params"] + 5 * (3 * 3 * d * f + d * 8 - per_layer)
     assert acc["total_params"] == dense_tiny["total_params"] + 5 * (9 * 3 * d * f + d * 8 - per_layer)
+
+
+def test_dse_mode_disabled_is_the_model_without_the_add_and_forced_is_gate_one():
+    """The inference-only DSE gate override (DSE paper App. G): ``disabled`` gives exactly the logits of the same
+    weights with the DSE add removed from the block; ``forced`` gives u = W_V e (gate 1) through Eq. 5, by hand;
+    ``normal`` is the untouched model; the mode is neither a parameter nor saved."""
+    import math
+    torch.manual_seed(0)
+    model = build_model(_cfg(dse={"layers": [1, 3], "rows_per_head": 31, "d_mem": 8, "heads": 2})).eval()
+    for m in model.modules():   # a non-zero convolution, so Eq. 5's refinement takes part in the check
+        if hasattr(m, "conv"):
+            torch.nn.init.normal_(m.conv.weight, std=0.3)
+    ids = torch.randint(0, 97, (2, 9))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    normal = model(ids)
+    model.set_dse_mode("disabled")
+    disabled = model(ids)
+    assert set(model.state_dict()) == set(state) and all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    mems = {i: blk.dse for i, blk in enumerate(model.layers) if blk.dse is not None}
+    model.set_dse_mode("normal")
+    for blk in model.layers:
+        blk.dse = None          # the baseline computation: x -> attention -> FFN, no memory add
+    assert torch.equal(disabled, model(ids)) and not torch.allclose(disabled, normal)
+    for i, mem in mems.items():
+        model.layers[i].dse = mem
+    assert torch.equal(model(ids), normal)
+    # forced, by hand at the first DSE layer: u = W_V e, y = SiLU(conv(RMSNorm(u))) + u
+    mem, h = mems[1], torch.randn(2, 9, 16)
+    cids = model.dse_compress[ids]
+    e = torch.cat([t(r) for t, r in zip(mem.tables, mem._rows(cids, None))], -1)
+    u = e @ mem.w_value.weight.T
+    n = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-5) * mem.norm_u.weight
+    w = mem.conv.weight[:, 0, :]        # (d, 4), dilation 3: tap i reads position t - (3 - i) * 3
+    conv = torch.zeros_like(n)
+    for t in range(9):
+        for i in range(4):
+            s = t - (3 - i) * mem.dilation
+            if s >= 0:
+                conv[:, t] += n[:, s] * w[:, i]
+    want = F.silu(conv) + u
+    model.set_dse_mode("forced")
+    assert torch.allclose(mem(h, cids, None), want, atol=1e-5)
+    score = (mem.norm_h(h) * mem.norm_k(e @ mem.w_key.weight.T)).sum(-1, keepdim=True) / math.sqrt(16)
+    model.set_dse_mode("normal")
+    assert not torch.allclose(mem(h, cids, None), want, atol=1e-3) and (torch.sigmoid(score) < 0.99).all()
+    with pytest.raises(ValueError, match="dse_mode 'off': expected one of normal, disabled, forced"):
+        model.set_dse_mode("off")
+    with pytest.raises(ValueError, match="has no DSE memory"):
+        build_model(_cfg()).set_dse_mode("disabled")

@@ -10,7 +10,8 @@ module, so they land in ``reports/{experiment}/tables/`` and ``figures/``, the r
   ``heaps_law``: L_uniq vs L with the fit, activated STEM params vs L, NIAH accuracy beside it;
 - table ``capacity``: recall per relation and entity-frequency bucket (chance level beside it);
 - table ``directions``: every direction with its confidence (stem.analysis.verdict): Tables 3/4 accuracy
-  per task, held-out loss, and one per analysis, each against the paper's claim (source named).
+  per task, held-out loss, and one per analysis, each against the paper's claim (source named), the DSE
+  paper's mechanism analyses included (stem.analysis.mechanism_report, which registers their tables/figures).
 
 An experiment without an ``analysis:`` section (or without one analysis) gets empty tables (a visible gap) and
 figures that say so.
@@ -132,7 +133,8 @@ def analysis_directions(all_res: dict) -> list[dict]:
         rows.append({"table": "heaps", "scale": s, "variant": v, "column": "1 - beta", "stage": st,
                      "paper_delta": 1.0, "ours_delta": 1 - beta, "lo": None, "hi": None, "n": len(r["lengths"]),
                      "verdict": "agree" if 0 < beta < 1 and grows else "disagree", "source": CLAIMS["heaps"]})
-    return rows
+    from stem.analysis.mechanism_report import mechanism_directions   # the DSE paper's claims (Sec. 6, App. G)
+    return rows + mechanism_directions(all_res)
 
 
 def _legend(ax):

@@ -6,14 +6,20 @@
       heaps:    {source: web, lengths: [...], windows: 8}
       spread:   {source: web, n_tokens: 256}
       capacity: {source: web, countries: 40, people: 60, choices: 10, seed: 0}   # needs the synthetic world
+      logitlens: {source: web, windows: 8, seq_len: 128, baseline: dense}        # DSE models only, with
+      cka: {source: web, tokens: entities, ..., baseline: dense}                  #   their baseline's checkpoint
+      dse_disabled: {suite: commonsense, categories: {...}, modes: [disabled, forced]}
 
 One job per (checkpoint, analysis): ``results/{experiment}/{scale}/{variant}/{stage}/analysis/{name}.json``.
 This module imports no torch (Snakemake builds the DAG with it).
 """
 from __future__ import annotations
 
-ANALYSES = ("editing", "heaps", "spread", "capacity", "heldout")
+ANALYSES = ("editing", "heaps", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled")
 NEEDS_WORLD = ("capacity",)
+# Analyses that compare a model with its baseline: the checkpoint of the same experiment/scale/stage's
+# ``analysis.{name}.baseline`` variant is an input of the job (spec key ``baseline_checkpoint``).
+WITH_BASELINE = ("logitlens", "cka")
 
 
 def analyses(cfg: dict) -> list[str]:
@@ -37,20 +43,39 @@ def has_tables(cfg: dict, scale: str, variant: str) -> bool:
                                         "meta")))
 
 
+def has_dse(cfg: dict, scale: str, variant: str) -> bool:
+    """Whether the variant's model has a DSE memory (its resolved model config has a ``dse`` section)."""
+    from stem import config as C
+    return C.train_spec(cfg, scale, variant, "pretrain")["model"].get("dse") is not None
+
+
 # Analyses a checkpoint gets by default (any one can still be asked for by its path): Heaps' curve is the same
 # for every model of a scale and only the tables make it a parameter count, so only models with tables; the
-# held-out losses are compared with the dense baseline's, so dense and models with tables.
-ONLY_FOR = {"heaps": lambda tables, variant: tables, "heldout": lambda tables, variant: tables or variant == "dense"}
+# held-out losses are compared with the dense baseline's, so dense and models with tables; the DSE paper's
+# mechanism analyses (Sec. 6, App. G) only for models with a DSE memory. Arguments: (the model has
+# token-indexed tables, its variant, it has a DSE memory).
+ONLY_FOR = {"heaps": lambda tables, variant, dse: tables,
+            "heldout": lambda tables, variant, dse: tables or variant == "dense",
+            "logitlens": lambda tables, variant, dse: dse,
+            "cka": lambda tables, variant, dse: dse,
+            "dse_disabled": lambda tables, variant, dse: dse}
 
 
 def targets(cfg: dict) -> list[str]:
+    from stem import config as C
     from stem import layout as L
-    out = []
+    out, trained = [], set(C.train_targets(cfg))
     for s, v, st in checkpoints(cfg):
-        tables = has_tables(cfg, s, v)
+        tables, dse = has_tables(cfg, s, v), has_dse(cfg, s, v)
         out += [L.analysis_json(cfg["experiment"], s, v, st, name) for name in analyses(cfg)
-                if ONLY_FOR.get(name, lambda t, v: True)(tables, v)]
+                if ONLY_FOR.get(name, lambda t, v, d: True)(tables, v, dse)
+                and (name not in WITH_BASELINE or (s, baseline(cfg, name), st) in trained)]
     return out
+
+
+def baseline(cfg: dict, name: str) -> str:
+    """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default dense)."""
+    return (cfg["analysis"].get(name) or {}).get("baseline", "dense")
 
 
 def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
@@ -63,8 +88,25 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
     if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
         from pathlib import Path
         spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
-    if cfg.get("world") and name in ("editing", "capacity"):
+    if cfg.get("world") and name in ("editing", "capacity", "cka"):
         spec["world"] = cfg["world"]
+    if name in WITH_BASELINE:
+        from stem import layout as L
+        spec["baseline"] = baseline(cfg, name)
+        if (scale, spec["baseline"], stage) not in C.train_targets(cfg):
+            raise ValueError(f"analysis {name!r} of {scale}/{variant}/{stage}: key 'analysis.{name}.baseline' is "
+                             f"{spec['baseline']!r}, which the {cfg['experiment']} matrix does not train at "
+                             f"{scale}/{stage}")
+        spec["baseline_checkpoint"] = L.checkpoint(cfg["experiment"], scale, spec["baseline"], stage)
+    if name == "dse_disabled":   # the eval suite whose fixtures, shots and metric the ablation runs with
+        from stem.eval.run import suite_spec
+        spec["eval"] = suite_spec(cfg, spec["suite"])
+        groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
+        known = set(spec["eval"]["tasks"]) | {t for g in spec["eval"]["tasks"] for t in groups.get(g, [])}
+        for cat, tasks in spec["categories"].items():
+            if set(tasks) - known:
+                raise ValueError(f"key 'analysis.dse_disabled.categories.{cat}': tasks {sorted(set(tasks) - known)} "
+                                 f"are not in eval suite {spec['suite']!r} (expected some of {sorted(known)})")
     if "source" in spec:
         spec["manifest"] = C.tokens_manifest(cfg["experiment"], scale, spec["source"])
         if name == "capacity":
@@ -77,4 +119,8 @@ def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> d
     spec = job_spec(cfg, scale, variant, stage, name)
     inputs = {"checkpoint": L.checkpoint(cfg["experiment"], scale, variant, stage)}
     inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts") if spec.get(k)})
+    if spec.get("baseline_checkpoint"):
+        inputs["baseline"] = spec["baseline_checkpoint"]
+    if (spec.get("eval") or {}).get("fixtures"):
+        inputs["fixtures"] = spec["eval"]["fixtures"]
     return inputs

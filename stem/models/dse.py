@@ -7,6 +7,11 @@ sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(d)) scales the value (Eq. 4, u = alpha * 
 depthwise causal convolution (kernel 4, dilation = max order) refines it, y = SiLU(Conv1D(RMSNorm(u))) + u
 (Eq. 5); y is added to the residual stream before attention. Neither the N-grams nor the convolution
 reach across a document start.
+
+``mode`` is an inference-only override of the gate for the DSE paper's sensitivity analysis (App. G):
+``normal`` (the learned gate), ``disabled`` (gate 0: u = 0, so y = 0 and the block sees no memory) and
+``forced`` (gate 1: u = v, full-strength injection). It is a plain attribute, neither a parameter nor a
+buffer: training never sets it and checkpoints never hold it (``Transformer.set_dse_mode``).
 """
 from __future__ import annotations
 
@@ -56,6 +61,9 @@ def token_compression(tok, vocab_size: int) -> torch.Tensor:
     return compression_map(texts)
 
 
+DSE_MODES = ("normal", "disabled", "forced")
+
+
 class DSEMemory(nn.Module):
     # Hashed tables: their own optimizer group (LR x5, no decay), zero FLOPs. The convolution starts at
     # zero (reset_parameters). The whole memory is one shard unit over all ranks.
@@ -84,6 +92,7 @@ class DSEMemory(nn.Module):
         self.dilation = max(dc.orders)
         self.conv = nn.Conv1d(cfg.d_model, cfg.d_model, dc.conv_kernel, groups=cfg.d_model,
                               dilation=self.dilation, bias=False)
+        self.mode = "normal"   # inference-only gate override (module docstring); never saved
 
     def reset_parameters(self):
         nn.init.zeros_(self.conv.weight)
@@ -92,8 +101,12 @@ class DSEMemory(nn.Module):
         """h: (B, T, d) hidden states; cids: (B, T) compressed ids; doc_ids: (B, T) document index or None."""
         mem = torch.cat([tab(r) for tab, r in zip(self.tables, self._rows(cids, doc_ids))], dim=-1)
         key, value = self.w_key(mem), self.w_value(mem)
-        score = (self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model)
-        u = torch.sigmoid(score) * value
+        if self.mode == "normal":
+            score = (self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model)
+            gate = torch.sigmoid(score)
+        else:  # App. G: the gate forced to 0 (disabled) or 1 (forced)
+            gate = torch.full_like(value[..., :1], 1.0 if self.mode == "forced" else 0.0)
+        u = gate * value
         return F.silu(self._causal_conv(self.norm_u(u), doc_ids)) + u
 
     def _causal_conv(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:

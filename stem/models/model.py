@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from stem.models.config import ModelConfig
-from stem.models.dse import DSEMemory, token_compression
+from stem.models.dse import DSE_MODES, DSEMemory, token_compression
 from stem.models.ffn import build_ffn
 from stem.models.registry import OPTIM_GROUPS, param_roles
 from stem.models.rope import apply_rope, inv_frequencies, rope_cos_sin
@@ -143,6 +143,17 @@ class Transformer(nn.Module):
     def set_dse_vocabulary(self, tok):
         """DSE's vocabulary compression from the tokenizer's token texts (saved with the weights)."""
         self.dse_compress.copy_(token_compression(tok, self.cfg.vocab_size).to(self.dse_compress.device))
+
+    def set_dse_mode(self, mode: str):
+        """Inference-only override of every DSE gate (stem.models.dse: ``normal``, ``disabled``, ``forced``);
+        changes no parameter or buffer, so neither training nor checkpoints see it."""
+        if mode not in DSE_MODES:
+            raise ValueError(f"dse_mode {mode!r}: expected one of {', '.join(DSE_MODES)}")
+        mems = [m for m in self.modules() if isinstance(m, DSEMemory)]
+        if not mems and mode != "normal":
+            raise ValueError(f"dse_mode {mode!r}: this model has no DSE memory")
+        for m in mems:
+            m.mode = mode
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(self, ids, targets=None, positions=None, cache: KVCache | None = None, attn_mask=None):

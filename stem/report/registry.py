@@ -5,7 +5,8 @@ A table is registered with ``@paper_table(name, title, ...)`` on its builder, a 
 stem.report.workflow), the table writer, the diff, the figures, the README and the HTML report all iterate
 ``tables()`` / ``figures()``; none of them names a table or a figure. The paper's own tables and figures are
 registered when stem.report.tables and stem.report.figures are imported, the analyze stage's by
-stem.analysis.report (``BUILTIN``); ``tables()`` and ``figures()`` import them first. This module imports nothing of the project.
+stem.analysis.report and stem.analysis.mechanism_report (``BUILTIN``); ``tables()`` and ``figures()`` import
+them first. This module imports nothing of the project.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-BUILTIN = ("stem.report.tables", "stem.report.figures", "stem.analysis.report")   # modules that register tables, figures
+BUILTIN = ("stem.report.tables", "stem.report.figures", "stem.analysis.report",
+           "stem.analysis.mechanism_report")   # modules that register tables, figures
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")   # a file name under reports/ and a Snakemake output / wildcard value
 RESERVED = {"md", "long", "reproduced"}   # rule report_tables' other outputs, tables/reproduced.csv
 
