@@ -29,7 +29,7 @@ VARIANT_LABELS = {
     "stem_dagger": "STEM†",
     "stem_half": "STEM-1/2",
     "stem_full": "STEM-full",
-    "dse": "DSE",
+    "dse": "DSE (Cheng et al.)",   # the DSE paper's method (not a STEM paper variant)
     "stem_sparse": "STEM (sparse update)",   # not a paper variant: STEM with optim.table_update: sparse
 }
 
