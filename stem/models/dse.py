@@ -88,13 +88,21 @@ class DSEMemory(nn.Module):
     def reset_parameters(self):
         nn.init.zeros_(self.conv.weight)
 
-    def forward(self, h: torch.Tensor, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        """h: (B, T, d) hidden states; cids: (B, T) compressed ids; doc_ids: (B, T) document index or None."""
-        mem = torch.cat([tab(r) for tab, r in zip(self.tables, self._rows(cids, doc_ids))], dim=-1)
+    def forward(self, h: torch.Tensor, cids: torch.Tensor, doc_ids: torch.Tensor | None,
+                state: dict | None = None) -> torch.Tensor:
+        """h: (B, T, d) hidden states; cids: (B, T) compressed ids; doc_ids: (B, T) document index or None.
+        ``state`` (incremental decoding, a KV cache's per-layer dict, filled here): the last max(orders) - 1
+        compressed ids and the last (W-1) x dilation convolution inputs of the prefix seen so far (zeros before
+        the row start, as the full forward pads), so the new tokens' N-grams and taps read the cached prefix
+        and the outputs are those of the whole sequence's forward."""
+        rows = self._rows(cids, doc_ids) if state is None else self._rows_cached(cids, state)
+        mem = torch.cat([tab(r) for tab, r in zip(self.tables, rows)], dim=-1)
         key, value = self.w_key(mem), self.w_value(mem)
         score = (self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model)
         u = torch.sigmoid(score) * value
-        return F.silu(self._causal_conv(self.norm_u(u), doc_ids)) + u
+        x = self.norm_u(u)
+        conv = self._causal_conv(x, doc_ids) if state is None else self._causal_conv_cached(x, state)
+        return F.silu(conv) + u
 
     def _causal_conv(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         """Depthwise causal dilated convolution of x (B, T, d) with ``self.conv``'s weights, as a sum of
@@ -111,6 +119,34 @@ class DSEMemory(nn.Module):
                 xs = xs * same.unsqueeze(-1)
             out = out + xs * w[:, i]
         return out
+
+    def _causal_conv_cached(self, x: torch.Tensor, state: dict) -> torch.Tensor:
+        """``_causal_conv`` of the new positions x (B, t, d) after the cached inputs ``state['conv']``
+        (B, (W-1) x dilation, d); the same terms in the same order (a tap before the row start adds zero
+        where the full forward skips it), then the cache keeps the last (W-1) x dilation inputs."""
+        w, t = self.conv.weight[:, 0, :], x.shape[1]
+        span = (w.shape[1] - 1) * self.dilation
+        past = state.get("conv")
+        if past is None:
+            past = x.new_zeros(x.shape[0], span, x.shape[2])
+        xc = torch.cat([past, x], dim=1)
+        out = torch.zeros_like(x)
+        for i in range(w.shape[1]):
+            shift = (w.shape[1] - 1 - i) * self.dilation
+            out = out + xc[:, span - shift:span - shift + t] * w[:, i]
+        state["conv"] = xc[:, xc.shape[1] - span:]
+        return out
+
+    def _rows_cached(self, cids: torch.Tensor, state: dict) -> list[torch.Tensor]:
+        """``_rows`` of the new ids after the cached last max(orders) - 1 ids (0 before the row start, the
+        full forward's padding); the cache then keeps the last max(orders) - 1 ids."""
+        keep = self.dilation - 1
+        past = state.get("ids")
+        if past is None:
+            past = cids.new_zeros(cids.shape[0], keep)
+        full = torch.cat([past, cids], dim=1)
+        state["ids"] = full[:, full.shape[1] - keep:]
+        return [r[:, keep:] for r in self._rows(full, None)]
 
     def _rows(self, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> list[torch.Tensor]:
         rows, t = [], 0
