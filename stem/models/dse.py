@@ -137,16 +137,29 @@ class DSEMemory(nn.Module):
         state["conv"] = xc[:, xc.shape[1] - span:]
         return out
 
-    def _rows_cached(self, cids: torch.Tensor, state: dict) -> list[torch.Tensor]:
-        """``_rows`` of the new ids after the cached last max(orders) - 1 ids (0 before the row start, the
-        full forward's padding); the cache then keeps the last max(orders) - 1 ids."""
+    def row_ids(self, cids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                state: dict | None = None) -> list[torch.Tensor]:
+        """The row ids (B, T) each table reads for ``cids``, as ``forward`` computes them (``state``: a KV
+        cache's, read and not changed), e.g. for an offload engine that fetches rows before the layer runs."""
+        if state is None:
+            return self._rows(cids, doc_ids)
         keep = self.dilation - 1
         past = state.get("ids")
         if past is None:
             past = cids.new_zeros(cids.shape[0], keep)
-        full = torch.cat([past, cids], dim=1)
+        return [r[:, keep:] for r in self._rows(torch.cat([past, cids], dim=1), None)]
+
+    def _rows_cached(self, cids: torch.Tensor, state: dict) -> list[torch.Tensor]:
+        """``_rows`` of the new ids after the cached last max(orders) - 1 ids (0 before the row start, the
+        full forward's padding); the cache then keeps the last max(orders) - 1 ids."""
+        rows = self.row_ids(cids, None, state)
+        keep = self.dilation - 1
+        past = state.get("ids")
+        full = cids if past is None else torch.cat([past, cids], dim=1)
+        if full.shape[1] < keep:
+            full = F.pad(full, (keep - full.shape[1], 0))
         state["ids"] = full[:, full.shape[1] - keep:]
-        return [r[:, keep:] for r in self._rows(full, None)]
+        return rows
 
     def _rows(self, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> list[torch.Tensor]:
         rows, t = [], 0
