@@ -305,3 +305,30 @@ def test_dse_tables_offloaded_rows_and_counters(tmp_path):
         assert torch.equal(twin(ids), model(ids))
     hits = sum(min(3, u) for u in uniq)
     assert engine.stats()["dse_hits"] == hits and sum(moved) == sum(uniq) - hits
+
+
+def test_bench_offload_on_a_dse_checkpoint(tiny_data, tmp_path):
+    """python -m stem bench offload on a small DSE checkpoint: its hashed tables offloaded, per-table counters."""
+    import json
+
+    from stem.train.checkpoint import save_checkpoint
+    model = tiny_model("dse", vocab=512)
+    spec = {"experiment": "test", "scale": "350m", "variant": "dse", "stage": "pretrain",
+            "model": model.cfg.to_dict(), "data": {"web": {"manifest": tiny_data["manifests"]["web"], "weight": 1.0}},
+            "train": {"batch_size": 2, "seq_len": 16}}
+    save_checkpoint(tmp_path / "ckpt", model, spec, tiny_data["tokenizer"], {})
+    from stem.bench_offload import bench_offload, render
+    from stem.report.figures import hit_rate_figure, save
+    r = json.loads(json.dumps(bench_offload(tmp_path / "ckpt", batch=4, prompt=4, steps=4, cache_rows=[16],
+                                            curve=[8, 16, 64], repeats=1)))   # what `bench offload` runs
+    assert "Offloaded DSE tables" in render(r)
+    save(hit_rate_figure(r), tmp_path / "o.png")
+    assert (tmp_path / "o.png").stat().st_size > 0
+    no_cache, cached = r["decode"][1], r["decode"][2]
+    assert no_cache["hit_rate"] == 0 and 0 < cached["hit_rate"] <= 1
+    assert no_cache["bytes_per_token"] == pytest.approx(no_cache["unique_per_total"] * 16 * 8 * 4)  # 16 tables, 32 B rows
+    tables = [t for b in model.layers if b.dse is not None for t in b.dse.tables]
+    assert r["memory"]["table_bytes_offloaded"] == sum(t.weight.numel() for t in tables) * 4
+    assert r["memory"]["resident_param_bytes"] - r["memory"]["offloaded_param_bytes"] == r["memory"]["table_bytes_offloaded"]
+    assert r["access"]["dse"]["table_rows"] == 16 * 8 * 4   # one row of every table for the one decoded token
+    assert [x["hit_rate"] for x in r["hit_rate_curve"]] == sorted(x["hit_rate"] for x in r["hit_rate_curve"])

@@ -70,11 +70,10 @@ class DSEMemory(nn.Module):
         if dc.d_mem % n_tables:
             raise ValueError(f"dse.d_mem={dc.d_mem}: must divide evenly over {n_tables} order x head tables")
         self.orders, self.heads, self.d_model = tuple(dc.orders), dc.heads, cfg.d_model
-        rng = random.Random(dc.seed * 7919 + layer)
-        primes = distinct_primes(dc.rows_per_head, n_tables)
+        self._hash = (dc.seed * 7919 + layer, dc.rows_per_head, n_tables, max(dc.orders))
+        primes, mult = self._hash_constants()
         self.tables = nn.ModuleList(nn.Embedding(p, dc.d_mem // n_tables) for p in primes)
         self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64), persistent=False)
-        mult = [[rng.randrange(1, 1 << 20) | 1 for _ in range(max(dc.orders))] for _ in range(n_tables)]
         self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.int64), persistent=False)
         self.w_key = nn.Linear(dc.d_mem, cfg.d_model, bias=False)
         self.w_value = nn.Linear(dc.d_mem, cfg.d_model, bias=False)
@@ -84,6 +83,19 @@ class DSEMemory(nn.Module):
         self.dilation = max(dc.orders)
         self.conv = nn.Conv1d(cfg.d_model, cfg.d_model, dc.conv_kernel, groups=cfg.d_model,
                               dilation=self.dilation, bias=False)
+
+    def _hash_constants(self) -> tuple[list[int], list[list[int]]]:
+        """(a distinct prime row count per table, seeded odd multipliers per table and N-gram position)."""
+        seed, rows, n_tables, n_max = self._hash
+        rng = random.Random(seed)
+        primes = distinct_primes(rows, n_tables)
+        return primes, [[rng.randrange(1, 1 << 20) | 1 for _ in range(n_max)] for _ in range(n_tables)]
+
+    def reset_buffers(self):
+        """Recompute the hash constants (not saved with the weights), e.g. after ``to_empty`` of a meta model."""
+        primes, mult = self._hash_constants()
+        self.primes.copy_(torch.tensor(primes, dtype=torch.int64))
+        self.multipliers.copy_(torch.tensor(mult, dtype=torch.int64))
 
     def reset_parameters(self):
         nn.init.zeros_(self.conv.weight)

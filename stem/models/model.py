@@ -127,6 +127,9 @@ class Transformer(nn.Module):
                 nn.init.ones_(m.weight)
         self.inv_freq.copy_(inv_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)[0])
         self.dse_compress.copy_(torch.arange(self.cfg.vocab_size))
+        for m in self.modules():   # DSE hash constants: buffers not saved with the weights
+            if isinstance(m, DSEMemory):
+                m.reset_buffers()
 
     def set_training_options(self, activation_checkpointing: bool = False, flex_attention: bool = False):
         """How training runs, not what it computes: recompute each block in backward (activation
