@@ -287,7 +287,9 @@ def test_tiny_dag_ends_in_eval_jsons():
     targets = run.eval_targets(cfg)
     assert "results/tiny/350m/stem/pretrain/eval/commonsense.json" in targets
     assert "results/tiny/1b/dense/extend/eval/longbench.json" in targets
-    assert len(targets) == 10 + 2 * 3 + 2 * 4  # 8 350m (stem_sparse too) + 2 1b pretrain; 2 midtrain x 3; 2 extend x 4
+    assert "results/tiny/1b/dse/extend/eval/longbench.json" in targets
+    # 9 350m (stem_sparse, dse too) + 3 1b pretrain (dense, stem, dse); 3 midtrain x 3 suites; 3 extend x 4
+    assert len(targets) == 9 + 3 + 3 * 3 + 3 * 4
     snakefile = (C.REPO / "Snakefile").read_text()
     assert 'include: "rules/eval.smk"' in snakefile and "eval_outputs()" in snakefile
 
