@@ -403,7 +403,7 @@ def fmt(value, column: str, unit: str = "") -> str:
     if column == "roi":
         return f"{value:.2f}x"
     if unit in ("B params", "GFLOPs/token"):  # tiny models: in millions, with an explicit suffix
-        return f"{value:.2f}" if value >= 0.1 else f"{value * 1e3:.3g}M"
+        return "0" if value == 0 else f"{value:.2f}" if value >= 0.1 else f"{value * 1e3:.3g}M"
     if unit in ("%", "score", "nats", "ratio"):
         return f"{value:.2f}"
     if isinstance(value, float) and not value.is_integer():
