@@ -584,3 +584,19 @@ def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
         dse.loc[(dse["scale"] == "1b") & (dse["variant"] == "dse") & (dse["column"] == "val_loss"), "value"] = base + shift
         row = diff.directions(ours).set_index(["table", "scale", "variant", "column"]).loc[("dse", "1b", "dse", "val_loss")]
         assert row["agree"] == agree and row["ours"] == ("beats baseline" if agree else "trails baseline")
+
+
+def test_dse_table_reads_older_checkpoint_accounting(tmp_path, tiny_cfg):
+    """A checkpoint accounting.json written before the DSE-convention keys: P_tot / P_act / DSE params come
+    from the configured architecture when its exact total is the checkpoint's, and are a gap otherwise."""
+    write_results(tmp_path, tiny_cfg)
+    for variant, total in (("dense", None), ("dse", 123)):
+        path = tmp_path / "tiny/350m" / variant / "pretrain/checkpoint/accounting.json"
+        acct = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("p_tot", "p_act", "p_free", "dse_params")}
+        path.write_text(json.dumps({**acct, **({"total_params": total} if total else {})}))
+    t = T.dse_table(tiny_cfg, Results("tiny", tmp_path)).set_index(["scale", "variant", "column"])
+    a = T.accounting(tiny_cfg, "350m", "dense")
+    assert t.loc[("350m", "dense", "p_tot_b"), "value"] * 1e9 == pytest.approx(a["p_tot"])
+    assert "from the configured architecture (same total_params)" in t.loc[("350m", "dense", "p_tot_b"), "source"]
+    assert math.isnan(t.loc[("350m", "dse", "p_act_b"), "value"])
+    assert "the configured architecture differs" in t.loc[("350m", "dse", "p_act_b"), "source"]

@@ -306,8 +306,8 @@ def dse_table(cfg: dict, res: Results) -> pd.DataFrame:
             continue
         for v in [v for v in ("dense", "dse") if v in cfg["matrix"][scale]["variants"]]:
             acct = dse_accounting(cfg, res, scale, v, stages)
-            for column, key in DSE_PARAMS.items():
-                cells.append(cell("dse", scale, v, column, acct[key] / 1e9, acct["source"]))
+            for column, key in DSE_PARAMS.items():   # a gap where the accounting lacks the key
+                cells.append(cell("dse", scale, v, column, acct[key] / 1e9 if key in acct else None, acct["source"]))
             cells.append(cell("dse", scale, v, "gflops_per_token", acct["gflops_per_token"],
                               "accounting: 2 x active params (embedding and head included, as Table 3)"))
             s = res.summary(scale, v, stages[0]) or {}
