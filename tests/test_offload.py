@@ -305,6 +305,11 @@ def test_dse_tables_offloaded_rows_and_counters(tmp_path):
         assert torch.equal(twin(ids), model(ids))
     hits = sum(min(3, u) for u in uniq)
     assert engine.stats()["dse_hits"] == hits and sum(moved) == sum(uniq) - hits
+    top = max(t.weight.shape[0] for b in model.layers if b.dse is not None for t in b.dse.tables)
+    assert top > V   # a DSE table's cache may hold more rows than the vocabulary, not more than its table
+    assert offloaded(model, tmp_path, cache_rows=top)[1].stats()["cache_rows"] == top
+    with pytest.raises(ValueError, match=f"cache_rows={top + 1}: expected 0 \\(no cache\\) to {top} \\(the largest DSE table\\)"):
+        offloaded(model, tmp_path, cache_rows=top + 1)
 
 
 def test_bench_offload_on_a_dse_checkpoint(tiny_data, tmp_path):

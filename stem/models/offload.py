@@ -216,8 +216,9 @@ class OffloadEngine:
         self.far, self.device, self.dtype = far, device, dtype
         vocab = far[0].shape[0] if far else vocab
         d_ff = far[0].shape[1] if far else 0
-        if not 0 <= cache_rows <= vocab:
-            raise ValueError(f"cache_rows={cache_rows}: expected 0 (no cache) to {vocab} (the vocabulary)")
+        top, what = (vocab, "the vocabulary") if far else (max(f.shape[0] for f, *_ in hashed), "the largest DSE table")
+        if not 0 <= cache_rows <= top:
+            raise ValueError(f"cache_rows={cache_rows}: expected 0 (no cache) to {top} ({what})")
         self.cache = LFUCache(vocab, cache_rows if far else 0)
         self.rows = torch.empty((len(far), cache_rows, d_ff), dtype=dtype, device=device)  # near-tier cache rows
         self.row_bytes = d_ff * torch.empty((), dtype=dtype).element_size()
