@@ -418,3 +418,91 @@ def test_dse_mode_disabled_is_the_model_without_the_add_and_forced_is_gate_one()
         model.set_dse_mode("off")
     with pytest.raises(ValueError, match="has no DSE memory"):
         build_model(_cfg()).set_dse_mode("disabled")
+
+
+def test_dse_paper_accounting_against_hand_formula():
+    """The DSE paper's Sec. 3.1 counts (P_tot, P_act, P_free excluding embedding and head; DSE params = the
+    hashed tables), by hand for a DSE model, a STEM model and a Hash-MoE model."""
+    from stem.models.accounting import accounting
+    V, d, L, kv_dim, f = 97, 16, 6, 8, 24             # TINY: 4 heads of 4, 2 kv heads
+    block = 2 * d * d + 2 * d * kv_dim + 2 * d + 3 * d * f
+    dense_body = L * block + d                          # + the final norm; embedding and head excluded
+    # DSE in layers 1 and 4: 2 orders x 2 heads = 4 tables of width 8 / 4 = 2, rows = the first 4 primes >= 31
+    tables = (31 + 37 + 41 + 43) * 2
+    dse_rest = 2 * 8 * d + 3 * d + 4 * d                # w_key, w_value; 3 norms; depthwise conv kernel 4
+    a = accounting(build_model(_cfg(dse={"layers": [1, 4], "rows_per_head": 31, "d_mem": 8, "heads": 2}), "meta"))
+    assert a["p_tot"] == dense_body + 2 * (tables + dse_rest)
+    assert a["p_act"] == dense_body + 2 * dse_rest
+    assert a["p_free"] == 2 * tables and a["dse_params"] == 2 * tables
+    assert a["total_params"] == a["p_tot"] + 2 * V * d   # the existing keys are unchanged
+    stem = accounting(build_model(_cfg(ffn=("dense", "stem") * 3), "meta"))
+    assert stem["p_tot"] == dense_body + 3 * (V * f - d * f) and stem["p_act"] == dense_body - 3 * d * f
+    assert stem["p_free"] == 3 * V * f and stem["dse_params"] == 0
+    moe = accounting(build_model(_cfg(ffn=("dense", "hashmoe") * 3, n_experts=4), "meta"))
+    assert moe["p_free"] == 3 * 3 * 3 * d * f and moe["p_act"] == dense_body
+
+
+def _primes_from(start: int, count: int) -> list[int]:
+    """The first ``count`` primes >= start, by a numpy sieve (independent of stem.models.dse)."""
+    import numpy as np
+    hi = start + 64 * count + 1000
+    sieve = np.ones(hi, bool)
+    sieve[:2] = False
+    for p in range(2, int(hi ** 0.5) + 1):
+        if sieve[p]:
+            sieve[p * p::p] = False
+    return (np.flatnonzero(sieve[start:])[:count] + start).tolist()
+
+
+@pytest.mark.parametrize("model", ["dse_27b", "dse_40b"])
+def test_dse_table_params_at_the_dse_papers_table3_settings(model):
+    """DSE-27B / DSE-40B's memory (DSE paper Table 3: 2 DSE layers, 8 heads, orders [2, 3], dim 1280, 'DSE Vocab
+    Size' rows per order x head table) against its Table 1 '# DSE Parameters' (printed truncated to 0.1 B),
+    built on the meta device. Paper numbers from reference/dse_paper/."""
+    import math
+
+    from stem.models.accounting import accounting
+    from stem.report import paper_data as P
+    t3 = P.load_table("dse_paper/table3").query("variant == @model").set_index("column")["value"]
+    printed = P.load_table("dse_paper/table1").query("variant == @model").set_index("column")["value"]
+    rows, d_mem, heads = int(t3["dse_rows"]), int(t3["dse_d_mem"]), int(t3["dse_heads"])
+    orders = list(range(int(t3["dse_order_min"]), int(t3["dse_order_max"]) + 1))
+    layers = [int(t3["dse_layer_first"]), int(t3["dse_layer_second"])]
+    cfg = ModelConfig.from_dict({"vocab_size": 1024, "d_model": int(t3["d_model"]), "n_layers": int(t3["n_layers"]),
+                                 "n_heads": 20, "n_kv_heads": 20, "d_ff": 256, "max_seq_len": 64,
+                                 "dse": {"layers": layers, "orders": orders, "heads": heads, "rows_per_head": rows,
+                                         "d_mem": d_mem}})
+    a = accounting(build_model(cfg, "meta"))
+    n_tables = len(orders) * heads
+    assert a["dse_params"] == len(layers) * sum(_primes_from(rows, n_tables)) * (d_mem // n_tables)
+    assert a["dse_params"] == pytest.approx(len(layers) * rows * d_mem, rel=1e-4)   # ~5.79 B / ~18.53 B
+    assert math.floor(a["dse_params"] / 1e8) / 10 == printed["dse_params_b"]        # 5.7 / 18.5 as printed
+
+
+def test_dse_kv_cache_matches_full_forward_and_uncached_greedy():
+    """DSE under a KV cache: the N-gram history and the causal conv's inputs come from the cached prefix, so
+    prefill + one-token steps give the full forward's logits, and cached greedy decoding (single and
+    left-padded batched) gives exactly the uncached tokens."""
+    from stem.eval.generate import greedy_generate, greedy_generate_batch
+    torch.manual_seed(0)
+    model = build_model(_cfg(dse={"layers": [0, 3], "rows_per_head": 31, "d_mem": 8, "heads": 2})).eval()
+    with torch.no_grad():
+        for layer in (0, 3):   # the conv starts at zero; give it taps so the cached inputs matter
+            model.layers[layer].dse.conv.weight.normal_(std=0.5)
+        model.lm_head.weight.mul_(20)   # well-separated logits: no near-ties for greedy decoding
+    ids = torch.randint(0, 97, (2, 20))
+    full = model(ids)
+    cache = KVCache()
+    steps = [model(ids[:, :7], cache=cache)] + [model(ids[:, 7:9], cache=cache)] + \
+        [model(ids[:, t:t + 1], cache=cache) for t in range(9, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.dse[0]["ids"].shape == (2, 2) and cache.dse[3]["conv"].shape == (2, 3 * 3, 16)
+    stale = KVCache()   # the same steps with the DSE state dropped after the prefill: not the full forward
+    model(ids[:, :7], cache=stale)
+    stale.dse.clear()
+    assert not torch.allclose(model(ids[:, 7:9], cache=stale), full[:, 7:9], atol=1e-3)
+    prompts = [ids[0, :5].tolist(), ids[1, :11].tolist(), ids[0, 3:12].tolist()]
+    uncached = [greedy_generate(model, p, 12, use_cache=False) for p in prompts]
+    assert [greedy_generate(model, p, 12, use_cache=True) for p in prompts] == uncached
+    assert greedy_generate_batch(model, prompts, 12) == uncached
+    assert len(set(map(tuple, uncached))) == 3 and all(len(g) == 12 for g in uncached)

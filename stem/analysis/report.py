@@ -34,6 +34,8 @@ CLAIMS = {
     "spread": ("Sec. 5.1 / Fig. 6b: STEM table vectors have a larger angular spread (pairwise cosine nearer 0) "
                "than the dense model's up-projection outputs over the same tokens"),
     "capacity": "Sec. 3.2.1 / Sec. 5.1: STEM's larger angular spread increases its knowledge storage capacity",
+    "capacity_dse": ("DSE paper Sec. 4.2 / Table 1: the lookup memory improves knowledge-intensive tasks (MMLU +3.0, "
+                     "CMMLU +4.0, TriviaQA +1.9 over MoE-27B; all above Dense-4B)"),
     "heaps": ("Sec. 3.2.5: L_uniq grows sublinearly (Heaps-like, beta < 1) and the activated STEM parameters "
               "|S| d_ff L_uniq keep growing with the context length"),
 }
@@ -102,7 +104,8 @@ def analysis_directions(all_res: dict) -> list[dict]:
         b = {(i["relation"], i["entity"]): float(i["hit"]) for i in r["items"]}
         ci = V.paired_bootstrap(*V._paired(a, b))
         rows.append({"table": "capacity", "scale": s, "variant": v, "column": "recall", "stage": st,
-                     "paper_delta": 1.0, **V._ci_cols(ci, 1.0), "source": CLAIMS["capacity"]})
+                     "paper_delta": 1.0, **V._ci_cols(ci, 1.0),
+                     "source": CLAIMS["capacity_dse" if v == "dse" else "capacity"]})
     for (s, v, st), r in sorted(all_res.get("editing", {}).items()):
         es = [e for e in r["edits"] if e["site"] == "stem"]
         if not es:

@@ -33,32 +33,39 @@ def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
     return [(s, v, st) for s, v, st in C.train_targets(cfg) if st in (stages.get(s) or [])]
 
 
-def has_tables(cfg: dict, scale: str, variant: str) -> bool:
-    """Whether the variant's model declares a token-indexed table (built on the meta device: no memory)."""
+def _meta_model(cfg: dict, scale: str, variant: str):
     from stem import config as C
-    from stem.analysis.common import table_sites
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
-    return bool(table_sites(build_model(ModelConfig.from_dict(C.train_spec(cfg, scale, variant, "pretrain")["model"]),
-                                        "meta")))
+    return build_model(ModelConfig.from_dict(C.train_spec(cfg, scale, variant, "pretrain")["model"]), "meta")
 
 
-def has_dse(cfg: dict, scale: str, variant: str) -> bool:
-    """Whether the variant's model has a DSE memory (its resolved model config has a ``dse`` section)."""
-    from stem import config as C
-    return C.train_spec(cfg, scale, variant, "pretrain")["model"].get("dse") is not None
+def has_tables(cfg: dict, scale: str, variant: str) -> bool:
+    """Whether the variant's model declares a token-indexed (STEM) table (built on the meta device: no memory)."""
+    from stem.analysis.common import table_sites
+    return bool(table_sites(_meta_model(cfg, scale, variant)))
+
+
+def model_kind(cfg: dict, scale: str, variant: str) -> dict:
+    """{tables: a STEM table (token-indexed rows), lookups: any lookup-role parameter (STEM or DSE tables),
+    dse: a DSE memory, variant}: what decides the default analyses of a checkpoint."""
+    from stem.analysis.common import table_sites
+    from stem.models.registry import param_roles
+    model = _meta_model(cfg, scale, variant)
+    lookups = any(r.count == "lookup" for r in param_roles(model).values())
+    return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None,
+            "variant": variant}
 
 
 # Analyses a checkpoint gets by default (any one can still be asked for by its path): Heaps' curve is the same
-# for every model of a scale and only the tables make it a parameter count, so only models with tables; the
-# held-out losses are compared with the dense baseline's, so dense and models with tables; the DSE paper's
-# mechanism analyses (Sec. 6, App. G) only for models with a DSE memory. Arguments: (the model has
-# token-indexed tables, its variant, it has a DSE memory).
-ONLY_FOR = {"heaps": lambda tables, variant, dse: tables,
-            "heldout": lambda tables, variant, dse: tables or variant == "dense",
-            "logitlens": lambda tables, variant, dse: dse,
-            "cka": lambda tables, variant, dse: dse,
-            "dse_disabled": lambda tables, variant, dse: dse}
+# for every model of a scale and only STEM's token-indexed tables make it a parameter count (|S| d_ff L_uniq),
+# so only models with those (not DSE: its hashed N-gram tables read a constant number of rows per token,
+# whatever the context); the held-out losses are compared with the dense baseline's (the loss direction of the
+# STEM paper, and of the DSE paper's Table 1 for dse), so dense and models with lookup tables (STEM, DSE);
+# the DSE paper's mechanism analyses (Sec. 6, App. G) only for models with a DSE memory.
+# editing (the embedding rows as for dense: DSE has no per-token rows to edit), spread and capacity: every model.
+ONLY_FOR = {"heaps": lambda m: m["tables"], "heldout": lambda m: m["lookups"] or m["variant"] == "dense",
+            "logitlens": lambda m: m["dse"], "cka": lambda m: m["dse"], "dse_disabled": lambda m: m["dse"]}
 
 
 def targets(cfg: dict) -> list[str]:
@@ -66,9 +73,9 @@ def targets(cfg: dict) -> list[str]:
     from stem import layout as L
     out, trained = [], set(C.train_targets(cfg))
     for s, v, st in checkpoints(cfg):
-        tables, dse = has_tables(cfg, s, v), has_dse(cfg, s, v)
+        kind = model_kind(cfg, s, v)
         out += [L.analysis_json(cfg["experiment"], s, v, st, name) for name in analyses(cfg)
-                if ONLY_FOR.get(name, lambda t, v, d: True)(tables, v, dse)
+                if ONLY_FOR.get(name, lambda m: True)(kind)
                 and (name not in WITH_BASELINE or (s, baseline(cfg, name), st) in trained)]
     return out
 

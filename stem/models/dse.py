@@ -78,11 +78,10 @@ class DSEMemory(nn.Module):
         if dc.d_mem % n_tables:
             raise ValueError(f"dse.d_mem={dc.d_mem}: must divide evenly over {n_tables} order x head tables")
         self.orders, self.heads, self.d_model = tuple(dc.orders), dc.heads, cfg.d_model
-        rng = random.Random(dc.seed * 7919 + layer)
-        primes = distinct_primes(dc.rows_per_head, n_tables)
+        self._hash = (dc.seed * 7919 + layer, dc.rows_per_head, n_tables, max(dc.orders))
+        primes, mult = self._hash_constants()
         self.tables = nn.ModuleList(nn.Embedding(p, dc.d_mem // n_tables) for p in primes)
         self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64), persistent=False)
-        mult = [[rng.randrange(1, 1 << 20) | 1 for _ in range(max(dc.orders))] for _ in range(n_tables)]
         self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.int64), persistent=False)
         self.w_key = nn.Linear(dc.d_mem, cfg.d_model, bias=False)
         self.w_value = nn.Linear(dc.d_mem, cfg.d_model, bias=False)
@@ -94,12 +93,31 @@ class DSEMemory(nn.Module):
                               dilation=self.dilation, bias=False)
         self.mode = "normal"   # inference-only gate override (module docstring); never saved
 
+    def _hash_constants(self) -> tuple[list[int], list[list[int]]]:
+        """(a distinct prime row count per table, seeded odd multipliers per table and N-gram position)."""
+        seed, rows, n_tables, n_max = self._hash
+        rng = random.Random(seed)
+        primes = distinct_primes(rows, n_tables)
+        return primes, [[rng.randrange(1, 1 << 20) | 1 for _ in range(n_max)] for _ in range(n_tables)]
+
+    def reset_buffers(self):
+        """Recompute the hash constants (not saved with the weights), e.g. after ``to_empty`` of a meta model."""
+        primes, mult = self._hash_constants()
+        self.primes.copy_(torch.tensor(primes, dtype=torch.int64))
+        self.multipliers.copy_(torch.tensor(mult, dtype=torch.int64))
+
     def reset_parameters(self):
         nn.init.zeros_(self.conv.weight)
 
-    def forward(self, h: torch.Tensor, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        """h: (B, T, d) hidden states; cids: (B, T) compressed ids; doc_ids: (B, T) document index or None."""
-        mem = torch.cat([tab(r) for tab, r in zip(self.tables, self._rows(cids, doc_ids))], dim=-1)
+    def forward(self, h: torch.Tensor, cids: torch.Tensor, doc_ids: torch.Tensor | None,
+                state: dict | None = None) -> torch.Tensor:
+        """h: (B, T, d) hidden states; cids: (B, T) compressed ids; doc_ids: (B, T) document index or None.
+        ``state`` (incremental decoding, a KV cache's per-layer dict, filled here): the last max(orders) - 1
+        compressed ids and the last (W-1) x dilation convolution inputs of the prefix seen so far (zeros before
+        the row start, as the full forward pads), so the new tokens' N-grams and taps read the cached prefix
+        and the outputs are those of the whole sequence's forward."""
+        rows = self._rows(cids, doc_ids) if state is None else self._rows_cached(cids, state)
+        mem = torch.cat([tab(r) for tab, r in zip(self.tables, rows)], dim=-1)
         key, value = self.w_key(mem), self.w_value(mem)
         if self.mode == "normal":
             score = (self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model)
@@ -107,7 +125,9 @@ class DSEMemory(nn.Module):
         else:  # App. G: the gate forced to 0 (disabled) or 1 (forced)
             gate = torch.full_like(value[..., :1], 1.0 if self.mode == "forced" else 0.0)
         u = gate * value
-        return F.silu(self._causal_conv(self.norm_u(u), doc_ids)) + u
+        x = self.norm_u(u)
+        conv = self._causal_conv(x, doc_ids) if state is None else self._causal_conv_cached(x, state)
+        return F.silu(conv) + u
 
     def _causal_conv(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         """Depthwise causal dilated convolution of x (B, T, d) with ``self.conv``'s weights, as a sum of
@@ -124,6 +144,47 @@ class DSEMemory(nn.Module):
                 xs = xs * same.unsqueeze(-1)
             out = out + xs * w[:, i]
         return out
+
+    def _causal_conv_cached(self, x: torch.Tensor, state: dict) -> torch.Tensor:
+        """``_causal_conv`` of the new positions x (B, t, d) after the cached inputs ``state['conv']``
+        (B, (W-1) x dilation, d); the same terms in the same order (a tap before the row start adds zero
+        where the full forward skips it), then the cache keeps the last (W-1) x dilation inputs."""
+        w, t = self.conv.weight[:, 0, :], x.shape[1]
+        span = (w.shape[1] - 1) * self.dilation
+        past = state.get("conv")
+        if past is None:
+            past = x.new_zeros(x.shape[0], span, x.shape[2])
+        xc = torch.cat([past, x], dim=1)
+        out = torch.zeros_like(x)
+        for i in range(w.shape[1]):
+            shift = (w.shape[1] - 1 - i) * self.dilation
+            out = out + xc[:, span - shift:span - shift + t] * w[:, i]
+        state["conv"] = xc[:, xc.shape[1] - span:]
+        return out
+
+    def row_ids(self, cids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                state: dict | None = None) -> list[torch.Tensor]:
+        """The row ids (B, T) each table reads for ``cids``, as ``forward`` computes them (``state``: a KV
+        cache's, read and not changed), e.g. for an offload engine that fetches rows before the layer runs."""
+        if state is None:
+            return self._rows(cids, doc_ids)
+        keep = self.dilation - 1
+        past = state.get("ids")
+        if past is None:
+            past = cids.new_zeros(cids.shape[0], keep)
+        return [r[:, keep:] for r in self._rows(torch.cat([past, cids], dim=1), None)]
+
+    def _rows_cached(self, cids: torch.Tensor, state: dict) -> list[torch.Tensor]:
+        """``_rows`` of the new ids after the cached last max(orders) - 1 ids (0 before the row start, the
+        full forward's padding); the cache then keeps the last max(orders) - 1 ids."""
+        rows = self.row_ids(cids, None, state)
+        keep = self.dilation - 1
+        past = state.get("ids")
+        full = cids if past is None else torch.cat([past, cids], dim=1)
+        if full.shape[1] < keep:
+            full = F.pad(full, (keep - full.shape[1], 0))
+        state["ids"] = full[:, full.shape[1] - keep:]
+        return rows
 
     def _rows(self, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> list[torch.Tensor]:
         rows, t = [], 0

@@ -45,6 +45,9 @@ class PaperTable:
     inputs(cfg) -> files its builder reads besides the training summaries and eval JSONs (inputs of the
         workflow's report_tables rule).
     paper_cells(df) -> the reference cells as compared (default: ``csv`` as it is).
+    paper_directions(df, scales) -> the reference cells as the direction check reads them, keyed like ours
+        (scale, variant, column) at our ``scales`` (default: ``csv`` as it is); for another paper's models.
+    lower_better: columns where a lower value beats the baseline (a loss); the check's sign is the same.
     empty: what its Markdown, the README and the HTML say when it has no rows (None: page.Table's default).
     """
     name: str
@@ -59,6 +62,8 @@ class PaperTable:
     notes: dict = field(default_factory=dict)
     inputs: Callable | None = None
     paper_cells: Callable | None = None
+    paper_directions: Callable | None = None
+    lower_better: tuple = ()
     empty: str | None = None
 
     def __post_init__(self):
