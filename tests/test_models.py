@@ -207,6 +207,13 @@ def test_dse_compression_and_ngram_hash_respect_documents():
     rows_doc = mem._rows(cids, docs)
     assert any(r[0, 4] != rd[0, 4] for r, rd in zip(rows, rows_doc))  # position 4 reached into doc 0 before
     assert all(rd[0, 0] == rd[0, 3] for rd in rows_doc)  # both are document starts with the same token
+    # by hand: row = (c_t m_0 ^ (c_{t-1} + 1) m_1 ^ (c_{t-2} + 1) m_2) mod p per table (orders 2, 3 x 2 heads);
+    # history before the row start is padding and mixes as 0, so it differs from token id 0 (which mixes as 1)
+    m, p = mem.multipliers.tolist(), mem.primes.tolist()
+    r = mem._rows(torch.tensor([[0, 5, 0]]), None)
+    assert [r[k][0].tolist() for k in (0, 2)] == [
+        [0, (5 * m[0][0] ^ 1 * m[0][1]) % p[0], (0 ^ 6 * m[0][1]) % p[0]],
+        [0, (5 * m[2][0] ^ 1 * m[2][1]) % p[2], (0 ^ 6 * m[2][1] ^ 1 * m[2][2]) % p[2]]]
 
 
 # ---- routed MoE (ffn kind ``moe``, stem/models/moe.py): DeepSeekMoE, the DSE paper's baseline ------------

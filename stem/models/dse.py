@@ -170,19 +170,19 @@ class DSEMemory(nn.Module):
             return self._rows(cids, doc_ids)
         keep = self.dilation - 1
         past = state.get("ids")
-        if past is None:
-            past = cids.new_zeros(cids.shape[0], keep)
+        if past is None:   # before the row start: padding, as the full forward pads
+            past = cids.new_full((cids.shape[0], keep), -1)
         return [r[:, keep:] for r in self._rows(torch.cat([past, cids], dim=1), None)]
 
     def _rows_cached(self, cids: torch.Tensor, state: dict) -> list[torch.Tensor]:
-        """``_rows`` of the new ids after the cached last max(orders) - 1 ids (0 before the row start, the
+        """``_rows`` of the new ids after the cached last max(orders) - 1 ids (-1 before the row start, the
         full forward's padding); the cache then keeps the last max(orders) - 1 ids."""
         rows = self.row_ids(cids, None, state)
         keep = self.dilation - 1
         past = state.get("ids")
         full = cids if past is None else torch.cat([past, cids], dim=1)
         if full.shape[1] < keep:
-            full = F.pad(full, (keep - full.shape[1], 0))
+            full = F.pad(full, (keep - full.shape[1], 0), value=-1)
         state["ids"] = full[:, full.shape[1] - keep:]
         return rows
 
@@ -191,11 +191,11 @@ class DSEMemory(nn.Module):
         for n in self.orders:
             grams = [cids]
             for j in range(1, n):
-                prev = F.pad(cids, (j, 0), value=0)[:, :-j]
-                if doc_ids is not None:  # a token from another document counts as padding (id 0)
+                prev = F.pad(cids, (j, 0), value=-1)[:, :-j]
+                if doc_ids is not None:  # a token from another document counts as padding (-1)
                     prev_doc = F.pad(doc_ids, (j, 0), value=-1)[:, :-j]
-                    prev = torch.where(prev_doc == doc_ids, prev, torch.zeros_like(prev))
-                grams.append(prev + 1)  # +1 so padding (0) differs from token id 0
+                    prev = torch.where(prev_doc == doc_ids, prev, torch.full_like(prev, -1))
+                grams.append(prev + 1)  # +1: padding (-1) hashes as 0, token id k as k + 1
             for _ in range(self.heads):
                 mix = torch.zeros_like(cids)
                 for j, g in enumerate(grams):
