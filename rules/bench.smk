@@ -5,6 +5,9 @@
 # on the CPU at paper scale too (minutes: the 350M model decodes once per cache configuration). The report's
 # figure offload_hit_rate reads its JSON, so the aggregate stage asks for it.
 #   snakemake --profile profiles/local reports/tiny/offload/offload.json
+# bench_offload_variant: the same benchmark on another variant's 350m pretrain checkpoint (a STEM variant, or
+# dse: its hashed DSE tables offloaded, per-table caches); asked for by path, not by the report:
+#   snakemake --profile profiles/local reports/tiny/offload/dse/offload.json
 
 
 rule bench_offload:
@@ -20,6 +23,26 @@ rule bench_offload:
     threads: 1
     log:
         "logs/{experiment}/bench_offload.log",
+    conda:
+        ENV
+    shell:
+        "python -m workflow_scripts.bench_offload --spec {params.spec:q} --checkpoint {input.checkpoint}"
+        " --json {output.json} --md {output.md} 2> {log}"
+
+
+rule bench_offload_variant:
+    input:
+        checkpoint=L.checkpoint("{experiment}", "350m", "{variant}", "pretrain"),
+        tokens=lambda w: [L.tokens_manifest(w.experiment, "350m", src)
+                          for src in C.train_spec(config, "350m", w.variant, "pretrain")["data"]],
+    output:
+        json="reports/{experiment}/offload/{variant}/offload.json",
+        md="reports/{experiment}/offload/{variant}/offload.md",
+    params:
+        spec=lambda w: as_json({"batch": 8, "prompt": 32, "steps": 48, "repeats": 2}),
+    threads: 1
+    log:
+        "logs/{experiment}/bench_offload_{variant}.log",
     conda:
         ENV
     shell:

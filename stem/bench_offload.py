@@ -76,6 +76,27 @@ def replay_hit_rate(prompt: np.ndarray, steps: np.ndarray, vocab: int, cache_row
     return hits / unique
 
 
+def replay_hit_rate_tables(rows: list[np.ndarray], prompt: int, cache_rows: int, sizes: list[int],
+                           warm: list[np.ndarray] | None = None) -> float:
+    """``replay_hit_rate`` over several tables with their own row ids (the DSE tables): ``rows[k]`` (B, T) the
+    row ids table k reads over the streams (its first ``prompt`` columns the prefill), ``sizes[k]`` its rows,
+    each with its own cache of min(cache_rows, size) rows; hits / unique rows summed over the tables."""
+    hits = unique = 0
+    for k, r in enumerate(rows):
+        sub_hits = replay_hit_rate(r[:, :prompt], r[:, prompt:], sizes[k], min(cache_rows, sizes[k]),
+                                   None if warm is None else warm[k])
+        n = sum(len(np.unique(col)) for col in r[:, prompt:].T)
+        hits, unique = hits + sub_hits * n, unique + n
+    return hits / unique
+
+
+def dse_rows_of(model, tokens: np.ndarray) -> list[np.ndarray]:
+    """The row ids (as ``tokens``' shape, 2-D) every DSE table of ``model`` reads over ``tokens`` (a full
+    forward's, which a KV-cache decode reproduces step by step)."""
+    from stem.models.offload import dse_row_ids
+    return [r.numpy() for r in dse_row_ids(model, torch.from_numpy(tokens))]
+
+
 # ---- decoding ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def decode_seconds(model, prompt: torch.Tensor, steps: torch.Tensor) -> float:
@@ -108,16 +129,19 @@ class AccessMeter:
 
     def __init__(self, model):
         from stem.models.model import Attention
-        from stem.models.offload import OffloadedTable, token_tables
+        from stem.models.offload import OffloadedHashedTable, OffloadedTable, dse_tables, token_tables
         self.bytes: dict = defaultdict(int)
-        tables = {id(m) for _, _, m in token_tables(model)}
+        tables = {id(m) for _, _, m in token_tables(model)} | {id(t) for _, _, _, t in dse_tables(model)}
+        hashed_bytes = {t: h.row_bytes for t, h in enumerate(getattr(getattr(model, "offload_engine", None),
+                                                                     "hashed", []))}
         self.handles = []
         for name, m in model.named_modules():
             parts = name.split(".")
             layer = int(parts[1]) if parts[0] == "layers" and len(parts) > 1 else None
-            if isinstance(m, (nn.Embedding, OffloadedTable)):
-                row = m.embedding_dim * m.weight.element_size() if isinstance(m, nn.Embedding) else m.engine.row_bytes
-                kind = "table" if id(m) in tables or isinstance(m, OffloadedTable) else \
+            if isinstance(m, (nn.Embedding, OffloadedTable, OffloadedHashedTable)):
+                row = m.embedding_dim * m.weight.element_size() if isinstance(m, nn.Embedding) else \
+                    hashed_bytes[m.index] if isinstance(m, OffloadedHashedTable) else m.engine.row_bytes
+                kind = "table" if id(m) in tables or isinstance(m, (OffloadedTable, OffloadedHashedTable)) else \
                     ("embedding" if layer is None else "ffn")
                 self._hook(m, layer, kind, lambda args, out, row=row: row * torch.unique(args[0]).numel())
             elif isinstance(m, Attention):
@@ -125,7 +149,8 @@ class AccessMeter:
                     t[args[5]].numel() * t[args[5]].element_size() for t in (args[4].k, args[4].v)))
             own = list(m.parameters(recurse=False))
             if own and not isinstance(m, (nn.Embedding, OffloadedTable)):
-                kind = ("head" if layer is None and name == "lm_head" else "norm" if all(p.dim() == 1 for p in own)
+                kind = ("head" if layer is None and name == "lm_head" else "dse" if ".dse." in f".{name}."
+                        else "norm" if all(p.dim() == 1 for p in own)
                         else "ffn" if ".ffn" in f".{name}" else "attn" if ".attn" in f".{name}" else "other")
                 n = sum(p.numel() * p.element_size() for p in own)
                 self._hook(m, layer, kind, lambda args, out, n=n: n)
@@ -205,8 +230,14 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
                          f"{batch * (prompt + steps)} (lower --batch / --prompt / --steps)")
     streams = val[:len(val) // batch * batch].reshape(batch, -1)  # the whole split as `batch` concurrent streams
     p_ids, s_ids = streams[:, :prompt], streams[:, prompt:prompt + steps]
-    cache_rows = cache_rows or sorted({min(vocab, r) for r in (d, 4 * d, 16 * d)})
-    curve = curve or sorted({*(2 ** k for k in range(3, 20) if 2 ** k < vocab), vocab, d, *cache_rows})
+    from stem.models.offload import dse_tables, token_tables
+    n_stem, hashed = len(token_tables(resident)), dse_tables(resident)
+    if not n_stem and not hashed:
+        raise ValueError(f"{ckpt / 'config.json'}: variant {spec.get('variant')!r} has no STEM or DSE tables to offload")
+    sizes = [t.weight.shape[0] for _, _, _, t in hashed]
+    top = vocab if n_stem else max(sizes)       # a cache larger than the table holds the whole table
+    cache_rows = cache_rows or sorted({min(top, r) for r in (d, 4 * d, 16 * d)})
+    curve = curve or sorted({*(2 ** k for k in range(3, 20) if 2 ** k < top), top, d, *cache_rows})
 
     # decode tokens/s, interleaved; hit rate and bytes moved from the engines' counters
     configs = {"resident": resident}
@@ -224,41 +255,55 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
                 stats[name] = model.offload_engine.stats()
     decode = []
     base = batch * steps / statistics.median(times["resident"])
+    pre = "" if n_stem else "dse_"      # a DSE-only model: its tables' counters
     for name, model in configs.items():
         rate = batch * steps / statistics.median(times[name])
         st = stats.get(name)
         decode.append({"config": name, "cache_rows": st["cache_rows"] if st else None, "tokens_per_s": rate,
-                       "vs_resident": rate / base, "hit_rate": st["hit_rate"] if st else None,
-                       "unique_per_total": st["unique_per_total"] if st else None,
-                       "bytes_per_token": st["bytes_per_token"] if st else 0.0})
+                       "vs_resident": rate / base, "hit_rate": st[f"{pre}hit_rate"] if st else None,
+                       "unique_per_total": st[f"{pre}unique_per_total"] if st else None,
+                       "bytes_per_token": st["all_bytes_per_token"] if st else 0.0})
     train = tokens(manifest, "train")
-    hit_curve = [{"cache_rows": r, "fraction_of_vocab": r / vocab,
-                  "hit_rate": replay_hit_rate(streams[:, :prompt], streams[:, prompt:], vocab, r),
-                  "hit_rate_warm": replay_hit_rate(streams[:, :prompt], streams[:, prompt:], vocab, r, train)}
-                 for r in curve]
+    if n_stem:
+        hit_curve = [{"cache_rows": r, "fraction_of_vocab": r / vocab,
+                      "hit_rate": replay_hit_rate(streams[:, :prompt], streams[:, prompt:], vocab, r),
+                      "hit_rate_warm": replay_hit_rate(streams[:, :prompt], streams[:, prompt:], vocab, r, train)}
+                     for r in curve]
+    else:   # every DSE table its own row ids and cache (rows per table; fraction of the largest table)
+        rows, warm = dse_rows_of(resident, streams), dse_rows_of(resident, train[None, :])
+        hit_curve = [{"cache_rows": r, "fraction_of_vocab": r / top,
+                      "hit_rate": replay_hit_rate_tables(rows, prompt, r, sizes),
+                      "hit_rate_warm": replay_hit_rate_tables(rows, prompt, r, sizes, [w[0] for w in warm])}
+                     for r in curve]
 
     # FFN memory on the device
-    n_stem = len(configs["offload cache=0"].offload_engine.far)
-    dense_cfg = ModelConfig.from_dict({**cfg.to_dict(), "ffn": ["dense"] * cfg.n_layers})
+    dense_cfg = ModelConfig.from_dict({**cfg.to_dict(), "ffn": ["dense"] * cfg.n_layers, "dse": None})
     dense = build_model(dense_cfg).to(next(resident.parameters()).dtype).eval()
+    off = configs["offload cache=0"]
     memory = {"dense_ffn_bytes": ffn_bytes(dense), "stem_resident_ffn_bytes": ffn_bytes(resident),
-              "stem_offloaded_ffn_bytes": ffn_bytes(configs["offload cache=0"]),
-              "table_bytes_offloaded": configs["offload cache=0"].offload_engine.freed_bytes,
-              "stem_layers": n_stem, "layers": cfg.n_layers}
-    i = next(i for i, k in enumerate(cfg.ffn) if k != "dense")  # a STEM layer, offloaded vs the dense one
-    memory["freed_vs_dense_per_stem_layer"] = 1 - ffn_bytes(configs["offload cache=0"], i) / ffn_bytes(dense, i)
-    memory["freed_vs_dense_model"] = 1 - memory["stem_offloaded_ffn_bytes"] / memory["dense_ffn_bytes"]
-    memory["cache_budget_rows"] = d  # the removed up-projections' memory, in table rows per STEM layer
+              "stem_offloaded_ffn_bytes": ffn_bytes(off),
+              "table_bytes_offloaded": off.offload_engine.freed_bytes,
+              "stem_layers": n_stem, "layers": cfg.n_layers, "dse_tables": len(hashed),
+              "dse_layers": len({layer for _, layer, _, _ in hashed}),
+              "resident_param_bytes": sum(p.numel() * p.element_size() for p in resident.parameters()),
+              "offloaded_param_bytes": sum(p.numel() * p.element_size() for p in off.parameters()),
+              "dense_param_bytes": sum(p.numel() * p.element_size() for p in dense.parameters())}
+    if n_stem:
+        i = next(i for i, k in enumerate(cfg.ffn) if k != "dense")  # a STEM layer, offloaded vs the dense one
+        memory["freed_vs_dense_per_stem_layer"] = 1 - ffn_bytes(off, i) / ffn_bytes(dense, i)
+        memory["freed_vs_dense_model"] = 1 - memory["stem_offloaded_ffn_bytes"] / memory["dense_ffn_bytes"]
+    memory["cache_budget_rows"] = d if n_stem else None  # the removed up-projections' memory, in table rows
 
-    # parameter bytes read per decoded token (batch 1), dense vs STEM
+    # parameter bytes read per decoded token (batch 1), dense vs the model
     one_p, one_s = torch.from_numpy(p_ids[:1]), torch.from_numpy(s_ids[:1, :1])
     access = {}
-    for name, model in (("dense", dense), ("stem", resident)):
+    sparse_layer = (next(i for i, k in enumerate(cfg.ffn) if k != "dense") if n_stem else hashed[0][1])
+    for name, model in (("dense", dense), ("stem" if n_stem else "dse", resident)):
         m = decode_step_access(model, one_p, one_s)
-        layer = next(i for i, k in enumerate(cfg.ffn) if k != "dense") if name == "stem" else 0
+        layer = sparse_layer if name != "dense" else 0
         access[name] = {"total": m.total(), "ffn": m.total("ffn"), "table_rows": m.total("table"),
-                        "kv": m.total("kv"), "attn": m.total("attn"), "stem_layer_ffn": m.total("ffn", layer),
-                        "stem_layer_table": m.total("table", layer)}
+                        "kv": m.total("kv"), "attn": m.total("attn"), "dse": m.total("dse"),
+                        "stem_layer_ffn": m.total("ffn", layer), "stem_layer_table": m.total("table", layer)}
     L = prompt + 1
     access["paper_saving_fraction_formula"] = d_ff / (4 * d + 2 * L + 3 * d_ff)  # Sec. 3.2.3, MHA, batch 1
     access["context_length"] = L
@@ -285,8 +330,11 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
 def render(r: dict) -> str:
     s, w, mem, acc = r["shapes"], r["workload"], r["memory"], r["access"]
     mib = 2 ** 20
-    lines = [f"Offloaded STEM tables, {r['checkpoint']} (experiment {r['experiment']}: {s['layers']} layers, "
-             f"{s['stem_layers']} STEM, V={s['vocab']}, d={s['d_model']}, d_ff={s['d_ff']}, {s['dtype']}), "
+    dse = not s["stem_layers"]
+    what = (f"{mem['dse_layers']} DSE layers of {mem['dse_tables'] // max(mem['dse_layers'], 1)} hashed tables" if dse
+            else f"{s['stem_layers']} STEM")
+    lines = [f"Offloaded {'DSE' if dse else 'STEM'} tables, {r['checkpoint']} (experiment {r['experiment']}: "
+             f"{s['layers']} layers, {what}, V={s['vocab']}, d={s['d_model']}, d_ff={s['d_ff']}, {s['dtype']}), "
              f"{r['device']}, {r['threads']} thread(s)",
              f"decode: {w['batch']} rows of held-out text ({w['held_out']}, val split), {w['prompt']}-token prefill, "
              f"{w['steps']} teacher-forced steps, KV cache; median of {w['repeats']} interleaved runs",
@@ -297,15 +345,25 @@ def render(r: dict) -> str:
         lines.append(f"{x['config']:28} {x['tokens_per_s']:9.0f} {x['vs_resident']:11.3f} {hit:>9} {uniq:>10} "
                      f"{x['bytes_per_token']:11.0f}")
     lines.append(f"paper: {PAPER['throughput']}")
-    lines.append(f"hit rate vs cache rows (LFU, LRU tie-break): the whole val split as {w['batch']} streams, "
+    lines.append(f"hit rate vs cache rows (LFU, LRU tie-break{', per DSE table: hashed N-gram row ids' if dse else ''}): "
+                 f"the whole val split as {w['batch']} streams, "
                  f"{w['prompt']}-token prefill, {w['curve_steps']} decode steps; cold = empty cache at the start, "
                  "warm = counts of the training split read first:")
     budget = mem["cache_budget_rows"]
     for x in r["hit_rate_curve"]:
         mark = "  <- the removed up-projection's memory (d_model rows)" if x["cache_rows"] == budget else ""
-        lines.append(f"  {x['cache_rows']:7d} rows ({x['fraction_of_vocab']:6.1%} of V): cold {x['hit_rate']:6.1%}, "
-                     f"warm {x['hit_rate_warm']:6.1%}{mark}")
+        lines.append(f"  {x['cache_rows']:7d} rows ({x['fraction_of_vocab']:6.1%} of {'a table' if dse else 'V'}): "
+                     f"cold {x['hit_rate']:6.1%}, warm {x['hit_rate_warm']:6.1%}{mark}")
     lines.append(f"paper: {PAPER['hit_rate']}")
+    if dse:
+        lines.append(f"parameters on the device: dense model {mem['dense_param_bytes'] / mib:.2f} MiB, DSE resident "
+                     f"{mem['resident_param_bytes'] / mib:.2f} MiB, DSE offloaded {mem['offloaded_param_bytes'] / mib:.2f} "
+                     f"MiB ({mem['table_bytes_offloaded'] / mib:.2f} MiB of DSE tables moved off)")
+        dn, ds = acc["dense"], acc["dse"]
+        lines.append(f"parameter bytes read per decoded token (batch 1, context {acc['context_length']}): dense "
+                     f"{dn['total']:,}, DSE {ds['total']:,} (DSE gating/norms {ds['dse']:,} + table rows "
+                     f"{ds['table_rows']:,}); whole model {ds['total'] / dn['total']:.3f}x dense")
+        return "\n".join(lines)
     lines.append(f"FFN parameters on the device: dense {mem['dense_ffn_bytes'] / mib:.2f} MiB, STEM resident "
                  f"{mem['stem_resident_ffn_bytes'] / mib:.2f} MiB, STEM offloaded {mem['stem_offloaded_ffn_bytes'] / mib:.2f} "
                  f"MiB ({mem['table_bytes_offloaded'] / mib:.2f} MiB of tables moved off); freed vs dense: "

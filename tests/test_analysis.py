@@ -160,6 +160,23 @@ def test_loss_directions_lower_is_better():
     stem = {"window_loss": [2.9, 3.0, 3.0, 3.1] * 5}
     rows = V.loss_directions({("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
     assert len(rows) == 1 and rows[0]["verdict"] == "agree" and rows[0]["ours_delta"] == pytest.approx(-0.15)
+    # dse: the DSE paper's claim (Table 1: DSE-27B 1.622 < Dense-4B 1.768), here a higher loss: disagree
+    worse = {"window_loss": [x + 0.2 for x in base["window_loss"]]}
+    rows = V.loss_directions({("1b", "dense", "extend"): base, ("1b", "dse", "extend"): worse})
+    assert len(rows) == 1 and rows[0]["paper_delta"] == pytest.approx(1.622 - 1.768)
+    assert rows[0]["verdict"] == "disagree" and "DSE paper Table 1" in rows[0]["source"]
+
+
+def test_tiny_analysis_targets_for_dse():
+    """dse checkpoints get editing, spread, capacity, heldout (its loss direction) and the DSE paper's mechanism
+    analyses, not heaps (no token-indexed STEM rows: a DSE table reads a constant number of hashed rows per token)."""
+    from stem import config as C
+    from stem.analysis import workflow as AW
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    names = {t.rsplit("/", 1)[1][:-5] for t in AW.targets(cfg) if "/350m/dse/" in t}
+    assert names == {"editing", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled"}
+    assert AW.model_kind(cfg, "350m", "dse") == {"tables": False, "lookups": True, "dse": True, "variant": "dse"}
+    assert AW.model_kind(cfg, "350m", "hashmoe")["lookups"] is False
 
 
 # ---- one analysis end to end on a real (untrained) checkpoint -------------------------------------------------

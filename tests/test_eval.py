@@ -287,7 +287,9 @@ def test_tiny_dag_ends_in_eval_jsons():
     targets = run.eval_targets(cfg)
     assert "results/tiny/350m/stem/pretrain/eval/commonsense.json" in targets
     assert "results/tiny/1b/dense/extend/eval/longbench.json" in targets
-    assert len(targets) == 10 + 2 * 3 + 2 * 4  # 8 350m (stem_sparse too) + 2 1b pretrain; 2 midtrain x 3; 2 extend x 4
+    assert "results/tiny/1b/dse/extend/eval/longbench.json" in targets
+    # 9 350m (stem_sparse, dse too) + 3 1b pretrain (dense, stem, dse); 3 midtrain x 3 suites; 3 extend x 4
+    assert len(targets) == 9 + 3 + 3 * 3 + 3 * 4
     snakefile = (C.REPO / "Snakefile").read_text()
     assert 'include: "rules/eval.smk"' in snakefile and "eval_outputs()" in snakefile
 
@@ -402,20 +404,30 @@ def test_cli_limit_must_be_positive(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "error: limit 0: expected a positive whole number of items per task (or no limit)"
 
 
-def test_offloaded_tables_score_the_same_through_simple_evaluate(ckpt, lm, tmp_path):
+@pytest.mark.parametrize("variant", ["stem_half", "dse"])
+def test_offloaded_tables_score_the_same_through_simple_evaluate(ckpt, lm, tmp_path, variant):
     """model_args offload=true,cache_rows=N (lm-eval's own parsing): same scores and responses, loglikelihood
-    and generation, and the engine served the forwards (hits from its cache)."""
+    and generation, and the engine served the forwards (hits from its cache); STEM tables and DSE tables."""
     from lm_eval import simple_evaluate
     from lm_eval.api.registry import get_model
 
     from stem import config as C
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")  # the fixture's shapes; STEM-1/2 puts a table in layer 1
     cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
-    mc = C.model_config_for(cfg, "1b", "stem_half").to_dict()
+    cfg["variant_overrides"]["dse"] = {"dse": {"rows_per_head": 61, "d_mem": 16, "heads": 2}}
+    mc = C.model_config_for(cfg, "1b", variant).to_dict()
     torch.manual_seed(0)
     model = build_model(ModelConfig.from_dict(mc), "cpu")
-    model.layers[1].ffn.table.weight.data.normal_()  # rows as large as activations: a wrong row changes scores
-    spec = {"experiment": "test", "scale": "1b", "variant": "stem_half", "stage": "pretrain", "model": mc}
+    if variant == "dse":   # the DSE layer(s): tables as large as activations, taps in the convolution
+        mems = [b.dse for b in model.layers if b.dse is not None]
+        tables = [t.weight for m in mems for t in m.tables]
+        for m in mems:
+            m.conv.weight.data.normal_(std=0.5)
+    else:                  # STEM-1/2 puts a table in layer 1
+        tables = [model.layers[1].ffn.table.weight]
+    for w in tables:
+        w.data.normal_()   # rows as large as activations: a wrong row changes scores
+    spec = {"experiment": "test", "scale": "1b", "variant": variant, "stage": "pretrain", "model": mc}
     save_checkpoint(tmp_path / "ckpt", model, spec, ckpt / "tokenizer.json", {})
     ckpt = tmp_path / "ckpt"
     fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 4, "train_items": 2, "tasks": ["arc_easy", "gsm8k"]},
@@ -423,14 +435,15 @@ def test_offloaded_tables_score_the_same_through_simple_evaluate(ckpt, lm, tmp_p
     tm = run.task_manager(str(tmp_path / "fx"))
     args = f"pretrained={ckpt},device=cpu,batch_size=4,max_gen_toks=6"
     off = get_model("stem").create_from_arg_string(args + ",offload=true,cache_rows=16")
-    assert off.offload is not None and off.offload.cache.capacity == 16
+    assert off.offload is not None and off.offload.stats()["cache_rows"] == 16
     outs = [simple_evaluate(model=m, tasks=["arc_easy", "gsm8k"], num_fewshot=0, task_manager=tm, log_samples=True,
                             bootstrap_iters=0, random_seed=0) for m in (get_model("stem").create_from_arg_string(args), off)]
     for task in ("arc_easy", "gsm8k"):
         assert outs[0]["results"][task] == outs[1]["results"][task]
         assert [s["resps"] for s in outs[0]["samples"][task]] == [s["resps"] for s in outs[1]["samples"][task]]
     s = off.offload.stats()
-    assert s["forwards"] > 8 and s["hits"] > 0 and s["freed_bytes"] == 320 * 64 * 4  # the table of layer 1
+    assert s["forwards"] > 8 and s["hits" if variant == "stem_half" else "dse_hits"] > 0
+    assert s["freed_bytes"] == sum(w.numel() for w in tables) * 4   # stem_half: the table of layer 1 (320 x 64)
     with pytest.raises(ValueError, match="cache_rows=4: a row cache needs offload=true"):
         StemLM(str(ckpt), device="cpu", cache_rows=4)
     with pytest.raises(ValueError, match="offload='maybe': expected true or false"):

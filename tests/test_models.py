@@ -207,6 +207,13 @@ def test_dse_compression_and_ngram_hash_respect_documents():
     rows_doc = mem._rows(cids, docs)
     assert any(r[0, 4] != rd[0, 4] for r, rd in zip(rows, rows_doc))  # position 4 reached into doc 0 before
     assert all(rd[0, 0] == rd[0, 3] for rd in rows_doc)  # both are document starts with the same token
+    # by hand: row = (c_t m_0 ^ (c_{t-1} + 1) m_1 ^ (c_{t-2} + 1) m_2) mod p per table (orders 2, 3 x 2 heads);
+    # history before the row start is padding and mixes as 0, so it differs from token id 0 (which mixes as 1)
+    m, p = mem.multipliers.tolist(), mem.primes.tolist()
+    r = mem._rows(torch.tensor([[0, 5, 0]]), None)
+    assert [r[k][0].tolist() for k in (0, 2)] == [
+        [0, (5 * m[0][0] ^ 1 * m[0][1]) % p[0], (0 ^ 6 * m[0][1]) % p[0]],
+        [0, (5 * m[2][0] ^ 1 * m[2][1]) % p[2], (0 ^ 6 * m[2][1] ^ 1 * m[2][2]) % p[2]]]
 
 
 # ---- routed MoE (ffn kind ``moe``, stem/models/moe.py): DeepSeekMoE, the DSE paper's baseline ------------
@@ -369,3 +376,140 @@ def test_moe_accounting_by_hand():
     per_layer = 3 * d * 192
     assert acc["active_params"] == dense_tiny["active_params"] + 5 * (3 * 3 * d * f + d * 8 - per_layer)
     assert acc["total_params"] == dense_tiny["total_params"] + 5 * (9 * 3 * d * f + d * 8 - per_layer)
+
+
+def test_dse_mode_disabled_is_the_model_without_the_add_and_forced_is_gate_one():
+    """The inference-only DSE gate override (DSE paper App. G): ``disabled`` gives exactly the logits of the same
+    weights with the DSE add removed from the block; ``forced`` gives u = W_V e (gate 1) through Eq. 5, by hand;
+    ``normal`` is the untouched model; the mode is neither a parameter nor saved."""
+    import math
+    torch.manual_seed(0)
+    model = build_model(_cfg(dse={"layers": [1, 3], "rows_per_head": 31, "d_mem": 8, "heads": 2})).eval()
+    for m in model.modules():   # a non-zero convolution, so Eq. 5's refinement takes part in the check
+        if hasattr(m, "conv"):
+            torch.nn.init.normal_(m.conv.weight, std=0.3)
+    ids = torch.randint(0, 97, (2, 9))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    normal = model(ids)
+    model.set_dse_mode("disabled")
+    disabled = model(ids)
+    assert set(model.state_dict()) == set(state) and all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    mems = {i: blk.dse for i, blk in enumerate(model.layers) if blk.dse is not None}
+    model.set_dse_mode("normal")
+    for blk in model.layers:
+        blk.dse = None          # the baseline computation: x -> attention -> FFN, no memory add
+    assert torch.equal(disabled, model(ids)) and not torch.allclose(disabled, normal)
+    for i, mem in mems.items():
+        model.layers[i].dse = mem
+    assert torch.equal(model(ids), normal)
+    # forced, by hand at the first DSE layer: u = W_V e, y = SiLU(conv(RMSNorm(u))) + u
+    mem, h = mems[1], torch.randn(2, 9, 16)
+    cids = model.dse_compress[ids]
+    e = torch.cat([t(r) for t, r in zip(mem.tables, mem._rows(cids, None))], -1)
+    u = e @ mem.w_value.weight.T
+    n = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-5) * mem.norm_u.weight
+    w = mem.conv.weight[:, 0, :]        # (d, 4), dilation 3: tap i reads position t - (3 - i) * 3
+    conv = torch.zeros_like(n)
+    for t in range(9):
+        for i in range(4):
+            s = t - (3 - i) * mem.dilation
+            if s >= 0:
+                conv[:, t] += n[:, s] * w[:, i]
+    want = F.silu(conv) + u
+    model.set_dse_mode("forced")
+    assert torch.allclose(mem(h, cids, None), want, atol=1e-5)
+    score = (mem.norm_h(h) * mem.norm_k(e @ mem.w_key.weight.T)).sum(-1, keepdim=True) / math.sqrt(16)
+    model.set_dse_mode("normal")
+    assert not torch.allclose(mem(h, cids, None), want, atol=1e-3) and (torch.sigmoid(score) < 0.99).all()
+    with pytest.raises(ValueError, match="dse_mode 'off': expected one of normal, disabled, forced"):
+        model.set_dse_mode("off")
+    with pytest.raises(ValueError, match="has no DSE memory"):
+        build_model(_cfg()).set_dse_mode("disabled")
+
+
+def test_dse_paper_accounting_against_hand_formula():
+    """The DSE paper's Sec. 3.1 counts (P_tot, P_act, P_free excluding embedding and head; DSE params = the
+    hashed tables), by hand for a DSE model, a STEM model and a Hash-MoE model."""
+    from stem.models.accounting import accounting
+    V, d, L, kv_dim, f = 97, 16, 6, 8, 24             # TINY: 4 heads of 4, 2 kv heads
+    block = 2 * d * d + 2 * d * kv_dim + 2 * d + 3 * d * f
+    dense_body = L * block + d                          # + the final norm; embedding and head excluded
+    # DSE in layers 1 and 4: 2 orders x 2 heads = 4 tables of width 8 / 4 = 2, rows = the first 4 primes >= 31
+    tables = (31 + 37 + 41 + 43) * 2
+    dse_rest = 2 * 8 * d + 3 * d + 4 * d                # w_key, w_value; 3 norms; depthwise conv kernel 4
+    a = accounting(build_model(_cfg(dse={"layers": [1, 4], "rows_per_head": 31, "d_mem": 8, "heads": 2}), "meta"))
+    assert a["p_tot"] == dense_body + 2 * (tables + dse_rest)
+    assert a["p_act"] == dense_body + 2 * dse_rest
+    assert a["p_free"] == 2 * tables and a["dse_params"] == 2 * tables
+    assert a["total_params"] == a["p_tot"] + 2 * V * d   # the existing keys are unchanged
+    stem = accounting(build_model(_cfg(ffn=("dense", "stem") * 3), "meta"))
+    assert stem["p_tot"] == dense_body + 3 * (V * f - d * f) and stem["p_act"] == dense_body - 3 * d * f
+    assert stem["p_free"] == 3 * V * f and stem["dse_params"] == 0
+    moe = accounting(build_model(_cfg(ffn=("dense", "hashmoe") * 3, n_experts=4), "meta"))
+    assert moe["p_free"] == 3 * 3 * 3 * d * f and moe["p_act"] == dense_body
+
+
+def _primes_from(start: int, count: int) -> list[int]:
+    """The first ``count`` primes >= start, by a numpy sieve (independent of stem.models.dse)."""
+    import numpy as np
+    hi = start + 64 * count + 1000
+    sieve = np.ones(hi, bool)
+    sieve[:2] = False
+    for p in range(2, int(hi ** 0.5) + 1):
+        if sieve[p]:
+            sieve[p * p::p] = False
+    return (np.flatnonzero(sieve[start:])[:count] + start).tolist()
+
+
+@pytest.mark.parametrize("model", ["dse_27b", "dse_40b"])
+def test_dse_table_params_at_the_dse_papers_table3_settings(model):
+    """DSE-27B / DSE-40B's memory (DSE paper Table 3: 2 DSE layers, 8 heads, orders [2, 3], dim 1280, 'DSE Vocab
+    Size' rows per order x head table) against its Table 1 '# DSE Parameters' (printed truncated to 0.1 B),
+    built on the meta device. Paper numbers from reference/dse_paper/."""
+    import math
+
+    from stem.models.accounting import accounting
+    from stem.report import paper_data as P
+    t3 = P.load_table("dse_paper/table3").query("variant == @model").set_index("column")["value"]
+    printed = P.load_table("dse_paper/table1").query("variant == @model").set_index("column")["value"]
+    rows, d_mem, heads = int(t3["dse_rows"]), int(t3["dse_d_mem"]), int(t3["dse_heads"])
+    orders = list(range(int(t3["dse_order_min"]), int(t3["dse_order_max"]) + 1))
+    layers = [int(t3["dse_layer_first"]), int(t3["dse_layer_second"])]
+    cfg = ModelConfig.from_dict({"vocab_size": 1024, "d_model": int(t3["d_model"]), "n_layers": int(t3["n_layers"]),
+                                 "n_heads": 20, "n_kv_heads": 20, "d_ff": 256, "max_seq_len": 64,
+                                 "dse": {"layers": layers, "orders": orders, "heads": heads, "rows_per_head": rows,
+                                         "d_mem": d_mem}})
+    a = accounting(build_model(cfg, "meta"))
+    n_tables = len(orders) * heads
+    assert a["dse_params"] == len(layers) * sum(_primes_from(rows, n_tables)) * (d_mem // n_tables)
+    assert a["dse_params"] == pytest.approx(len(layers) * rows * d_mem, rel=1e-4)   # ~5.79 B / ~18.53 B
+    assert math.floor(a["dse_params"] / 1e8) / 10 == printed["dse_params_b"]        # 5.7 / 18.5 as printed
+
+
+def test_dse_kv_cache_matches_full_forward_and_uncached_greedy():
+    """DSE under a KV cache: the N-gram history and the causal conv's inputs come from the cached prefix, so
+    prefill + one-token steps give the full forward's logits, and cached greedy decoding (single and
+    left-padded batched) gives exactly the uncached tokens."""
+    from stem.eval.generate import greedy_generate, greedy_generate_batch
+    torch.manual_seed(0)
+    model = build_model(_cfg(dse={"layers": [0, 3], "rows_per_head": 31, "d_mem": 8, "heads": 2})).eval()
+    with torch.no_grad():
+        for layer in (0, 3):   # the conv starts at zero; give it taps so the cached inputs matter
+            model.layers[layer].dse.conv.weight.normal_(std=0.5)
+        model.lm_head.weight.mul_(20)   # well-separated logits: no near-ties for greedy decoding
+    ids = torch.randint(0, 97, (2, 20))
+    full = model(ids)
+    cache = KVCache()
+    steps = [model(ids[:, :7], cache=cache)] + [model(ids[:, 7:9], cache=cache)] + \
+        [model(ids[:, t:t + 1], cache=cache) for t in range(9, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.dse[0]["ids"].shape == (2, 2) and cache.dse[3]["conv"].shape == (2, 3 * 3, 16)
+    stale = KVCache()   # the same steps with the DSE state dropped after the prefill: not the full forward
+    model(ids[:, :7], cache=stale)
+    stale.dse.clear()
+    assert not torch.allclose(model(ids[:, 7:9], cache=stale), full[:, 7:9], atol=1e-3)
+    prompts = [ids[0, :5].tolist(), ids[1, :11].tolist(), ids[0, 3:12].tolist()]
+    uncached = [greedy_generate(model, p, 12, use_cache=False) for p in prompts]
+    assert [greedy_generate(model, p, 12, use_cache=True) for p in prompts] == uncached
+    assert greedy_generate_batch(model, prompts, 12) == uncached
+    assert len(set(map(tuple, uncached))) == 3 and all(len(g) == 12 for g in uncached)

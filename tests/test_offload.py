@@ -10,7 +10,7 @@ import torch
 from stem import config as C
 from stem.eval.generate import greedy_generate_batch
 from stem.models.model import KVCache, build_model
-from stem.models.offload import LFUCache, OffloadedTable, offload
+from stem.models.offload import LFUCache, OffloadedHashedTable, OffloadedTable, offload
 from stem.train.checkpoint import save_weights
 
 VARIANTS = ["stem", "stem_gate", "stem_dagger", "stem_half", "stem_full"]
@@ -27,6 +27,10 @@ def tiny_model(variant, n_kv_heads=1, vocab=V):
         for block in model.layers:
             if hasattr(block.ffn, "table"):
                 block.ffn.table.weight.normal_()
+            if block.dse is not None:   # DSE: its tables too, and taps in its (zero-initialised) convolution
+                for t in block.dse.tables:
+                    t.weight.normal_()
+                block.dse.conv.weight.normal_(std=0.5)
     return model
 
 
@@ -51,7 +55,8 @@ def decode_logits(model, prompt, steps):
 
 
 CASES = [(v, {"cache_rows": 8}) for v in VARIANTS] + [("stem_half", {"cache_rows": 0}),
-                                                      ("stem_half", {"cache_rows": 8, "prefetch": False})]
+                                                      ("stem_half", {"cache_rows": 8, "prefetch": False})] + \
+    [("dse", {"cache_rows": 8}), ("dse", {"cache_rows": 0}), ("dse", {"cache_rows": 8, "prefetch": False})]
 
 
 @pytest.mark.parametrize("variant,kw", CASES)
@@ -64,12 +69,14 @@ def test_logits_equal_resident(variant, kw, tmp_path):
         assert not torch.equal(ref[0], build_model(model.cfg).eval()(ids)), "tables must matter"
     twin, engine = offloaded(model, tmp_path, **kw)
     assert not any(p.shape == (V, D_FF) for p in twin.parameters())  # the tables left the model
-    assert sum(isinstance(m, OffloadedTable) for m in twin.modules()) == len(engine.far) > 0
+    assert sum(isinstance(m, OffloadedTable) for m in twin.modules()) == len(engine.far) > 0 or variant == "dse"
+    assert sum(isinstance(m, OffloadedHashedTable) for m in twin.modules()) == len(engine.hashed)
+    assert not any(p.dim() == 2 and p.shape[1] == 8 for p in twin.parameters())  # DSE: 64 / 8 tables wide
     with torch.no_grad():
         got = [twin(ids)] + decode_logits(twin, ids, 4)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
-    assert (engine.hits > 0) == (kw["cache_rows"] > 0)
-    if variant == "stem_half":  # the evaluator's left-padded batched decoding
+    assert (engine.hits + engine.dse_hits > 0) == (kw["cache_rows"] > 0)
+    if variant in ("stem_half", "dse"):  # the evaluator's left-padded batched decoding
         prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
         assert greedy_generate_batch(twin, prompts, 5) == greedy_generate_batch(model, prompts, 5)
     engine.close()
@@ -266,3 +273,67 @@ def test_far_tiers_return_exact_rows(tmp_path):
     assert torch.equal(rows, w.to(torch.bfloat16)[ids].float())
     with pytest.raises(ValueError, match="no 2-D float tensor 'u'"):
         MappedRows(tmp_path / "w.safetensors", "u", torch.float32)
+
+
+def test_dse_tables_offloaded_rows_and_counters(tmp_path):
+    """A DSE model (2 DSE layers of 2 orders x 4 heads = 8 tables, 8 columns each): the engine fetches every
+    table's hashed rows, announced before the layers run, in layer order; counters against hand counts."""
+    from stem.models.offload import dse_row_ids
+    model = tiny_model("dse")
+    assert model.cfg.dse.layers == (1, 2) and len(model.layers[1].dse.tables) == 8
+    twin, engine = offloaded(model, tmp_path, cache_rows=3, prefetch=False)
+    assert engine.order == [("dse", 1), ("dse", 2)] and len(engine.hashed) == 16 and not engine.far
+    moved = []
+    for h in engine.hashed:
+        def counting(ids, gather=h.far.gather):
+            moved.append(len(ids))
+            return gather(ids)
+        h.far.gather = counting
+    ids = torch.tensor([[1, 2, 1, 2, 1, 2], [5, 6, 7, 1, 2, 1]])
+    rows = dse_row_ids(model, ids)                  # the resident model's own row ids, table by table
+    uniq = [len(torch.unique(r)) for r in rows]
+    with torch.no_grad():
+        assert torch.equal(twin(ids), model(ids))
+    s = engine.stats()
+    assert s["dse_total_rows"] == 16 * ids.numel() and s["dse_unique_rows"] == sum(uniq) == sum(moved)
+    assert s["dse_hits"] == 0 and s["dse_bytes_moved"] == sum(uniq) * 8 * 4
+    assert s["dse_bytes_per_token"] == pytest.approx(sum(uniq) * 32 / 12) and s["unique_ids"] == 0
+    assert s["freed_bytes"] == sum(t.weight.numel() for b in model.layers if b.dse is not None
+                                   for t in b.dse.tables) * 4
+    moved.clear()
+    with torch.no_grad():                           # the same ids again: each table's 3 most-read rows hit
+        assert torch.equal(twin(ids), model(ids))
+    hits = sum(min(3, u) for u in uniq)
+    assert engine.stats()["dse_hits"] == hits and sum(moved) == sum(uniq) - hits
+    top = max(t.weight.shape[0] for b in model.layers if b.dse is not None for t in b.dse.tables)
+    assert top > V   # a DSE table's cache may hold more rows than the vocabulary, not more than its table
+    assert offloaded(model, tmp_path, cache_rows=top)[1].stats()["cache_rows"] == top
+    with pytest.raises(ValueError, match=f"cache_rows={top + 1}: expected 0 \\(no cache\\) to {top} \\(the largest DSE table\\)"):
+        offloaded(model, tmp_path, cache_rows=top + 1)
+
+
+def test_bench_offload_on_a_dse_checkpoint(tiny_data, tmp_path):
+    """python -m stem bench offload on a small DSE checkpoint: its hashed tables offloaded, per-table counters."""
+    import json
+
+    from stem.train.checkpoint import save_checkpoint
+    model = tiny_model("dse", vocab=512)
+    spec = {"experiment": "test", "scale": "350m", "variant": "dse", "stage": "pretrain",
+            "model": model.cfg.to_dict(), "data": {"web": {"manifest": tiny_data["manifests"]["web"], "weight": 1.0}},
+            "train": {"batch_size": 2, "seq_len": 16}}
+    save_checkpoint(tmp_path / "ckpt", model, spec, tiny_data["tokenizer"], {})
+    from stem.bench_offload import bench_offload, render
+    from stem.report.figures import hit_rate_figure, save
+    r = json.loads(json.dumps(bench_offload(tmp_path / "ckpt", batch=4, prompt=4, steps=4, cache_rows=[16],
+                                            curve=[8, 16, 64], repeats=1)))   # what `bench offload` runs
+    assert "Offloaded DSE tables" in render(r)
+    save(hit_rate_figure(r), tmp_path / "o.png")
+    assert (tmp_path / "o.png").stat().st_size > 0
+    no_cache, cached = r["decode"][1], r["decode"][2]
+    assert no_cache["hit_rate"] == 0 and 0 < cached["hit_rate"] <= 1
+    assert no_cache["bytes_per_token"] == pytest.approx(no_cache["unique_per_total"] * 16 * 8 * 4)  # 16 tables, 32 B rows
+    tables = [t for b in model.layers if b.dse is not None for t in b.dse.tables]
+    assert r["memory"]["table_bytes_offloaded"] == sum(t.weight.numel() for t in tables) * 4
+    assert r["memory"]["resident_param_bytes"] - r["memory"]["offloaded_param_bytes"] == r["memory"]["table_bytes_offloaded"]
+    assert r["access"]["dse"]["table_rows"] == 16 * 8 * 4   # one row of every table for the one decoded token
+    assert [x["hit_rate"] for x in r["hit_rate_curve"]] == sorted(x["hit_rate"] for x in r["hit_rate_curve"])

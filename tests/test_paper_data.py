@@ -247,3 +247,61 @@ def test_figure1b_gap_order(paper):
 def test_stem_never_below_dense_as_claimed(name):
     w = wide(name).loc["1b"]
     assert (w.loc["stem"] >= w.loc["dense"]).all()
+
+
+# ---- the DSE paper (reference/dse_paper/): its Table 1 and Table 3 ----------------------------------------
+DSE_TXT = PAPER_TXT.with_name("conditional-memory-dse-paper.txt")
+DSE_SRC = re.compile(r"^DSE paper \(Cheng et al\., .+\), Table (\d), row '(.+?)', column '(.+?)'$")
+
+
+def _dse_rows(text: str, number: int) -> tuple[list[str], dict]:
+    """(model names of the header, {row label: cells after the label}) of the DSE paper's Table 1 or 3."""
+    lines = text.splitlines()
+    cap = next(i for i, ln in enumerate(lines) if ln.startswith(f"Table {number}: "))
+    block = []
+    for ln in reversed(lines[:cap]):
+        if "\t" not in ln:
+            if block:
+                break
+            continue
+        block.insert(0, ln.split("\t"))
+    skip = 3 if number == 1 else 1   # Table 1: category, benchmark, shots; Table 3: the row label
+    header = [re.sub(r"</?b>", "", c).strip() for c in block[0][skip:]]
+    rows = {r[skip - 2 if number == 1 else 0].strip(): [re.sub(r"</?b>", "", c).strip() for c in r[skip:]]
+            for r in block[1:]}
+    return header, rows
+
+
+def _numbers(cell: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\d+(?:\.\d+)?", cell)]
+
+
+@pytest.mark.parametrize("name", ["dse_paper/table1", "dse_paper/table3"])
+def test_dse_paper_csv_matches_its_text(name):
+    if not DSE_TXT.exists():
+        pytest.skip(f"DSE paper text not found at {DSE_TXT}")
+    df = pdata.load_table(name)
+    assert list(df.columns) == pdata.COLUMNS and (df["source"] != "").all()
+    assert not df.duplicated(["variant", "column"]).any()
+    number = int(name[-1])
+    header, rows = _dse_rows(DSE_TXT.read_text(encoding="utf-8"), number)
+    assert header == ["Dense-4B", "MoE-27B", "DSE-27B", "DSE-40B"]
+    for r in df.itertuples():
+        table, row, col = DSE_SRC.match(r.source).groups()
+        assert int(table) == number and col == r.row and row in rows, r.source
+        cells = rows[row]
+        if number == 1:   # one number per model column
+            assert _numbers(cells[header.index(col)]) == [r.value], r.source
+        else:             # Table 3 merges equal cells; the number is on the row
+            assert r.value in _numbers(" ".join(cells)), r.source
+
+
+def test_dse_paper_claims_dse27b_beats_dense_and_moe_everywhere():
+    """The direction the report's dse table checks: DSE-27B above Dense-4B and MoE-27B on every benchmark of
+    reference/dse_paper/table1.csv, below both in loss (Sec. 4.2: "consistently improves")."""
+    w = pdata.load_table("dse_paper/table1").pivot_table(index="column", columns="variant", values="value")
+    bench = w.drop(index=["total_params_b", "active_params_b", "dse_params_b", "train_tokens_b"])
+    lower = bench.index.str.endswith("loss")
+    for base in ("dense_4b", "moe_27b"):
+        assert (bench.loc[~lower, "dse_27b"] > bench.loc[~lower, base]).all()
+        assert (bench.loc[lower, "dse_27b"] < bench.loc[lower, base]).all()

@@ -548,3 +548,55 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     assert res.eval("1b", "stem", "extend", "commonsense")["tasks"].keys() == {"arc_easy", "boolq"}
     assert res.eval("1b", "stem", "extend", "longbench")["by_length"]["table5"]
     assert len(res.eval("1b", "stem", "extend", "niah")["cells"]) == 4
+
+
+def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
+    """The DSE paper's comparison at our scales: dense vs DSE rows, parameters in the DSE paper's convention
+    (embedding and head excluded), the pretrain evals; directions in the sign of DSE-27B - Dense-4B (Table 1),
+    a lower loss counting as beating the baseline; nothing compared in absolute terms."""
+    t = tiny_tables["dse"]
+    assert set(zip(t["scale"], t["variant"])) == {(s, v) for s in ("350m", "1b") for v in ("dense", "dse")}
+    for scale in ("350m", "1b"):
+        V, d = tiny_cfg["archs"][scale]["vocab_size"], tiny_cfg["archs"][scale]["d_model"]
+        for v in ("dense", "dse"):
+            a = T.accounting(tiny_cfg, scale, v)
+            assert value(t, scale, v, "p_tot_b") * 1e9 == pytest.approx(a["total_params"] - 2 * V * d, abs=1e-3)
+            assert value(t, scale, v, "p_act_b") * 1e9 == pytest.approx(a["active_params"] - 2 * V * d, abs=1e-3)
+        tables = value(t, scale, "dse", "p_tot_b") - value(t, scale, "dse", "p_act_b")
+        assert value(t, scale, "dse", "dse_params_b") == pytest.approx(tables) and tables > 0
+        assert value(t, scale, "dense", "dse_params_b") == 0
+        # the fixture gives DSE the paper's dense scores + 1 (tests/test_report.py eval_json)
+        assert value(t, scale, "dse", "arc_easy") == pytest.approx(value(t, scale, "dense", "arc_easy") + 1)
+    assert "DSE (Cheng et al.)" in T.wide(t)["Model"].tolist()
+    assert "dse" not in registry.compared()
+    dirs = diff.directions(tiny_tables)
+    dirs = dirs[dirs["table"] == "dse"].set_index(["scale", "variant", "column"])
+    assert set(dirs.index) == {(s, "dse", c) for s in ("350m", "1b")
+                               for c in ("val_loss", "arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande")}
+    assert dirs.loc[("1b", "dse", "arc_easy"), "paper_delta"] == pytest.approx(89.0 - 76.8)   # DSE-27B - Dense-4B
+    assert dirs.loc[("1b", "dse", "arc_easy"), "agree"]
+    assert dirs.loc[("1b", "dse", "val_loss"), "paper_delta"] == pytest.approx(1.622 - 1.768)
+    assert dirs.loc[("1b", "dse", "val_loss"), "paper_says"] == "beats baseline"   # lower loss
+    for shift, agree in ((-0.1, True), (0.1, False)):
+        ours = {**tiny_tables, "dse": t.copy()}
+        dse = ours["dse"]
+        base = value(t, "1b", "dense", "val_loss")
+        dse.loc[(dse["scale"] == "1b") & (dse["variant"] == "dse") & (dse["column"] == "val_loss"), "value"] = base + shift
+        row = diff.directions(ours).set_index(["table", "scale", "variant", "column"]).loc[("dse", "1b", "dse", "val_loss")]
+        assert row["agree"] == agree and row["ours"] == ("beats baseline" if agree else "trails baseline")
+
+
+def test_dse_table_reads_older_checkpoint_accounting(tmp_path, tiny_cfg):
+    """A checkpoint accounting.json written before the DSE-convention keys: P_tot / P_act / DSE params come
+    from the configured architecture when its exact total is the checkpoint's, and are a gap otherwise."""
+    write_results(tmp_path, tiny_cfg)
+    for variant, total in (("dense", None), ("dse", 123)):
+        path = tmp_path / "tiny/350m" / variant / "pretrain/checkpoint/accounting.json"
+        acct = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("p_tot", "p_act", "p_free", "dse_params")}
+        path.write_text(json.dumps({**acct, **({"total_params": total} if total else {})}))
+    t = T.dse_table(tiny_cfg, Results("tiny", tmp_path)).set_index(["scale", "variant", "column"])
+    a = T.accounting(tiny_cfg, "350m", "dense")
+    assert t.loc[("350m", "dense", "p_tot_b"), "value"] * 1e9 == pytest.approx(a["p_tot"])
+    assert "from the configured architecture (same total_params)" in t.loc[("350m", "dense", "p_tot_b"), "source"]
+    assert math.isnan(t.loc[("350m", "dse", "p_act_b"), "value"])
+    assert "the configured architecture differs" in t.loc[("350m", "dse", "p_act_b"), "source"]

@@ -1,4 +1,4 @@
-"""Benchmark the offloaded STEM engine on a checkpoint: JSON and the printed table (Markdown); the report draws
+"""Benchmark the offload engine (STEM or DSE tables) on a checkpoint: JSON and the printed table (Markdown); the report draws
 the hit-rate figure from the JSON (stem.report.figures: offload_hit_rate)."""
 from workflow_scripts._entry import parser, run, spec_of
 

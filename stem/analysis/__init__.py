@@ -7,7 +7,12 @@ One module per analysis, each ``run(ckpt_dir, spec) -> dict`` (the JSON written 
   dense model's comparable intervention), the four schemes of Fig. 4, edit success / Fig. 7 / collateral;
 - ``heaps``: unique token ids vs context length, the Heaps fit and the activated STEM parameters (Sec. 3.2.5);
 - ``spread``: pairwise cosine-similarity distributions of address vectors (Fig. 6a-c);
-- ``capacity``: the fraction of the synthetic world's facts a model recalls (per relation, frequency bucket).
+- ``capacity``: the fraction of the synthetic world's facts a model recalls (per relation, frequency bucket);
+- the DSE paper's mechanism analyses (its Sec. 6, App. G), for models with a DSE memory against their baseline:
+  ``logitlens`` (KL of each layer's early exit to the final distribution, Fig. 3a), ``cka`` (minibatch linear
+  CKA between baseline and DSE layers, the soft alignment a_j, Fig. 3b-c), ``dse_disabled`` (accuracy with the
+  DSE gate forced to 0 / 1 through the eval path, Figs 9-10).
 
-``report`` turns the per-checkpoint JSONs into tables and figures; ``verdict`` gives directions a confidence.
+``report`` (and ``mechanism_report`` for the DSE analyses) turns the per-checkpoint JSONs into tables and
+figures; ``verdict`` gives directions a confidence.
 """

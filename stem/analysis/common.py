@@ -26,6 +26,46 @@ def load(ckpt_dir, device: str = "cpu"):
     return model.float().eval(), load_tokenizer(ckpt / "tokenizer.json"), spec
 
 
+def load_baseline(ckpt_dir, spec: dict):
+    """The baseline checkpoint a comparative analysis reads (``spec["baseline_checkpoint"]``: the same
+    experiment/scale/stage's ``spec["baseline"]`` variant) as ``load`` gives it; one-line error when it is not
+    tokenised like ``ckpt_dir`` (the analyses compare the two models on the same token ids)."""
+    base = Path(spec["baseline_checkpoint"])
+    ours = Path(ckpt_dir) / "tokenizer.json"
+    if (base / "tokenizer.json").is_file() and ours.is_file() and \
+            (base / "tokenizer.json").read_bytes() != ours.read_bytes():
+        raise ValueError(f"baseline checkpoint {base}: its tokenizer.json differs from {ours} (the baseline must "
+                         "be a model of the same scale)")
+    return load(base, spec.get("device", "cpu"))
+
+
+def val_windows(manifest, n: int, windows: int):
+    """(starts, ``windows`` windows of ``n`` tokens (LongTensor)) at evenly spaced offsets of the validation
+    split of a source's token shards (the same windows for every model of a scale)."""
+    import numpy as np
+
+    from stem.data.shards import ShardSet
+    shards = ShardSet(Path(manifest).parent, "val")
+    if len(shards) < n:
+        raise ValueError(f"{manifest}: validation split has {len(shards)} tokens, fewer than one window of {n}")
+    starts = np.linspace(0, len(shards) - n, windows).astype(int)
+    return starts, torch.from_numpy(np.stack([shards.get(s, n) for s in starts]).astype(np.int64))
+
+
+@torch.no_grad()
+def layer_outputs(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(every block's output hidden state (B, T, d), in layer order; the logits) of one ordinary forward pass,
+    read by forward hooks on ``model.layers`` (removed afterwards, also on an error)."""
+    outs: list[torch.Tensor] = []
+    hooks = [layer.register_forward_hook(lambda m, args, out: outs.append(out)) for layer in model.layers]
+    try:
+        logits = model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs, logits
+
+
 def table_sites(model) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, weight) of every token-indexed table the model declares (role count ``lookup`` counted in the
     paper's table convention: the STEM tables, one per STEM layer), in layer order."""

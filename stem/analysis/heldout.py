@@ -5,25 +5,17 @@ windows for every variant of a scale: same tokenizer, same split); each window's
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 
 @torch.no_grad()
 def run(ckpt_dir, spec: dict) -> dict:
-    from stem.analysis.common import load
-    from stem.data.shards import ShardSet
+    from stem.analysis.common import load, val_windows
 
     model, _, _ = load(ckpt_dir, spec.get("device", "cpu"))
-    shards = ShardSet(Path(spec["manifest"]).parent, "val")
     n = min(spec["seq_len"], model.cfg.max_seq_len) + 1
-    if len(shards) < n:
-        raise ValueError(f"{spec['manifest']}: validation split has {len(shards)} tokens, fewer than one window of {n}")
-    starts = np.linspace(0, len(shards) - n, spec["windows"]).astype(int)
-    x = torch.from_numpy(np.stack([shards.get(s, n) for s in starts]).astype(np.int64))
+    starts, x = val_windows(spec["manifest"], n, spec["windows"])
     device, losses = model.tok_emb.weight.device, []
     for b in range(0, len(x), spec.get("batch", 8)):  # bounded logits at a large vocabulary
         xb = x[b:b + spec.get("batch", 8)].to(device)

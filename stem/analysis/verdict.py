@@ -138,14 +138,27 @@ def _ci_cols(ci, sign) -> dict:
 LOSS_SOURCE = "Sec. 4.4 / Fig. 5a-5b: STEM variants reach a lower training loss than the dense baseline"
 
 
+def dse_loss_claim() -> tuple[float, str]:
+    """The DSE paper's loss direction: (DSE-27B - Dense-4B validation loss, its source), from
+    reference/dse_paper/table1.csv."""
+    from stem.report import paper_data as P
+    t = P.load_table("dse_paper/table1").set_index(["variant", "column"])["value"]
+    delta = float(t[("dse_27b", "val_loss")] - t[("dense_4b", "val_loss")])
+    return delta, (f"DSE paper Table 1, 'Validation Set (loss)': DSE-27B {t[('dse_27b', 'val_loss')]:g} vs "
+                   f"Dense-4B {t[('dense_4b', 'val_loss')]:g} (MoE-27B {t[('moe_27b', 'val_loss')]:g}); "
+                   "here vs the iso-active dense model")
+
+
 def loss_directions(analyses: dict) -> list[dict]:
-    """``analyses``: {(scale, variant, stage): heldout JSON}; each variant vs the dense model of its scale/stage."""
+    """``analyses``: {(scale, variant, stage): heldout JSON}; each variant vs the dense model of its scale/stage
+    (STEM variants: the STEM paper's claim; dse: the DSE paper's)."""
     rows = []
     for (scale, variant, stage), r in sorted(analyses.items()):
         base = analyses.get((scale, "dense", stage))
-        if variant == "dense" or base is None or not variant.startswith("stem"):
+        if variant == "dense" or base is None or not (variant.startswith("stem") or variant == "dse"):
             continue
+        sign, source = dse_loss_claim() if variant == "dse" else (-1.0, LOSS_SOURCE)
         ci = paired_bootstrap(base["window_loss"], r["window_loss"])
         rows.append({"table": "heldout_loss", "scale": scale, "variant": variant, "column": "val_loss",
-                     "stage": stage, "paper_delta": -1.0, **_ci_cols(ci, -1.0), "source": LOSS_SOURCE})
+                     "stage": stage, "paper_delta": sign, **_ci_cols(ci, sign), "source": source})
     return rows

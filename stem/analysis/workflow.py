@@ -6,14 +6,20 @@
       heaps:    {source: web, lengths: [...], windows: 8}
       spread:   {source: web, n_tokens: 256}
       capacity: {source: web, countries: 40, people: 60, choices: 10, seed: 0}   # needs the synthetic world
+      logitlens: {source: web, windows: 8, seq_len: 128, baseline: dense}        # DSE models only, with
+      cka: {source: web, tokens: entities, ..., baseline: dense}                  #   their baseline's checkpoint
+      dse_disabled: {suite: commonsense, categories: {...}, modes: [disabled, forced]}
 
 One job per (checkpoint, analysis): ``results/{experiment}/{scale}/{variant}/{stage}/analysis/{name}.json``.
 This module imports no torch (Snakemake builds the DAG with it).
 """
 from __future__ import annotations
 
-ANALYSES = ("editing", "heaps", "spread", "capacity", "heldout")
+ANALYSES = ("editing", "heaps", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled")
 NEEDS_WORLD = ("capacity",)
+# Analyses that compare a model with its baseline: the checkpoint of the same experiment/scale/stage's
+# ``analysis.{name}.baseline`` variant is an input of the job (spec key ``baseline_checkpoint``).
+WITH_BASELINE = ("logitlens", "cka")
 
 
 def analyses(cfg: dict) -> list[str]:
@@ -27,30 +33,56 @@ def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
     return [(s, v, st) for s, v, st in C.train_targets(cfg) if st in (stages.get(s) or [])]
 
 
-def has_tables(cfg: dict, scale: str, variant: str) -> bool:
-    """Whether the variant's model declares a token-indexed table (built on the meta device: no memory)."""
+def _meta_model(cfg: dict, scale: str, variant: str):
     from stem import config as C
-    from stem.analysis.common import table_sites
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
-    return bool(table_sites(build_model(ModelConfig.from_dict(C.train_spec(cfg, scale, variant, "pretrain")["model"]),
-                                        "meta")))
+    return build_model(ModelConfig.from_dict(C.train_spec(cfg, scale, variant, "pretrain")["model"]), "meta")
+
+
+def has_tables(cfg: dict, scale: str, variant: str) -> bool:
+    """Whether the variant's model declares a token-indexed (STEM) table (built on the meta device: no memory)."""
+    from stem.analysis.common import table_sites
+    return bool(table_sites(_meta_model(cfg, scale, variant)))
+
+
+def model_kind(cfg: dict, scale: str, variant: str) -> dict:
+    """{tables: a STEM table (token-indexed rows), lookups: any lookup-role parameter (STEM or DSE tables),
+    dse: a DSE memory, variant}: what decides the default analyses of a checkpoint."""
+    from stem.analysis.common import table_sites
+    from stem.models.registry import param_roles
+    model = _meta_model(cfg, scale, variant)
+    lookups = any(r.count == "lookup" for r in param_roles(model).values())
+    return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None,
+            "variant": variant}
 
 
 # Analyses a checkpoint gets by default (any one can still be asked for by its path): Heaps' curve is the same
-# for every model of a scale and only the tables make it a parameter count, so only models with tables; the
-# held-out losses are compared with the dense baseline's, so dense and models with tables.
-ONLY_FOR = {"heaps": lambda tables, variant: tables, "heldout": lambda tables, variant: tables or variant == "dense"}
+# for every model of a scale and only STEM's token-indexed tables make it a parameter count (|S| d_ff L_uniq),
+# so only models with those (not DSE: its hashed N-gram tables read a constant number of rows per token,
+# whatever the context); the held-out losses are compared with the dense baseline's (the loss direction of the
+# STEM paper, and of the DSE paper's Table 1 for dse), so dense and models with lookup tables (STEM, DSE);
+# the DSE paper's mechanism analyses (Sec. 6, App. G) only for models with a DSE memory.
+# editing (the embedding rows as for dense: DSE has no per-token rows to edit), spread and capacity: every model.
+ONLY_FOR = {"heaps": lambda m: m["tables"], "heldout": lambda m: m["lookups"] or m["variant"] == "dense",
+            "logitlens": lambda m: m["dse"], "cka": lambda m: m["dse"], "dse_disabled": lambda m: m["dse"]}
 
 
 def targets(cfg: dict) -> list[str]:
+    from stem import config as C
     from stem import layout as L
-    out = []
+    out, trained = [], set(C.train_targets(cfg))
     for s, v, st in checkpoints(cfg):
-        tables = has_tables(cfg, s, v)
+        kind = model_kind(cfg, s, v)
         out += [L.analysis_json(cfg["experiment"], s, v, st, name) for name in analyses(cfg)
-                if ONLY_FOR.get(name, lambda t, v: True)(tables, v)]
+                if ONLY_FOR.get(name, lambda m: True)(kind)
+                and (name not in WITH_BASELINE or (s, baseline(cfg, name), st) in trained)]
     return out
+
+
+def baseline(cfg: dict, name: str) -> str:
+    """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default dense)."""
+    return (cfg["analysis"].get(name) or {}).get("baseline", "dense")
 
 
 def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
@@ -63,8 +95,25 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
     if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
         from pathlib import Path
         spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
-    if cfg.get("world") and name in ("editing", "capacity"):
+    if cfg.get("world") and name in ("editing", "capacity", "cka"):
         spec["world"] = cfg["world"]
+    if name in WITH_BASELINE:
+        from stem import layout as L
+        spec["baseline"] = baseline(cfg, name)
+        if (scale, spec["baseline"], stage) not in C.train_targets(cfg):
+            raise ValueError(f"analysis {name!r} of {scale}/{variant}/{stage}: key 'analysis.{name}.baseline' is "
+                             f"{spec['baseline']!r}, which the {cfg['experiment']} matrix does not train at "
+                             f"{scale}/{stage}")
+        spec["baseline_checkpoint"] = L.checkpoint(cfg["experiment"], scale, spec["baseline"], stage)
+    if name == "dse_disabled":   # the eval suite whose fixtures, shots and metric the ablation runs with
+        from stem.eval.run import suite_spec
+        spec["eval"] = suite_spec(cfg, spec["suite"])
+        groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
+        known = set(spec["eval"]["tasks"]) | {t for g in spec["eval"]["tasks"] for t in groups.get(g, [])}
+        for cat, tasks in spec["categories"].items():
+            if set(tasks) - known:
+                raise ValueError(f"key 'analysis.dse_disabled.categories.{cat}': tasks {sorted(set(tasks) - known)} "
+                                 f"are not in eval suite {spec['suite']!r} (expected some of {sorted(known)})")
     if "source" in spec:
         spec["manifest"] = C.tokens_manifest(cfg["experiment"], scale, spec["source"])
         if name == "capacity":
@@ -77,4 +126,8 @@ def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> d
     spec = job_spec(cfg, scale, variant, stage, name)
     inputs = {"checkpoint": L.checkpoint(cfg["experiment"], scale, variant, stage)}
     inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts") if spec.get(k)})
+    if spec.get("baseline_checkpoint"):
+        inputs["baseline"] = spec["baseline_checkpoint"]
+    if (spec.get("eval") or {}).get("fixtures"):
+        inputs["fixtures"] = spec["eval"]["fixtures"]
     return inputs

@@ -56,6 +56,10 @@ def greedy_generate_batch(model, prompts: list[list[int]], max_new: int, eos_id:
                 cache.v.append(v.new_zeros(b, v.shape[1], width, v.shape[3]))
             cache.k[layer][i, :, width - len(p):] = k[0]
             cache.v[layer][i, :, width - len(p):] = v[0]
+        for layer, state in c.dse.items():   # DSE memory state: per row, the last ids and conv inputs
+            merged = cache.dse.setdefault(layer, {name: t.new_zeros(b, *t.shape[1:]) for name, t in state.items()})
+            for name, t in state.items():
+                merged[name][i] = t[0]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     valid = torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]  # (B, S) real keys
     out, done = [[] for _ in prompts], [False] * b

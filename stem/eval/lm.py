@@ -5,6 +5,7 @@
     the stock ``lm_eval`` command cannot load models defined outside lm-eval's tree)
     simple_evaluate(model="stem", model_args={"pretrained": ckpt_dir, "batch_size": 32}, ...)
     model_args ``offload=true,cache_rows=N``: STEM tables off the device (stem.models.offload), N cached rows
+    model_args ``dse_mode=disabled|forced``: the DSE gate forced to 0 or 1 (the DSE paper's App. G; stem.models.dse)
 
 - ``loglikelihood``: requests sorted by length (longest first), left-truncated to the model's
   context, right-padded into batches (causal attention: padding never changes the real positions,
@@ -77,7 +78,8 @@ def pick_device(requested: str | None) -> str:
 class StemLM(TemplateLM):
     def __init__(self, pretrained: str, device: str | None = None, dtype: str | None = None,
                  batch_size: int | str = 32, max_gen_toks: int = 256, max_length: int | None = None,
-                 use_cache: bool = True, offload: bool | str = False, cache_rows: int | str = 0, **kwargs):
+                 use_cache: bool = True, offload: bool | str = False, cache_rows: int | str = 0,
+                 dse_mode: str = "normal", **kwargs):
         super().__init__()
         offload = _flag("offload", offload)
         if not str(cache_rows).isdigit():
@@ -85,6 +87,7 @@ class StemLM(TemplateLM):
         if offload is False and int(cache_rows):
             raise ValueError(f"cache_rows={cache_rows}: a row cache needs offload=true")
         self.model, self.tok, self.spec = load_for_eval(pretrained, device, dtype, offload, int(cache_rows))
+        self.model.set_dse_mode(dse_mode)   # the DSE gate override of App. G (inference only)
         self.offload = getattr(self.model, "offload_engine", None)  # counters: self.offload.stats()
         self._device = next(self.model.parameters()).device
         self.batch_size = 32 if batch_size in ("auto", None) else int(batch_size)

@@ -11,6 +11,15 @@ Which parameters are tables or experts comes from the modules' declared roles (`
   Hash-MoE's, top-k of the routed MoE's (its router and shared experts run for every token). For STEM this is
   dense total - n_stem * d_model * d_ff (the input embedding counts, as in the paper's dense rows).
 - ``gflops_per_token``: 2 * active / 1e9 (forward, attention's context-dependent term excluded).
+
+The DSE paper's convention (its Sec. 3.1), beside these (new keys; the ones above are unchanged):
+
+- ``p_tot``: trainable parameters excluding the vocabulary embedding (``tok_emb``) and the LM head.
+- ``p_act``: parameters used per token (``active_params``) excluding the embedding and the head; it sets the
+  per-token FLOPs.
+- ``p_free``: ``p_tot - p_act``, the parameters a token does not use (STEM/DSE tables, idle experts).
+- ``dse_params``: the hashed DSE tables (parameters in the ``dse_table`` optimizer group), Table 1's
+  "# DSE Parameters"; 0 without DSE.
 """
 from __future__ import annotations
 
@@ -37,6 +46,8 @@ def accounting(model: nn.Module) -> dict:
     active = total - lookups - inactive_experts
     paper_tables = _numel(p for p in model.parameters() if id(p) in roles and roles[id(p)].paper_table)
     paper_total = dense_total_params(cfg) + paper_tables if paper_tables else total
+    emb_head = model.tok_emb.weight.numel() + model.lm_head.weight.numel()
+    dse_tables = _numel(p for p in model.parameters() if id(p) in roles and roles[id(p)].group == "dse_table")
     sparse = [i for i, block in enumerate(model.layers) if any(id(p) in roles for p in block.ffn.parameters())]
     return {
         "total_params": total,
@@ -45,6 +56,10 @@ def accounting(model: nn.Module) -> dict:
         "gflops_per_token": 2 * active / 1e9,
         "sparse_layers": sparse,
         "dse_layers": list(cfg.dse.layers) if cfg.dse else [],
+        "p_tot": total - emb_head,
+        "p_act": active - emb_head,
+        "p_free": total - active,
+        "dse_params": dse_tables,
     }
 
 

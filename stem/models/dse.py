@@ -7,6 +7,11 @@ sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(d)) scales the value (Eq. 4, u = alpha * 
 depthwise causal convolution (kernel 4, dilation = max order) refines it, y = SiLU(Conv1D(RMSNorm(u))) + u
 (Eq. 5); y is added to the residual stream before attention. Neither the N-grams nor the convolution
 reach across a document start.
+
+``mode`` is an inference-only override of the gate for the DSE paper's sensitivity analysis (App. G):
+``normal`` (the learned gate), ``disabled`` (gate 0: u = 0, so y = 0 and the block sees no memory) and
+``forced`` (gate 1: u = v, full-strength injection). It is a plain attribute, neither a parameter nor a
+buffer: training never sets it and checkpoints never hold it (``Transformer.set_dse_mode``).
 """
 from __future__ import annotations
 
@@ -56,6 +61,9 @@ def token_compression(tok, vocab_size: int) -> torch.Tensor:
     return compression_map(texts)
 
 
+DSE_MODES = ("normal", "disabled", "forced")
+
+
 class DSEMemory(nn.Module):
     # Hashed tables: their own optimizer group (LR x5, no decay), zero FLOPs. The convolution starts at
     # zero (reset_parameters). The whole memory is one shard unit over all ranks.
@@ -70,11 +78,10 @@ class DSEMemory(nn.Module):
         if dc.d_mem % n_tables:
             raise ValueError(f"dse.d_mem={dc.d_mem}: must divide evenly over {n_tables} order x head tables")
         self.orders, self.heads, self.d_model = tuple(dc.orders), dc.heads, cfg.d_model
-        rng = random.Random(dc.seed * 7919 + layer)
-        primes = distinct_primes(dc.rows_per_head, n_tables)
+        self._hash = (dc.seed * 7919 + layer, dc.rows_per_head, n_tables, max(dc.orders))
+        primes, mult = self._hash_constants()
         self.tables = nn.ModuleList(nn.Embedding(p, dc.d_mem // n_tables) for p in primes)
         self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64), persistent=False)
-        mult = [[rng.randrange(1, 1 << 20) | 1 for _ in range(max(dc.orders))] for _ in range(n_tables)]
         self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.int64), persistent=False)
         self.w_key = nn.Linear(dc.d_mem, cfg.d_model, bias=False)
         self.w_value = nn.Linear(dc.d_mem, cfg.d_model, bias=False)
@@ -84,17 +91,43 @@ class DSEMemory(nn.Module):
         self.dilation = max(dc.orders)
         self.conv = nn.Conv1d(cfg.d_model, cfg.d_model, dc.conv_kernel, groups=cfg.d_model,
                               dilation=self.dilation, bias=False)
+        self.mode = "normal"   # inference-only gate override (module docstring); never saved
+
+    def _hash_constants(self) -> tuple[list[int], list[list[int]]]:
+        """(a distinct prime row count per table, seeded odd multipliers per table and N-gram position)."""
+        seed, rows, n_tables, n_max = self._hash
+        rng = random.Random(seed)
+        primes = distinct_primes(rows, n_tables)
+        return primes, [[rng.randrange(1, 1 << 20) | 1 for _ in range(n_max)] for _ in range(n_tables)]
+
+    def reset_buffers(self):
+        """Recompute the hash constants (not saved with the weights), e.g. after ``to_empty`` of a meta model."""
+        primes, mult = self._hash_constants()
+        self.primes.copy_(torch.tensor(primes, dtype=torch.int64))
+        self.multipliers.copy_(torch.tensor(mult, dtype=torch.int64))
 
     def reset_parameters(self):
         nn.init.zeros_(self.conv.weight)
 
-    def forward(self, h: torch.Tensor, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        """h: (B, T, d) hidden states; cids: (B, T) compressed ids; doc_ids: (B, T) document index or None."""
-        mem = torch.cat([tab(r) for tab, r in zip(self.tables, self._rows(cids, doc_ids))], dim=-1)
+    def forward(self, h: torch.Tensor, cids: torch.Tensor, doc_ids: torch.Tensor | None,
+                state: dict | None = None) -> torch.Tensor:
+        """h: (B, T, d) hidden states; cids: (B, T) compressed ids; doc_ids: (B, T) document index or None.
+        ``state`` (incremental decoding, a KV cache's per-layer dict, filled here): the last max(orders) - 1
+        compressed ids and the last (W-1) x dilation convolution inputs of the prefix seen so far (zeros before
+        the row start, as the full forward pads), so the new tokens' N-grams and taps read the cached prefix
+        and the outputs are those of the whole sequence's forward."""
+        rows = self._rows(cids, doc_ids) if state is None else self._rows_cached(cids, state)
+        mem = torch.cat([tab(r) for tab, r in zip(self.tables, rows)], dim=-1)
         key, value = self.w_key(mem), self.w_value(mem)
-        score = (self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model)
-        u = torch.sigmoid(score) * value
-        return F.silu(self._causal_conv(self.norm_u(u), doc_ids)) + u
+        if self.mode == "normal":
+            score = (self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model)
+            gate = torch.sigmoid(score)
+        else:  # App. G: the gate forced to 0 (disabled) or 1 (forced)
+            gate = torch.full_like(value[..., :1], 1.0 if self.mode == "forced" else 0.0)
+        u = gate * value
+        x = self.norm_u(u)
+        conv = self._causal_conv(x, doc_ids) if state is None else self._causal_conv_cached(x, state)
+        return F.silu(conv) + u
 
     def _causal_conv(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         """Depthwise causal dilated convolution of x (B, T, d) with ``self.conv``'s weights, as a sum of
@@ -112,16 +145,57 @@ class DSEMemory(nn.Module):
             out = out + xs * w[:, i]
         return out
 
+    def _causal_conv_cached(self, x: torch.Tensor, state: dict) -> torch.Tensor:
+        """``_causal_conv`` of the new positions x (B, t, d) after the cached inputs ``state['conv']``
+        (B, (W-1) x dilation, d); the same terms in the same order (a tap before the row start adds zero
+        where the full forward skips it), then the cache keeps the last (W-1) x dilation inputs."""
+        w, t = self.conv.weight[:, 0, :], x.shape[1]
+        span = (w.shape[1] - 1) * self.dilation
+        past = state.get("conv")
+        if past is None:
+            past = x.new_zeros(x.shape[0], span, x.shape[2])
+        xc = torch.cat([past, x], dim=1)
+        out = torch.zeros_like(x)
+        for i in range(w.shape[1]):
+            shift = (w.shape[1] - 1 - i) * self.dilation
+            out = out + xc[:, span - shift:span - shift + t] * w[:, i]
+        state["conv"] = xc[:, xc.shape[1] - span:]
+        return out
+
+    def row_ids(self, cids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                state: dict | None = None) -> list[torch.Tensor]:
+        """The row ids (B, T) each table reads for ``cids``, as ``forward`` computes them (``state``: a KV
+        cache's, read and not changed), e.g. for an offload engine that fetches rows before the layer runs."""
+        if state is None:
+            return self._rows(cids, doc_ids)
+        keep = self.dilation - 1
+        past = state.get("ids")
+        if past is None:   # before the row start: padding, as the full forward pads
+            past = cids.new_full((cids.shape[0], keep), -1)
+        return [r[:, keep:] for r in self._rows(torch.cat([past, cids], dim=1), None)]
+
+    def _rows_cached(self, cids: torch.Tensor, state: dict) -> list[torch.Tensor]:
+        """``_rows`` of the new ids after the cached last max(orders) - 1 ids (-1 before the row start, the
+        full forward's padding); the cache then keeps the last max(orders) - 1 ids."""
+        rows = self.row_ids(cids, None, state)
+        keep = self.dilation - 1
+        past = state.get("ids")
+        full = cids if past is None else torch.cat([past, cids], dim=1)
+        if full.shape[1] < keep:
+            full = F.pad(full, (keep - full.shape[1], 0), value=-1)
+        state["ids"] = full[:, full.shape[1] - keep:]
+        return rows
+
     def _rows(self, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> list[torch.Tensor]:
         rows, t = [], 0
         for n in self.orders:
             grams = [cids]
             for j in range(1, n):
-                prev = F.pad(cids, (j, 0), value=0)[:, :-j]
-                if doc_ids is not None:  # a token from another document counts as padding (id 0)
+                prev = F.pad(cids, (j, 0), value=-1)[:, :-j]
+                if doc_ids is not None:  # a token from another document counts as padding (-1)
                     prev_doc = F.pad(doc_ids, (j, 0), value=-1)[:, :-j]
-                    prev = torch.where(prev_doc == doc_ids, prev, torch.zeros_like(prev))
-                grams.append(prev + 1)  # +1 so padding (0) differs from token id 0
+                    prev = torch.where(prev_doc == doc_ids, prev, torch.full_like(prev, -1))
+                grams.append(prev + 1)  # +1: padding (-1) hashes as 0, token id k as k + 1
             for _ in range(self.heads):
                 mix = torch.zeros_like(cids)
                 for j, g in enumerate(grams):

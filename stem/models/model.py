@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from stem.models.config import ModelConfig
-from stem.models.dse import DSEMemory, token_compression
+from stem.models.dse import DSE_MODES, DSEMemory, token_compression
 from stem.models.ffn import build_ffn
 from stem.models.registry import OPTIM_GROUPS, param_roles
 from stem.models.rope import apply_rope, inv_frequencies, rope_cos_sin
@@ -29,6 +29,7 @@ class KVCache:
     k: list = field(default_factory=list)
     v: list = field(default_factory=list)
     length: int = 0
+    dse: dict = field(default_factory=dict)   # layer -> DSE memory state (its N-gram history and conv inputs)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if layer == len(self.k):
@@ -81,7 +82,7 @@ class Block(nn.Module):
 
     def forward(self, x, ids, cos, sin, mask, cache=None, layer=0, cids=None, doc_ids=None):
         if self.dse is not None:
-            x = x + self.dse(x, cids, doc_ids)
+            x = x + self.dse(x, cids, doc_ids, None if cache is None else cache.dse.setdefault(layer, {}))
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
         return x + self.ffn(self.ffn_norm(x), ids)
 
@@ -130,6 +131,9 @@ class Transformer(nn.Module):
                 nn.init.ones_(m.weight)
         self.inv_freq.copy_(inv_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)[0])
         self.dse_compress.copy_(torch.arange(self.cfg.vocab_size))
+        for m in self.modules():   # DSE hash constants: buffers not saved with the weights
+            if isinstance(m, DSEMemory):
+                m.reset_buffers()
 
     def set_training_options(self, activation_checkpointing: bool = False, flex_attention: bool = False):
         """How training runs, not what it computes: recompute each block in backward (activation
@@ -143,6 +147,17 @@ class Transformer(nn.Module):
     def set_dse_vocabulary(self, tok):
         """DSE's vocabulary compression from the tokenizer's token texts (saved with the weights)."""
         self.dse_compress.copy_(token_compression(tok, self.cfg.vocab_size).to(self.dse_compress.device))
+
+    def set_dse_mode(self, mode: str):
+        """Inference-only override of every DSE gate (stem.models.dse: ``normal``, ``disabled``, ``forced``);
+        changes no parameter or buffer, so neither training nor checkpoints see it."""
+        if mode not in DSE_MODES:
+            raise ValueError(f"dse_mode {mode!r}: expected one of {', '.join(DSE_MODES)}")
+        mems = [m for m in self.modules() if isinstance(m, DSEMemory)]
+        if not mems and mode != "normal":
+            raise ValueError(f"dse_mode {mode!r}: this model has no DSE memory")
+        for m in mems:
+            m.mode = mode
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(self, ids, targets=None, positions=None, cache: KVCache | None = None, attn_mask=None):
@@ -210,7 +225,7 @@ class Transformer(nn.Module):
 
     @property
     def supports_kv_cache(self) -> bool:
-        return self.cfg.dse is None  # DSE's n-gram history and convolution are recomputed without it
+        return True  # DSE layers keep their N-gram history and convolution inputs in the cache (KVCache.dse)
 
     # ---- parameter groups and accounting ---------------------------------------------------------
     def param_groups(self) -> dict[str, list[nn.Parameter]]:

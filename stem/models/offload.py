@@ -19,6 +19,13 @@ Which modules are tables: the registry's parameter roles. A submodule of a layer
 ``lookup`` role for its own ``weight`` is a token-indexed table (the FFN calls it with the token ids, as an
 ``nn.Embedding``); it is replaced by an ``OffloadedTable``, which holds no parameters.
 
+DSE tables (the hashed N-gram memory, stem.models.dse): every DSE layer's order x head tables are offloaded
+too (``dse_tables``). Their row ids are hashes of the token ids (and, under a KV cache, of the cached last
+ids), so the pre-hook computes them before any layer runs (``DSEMemory.row_ids``) and fetches them in layer
+order with the STEM rows: a DSE layer's rows, all its tables at once, are one fetch of the chain. Each DSE
+table has its own row space, so its own ``LFUCache`` of min(cache_rows, its rows) rows. A table that is
+asked for rows other than the announced ones (a call the pre-hook did not foresee) reads them synchronously.
+
 Cache (``LFUCache``): one directory for all STEM layers (they read the same ids), rows per layer. An id's
 count is the number of tokens that have read it over the engine's life, cached or not. After each forward
 the cache holds the ``cache_rows`` ids with the highest count among the ids it held and the forward's misses;
@@ -128,6 +135,33 @@ class LFUCache:
         return {int(i) for i in self.held if i >= 0}
 
 
+class OffloadedHashedTable(nn.Module):
+    """Stands where a DSE table was (called with its row ids, as the ``nn.Embedding``): rows from the engine."""
+
+    def __init__(self, engine: "OffloadEngine", index: int, shape: tuple[int, int]):
+        super().__init__()
+        self.engine, self.index, self.shape = engine, index, shape
+        self.embedding_dim = shape[1]
+
+    def forward(self, rows):
+        return self.engine.lookup_hashed(self.index, rows)
+
+    def extra_repr(self) -> str:
+        return f"{self.shape[0]}, {self.shape[1]}, offloaded (DSE table {self.index})"
+
+
+@dataclass
+class _Hashed:
+    """One DSE table: its far tier, its own cache directory and near rows, the layer's memory module."""
+    far: object
+    cache: LFUCache
+    near: torch.Tensor
+    memory: nn.Module                # the DSEMemory that owns it (computes the row ids)
+    layer: int
+    k: int                           # its index among the memory's tables
+    row_bytes: int
+
+
 class OffloadedTable(nn.Module):
     """Stands where a table was: its rows come from the engine."""
 
@@ -156,17 +190,45 @@ class _Step:
     admit_slots: torch.Tensor
     fetches: dict = field(default_factory=dict)
     looked_up: set = field(default_factory=set)
+    hashed: list = field(default_factory=list)   # per DSE table: _HashedStep
+    dse_rows: dict = field(default_factory=dict)  # DSE layer -> its tables' fetched rows
+
+
+@dataclass
+class _HashedStep:
+    """One DSE table in one forward: the announced row ids, their dedup and the cache's answer."""
+    rows: torch.Tensor
+    uniq: np.ndarray
+    inverse: torch.Tensor
+    miss: np.ndarray
+    hit_pos: torch.Tensor
+    miss_pos: torch.Tensor
+    hit_slots: torch.Tensor
+    admit: torch.Tensor
+    admit_slots: torch.Tensor
 
 
 class OffloadEngine:
-    def __init__(self, far: list, device: torch.device, dtype: torch.dtype, cache_rows: int, prefetch: bool):
+    def __init__(self, far: list, device: torch.device, dtype: torch.dtype, cache_rows: int, prefetch: bool,
+                 vocab: int | None = None, hashed: list | None = None, order: list | None = None):
+        """``far``: the STEM tables' far tiers, in layer order; ``hashed``: (far tier, DSEMemory, layer, k) of
+        every DSE table; ``order``: the fetch chain in execution order, ("dse", layer) / ("stem", j)."""
         self.far, self.device, self.dtype = far, device, dtype
-        vocab, d_ff = far[0].shape
-        if not 0 <= cache_rows <= vocab:
-            raise ValueError(f"cache_rows={cache_rows}: expected 0 (no cache) to {vocab} (the vocabulary)")
-        self.cache = LFUCache(vocab, cache_rows)
+        vocab = far[0].shape[0] if far else vocab
+        d_ff = far[0].shape[1] if far else 0
+        top, what = (vocab, "the vocabulary") if far else (max(f.shape[0] for f, *_ in hashed), "the largest DSE table")
+        if not 0 <= cache_rows <= top:
+            raise ValueError(f"cache_rows={cache_rows}: expected 0 (no cache) to {top} ({what})")
+        self.cache = LFUCache(vocab, cache_rows if far else 0)
         self.rows = torch.empty((len(far), cache_rows, d_ff), dtype=dtype, device=device)  # near-tier cache rows
         self.row_bytes = d_ff * torch.empty((), dtype=dtype).element_size()
+        self.cache_rows = cache_rows
+        size = torch.empty((), dtype=dtype).element_size()
+        self.hashed = [_Hashed(f, LFUCache(f.shape[0], min(cache_rows, f.shape[0])),
+                               torch.empty((min(cache_rows, f.shape[0]), f.shape[1]), dtype=dtype, device=device),
+                               mem, layer, k, f.shape[1] * size) for f, mem, layer, k in (hashed or [])]
+        self.order = order or [("stem", j) for j in range(len(far))]
+        self.unit = {u: i for i, u in enumerate(self.order)}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="stem-prefetch") if prefetch else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.step: _Step | None = None
@@ -178,50 +240,89 @@ class OffloadEngine:
     def reset(self):
         """An empty cache (same budget) and zeroed counters."""
         self.cache, self.step = LFUCache(len(self.cache.count), self.cache.capacity), None
+        for h in self.hashed:
+            h.cache = LFUCache(len(h.cache.count), h.cache.capacity)
         self.reset_stats()
 
     def reset_stats(self):
         self.forwards = self.total_ids = self.unique_ids = self.hits = self.bytes_moved = 0
+        self.dse_total_rows = self.dse_unique_rows = self.dse_hits = self.dse_bytes_moved = 0
 
     def stats(self) -> dict:
         """hit_rate: cached / unique ids over the forwards (every STEM layer reads the same ids);
-        bytes_moved: far-to-near row bytes, all STEM layers; per token: over every id of every forward."""
+        bytes_moved: far-to-near row bytes, all STEM layers; per token: over every id of every forward.
+        dse_*: the same over the DSE tables (each its own row ids): rows read (one per token and table),
+        unique rows per table and forward, cache hits, bytes moved; all_bytes_per_token: STEM and DSE rows."""
+        per_token = lambda b: b / self.total_ids if self.total_ids else 0.0  # noqa: E731
         return {"forwards": self.forwards, "total_ids": self.total_ids, "unique_ids": self.unique_ids,
                 "hits": self.hits, "hit_rate": self.hits / self.unique_ids if self.unique_ids else 0.0,
                 "unique_per_total": self.unique_ids / self.total_ids if self.total_ids else 0.0,
                 "bytes_moved": self.bytes_moved,
-                "bytes_per_token": self.bytes_moved / self.total_ids if self.total_ids else 0.0,
-                "cache_rows": self.cache.capacity, "stem_layers": len(self.far), "freed_bytes": self.freed_bytes}
+                "bytes_per_token": per_token(self.bytes_moved),
+                "cache_rows": self.cache_rows, "stem_layers": len(self.far), "freed_bytes": self.freed_bytes,
+                "dse_tables": len(self.hashed), "dse_total_rows": self.dse_total_rows,
+                "dse_unique_rows": self.dse_unique_rows, "dse_hits": self.dse_hits,
+                "dse_hit_rate": self.dse_hits / self.dse_unique_rows if self.dse_unique_rows else 0.0,
+                "dse_unique_per_total": self.dse_unique_rows / self.dse_total_rows if self.dse_total_rows else 0.0,
+                "dse_bytes_moved": self.dse_bytes_moved, "dse_bytes_per_token": per_token(self.dse_bytes_moved),
+                "all_bytes_per_token": per_token(self.bytes_moved + self.dse_bytes_moved)}
 
     # ---- one forward ------------------------------------------------------------------------------------
-    def begin(self, ids: torch.Tensor) -> _Step:
-        """Dedup the forward's ids, consult the cache, start fetching the first STEM layer's missing rows."""
-        uniq, inverse, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+    def _dev(self, a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+    def _plan(self, cache: LFUCache, flat: torch.Tensor):
+        """Dedup ``flat`` ids and ask ``cache``: (uniq, inverse, hit mask, hit slots, admitted miss ranks, slots)."""
+        uniq, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
         uniq, counts = uniq.cpu().numpy(), counts.cpu().numpy()
-        hit, hit_slots, admit, admit_slots = self.cache.access(uniq, counts)
-        miss_pos = np.flatnonzero(~hit)
-
-        def dev(a):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-
+        hit, hit_slots, admit, admit_slots = cache.access(uniq, counts)
         miss_rank = np.cumsum(~hit) - 1            # position of each miss among the misses
-        st = _Step(ids, uniq, inverse.to(self.device), uniq[miss_pos], dev(np.flatnonzero(hit)), dev(miss_pos),
-                   dev(hit_slots), dev(miss_rank[admit]), dev(admit_slots))
+        return uniq, inverse, hit, hit_slots, miss_rank[admit], admit_slots
+
+    def begin(self, ids: torch.Tensor, hashed_rows: list | None = None) -> _Step:
+        """Dedup the forward's ids, consult the cache, start fetching the first layer's missing rows.
+        ``hashed_rows``: the row ids (B, T) of every DSE table this forward will read (``dse_row_ids``)."""
+        uniq, inverse, hit, hit_slots, admit, admit_slots = self._plan(self.cache, ids.reshape(-1))
+        miss_pos = np.flatnonzero(~hit)
+        st = _Step(ids, uniq, inverse.to(self.device), uniq[miss_pos], self._dev(np.flatnonzero(hit)),
+                   self._dev(miss_pos), self._dev(hit_slots), self._dev(admit), self._dev(admit_slots))
         self.forwards += 1
         self.total_ids += ids.numel()
-        self.unique_ids += len(uniq)
-        self.hits += int(hit.sum())
-        self.bytes_moved += len(miss_pos) * len(self.far) * self.row_bytes
+        if self.far:
+            self.unique_ids += len(uniq)
+            self.hits += int(hit.sum())
+            self.bytes_moved += len(miss_pos) * len(self.far) * self.row_bytes
+        for h, rows in zip(self.hashed, hashed_rows or []):
+            st.hashed.append(self._plan_hashed(h, rows))
         self.step = st
         self._start(st, 0)
         return st
 
-    def _start(self, st: _Step, j: int):
-        if self.pool is not None and j < len(self.far):
-            st.fetches[j] = self.pool.submit(self._fetch, j, st.miss)
+    def _plan_hashed(self, h: _Hashed, rows: torch.Tensor) -> _HashedStep:
+        uniq, inverse, hit, hit_slots, admit, admit_slots = self._plan(h.cache, rows.reshape(-1))
+        miss_pos = np.flatnonzero(~hit)
+        self.dse_total_rows += rows.numel()
+        self.dse_unique_rows += len(uniq)
+        self.dse_hits += int(hit.sum())
+        self.dse_bytes_moved += len(miss_pos) * h.row_bytes
+        return _HashedStep(rows, uniq, inverse.to(self.device), uniq[miss_pos], self._dev(np.flatnonzero(hit)),
+                           self._dev(miss_pos), self._dev(hit_slots), self._dev(admit), self._dev(admit_slots))
 
-    def _fetch(self, j: int, miss: np.ndarray):
-        rows = self.far[j].gather(miss)
+    def _start(self, st: _Step, u: int):
+        """Start fetching unit ``u`` of the chain (a STEM layer's rows, or all tables of a DSE layer)."""
+        if self.pool is None or u >= len(self.order):
+            return
+        kind, j = self.order[u]
+        if kind == "stem":
+            st.fetches[u] = self.pool.submit(self._fetch, j, st.miss)
+        elif st.hashed:
+            st.fetches[u] = self.pool.submit(self._fetch_hashed, st, j)
+
+    def _fetch_hashed(self, st: _Step, layer: int):
+        return [self._fetch(None, hs.miss, h.far) for h, hs in zip(self.hashed, st.hashed) if h.layer == layer]
+
+    def _fetch(self, j: int | None, miss: np.ndarray, far=None):
+        rows = (self.far[j] if far is None else far).gather(miss)
         if self.stream is None:
             return rows.to(self.device), None
         with torch.cuda.stream(self.stream):
@@ -230,11 +331,28 @@ class OffloadEngine:
             done.record(self.stream)
         return rows, done
 
-    def _wait(self, st: _Step, j: int) -> torch.Tensor:
-        rows, done = st.fetches.pop(j).result() if j in st.fetches else self._fetch(j, st.miss)
+    def _ready(self, fetched) -> torch.Tensor:
+        rows, done = fetched
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
             rows.record_stream(torch.cuda.current_stream(self.device))
+        return rows
+
+    def _wait(self, st: _Step, j: int) -> torch.Tensor:
+        u = self.unit[("stem", j)]
+        return self._ready(st.fetches.pop(u).result() if u in st.fetches else self._fetch(j, st.miss))
+
+    @staticmethod
+    def _assemble(fetched, near, hit_pos, miss_pos, hit_slots, admit, admit_slots, n_uniq, dtype, device):
+        """This forward's unique rows from the cache's hits and the fetched misses; admit misses to the cache."""
+        if len(hit_pos) == 0:
+            rows = fetched
+        else:
+            rows = torch.empty((n_uniq, fetched.shape[1]), dtype=dtype, device=device)
+            rows[hit_pos] = near[hit_slots]
+            rows[miss_pos] = fetched
+        if len(admit):
+            near[admit_slots] = fetched[admit]
         return rows
 
     def lookup(self, j: int, ids: torch.Tensor) -> torch.Tensor:
@@ -244,16 +362,30 @@ class OffloadEngine:
             st = self.begin(ids)
         st.looked_up.add(j)
         fetched = self._wait(st, j)
-        self._start(st, j + 1)                      # the next STEM layer's rows, while this one computes
-        if len(st.hit_pos) == 0:
-            rows = fetched
-        else:
-            rows = torch.empty((len(st.uniq), fetched.shape[1]), dtype=self.dtype, device=self.device)
-            rows[st.hit_pos] = self.rows[j, st.hit_slots]
-            rows[st.miss_pos] = fetched
-        if len(st.admit):
-            self.rows[j, st.admit_slots] = fetched[st.admit]
+        self._start(st, self.unit[("stem", j)] + 1)   # the next layer's rows, while this one computes
+        rows = self._assemble(fetched, self.rows[j], st.hit_pos, st.miss_pos, st.hit_slots, st.admit,
+                              st.admit_slots, len(st.uniq), self.dtype, self.device)
         return rows[st.inverse].view(*ids.shape, -1)
+
+    def lookup_hashed(self, t: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of DSE table ``t`` (engine order) for its row ids ``rows`` (B, T) -> (B, T, dim)."""
+        h, st = self.hashed[t], self.step
+        if st is None or len(st.hashed) <= t or ("dse", t) in st.looked_up or not torch.equal(st.hashed[t].rows, rows):
+            # not announced (or announced otherwise): plan this table alone and read its rows now
+            hs = self._plan_hashed(h, rows)
+            fetched = self._ready(self._fetch(None, hs.miss, h.far))
+        else:
+            st.looked_up.add(("dse", t))
+            hs = st.hashed[t]
+            if h.layer not in st.dse_rows:           # the layer's first table: all its tables' rows arrive
+                u = self.unit[("dse", h.layer)]
+                got = st.fetches.pop(u).result() if u in st.fetches else self._fetch_hashed(st, h.layer)
+                st.dse_rows[h.layer] = [self._ready(g) for g in got]
+                self._start(st, u + 1)               # the next layer's rows, while this one computes
+            fetched = st.dse_rows[h.layer][h.k]
+        out = self._assemble(fetched, h.near, hs.hit_pos, hs.miss_pos, hs.hit_slots, hs.admit, hs.admit_slots,
+                             len(hs.uniq), self.dtype, self.device)
+        return out[hs.inverse].view(*rows.shape, -1)
 
     def close(self):
         """Stop the prefetch thread and detach from the model (the tables stay offloaded)."""
@@ -283,40 +415,73 @@ def token_tables(model) -> list[tuple[nn.Module, str, nn.Module]]:
     return found
 
 
+def dse_tables(model) -> list[tuple[nn.Module, int, int, nn.Module]]:
+    """(DSE memory, layer, k, table) of every hashed DSE table (``memory.tables[k]``), in layer order."""
+    return [(block.dse, i, k, t) for i, block in enumerate(model.layers) if getattr(block, "dse", None) is not None
+            for k, t in enumerate(block.dse.tables)]
+
+
+def dse_row_ids(model, ids, positions=None, cache=None, attn_mask=None) -> list[torch.Tensor]:
+    """The row ids every DSE table of ``model`` reads in ``model(ids, positions=, cache=, attn_mask=)``, in
+    ``dse_tables`` order, computed before the forward (what the forward computes: the documents of
+    ``positions`` when it builds its own mask, the cached last ids under a KV cache)."""
+    from stem.models.model import document_ids
+    cids = model.dse_compress[ids]
+    doc_ids = document_ids(positions) if positions is not None and attn_mask is None else None
+    out = []
+    for i, block in enumerate(model.layers):
+        if getattr(block, "dse", None) is not None:
+            state = None if cache is None else cache.dse.get(i, {})
+            out += block.dse.row_ids(cids, doc_ids, state)
+    return out
+
+
 def offload(model, weights=None, device=None, cache_rows: int = 0, prefetch: bool = True) -> OffloadEngine:
-    """Take ``model``'s STEM tables off the compute device, move the rest to ``device`` (default: where the
-    model is) and serve the tables' rows through an ``OffloadEngine`` (returned; also ``model.offload_engine``).
-    On CUDA the far tier is pinned host memory; on the CPU it is ``weights``, the safetensors file holding
-    the tables under the model's state-dict names (a checkpoint's model.safetensors)."""
-    tables = token_tables(model)
-    if not tables:
-        raise ValueError("offload: the model has no token-indexed tables (a STEM FFN kind) to offload")
+    """Take ``model``'s STEM tables and DSE tables off the compute device, move the rest to ``device`` (default:
+    where the model is) and serve the tables' rows through an ``OffloadEngine`` (returned; also
+    ``model.offload_engine``). On CUDA the far tier is pinned host memory; on the CPU it is ``weights``, the
+    safetensors file holding the tables under the model's state-dict names (a checkpoint's model.safetensors)."""
+    tables, hashed = token_tables(model), dse_tables(model)
+    if not tables and not hashed:
+        raise ValueError("offload: the model has no token-indexed tables (a STEM FFN kind) or DSE tables to offload")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     names = {id(m): n for n, m in model.named_modules()}
-    dtype = tables[0][2].weight.dtype
+    every = [m for _, _, m in tables] + [t for _, _, _, t in hashed]
+    dtype = every[0].weight.dtype
     if weights is not None:
-        far = [MappedRows(weights, f"{names[id(m)]}.weight", dtype) for _, _, m in tables]
-        for (_, _, m), f in zip(tables, far):
+        far = [MappedRows(weights, f"{names[id(m)]}.weight", dtype) for m in every]
+        for m, f in zip(every, far):
             if f.shape != tuple(m.weight.shape):
                 raise ValueError(f"{weights}: {names[id(m)]}.weight has shape {f.shape}, the model's table "
                                  f"{tuple(m.weight.shape)}")
         if device.type == "cuda":
             far = [HostRows(f.read_all()) for f in far]
     elif device.type == "cuda":
-        far = [HostRows(m.weight) for _, _, m in tables]
+        far = [HostRows(m.weight) for m in every]
     else:
         raise ValueError("offload on the CPU reads the tables from a safetensors file: pass weights= "
                          "(e.g. the checkpoint's model.safetensors)")
-    engine = OffloadEngine(far, device, dtype, int(cache_rows), prefetch)
+    stem_layer = [int(names[id(m)].split(".")[1]) for _, _, m in tables]   # layers.{i}.ffn...
+    order = sorted([(layer, 1, ("stem", j)) for j, layer in enumerate(stem_layer)] +
+                   [(layer, 0, ("dse", layer)) for layer in dict.fromkeys(layer for _, layer, _, _ in hashed)])
+    engine = OffloadEngine(far[:len(tables)], device, dtype, int(cache_rows), prefetch, vocab=model.cfg.vocab_size,
+                           hashed=[(f, mem, layer, k) for f, (mem, layer, k, _) in zip(far[len(tables):], hashed)],
+                           order=[u for _, _, u in order])
     for j, (parent, attr, m) in enumerate(tables):
         engine.freed_bytes += m.weight.numel() * m.weight.element_size()
         setattr(parent, attr, OffloadedTable(engine, j, tuple(m.weight.shape)))
+    for t, (mem, _, k, m) in enumerate(hashed):
+        engine.freed_bytes += m.weight.numel() * m.weight.element_size()
+        mem.tables[k] = OffloadedHashedTable(engine, t, tuple(m.weight.shape))
     if next(model.parameters()).device.type != "meta":  # a meta model is materialised by its caller
         model.to(device)
 
     def announce(module, args, kwargs):
         ids = args[0] if args else kwargs["ids"]
-        engine.begin(ids)
+        rows = None
+        if engine.hashed:
+            rows = dse_row_ids(module, ids, kwargs.get("positions"), kwargs.get("cache"), kwargs.get("attn_mask"))
+        engine.begin(ids, rows)
 
     engine.hook = model.register_forward_pre_hook(announce, with_kwargs=True)
     model.offload_engine = engine
@@ -340,7 +505,8 @@ def load_offloaded(ckpt_dir, device="cpu", dtype=torch.float32, cache_rows: int 
         model = build_model(ModelConfig.from_dict(spec["model"]), "meta").to(dtype)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{ckpt / 'config.json'}: bad model config ({e})") from None
-    tables = {f"{n}.weight" for n, m in model.named_modules() if m in {t for _, _, t in token_tables(model)}}
+    offloaded = [t for _, _, t in token_tables(model)] + [t for _, _, _, t in dse_tables(model)]
+    tables = {f"{n}.weight" for n, m in model.named_modules() if any(m is t for t in offloaded)}
     offload(model, weights, device, cache_rows, prefetch)
     model.to_empty(device=device)
     model.init_weights()  # the buffers not saved with the weights (RoPE frequencies); the weights come next

@@ -117,6 +117,8 @@ def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: lis
     for name, table in registry.tables().items():
         b += [page.Heading(3, table.title), page.Table(T.wide(ours.get(name, T.frame([]))), *[table.empty] * bool(table.empty)),
               page.Para(f"[csv](tables/{name}.csv) · [tex](tables/{name}.tex)")]
+        if table.notes and not table.compared:   # a compared table's notes are in the diff, beside its cells
+            b.append(page.Items(tuple(dict.fromkeys(table.notes.values()))))
     b.append(page.Heading(2, "Figures"))
     for f in figures:
         b += [page.Heading(3, f), page.Para(figs[f].caption), page.Image(f, f"figures/{f}.png"),

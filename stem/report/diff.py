@@ -78,8 +78,12 @@ def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
     variant beat the same scale's dense baseline in our results where the paper says it does?"""
     rows = []
     for name in registry.direction_checked():
-        undirected = registry.table(name).undirected
-        paper = P.load_table(registry.table(name).csv).set_index(["scale", "variant", "column"])["value"]
+        t = registry.table(name)
+        undirected = t.undirected
+        paper = P.load_table(t.csv)
+        if t.paper_directions:
+            paper = t.paper_directions(paper, T.ordered_scales(set(ours.get(name, T.frame([]))["scale"])))
+        paper = paper.set_index(["scale", "variant", "column"])["value"]
         mine = ours.get(name, T.frame([])).set_index(["scale", "variant", "column"])["value"]
         for (scale, variant, column), pv in paper.items():
             if variant == "dense" or column in undirected or (scale, "dense", column) not in paper.index:
@@ -88,14 +92,16 @@ def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
             o, o_base = mine.get((scale, variant, column), math.nan), mine.get((scale, "dense", column), math.nan)
             o_delta = math.nan if T._isnan(o) or T._isnan(o_base) else float(o) - float(o_base)
             rows.append({"table": name, "scale": scale, "variant": variant, "column": column,
-                         "paper_delta": p_delta, "ours_delta": o_delta, "paper_says": _verdict(p_delta),
-                         "ours": "missing" if T._isnan(o_delta) else _verdict(o_delta),
+                         "paper_delta": p_delta, "ours_delta": o_delta,
+                         "paper_says": _verdict(p_delta, column in t.lower_better),
+                         "ours": "missing" if T._isnan(o_delta) else _verdict(o_delta, column in t.lower_better),
                          "agree": None if T._isnan(o_delta) else bool(np.sign(p_delta) == np.sign(o_delta))})
     return pd.DataFrame(rows, columns=["table", "scale", "variant", "column", "paper_delta", "ours_delta",
                                        "paper_says", "ours", "agree"])
 
 
-def _verdict(delta: float) -> str:
+def _verdict(delta: float, lower_better: bool = False) -> str:
+    delta = -delta if lower_better else delta
     return "beats baseline" if delta > 0 else "trails baseline" if delta < 0 else "ties baseline"
 
 
@@ -240,7 +246,7 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
         f"Of these, parameter / GFLOPs cells (the accounting saved with each checkpoint): "
         f"**{s['architecture_matching']}/{s['architecture_cells']}** within tolerance (see the Table 3 notes)",
         f"Config vs Table 2: **{s['config_matching']}/{s['config_cells']}** hyperparameter cells match",
-        f"Directions (variant vs dense baseline, Tables 3–6): agree **{s['directions']['agree']}**, "
+        f"Directions (variant vs dense baseline, Tables 3–6 and the DSE paper's Table 1): agree **{s['directions']['agree']}**, "
         f"disagree **{s['directions']['disagree']}**, missing **{s['directions']['missing']}**",
         f"Places where the paper disagrees with itself: **{s['paper_inconsistencies']}** (see below)",
         "Tolerances (absolute): accuracy points / params (B) / GFLOPs / ROI as configured in `report.tolerance`;"

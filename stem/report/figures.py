@@ -317,15 +317,18 @@ def hit_rate_figure(r: dict):
     ax.plot(xs, [100 * x["hit_rate_warm"] for x in r["hit_rate_curve"]], "s--", color="#2ca02c",
             label="same, counts warmed on the training split")
     ax.axhline(80, color="#d62728", ls="--", lw=1, label="paper: > 80 % (Sec. 3.4)")
-    ax.axvline(r["memory"]["cache_budget_rows"], color="0.4", ls=":", lw=1,
-               label="d_model rows = removed up-projection's memory")
+    dse = not r["shapes"]["stem_layers"]   # a DSE checkpoint: rows per hashed table, no removed projection
+    if r["memory"].get("cache_budget_rows"):
+        ax.axvline(r["memory"]["cache_budget_rows"], color="0.4", ls=":", lw=1,
+                   label="d_model rows = removed up-projection's memory")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 100)
-    ax.set_xlabel(f"cache rows per STEM layer (V = {r['shapes']['vocab']})")
+    ax.set_xlabel("cache rows per DSE table (hashed N-gram rows)" if dse else
+                  f"cache rows per STEM layer (V = {r['shapes']['vocab']})")
     ax.set_ylabel("hit rate (%)")
     ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Offloaded STEM tables: hit rate vs cache size\n{T.experiment_label(r['experiment'] or '?')}",
-                 fontsize=10)
+    fig.suptitle(f"Offloaded {'DSE' if dse else 'STEM'} tables: hit rate vs cache size\n"
+                 f"{T.experiment_label(r['experiment'] or '?')}", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -4,6 +4,10 @@ Every CSV is long format with columns ``table,scale,variant,row,column,value,uni
 ``scale`` is ``350m``/``1b`` (empty where not applicable), ``variant`` a stable id (see
 ``VARIANT_LABELS``), ``row`` the paper's row label, ``column`` a stable metric id and ``source``
 the provenance (printed row/column header, or a verbatim quote of the paper text).
+
+Another paper's tables live in their own folder under ``reference/`` and are named ``folder/table``
+(``dse_paper/table1``: the DSE paper, Cheng et al., "Conditional Memory via Scalable Lookup"); ``available_tables``
+lists the STEM paper's only.
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from pathlib import Path
 
 import pandas as pd
 
-PAPER_DIR = Path(__file__).resolve().parents[2] / "reference" / "paper"
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "reference"
+PAPER_DIR = REFERENCE_DIR / "paper"
+OTHER_PAPERS = ("dse_paper",)   # folders under reference/ holding another paper's tables
 COLUMNS = ["table", "scale", "variant", "row", "column", "value", "unit", "source"]
 
 VARIANT_LABELS = {
@@ -23,7 +29,7 @@ VARIANT_LABELS = {
     "stem_dagger": "STEM†",
     "stem_half": "STEM-1/2",
     "stem_full": "STEM-full",
-    "dse": "DSE",
+    "dse": "DSE (Cheng et al.)",   # the DSE paper's method (not a STEM paper variant)
     "stem_sparse": "STEM (sparse update)",   # not a paper variant: STEM with optim.table_update: sparse
     "moe": "MoE",                             # the DSE paper's routed MoE baseline (DeepSeekMoE)
 }
@@ -43,11 +49,17 @@ def available_tables() -> list[str]:
     return sorted(p.stem for p in PAPER_DIR.glob("*.csv"))
 
 
+def other_tables() -> list[str]:
+    """The other papers' tables, as ``folder/table``."""
+    return sorted(f"{d}/{p.stem}" for d in OTHER_PAPERS for p in (REFERENCE_DIR / d).glob("*.csv"))
+
+
 @lru_cache(maxsize=None)
 def _read(name: str) -> pd.DataFrame:
-    if name not in available_tables():
-        raise ValueError(f"unknown paper table {name!r}; available: {', '.join(available_tables())}")
-    df = pd.read_csv(PAPER_DIR / f"{name}.csv", dtype=str, keep_default_na=False)
+    if name not in available_tables() and name not in other_tables():
+        raise ValueError(f"unknown paper table {name!r}; available: {', '.join(available_tables() + other_tables())}")
+    path = REFERENCE_DIR / f"{name}.csv" if "/" in name else PAPER_DIR / f"{name}.csv"
+    df = pd.read_csv(path, dtype=str, keep_default_na=False)
     numeric = pd.to_numeric(df["value"], errors="coerce")
     if numeric.notna().all():
         df["value"] = numeric.astype(float)

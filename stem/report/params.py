@@ -31,14 +31,17 @@ def _fmt(n: float) -> str:
 
 
 def to_markdown(rows: list[dict], title: str) -> str:
-    head = "| Scale | Variant | Label | #Total | #Total (paper conv.) | #Active | GFLOPs/token | Sparse layers |"
-    lines = [f"# {title}", "", head, "|" + "---|" * 8]
+    head = ("| Scale | Variant | Label | #Total | #Total (paper conv.) | #Active | GFLOPs/token | Sparse layers | "
+            "P_tot | P_act | DSE params |")
+    lines = [f"# {title}", "", head, "|" + "---|" * 11]
     for r in rows:
         lines.append(f"| {r['scale']} | {r['variant']} | {r['label']} | {_fmt(r['total_params'])} | "
                      f"{_fmt(r['paper_total_params'])} | {_fmt(r['active_params'])} | {r['gflops_per_token']:.4f} | "
-                     f"{r['n_sparse_layers']}: {r['sparse_layers'] or '-'} |")
+                     f"{r['n_sparse_layers']}: {r['sparse_layers'] or '-'} | {_fmt(r['p_tot'])} | {_fmt(r['p_act'])} | "
+                     f"{_fmt(r['dse_params']) if r['dse_params'] else '-'} |")
     lines += ["", "#Total: exact count of the model as built. #Total (paper conv.): dense total + "
               "n_STEM_layers x V x d_ff (Table 3's convention; exact count for Hash-MoE, MoE and DSE). #Active: parameters "
               "in matrix products per token (table lookups and unselected experts excluded). GFLOPs/token = "
-              "2 x #Active / 1e9."]
+              "2 x #Active / 1e9. P_tot, P_act: the DSE paper's convention (its Sec. 3.1), without the vocabulary "
+              "embedding and LM head; DSE params: the hashed DSE tables."]
     return "\n".join(lines) + "\n"

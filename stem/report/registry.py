@@ -5,7 +5,8 @@ A table is registered with ``@paper_table(name, title, ...)`` on its builder, a 
 stem.report.workflow), the table writer, the diff, the figures, the README and the HTML report all iterate
 ``tables()`` / ``figures()``; none of them names a table or a figure. The paper's own tables and figures are
 registered when stem.report.tables and stem.report.figures are imported, the analyze stage's by
-stem.analysis.report, the DSE sweeps' by stem.sweeps.report (``BUILTIN``); ``tables()`` and ``figures()`` import them first. This module imports nothing of the project.
+stem.analysis.report and stem.analysis.mechanism_report, the DSE sweeps' by stem.sweeps.report (``BUILTIN``);
+``tables()`` and ``figures()`` import them first. This module imports nothing of the project.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-BUILTIN = ("stem.report.tables", "stem.report.figures", "stem.analysis.report", "stem.sweeps.report")   # modules that register tables, figures
+BUILTIN = ("stem.report.tables", "stem.report.figures", "stem.analysis.report",
+           "stem.analysis.mechanism_report", "stem.sweeps.report")   # modules that register tables, figures
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")   # a file name under reports/ and a Snakemake output / wildcard value
 RESERVED = {"md", "long", "reproduced"}   # rule report_tables' other outputs, tables/reproduced.csv
 
@@ -43,6 +45,9 @@ class PaperTable:
     inputs(cfg) -> files its builder reads besides the training summaries and eval JSONs (inputs of the
         workflow's report_tables rule).
     paper_cells(df) -> the reference cells as compared (default: ``csv`` as it is).
+    paper_directions(df, scales) -> the reference cells as the direction check reads them, keyed like ours
+        (scale, variant, column) at our ``scales`` (default: ``csv`` as it is); for another paper's models.
+    lower_better: columns where a lower value beats the baseline (a loss); the check's sign is the same.
     empty: what its Markdown, the README and the HTML say when it has no rows (None: page.Table's default).
     """
     name: str
@@ -57,6 +62,8 @@ class PaperTable:
     notes: dict = field(default_factory=dict)
     inputs: Callable | None = None
     paper_cells: Callable | None = None
+    paper_directions: Callable | None = None
+    lower_better: tuple = ()
     empty: str | None = None
 
     def __post_init__(self):
