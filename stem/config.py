@@ -6,36 +6,17 @@ the jobs whose spec changed (it is passed as a rule parameter).
 """
 from __future__ import annotations
 
-import copy
 import math
-from pathlib import Path
 
-import yaml
-
+from stem.config_base import REPO, VARIANTS, ConfigError, read_yaml, variants  # noqa: F401 (re-exported)
+from stem.config_base import deep_merge as _deep_merge
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 
-REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "config" / "schema.yaml"
-VARIANTS = REPO / "config" / "variants.yaml"
 SCALES = ("350m", "1b")
 STAGES = ("pretrain", "midtrain", "extend")
 TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
                   "tensorboard": False}
-
-
-class ConfigError(ValueError):
-    """A config problem, reported as one line naming the file, the key and what is expected."""
-
-
-def read_yaml(path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a YAML mapping at the top level")
-    return data
 
 
 def load_experiment(path) -> dict:
@@ -149,18 +130,6 @@ def _cross_check(cfg: dict, origin: str):
 
 
 # ---- variants and models -------------------------------------------------------------------------
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def variants(cfg: dict) -> dict:
-    base = read_yaml(VARIANTS)
-    return {name: _deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {})) for name, spec in base.items()}
-
-
 def variant_spec(cfg: dict, variant: str) -> dict:
     """A variant's spec: one of config/variants.yaml (with variant_overrides), or a point of the config's
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings

@@ -199,6 +199,21 @@ def test_mechanism_analyses_end_to_end(tiny_data, tmp_path, monkeypatch):
     d = analyze(ckpts["dse"], {"analysis": "dse_disabled", "job": job, "eval": ev, "modes": ["disabled"],
                                "categories": {"factual": ["arc_easy"], "context": ["boolq"]}}, tmp_path / "d.json")
     assert d["modes"] == ["normal", "disabled"] and len(d["items"]["disabled"]["boolq"]) == 6
+    # the synthetic-world tasks: closed-book facts, and a counterfactual fact stated in the context
+    from stem.analysis.dse_disabled import world_queries
+    probe = {"items": 12, "choices": 3, "seed": 0}
+    q = world_queries(make_world(**world), tok, probe)
+    for (p, cands), (pc, cc) in zip(q["world_closed_book"], q["world_in_context"]):
+        prompt, stated = tok.decode(p), tok.decode(cc[0])
+        assert tok.decode(pc) == f"{prompt}{stated}. {prompt}" and len(cands) == len(cc) == 3
+        assert tok.decode(cands[0]) not in [tok.decode(c) for c in cc]   # the true value is not a choice
+    w = analyze(ckpts["dse"], {"analysis": "dse_disabled", "job": job, "eval": ev, "modes": ["forced"], "world": world,
+                               "world_probe": probe, "categories": {"factual": ["world_closed_book"],
+                                                                    "context": ["world_in_context"]}}, tmp_path / "w.json")
+    for mode in ("normal", "forced"):
+        for t in ("world_closed_book", "world_in_context"):
+            hits = w["items"][mode][t]
+            assert len(hits) == 12 and w["accuracy"][mode][t] == pytest.approx(100 * sum(hits) / 12)
     from stem.eval.run import lm_eval_suite
     from stem.eval.lm import StemLM
     lm = StemLM(str(ckpts["dse"]), batch_size=8, dse_mode="disabled")

@@ -14,6 +14,7 @@ import yaml
 from conftest import job_counts
 from stem import config as C
 from stem import sweeps as S
+from stem.sweeps import results as SR
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,16 +134,16 @@ def test_rho_points_keep_p_tot_and_p_act():
 # ---- the fit ---------------------------------------------------------------------------------------------------
 def test_loglinear_fit_of_an_exact_series():
     x = [1_000, 4_000, 16_000, 64_000, 256_000]
-    f = S.fit_loglinear(x, [3.5 - 0.042 * math.log10(v) for v in x])
+    f = SR.fit_loglinear(x, [3.5 - 0.042 * math.log10(v) for v in x])
     assert f["slope_per_decade"] == pytest.approx(-0.042, abs=1e-12) and f["intercept"] == pytest.approx(3.5)
     assert f["r2"] == pytest.approx(1.0) and f["n"] == 5
-    noisy = S.fit_loglinear(x, [3.0, 2.9, 2.95, 2.7, 2.75])   # numpy's polyfit of the same points, by hand:
+    noisy = SR.fit_loglinear(x, [3.0, 2.9, 2.95, 2.7, 2.75])   # numpy's polyfit of the same points, by hand:
     lx = [math.log10(v) for v in x]
     mx, my = sum(lx) / 5, sum([3.0, 2.9, 2.95, 2.7, 2.75]) / 5
     b = sum((a - mx) * (c - my) for a, c in zip(lx, [3.0, 2.9, 2.95, 2.7, 2.75])) / sum((a - mx) ** 2 for a in lx)
     assert noisy["slope_per_decade"] == pytest.approx(b) and 0 < noisy["r2"] < 1
     with pytest.raises(ValueError, match="at least two distinct x values"):
-        S.fit_loglinear([10, 10], [1.0, 2.0])
+        SR.fit_loglinear([10, 10], [1.0, 2.0])
 
 
 # ---- ids and validation ----------------------------------------------------------------------------------------
@@ -239,13 +240,13 @@ def test_collect_slots_writes_the_fit_and_refuses_a_wrong_model(tmp_path):
         path = tmp_path / "tiny/350m" / p["variant"] / "pretrain/summary.json"
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(_summary(cfg, p["variant"], p, loss)))
-    r = S.collect(cfg, "slots", tmp_path)
+    r = SR.collect(cfg, "slots", tmp_path)
     assert r["fit"]["slope_per_decade"] == pytest.approx(-0.05) and r["fit"]["r2"] == pytest.approx(1.0)
     assert [x["val_loss"] for x in r["points"]] == losses and r["label"].startswith("experiment: tiny")
-    md = S.markdown(r)
+    md = SR.markdown(r)
     assert "b = **-0.0500** per decade" in md and "| slots_64 | 64 | 1,320 |" in md
     from stem.report.figures import save
-    save(S.figure(r), tmp_path / "slots.png")
+    save(SR.figure(r), tmp_path / "slots.png")
     assert (tmp_path / "slots.png").stat().st_size > 10_000
     # the report's figure: drawn from the sweep's JSON when sweeps.in_all asks for it, a placeholder otherwise
     from stem.report import figures as F
@@ -261,13 +262,13 @@ def test_collect_slots_writes_the_fit_and_refuses_a_wrong_model(tmp_path):
     s = json.loads(bad.read_text())
     bad.write_text(json.dumps({**s, "total_params": s["total_params"] + 1}))
     with pytest.raises(ValueError, match=r"slots_256/pretrain/summary.json: key 'total_params': .* is not the sweep's"):
-        S.collect(cfg, "slots", tmp_path)
+        SR.collect(cfg, "slots", tmp_path)
     bad.write_text(json.dumps({**s, "active_params": s["active_params"] - 64}))
     with pytest.raises(ValueError, match=r"slots_256/pretrain/summary.json: key 'active_params': .* \(P_act 313,024 "):
-        S.collect(cfg, "slots", tmp_path)
+        SR.collect(cfg, "slots", tmp_path)
     bad.unlink()
     with pytest.raises(ValueError, match="slots_256/pretrain/summary.json: missing"):
-        S.collect(cfg, "slots", tmp_path)
+        SR.collect(cfg, "slots", tmp_path)
 
 
 def test_collect_rho_marks_the_optimum(tmp_path):
@@ -278,12 +279,12 @@ def test_collect_rho_marks_the_optimum(tmp_path):
         path = tmp_path / "tiny/350m" / p["variant"] / "pretrain/summary.json"
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(_summary(cfg, p["variant"], p, losses[p["variant"]])))
-    r = S.collect(cfg, "rho", tmp_path)
+    r = SR.collect(cfg, "rho", tmp_path)
     assert r["optimum"]["variant"] == "rho_0p833" and r["optimum"]["gain_vs_pure_moe"] == pytest.approx(0.05)
     assert r["target"] == {"p_tot": 666_944, "p_act": 298_304}
-    assert "Lowest validation loss: **rho_0p833**" in S.markdown(r)
+    assert "Lowest validation loss: **rho_0p833**" in SR.markdown(r)
     from stem.report.figures import save
-    save(S.figure(r), tmp_path / "rho.png")
+    save(SR.figure(r), tmp_path / "rho.png")
     assert (tmp_path / "rho.png").stat().st_size > 10_000
 
 

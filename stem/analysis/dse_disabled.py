@@ -11,29 +11,77 @@ The categories are configured (``categories``): the paper contrasts factual-know
 closed-book world-fact tasks (ARC-e/c: a question about a country or person with four answers; OpenBookQA:
 "The capital of X is" with four capitals) and ``context`` is BoolQ, whose passage states the country's facts
 the yes/no question asks about. Per-item scores are kept for paired comparisons.
+
+Two more tasks come from the synthetic world itself (``world``: an experiment with a world; many more items
+than the fixtures): ``world_closed_book``, a world fact in the training templates' wording with its answer
+among ``choices`` candidates of the same relation (the knowledge capacity probe's items, stem.analysis.
+capacity), and ``world_in_context``, the same prompt after one sentence stating a *counterfactual* value
+("The capital of X is Y. The capital of X is" -> " Y"), the true value left out of the candidates, so only
+the context can answer it (reading comprehension at its simplest: copy the stated fact).
 """
 from __future__ import annotations
 
+import random
+
 MODES = ("normal", "disabled", "forced")
+WORLD_TASKS = ("world_closed_book", "world_in_context")
+
+
+def world_queries(world, tok, probe: dict) -> dict[str, list]:
+    """{task: [(prompt ids, [candidate ids...]) with the answer first]} for the two world tasks."""
+    from stem.analysis.capacity import world_items
+    from stem.analysis.common import encode
+    rng = random.Random(f"dse_disabled:{probe['seed']}")
+    items = world_items(world)
+    pools: dict[str, list[str]] = {}
+    for it in items:
+        pools.setdefault(it["relation"], [])
+        if it["answer"] not in pools[it["relation"]]:
+            pools[it["relation"]].append(it["answer"])
+    chosen = rng.sample(items, min(probe["items"], len(items)))
+    out = {t: [] for t in WORLD_TASKS}
+    for it in chosen:
+        wrong = [a for a in pools[it["relation"]] if a != it["answer"]]
+        k = min(probe["choices"] - 1, len(wrong) - 1)
+        closed = [it["answer"]] + rng.sample(wrong, k)
+        stated, *others = rng.sample(wrong, k + 1)        # the counterfactual value and its distractors
+        out["world_closed_book"].append((encode(tok, it["prompt"]), [encode(tok, c) for c in closed]))
+        out["world_in_context"].append((encode(tok, f"{it['prompt']}{stated}. {it['prompt']}"),
+                                        [encode(tok, c) for c in [stated] + others]))
+    return out
 
 
 def run(ckpt_dir, spec: dict) -> dict:
     from stem.eval.lm import StemLM
     from stem.eval.run import kind_of
 
+    from stem.analysis.common import score_many, world_of
+
     ev, cats = spec["eval"], spec["categories"]
     tasks = [t for ts in cats.values() for t in ts]
-    ev = {**ev, "tasks": tasks}
+    world_tasks = [t for t in tasks if t in WORLD_TASKS]
+    if world_tasks and not (spec.get("world") and spec.get("world_probe")):
+        raise ValueError(f"analysis dse_disabled: categories name {world_tasks}, which need the experiment's "
+                         "synthetic world and the key 'analysis.dse_disabled.world_probe'")
+    ev = {**ev, "tasks": [t for t in tasks if t not in WORLD_TASKS]}
     lm = StemLM(str(ckpt_dir), device=spec.get("device"), batch_size=ev["batch_size"])
     if lm.model.cfg.dse is None:
         raise ValueError(f"checkpoint {ckpt_dir}: the model has no DSE memory (analysis dse_disabled is for DSE models)")
+    queries = world_queries(world_of(spec), lm.tok, spec["world_probe"]) if world_tasks else {}
     modes = ["normal"] + [m for m in spec["modes"] if m != "normal"]
-    acc, items = {}, {}
+    acc, items, metric, harness = {}, {}, {t: "acc (world probe)" for t in world_tasks}, None
     for mode in modes:
         lm.model.set_dse_mode(mode)
-        norm, raw, harness = kind_of(ev).run(lm, ev, spec.get("limit"))
-        acc[mode] = {t: norm["tasks"][t]["value"] for t in tasks}
-        items[mode] = {t: _items(raw, t, norm["tasks"][t]["metric"]) for t in tasks}
+        acc[mode], items[mode] = {}, {}
+        if ev["tasks"]:
+            norm, raw, harness = kind_of(ev).run(lm, ev, spec.get("limit"))
+            for t in ev["tasks"]:
+                metric[t] = norm["tasks"][t]["metric"]
+                acc[mode][t] = norm["tasks"][t]["value"]
+                items[mode][t] = _items(raw, t, metric[t])
+        for t in world_tasks:   # the lm-eval model's weights, in its dtype
+            hits = [float(int(sc.argmax()) == 0) for sc, _ in score_many(lm.model, queries[t])]
+            acc[mode][t], items[mode][t] = 100.0 * sum(hits) / len(hits), hits
     lm.model.set_dse_mode("normal")
     rows = []
     for mode in modes[1:]:
@@ -44,7 +92,7 @@ def run(ckpt_dir, spec: dict) -> dict:
                 rows.append({"mode": mode, "category": cat, "task": name, "accuracy": got, "full_accuracy": full,
                              "retained": 100.0 * got / full if full else None})
     return {"analysis": "dse_disabled", "suite": ev["suite"], "harness": harness, "modes": modes,
-            "categories": cats, "metric": {t: norm["tasks"][t]["metric"] for t in tasks}, "accuracy": acc,
+            "categories": cats, "metric": metric, "accuracy": acc,
             "retained": rows, "items": items}
 
 

@@ -239,3 +239,6 @@ def _register():
 
 
 _register()
+
+
+AR.EXTRA_DIRECTIONS.append(mechanism_directions)   # the DSE paper's claims (Sec. 6, App. G) in the directions table

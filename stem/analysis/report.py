@@ -136,8 +136,12 @@ def analysis_directions(all_res: dict) -> list[dict]:
         rows.append({"table": "heaps", "scale": s, "variant": v, "column": "1 - beta", "stage": st,
                      "paper_delta": 1.0, "ours_delta": 1 - beta, "lo": None, "hi": None, "n": len(r["lengths"]),
                      "verdict": "agree" if 0 < beta < 1 and grows else "disagree", "source": CLAIMS["heaps"]})
-    from stem.analysis.mechanism_report import mechanism_directions   # the DSE paper's claims (Sec. 6, App. G)
-    return rows + mechanism_directions(all_res)
+    return rows + [row for more in EXTRA_DIRECTIONS for row in more(all_res)]
+
+
+# Direction rows of other report modules, each a function (all results -> rows) they append here when imported
+# (stem.report.registry imports every BUILTIN module): stem.analysis.mechanism_report's DSE paper claims.
+EXTRA_DIRECTIONS: list = []
 
 
 def _legend(ax):

@@ -95,7 +95,7 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
     if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
         from pathlib import Path
         spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
-    if cfg.get("world") and name in ("editing", "capacity", "cka"):
+    if cfg.get("world") and name in ("editing", "capacity", "cka", "dse_disabled"):
         spec["world"] = cfg["world"]
     if name in WITH_BASELINE:
         from stem import layout as L
@@ -109,7 +109,9 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
         from stem.eval.run import suite_spec
         spec["eval"] = suite_spec(cfg, spec["suite"])
         groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
+        from stem.analysis.dse_disabled import WORLD_TASKS   # torch-free module
         known = set(spec["eval"]["tasks"]) | {t for g in spec["eval"]["tasks"] for t in groups.get(g, [])}
+        known |= set(WORLD_TASKS) if cfg.get("world") else set()
         for cat, tasks in spec["categories"].items():
             if set(tasks) - known:
                 raise ValueError(f"key 'analysis.dse_disabled.categories.{cat}': tasks {sorted(set(tasks) - known)} "

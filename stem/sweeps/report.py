@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 from stem.report import registry
-from stem.sweeps import figure, in_all
+from stem.sweeps import in_all
+from stem.sweeps.results import figure
 
 
 def _report_inputs(kind):

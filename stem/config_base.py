@@ -1,0 +1,39 @@
+"""The bottom of the config layer: the repository, config/variants.yaml, YAML reading and the config error
+(stem.config re-exports them; stem.sweeps uses them without importing stem.config, which imports it)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = REPO / "config" / "variants.yaml"
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line naming the file, the key and what is expected."""
+
+
+def read_yaml(path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a YAML mapping at the top level")
+    return data
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def variants(cfg: dict) -> dict:
+    """config/variants.yaml with the experiment's ``variant_overrides`` merged over each variant."""
+    base = read_yaml(VARIANTS)
+    return {name: deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {})) for name, spec in base.items()}
