@@ -29,7 +29,13 @@ smoke: $(STAMP)
 	     "report: reports/tiny/README.md and reports/tiny/report.html"
 
 test: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -p no:cacheprovider -n 2 --dist loadgroup
+	@# Two pytest runs side by side (README "Environment"): the real-Slurm tests (marker `slurm`: they mostly wait
+	@# on the scheduler) and the rest of the suite; the Slurm run's output is printed after the other's.
+	@export PATH=$(abspath $(VENV))/bin:$$PATH; log=$$(mktemp); \
+	$(PY) -m pytest -p no:cacheprovider -m slurm > $$log 2>&1 & pid=$$!; \
+	$(PY) -m pytest -p no:cacheprovider -m "not slurm"; rest=$$?; \
+	wait $$pid; slurm=$$?; echo "== the real-Slurm tests (pytest -m slurm) =="; cat $$log; rm -f $$log; \
+	test $$rest -eq 0 && test $$slurm -eq 0
 
 lint: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --lint

@@ -68,12 +68,3 @@ def job_counts(stdout: str) -> dict:
             break
         counts[parts[0]] = int(parts[1])
     return counts
-
-
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): the tests on the
-    real Slurm (the module-scoped ``slurm`` cluster) on one, everything else on the other. The Slurm tests
-    mostly wait on the scheduler's polls, so the rest of the suite runs beside them. Without xdist the mark
-    does nothing."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("slurm" if "slurm" in item.fixturenames else "main"))
