@@ -179,3 +179,13 @@ def test_routed_moe_traces_and_the_closed_form_follows():
     assert r["peak_gib"] * GIB > 16 * n / WORLD
     est = memory.estimate(model, r["micro_batch"], r["seq_len"], WORLD, "fsdp")
     assert est["total_gib"] == pytest.approx(r["peak_gib"], rel=0.10)
+
+
+def test_the_pre_run_check_covers_the_dags_sweep_points():
+    """The onstart check (rules/train.smk) traces what the DAG trains, the sweeps' generated variants included,
+    not only the experiment's matrix."""
+    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
+    point = ("350m", "rho_0p9", "pretrain")
+    assert memory.gpu_jobs(cfg, {point, ("1b", "stem", "pretrain")}) == [("1b", "stem", "pretrain"), point]
+    assert point not in memory.gpu_jobs(cfg)                        # the matrix alone
+    assert C.train_spec(cfg, *point)["model"]["dse"]["rows_per_head"] > 0   # a job spec the tracer takes

@@ -225,12 +225,14 @@ def job_layout(cfg: dict, scale: str) -> tuple[int, int]:
     return max(1, t["nodes"] * t["gpus_per_node"]), t["gpus_per_node"]
 
 
-def gpu_jobs(cfg: dict) -> list[tuple[str, str, str]]:
-    """The training jobs of an experiment that run on GPUs (only those have GPU memory to check)."""
+def gpu_jobs(cfg: dict, only=None) -> list[tuple[str, str, str]]:
+    """The training jobs that run on GPUs (only those have GPU memory to check): ``only`` (a set of (scale,
+    variant, stage), e.g. a DAG's, sweep points included), else the experiment's matrix."""
     from stem import config as C
     if cfg["device"] == "cpu":
         return []
-    return [j for j in C.train_targets(cfg) if job_layout(cfg, j[0])[1] > 0]
+    jobs = sorted(only) if only is not None else C.train_targets(cfg)
+    return [j for j in jobs if job_layout(cfg, j[0])[1] > 0]
 
 
 def _trace_key(spec: dict, world: int, strategy: str) -> str:
@@ -287,7 +289,7 @@ def check(cfg: dict, cache_dir, workers: int = 1, only=None) -> list[str]:
     peak exceeds ``cluster.gpu_mem_gib``; none if that is unset."""
     from stem import config as C
     cluster = cfg.get("cluster") or {}
-    limit, jobs = cluster.get("gpu_mem_gib"), [j for j in gpu_jobs(cfg) if only is None or j in only]
+    limit, jobs = cluster.get("gpu_mem_gib"), gpu_jobs(cfg, only)
     if limit is None or not jobs:
         return []
     strategy = cluster.get("strategy", "fsdp")
