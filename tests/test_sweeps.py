@@ -70,9 +70,12 @@ def test_counts_against_a_hand_computation():
 
 
 def test_table_rows_are_the_dse_modules_primes():
-    from stem.models.dse import distinct_primes
-    for start, n in [(2, 5), (64, 8), (1021, 16), (65536, 16)]:
-        assert list(S.table_rows(start, n)) == distinct_primes(start, n)
+    from stem.models.config import DSEConfig, ModelConfig
+    from stem.models.dse import DSEMemory
+    for start, n in [(2, 4), (64, 8), (1021, 16), (65536, 16)]:   # n tables = 2 orders x n / 2 heads, 1 dim each
+        cfg = ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=8, max_seq_len=8,
+                          dse=DSEConfig(layers=(0,), heads=n // 2, rows_per_head=start, d_mem=n))
+        assert list(S.table_rows(start, n)) == DSEMemory(cfg, 0).primes.tolist()
     assert list(S.table_rows(64, 8)) == _naive_primes(64, 8)
 
 

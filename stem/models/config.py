@@ -9,10 +9,44 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from stem.models.registry import check_ffn_kind
 
 TABLE_INITS = ("xavier_normal", "normal")
+
+
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin (exact below 3.3e24)."""
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+    if n < 2 or any(n % p == 0 for p in small):
+        return n in small
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+@lru_cache(maxsize=4096)
+def table_rows(rows_per_head: int, tables: int) -> tuple[int, ...]:
+    """The rows of a DSE layer's ``tables`` tables: the first ``tables`` primes >= ``rows_per_head`` (distinct
+    primes, one per order x head; stem.models.dse builds them, stem.sweeps counts them)."""
+    out, n = [], rows_per_head
+    while len(out) < tables:
+        if _is_prime(n):
+            out.append(n)
+        n += 1
+    return tuple(out)
 OPTIONAL = {"omit_default": True}   # field metadata: left out of to_dict() at its default (see ModelConfig.to_dict)
 
 

@@ -23,21 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stem.models.config import DSEConfig, ModelConfig
+from stem.models.config import DSEConfig, ModelConfig, table_rows
 from stem.models.registry import Role
-
-
-def _is_prime(n: int) -> bool:
-    return n > 1 and all(n % p for p in range(2, int(n ** 0.5) + 1))
-
-
-def distinct_primes(start: int, count: int) -> list[int]:
-    out, n = [], start
-    while len(out) < count:
-        if _is_prime(n):
-            out.append(n)
-        n += 1
-    return out
 
 
 def normalise_token(text: str) -> str:
@@ -97,7 +84,7 @@ class DSEMemory(nn.Module):
         """(a distinct prime row count per table, seeded odd multipliers per table and N-gram position)."""
         seed, rows, n_tables, n_max = self._hash
         rng = random.Random(seed)
-        primes = distinct_primes(rows, n_tables)
+        primes = list(table_rows(rows, n_tables))
         return primes, [[rng.randrange(1, 1 << 20) | 1 for _ in range(n_max)] for _ in range(n_tables)]
 
     def reset_buffers(self):
@@ -147,20 +134,16 @@ class DSEMemory(nn.Module):
 
     def _causal_conv_cached(self, x: torch.Tensor, state: dict) -> torch.Tensor:
         """``_causal_conv`` of the new positions x (B, t, d) after the cached inputs ``state['conv']``
-        (B, (W-1) x dilation, d); the same terms in the same order (a tap before the row start adds zero
-        where the full forward skips it), then the cache keeps the last (W-1) x dilation inputs."""
-        w, t = self.conv.weight[:, 0, :], x.shape[1]
-        span = (w.shape[1] - 1) * self.dilation
+        (B, (W-1) x dilation, d; zeros before the row start): the same terms in the same order (a tap before the
+        row start adds zero where the full forward skips it); the cache then keeps the last (W-1) x dilation
+        inputs."""
+        span = (self.conv.weight.shape[-1] - 1) * self.dilation
         past = state.get("conv")
         if past is None:
             past = x.new_zeros(x.shape[0], span, x.shape[2])
         xc = torch.cat([past, x], dim=1)
-        out = torch.zeros_like(x)
-        for i in range(w.shape[1]):
-            shift = (w.shape[1] - 1 - i) * self.dilation
-            out = out + xc[:, span - shift:span - shift + t] * w[:, i]
         state["conv"] = xc[:, xc.shape[1] - span:]
-        return out
+        return self._causal_conv(xc, None)[:, span:]
 
     def row_ids(self, cids: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 state: dict | None = None) -> list[torch.Tensor]:
@@ -168,22 +151,21 @@ class DSEMemory(nn.Module):
         cache's, read and not changed), e.g. for an offload engine that fetches rows before the layer runs."""
         if state is None:
             return self._rows(cids, doc_ids)
-        keep = self.dilation - 1
+        return [r[:, self.dilation - 1:] for r in self._rows(self._with_cached_ids(cids, state), None)]
+
+    def _with_cached_ids(self, cids: torch.Tensor, state: dict) -> torch.Tensor:
+        """The cached last max(orders) - 1 compressed ids (-1 before the row start: padding, as the full
+        forward pads) followed by ``cids``."""
         past = state.get("ids")
-        if past is None:   # before the row start: padding, as the full forward pads
-            past = cids.new_full((cids.shape[0], keep), -1)
-        return [r[:, keep:] for r in self._rows(torch.cat([past, cids], dim=1), None)]
+        if past is None:
+            past = cids.new_full((cids.shape[0], self.dilation - 1), -1)
+        return torch.cat([past, cids], dim=1)
 
     def _rows_cached(self, cids: torch.Tensor, state: dict) -> list[torch.Tensor]:
-        """``_rows`` of the new ids after the cached last max(orders) - 1 ids (-1 before the row start, the
-        full forward's padding); the cache then keeps the last max(orders) - 1 ids."""
+        """``row_ids`` under the cache; the cache then keeps the last max(orders) - 1 ids."""
         rows = self.row_ids(cids, None, state)
-        keep = self.dilation - 1
-        past = state.get("ids")
-        full = cids if past is None else torch.cat([past, cids], dim=1)
-        if full.shape[1] < keep:
-            full = F.pad(full, (keep - full.shape[1], 0), value=-1)
-        state["ids"] = full[:, full.shape[1] - keep:]
+        full = self._with_cached_ids(cids, state)
+        state["ids"] = full[:, full.shape[1] - (self.dilation - 1):]
         return rows
 
     def _rows(self, cids: torch.Tensor, doc_ids: torch.Tensor | None) -> list[torch.Tensor]:

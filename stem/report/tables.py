@@ -22,8 +22,9 @@ PAPER_ROW = {"table6": {"dense": "Base"},  # Table 6 calls the baseline "Base"
 COMMONSENSE_LABELS = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "boolq": "BoolQ", "piqa": "PIQA",
                       "social_iqa": "SIQA", "hellaswag": "HSwag", "openbookqa": "OBQA", "winogrande": "Wino",
                       "avg": "Avg"}
-UNITS = {"p_tot_b": "B params", "p_act_b": "B params", "dse_params_b": "B params", "total_params_b": "B params", "total_params_exact_b": "B params", "active_params_b": "B params",
-         "gflops_per_token": "GFLOPs/token", "roi": "x (vs same-scale baseline)", "val_loss": "nats"}
+UNITS = {"p_tot_b": "B params", "p_act_b": "B params", "dse_params_b": "B params", "total_params_b": "B params",
+         "total_params_exact_b": "B params", "active_params_b": "B params", "gflops_per_token": "GFLOPs/token",
+         "roi": "x (vs same-scale baseline)", "val_loss": "nats"}
 INF = math.inf
 LONGBENCH = {  # column -> (group, lo, hi) in thousands of tokens
     "lb_multi_lt4k": ("multi", 0, 4), "lb_multi_4_8k": ("multi", 4, 8), "lb_multi_ge8k": ("multi", 8, INF),

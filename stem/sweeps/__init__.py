@@ -26,13 +26,15 @@ import copy
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
+
+from stem.models.config import ModelConfig, table_rows
+
+MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
 KINDS = ("rho", "slots")
 ID = re.compile(r"^(rho|slots)_[0-9][0-9p]*$")
-# the routed MoE FFN's defaults (stem.models.config.ModelConfig: moe_experts, moe_shared, moe_top_k, moe_d_ff)
-MOE_DEFAULTS = {"moe_experts": 8, "moe_shared": 1, "moe_top_k": 2, "moe_d_ff": 0}
 TOLERANCE = {"p_tot": 0.001, "p_act": 0.03}   # relative deviations from the rho = 1 model's, default
 CLAIMS = {
     "rho": ("DSE paper Sec. 3.1 / Fig. 2 left: validation loss vs rho is U-shaped; the pure MoE (rho = 1) is not "
@@ -63,42 +65,6 @@ def is_sweep_id(name: str) -> bool:
 
 
 # ---- parameter arithmetic (torch-free) --------------------------------------------------------------------
-def _is_prime(n: int) -> bool:
-    """Deterministic Miller-Rabin (exact below 3.3e24)."""
-    if n < 2:
-        return False
-    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
-    if n in small:
-        return True
-    if any(n % p == 0 for p in small):
-        return False
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d, s = d // 2, s + 1
-    for a in small:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-@lru_cache(maxsize=4096)
-def table_rows(rows_per_head: int, tables: int) -> tuple[int, ...]:
-    """The rows of a DSE layer's tables: the first ``tables`` primes >= rows_per_head (stem.models.dse)."""
-    out, n = [], rows_per_head
-    while len(out) < tables:
-        if _is_prime(n):
-            out.append(n)
-        n += 1
-    return tuple(out)
-
-
 @dataclass(frozen=True)
 class Counts:
     """Parameters of a model without its token embedding and LM head (the DSE paper's Sec. 3.1 convention)."""
@@ -115,7 +81,8 @@ class Counts:
 
 
 def _moe(m: dict, key: str) -> int:
-    return int(m.get(key, MOE_DEFAULTS[key]))
+    """A routed-MoE field of a resolved model config, ModelConfig's default where absent."""
+    return int(m.get(key, MODEL_DEFAULTS[key]))
 
 
 def counts(m: dict) -> Counts:
