@@ -1,0 +1,120 @@
+"""A training-stage checkpoint -> a transformers model folder (``python -m stem export-hf CHECKPOINT OUT``).
+
+- dense (with a RoPE transformers has: none, theta, linear, yarn with ``ramp: dims``, llama3): a stock
+  ``LlamaForCausalLM`` folder that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads without remote code;
+- every other FFN kind (stem, stem_gate, stem_dagger, hashmoe, moe; any placement), and a dense model with the
+  YaRN paper's ramp (``ramp: rotations``, which transformers' ``yarn`` does not implement): the same Llama
+  layout plus ``configuration_stem.py`` / ``modeling_stem.py`` (stem/hf/remote/) named in ``auto_map``
+  (``trust_remote_code=True``);
+- DSE (hashed N-gram memory) is refused: its memory has no transformers counterpart here.
+
+The folder holds config.json, model.safetensors (fp32, the checkpoint's tensors renamed: stem.hf.keys),
+generation_config.json and the tokenizer as ``PreTrainedTokenizerFast`` files; it is written atomically.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+
+from stem.data.tokenizer import load_tokenizer
+from stem.hf.keys import to_hf
+from stem.hf.remote.configuration_stem import StemLlamaConfig
+from stem.io import atomic_dir
+from stem.models.config import ModelConfig
+from stem.train.checkpoint import load_checkpoint
+
+REMOTE = Path(__file__).parent / "remote"
+REMOTE_FILES = ("configuration_stem.py", "modeling_stem.py")
+AUTO_MAP = {"AutoConfig": "configuration_stem.StemLlamaConfig",
+            "AutoModelForCausalLM": "modeling_stem.StemLlamaForCausalLM"}
+
+
+def hf_rope(cfg: ModelConfig) -> tuple[dict, dict | None]:
+    """(transformers ``rope_parameters``, ``stem_rope``): the second is the pipeline's own scaling, carried by the
+    remote code, where transformers has no rope type that computes the same frequencies (the YaRN paper's ramp)."""
+    r, theta = cfg.rope_scaling, float(cfg.rope_theta)
+    if r.kind == "none":
+        return {"rope_type": "default", "rope_theta": theta}, None
+    if r.kind == "theta":
+        return {"rope_type": "default", "rope_theta": float(r.theta)}, None
+    if r.kind == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(r.factor)}, None
+    if r.kind == "llama3":
+        return {"rope_type": "llama3", "rope_theta": theta, "factor": float(r.factor),
+                "low_freq_factor": float(r.low_freq_factor), "high_freq_factor": float(r.high_freq_factor),
+                "original_max_position_embeddings": int(r.original_max_seq_len)}, None
+    if r.kind == "yarn" and r.ramp == "dims":   # transformers' yarn: ramp linear in the (floored/ceiled) dimension
+        return {"rope_type": "yarn", "rope_theta": theta, "factor": float(r.factor), "beta_fast": float(r.beta_fast),
+                "beta_slow": float(r.beta_slow), "original_max_position_embeddings": int(r.original_max_seq_len),
+                "truncate": True}, None
+    if r.kind == "yarn":   # ramp: rotations
+        return {"rope_type": "default", "rope_theta": theta}, {
+            "factor": float(r.factor), "beta_fast": float(r.beta_fast), "beta_slow": float(r.beta_slow),
+            "original_max_seq_len": int(r.original_max_seq_len)}
+    raise ValueError(f"rope_scaling.kind={r.kind!r}: no transformers equivalent")
+
+
+def needs_remote_code(cfg: ModelConfig) -> bool:
+    return any(k != "dense" for k in cfg.ffn) or hf_rope(cfg)[1] is not None
+
+
+def hf_config(cfg: ModelConfig, eos_id: int):
+    """The transformers config of a pipeline model (LlamaConfig, or StemLlamaConfig with its auto_map)."""
+    if cfg.dse is not None:
+        raise ValueError(f"DSE memory at layers {list(cfg.dse.layers)}: no transformers export of the DSE memory "
+                         "(its hashed N-gram tables and gated convolution are not in stem/hf/remote/)")
+    rope, stem_rope = hf_rope(cfg)
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+                  head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                  rope_parameters=rope, tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos_id,
+                  pad_token_id=None, initializer_range=cfg.init_std, dtype="float32")
+    if not needs_remote_code(cfg):
+        return LlamaConfig(**common, architectures=["LlamaForCausalLM"])
+    out = StemLlamaConfig(**common, architectures=["StemLlamaForCausalLM"], ffn_kinds=list(cfg.ffn),
+                          n_experts=cfg.n_experts, moe_experts=cfg.moe_experts, moe_shared=cfg.moe_shared,
+                          moe_top_k=cfg.moe_top_k, moe_d_ff=cfg.moe_d_ff, stem_rope=stem_rope,
+                          stem_model=cfg.to_dict())
+    out.auto_map = dict(AUTO_MAP)
+    return out
+
+
+def hf_state_dict(model) -> dict:
+    """The model's saved tensors under transformers' names (fp32, contiguous, on the CPU)."""
+    state = {}
+    for name, t in model.state_dict().items():
+        if name == "dse_compress":
+            continue   # saved only for DSE models, which are refused
+        state[to_hf(name)] = t.detach().float().contiguous().cpu() if t.is_floating_point() else t.contiguous().cpu()
+    return state
+
+
+def export_hf(checkpoint, out) -> dict:
+    """Write the transformers folder ``out`` for the checkpoint folder ``checkpoint``; returns a summary."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    model, spec = load_checkpoint(checkpoint, "cpu")
+    tok_file = checkpoint / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ValueError(f"{tok_file}: missing (the checkpoint's tokenizer is exported with it)")
+    tok = load_tokenizer(tok_file)
+    config = hf_config(model.cfg, tok.eos_id)
+    remote = isinstance(config, StemLlamaConfig)
+    with atomic_dir(out) as tmp:
+        config.save_pretrained(tmp)
+        save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        GenerationConfig(eos_token_id=tok.eos_id, bos_token_id=None, pad_token_id=None,
+                         do_sample=False).save_pretrained(tmp)
+        PreTrainedTokenizerFast(tokenizer_file=str(tok_file), eos_token=tok.eos_token,
+                                model_max_length=model.cfg.max_seq_len).save_pretrained(tmp)
+        for name in REMOTE_FILES if remote else ():
+            shutil.copyfile(REMOTE / name, tmp / name)
+        (tmp / "stem_source.json").write_text(json.dumps(
+            {k: spec.get(k) for k in ("experiment", "scale", "variant", "stage")} | {"checkpoint": str(checkpoint)},
+            indent=2) + "\n")
+    return {"out": str(out), "architecture": config.architectures[0], "trust_remote_code": remote,
+            "rope_parameters": config.rope_parameters, "stem_rope": getattr(config, "stem_rope", None),
+            "variant": spec.get("variant"), "stage": spec.get("stage")}

@@ -1,0 +1,174 @@
+"""A STEM-pipeline model for transformers: ``LlamaForCausalLM`` whose FFN ("mlp") of some layers is another
+kind (written by ``python -m stem export-hf``; load with ``trust_remote_code=True``).
+
+- ``stem``        y = W_d(SiLU(W_g x) * U[t])              (U: the layer's V x d_ff table, read by token id t)
+- ``stem_gate``   y = W_d(SiLU(U[t]) * W_u x)
+- ``stem_dagger`` y = W_d(SiLU(W_g x) * (W_u x + U[t]))
+- ``hashmoe``     top-1 of E SwiGLU experts chosen by a fixed token -> expert map (a saved buffer)
+- ``moe``         shared SwiGLU + softmax-routed top-k experts (gates not renormalised; routing in fp32)
+
+Everything else (attention, norms, RoPE, cache, generation) is transformers' Llama. The token ids reach the
+table / hash layers through the model's forward (``input_ids`` is required; ``inputs_embeds`` is refused).
+``config.stem_rope`` (the YaRN paper's ramp, linear in the rotation count r, which transformers' ``yarn``
+does not implement) replaces the rotary embedding by ``PaperYarnRotaryEmbedding``.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaForCausalLM
+
+from .configuration_stem import StemLlamaConfig
+
+
+class _TokenIds:
+    """The current forward's token ids, shared by the layers that read them."""
+    ids = None
+
+
+def _swiglu(x, w_gate, w_up, w_down):
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return _swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+class StemMLP(nn.Module):
+    def __init__(self, config, kind, token_ids):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.kind, self.token_ids = kind, token_ids
+        if kind in ("stem", "stem_dagger"):
+            self.gate_proj = nn.Linear(d, f, bias=False)
+        if kind in ("stem_gate", "stem_dagger"):
+            self.up_proj = nn.Linear(d, f, bias=False)
+        self.table = nn.Embedding(config.vocab_size, f)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        u = self.table(self.token_ids.ids)
+        if self.kind == "stem":
+            h = F.silu(self.gate_proj(x)) * u
+        elif self.kind == "stem_gate":
+            h = F.silu(u) * self.up_proj(x)
+        else:
+            h = F.silu(self.gate_proj(x)) * (self.up_proj(x) + u)
+        return self.down_proj(h)
+
+
+class HashMoEMLP(nn.Module):
+    def __init__(self, config, token_ids):
+        super().__init__()
+        e, d, f = config.n_experts, config.hidden_size, config.intermediate_size
+        self.token_ids = token_ids
+        self.w_gate = nn.Parameter(torch.empty(e, f, d))
+        self.w_up = nn.Parameter(torch.empty(e, f, d))
+        self.w_down = nn.Parameter(torch.empty(e, d, f))
+        self.register_buffer("expert_of_token", torch.zeros(config.vocab_size, dtype=torch.long))
+
+    def forward(self, x):
+        flat, expert = x.reshape(-1, x.shape[-1]), self.expert_of_token[self.token_ids.ids.reshape(-1)]
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=self.w_up.shape[0]).tolist()
+        ys = [_swiglu(h, self.w_gate[e], self.w_up[e], self.w_down[e])
+              for e, h in enumerate(flat.index_select(0, order).split(counts))]
+        return torch.cat(ys).index_select(0, torch.argsort(order)).reshape(x.shape)
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, e, d, f):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(e, f, d))
+        self.w_up = nn.Parameter(torch.empty(e, f, d))
+        self.w_down = nn.Parameter(torch.empty(e, d, f))
+
+
+class RoutedMoEMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, f = config.hidden_size, config.moe_d_ff or config.intermediate_size
+        self.n_experts, self.top_k = config.moe_experts, config.moe_top_k
+        self.router = nn.Linear(d, config.moe_experts, bias=False)
+        self.shared = SwiGLU(d, config.moe_shared * f) if config.moe_shared else None
+        self.experts = RoutedExperts(config.moe_experts, d, f)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        t, k = flat.shape[0], self.top_k
+        scores = F.linear(flat.float(), self.router.weight.float()).softmax(dim=-1)
+        gates, chosen = torch.topk(scores, k, dim=-1)
+        expert = chosen.reshape(-1)
+        counts = torch.bincount(expert, minlength=self.n_experts).tolist()
+        order = torch.argsort(expert, stable=True)
+        ex = self.experts
+        ys = [_swiglu(h, ex.w_gate[e], ex.w_up[e], ex.w_down[e])
+              for e, h in enumerate(flat.index_select(0, order // k).split(counts))]
+        out = torch.cat(ys).index_select(0, torch.argsort(order)).view(t, k, -1)
+        y = (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view(x.shape)
+
+
+def paper_yarn_inv_freq(head_dim, theta, rope):
+    """YaRN (Peng et al. 2023) as its paper writes it: dimension d turns r = L / lambda_d times over the
+    original context L; gamma(r) = clamp((r - alpha) / (beta - alpha), 0, 1);
+    theta_d' = (1 - gamma) theta_d / s + gamma theta_d; attention temperature sqrt(1/t) = 0.1 ln s + 1."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    s, alpha, beta, length = rope["factor"], rope["beta_slow"], rope["beta_fast"], rope["original_max_seq_len"]
+    gamma = ((length * inv / (2 * math.pi) - alpha) / (beta - alpha)).clamp(0, 1)
+    return ((1 - gamma) * inv / s + gamma * inv).float(), 0.1 * math.log(s) + 1.0
+
+
+class PaperYarnRotaryEmbedding(nn.Module):
+    """cos/sin as LlamaRotaryEmbedding returns them, from the paper-ramp YaRN frequencies (computed per call:
+    head_dim / 2 numbers, so nothing depends on how buffers are initialised on load)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.theta, self.rope = config.rope_parameters["rope_theta"], config.stem_rope
+
+    def forward(self, x, position_ids):
+        inv_freq, scale = paper_yarn_inv_freq(self.head_dim, self.theta, self.rope)
+        freqs = position_ids[..., None].float() * inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
+
+
+class StemLlamaForCausalLM(LlamaForCausalLM):
+    config_class = StemLlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._token_ids = _TokenIds()
+        for layer, kind in zip(self.model.layers, config.ffn_kinds):
+            if kind in ("stem", "stem_gate", "stem_dagger"):
+                layer.mlp = StemMLP(config, kind, self._token_ids)
+            elif kind == "hashmoe":
+                layer.mlp = HashMoEMLP(config, self._token_ids)
+            elif kind == "moe":
+                layer.mlp = RoutedMoEMLP(config)
+            elif kind != "dense":
+                raise ValueError(f"ffn_kinds: unknown FFN kind {kind!r}")
+        if getattr(config, "stem_rope", None):
+            self.model.rotary_emb = PaperYarnRotaryEmbedding(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, *args, **kwargs):
+        if input_ids is None:
+            raise ValueError("this model reads token ids in its FFN layers: pass input_ids, not inputs_embeds")
+        self._token_ids.ids = input_ids
+        try:
+            return super().forward(input_ids, *args, **kwargs)
+        finally:
+            self._token_ids.ids = None
