@@ -115,6 +115,11 @@ def cmd_memory(args):
         sys.exit(2)
 
 
+def cmd_export_hf(args):
+    from stem.hf.export import export_hf  # transformers: imported only by this command
+    print(json.dumps(export_hf(args.checkpoint, args.out), indent=2))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m stem", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -183,6 +188,10 @@ def main(argv=None):
     m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=int, default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
+    x = sub.add_parser("export-hf", help="a checkpoint folder -> a transformers folder (docs/huggingface.md)")
+    x.add_argument("checkpoint", help="a checkpoint folder written by a training stage")
+    x.add_argument("out", help="the transformers folder to write (replaced atomically)")
+    x.set_defaults(fn=cmd_export_hf)
     args = p.parse_args(argv)
     try:
         args.fn(args)
