@@ -120,6 +120,11 @@ def cmd_export_hf(args):
     print(json.dumps(export_hf(args.checkpoint, args.out), indent=2))
 
 
+def cmd_import_hf(args):
+    from stem.hf.importer import import_hf, log_stderr
+    print(json.dumps(import_hf(args.source, args.out, log=log_stderr), indent=2))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m stem", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -192,6 +197,11 @@ def main(argv=None):
     x.add_argument("checkpoint", help="a checkpoint folder written by a training stage")
     x.add_argument("out", help="the transformers folder to write (replaced atomically)")
     x.set_defaults(fn=cmd_export_hf)
+    i = sub.add_parser("import-hf", help="a transformers Llama folder or hub id -> a checkpoint folder "
+                                         "(docs/huggingface.md)")
+    i.add_argument("source", help="a transformers model folder, or a hub id org/name")
+    i.add_argument("out", help="the checkpoint folder to write (replaced atomically)")
+    i.set_defaults(fn=cmd_import_hf)
     args = p.parse_args(argv)
     try:
         args.fn(args)

@@ -58,7 +58,10 @@ class RopeScaling:
     ``factor``); ``yarn`` (Peng et al. 2023: NTK-by-parts interpolation by ``factor`` over
     ``original_max_seq_len`` with the paper's alpha = ``beta_slow`` and beta = ``beta_fast`` rotation
     bounds, and its attention temperature). ``ramp``: ``rotations`` (the paper: gamma linear in the
-    rotation count r) or ``dims`` (the reference code and transformers: linear in the dimension index).
+    rotation count r) or ``dims`` (the reference code and transformers: linear in the dimension index);
+    ``llama3`` (Llama 3.1/3.2's published scaling: wavelengths above ``original_max_seq_len / low_freq_factor``
+    divided by ``factor``, below ``original_max_seq_len / high_freq_factor`` kept, smoothly blended between).
+    ``low_freq_factor`` / ``high_freq_factor`` are left out of a spec JSON at their defaults (``OPTIONAL``).
     """
 
     kind: str = "none"
@@ -68,16 +71,21 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     ramp: str = "rotations"
+    low_freq_factor: float = field(default=1.0, metadata=OPTIONAL)    # llama3
+    high_freq_factor: float = field(default=4.0, metadata=OPTIONAL)   # llama3
 
     def __post_init__(self):
-        if self.kind not in ("none", "theta", "linear", "yarn"):
-            raise ValueError(f"rope_scaling.kind={self.kind!r}: expected one of none, theta, linear, yarn")
+        if self.kind not in ("none", "theta", "linear", "yarn", "llama3"):
+            raise ValueError(f"rope_scaling.kind={self.kind!r}: expected one of none, theta, linear, yarn, llama3")
         if self.kind == "theta" and not self.theta:
             raise ValueError("rope_scaling.kind='theta' needs rope_scaling.theta (the new base)")
-        if self.kind in ("linear", "yarn") and self.factor < 1:
+        if self.kind in ("linear", "yarn", "llama3") and self.factor < 1:
             raise ValueError(f"rope_scaling.factor={self.factor}: expected >= 1")
-        if self.kind == "yarn" and not self.original_max_seq_len:
-            raise ValueError("rope_scaling.kind='yarn' needs rope_scaling.original_max_seq_len")
+        if self.kind in ("yarn", "llama3") and not self.original_max_seq_len:
+            raise ValueError(f"rope_scaling.kind={self.kind!r} needs rope_scaling.original_max_seq_len")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"rope_scaling.low_freq_factor={self.low_freq_factor}, high_freq_factor="
+                             f"{self.high_freq_factor}: expected 0 < low_freq_factor < high_freq_factor (e.g. 1 and 4)")
         if self.kind == "yarn" and not 0 < self.beta_slow < self.beta_fast:
             raise ValueError(f"rope_scaling.beta_slow={self.beta_slow}, beta_fast={self.beta_fast}: "
                              "expected 0 < beta_slow < beta_fast (the paper's alpha < beta, e.g. 1 and 32)")
@@ -167,9 +175,10 @@ class ModelConfig:
         keys) only when they differ from their default, so the spec JSON of a model that does not use them,
         and the jobs Snakemake reruns, stay as they were. ``from_dict`` fills them back in."""
         d = dataclasses.asdict(self)
-        for f in dataclasses.fields(self):
-            if f.metadata.get("omit_default") and d[f.name] == f.default:
-                del d[f.name]
+        for obj, out in ((self, d), (self.rope_scaling, d["rope_scaling"])):
+            for f in dataclasses.fields(obj):
+                if f.metadata.get("omit_default") and out[f.name] == f.default:
+                    del out[f.name]
         return d
 
     @classmethod

@@ -15,6 +15,14 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling.kind == "linear":
         return (inv / scaling.factor).float(), 1.0
+    if scaling.kind == "llama3":
+        # Llama 3.1/3.2 (the published rope_scaling of type llama3): wavelength w_d = 2 pi / theta_d over the
+        # original context L; w_d < L / high_freq_factor kept, w_d > L / low_freq_factor divided by s, between
+        # theta_d' = (1 - k) theta_d / s + k theta_d with k = (L / w_d - low) / (high - low).
+        s, low, high, length = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_seq_len
+        ratio = length * inv / (2 * math.pi)                 # L / w_d
+        k = ((ratio - low) / (high - low)).clamp(0, 1)       # 0: long wavelengths (scaled), 1: short (kept)
+        return ((1 - k) * inv / s + k * inv).float(), 1.0
     if scaling.kind == "yarn":
         # YaRN (Peng et al., 2023). NTK-by-parts (Sec. 3.2): dimension d turns r = L / lambda_d times over
         # the original context L; gamma(r) = 0 below alpha, 1 above beta, linear between;

@@ -1,0 +1,194 @@
+"""A transformers Llama-architecture folder (or hub id) -> the pipeline's model (``python -m stem import-hf``,
+a stage's ``init_from: {hf: <hub id or local folder>}``).
+
+- config.json -> ModelConfig: shapes, ``rms_norm_eps``, RoPE (``rope_parameters`` of transformers 5, or the older
+  ``rope_theta`` + ``rope_scaling``): default, linear, llama3 (stem.models.rope implements it), yarn (transformers'
+  ramp = the pipeline's ``ramp: dims``). Anything the pipeline's model does not compute (biases, another activation,
+  another rope type, a head_dim other than hidden / heads) is refused in one line naming the key.
+- a folder written by ``export-hf`` (model_type ``stem_llama``) carries the pipeline's own model config (any variant).
+- weights: model.safetensors (or its sharded index), renamed (stem.hf.keys). Tied embeddings (Llama-3.2-1B) are
+  untied by copying the embedding into the LM head (the paper's 1B is untied); the copy is reported.
+- tokenizer: the folder's tokenizer.json (import-hf copies it into the checkpoint).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from stem.hf.keys import from_hf
+from stem.models.config import ModelConfig, RopeScaling
+from stem.models.model import build_model
+from stem.train.checkpoint import save_checkpoint
+
+HF_PREFIX = "hf:"   # a stage's init_from {hf: X} is carried in its job spec as the string "hf:X"
+
+
+def resolve(source) -> Path:
+    """A local folder as it is; a hub id ("org/name") downloaded (config, safetensors, tokenizer files)."""
+    path = Path(str(source)).expanduser()
+    if path.is_dir():
+        return path
+    if str(source).count("/") == 1 and not str(source).startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download   # heavy, network: only for a hub id
+        try:
+            return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors"]))
+        except Exception as e:
+            raise ValueError(f"hf {source!r}: not a local folder, and as a hub id it cannot be downloaded "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    raise ValueError(f"hf {source!r}: no such folder (expected a transformers model folder or a hub id org/name)")
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: missing (not a transformers model folder)")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling]:
+    rp = cfg.get("rope_parameters")
+    if not rp:
+        rp = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
+    kind = rp.get("rope_type") or rp.get("type") or "default"
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    original = rp.get("original_max_position_embeddings")
+    if kind == "default":
+        return theta, RopeScaling()
+    if kind == "linear":
+        return theta, RopeScaling(kind="linear", factor=float(rp["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(kind="llama3", factor=float(rp["factor"]), original_max_seq_len=int(original),
+                                  low_freq_factor=float(rp["low_freq_factor"]),
+                                  high_freq_factor=float(rp["high_freq_factor"]))
+    if kind == "yarn":
+        extra = [k for k in ("attention_factor", "mscale", "mscale_all_dim") if rp.get(k) is not None]
+        if extra or rp.get("truncate", True) is False or rp.get("partial_rotary_factor", 1.0) != 1.0:
+            bad = extra[0] if extra else "truncate" if rp.get("truncate", True) is False else "partial_rotary_factor"
+            raise ValueError(f"{where}: key rope_parameters.{bad}={rp[bad]!r}: not supported (the pipeline's yarn has "
+                             "the paper's temperature 0.1 ln s + 1 and transformers' truncated ramp)")
+        return theta, RopeScaling(kind="yarn", ramp="dims", factor=float(rp["factor"]),
+                                  original_max_seq_len=int(original or cfg["max_position_embeddings"]),
+                                  beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1))
+    raise ValueError(f"{where}: key rope_parameters.rope_type={kind!r}: not implemented by the pipeline's RoPE "
+                     "(expected default, linear, llama3 or yarn)")
+
+
+def model_config(folder: Path) -> tuple[ModelConfig, bool]:
+    """(the pipeline's ModelConfig, tied embeddings?) of a transformers folder; one ValueError line naming the key
+    the pipeline's model cannot honour."""
+    cfg, where = _read_config(folder), folder / "config.json"
+    if cfg.get("model_type") == "stem_llama" and isinstance(cfg.get("stem_model"), dict):
+        return ModelConfig.from_dict(cfg["stem_model"]), bool(cfg.get("tie_word_embeddings", False))
+    if cfg.get("model_type") != "llama":
+        raise ValueError(f"{where}: key model_type={cfg.get('model_type')!r}: expected 'llama' (a Llama-architecture "
+                         "checkpoint) or a folder written by python -m stem export-hf")
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1)):
+        if cfg.get(key, want) != want:
+            raise ValueError(f"{where}: key {key}={cfg[key]!r}: expected {want!r} (the pipeline's Llama block)")
+    d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if cfg.get("head_dim") not in (None, d // heads):
+        raise ValueError(f"{where}: key head_dim={cfg['head_dim']}: expected hidden_size / num_attention_heads = "
+                         f"{d // heads} (the pipeline's attention)")
+    theta, rope = _rope(cfg, str(where))
+    mc = ModelConfig(vocab_size=int(cfg["vocab_size"]), d_model=d, n_layers=int(cfg["num_hidden_layers"]),
+                     n_heads=heads, n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                     d_ff=int(cfg["intermediate_size"]), max_seq_len=int(cfg["max_position_embeddings"]),
+                     rope_theta=theta, rope_scaling=rope, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                     init_std=float(cfg.get("initializer_range", 0.02)))
+    return mc, bool(cfg.get("tie_word_embeddings", False))
+
+
+def read_weights(folder: Path) -> dict:
+    """Every tensor of the folder's safetensors file(s), by transformers' name."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for f in files for k, v in load_file(str(folder / f)).items()}
+    raise ValueError(f"{folder}: no model.safetensors (nor model.safetensors.index.json); only safetensors weights "
+                     "are read")
+
+
+def pipeline_state(folder: Path, tied: bool, log=print) -> dict:
+    """The pipeline's state dict (its names) from the folder's weights; tied embeddings untied by copying."""
+    state = {}
+    for name, t in read_weights(folder).items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue   # older transformers saved it; recomputed from the config
+        state[from_hf(name)] = t
+    if tied:
+        state["lm_head.weight"] = state["tok_emb.weight"].clone()
+        log(f"hf {folder}: tie_word_embeddings=true: untied by copying model.embed_tokens.weight into lm_head.weight "
+            "(the paper's models are untied)")
+    elif "lm_head.weight" not in state:
+        raise ValueError(f"{folder}: lm_head.weight missing and tie_word_embeddings is false")
+    return state
+
+
+def load_into(model, state: dict, where) -> None:
+    """Load ``state`` into ``model`` (strict, shapes checked): one ValueError line naming the first bad tensor."""
+    own = model.state_dict()
+    for k, v in state.items():
+        if k not in own:
+            raise ValueError(f"{where}: tensor {k} has no place in the model")
+        if v.shape != own[k].shape:
+            raise ValueError(f"{where}: tensor {k} {tuple(v.shape)} vs model {tuple(own[k].shape)}")
+    missing = [k for k in own if k not in state and k != "dse_compress"]
+    if missing:
+        raise ValueError(f"{where}: tensor {missing[0]} missing from the checkpoint")
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v.to(own[k].dtype))
+
+
+# ModelConfig field -> its transformers config.json key (for one-line mismatch messages)
+HF_KEY = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+          "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "d_ff": "intermediate_size",
+          "rope_theta": "rope_parameters.rope_theta", "norm_eps": "rms_norm_eps"}
+
+
+def check_arch(imported: ModelConfig, want: ModelConfig, where) -> None:
+    """The imported shapes are the stage's: else one line naming the key (context length and RoPE scaling may
+    differ: a stage sets its own)."""
+    for field, key in HF_KEY.items():
+        a, b = getattr(imported, field), getattr(want, field)
+        if a != b:
+            raise ValueError(f"{where}: key {key}={a!r}: the stage's architecture has {field}={b!r}")
+
+
+def load_for_stage(source: str, want: ModelConfig, log=print) -> dict:
+    """The pipeline state dict a stage with ``init_from: {hf: source}`` starts from (its own model config ``want``:
+    the shapes must match; the stage's RoPE / context and FFN kinds are its own)."""
+    folder = resolve(source)
+    imported, tied = model_config(folder)
+    check_arch(imported, want, folder / "config.json")
+    return pipeline_state(folder, tied, log)
+
+
+def import_hf(source, out, log=print) -> dict:
+    """Write the pipeline checkpoint folder ``out`` (model.safetensors, config.json, tokenizer.json) for a
+    transformers folder or hub id; returns a summary."""
+    folder = resolve(source)
+    cfg, tied = model_config(folder)
+    tok = folder / "tokenizer.json"
+    if not tok.is_file():
+        raise ValueError(f"{tok}: missing (the pipeline reads the tokenizer as a tokenizers tokenizer.json)")
+    model = build_model(cfg, "cpu")
+    load_into(model, pipeline_state(folder, tied, log), folder)
+    spec = {"experiment": None, "scale": None, "variant": None, "stage": None, "model": cfg.to_dict(),
+            "hf_source": str(source)}
+    save_checkpoint(out, model, spec, tok, {})
+    return {"out": str(out), "source": str(source), "untied": tied, "rope_scaling": cfg.rope_scaling.kind,
+            "vocab_size": cfg.vocab_size, "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
