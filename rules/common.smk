@@ -44,7 +44,7 @@ def train_inputs(w):
     spec = C.train_spec(config, w.scale, w.variant, w.stage)
     inputs = {"tokenizer": spec["tokenizer"]}
     inputs.update({f"tokens_{src}": L.tokens_manifest(EXP, w.scale, src) for src in spec["data"]})
-    if spec["init_from"]:
+    if spec["init_from"] and not spec["init_from"].startswith(C.HF_PREFIX):   # hf: read when the job starts
         inputs["init"] = spec["init_from"]
     return inputs
 

@@ -13,6 +13,7 @@ from stem.config_base import deep_merge as _deep_merge
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 
 SCHEMA = REPO / "config" / "schema.yaml"
+HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
 SCALES = ("350m", "1b")
 STAGES = ("pretrain", "midtrain", "extend")
 TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
@@ -104,7 +105,12 @@ def _cross_check(cfg: dict, origin: str):
                 raise ConfigError(f"{origin}: key '{where}.micro_batch': {spec['micro_batch']} does not divide "
                                   f"batch_size {spec['batch_size']}")
             init = spec.get("init_from")
-            if init is not None and (init not in m["stages"] or m["stages"].index(init) >= m["stages"].index(stage)):
+            if isinstance(init, dict) and spec.get("reset_optimizer") is False:
+                raise ConfigError(f"{origin}: key '{where}.reset_optimizer': false needs a stage's optimizer state; "
+                                  f"init_from {init} is a transformers checkpoint (it has none)")
+            if isinstance(init, dict):
+                pass   # {hf: ...}: a transformers checkpoint, checked against the arch when the job starts
+            elif init is not None and (init not in m["stages"] or m["stages"].index(init) >= m["stages"].index(stage)):
                 raise ConfigError(f"{origin}: key '{where}.init_from': {init!r} must be an earlier stage of "
                                   f"matrix.{scale}.stages {m['stages']}")
             if init is None and spec.get("reset_optimizer") is False:
@@ -214,8 +220,9 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
         "train": train,
         "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
         "tokenizer": tokenizer_path(exp, scale),
-        "init_from": checkpoint(exp, scale, variant, init) if init else None,
-        "init_stage": init,
+        "init_from": (HF_PREFIX + init["hf"] if isinstance(init, dict)   # a transformers checkpoint (stem.hf)
+                      else checkpoint(exp, scale, variant, init) if init else None),
+        "init_stage": None if isinstance(init, dict) else init,
         "out_dir": stage_dir(exp, scale, variant, stage),
     })
 

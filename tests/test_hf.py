@@ -230,3 +230,50 @@ def test_import_refuses_what_the_model_does_not_compute(tmp_path):
     mc, _ = model_config(tmp_path)
     with pytest.raises(ValueError, match="key vocab_size=64: the stage's architecture has vocab_size=320"):
         check_arch(mc, ModelConfig.from_dict(tiny_cfg("dense")), tmp_path / "config.json")
+
+
+def test_stage_init_from_hf(spec_factory, tmp_path):
+    """A stage with init_from {hf: folder} (job spec "hf:folder") starts from the transformers weights: its model
+    gives transformers' logits; a folder of other shapes stops the job with one line naming the key."""
+    from stem.specs import TrainSpec
+    from stem.train.loop import check_init_from, setup
+    from stem.train.step import TrainingError
+    spec = spec_factory(tmp_path / "run", variant="dense")
+    m = spec["model"]
+    cfg = transformers.LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["d_model"], intermediate_size=m["d_ff"],
+                                   num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
+                                   num_key_value_heads=m["n_kv_heads"], max_position_embeddings=m["max_seq_len"],
+                                   rms_norm_eps=m["norm_eps"], rope_parameters={"rope_type": "default",
+                                   "rope_theta": m["rope_theta"]}, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    spec.update(init_from=f"hf:{tmp_path / 'hf'}", init_stage=None)
+    run = setup(TrainSpec.coerce(spec))
+    ids = torch.randint(0, m["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(run.model.eval()(ids), hf(ids).logits, atol=ATOL, rtol=RTOL)
+    cfg.intermediate_size = 64
+    cfg.save_pretrained(tmp_path / "hf")
+    with pytest.raises(TrainingError, match=r"config.json: key intermediate_size=64: the stage's architecture has d_ff=48"):
+        check_init_from(TrainSpec.coerce(spec))
+
+
+def test_llama3_rope_matches_transformers():
+    """stem.models.rope's llama3 frequencies against transformers' own function (Llama-3.2-1B's settings too)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from stem.models.config import RopeScaling
+    from stem.models.rope import inv_frequencies
+    for hd, theta, f, lo, hi, length in [(64, 500000.0, 32.0, 1.0, 4.0, 8192), (16, 1e4, 8.0, 1.0, 4.0, 64),
+                                         (32, 1e4, 4.0, 2.0, 8.0, 100)]:
+        c = transformers.LlamaConfig(hidden_size=2 * hd, num_attention_heads=2, max_position_embeddings=4 * length,
+                                     rope_parameters={"rope_type": "llama3", "rope_theta": theta, "factor": f,
+                                                      "low_freq_factor": lo, "high_freq_factor": hi,
+                                                      "original_max_position_embeddings": length})
+        theirs, scale = ROPE_INIT_FUNCTIONS["llama3"](c)
+        ours, mscale = inv_frequencies(hd, theta, RopeScaling(kind="llama3", factor=f, low_freq_factor=lo,
+                                                              high_freq_factor=hi, original_max_seq_len=length))
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+        assert mscale == scale == 1.0
+        assert not torch.allclose(ours, inv_frequencies(hd, theta, RopeScaling())[0])   # it does scale

@@ -34,7 +34,9 @@ import torch
 
 from stem import layout
 from stem.data.loader import MixtureLoader, validation_batches
+from stem.config import HF_PREFIX
 from stem.data.shards import ShardSet
+from stem.hf import importer as hf_import
 from stem.io import atomic_write_json, atomic_write_text
 from stem.models.accounting import accounting as model_accounting, training_flops
 from stem.models.model import build_model
@@ -143,7 +145,7 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
         from stem.data.tokenizer import load_tokenizer
         model.set_dse_vocabulary(load_tokenizer(spec.tokenizer))
     if spec.init_from:
-        ck.load_weights(model, Path(spec.init_from) / "model.safetensors")
+        load_init(model, spec)
     accounting = model_accounting(model)
     model.set_training_options(activation_checkpointing=tc.activation_checkpointing,
                                flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
@@ -316,9 +318,29 @@ class StepLog:
 _STAGE_FREE_MODEL_KEYS = ("max_seq_len", "rope_scaling")
 
 
+def load_init(model, spec: TrainSpec):
+    """The stage's initial weights: the previous stage's checkpoint, or a transformers checkpoint (``hf:``)."""
+    if spec.init_from.startswith(HF_PREFIX):
+        src = spec.init_from[len(HF_PREFIX):]
+        try:
+            hf_import.load_into(model, hf_import.load_for_stage(src, spec.model, hf_import.log_stderr), src)
+        except ValueError as e:
+            raise TrainingError(f"init_from {spec.init_from}: {e}") from None
+        return
+    ck.load_weights(model, Path(spec.init_from) / "model.safetensors")
+
+
 def check_init_from(spec: TrainSpec):
     """The init_from checkpoint is the expected experiment/scale/variant and previous stage, with the same
-    architecture; else one TrainingError line naming its config.json and the mismatch."""
+    architecture; else one TrainingError line naming its config.json and the mismatch. A transformers checkpoint
+    (``hf:``) has the stage's shapes (stem.hf.importer.check_arch)."""
+    if spec.init_from.startswith(HF_PREFIX):
+        try:
+            folder = hf_import.resolve(spec.init_from[len(HF_PREFIX):])
+            hf_import.check_arch(hf_import.model_config(folder)[0], spec.model, folder / "config.json")
+        except ValueError as e:
+            raise TrainingError(f"init_from {spec.init_from}: {e}") from None
+        return
     ckpt = Path(spec.init_from)
     try:
         saved = ck.read_checkpoint_spec(ckpt)
