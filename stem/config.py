@@ -117,6 +117,13 @@ def _cross_check(cfg: dict, origin: str):
                 raise ConfigError(f"{origin}: key '{where}.reset_optimizer': false needs an init_from stage "
                                   "whose optimizer state it carries")
             max_len = spec.get("max_seq_len", cfg["archs"][scale]["max_seq_len"])
+            for v in m["variants"]:   # a mid-training insertion starts from a matrix variant's earlier stage
+                ins = (variants(cfg).get(v) or {}).get("insert")
+                if ins and ins["stage"] == stage and (ins["from"] not in m["variants"] or not init
+                                                      or isinstance(init, dict)):
+                    raise ConfigError(f"{origin}: key 'matrix.{scale}.variants': {v} is inserted into "
+                                      f"{ins['from']!r} at {stage}; expected {ins['from']!r} in the matrix and "
+                                      f"stages.{stage}.{scale}.init_from an earlier stage")
             if spec["seq_len"] > max_len:
                 raise ConfigError(f"{origin}: key '{where}.seq_len': {spec['seq_len']} exceeds the model's "
                                   f"max_seq_len {max_len} (set max_seq_len and a rope_scaling for the stage)")
@@ -182,8 +189,16 @@ def part_names(cfg: dict, source: str) -> list[str]:
 
 
 # ---- job specs -----------------------------------------------------------------------------------
+def variant_stages(cfg: dict, variant: str, stages: list[str]) -> list[str]:
+    """The stages a variant trains: all, except for a mid-training insertion (``insert:``), which starts at
+    ``insert.stage`` (from another variant's checkpoint of the stage before)."""
+    ins = (variants(cfg).get(variant) or {}).get("insert")
+    return list(stages[stages.index(ins["stage"]):]) if ins and ins["stage"] in stages else list(stages)
+
+
 def train_targets(cfg: dict) -> list[tuple[str, str, str]]:
-    return [(scale, v, stage) for scale, m in cfg["matrix"].items() for v in m["variants"] for stage in m["stages"]]
+    return [(scale, v, stage) for scale, m in cfg["matrix"].items() for v in m["variants"]
+            for stage in variant_stages(cfg, v, m["stages"])]
 
 
 def train_job(cfg: dict, scale: str, variant: str, stage: str):
@@ -194,6 +209,9 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
     point = is_sweep_id(variant)   # a sweep point: trained at sweeps.scale / sweeps.stage, matrix or not
     if not point and (scale not in cfg["matrix"] or stage not in cfg["matrix"][scale]["stages"]):
         raise ConfigError(f"stage {stage!r} at scale {scale!r} is not in the {exp} experiment's matrix")
+    if not point and stage not in variant_stages(cfg, variant, cfg["matrix"][scale]["stages"]):
+        raise ConfigError(f"variant {variant!r}: inserted at stage {variant_spec(cfg, variant)['insert']['stage']!r}; "
+                          f"it has no {stage!r} stage of its own")
     sw = cfg.get("sweeps") or {}
     if point and (scale, stage) != (sw.get("scale"), sw.get("stage")):
         raise ConfigError(f"variant {variant!r}: a sweep point, trained at sweeps.scale / sweeps.stage "
@@ -202,6 +220,11 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
     st = {**cfg["stages"][stage][scale], **vspec.get("stage", {})}   # a sweep point's settings (sweeps.train)
     init = st.pop("init_from", None)
     data = st.pop("data")
+    table_group = st.pop("table_group", None)   # this stage's table-group LR multiplier / weight decay
+    ins = vspec.get("insert") if not point and stage == (vspec.get("insert") or {}).get("stage") else None
+    if ins is not None and (not init or isinstance(init, dict) or st.get("reset_optimizer") is False):
+        raise ConfigError(f"variant {variant!r}: insert.stage {stage!r} needs stages.{stage}.{scale}.init_from, an "
+                          "earlier stage of the dense variant, and a fresh optimizer (reset_optimizer: true)")
     for key in ("max_seq_len", "rope_scaling"):
         st.pop(key, None)
     train = {**TRAIN_DEFAULTS, **cfg.get("train", {}), **st}
@@ -212,16 +235,20 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
                                                 and not cfg["stages"][s][scale].get("reset_optimizer", True)
                                                 for s in cfg["matrix"][scale]["stages"])
     train["parallel"] = (cfg.get("cluster") or {}).get("strategy", "fsdp")   # the backbone's, under torchrun
-    return TrainSpec.from_dict({
+    optim = _deep_merge(cfg["optim"], vspec.get("optim", {}))   # a variant may set e.g. table_update
+    if table_group:
+        optim = _deep_merge(optim, {"groups": {"table": table_group}})
+    extra = {} if ins is None else {"insert": {"from": ins["from"], "init": ins.get("init", "projected")}}
+    return TrainSpec.from_dict({**extra,
         "experiment": exp, "scale": scale, "variant": variant, "stage": stage,
         "seed": cfg["seed"], "device": cfg["device"],
         "model": model_config_for(cfg, scale, variant, stage).to_dict(),
-        "optim": _deep_merge(cfg["optim"], vspec.get("optim", {})),   # a variant may set e.g. table_update
+        "optim": optim,
         "train": train,
         "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
         "tokenizer": tokenizer_path(exp, scale),
         "init_from": (HF_PREFIX + init["hf"] if isinstance(init, dict)   # a transformers checkpoint (stem.hf)
-                      else checkpoint(exp, scale, variant, init) if init else None),
+                      else checkpoint(exp, scale, ins["from"] if ins else variant, init) if init else None),
         "init_stage": None if isinstance(init, dict) else init,
         "out_dir": stage_dir(exp, scale, variant, stage),
     })

@@ -229,7 +229,7 @@ def model_config(arch: dict, variant: dict) -> ModelConfig:
     kind = variant.get("ffn", "dense")
     layers = resolve_placement(variant.get("placement"), n) if kind != "dense" else []
     ffn = tuple(kind if i in layers else "dense" for i in range(n))
-    extra = {k: v for k, v in variant.items() if k not in ("ffn", "placement", "label", "dse", "optim")}
+    extra = {k: v for k, v in variant.items() if k not in ("ffn", "placement", "label", "dse", "optim", "insert")}
     dse = None
     if variant.get("dse"):
         spec = dict(variant["dse"])

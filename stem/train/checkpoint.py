@@ -37,14 +37,19 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def load_weights(model, path, strict: bool = True):
-    """Load a safetensors file into ``model``; any problem is one ValueError line naming the file."""
+def read_weights(path) -> dict:
+    """Every tensor of a safetensors file; one ValueError line naming the file if it cannot be read."""
     if not Path(path).is_file():
         raise ValueError(f"{path}: weights file not found")
     try:
-        state = load_file(str(path))
+        return load_file(str(path))
     except Exception as e:  # SafetensorError on a truncated or foreign file, OSError
         raise ValueError(f"{path}: unreadable safetensors file ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def load_weights(model, path, strict: bool = True):
+    """Load a safetensors file into ``model``; any problem is one ValueError line naming the file."""
+    state = read_weights(path)
     own = model.state_dict()
     bad = [f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
            if k in own and v.shape != own[k].shape]

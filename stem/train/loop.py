@@ -39,6 +39,7 @@ from stem.data.shards import ShardSet
 from stem.hf import importer as hf_import
 from stem.io import atomic_write_json, atomic_write_text
 from stem.models.accounting import accounting as model_accounting, training_flops
+from stem.models.insert import insert_stem
 from stem.models.model import build_model
 from stem.specs import SpecError, TrainSpec
 from stem.train import checkpoint as ck
@@ -316,6 +317,8 @@ class StepLog:
 # what must equal between a stage and the checkpoint it starts from (the spec's model config: all but the
 # context length and RoPE scaling, which context extension changes)
 _STAGE_FREE_MODEL_KEYS = ("max_seq_len", "rope_scaling")
+# ... and, for a mid-training insertion, what the dense source has no say in (its FFN kinds, the tables' init)
+_INSERT_FREE_MODEL_KEYS = ("ffn", "table_init", "table_init_std")
 
 
 def load_init(model, spec: TrainSpec):
@@ -326,6 +329,15 @@ def load_init(model, spec: TrainSpec):
             hf_import.load_into(model, hf_import.load_for_stage(src, spec.model, hf_import.log_stderr), src)
         except ValueError as e:
             raise TrainingError(f"init_from {spec.init_from}: {e}") from None
+        return
+    if spec.insert is not None:   # mid-training insertion: a dense checkpoint into this STEM model
+        try:
+            layers = insert_stem(model, ck.read_weights(Path(spec.init_from) / "model.safetensors"),
+                                 spec.insert["init"], str(Path(spec.init_from) / "model.safetensors"))
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+        print(f"[{spec.out_dir}] STEM inserted into {spec.insert['from']} ({spec.init_from}): tables of layers "
+              f"{layers} initialised {spec.insert['init']}, their up-projections dropped", file=sys.stderr)
         return
     ck.load_weights(model, Path(spec.init_from) / "model.safetensors")
 
@@ -347,12 +359,14 @@ def check_init_from(spec: TrainSpec):
     except ValueError as e:
         raise TrainingError(f"init_from: {e}") from None
     where = ckpt / "config.json"
-    want = {"experiment": spec.experiment, "scale": spec.scale, "variant": spec.variant, "stage": spec.init_stage}
+    want = {"experiment": spec.experiment, "scale": spec.scale,
+            "variant": spec.insert["from"] if spec.insert else spec.variant, "stage": spec.init_stage}
     for key, value in want.items():
         if value is not None and saved.get(key) != value:
             raise TrainingError(f"{where}: init_from checkpoint has {key} {saved.get(key)!r}, expected {value!r} "
                                 f"(a {spec.stage} job starts from {want})")
-    model = {k: v for k, v in spec.to_dict()["model"].items() if k not in _STAGE_FREE_MODEL_KEYS}
+    model = {k: v for k, v in spec.to_dict()["model"].items() if k not in _STAGE_FREE_MODEL_KEYS
+             and not (spec.insert and k in _INSERT_FREE_MODEL_KEYS)}
     for key, value in model.items():
         if saved["model"].get(key) != value:
             raise TrainingError(f"{where}: init_from checkpoint has model.{key} {saved['model'].get(key)!r}, "

@@ -1,0 +1,128 @@
+"""Mid-training insertion of STEM into a dense checkpoint (stem.models.insert; variant stem_insert): the tables
+are the formula, every other weight is the dense source's bit for bit, the stage resumes after SIGKILL."""
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from stem import config as C
+from stem.models.model import build_model
+from stem.specs import TrainSpec
+from stem.train.checkpoint import save_checkpoint
+from stem.train.loop import setup, train
+from stem.train.step import TrainingError
+
+
+@pytest.fixture
+def dense_ckpt(spec_factory, tmp_path):
+    """A random dense model saved as the tiny data's 350m dense pretrain checkpoint (norm weights away from 1)."""
+    spec = spec_factory(tmp_path / "dense", variant="dense")
+    torch.manual_seed(11)
+    model = build_model(TrainSpec.coerce(spec).model)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    save_checkpoint(tmp_path / "dense" / "checkpoint", model, spec, spec["tokenizer"], {})
+    return tmp_path / "dense" / "checkpoint", model.state_dict()
+
+
+def insert_spec(spec_factory, out, ckpt, init="projected", **train):
+    spec = spec_factory(out, variant="stem", stage="midtrain", **train)
+    spec.update(init_from=str(ckpt), init_stage="pretrain", insert={"from": "dense", "init": init})
+    return spec
+
+
+def test_tables_are_the_projection_and_the_rest_is_copied(spec_factory, dense_ckpt, tmp_path):
+    ckpt, dense = dense_ckpt
+    model = setup(TrainSpec.coerce(insert_spec(spec_factory, tmp_path / "ins", ckpt))).model
+    cfg, state = model.cfg, model.state_dict()
+    layers = [i for i, k in enumerate(cfg.ffn) if k == "stem"]
+    assert layers == [2]
+    e = dense["tok_emb.weight"].double().numpy()
+    for i in layers:   # U_i[t] = (E[t] / sqrt(mean(E[t]^2) + eps) * g_i) W_up,i^T, written out in numpy
+        g = dense[f"layers.{i}.ffn_norm.weight"].double().numpy()
+        w_up = dense[f"layers.{i}.ffn.w_up.weight"].double().numpy()
+        want = (e / np.sqrt((e ** 2).mean(axis=1, keepdims=True) + cfg.norm_eps) * g) @ w_up.T
+        got = state[f"layers.{i}.ffn.table.weight"].double().numpy()
+        assert got.shape == (cfg.vocab_size, cfg.d_ff)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert f"layers.{i}.ffn.w_up.weight" not in state
+    for k, v in state.items():   # every other tensor: the dense source, bit for bit
+        if ".ffn.table." not in k:
+            assert torch.equal(v, dense[k]), k
+    assert set(dense) - set(state) == {f"layers.{i}.ffn.w_up.weight" for i in layers}
+
+
+def test_xavier_init_keeps_the_tables_own_init(spec_factory, dense_ckpt, tmp_path):
+    ckpt, dense = dense_ckpt
+    spec = TrainSpec.coerce(insert_spec(spec_factory, tmp_path / "ins", ckpt, init="xavier"))
+    state = setup(spec).model.state_dict()
+    torch.manual_seed(spec.seed)
+    fresh = build_model(spec.model).state_dict()
+    assert torch.equal(state["layers.2.ffn.table.weight"], fresh["layers.2.ffn.table.weight"])
+    assert torch.equal(state["layers.2.ffn.w_gate.weight"], dense["layers.2.ffn.w_gate.weight"])
+
+
+def test_insertion_refuses_a_non_dense_source(spec_factory, dense_ckpt, tmp_path):
+    ckpt, _ = dense_ckpt
+    spec = json.loads((ckpt / "config.json").read_text())
+    spec["variant"] = "stem"
+    (ckpt / "config.json").write_text(json.dumps(spec))
+    with pytest.raises(TrainingError, match=r"config.json: init_from checkpoint has variant 'stem', expected 'dense'"):
+        train(insert_spec(spec_factory, tmp_path / "ins", ckpt))
+
+
+def test_insertion_stage_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, dense_ckpt, tmp_path):
+    ckpt, _ = dense_ckpt
+    full = train(insert_spec(spec_factory, tmp_path / "full", ckpt, steps=12, checkpoint_interval=4), threads=1)
+    killed = insert_spec(spec_factory, tmp_path / "killed", ckpt, steps=12, checkpoint_interval=4)
+    code = "import json,sys; from stem.train.loop import train; train(json.loads(sys.argv[1]), threads=1)"
+    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(killed)], cwd=C.REPO,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(C.REPO)})
+    latest = tmp_path / "killed" / "_state" / "latest"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() >= "step_00000004":
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "summary.json").exists(), "the run finished before it could be killed"
+    resumed = train(killed, threads=1)
+    assert resumed["last_step_loss"] == full["last_step_loss"]
+    assert resumed["final_val_loss"] == full["final_val_loss"]
+
+
+def test_stem_insert_variant_and_stage_table_group():
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    targets = C.train_targets(cfg)
+    assert ("1b", "stem_insert", "midtrain") in targets and ("1b", "stem_insert", "pretrain") not in targets
+    spec = C.train_spec(cfg, "1b", "stem_insert", "midtrain")
+    assert spec["init_from"] == "results/tiny/1b/dense/pretrain/checkpoint" and spec["init_stage"] == "pretrain"
+    assert spec["insert"] == {"from": "dense", "init": "projected"}
+    assert spec["model"] == C.train_spec(cfg, "1b", "stem", "midtrain")["model"]
+    ext = C.train_spec(cfg, "1b", "stem_insert", "extend")
+    assert ext["init_from"] == "results/tiny/1b/stem_insert/midtrain/checkpoint" and "insert" not in ext
+    with pytest.raises(C.ConfigError, match="has no 'pretrain' stage of its own"):
+        C.train_spec(cfg, "1b", "stem_insert", "pretrain")
+    # the table group's LR and weight decay per stage (the official insertion config: 5e-4 over 1e-5, no decay)
+    cfg2 = copy.deepcopy(cfg)
+    cfg2["stages"]["midtrain"]["1b"]["table_group"] = {"lr_mult": 50, "weight_decay": 0.0}
+    C.validate_experiment(cfg2)
+    spec = C.train_job(cfg2, "1b", "stem_insert", "midtrain")
+    assert spec.optim.groups["table"] == {"lr_mult": 50, "weight_decay": 0.0}
+    from stem.train.optim import build_optimizer
+    opt = build_optimizer(build_model(spec.model, "meta"), spec.to_dict()["optim"], 1e-5)
+    table = next(g for g in opt.param_groups if g["name"] == "table")
+    assert table["lr"] == pytest.approx(5e-4) and table["weight_decay"] == 0.0
+    assert next(g for g in opt.param_groups if g["name"] == "matrix")["lr"] == pytest.approx(1e-5)
+    # other stages keep the experiment's table group
+    assert C.train_spec(cfg2, "1b", "stem", "pretrain")["optim"] == C.train_spec(cfg, "1b", "stem", "pretrain")["optim"]
