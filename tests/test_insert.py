@@ -126,3 +126,16 @@ def test_stem_insert_variant_and_stage_table_group():
     assert next(g for g in opt.param_groups if g["name"] == "matrix")["lr"] == pytest.approx(1e-5)
     # other stages keep the experiment's table group
     assert C.train_spec(cfg2, "1b", "stem", "pretrain")["optim"] == C.train_spec(cfg, "1b", "stem", "pretrain")["optim"]
+
+
+def test_official_configs_are_rows_of_the_paper_audit():
+    from stem.report import diff
+    cons = diff.paper_consistency()
+    off = cons[cons["table"] == "official_code"].set_index(["scale", "variant", "column"])
+    assert len(off) == len(diff.official_configs()) == 14
+    row = off.loc[("1b", "stem_insert", "table_lr")]
+    assert row["printed"] == 3.2e-4 and row["recomputed"] == 5e-4 and not row["consistent"]
+    assert "stem_llama3_1B.yaml" in row["note"] and "not in the stored snapshot" in row["note"]
+    assert off.loc[("350m", "stem", "n_stem_layers"), "recomputed"] == 13
+    assert off.loc[("350m", "stem", "peak_lr"), "consistent"]   # the same 2e-3
+    assert off["check"].str.startswith("Official code config stem_").all()   # diff.md lists the inconsistent ones

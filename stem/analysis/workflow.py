@@ -35,9 +35,8 @@ def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
 
 def _meta_model(cfg: dict, scale: str, variant: str):
     from stem import config as C
-    from stem.models.config import ModelConfig
     from stem.models.model import build_model
-    return build_model(ModelConfig.from_dict(C.train_spec(cfg, scale, variant, "pretrain")["model"]), "meta")
+    return build_model(C.model_config_for(cfg, scale, variant), "meta")   # the variant's FFN kinds (any stage)
 
 
 def has_tables(cfg: dict, scale: str, variant: str) -> bool:

@@ -159,7 +159,16 @@ def paper_consistency(paper_acct: dict | None = None) -> pd.DataFrame:
     t2 = P.load_table("table2").set_index(["variant", "column"])["value"]
     add("Warmup ratio: Table 2 caption vs Sec. 4.1 text", "table2", "", "common", "warmup_ratio",
         t2[("common", "warmup_ratio")], t2[("sec4_1", "warmup_ratio")], 0.0, _note("table2", "", "warmup_ratio"))
+    for r in official_configs().itertuples():   # printed = the paper's value, recomputed = the official config's
+        add(f"Official code config {r.config} vs the paper ({r.paper_source})", "official_code", r.scale, r.variant,
+            r.key, float(r.paper), float(r.official), 0.0,
+            f"{r.source} ({r.commit}; values: {r.checked})" + (f"; {r.note}" if isinstance(r.note, str) else ""))
     return pd.DataFrame(rows)
+
+
+def official_configs() -> pd.DataFrame:
+    """The official code's settings next to the paper's (reference/official_code/configs.csv, its README)."""
+    return pd.read_csv(P.REFERENCE_DIR / "official_code" / "configs.csv")
 
 
 def gate(cells: pd.DataFrame, patterns: list[str], tolerance: float | None = None) -> pd.DataFrame:

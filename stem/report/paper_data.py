@@ -25,6 +25,7 @@ VARIANT_LABELS = {
     "dense": "Baseline",
     "hashmoe": "Hash-MoE",
     "stem": "STEM",
+    "stem_insert": "STEM (mid-training insertion)",   # 1B, from the dense pretrain checkpoint (no paper row)
     "stem_gate": "STEM (gate-proj)",
     "stem_dagger": "STEM†",
     "stem_half": "STEM-1/2",

@@ -12,6 +12,7 @@ from functools import lru_cache
 import numpy as np
 import pandas as pd
 
+from stem import config as C
 from stem.report import paper_data as P
 from stem.report import registry
 from stem.report.results import Results, as_number, by_length, niah_cells, range_rows, task_score
@@ -204,8 +205,11 @@ def checkpoints_of(table: str):
 def table3(cfg: dict, res: Results) -> pd.DataFrame:
     stages = settings(cfg).stages["table3"]
     rows = []
+    trained = set(C.train_targets(cfg))
     for scale in scales_with(cfg, stages[0]):
         for v in ordered_variants(cfg["matrix"][scale]["variants"]):
+            if (scale, v, stages[0]) not in trained:
+                continue   # a mid-training insertion (stem_insert) has no pretraining of its own
             scores, src = _scores(res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
             rows.append((scale, v, scores, trained_accounting(cfg, res, scale, v, stages), src))
 
