@@ -119,11 +119,11 @@ def _cross_check(cfg: dict, origin: str):
             max_len = spec.get("max_seq_len", cfg["archs"][scale]["max_seq_len"])
             for v in m["variants"]:   # a mid-training insertion starts from a matrix variant's earlier stage
                 ins = (variants(cfg).get(v) or {}).get("insert")
-                if ins and ins["stage"] == stage and (ins["from"] not in m["variants"] or not init
-                                                      or isinstance(init, dict)):
+                if ins and ins["stage"] == stage and (not init or (not isinstance(init, dict)
+                                                                    and ins["from"] not in m["variants"])):
                     raise ConfigError(f"{origin}: key 'matrix.{scale}.variants': {v} is inserted into "
                                       f"{ins['from']!r} at {stage}; expected {ins['from']!r} in the matrix and "
-                                      f"stages.{stage}.{scale}.init_from an earlier stage")
+                                      f"stages.{stage}.{scale}.init_from an earlier stage (or {{hf: ...}})")
             if spec["seq_len"] > max_len:
                 raise ConfigError(f"{origin}: key '{where}.seq_len': {spec['seq_len']} exceeds the model's "
                                   f"max_seq_len {max_len} (set max_seq_len and a rope_scaling for the stage)")
@@ -222,9 +222,9 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
     data = st.pop("data")
     table_group = st.pop("table_group", None)   # this stage's table-group LR multiplier / weight decay
     ins = vspec.get("insert") if not point and stage == (vspec.get("insert") or {}).get("stage") else None
-    if ins is not None and (not init or isinstance(init, dict) or st.get("reset_optimizer") is False):
-        raise ConfigError(f"variant {variant!r}: insert.stage {stage!r} needs stages.{stage}.{scale}.init_from, an "
-                          "earlier stage of the dense variant, and a fresh optimizer (reset_optimizer: true)")
+    if ins is not None and (not init or st.get("reset_optimizer") is False):
+        raise ConfigError(f"variant {variant!r}: insert.stage {stage!r} needs stages.{stage}.{scale}.init_from (an "
+                          "earlier stage of the dense variant, or {hf: ...}) and a fresh optimizer (reset_optimizer: true)")
     for key in ("max_seq_len", "rope_scaling"):
         st.pop(key, None)
     train = {**TRAIN_DEFAULTS, **cfg.get("train", {}), **st}

@@ -253,6 +253,16 @@ def test_stage_init_from_hf(spec_factory, tmp_path):
     ids = torch.randint(0, m["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(run.model.eval()(ids), hf(ids).logits, atol=ATOL, rtol=RTOL)
+    # the official insertion path: the published dense model straight into a STEM variant (tied head untied)
+    ins = spec_factory(tmp_path / "ins", variant="stem", stage="midtrain")
+    ins.update(init_from=f"hf:{tmp_path / 'hf'}", init_stage=None, insert={"from": "dense", "init": "projected"})
+    state = setup(TrainSpec.coerce(ins)).model.state_dict()
+    layer = hf.model.layers[2]
+    want = torch.nn.functional.linear(layer.post_attention_layernorm(hf.model.embed_tokens.weight),
+                                      layer.mlp.up_proj.weight)
+    torch.testing.assert_close(state["layers.2.ffn.table.weight"], want, atol=1e-6, rtol=1e-5)
+    assert torch.equal(state["lm_head.weight"], hf.model.embed_tokens.weight)
+    assert torch.equal(state["layers.2.ffn.w_gate.weight"], layer.mlp.gate_proj.weight)
     cfg.intermediate_size = 64
     cfg.save_pretrained(tmp_path / "hf")
     with pytest.raises(TrainingError, match=r"config.json: key intermediate_size=64: the stage's architecture has d_ff=48"):

@@ -326,7 +326,13 @@ def load_init(model, spec: TrainSpec):
     if spec.init_from.startswith(HF_PREFIX):
         src = spec.init_from[len(HF_PREFIX):]
         try:
-            hf_import.load_into(model, hf_import.load_for_stage(src, spec.model, hf_import.log_stderr), src)
+            state = hf_import.load_for_stage(src, spec.model, hf_import.log_stderr)
+            if spec.insert is not None:   # the official insertion path: a published dense model into STEM
+                layers = insert_stem(model, state, spec.insert["init"], src)
+                print(f"[{spec.out_dir}] STEM inserted into {src}: tables of layers {layers} initialised "
+                      f"{spec.insert['init']}, their up-projections dropped", file=sys.stderr)
+            else:
+                hf_import.load_into(model, state, src)
         except ValueError as e:
             raise TrainingError(f"init_from {spec.init_from}: {e}") from None
         return
