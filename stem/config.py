@@ -118,9 +118,10 @@ def _cross_check(cfg: dict, origin: str):
                                   "whose optimizer state it carries")
             max_len = spec.get("max_seq_len", cfg["archs"][scale]["max_seq_len"])
             for v in m["variants"]:   # a mid-training insertion starts from a matrix variant's earlier stage
-                ins = (variants(cfg).get(v) or {}).get("insert")
-                if ins and ins["stage"] == stage and (not init or (not isinstance(init, dict)
-                                                                    and ins["from"] not in m["variants"])):
+                vspec = variants(cfg).get(v) or {}
+                ins, v_init = vspec.get("insert"), {**spec, **(vspec.get("stage") or {})}.get("init_from")
+                if ins and ins["stage"] == stage and (not v_init or (not isinstance(v_init, dict)
+                                                                      and ins["from"] not in m["variants"])):
                     raise ConfigError(f"{origin}: key 'matrix.{scale}.variants': {v} is inserted into "
                                       f"{ins['from']!r} at {stage}; expected {ins['from']!r} in the matrix and "
                                       f"stages.{stage}.{scale}.init_from an earlier stage (or {{hf: ...}})")

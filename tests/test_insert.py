@@ -139,3 +139,30 @@ def test_official_configs_are_rows_of_the_paper_audit():
     assert off.loc[("350m", "stem", "n_stem_layers"), "recomputed"] == 13
     assert off.loc[("350m", "stem", "peak_lr"), "consistent"]   # the same 2e-3
     assert off["check"].str.startswith("Official code config stem_").all()   # diff.md lists the inconsistent ones
+
+
+def _docs_block(name):
+    import re
+
+    import yaml
+    text = (C.REPO / "docs" / "huggingface.md").read_text()
+    m = re.search(rf"<!-- {name} -->\n```yaml\n(.*?)```", text, re.S)
+    return yaml.safe_load(m.group(1))
+
+
+def test_official_blocks_in_the_docs():
+    """The documented config blocks run the official settings: merged over config/paper.yaml, they validate and
+    give the official values in the job specs (no code change)."""
+    from stem.config_base import deep_merge
+    paper = C.read_yaml(C.REPO / "config" / "paper.yaml")
+    cfg = C.validate_experiment(deep_merge(copy.deepcopy(paper), _docs_block("official-1b")))
+    assert C.train_targets(cfg)[-1] == ("1b", "stem_insert", "pretrain")
+    job = C.train_job(cfg, "1b", "stem_insert", "pretrain")
+    assert job.init_from == "hf:meta-llama/Llama-3.2-1B" and job.insert == {"from": "dense", "init": "projected"}
+    assert [i for i, k in enumerate(job.model.ffn) if k == "stem"] == [2, 6, 10, 14]
+    assert (job.train.lr, job.train.steps, job.train.seq_len, job.optim.weight_decay) == (1e-5, 60000, 4096, 0.033)
+    assert job.optim.groups["table"] == {"lr_mult": 50, "weight_decay": 0.0}   # 5e-4 = 50 x 1e-5, no decay
+    cfg = C.validate_experiment(deep_merge(copy.deepcopy(paper), _docs_block("official-350m")))
+    job = C.train_job(cfg, "350m", "stem", "pretrain")
+    assert [i for i, k in enumerate(job.model.ffn) if k == "stem"] == list(range(2, 27, 2))   # 13 layers
+    assert (job.train.seq_len, job.model.max_seq_len, job.train.steps) == (4096, 4096, 400000)
