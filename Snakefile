@@ -20,6 +20,7 @@ include: "rules/analyze.smk"
 include: "rules/report.smk"
 include: "rules/bench.smk"
 include: "rules/sweep.smk"
+include: "rules/hf.smk"
 
 
 apply_cluster_defaults()  # partition/account/size defaults for rules that set none (data, reports)

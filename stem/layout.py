@@ -67,6 +67,11 @@ def checkpoint(exp: str, scale: str, variant: str, stage: str) -> str:
     return f"{stage_dir(exp, scale, variant, stage)}/{CHECKPOINT}"
 
 
+def hf_export(exp: str, scale: str, variant: str, stage: str) -> str:
+    """The checkpoint as a transformers folder (python -m stem export-hf; rules/hf.smk, not in rule all)."""
+    return f"{stage_dir(exp, scale, variant, stage)}/hf"
+
+
 def eval_json(exp: str, scale: str, variant: str, stage: str, suite: str) -> str:
     return f"{stage_dir(exp, scale, variant, stage)}/eval/{suite}.json"
 

@@ -70,6 +70,8 @@ def test_export_logits_equal(variant, tok_file, tmp_path):
     files = {p.name for p in (tmp_path / "hf").iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files
     assert ("modeling_stem.py" in files) is remote
+    tok_cfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and tok_cfg["eos_token"] == "<|endoftext|>"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=remote).eval()
     assert type(hf).__name__ == ("StemLlamaForCausalLM" if remote else "LlamaForCausalLM")
     with torch.no_grad():

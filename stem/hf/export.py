@@ -110,6 +110,11 @@ def export_hf(checkpoint, out) -> dict:
                          do_sample=False).save_pretrained(tmp)
         PreTrainedTokenizerFast(tokenizer_file=str(tok_file), eos_token=tok.eos_token,
                                 model_max_length=model.cfg.max_seq_len).save_pretrained(tmp)
+        tok_cfg = json.loads((tmp / "tokenizer_config.json").read_text())
+        # transformers 5 writes its new class name (TokenizersBackend); PreTrainedTokenizerFast, which it also
+        # reads, is the name older transformers (and tools pinned to them) know
+        tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
         for name in REMOTE_FILES if remote else ():
             shutil.copyfile(REMOTE / name, tmp / name)
         (tmp / "stem_source.json").write_text(json.dumps(
