@@ -135,50 +135,34 @@ def test_export_refuses_dse_and_needs_remote_code(tok_file, tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=False)
 
 
-def test_stock_lm_eval_hf_scores_as_the_stem_model(tok_file, tmp_path):
-    """`lm_eval --model hf` (lm-eval's stock command, a subprocess) on the folder `python -m stem export-hf`
-    wrote (a STEM model: remote code) scores a fixture task exactly as `--model stem` on the checkpoint; the
-    dense export goes through simple_evaluate(model="hf") without remote code."""
-    import os
-    import subprocess
-    import sys
-
+def test_lm_eval_hf_model_scores_as_the_stem_model(tok_file, tmp_path):
+    """lm-eval's stock ``hf`` model (simple_evaluate(model="hf"), what `lm_eval --model hf` runs) on the folders
+    `python -m stem export-hf` wrote (STEM: remote code; dense: stock Llama) scores a fixture task exactly as the
+    ``stem`` model on the checkpoint: same acc / acc_norm, per-choice log-likelihoods within 1e-4."""
     import lm_eval.models  # noqa: F401 (registers lm-eval's own models, "hf" among them, beside "stem")
     from lm_eval import simple_evaluate
 
     from stem.__main__ import main as stem_main
-
     from stem.eval import fixtures, run
     from stem.eval.lm import StemLM
     fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 8, "train_items": 2, "tasks": ["arc_easy"]},
                             tmp_path / "fx")
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
     spec = {**run.suite_spec(cfg, "commonsense"), "tasks": ["arc_easy"], "fixtures": str(tmp_path / "fx")}
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(C.REPO), "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1"}
     for variant in ("stem", "dense"):
         ckpt, _ = make_ckpt(tmp_path / variant, tok_file, variant, seed=5)
         out = tmp_path / variant / "hf"
         stem_main(["export-hf", str(ckpt), str(out)])   # python -m stem export-hf CHECKPOINT OUT
         ref = run.run_lm_eval(StemLM(str(ckpt), device="cpu", batch_size=4), spec)
-        if variant == "stem":
-            r = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                                f"pretrained={out},trust_remote_code=True,dtype=float32", "--tasks", "arc_easy",
-                                "--include_path", str(tmp_path / "fx"), "--device", "cpu", "--batch_size", "3",
-                                "--output_path", str(tmp_path / "out")],
-                               capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-            assert r.returncode == 0, r.stderr[-3000:]
-            (res_file,) = (tmp_path / "out").rglob("results_*.json")
-            got = json.loads(res_file.read_text())
-            assert got["config"]["model"] == "hf"
-        else:
-            got = simple_evaluate(model="hf", model_args={"pretrained": str(out), "dtype": "float32"}, tasks=["arc_easy"],
-                                  task_manager=run.task_manager(spec["fixtures"]), device="cpu", batch_size=3,
-                                  num_fewshot=spec["num_fewshot"], random_seed=spec["seed"], log_samples=True)
-            for a, b in zip(got["samples"]["arc_easy"], ref["samples"]["arc_easy"]):   # per item and choice
-                assert [float(x[0]) for x in a["resps"][0]] == pytest.approx(
-                    [float(x[0]) for x in b["resps"][0]], abs=1e-4)
-        assert got["n-samples"]["arc_easy"]["effective"] == 8
+        got = simple_evaluate(model="hf", model_args={"pretrained": str(out), "dtype": "float32",
+                                                      "trust_remote_code": variant != "dense"},
+                              tasks=["arc_easy"], task_manager=run.task_manager(spec["fixtures"]), device="cpu",
+                              batch_size=3, num_fewshot=spec["num_fewshot"], random_seed=spec["seed"],
+                              log_samples=True)
+        assert got["config"]["model"] == "hf" and got["n-samples"]["arc_easy"]["effective"] == 8
+        for a, b in zip(got["samples"]["arc_easy"], ref["samples"]["arc_easy"]):   # per item and choice
+            assert a["doc_id"] == b["doc_id"]
+            assert [float(x[0]) for x in a["resps"][0]] == pytest.approx([float(x[0]) for x in b["resps"][0]], abs=1e-4)
         for k in ("acc,none", "acc_norm,none"):
             assert got["results"]["arc_easy"][k] == ref["results"]["arc_easy"][k], (variant, k)
 
