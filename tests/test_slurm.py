@@ -87,8 +87,10 @@ def test_paper_dag_dry_run_through_the_slurm_profile_shows_sbatch_resources():
     """One dry run of the paper DAG (it takes ~20 s to build): the jobs it holds, then their sbatch resources."""
     res, jobs, out = _dry_run_resources("--profile", "profiles/slurm")
     counts = job_counts(out)
-    # all 350M variants; 1B dense and STEM through three stages (1B jobs span nodes: rule train_multinode)
-    assert counts.get("train", 0) + counts.get("train_multinode", 0) == 7 + 2 * 3
+    # all 350M variants; 1B dense and STEM through three stages, STEM inserted at midtrain (stem_insert: midtrain,
+    # extend) (1B jobs span nodes: rule train_multinode)
+    assert counts.get("train", 0) + counts.get("train_multinode", 0) == 7 + 2 * 3 + 2
+    assert "results/paper/1b/stem_insert/midtrain/summary.json" in out and "stem_insert/pretrain" not in out
     assert counts["tokenizer"] == 2 and "corpus" not in counts  # hub sources and pretrained tokenizers
     # tokenize is scattered: `parts` jobs per (scale, source) the scale's stages read, one gather each
     cfg = yaml.safe_load((REPO / "config/paper.yaml").read_text())
