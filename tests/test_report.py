@@ -34,7 +34,7 @@ def eval_json(cfg, scale, variant, stage, suite, offset):
     base = {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage, "suite": suite,
             "checkpoint": "x", "limit": None, "tasks": {}, "groups": {}}
     entry = lambda v: {"metric": "acc,none", "value": v, "stderr": 1.0, "n": 40}  # noqa: E731
-    paper_row = {"dse": "dense", "stem_sparse": "stem"}.get(variant, variant)   # not paper variants
+    paper_row = {"dse": "dense", "stem_sparse": "stem", "stem_insert": "stem"}.get(variant, variant)   # not paper variants
     p3 = paper_scores("table3", "1b" if scale == "1b" else "350m", paper_row, offset)
     p5 = paper_scores("table5", "1b", "stem" if variant != "dense" else "dense", offset)
     p6 = paper_scores("table6", "1b", "stem" if variant != "dense" else "dense", offset)
