@@ -273,3 +273,14 @@ def test_llama3_rope_matches_transformers():
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
         assert mscale == scale == 1.0
         assert not torch.allclose(ours, inv_frequencies(hd, theta, RopeScaling())[0])   # it does scale
+
+
+def test_cli_errors_are_one_line_and_write_nothing(tok_file, tmp_path, capsys):
+    from stem.__main__ import main as stem_main
+    for argv, message in [(["export-hf", str(tmp_path / "nope"), str(tmp_path / "out")], "not a checkpoint folder"),
+                          (["import-hf", str(tmp_path / "nope"), str(tmp_path / "out")], "no such folder")]:
+        with pytest.raises(SystemExit) as e:
+            stem_main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 1 and message in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "out").exists()
