@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from stem import config as C  # noqa: E402
 from stem.data import synth  # noqa: E402
-from stem.data.tokenizer import train_bpe  # noqa: E402
+from stem.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from stem.hf.export import export_hf  # noqa: E402
 from stem.hf.importer import HF_KEY, import_hf  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
@@ -21,7 +21,7 @@ from stem.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 WORLD = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
 ATOL, RTOL = 1e-4, 1e-5   # fp32 logits, transformers vs the pipeline (float round-off: RoPE frequencies in fp32 vs fp64)
-VARIANTS = ["dense", "stem", "stem_gate", "stem_dagger", "stem_half", "stem_full", "hashmoe", "moe"]
+VARIANTS = ["dense", "stem", "stem_gate", "stem_dagger", "stem_half", "stem_full", "hashmoe", "moe", "dse"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,8 @@ def tiny_cfg(variant, **arch):
     cfg = copy.deepcopy(_tiny_yaml())
     cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48,
                               max_seq_len=128, **arch)
-    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 3}, "moe": {"moe_experts": 4, "moe_d_ff": 24}}
+    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 3}, "moe": {"moe_experts": 4, "moe_d_ff": 24},
+                                "dse": {"dse": {"rows_per_head": 101, "d_mem": 16, "heads": 2}}}
     return C.model_config_for(cfg, "1b", variant).to_dict()
 
 
@@ -49,10 +50,14 @@ def make_ckpt(root, tok_file, variant="stem", seed=0, **arch):
     mc = tiny_cfg(variant, **arch)
     torch.manual_seed(seed)
     model = build_model(ModelConfig.from_dict(mc), "cpu")
-    with torch.no_grad():   # norms away from 1, so a misplaced norm weight shows
+    with torch.no_grad():   # norms away from 1, so a misplaced norm weight shows; DSE's conv away from 0
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("conv.weight"):
+                p.normal_(0, 0.3)
+    if model.cfg.dse is not None:   # the tokenizer's vocabulary compression (merges some ids)
+        model.set_dse_vocabulary(load_tokenizer(tok_file))
     spec = {"experiment": "test", "scale": "1b", "variant": variant, "stage": "pretrain", "model": mc}
     save_checkpoint(root / "checkpoint", model, spec, tok_file, {})
     return root / "checkpoint", model.eval()
@@ -108,25 +113,22 @@ def test_export_rope_scaling(rope, tok_file, tmp_path):
         torch.testing.assert_close(hf.eval()(ids).logits, model(ids), atol=ATOL, rtol=RTOL)
 
 
-def test_export_generation_with_cache(tok_file, tmp_path):
-    """transformers' generate (its KV cache, token ids of each step reaching the STEM tables) gives the
-    pipeline's greedy tokens."""
+@pytest.mark.parametrize("variant", ["stem", "dse"])
+def test_export_generation(variant, tok_file, tmp_path):
+    """transformers' generate gives the pipeline's greedy tokens: STEM with its KV cache (each step's new ids
+    reach the tables), DSE without one (the folder says use_cache: false; each step recomputes the prefix)."""
     from stem.eval.generate import greedy_generate
-    ckpt, model = make_ckpt(tmp_path, tok_file, "stem")
+    ckpt, model = make_ckpt(tmp_path, tok_file, variant)
     export_hf(ckpt, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    assert hf.generation_config.use_cache is (variant != "dse")
     prompt = IDS[0, :12].tolist()
     ours = greedy_generate(model, prompt, 20, eos_id=None)
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert out[0, 12:].tolist() == ours
 
 
-def test_export_refuses_dse_and_needs_remote_code(tok_file, tmp_path):
-    from stem.hf.export import hf_config
-    mc = ModelConfig.from_dict({**tiny_cfg("dense"), "dse": {"layers": [1], "rows_per_head": 11, "d_mem": 8,
-                                                              "heads": 2}})
-    with pytest.raises(ValueError, match="DSE memory at layers \\[1\\]"):
-        hf_config(mc, 0)
+def test_export_needs_remote_code(tok_file, tmp_path):
     ckpt, _ = make_ckpt(tmp_path, tok_file, "stem")
     export_hf(ckpt, tmp_path / "hf")
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())

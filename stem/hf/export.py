@@ -6,7 +6,8 @@
   YaRN paper's ramp (``ramp: rotations``, which transformers' ``yarn`` does not implement): the same Llama
   layout plus ``configuration_stem.py`` / ``modeling_stem.py`` (stem/hf/remote/) named in ``auto_map``
   (``trust_remote_code=True``);
-- DSE (hashed N-gram memory) is refused: its memory has no transformers counterpart here.
+- DSE (hashed N-gram memory) travels in the remote code too (hash constants in the config, ``dse_hash``); it keeps
+  no incremental state there, so the folder says ``use_cache: false`` (generation recomputes the prefix).
 
 The folder holds config.json, model.safetensors (fp32, the checkpoint's tensors renamed: stem.hf.keys),
 generation_config.json and the tokenizer as ``PreTrainedTokenizerFast`` files; it is written atomically.
@@ -59,14 +60,20 @@ def hf_rope(cfg: ModelConfig) -> tuple[dict, dict | None]:
 
 
 def needs_remote_code(cfg: ModelConfig) -> bool:
-    return any(k != "dense" for k in cfg.ffn) or hf_rope(cfg)[1] is not None
+    return any(k != "dense" for k in cfg.ffn) or hf_rope(cfg)[1] is not None or cfg.dse is not None
 
 
-def hf_config(cfg: ModelConfig, eos_id: int):
+def dse_hash(model) -> dict | None:
+    """Per DSE layer its hash constants (table primes, multipliers): buffers the pipeline recomputes from the seed
+    and does not save, so the remote code reads them from the config."""
+    if model.cfg.dse is None:
+        return None
+    return {str(i): {"primes": model.layers[i].dse.primes.tolist(), "multipliers": model.layers[i].dse.multipliers.tolist()}
+            for i in model.cfg.dse.layers}
+
+
+def hf_config(cfg: ModelConfig, eos_id: int, dse: dict | None = None):
     """The transformers config of a pipeline model (LlamaConfig, or StemLlamaConfig with its auto_map)."""
-    if cfg.dse is not None:
-        raise ValueError(f"DSE memory at layers {list(cfg.dse.layers)}: no transformers export of the DSE memory "
-                         "(its hashed N-gram tables and gated convolution are not in stem/hf/remote/)")
     rope, stem_rope = hf_rope(cfg)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
@@ -78,7 +85,8 @@ def hf_config(cfg: ModelConfig, eos_id: int):
     out = StemLlamaConfig(**common, architectures=["StemLlamaForCausalLM"], ffn_kinds=list(cfg.ffn),
                           n_experts=cfg.n_experts, moe_experts=cfg.moe_experts, moe_shared=cfg.moe_shared,
                           moe_top_k=cfg.moe_top_k, moe_d_ff=cfg.moe_d_ff, stem_rope=stem_rope,
-                          stem_model=cfg.to_dict())
+                          stem_model=cfg.to_dict(), dse_hash=dse,
+                          use_cache=dse is None)   # DSE: no incremental state in the remote code
     out.auto_map = dict(AUTO_MAP)
     return out
 
@@ -87,8 +95,8 @@ def hf_state_dict(model) -> dict:
     """The model's saved tensors under transformers' names (fp32, contiguous, on the CPU)."""
     state = {}
     for name, t in model.state_dict().items():
-        if name == "dse_compress":
-            continue   # saved only for DSE models, which are refused
+        if name == "dse_compress" and model.cfg.dse is None:
+            continue   # a buffer saved only for DSE models
         state[to_hf(name)] = t.detach().float().contiguous().cpu() if t.is_floating_point() else t.contiguous().cpu()
     return state
 
@@ -101,13 +109,13 @@ def export_hf(checkpoint, out) -> dict:
     if not tok_file.is_file():
         raise ValueError(f"{tok_file}: missing (the checkpoint's tokenizer is exported with it)")
     tok = load_tokenizer(tok_file)
-    config = hf_config(model.cfg, tok.eos_id)
+    config = hf_config(model.cfg, tok.eos_id, dse_hash(model))
     remote = isinstance(config, StemLlamaConfig)
     with atomic_dir(out) as tmp:
         config.save_pretrained(tmp)
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        GenerationConfig(eos_token_id=tok.eos_id, bos_token_id=None, pad_token_id=None,
-                         do_sample=False).save_pretrained(tmp)
+        GenerationConfig(eos_token_id=tok.eos_id, bos_token_id=None, pad_token_id=None, do_sample=False,
+                         use_cache=model.cfg.dse is None).save_pretrained(tmp)
         PreTrainedTokenizerFast(tokenizer_file=str(tok_file), eos_token=tok.eos_token,
                                 model_max_length=model.cfg.max_seq_len).save_pretrained(tmp)
         tok_cfg = json.loads((tmp / "tokenizer_config.json").read_text())

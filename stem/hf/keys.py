@@ -14,7 +14,7 @@ _LAYER = [("attn_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "p
           ("attn.wv.weight", "self_attn.v_proj.weight"), ("attn.wo.weight", "self_attn.o_proj.weight")]
 _FFN = [("w_gate.weight", "gate_proj.weight"), ("w_up.weight", "up_proj.weight"), ("w_down.weight", "down_proj.weight")]
 _TOP = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight"}
+        "lm_head.weight": "lm_head.weight", "dse_compress": "dse_compress"}
 _LAYER_RE = re.compile(r"^(layers\.\d+\.)(.*)$")
 _HF_LAYER_RE = re.compile(r"^model\.(layers\.\d+\.)(.*)$")
 
@@ -29,6 +29,8 @@ def to_hf(name: str) -> str:
         for ours, theirs in _LAYER:
             if rest == ours:
                 return f"model.{prefix}{theirs}"
+        if rest.startswith("dse."):   # DSE memory: its own names under the decoder layer
+            return f"model.{prefix}{rest}"
         if rest.startswith("ffn."):
             rest = rest[len("ffn."):]
             for ours, theirs in _FFN:
@@ -50,6 +52,8 @@ def from_hf(name: str) -> str:
         for ours, theirs in _LAYER:
             if rest == theirs:
                 return prefix + ours
+        if rest.startswith("dse."):
+            return prefix + rest
         if rest.startswith("mlp."):
             rest = rest[len("mlp."):]
             for ours, theirs in _FFN:

@@ -23,8 +23,9 @@ from .configuration_stem import StemLlamaConfig
 
 
 class _TokenIds:
-    """The current forward's token ids, shared by the layers that read them."""
+    """The current forward's token ids (and DSE's compressed ids), shared by the layers that read them."""
     ids = None
+    cids = None
 
 
 def _swiglu(x, w_gate, w_up, w_down):
@@ -145,6 +146,66 @@ class PaperYarnRotaryEmbedding(nn.Module):
         return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
 
 
+class DSEMemory(nn.Module):
+    """The DSE hashed N-gram memory (Cheng et al.; the pipeline's stem.models.dse), added to the residual stream
+    before a layer's attention: suffix N-grams of the compressed ids hashed by K heads into per-head tables,
+    key / value projections, gate sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(d)), u = gate * value,
+    y = SiLU(Conv1D(RMSNorm(u))) + u (depthwise causal convolution, dilation = max order). The hash constants
+    (primes, multipliers) come from the config (``dse_hash``); there is no incremental state, so a model with
+    DSE runs without a KV cache (``use_cache: false``: each step recomputes the prefix)."""
+
+    def __init__(self, config, primes, multipliers):
+        super().__init__()
+        dc = config.stem_model["dse"]
+        self.orders, self.heads, self.d_model = tuple(dc["orders"]), dc["heads"], config.hidden_size
+        self.primes, self.multipliers = list(primes), [list(m) for m in multipliers]
+        width = dc["d_mem"] // len(self.primes)
+        self.tables = nn.ModuleList(nn.Embedding(p, width) for p in self.primes)
+        self.w_key = nn.Linear(dc["d_mem"], config.hidden_size, bias=False)
+        self.w_value = nn.Linear(dc["d_mem"], config.hidden_size, bias=False)
+        self.norm_h = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm_k = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm_u = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.dilation = max(self.orders)
+        self.conv = nn.Conv1d(config.hidden_size, config.hidden_size, dc["conv_kernel"], groups=config.hidden_size,
+                              dilation=self.dilation, bias=False)
+
+    def rows(self, cids):
+        rows, t = [], 0
+        for n in self.orders:
+            grams = [cids] + [F.pad(cids, (j, 0), value=-1)[:, :-j] + 1 for j in range(1, n)]
+            for _ in range(self.heads):
+                mix = torch.zeros_like(cids)
+                for j, g in enumerate(grams):
+                    mix = mix ^ (g * self.multipliers[t][j])
+                rows.append(mix % self.primes[t])
+                t += 1
+        return rows
+
+    def forward(self, h, cids):
+        mem = torch.cat([tab(r) for tab, r in zip(self.tables, self.rows(cids))], dim=-1)
+        key, value = self.w_key(mem), self.w_value(mem)
+        gate = torch.sigmoid((self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model))
+        u = gate * value
+        x = self.norm_u(u)
+        w, t = self.conv.weight[:, 0, :], x.shape[1]
+        conv = torch.zeros_like(x)
+        for i in range(w.shape[1]):
+            shift = (w.shape[1] - 1 - i) * self.dilation
+            if shift < t:
+                conv = conv + F.pad(x, (0, 0, shift, 0))[:, :t] * w[:, i]
+        return F.silu(conv) + u
+
+
+def _dse_pre_hook(module, args, kwargs):
+    """x = x + DSE(x) before the decoder layer (the pipeline's Block order)."""
+    if args:
+        h = args[0]
+        return (h + module.dse(h, module.token_ids.cids),) + tuple(args[1:]), kwargs
+    h = kwargs["hidden_states"]
+    return args, {**kwargs, "hidden_states": h + module.dse(h, module.token_ids.cids)}
+
+
 class StemLlamaForCausalLM(LlamaForCausalLM):
     config_class = StemLlamaConfig
 
@@ -162,13 +223,25 @@ class StemLlamaForCausalLM(LlamaForCausalLM):
                 raise ValueError(f"ffn_kinds: unknown FFN kind {kind!r}")
         if getattr(config, "stem_rope", None):
             self.model.rotary_emb = PaperYarnRotaryEmbedding(config)
+        self.has_dse = bool(getattr(config, "dse_hash", None))
+        if self.has_dse:   # DSE vocabulary compression (a saved buffer) and the DSE layers
+            self.register_buffer("dse_compress", torch.arange(config.vocab_size))
+            for i, hc in config.dse_hash.items():
+                layer = self.model.layers[int(i)]
+                layer.dse, layer.token_ids = DSEMemory(config, hc["primes"], hc["multipliers"]), self._token_ids
+                layer.register_forward_pre_hook(_dse_pre_hook, with_kwargs=True)
         self.post_init()
 
     def forward(self, input_ids=None, *args, **kwargs):
         if input_ids is None:
             raise ValueError("this model reads token ids in its FFN layers: pass input_ids, not inputs_embeds")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if self.has_dse and cache is not None and cache.get_seq_length() > 0:
+            raise ValueError("a model with DSE keeps no incremental N-gram state: run it without a KV cache "
+                             "(use_cache=False)")
         self._token_ids.ids = input_ids
+        self._token_ids.cids = self.dse_compress[input_ids] if self.has_dse else None
         try:
             return super().forward(input_ids, *args, **kwargs)
         finally:
-            self._token_ids.ids = None
+            self._token_ids.ids = self._token_ids.cids = None
