@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from stem.config import HF_PREFIX  # noqa: F401 (a stage's init_from {hf: X} is "hf:X" in its job spec)
 from stem.hf.keys import from_hf
 from stem.models.config import ModelConfig, RopeScaling
 from stem.models.model import build_model
