@@ -1,18 +1,27 @@
 """Command line: python -m stem {params,bench,train,eval,diff,memory} ..."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from stem import cli_args as A
 from stem import config as C
 
 
 def experiment_config(name: str) -> dict:
-    path = C.REPO / "config" / f"{name}.yaml"
-    if not path.is_file():
-        raise C.ConfigError(f"experiment {name!r}: {path} not found (expected tiny or paper)")
-    return C.load_experiment(path)
+    """config/{name}.yaml, or the experiment YAML at the path ``name`` (checked: one line when missing)."""
+    return C.load_experiment(A.experiment_path(name))
+
+
+def _matching_jobs(cfg: dict, args) -> list:
+    """The training jobs of the config's matrix that --scale / --variant select; none is an error naming them."""
+    jobs = C.train_targets(cfg)
+    picked = [j for j in jobs if (not args.scale or j[0] == args.scale) and (not args.variant or j[1] == args.variant)]
+    if not picked:
+        chosen = " ".join(f"--{k} {getattr(args, k)}" for k in ("scale", "variant") if getattr(args, k))
+        raise C.ConfigError(f"{chosen}: no training job of experiment {cfg['experiment']!r} matches; its matrix trains "
+                            + "; ".join(f"{s}: {', '.join(m['variants'])}" for s, m in cfg["matrix"].items()))
+    return picked
 
 
 def cmd_params(args):
@@ -90,8 +99,7 @@ def cmd_memory(args):
     cfg = experiment_config(args.experiment)
     cluster = cfg.get("cluster") or {}
     strategy, limit = args.strategy or cluster.get("strategy", "fsdp"), cluster.get("gpu_mem_gib")
-    jobs = [j for j in C.train_targets(cfg) if (not args.scale or j[0] == args.scale)
-            and (not args.variant or j[1] == args.variant)]
+    jobs = _matching_jobs(cfg, args)
     specs = [(C.train_spec(cfg, *j), args.gpus or memory.job_layout(cfg, j[0])[0], strategy) for j in jobs]
     print(f"Per-GPU peak memory of each training job, experiment '{args.experiment}' (strategy {strategy}): traced = "
           "one real training step under FakeTensorMode (stem.train.memory.trace); closed form = memory.estimate, "
@@ -116,77 +124,78 @@ def cmd_memory(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m stem", description=__doc__)
+    p = A.OneLineParser(prog="python -m stem", description=__doc__)   # typed arguments: stem.cli_args
     sub = p.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("params", help="parameter / FLOP accounting")
-    q.add_argument("--experiment", default="paper")
-    q.add_argument("--scale")
+    A.add_experiment(q, "paper")
+    q.add_argument("--scale", type=A.scale)
     q.add_argument("--variant")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     b.add_argument("what", choices=["ffn", "attention", "train", "offload"])
     b.add_argument("--scale", default="350m")
-    b.add_argument("--tokens", type=int, default=2048)
-    b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--tokens", type=A.whole(1, "tokens per call"), default=2048)
+    b.add_argument("--repeats", type=A.whole(1, "timed repeats"), default=5)
+    b.add_argument("--threads", type=A.whole(1, "CPU threads"), default=None)
     b.add_argument("--device", default="cpu")
-    b.add_argument("--layers", type=int, default=3, help="train: layers of the reduced model")
-    b.add_argument("--micro-tokens", type=int, nargs=2, default=[256, 1024], metavar=("N1", "N2"),
+    b.add_argument("--layers", type=A.whole(1, "layers"), default=3, help="train: layers of the reduced model")
+    b.add_argument("--micro-tokens", type=A.whole(1, "tokens per micro-batch"), nargs=2, default=[256, 1024], metavar=("N1", "N2"),
                    help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
                         "from the cost per micro-batch")
     o = b.add_argument_group("bench offload (stem.bench_offload)")
     o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
-    o.add_argument("--batch", type=int, default=8, help="rows of held-out text decoded together")
-    o.add_argument("--prompt", type=int, default=32, help="prefill tokens per row")
-    o.add_argument("--steps", type=int, default=96, help="decode steps")
-    o.add_argument("--cache-rows", type=int, nargs="+", help="cache sizes timed (default d, 4d, 16d rows)")
+    o.add_argument("--batch", type=A.whole(1, "rows"), default=8, help="rows of held-out text decoded together")
+    o.add_argument("--prompt", type=A.whole(1, "prefill tokens"), default=32, help="prefill tokens per row")
+    o.add_argument("--steps", type=A.whole(1, "decode steps"), default=96, help="decode steps")
+    o.add_argument("--cache-rows", type=A.whole(0, "cache rows"), nargs="+", help="cache sizes timed (default d, 4d, 16d rows)")
     o.add_argument("--json", help="also write the figures as JSON here")
     o.add_argument("--figure", help="also write the hit-rate figure (PNG) here")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("train", help="train one job of an experiment (outside the workflow)")
-    t.add_argument("--experiment", default="tiny")
-    t.add_argument("--scale", required=True)
+    A.add_experiment(t, "tiny")
+    t.add_argument("--scale", required=True, type=A.scale)
     t.add_argument("--variant", required=True)
-    t.add_argument("--stage", default="pretrain")
-    t.add_argument("--threads", type=int)
+    t.add_argument("--stage", default="pretrain", type=A.stage)
+    t.add_argument("--threads", type=A.whole(1, "CPU threads"))
     t.set_defaults(fn=cmd_train)
     e = sub.add_parser("eval", help="evaluate a checkpoint on a suite (outside the workflow), or benchmark the evaluator")
     e.add_argument("--checkpoint", required=True, help="a checkpoint folder written by a training stage")
     e.add_argument("--suite", help="a suite of the experiment config's eval.suites")
-    e.add_argument("--experiment", default="tiny", help="config whose suites (and fixtures) to use")
-    e.add_argument("--limit", type=int, help="at most this many items per task (quick looks)")
+    A.add_experiment(e, "tiny", help="config whose suites (and fixtures) to use: tiny, paper or a YAML path")
+    e.add_argument("--limit", type=int, help="at most this many items per task (quick looks; checked by "
+                                               "stem.eval.run, which the workflow's jobs share)")
     e.add_argument("--device")
     e.add_argument("--out", help="normalised result JSON (raw lm-eval output goes beside it, as *.raw.json)")
     e.add_argument("--bench", action="store_true", help="print loglikelihood requests/s and generation tokens/s")
     e.add_argument("--offload", action="store_true", help="STEM tables off the device (stem.models.offload)")
-    e.add_argument("--cache-rows", type=int, default=0, help="with --offload: rows of the LFU cache")
+    e.add_argument("--cache-rows", type=A.whole(0, "cache rows"), default=0, help="with --offload: rows of the LFU cache")
     e.set_defaults(fn=cmd_eval)
     d = sub.add_parser("diff", help="reproduced tables vs the paper's, cell by cell")
-    d.add_argument("--experiment", default="tiny")
+    A.add_experiment(d, "tiny")
     d.add_argument("--results", default="results", help="folder holding {experiment}/ results")
     d.add_argument("--gate", action="append", default=[], metavar="PATTERN",
                    help="exit 2 if a cell matching PATTERN (table/scale/variant/column, shell wildcards, e.g. "
                         "'table3/350m/*/avg') is missing or beyond tolerance; repeatable")
-    d.add_argument("--gate-tolerance", type=float, help="absolute tolerance for the gated cells (default: per unit, "
+    d.add_argument("--gate-tolerance", type=A.number(0, "absolute tolerance"), help="absolute tolerance for the gated cells (default: per unit, "
                                                         "config report.tolerance)")
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)
     m = sub.add_parser("memory", help="per-GPU peak memory of every training job at the configured parallelism "
                                       "(traced; exit 2 if one exceeds cluster.gpu_mem_gib)")
-    m.add_argument("--experiment", default="paper")
-    m.add_argument("--scale")
+    A.add_experiment(m, "paper")
+    m.add_argument("--scale", type=A.scale)
     m.add_argument("--variant")
-    m.add_argument("--gpus", type=int, help="world size (default: the config's cluster.train nodes x gpus_per_node)")
+    m.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"), help="world size (default: the config's cluster.train nodes x gpus_per_node)")
     m.add_argument("--strategy", choices=["fsdp", "ddp"])
     m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
-    m.add_argument("--workers", type=int, default=1, help="jobs traced at once (one process each)")
+    m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
     args = p.parse_args(argv)
     try:
         args.fn(args)
-    except (C.ConfigError, ValueError) as e:
+    except (C.ConfigError, ValueError, OSError) as e:   # OSError: names its file (FileExistsError, ...)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -77,6 +77,22 @@ def _check_variant_optim(cfg: dict, name: str, optim, origin: str):
                           f"{errors[0].message}")
 
 
+def _check_variant_dse(name: str, dse, origin: str):
+    from stem.models.config import DSEConfig   # torch-free
+    where = f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides)"
+    if not isinstance(dse, dict):
+        raise ConfigError(f"{where}: key 'dse': {dse!r}; expected a mapping (placement, orders, heads, ...)")
+    fields = {k: tuple(v) if k == "orders" and isinstance(v, list) else v for k, v in dse.items() if k != "placement"}
+    unknown = sorted(set(fields) - set(DSEConfig.__dataclass_fields__) - {"layers"})
+    if unknown:
+        raise ConfigError(f"{where}: key 'dse.{unknown[0]}': unknown; expected placement or one of "
+                          f"{', '.join(f for f in DSEConfig.__dataclass_fields__ if f != 'layers')}")
+    try:
+        DSEConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: key {str(e).split('=')[0]!r}: {e}") from None
+
+
 def _cross_check(cfg: dict, origin: str):
     _check_sources(cfg, origin)
     _check_suite_kinds(cfg, origin)
@@ -84,6 +100,8 @@ def _cross_check(cfg: dict, origin: str):
     for name, spec in variants(cfg).items():
         if "optim" in spec:   # a variant's optim keys are merged over the experiment's: the same schema
             _check_variant_optim(cfg, name, spec["optim"], origin)
+        if spec.get("dse") is not None:   # DSE orders, heads, widths: checked here, not when a job builds it
+            _check_variant_dse(name, spec["dse"], origin)
         kind = spec.get("ffn", "dense")
         if kind not in FFN_KINDS:
             raise ConfigError(f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides): key 'ffn': "

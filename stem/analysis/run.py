@@ -12,16 +12,13 @@ IDENTITY = ("experiment", "scale", "variant", "stage")
 def analyze(ckpt_dir, spec: dict, out_json) -> dict:
     from stem.analysis.common import TINY_NOTE
     from stem.io import atomic_write_json
-    from stem.train.checkpoint import read_checkpoint_spec
+    from stem.train.checkpoint import check_identity, read_checkpoint_spec
 
     name = spec.get("analysis")
     if name not in ANALYSES:
         raise ValueError(f"analysis spec: key 'analysis' is {name!r}; expected one of {', '.join(ANALYSES)}")
     saved = read_checkpoint_spec(ckpt_dir)
-    job = spec.get("job") or {}
-    wrong = [f"{k} {saved.get(k)!r} != {job[k]!r}" for k in IDENTITY if k in job and saved.get(k) != job[k]]
-    if wrong:
-        raise ValueError(f"{ckpt_dir}/config.json: checkpoint is not the one this analysis job is for ({'; '.join(wrong)})")
+    check_identity(ckpt_dir, saved, spec.get("job"), "this analysis job")
     t0 = time.time()
     result = importlib.import_module(f"stem.analysis.{name}").run(ckpt_dir, spec)
     out = {**{k: saved.get(k) for k in IDENTITY}, **result, "spec": spec,
