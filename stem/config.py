@@ -183,9 +183,18 @@ def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = No
 TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample")
 
 
+def source_of(cfg: dict, source: str) -> dict:
+    """The config's ``sources.<source>``; a source it does not define (e.g. a target path naming one) is one line
+    naming it and the defined ones."""
+    if source not in cfg["sources"]:
+        raise ConfigError(f"source {source!r}: not defined in the {cfg['experiment']} config's sources; expected one "
+                          f"of {sorted(cfg['sources'])}")
+    return cfg["sources"][source]
+
+
 def source_parts(cfg: dict, source: str) -> int:
     """How many scattered tokenize jobs a source is split into (`parts`, default 1)."""
-    return int(cfg["sources"][source].get("parts", 1))
+    return int(source_of(cfg, source).get("parts", 1))
 
 
 def part_names(cfg: dict, source: str) -> list[str]:
@@ -244,22 +253,22 @@ def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
 
 
 def corpus_spec(cfg: dict, source: str) -> dict:
-    src = cfg["sources"].get(source)
-    if src is None or src["kind"] != "synth":
+    src = source_of(cfg, source)
+    if src["kind"] != "synth":
         raise ConfigError(f"source {source!r}: no corpus to generate (only kind 'synth' sources have one)")
     return {"source": source, "world": cfg.get("world", {}), "seed": cfg["seed"], **src}
 
 
 def documents_spec(cfg: dict, source: str) -> dict:
     """The reader spec of a source's documents (a synth source is read back from its corpus file)."""
-    src = cfg["sources"][source]
+    src = source_of(cfg, source)
     if src["kind"] == "synth":
         return {"kind": "files", "paths": [corpus_path(cfg["experiment"], source)], "format": "jsonl"}
     return {k: v for k, v in src.items() if k not in TOKENIZE_KEYS}
 
 
 def source_inputs(cfg: dict, source: str) -> list[str]:
-    return [corpus_path(cfg["experiment"], source)] if cfg["sources"][source]["kind"] == "synth" else []
+    return [corpus_path(cfg["experiment"], source)] if source_of(cfg, source)["kind"] == "synth" else []
 
 
 def tokenizer_spec(cfg: dict, scale: str) -> dict:
@@ -273,9 +282,7 @@ def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -
     """Spec of one tokenize job: part k of n of a source (``part`` as named by ``part_names``).
     ``max_tokens`` is split evenly over the parts; ``sample`` is a [lo, hi) range of the per-document
     uniform (or a mapping scale -> range), see stem.data.shards.tokenize_to_shards."""
-    if source not in cfg["sources"]:
-        raise ConfigError(f"source {source!r}: expected one of {sorted(cfg['sources'])}")
-    src, names = cfg["sources"][source], part_names(cfg, source)
+    src, names = source_of(cfg, source), part_names(cfg, source)
     part = part or names[0]
     if part not in names:
         raise ConfigError(f"source {source!r}: part {part!r} is not one of its {len(names)} parts")

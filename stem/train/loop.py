@@ -283,8 +283,8 @@ class StepLog:
     def __init__(self, run: Run):
         tc, self.ctx = run.spec.train, run.ctx
         self.steps, self.log_interval = tc.steps, tc.log_interval
-        self.file = open(run.metrics_path if self.ctx.is_main else os.devnull, "a")
         self.tb = _tensorboard(run.out_dir, run.step) if self.ctx.is_main and tc.tensorboard else None
+        self.file = open(run.metrics_path if self.ctx.is_main else os.devnull, "a")
         self.progress = Progress(run.spec.name, run.step, tc.steps, tc.tokens_per_step)
 
     def __enter__(self):
@@ -367,9 +367,17 @@ def _tensorboard(out_dir: Path, step: int):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise TrainingError("train.tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
+    folder = out_dir / layout.TENSORBOARD
+    if folder.exists() and not folder.is_dir():
+        raise TrainingError(f"{folder}: a file, not a folder (train.tensorboard: true writes its event files in this "
+                            "folder); expected a folder or nothing there: move the file away")
     if step == 0:   # a fresh start: no curves of an earlier attempt
-        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
-    return SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        return SummaryWriter(str(folder), purge_step=step + 1 if step else None)
+    except OSError as e:   # a parent that is a file, no permission, a full disk
+        raise TrainingError(f"{folder}: cannot create the TensorBoard folder ({e.strerror or e}); expected a "
+                            "writable folder (train.tensorboard: true)") from None
 
 
 def _final_train_loss(metrics_path: Path, last: int = 10) -> float:
