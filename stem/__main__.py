@@ -95,12 +95,18 @@ def cmd_diff(args):
 def cmd_memory(args):
     from stem.models.model import build_model
     from stem.train import memory
+    from stem.train.distributed import local_micro_batch
     from stem.train.optim import configure_table_update
     cfg = experiment_config(args.experiment)
     cluster = cfg.get("cluster") or {}
     strategy, limit = args.strategy or cluster.get("strategy", "fsdp"), cluster.get("gpu_mem_gib")
     jobs = _matching_jobs(cfg, args)
     specs = [(C.train_spec(cfg, *j), args.gpus or memory.job_layout(cfg, j[0])[0], strategy) for j in jobs]
+    for job, (spec, world, _) in zip(jobs, specs):   # before tracing: a world the batch does not split over
+        try:
+            local_micro_batch(spec["train"]["batch_size"], spec["train"]["micro_batch"], world)
+        except ValueError as e:
+            raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'} {world}: training job {'/'.join(job)}: {e}") from None
     print(f"Per-GPU peak memory of each training job, experiment '{args.experiment}' (strategy {strategy}): traced = "
           "one real training step under FakeTensorMode (stem.train.memory.trace); closed form = memory.estimate, "
           "kept where within 10 % of the trace; limit = cluster.gpu_mem_gib")

@@ -71,6 +71,9 @@ def _slot(ckpt, root, variant):
     (["--workers", "two"], "error: python -m stem memory: argument --workers: two: expected a whole number >= 1"),
     (["--variant", "stem_quarter"], "error: --variant stem_quarter: no training job of experiment 'tiny' matches; "
                                     "its matrix trains 350m: dense,"),
+    (["--gpus", "3", "--scale", "350m", "--variant", "dense"],   # was a worker's RuntimeError traceback
+     "error: --gpus 3: training job 350m/dense/pretrain: batch_size 16 cannot be split into micro-batches of 5 over 3 "
+     "ranks"),
 ])
 def test_memory_arguments_out_of_range_are_one_line(capsys, argv, message):
     code, line = _cli(["memory", "--experiment", "tiny", *argv], capsys)
@@ -162,6 +165,41 @@ def test_damaged_mds_shard_is_one_line_naming_the_shard_and_row(tmp_path, damage
     with pytest.raises(ValueError, match=f"^{shard}{message}") as e:
         list(iter_documents(spec))
     assert "\n" not in str(e.value)
+
+
+# ---- other foreign files: a truncated .jsonl.gz, parquet file and column chunk, a tokenizer.json of another kind ----
+def test_truncated_or_corrupt_documents_and_tokenizer_are_one_line_naming_the_file(tmp_path):
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stem.data.sources import iter_documents
+    from stem.data.tokenizer import load_tokenizer
+    rows = [{"text": f"document {i} " * 20} for i in range(2000)]
+    gz, pf, chunk = tmp_path / "a.jsonl.gz", tmp_path / "a.parquet", tmp_path / "b.parquet"
+    with gzip.open(gz, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.truncate(gz, gz.stat().st_size // 2)
+    pq.write_table(pa.Table.from_pylist(rows), pf)
+    pq.write_table(pa.Table.from_pylist(rows), chunk)
+    os.truncate(pf, pf.stat().st_size - 100)
+    data = bytearray(chunk.read_bytes())
+    data[100:400] = bytes(300)
+    chunk.write_bytes(bytes(data))
+    for path, fmt, message in [
+            (gz, "jsonl", f"{gz}: cannot read as jsonl (EOFError: Compressed file ended before the end-of-stream marker "
+                          "was reached); expected a whole, readable file"),
+            (pf, "parquet", f"{pf}: cannot read as parquet (ArrowInvalid: Parquet magic bytes not found in footer."),
+            (chunk, "parquet", f"{chunk}: row group 0: cannot read as parquet (")]:
+        with pytest.raises(ValueError) as e:
+            list(iter_documents({"kind": "files", "paths": [str(path)], "format": fmt}))
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"version": "1.0", "model": 3}')
+    with pytest.raises(ValueError, match=f"^tokenizer file {tok}: cannot parse \\(.*\\); expected a Hugging Face "
+                                         "tokenizers tokenizer.json$"):
+        load_tokenizer(tok)
 
 
 # ---- checkpoint slots: a job reading a checkpoint refuses one saved for another job -------------------------------
