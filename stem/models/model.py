@@ -223,10 +223,6 @@ class Transformer(nn.Module):
         q = torch.arange(offset, offset + t, device=device).unsqueeze(1)
         return torch.arange(offset + t, device=device).unsqueeze(0) <= q
 
-    @property
-    def supports_kv_cache(self) -> bool:
-        return True  # DSE layers keep their N-gram history and convolution inputs in the cache (KVCache.dse)
-
     # ---- parameter groups and accounting ---------------------------------------------------------
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
         """Named optimizer groups, in ``OPTIM_GROUPS`` order: a parameter's declared role names its group,
