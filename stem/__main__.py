@@ -6,6 +6,7 @@ import json
 import sys
 
 from stem import config as C
+from stem.options import Strategy, values
 
 
 def experiment_config(name: str) -> dict:
@@ -179,7 +180,7 @@ def main(argv=None):
     m.add_argument("--scale")
     m.add_argument("--variant")
     m.add_argument("--gpus", type=int, help="world size (default: the config's cluster.train nodes x gpus_per_node)")
-    m.add_argument("--strategy", choices=["fsdp", "ddp"])
+    m.add_argument("--strategy", choices=values(Strategy))
     m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=int, default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)

@@ -11,10 +11,11 @@ import math
 from stem.config_base import REPO, VARIANTS, ConfigError, read_yaml, variants  # noqa: F401 (re-exported)
 from stem.config_base import deep_merge as _deep_merge
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
+from stem.options import Scale, Stage, values
 
 SCHEMA = REPO / "config" / "schema.yaml"
-SCALES = ("350m", "1b")
-STAGES = ("pretrain", "midtrain", "extend")
+SCALES = values(Scale)
+STAGES = values(Stage)
 TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
                   "tensorboard": False}
 
