@@ -7,8 +7,10 @@ is plainly causal with positions 0..T-1.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -91,6 +93,13 @@ def build_model(cfg: ModelConfig, device=None) -> "Transformer":
     """Instantiate the model (on ``device``; ``"meta"`` costs no memory)."""
     with torch.device(device or "cpu"):
         return Transformer(cfg)
+
+
+@lru_cache(maxsize=None)
+def meta_model(model_json: str) -> "Transformer":
+    """The model of a spec's ``model`` JSON on the meta device, built once per distinct config (the workflow asks
+    about the same few models for hundreds of jobs while it builds the DAG). Shared: read it, never change it."""
+    return build_model(ModelConfig.from_dict(json.loads(model_json)), "meta")
 
 
 class Transformer(nn.Module):
