@@ -6,6 +6,7 @@ import sys
 
 from stem import cli_args as A
 from stem import config as C
+from stem.options import Strategy, values
 
 
 def experiment_config(name: str) -> dict:
@@ -194,7 +195,7 @@ def main(argv=None):
     m.add_argument("--scale", type=A.scale)
     m.add_argument("--variant")
     m.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"), help="world size (default: the config's cluster.train nodes x gpus_per_node)")
-    m.add_argument("--strategy", choices=["fsdp", "ddp"])
+    m.add_argument("--strategy", choices=values(Strategy))
     m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)

@@ -7,14 +7,16 @@ the jobs whose spec changed (it is passed as a rule parameter).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from stem.config_base import REPO, VARIANTS, ConfigError, read_yaml, variants  # noqa: F401 (re-exported)
 from stem.config_base import deep_merge as _deep_merge
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
+from stem.options import Scale, Stage, values
 
 SCHEMA = REPO / "config" / "schema.yaml"
-SCALES = ("350m", "1b")
-STAGES = ("pretrain", "midtrain", "extend")
+SCALES = values(Scale)
+STAGES = values(Stage)
 TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
                   "tensorboard": False}
 
@@ -198,8 +200,21 @@ def source_parts(cfg: dict, source: str) -> int:
 
 
 def part_names(cfg: dict, source: str) -> list[str]:
+    return list(_part_names(source_parts(cfg, source)))
+
+
+@lru_cache(maxsize=None)
+def _part_names(n: int) -> tuple[str, ...]:
+    return tuple(f"part{k:05d}-of-{n:05d}" for k in range(n))
+
+
+def part_index(cfg: dict, source: str, part: str) -> tuple[int, int]:
+    """(k, n) of a part name of a source; a one-line error for a name that is not one of its parts."""
     n = source_parts(cfg, source)
-    return [f"part{k:05d}-of-{n:05d}" for k in range(n)]
+    k = int(part[4:9]) if len(part) == 18 and part.startswith("part") else -1
+    if not (0 <= k < n and part == _part_names(n)[k]):
+        raise ConfigError(f"source {source!r}: part {part!r} is not one of its {n} parts")
+    return k, n
 
 
 # ---- job specs -----------------------------------------------------------------------------------
@@ -282,11 +297,8 @@ def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -
     """Spec of one tokenize job: part k of n of a source (``part`` as named by ``part_names``).
     ``max_tokens`` is split evenly over the parts; ``sample`` is a [lo, hi) range of the per-document
     uniform (or a mapping scale -> range), see stem.data.shards.tokenize_to_shards."""
-    src, names = source_of(cfg, source), part_names(cfg, source)
-    part = part or names[0]
-    if part not in names:
-        raise ConfigError(f"source {source!r}: part {part!r} is not one of its {len(names)} parts")
-    n = len(names)
+    src = source_of(cfg, source)
+    k, n = part_index(cfg, source, part or _part_names(source_parts(cfg, source))[0])
     sample = src.get("sample")
     if isinstance(sample, dict):
         if scale not in sample:
@@ -298,5 +310,5 @@ def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -
     max_tokens = src.get("max_tokens")
     return {"documents": documents_spec(cfg, source), "seed": cfg["seed"],
             "max_tokens": None if max_tokens is None else -(-int(max_tokens) // n),
-            "vocab_size": cfg["archs"][scale]["vocab_size"], "part": [names.index(part), n],
+            "vocab_size": cfg["archs"][scale]["vocab_size"], "part": [k, n],
             "doc_keys": src.get("doc_keys", "index"), "sample": sample}

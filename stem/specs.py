@@ -19,10 +19,11 @@ import typing
 from dataclasses import dataclass, field
 
 from stem.models.config import ModelConfig
+from stem.options import Schedule, Strategy, TableUpdate, values
 
-STRATEGIES = ("fsdp", "ddp")              # the backbone's parallel strategy (stem.train.distributed)
-SCHEDULES = ("cosine", "linear", "constant")
-TABLE_UPDATES = ("dense", "sparse")        # optim.table_update (stem.train.optim)
+STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
+SCHEDULES = values(Schedule)
+TABLE_UPDATES = values(TableUpdate)        # optim.table_update (stem.train.optim)
 OPTIONAL = {"omit_default": True}       # field metadata: left out of to_dict() at its default
 
 

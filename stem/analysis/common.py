@@ -127,11 +127,6 @@ def score_many(model, queries: list[tuple[list[int], list[list[int]]]], max_toke
     return list(zip(scores, nxt))
 
 
-def score_candidates(model, prompt: list[int], candidates: list[list[int]]):
-    """``score_many`` for one prompt."""
-    return score_many(model, [(prompt, candidates)])[0]
-
-
 def find_span(ids: list[int], span: list[int]) -> int:
     """Start of the first occurrence of ``span`` in ``ids``."""
     for i in range(len(ids) - len(span) + 1):

@@ -15,6 +15,9 @@ This module imports no torch (Snakemake builds the DAG with it).
 """
 from __future__ import annotations
 
+import json
+from functools import lru_cache
+
 ANALYSES = ("editing", "heaps", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled")
 NEEDS_WORLD = ("capacity",)
 # Analyses that compare a model with its baseline: the checkpoint of the same experiment/scale/stage's
@@ -35,9 +38,8 @@ def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
 
 def _meta_model(cfg: dict, scale: str, variant: str):
     from stem import config as C
-    from stem.models.config import ModelConfig
-    from stem.models.model import build_model
-    return build_model(ModelConfig.from_dict(C.train_spec(cfg, scale, variant, "pretrain")["model"]), "meta")
+    from stem.models.model import meta_model
+    return meta_model(json.dumps(C.train_spec(cfg, scale, variant, "pretrain")["model"], sort_keys=True))
 
 
 def has_tables(cfg: dict, scale: str, variant: str) -> bool:
@@ -49,12 +51,19 @@ def has_tables(cfg: dict, scale: str, variant: str) -> bool:
 def model_kind(cfg: dict, scale: str, variant: str) -> dict:
     """{tables: a STEM table (token-indexed rows), lookups: any lookup-role parameter (STEM or DSE tables),
     dse: a DSE memory, variant}: what decides the default analyses of a checkpoint."""
-    from stem.analysis.common import table_sites
-    from stem.models.registry import param_roles
-    model = _meta_model(cfg, scale, variant)
-    lookups = any(r.count == "lookup" for r in param_roles(model).values())
-    return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None,
+    from stem import config as C
+    return {**_kind(json.dumps(C.train_spec(cfg, scale, variant, "pretrain")["model"], sort_keys=True)),
             "variant": variant}
+
+
+@lru_cache(maxsize=None)
+def _kind(model_json: str) -> dict:
+    from stem.analysis.common import table_sites
+    from stem.models.model import meta_model
+    from stem.models.registry import param_roles
+    model = meta_model(model_json)
+    lookups = any(r.count == "lookup" for r in param_roles(model).values())
+    return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None}
 
 
 # Analyses a checkpoint gets by default (any one can still be asked for by its path): Heaps' curve is the same

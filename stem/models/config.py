@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from stem.models.registry import check_ffn_kind
+from stem.options import TableInit, values
 
-TABLE_INITS = ("xavier_normal", "normal")
+TABLE_INITS = values(TableInit)
 
 
 def _is_prime(n: int) -> bool:
