@@ -213,6 +213,9 @@ def test_offload_bench_refuses_a_checkpoint_in_another_variants_slot(stem_ckpt, 
                                   "for (saved job tiny/350m/stem/pretrain, expected tiny/350m/stem_half/pretrain: "
                                   "variant 'stem' != 'stem_half')")
     assert not out.exists()
+    code, line = _cli(["eval", "--checkpoint", str(slot), "--suite", "ppl", "--experiment", "tiny"], capsys)
+    assert code == 1 and line == (f"error: checkpoint {slot / 'config.json'}: saved job tiny/350m/stem/pretrain, but "
+                                  "this eval job is for tiny/350m/stem_half/pretrain (variant 'stem' != 'stem_half')")
 
 
 def test_analysis_refuses_a_foreign_checkpoint_and_a_foreign_baseline(stem_ckpt, tmp_path, monkeypatch, capsys):

@@ -71,6 +71,13 @@ def expected_job(spec: dict, out_json=None) -> dict | None:
     return layout.eval_identity(out_json) if out_json else None
 
 
+def _expected(spec: dict, checkpoint, out_json) -> dict | None:
+    """``expected_job``, else what the checkpoint's own path names (``layout.checkpoint_identity``)."""
+    if isinstance(checkpoint, (str, Path)):
+        return expected_job(spec, out_json) or layout.checkpoint_identity(checkpoint)
+    return expected_job(spec, out_json)
+
+
 def check_job(checkpoint, saved: dict, expected: dict | None, out_json=None) -> None:
     """One-line error when the checkpoint's saved job spec is not the one this eval job is for."""
     if not expected:
@@ -294,7 +301,7 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
     spec = EvalSpec.from_dict(spec).to_dict()   # checked once; the runners read its JSON mapping
     t0 = time.time()
     lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"], **(model_args or {}))
-    check_job(checkpoint, lm.spec, expected_job(spec, out_json), out_json)
+    check_job(checkpoint, lm.spec, _expected(spec, checkpoint, out_json), out_json)
     norm, raw, harness = kind.run(lm, spec, limit)
     job = lm.spec
     result = {"experiment": job.get("experiment"), "scale": job.get("scale"), "variant": job.get("variant"),
