@@ -8,7 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from stem.config import REPO, SCALES, STAGES, ConfigError
+from stem.config_base import REPO, ConfigError
+from stem.options import Scale, Stage, values
 
 EXPERIMENTS = ("tiny", "paper")
 
@@ -59,8 +60,8 @@ def one_of(names, what: str):
     return parse
 
 
-scale = one_of(SCALES, "scale")
-stage = one_of(STAGES, "stage")
+scale = one_of(values(Scale), "scale")
+stage = one_of(values(Stage), "stage")
 
 
 def experiment(text: str) -> str:
