@@ -107,7 +107,8 @@ def cmd_memory(args):
         try:
             local_micro_batch(spec["train"]["batch_size"], spec["train"]["micro_batch"], world)
         except ValueError as e:
-            raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'} {world}: training job {'/'.join(job)}: {e}") from None
+            raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'} {world}: training job "
+                                f"{'/'.join(job)}: {e}") from None
     print(f"Per-GPU peak memory of each training job, experiment '{args.experiment}' (strategy {strategy}): traced = "
           "one real training step under FakeTensorMode (stem.train.memory.trace); closed form = memory.estimate, "
           "kept where within 10 % of the trace; limit = cluster.gpu_mem_gib")
@@ -147,7 +148,8 @@ def main(argv=None):
     b.add_argument("--threads", type=A.whole(1, "CPU threads"), default=None)
     b.add_argument("--device", default="cpu")
     b.add_argument("--layers", type=A.whole(1, "layers"), default=3, help="train: layers of the reduced model")
-    b.add_argument("--micro-tokens", type=A.whole(1, "tokens per micro-batch"), nargs=2, default=[256, 1024], metavar=("N1", "N2"),
+    b.add_argument("--micro-tokens", type=A.whole(1, "tokens per micro-batch"), nargs=2, default=[256, 1024],
+                   metavar=("N1", "N2"),
                    help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
                         "from the cost per micro-batch")
     o = b.add_argument_group("bench offload (stem.bench_offload)")
@@ -155,7 +157,8 @@ def main(argv=None):
     o.add_argument("--batch", type=A.whole(1, "rows"), default=8, help="rows of held-out text decoded together")
     o.add_argument("--prompt", type=A.whole(1, "prefill tokens"), default=32, help="prefill tokens per row")
     o.add_argument("--steps", type=A.whole(1, "decode steps"), default=96, help="decode steps")
-    o.add_argument("--cache-rows", type=A.whole(0, "cache rows"), nargs="+", help="cache sizes timed (default d, 4d, 16d rows)")
+    o.add_argument("--cache-rows", type=A.whole(0, "cache rows"), nargs="+",
+                   help="cache sizes timed (default d, 4d, 16d rows)")
     o.add_argument("--json", help="also write the figures as JSON here")
     o.add_argument("--figure", help="also write the hit-rate figure (PNG) here")
     b.set_defaults(fn=cmd_bench)
@@ -176,7 +179,8 @@ def main(argv=None):
     e.add_argument("--out", help="normalised result JSON (raw lm-eval output goes beside it, as *.raw.json)")
     e.add_argument("--bench", action="store_true", help="print loglikelihood requests/s and generation tokens/s")
     e.add_argument("--offload", action="store_true", help="STEM tables off the device (stem.models.offload)")
-    e.add_argument("--cache-rows", type=A.whole(0, "cache rows"), default=0, help="with --offload: rows of the LFU cache")
+    e.add_argument("--cache-rows", type=A.whole(0, "cache rows"), default=0,
+                   help="with --offload: rows of the LFU cache")
     e.set_defaults(fn=cmd_eval)
     d = sub.add_parser("diff", help="reproduced tables vs the paper's, cell by cell")
     A.add_experiment(d, "tiny")
@@ -184,8 +188,8 @@ def main(argv=None):
     d.add_argument("--gate", action="append", default=[], metavar="PATTERN",
                    help="exit 2 if a cell matching PATTERN (table/scale/variant/column, shell wildcards, e.g. "
                         "'table3/350m/*/avg') is missing or beyond tolerance; repeatable")
-    d.add_argument("--gate-tolerance", type=A.number(0, "absolute tolerance"), help="absolute tolerance for the gated cells (default: per unit, "
-                                                        "config report.tolerance)")
+    d.add_argument("--gate-tolerance", type=A.number(0, "absolute tolerance"),
+                   help="absolute tolerance for the gated cells (default: per unit, config report.tolerance)")
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)
@@ -194,7 +198,8 @@ def main(argv=None):
     A.add_experiment(m, "paper")
     m.add_argument("--scale", type=A.scale)
     m.add_argument("--variant")
-    m.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"), help="world size (default: the config's cluster.train nodes x gpus_per_node)")
+    m.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
+                   help="world size (default: the config's cluster.train nodes x gpus_per_node)")
     m.add_argument("--strategy", choices=values(Strategy))
     m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")

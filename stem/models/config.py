@@ -100,11 +100,13 @@ class DSEConfig:
 
     def __post_init__(self):
         orders = self.orders
-        if (not isinstance(orders, (tuple, list)) or not orders or len(set(orders)) != len(orders)
-                or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in orders)):
-            raise ValueError(f"dse.orders={list(orders) if isinstance(orders, (tuple, list)) else orders!r}: expected a "
-                             "non-empty list of distinct whole N-gram orders >= 2 (the DSE paper's Eq. 2 concatenates "
-                             "n = 2..N; order 1 is the token alone, which the token embedding already holds)")
+        if (not isinstance(orders, (tuple, list)) or not orders
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in orders)
+                or len(set(orders)) != len(orders)):
+            shown = list(orders) if isinstance(orders, (tuple, list)) else repr(orders)
+            raise ValueError(f"dse.orders={shown}: expected a non-empty list of distinct whole N-gram orders >= 2 "
+                             "(the DSE paper's Eq. 2 concatenates n = 2..N; order 1 is the token alone, which the "
+                             "token embedding already holds)")
         for key in ("heads", "rows_per_head", "d_mem", "conv_kernel"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

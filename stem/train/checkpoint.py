@@ -163,7 +163,8 @@ def check_identity(ckpt_dir, saved: dict, expected: dict | None, job: str) -> No
     expected = expected or checkpoint_identity(ckpt_dir)
     if not expected:
         return
-    wrong = [f"{k} {saved.get(k)!r} != {expected[k]!r}" for k in IDENTITY if k in expected and saved.get(k) != expected[k]]
+    wrong = [f"{k} {saved.get(k)!r} != {expected[k]!r}" for k in IDENTITY
+             if k in expected and saved.get(k) != expected[k]]
     if wrong:
         have, want = ("/".join(str(d.get(k)) for k in IDENTITY) for d in (saved, expected))
         raise ValueError(f"checkpoint {Path(ckpt_dir) / 'config.json'}: not the one {job} is for (saved job {have}, "
