@@ -270,7 +270,7 @@ def test_tensorboard_folder_that_cannot_be_created_is_one_line(tiny_data, tmp_pa
     (["--spec", "{not json"], "error: --spec: not valid JSON (Expecting property name enclosed in double quotes at "
                               "column 2); expected the job spec object"),
     (["--spec", "[1]"], "error: --spec: a JSON list; expected the job spec object"),
-    (["--spec", "{}", "--threads", "x"], "error: analyze: argument --threads: invalid int value: 'x'"),
+    (["--spec", "{}", "--threads", "x"], "error: analyze: argument --threads: x: expected a whole number >= 1 (CPU threads)"),
 ])
 def test_entry_point_arguments_are_one_line(tmp_path, monkeypatch, capsys, argv, message):
     code, line = _entry(monkeypatch, capsys, "analyze", [*argv, "--checkpoint", str(tmp_path), "--out",
