@@ -142,7 +142,7 @@ def main(argv=None):
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     b.add_argument("what", choices=["ffn", "attention", "train", "offload"])
-    b.add_argument("--scale", default="350m")
+    b.add_argument("--scale", default="350m", type=A.scale)
     b.add_argument("--tokens", type=A.whole(1, "tokens per call"), default=2048)
     b.add_argument("--repeats", type=A.whole(1, "timed repeats"), default=5)
     b.add_argument("--threads", type=A.whole(1, "CPU threads"), default=None)

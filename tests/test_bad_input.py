@@ -90,6 +90,19 @@ def test_memory_scale_outside_the_matrix_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "ffn", "--scale", "7b"], "bench: argument --scale: scale '7b': expected one of 350m, 1b"),  # was KeyError
+    (["bench", "offload", "--steps", "0"], "bench: argument --steps: 0: expected a whole number >= 1 (decode steps)"),
+    (["train", "--scale", "350m", "--variant", "stem", "--stage", "final"],
+     "train: argument --stage: stage 'final': expected one of pretrain, midtrain, extend"),
+    (["diff", "--gate-tolerance", "-1"], "diff: argument --gate-tolerance: -1: expected a number >= 0"),
+    (["eval", "--checkpoint", "c", "--cache-rows", "-1"], "eval: argument --cache-rows: -1: expected a whole number >= 0"),
+])
+def test_every_subcommands_arguments_are_typed(capsys, argv, message):
+    code, line = _cli(argv, capsys)
+    assert code == 1 and line.startswith(f"error: python -m stem {message}")
+
+
 # ---- a config file that does not exist ---------------------------------------------------------------------
 @pytest.mark.parametrize("cmd", [["memory"], ["params"], ["train", "--scale", "350m", "--variant", "stem"],
                                  ["diff"]])
