@@ -1,4 +1,4 @@
-"""Command line: python -m stem {params,bench,train,eval,diff,memory} ..."""
+"""Command line: python -m stem {params,bench,train,eval,diff,memory,gpucheck} ..."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +115,11 @@ def cmd_memory(args):
         sys.exit(2)
 
 
+def cmd_gpucheck(args):
+    from stem import gpucheck
+    sys.exit(gpucheck.main(args))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m stem", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -183,6 +188,15 @@ def main(argv=None):
     m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=int, default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
+    g = sub.add_parser("gpucheck", help="the paper path on this machine's GPU: one pass/fail line per item "
+                                        "(stem.gpucheck); without CUDA one line, exit 0")
+    g.add_argument("--device", help="cuda (default when available) or cpu (with --tiny: the items' code paths)")
+    g.add_argument("--tiny", action="store_true", help="tiny shapes of the same architectures (tests, CPU)")
+    g.add_argument("--items", default="abcdefg", help="which items to run, e.g. 'ae' (default: all)")
+    g.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak for MFU (default: known GPUs)")
+    g.add_argument("--no-compile", action="store_true", help="item e: eager only")
+    g.add_argument("--out", default="reports/gpucheck", help="folder of gpucheck.json and gpucheck.md")
+    g.set_defaults(fn=cmd_gpucheck)
     args = p.parse_args(argv)
     try:
         args.fn(args)
