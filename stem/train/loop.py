@@ -46,6 +46,7 @@ from stem.train import distributed
 from stem.train import lifecycle
 from stem.train import memory
 from stem.train import throughput
+from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
 from stem.train.optim import configure_table_update
 from stem.train.schedule import get_lr
 from stem.train.step import TrainingError, make_optimizer, train_step
@@ -155,6 +156,8 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
                                flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
     micro, accum = distributed.local_micro_batch(tc.batch_size, tc.micro_batch, ctx.world)
     configure_table_update(model, spec.to_dict()["optim"])   # optim.table_update: sparse -> row-sparse table grads
+    if tc.compile:   # torchtitan's order: activation checkpointing (set above), compile each block, then FSDP
+        compile_blocks(model)
     if ctx.is_main:
         print(f"[{spec.out_dir}] " + memory.describe(memory.estimate(
             model, micro, tc.seq_len, ctx.world, tc.parallel, tc.activation_checkpointing)), file=sys.stderr)
@@ -222,6 +225,9 @@ def train_steps(run: Run, stop: dict, last: int):
             if aux:   # a model with auxiliary losses (routed MoE): "loss" is the cross-entropy, "aux_loss" the rest
                 loss -= aux["aux_loss"]
             run.step, run.loss = run.step + 1, loss
+            if tc.compile and ctx.is_main and not log.breaks_reported:   # the first step compiled every block
+                log.breaks_reported = True
+                print(f"[{spec.name}] {describe_breaks(graph_breaks())}", file=sys.stderr)
             tokens = run.step * tc.tokens_per_step
             tokens_per_s = tc.tokens_per_step / (time.time() - t_step)
             row = {"step": run.step, "tokens": tokens, "lr": lr, "loss": loss, **aux, "grad_norm": float(grad_norm),
@@ -297,6 +303,7 @@ class StepLog:
         self.tb = _tensorboard(run.out_dir, run.step) if self.ctx.is_main and tc.tensorboard else None
         self.progress = Progress(run.spec.name, run.step, tc.steps, tc.tokens_per_step, run.meter)
         self.wandb = _wandb(run) if self.ctx.is_main and tc.wandb else None
+        self.breaks_reported = False
 
     def __enter__(self):
         return self
