@@ -1,4 +1,4 @@
-"""Command line: python -m stem {params,bench,train,eval,diff,memory,gpucheck} ..."""
+"""Command line: python -m stem {params,bench,train,eval,diff,memory,gpucheck,rehearsal-data} ..."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from stem import config as C
 def experiment_config(name: str) -> dict:
     path = C.REPO / "config" / f"{name}.yaml"
     if not path.is_file():
-        raise C.ConfigError(f"experiment {name!r}: {path} not found (expected tiny or paper)")
+        raise C.ConfigError(f"experiment {name!r}: {path} not found (expected tiny, paper or rehearsal)")
     return C.load_experiment(path)
 
 
@@ -120,6 +120,11 @@ def cmd_gpucheck(args):
     sys.exit(gpucheck.main(args))
 
 
+def cmd_rehearsal_data(args):
+    from stem import rehearsal
+    rehearsal.prepare(args.root, args.mds_rows)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m stem", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -197,6 +202,11 @@ def main(argv=None):
     g.add_argument("--no-compile", action="store_true", help="item e: eager only")
     g.add_argument("--out", default="reports/gpucheck", help="folder of gpucheck.json and gpucheck.md")
     g.set_defaults(fn=cmd_gpucheck)
+    r = sub.add_parser("rehearsal-data", help="write the one-node rehearsal's offline inputs (config/rehearsal.yaml): "
+                                              "paper-vocabulary tokenizers and ProLong-shaped MDS folders")
+    r.add_argument("--root", default="data/rehearsal/hub")
+    r.add_argument("--mds-rows", type=int, default=8, help="rows of 65,536 ids per MDS folder")
+    r.set_defaults(fn=cmd_rehearsal_data)
     args = p.parse_args(argv)
     try:
         args.fn(args)
