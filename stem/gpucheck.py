@@ -147,7 +147,8 @@ def item_a(ctx: Ctx) -> dict:
         opt.zero_grad(set_to_none=True)
         losses = [first]
         for i in range(1, steps):
-            losses.append(train_step(model, opt, batches, dctx, ctx.autocast(), st["lr"], cfg["optim"]["grad_clip"], i)[0])
+            losses.append(train_step(model, opt, batches, dctx, ctx.autocast(), st["lr"], cfg["optim"]["grad_clip"],
+                                     i)[0])
         ok = all(map(_finite, losses)) and losses[-1] < losses[0] and not zero
         rows[variant] = {"first_loss": losses[0], "last_loss": losses[-1], "groups": sorted(model.param_groups()),
                          "groups_without_gradient": zero}
@@ -155,7 +156,8 @@ def item_a(ctx: Ctx) -> dict:
             bad.append(variant)
         del model, opt
         _free(ctx)
-    figure = (f"{len(ctx.variants) - len(bad)}/{len(ctx.variants)} variants: loss falls over {steps} steps, every group "
+    figure = (f"{len(ctx.variants) - len(bad)}/{len(ctx.variants)} variants: loss falls over {steps} steps, "
+              f"every group "
               f"has a gradient" + (f"; failed: {', '.join(bad)}" if bad else ""))
     return {"ok": not bad, "figure": figure, "details": rows}
 
@@ -402,7 +404,8 @@ def item_e(ctx: Ctx) -> dict:
     cfg = experiment(ctx.tiny)
     peak, source = throughput.device_peak(ctx.device, ctx.peak_tflops)
     modes = (False, True) if ctx.compile else (False,)
-    points = [throughput_point(ctx, cfg, s, v, c, peak) for s in ("350m", "1b") for c in modes for v in ("dense", "stem")]
+    points = [throughput_point(ctx, cfg, s, v, c, peak)
+              for s in ("350m", "1b") for c in modes for v in ("dense", "stem")]
     parts, met, ok = [], [], all("error" not in p for p in points)
     for i in range(0, len(points), 2):
         d, s = points[i], points[i + 1]
@@ -469,7 +472,7 @@ def item_f(ctx: Ctx) -> dict:
     figure = (f"max |dlogit| offloaded vs resident {diff:.2g}; decode tok/s " + ", ".join(
         f"{r['config']} b{r['batch']} {r['tokens_per_s']:,.0f} ({r['vs_resident']:.2f}x)" for r in rates)
         + f"; worst offloaded/resident {worst:.3f} (DSE paper: < 3 % loss)")
-    return {"ok": diff == 0.0 or diff < 1e-3, "figure": figure, "details": {"max_abs_logit_diff": diff, "decode": rates}}
+    return {"ok": diff < 1e-3, "figure": figure, "details": {"max_abs_logit_diff": diff, "decode": rates}}
 
 
 # ---------------------------------------------------------------------------------------------- g

@@ -117,5 +117,6 @@ def test_on_the_cpu_mfu_is_null_with_the_reason(tiny_data, tmp_path):
 
 def test_wandb_missing_is_one_line(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)   # import wandb raises ImportError
-    with pytest.raises(TrainingError, match=r"^train.wandb: 'stem-repro' needs the wandb package \(pip install wandb\)"):
+    with pytest.raises(TrainingError,
+                       match=r"^train.wandb: 'stem-repro' needs the wandb package \(pip install wandb\)"):
         train(make_spec(tiny_data, tmp_path / "run", steps=2, wandb="stem-repro"), threads=1)

@@ -6,8 +6,8 @@
 
 Metrics (``metrics.jsonl``, one row a step): ``loss`` is the training cross-entropy (token mean over the
 step); ``tokens_per_s`` (global), ``tokens_per_s_per_gpu`` and, where the GPU's peak is known, ``mfu``
-(stem.train.throughput; summary.json holds their run mean); a model with auxiliary losses (the routed MoE's load balancing) minimises ``loss + aux_loss`` and logs
-``aux_loss`` beside it. Validation loss is the cross-entropy alone (the model in eval mode).
+(stem.train.throughput; summary.json holds their run mean); a model with auxiliary losses (the routed MoE's
+load balancing) minimises ``loss + aux_loss`` and logs ``aux_loss`` beside it. Validation loss is the cross-entropy alone (the model in eval mode).
 
 Resumable: state is saved every ``checkpoint_interval`` steps (and on SIGTERM, e.g. Slurm
 preemption) under ``{out_dir}/_state``; rerunning the same spec continues from there and ends with
