@@ -10,7 +10,7 @@ CORES  ?= 2
 # configuration still apply (on a machine with a local package mirror, torch comes from there).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: smoke test lint dryrun-paper clean-tiny
+.PHONY: smoke test lint dryrun-paper clean-tiny gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,10 @@ test: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider -m "not slurm"; rest=$$?; \
 	wait $$pid; slurm=$$?; echo "== the real-Slurm tests (pytest -m slurm) =="; cat $$log; rm -f $$log; \
 	test $$rest -eq 0 && test $$slurm -eq 0
+
+gpu-check: $(STAMP)
+	@# the paper path on this machine's GPU (docs/gpu.md); without CUDA one line, exit 0
+	@$(PY) -m stem gpucheck
 
 lint: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --lint

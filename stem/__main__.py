@@ -1,4 +1,4 @@
-"""Command line: python -m stem {params,bench,train,eval,diff,memory} ..."""
+"""Command line: python -m stem {params,bench,train,eval,diff,memory,gpucheck,rehearsal-data} ..."""
 from __future__ import annotations
 
 import json
@@ -131,6 +131,16 @@ def cmd_memory(args):
         sys.exit(2)
 
 
+def cmd_gpucheck(args):
+    from stem import gpucheck
+    sys.exit(gpucheck.main(args))
+
+
+def cmd_rehearsal_data(args):
+    from stem import rehearsal
+    rehearsal.prepare(args.root, args.mds_rows)
+
+
 def main(argv=None):
     p = A.OneLineParser(prog="python -m stem", description=__doc__)   # typed arguments: stem.cli_args
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -204,6 +214,20 @@ def main(argv=None):
     m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
+    g = sub.add_parser("gpucheck", help="the paper path on this machine's GPU: one pass/fail line per item "
+                                        "(stem.gpucheck); without CUDA one line, exit 0")
+    g.add_argument("--device", help="cuda (default when available) or cpu (with --tiny: the items' code paths)")
+    g.add_argument("--tiny", action="store_true", help="tiny shapes of the same architectures (tests, CPU)")
+    g.add_argument("--items", default="abcdefg", help="which items to run, e.g. 'ae' (default: all)")
+    g.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="the device's dense bf16 peak for MFU (default: known GPUs)")
+    g.add_argument("--no-compile", action="store_true", help="item e: eager only")
+    g.add_argument("--out", default="reports/gpucheck", help="folder of gpucheck.json and gpucheck.md")
+    g.set_defaults(fn=cmd_gpucheck)
+    r = sub.add_parser("rehearsal-data", help="write the one-node rehearsal's offline inputs (config/rehearsal.yaml): "
+                                              "paper-vocabulary tokenizers and ProLong-shaped MDS folders")
+    r.add_argument("--root", default="data/rehearsal/hub")
+    r.add_argument("--mds-rows", type=A.whole(1, "rows"), default=8, help="rows of 65,536 ids per MDS folder")
+    r.set_defaults(fn=cmd_rehearsal_data)
     args = p.parse_args(argv)
     try:
         args.fn(args)

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from stem.config_base import REPO, ConfigError
-from stem.options import Scale, Stage, values
+from stem.options import Experiment, Scale, Stage, values
 
-EXPERIMENTS = ("tiny", "paper")
+EXPERIMENTS = values(Experiment)
 
 
 class OneLineParser(argparse.ArgumentParser):

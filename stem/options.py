@@ -6,6 +6,13 @@ from __future__ import annotations
 from enum import StrEnum
 
 
+class Experiment(StrEnum):
+    """The experiments shipped as config/{name}.yaml."""
+    TINY = "tiny"
+    PAPER = "paper"
+    REHEARSAL = "rehearsal"
+
+
 class Scale(StrEnum):
     S350M = "350m"
     S1B = "1b"

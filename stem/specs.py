@@ -7,7 +7,7 @@ the jobs whose spec changed). The job builds the dataclass with ``from_dict`` on
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
 
 Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
-``activation_checkpointing``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
 JSON of the jobs that do not use it unchanged.
 """
 from __future__ import annotations
@@ -222,6 +222,9 @@ class TrainSettings:
     schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
     parallel: str = field(default="fsdp", metadata=OPTIONAL)   # the backbone's strategy under torchrun
+    peak_tflops: float | None = field(default=None, metadata=OPTIONAL)   # MFU's peak (stem.train.throughput)
+    wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
+    compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)
 
     def __post_init__(self):
         _check(self.schedule in SCHEDULES, "schedule", f"one of {', '.join(SCHEDULES)}", self.schedule)
@@ -235,6 +238,9 @@ class TrainSettings:
         _check(self.eval_batches >= 0, "eval_batches", "an integer >= 0", self.eval_batches)
         _check(self.schedule_steps is None or self.schedule_steps >= 1, "schedule_steps", "an integer >= 1 or null",
                self.schedule_steps)
+        _check(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops", "a number > 0 or null",
+               self.peak_tflops)
+        _check(self.wandb is None or bool(self.wandb.strip()), "wandb", "a project name or null", self.wandb)
 
     def lr_schedule(self) -> dict:
         """Keyword arguments of stem.train.schedule.get_lr."""
