@@ -81,6 +81,14 @@ def cmd_diff(args):
         print(f"gate failed: {len(out[4])} chosen cells missing or beyond tolerance: "
               + ", ".join(out[0]["gate"]["failed"]), file=sys.stderr)
         sys.exit(2)
+    if args.gate_directions or args.baseline:
+        from stem.report.diff import gate_directions, load_directions
+        failed = gate_directions(out[2], load_directions(args.baseline) if args.baseline else None)
+        for line in failed:
+            print(f"direction gate: {line}", file=sys.stderr)
+        if failed:
+            print(f"direction gate failed: {len(failed)} direction(s)", file=sys.stderr)
+            sys.exit(2)
 
 
 def cmd_memory(args):
@@ -170,6 +178,11 @@ def main(argv=None):
                         "'table3/350m/*/avg') is missing or beyond tolerance; repeatable")
     d.add_argument("--gate-tolerance", type=float, help="absolute tolerance for the gated cells (default: per unit, "
                                                         "config report.tolerance)")
+    d.add_argument("--gate-directions", action="store_true",
+                   help="exit 2 if a resolved direction (interval excludes 0) disagrees with the paper, naming each")
+    d.add_argument("--baseline", metavar="DIRECTIONS_CSV",
+                   help="with --gate-directions: also exit 2 when a verdict changed against this saved "
+                        "reports/<experiment>/diff/directions.csv (implies --gate-directions)")
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)

@@ -229,7 +229,7 @@ def test_directions():
     ours = paper_as_ours()
     t3 = ours["table3"]
     t3.loc[(t3["scale"] == "350m") & (t3["variant"] == "stem") & (t3["column"] == "avg"), "value"] = 40.0
-    dirs = diff.directions(ours).set_index(["table", "scale", "variant", "column"])
+    dirs = diff.point_directions(ours).set_index(["table", "scale", "variant", "column"])
     assert not dirs.loc[("table3", "350m", "stem", "avg"), "agree"]
     assert dirs.loc[("table3", "350m", "stem_gate", "avg"), "agree"]  # the paper: gate-proj trails baseline
     assert dirs.drop(("table3", "350m", "stem", "avg"))["agree"].all()
@@ -285,7 +285,7 @@ def test_report_builds(tmp_path, tiny_cfg, tiny_results):
     B.write_diff(rd / "diff", *B.run_diff(tiny_cfg, reread, ["table3/*/*/avg"]))
     summary = json.loads((rd / "diff" / "summary.json").read_text())
     assert summary["label"] == "experiment: tiny (embedded default, not paper scale)" and not summary["paper_scale"]
-    assert summary["directions"]["agree"] > 0 and summary["gate"]["failed"]
+    assert summary["directions"]["point_only"]["point estimate: agree"] > 0 and summary["gate"]["failed"]
     for name in ("fig5a_loss_vs_tokens", "roi_by_scale"):
         F.save(F.draw(name, tiny_cfg, tiny_results, reread), rd / "figures" / f"{name}.png")
     text = B.readme(tiny_cfg, rd, ["fig5a_loss_vs_tokens", "roi_by_scale"])
@@ -314,7 +314,7 @@ def test_readme_and_html_are_built_from_data_not_from_written_markdown(tmp_path,
     assert B.readme(tiny_cfg, rd, ["roi_by_scale"]) == readme and B.html_report(tiny_cfg, rd, ["roi_by_scale"]) == html
     # the diff summary in the README is diff.md's, one heading level down, from directions.csv read back
     assert page.markdown(diff.summary_blocks(s, dirs, level=3)) in readme
-    assert B.load_directions(rd / "diff" / "directions.csv")["agree"].tolist() == dirs["agree"].tolist()
+    assert B.load_directions(rd / "diff" / "directions.csv")["verdict"].tolist() == dirs["verdict"].tolist()
     for name in B.TABLES:   # every row of every table's CSV, in both pages
         for r in pd.read_csv(rd / "tables" / f"{name}.csv", dtype=str, keep_default_na=False).itertuples(index=False):
             assert "| " + " | ".join(r) + " |" in readme
@@ -570,7 +570,7 @@ def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
         assert value(t, scale, "dse", "arc_easy") == pytest.approx(value(t, scale, "dense", "arc_easy") + 1)
     assert "DSE (Cheng et al.)" in T.wide(t)["Model"].tolist()
     assert "dse" not in registry.compared()
-    dirs = diff.directions(tiny_tables)
+    dirs = diff.point_directions(tiny_tables)
     dirs = dirs[dirs["table"] == "dse"].set_index(["scale", "variant", "column"])
     assert set(dirs.index) == {(s, "dse", c) for s in ("350m", "1b")
                                for c in ("val_loss", "arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande")}
@@ -583,7 +583,7 @@ def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
         dse = ours["dse"]
         base = value(t, "1b", "dense", "val_loss")
         dse.loc[(dse["scale"] == "1b") & (dse["variant"] == "dse") & (dse["column"] == "val_loss"), "value"] = base + shift
-        row = diff.directions(ours).set_index(["table", "scale", "variant", "column"]).loc[("dse", "1b", "dse", "val_loss")]
+        row = diff.point_directions(ours).set_index(["table", "scale", "variant", "column"]).loc[("dse", "1b", "dse", "val_loss")]
         assert row["agree"] == agree and row["ours"] == ("beats baseline" if agree else "trails baseline")
 
 

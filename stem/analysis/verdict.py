@@ -8,8 +8,11 @@ sign the paper reports: the interval above zero (or below) is a direction, one t
 means (the commonsense average: each task resampled within itself).
 
 ``table_directions`` applies it to the diff's accuracy directions (Tables 3 and 4, per task and the average)
-from the per-item lm-eval samples; ``loss_directions`` to the held-out loss (analysis ``heldout``). This is
-kept apart from ``stem.report.diff.directions`` (point estimates); the report shows both.
+from the per-item lm-eval samples; ``loss_directions`` to the held-out loss (analysis ``heldout``).
+
+``category`` folds every verdict string into one of ``CATEGORIES``; ``count`` counts them. The report's
+``directions`` table (tables/directions.csv) is the one source of verdicts: the diff summary, the README/HTML
+direction table and ``python -m stem diff`` count its rows with these (stem.report.diff.directions).
 """
 from __future__ import annotations
 
@@ -42,6 +45,28 @@ def grouped_bootstrap(groups, n_boot: int = N_BOOT, seed: int = 0, level: float 
     boots /= len(groups)
     lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
     return {"delta": float(np.mean(deltas)), "lo": float(lo), "hi": float(hi), "n": n, "level": level}
+
+
+# Every verdict is one of these (a verdict string such as "missing (the full model scores 0 ...)" or
+# "agree (point estimate)" folds into its category): agree / disagree only where the interval excludes 0.
+CATEGORIES = ("agree", "disagree", "inconclusive", "point estimate: agree", "point estimate: disagree", "missing")
+
+
+def category(verdict) -> str:
+    """The category of a verdict string (CATEGORIES); a missing value is 'missing'."""
+    v = "" if verdict is None or (isinstance(verdict, float) and np.isnan(verdict)) else str(verdict).strip()
+    word = v.split(" ")[0] if v else "missing"
+    if "(point estimate)" in v and word in ("agree", "disagree"):
+        return f"point estimate: {word}"
+    if word in ("agree", "disagree", "inconclusive", "missing"):
+        return word
+    raise ValueError(f"direction verdict {verdict!r}: expected one of {', '.join(CATEGORIES)}")
+
+
+def count(categories) -> dict:
+    """{category: how many} over CATEGORIES (zeros included) and 'total'."""
+    cats = list(categories)
+    return {c: sum(x == c for x in cats) for c in CATEGORIES} | {"total": len(cats)}
 
 
 def classify(ci: dict, paper_sign: float) -> str:

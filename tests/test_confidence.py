@@ -1,0 +1,140 @@
+"""Issue 24: one source for a direction's verdict (the paired bootstrap of tables/directions.csv) in the diff
+summary, the README/HTML direction table and ``python -m stem diff``; the directions gate; provenance.
+
+Results are synthetic (tests/test_report.py's ``write_results``) plus per-item lm-eval samples written here
+for the 350m dense and STEM models, chosen so that the bootstrap gives each kind of verdict.
+"""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from stem import config as C
+from stem.analysis import verdict as V
+from stem.report import build as B
+from stem.report import diff
+from stem.report import paper_data as P
+from stem.report.results import Results
+from test_report import write_results
+
+# per commonsense task of the 350m STEM model vs dense: how its items relate to the paper's sign
+PLAN = {"arc_easy": "with", "arc_challenge": "against"}   # every other task: the same answers (a tie)
+
+
+def write_samples(root, cfg):
+    """eval/raw/commonsense.json (lm-eval's per-item samples) for 350m dense and stem at pretrain."""
+    paper = P.load_table("table3").set_index(["scale", "variant", "column"])["value"]
+    rng = np.random.default_rng(3)
+    base = {t: rng.integers(0, 2, 40).astype(float) for t in P.COMMONSENSE_TASKS}
+    for variant in ("dense", "stem"):
+        samples = {}
+        for t in P.COMMONSENSE_TASKS:
+            sign = np.sign(paper[("350m", "stem", t)] - paper[("350m", "dense", t)])
+            x = base[t]
+            if variant == "stem" and t in PLAN:
+                x = np.full(40, 1.0 if (sign > 0) == (PLAN[t] == "with") else 0.0)
+            samples[t] = [{"doc_id": i, "acc": float(v), "filter": "none"} for i, v in enumerate(x)]
+        d = root / cfg["experiment"] / "350m" / variant / "pretrain" / "eval"
+        (d / "raw").mkdir(exist_ok=True)
+        (d / "raw" / "commonsense.json").write_text(json.dumps({"samples": samples}))
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return C.load_experiment(C.REPO / "config" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, cfg):
+    root = tmp_path_factory.mktemp("confidence")
+    write_results(root / "results", cfg)
+    write_samples(root / "results", cfg)
+    rd = root / "reports" / "tiny"
+    B.write_tables(cfg, Results("tiny", root / "results"), rd / "tables")
+    out = B.run_diff(cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))
+    B.write_diff(rd / "diff", *out)
+    return root, rd, out
+
+
+def test_verdict_categories():
+    assert V.category("agree") == "agree" and V.category("inconclusive") == "inconclusive"
+    assert V.category("disagree (point estimate)") == "point estimate: disagree"
+    assert V.category("missing (the full model scores 0 on a category)") == "missing"
+    assert V.category(None) == "missing" and V.category(float("nan")) == "missing"
+    with pytest.raises(ValueError, match="'better': expected one of agree"):
+        V.category("better")
+    assert V.count(["agree", "agree", "missing"]) == {**dict.fromkeys(V.CATEGORIES, 0), "agree": 2, "missing": 1,
+                                                       "total": 3}
+
+
+def test_summary_counts_are_the_bootstrap_tables_verdicts(report):
+    root, rd, (s, cells, dirs, cons, _) = report
+    table = pd.read_csv(rd / "tables" / "directions.csv", dtype=str, keep_default_na=False)
+    expected = V.count(V.category(v) for v in table["verdict"])
+    assert s["directions"]["checked"] == expected
+    saved = json.loads((rd / "diff" / "summary.json").read_text())["directions"]
+    assert saved["checked"] == expected and saved["checked"]["total"] == len(table)
+    boot = dirs[dirs["origin"] == diff.BOOTSTRAP].set_index(["table", "scale", "variant", "column"])
+    assert boot.loc[("table3", "350m", "stem", "arc_easy"), "category"] == "agree"
+    assert boot.loc[("table3", "350m", "stem", "arc_challenge"), "category"] == "disagree"
+    assert boot.loc[("table3", "350m", "stem", "boolq"), "category"] == "inconclusive"
+    assert boot.loc[("table3", "350m", "hashmoe", "boolq"), "category"] == "missing"   # no per-item samples
+    # the point estimates fill only what the bootstrap table has no row for (ROI, Tables 5-6, DSE Table 1)
+    point = dirs[dirs["origin"] == diff.POINT]
+    assert set(point["table"]) <= {"table3", "table5", "table6", "dse"} and len(point)
+    assert set(point[point["table"] == "table3"]["column"]) == {"roi"}
+    assert s["directions"]["point_only"] == V.count(point["category"])
+    # resolvable: sized (Tables 3/4 with an interval); a 0-or-1 item difference resolves the paper's effect
+    sized = boot["paper_effect_resolvable"].dropna()
+    assert s["directions"]["paper_effect_sized"] == len(sized) > 0
+    assert s["directions"]["paper_effect_resolvable"] == int(sized.astype(bool).sum()) >= 2
+
+
+def test_readme_html_and_diff_say_the_same_counts(report, cfg):
+    root, rd, (s, cells, dirs, cons, _) = report
+    k = s["directions"]["checked"]
+    line = (f"agree **{k['agree']}**, disagree **{k['disagree']}**, inconclusive **{k['inconclusive']}**")
+    readme, html = B.readme(cfg, rd, []), B.html_report(cfg, rd, [])
+    md = (rd / "diff" / "diff.md").read_text()
+    assert line in readme and line in md
+    assert line.replace("**", "") in html.replace("<strong>", "").replace("</strong>", "")
+    assert "agree **42**" not in readme and "Cells agreeing" not in readme   # the old point-estimate count is gone
+    row = diff.direction_table(B.load_directions(rd / "diff" / "directions.csv"))
+    stem = row[(row["Table"] == "table3") & (row["Scale"] == "350m") & (row["Variant"] == P.VARIANT_LABELS["stem"])]
+    assert "agree 1" in stem["Verdicts"].iloc[0] and "disagree 1" in stem["Verdicts"].iloc[0]
+    # read back from diff/directions.csv: the same verdicts as in memory
+    back = B.load_directions(rd / "diff" / "directions.csv")
+    assert back["category"].tolist() == dirs["category"].tolist() and back["stage"].tolist() == dirs["stage"].tolist()
+
+
+def test_directions_gate(report, tmp_path, capsys):
+    root, rd, (s, cells, dirs, cons, _) = report
+    failed = diff.gate_directions(dirs)
+    assert failed == [next(f for f in failed if f.startswith("table3/350m/stem/arc_challenge (pretrain): disagrees"))]
+    base = B.load_directions(rd / "diff" / "directions.csv")
+    assert diff.gate_directions(dirs, base) == failed   # same verdicts as the baseline: only the disagreement
+    edited = base.copy()
+    i = edited.index[(edited["variant"] == "stem") & (edited["column"] == "boolq") & (edited["scale"] == "350m")][0]
+    edited.loc[i, "verdict"] = "agree"
+    edited.to_csv(tmp_path / "baseline.csv", index=False)
+    from stem.__main__ import main
+    args = ["diff", "--experiment", "tiny", "--results", str(root / "results")]
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--baseline", str(tmp_path / "baseline.csv")])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2
+    assert "direction gate: table3/350m/stem/boolq (pretrain): verdict changed against the baseline: agree -> " \
+           "inconclusive (ours +0 [+0, +0])" in err
+    assert any(x.startswith("direction gate: table3/350m/stem/arc_challenge (pretrain): disagrees") for x in err)
+    assert err[-1] == "direction gate failed: 2 direction(s)"
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--baseline", str(tmp_path / "bad.csv")])
+    assert e.value.code == 1 and "bad.csv: not a diff/directions.csv (no column table" in capsys.readouterr().err
+
+
+def test_directions_gate_passes_without_resolved_disagreements(report):
+    root, rd, (s, cells, dirs, cons, _) = report
+    ok = dirs[dirs["category"] != "disagree"]
+    assert diff.gate_directions(ok) == [] and diff.gate_directions(ok, ok) == []
