@@ -77,6 +77,11 @@ def cmd_diff(args):
         write_diff(f"reports/{cfg['experiment']}/diff", *out)
     from stem.report.diff import render
     print(json.dumps(out[0], indent=2, default=float) if args.json else render(*out))
+    prov = out[0]["provenance"]["results"]
+    if len(prov["commits"]) > 1 or prov["spec_mismatch"]:
+        print(f"warning: the compared results come from {len(prov['commits'])} commits "
+              f"({', '.join(prov['commits'])}); {len(prov['spec_mismatch'])} evaluation(s) of a checkpoint from "
+              "another job spec than its training summary's", file=sys.stderr)
     if out[4] is not None and len(out[4]):
         print(f"gate failed: {len(out[4])} chosen cells missing or beyond tolerance: "
               + ", ".join(out[0]["gate"]["failed"]), file=sys.stderr)

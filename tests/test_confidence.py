@@ -138,3 +138,38 @@ def test_directions_gate_passes_without_resolved_disagreements(report):
     root, rd, (s, cells, dirs, cons, _) = report
     ok = dirs[dirs["category"] != "disagree"]
     assert diff.gate_directions(ok) == [] and diff.gate_directions(ok, ok) == []
+
+
+def test_provenance_table_and_diff_say_when_results_differ(tmp_path, cfg, capsys):
+    from stem import provenance
+    from stem.__main__ import main
+    write_results(tmp_path / "results", cfg)
+    run = tmp_path / "results" / "tiny" / "350m"
+    rec = {**provenance.record({"a": 1}, [run / "dense" / "pretrain" / "summary.json"]), "commit": "a" * 40,
+           "dirty": False}
+    for variant, commit in (("dense", "a" * 40), ("stem", "b" * 40)):
+        path = run / variant / "pretrain" / "summary.json"
+        s = json.loads(path.read_text())
+        path.write_text(json.dumps({**s, "provenance": {**rec, "commit": commit}}))
+    ev = run / "stem" / "pretrain" / "eval" / "commonsense.json"   # evaluated a checkpoint of another spec
+    ev.write_text(json.dumps({**json.loads(ev.read_text()),
+                              "provenance": {**rec, "train_spec_sha256": provenance.spec_hash({"a": 2})}}))
+    rd = tmp_path / "reports" / "tiny"
+    ours = B.write_tables(cfg, Results("tiny", tmp_path / "results"), rd / "tables")
+    prov = ours["provenance"][ours["provenance"]["scale"] == "350m"]
+    commits = prov[prov["column"] == "commit"].set_index("row")["value"]
+    assert commits["dense pretrain: summary"] == "aaaaaaaaaaaa clean" and commits["stem pretrain: summary"] == \
+        "bbbbbbbbbbbb clean"
+    assert pd.isna(commits["hashmoe pretrain: summary"])   # a result without provenance: a gap, not a guess
+    same = prov[prov["column"] == "same_spec"].set_index("row")["value"]
+    assert same["stem pretrain: eval commonsense"] == "NO"
+    s = B.run_diff(cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))[0]
+    r = s["provenance"]["results"]
+    assert r["commits"] == {"aaaaaaaaaaaa clean": 2, "bbbbbbbbbbbb clean": 1} and r["without"] > 0
+    assert r["spec_mismatch"] == [str(ev)]
+    assert s["provenance"]["report"]["commit"] == provenance.git_state()["commit"]
+    text = "\n".join(diff.provenance_lines(s["provenance"]))
+    assert "the compared results come from different commits" in text and str(ev) in text
+    main(["diff", "--experiment", "tiny", "--results", str(tmp_path / "results")])
+    err = capsys.readouterr().err
+    assert "warning: the compared results come from 2 commits" in err and "1 evaluation(s)" in err

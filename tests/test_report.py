@@ -341,6 +341,13 @@ def test_real_training_summary_passes_the_check(spec_factory, tmp_path):
     res = Results("tiny", tmp_path)
     s = res.summary("350m", "stem", "pretrain")
     assert s["final_val_loss"] > 0 and s["steps"] == 6
+    from stem import provenance   # issue 24: where the summary came from, the job spec itself untouched
+    saved_spec = json.loads((tmp_path / "tiny/350m/stem/pretrain/checkpoint/config.json").read_text())
+    assert "provenance" not in saved_spec and s["provenance"]["spec_sha256"] == provenance.spec_hash(saved_spec)
+    assert len(s["provenance"]["commit"]) == 40 and isinstance(s["provenance"]["dirty"], bool)
+    assert set(s["provenance"]["versions"]) == {"torch", "lm_eval", "snakemake", "transformers"}
+    assert s["provenance"]["versions"]["torch"] and s["provenance"]["versions"]["snakemake"]
+    assert s["provenance"]["manifests"] and all(len(h) == 64 for h in s["provenance"]["manifests"].values())
     with pytest.raises(ResultError, match="key 'variant': the file is of variant 'stem' but its path says 'dense'"):
         check_summary(tmp_path / "x.json", s, {"experiment": "tiny", "scale": "350m", "variant": "dense",
                                                "stage": "pretrain"})
@@ -549,6 +556,11 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     assert res.eval("1b", "stem", "extend", "commonsense")["tasks"].keys() == {"arc_easy", "boolq"}
     assert res.eval("1b", "stem", "extend", "longbench")["by_length"]["table5"]
     assert len(res.eval("1b", "stem", "extend", "niah")["cells"]) == 4
+    from stem import provenance   # issue 24: each eval JSON names the checkpoint's job spec it evaluated
+    train_spec = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    for suite in ("commonsense", "longbench", "niah"):
+        p = res.eval("1b", "stem", "extend", suite)["provenance"]
+        assert p["train_spec_sha256"] == provenance.spec_hash(train_spec) and p["versions"]["lm_eval"]
 
 
 def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):

@@ -24,7 +24,7 @@ import json
 import time
 from pathlib import Path
 
-from stem import layout
+from stem import layout, provenance
 from stem.eval.kinds import SUITE_KINDS, SuiteKind, suite_kind  # the registry of suite kinds; runners below
 
 
@@ -301,6 +301,7 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
               "stage": job.get("stage"), "suite": spec["suite"], "checkpoint": str(checkpoint), "limit": limit,
               "harness": harness, "fixtures": spec.get("fixtures"), "num_fewshot": spec.get("num_fewshot"),
               "gen_kwargs": spec.get("gen_kwargs"), **norm, "wall_seconds": round(time.time() - t0, 2)}
+    result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job)
     if getattr(lm, "offload", None) is not None:  # STEM tables off the device: the engine's counters
         result["offload"] = lm.offload.stats()
     if raw_json:

@@ -14,8 +14,10 @@ from fnmatch import fnmatch
 import numpy as np
 import pandas as pd
 
+from stem import provenance
 from stem.analysis import verdict as V
 from stem.report import paper_data as P
+from stem.report.provenance import commit_label, results_summary
 from stem.report import registry
 from stem.report import tables as T
 
@@ -293,7 +295,9 @@ def gate(cells: pd.DataFrame, patterns: list[str], tolerance: float | None = Non
 
 
 def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
-            top: int = 10) -> dict:
+            top: int = 10, prov: pd.DataFrame | None = None) -> dict:
+    """``prov``: the provenance table (long; stem.report.provenance), condensed into the summary beside the
+    report's own provenance (stem.provenance.record)."""
     numeric = cells.dropna(subset=["delta"]).copy()
     numeric["gap"] = numeric["delta"].abs() / numeric["tolerance"].where(numeric["tolerance"] > 0, 1.0)
     arch = cells["unit"].isin(["B params", "GFLOPs/token"])
@@ -312,6 +316,7 @@ def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistenc
                           "delta": r.delta, "tolerance": r.tolerance} for r in largest.itertuples()],
         "directions": direction_counts(dirs),
         "paper_inconsistencies": int((~consistency["consistent"]).sum()) if len(consistency) else 0,
+        "provenance": {"report": provenance.record(), "results": results_summary(prov)},
     }
 
 
@@ -360,6 +365,7 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
         f"**{s['architecture_matching']}/{s['architecture_cells']}** within tolerance (see the Table 3 notes)",
         f"Config vs Table 2: **{s['config_matching']}/{s['config_cells']}** hyperparameter cells match",
         *direction_lines(s["directions"]),
+        *provenance_lines(s.get("provenance")),
         f"Places where the paper disagrees with itself: **{s['paper_inconsistencies']}** (see below)",
         "Tolerances (absolute): accuracy points / params (B) / GFLOPs / ROI as configured in `report.tolerance`;"
         " text cells must match exactly."))]
@@ -380,6 +386,25 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
     if len(dirs):
         blocks.append(page.Table(direction_table(dirs)))
     return blocks
+
+
+def provenance_lines(p: dict | None) -> list[str]:
+    """The summary's provenance: the commits and versions the result files come from (⚠ where more than one),
+    the evaluations of a checkpoint trained from another spec, and the commit that built this report."""
+    if not p:
+        return []
+    r, me = p["results"], p["report"]
+    commits = ", ".join(f"`{c}` ({n})" for c, n in r["commits"].items()) or "none recorded"
+    out = [f"Provenance: {r['files']} result files; commits {commits}"
+           + (f", {r['without']} without provenance" if r["without"] else "")
+           + (" — ⚠ **the compared results come from different commits**" if len(r["commits"]) > 1 else "")
+           + "; versions " + ("; ".join(f"{v} ({n})" for v, n in r["versions"].items()) or "none recorded")
+           + (" — ⚠ **different package versions**" if len(r["versions"]) > 1 else "")
+           + f"; this report: `{commit_label(me) or 'no git checkout'}` (table `provenance`)"]
+    if r["spec_mismatch"]:
+        out.append(f"⚠ **Evaluations of a checkpoint whose job spec differs from its training summary's** "
+                   f"({len(r['spec_mismatch'])}): " + ", ".join(f"`{x}`" for x in r["spec_mismatch"]))
+    return out
 
 
 def direction_lines(c: dict) -> list[str]:
