@@ -173,3 +173,19 @@ def test_provenance_table_and_diff_say_when_results_differ(tmp_path, cfg, capsys
     main(["diff", "--experiment", "tiny", "--results", str(tmp_path / "results")])
     err = capsys.readouterr().err
     assert "warning: the compared results come from 2 commits" in err and "1 evaluation(s)" in err
+
+
+def test_the_environment_is_pinned():
+    """constraints.txt pins every package but torch (pinned by the Makefile, its build depends on the machine)
+    and the project; make and environment.yml install with it; the running environment is the pinned one."""
+    from importlib import metadata
+    lines = [x for x in (C.REPO / "constraints.txt").read_text().splitlines() if x and not x.startswith("#")]
+    pins = dict(x.split("==") for x in lines)
+    assert all(len(x.split("==")) == 2 for x in lines) and "torch" not in pins and "stem-repro" not in pins
+    for name in ("lm_eval", "snakemake", "transformers", "numpy", "pandas"):
+        assert metadata.version(name) == pins[name], name
+    make = (C.REPO / "Makefile").read_text()
+    assert "pip install -q -c $(CONSTRAINTS) -e '.[test]'" in make and "torch==$(TORCH_VERSION)" in make
+    assert metadata.version("torch").split("+")[0] == next(
+        x.split("?=")[1].strip() for x in make.splitlines() if x.startswith("TORCH_VERSION"))
+    assert "- -c constraints.txt" in (C.REPO / "environment.yml").read_text()
