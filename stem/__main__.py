@@ -1,4 +1,4 @@
-"""Command line: python -m stem {params,bench,train,eval,diff,memory} ..."""
+"""Command line: python -m stem {params,bench,train,eval,diff,compare,memory} ..."""
 from __future__ import annotations
 
 import argparse
@@ -96,6 +96,15 @@ def cmd_diff(args):
             sys.exit(2)
 
 
+def cmd_compare(args):
+    """Items where two models' answers differ (lm-eval's per-sample logs), with both answers and the gold one."""
+    from stem.eval import compare as K
+    a = K.raw_path(args.a, args.suite, args.experiment, args.results, args.stage)
+    b = K.raw_path(args.b, args.suite, args.experiment, args.results, args.stage)
+    rows = K.compare(a, b, args.task)
+    print(json.dumps(rows, indent=1) if args.json else K.render(f"{args.a} ({a})", f"{args.b} ({b})", rows))
+
+
 def cmd_memory(args):
     from stem.models.model import build_model
     from stem.train import memory
@@ -191,6 +200,17 @@ def main(argv=None):
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)
+    k = sub.add_parser("compare", help="per-item comparison of two models' evaluations on a suite (lm-eval's "
+                                       "per-sample logs): the items where their answers differ, and the gold one")
+    k.add_argument("a", help="scale/variant[/stage] under --results, a stage folder, or a raw eval JSON")
+    k.add_argument("b", help="the same, for the second model")
+    k.add_argument("--suite", required=True, help="the suite (eval/raw/{suite}.json)")
+    k.add_argument("--experiment", default="tiny")
+    k.add_argument("--results", default="results", help="folder holding {experiment}/ results")
+    k.add_argument("--stage", default="pretrain", help="stage when a model is given as scale/variant")
+    k.add_argument("--task", action="append", help="only this task (repeatable)")
+    k.add_argument("--json", action="store_true", help="every compared item as JSON instead of Markdown")
+    k.set_defaults(fn=cmd_compare)
     m = sub.add_parser("memory", help="per-GPU peak memory of every training job at the configured parallelism "
                                       "(traced; exit 2 if one exceeds cluster.gpu_mem_gib)")
     m.add_argument("--experiment", default="paper")

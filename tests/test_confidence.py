@@ -189,3 +189,53 @@ def test_the_environment_is_pinned():
     assert metadata.version("torch").split("+")[0] == next(
         x.split("?=")[1].strip() for x in make.splitlines() if x.startswith("TORCH_VERSION"))
     assert "- -c constraints.txt" in (C.REPO / "environment.yml").read_text()
+
+
+def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
+    """Two real (untrained, differently seeded) checkpoints evaluated by lm-eval on fixture tasks; the comparison
+    reads the per-sample logs: answers are each model's highest-likelihood choice, gold the target's choice."""
+    import torch
+
+    from stem.__main__ import main
+    from stem.data import synth
+    from stem.data.tokenizer import train_bpe
+    from stem.eval import compare as K
+    from stem.eval import fixtures, run
+    from stem.models.config import ModelConfig
+    from stem.models.model import build_model
+    from stem.train.checkpoint import save_checkpoint
+    world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
+    docs = [doc for doc, _ in zip(synth.web_documents(synth.make_world(**world)), range(200))]
+    train_bpe(docs, 320, tmp_path / "tok.json")
+    c = json.loads(json.dumps(cfg))
+    c["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
+    tasks = ["arc_easy", "boolq"]
+    fixtures.write_fixtures({**c["eval"]["fixtures"], "world": world, "seed": 0, "items": 6, "train_items": 2,
+                             "tasks": tasks, "groups": {}}, tmp_path / "fx")
+    spec = {**run.suite_spec(c, "commonsense"), "fixtures": str(tmp_path / "fx"), "tasks": tasks}
+    for seed, variant in ((0, "dense"), (1, "stem")):
+        mc = C.model_config_for(c, "350m", variant, "pretrain").to_dict()
+        torch.manual_seed(seed)
+        ident = {"experiment": "tiny", "scale": "350m", "variant": variant, "stage": "pretrain"}
+        save_checkpoint(tmp_path / variant, build_model(ModelConfig.from_dict(mc), "cpu"), {**ident, "model": mc},
+                        tmp_path / "tok.json", {})
+        d = tmp_path / "results/tiny/350m" / variant / "pretrain/eval"
+        run.evaluate(tmp_path / variant, spec, d / "commonsense.json", d / "raw" / "commonsense.json", limit=6)
+    a = K.raw_path("350m/dense", "commonsense", "tiny", tmp_path / "results")
+    b = K.raw_path(str(tmp_path / "results/tiny/350m/stem/pretrain"), "commonsense", "tiny")
+    rows = K.compare(a, b)
+    raw_a = K.load_samples(a)
+    assert {r["task"] for r in rows} == set(tasks) and len(rows) == sum(len(raw_a[t]) for t in tasks)
+    for r in rows:   # the answer is the argmax choice: its acc is 1 exactly when it is the gold choice
+        s = next(x for x in raw_a[r["task"]] if x["doc_id"] == r["doc_id"])
+        assert (r["a"] == r["gold"]) == bool(s["acc"]) and r["a"] in [x.strip() for x in K._choices(s)]
+    differ = [r for r in rows if not r["same"]]
+    assert differ, "two differently initialised models answered every item alike"
+    main(["compare", "350m/dense", "350m/stem", "--suite", "commonsense", "--results", str(tmp_path / "results")])
+    out = capsys.readouterr().out
+    assert f"## Items where the answers differ ({len(differ)};" in out
+    r = differ[0]
+    assert f"| {r['task']} | {r['doc_id']} | " in out
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "350m/dense", "350m/hashmoe", "--suite", "commonsense", "--results", str(tmp_path / "results")])
+    assert e.value.code == 1 and "model '350m/hashmoe':" in capsys.readouterr().err
