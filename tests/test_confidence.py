@@ -239,3 +239,67 @@ def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
     with pytest.raises(SystemExit) as e:
         main(["compare", "350m/dense", "350m/hashmoe", "--suite", "commonsense", "--results", str(tmp_path / "results")])
     assert e.value.code == 1 and "model '350m/hashmoe':" in capsys.readouterr().err
+
+
+# ---- seeds (stem.seeds) -------------------------------------------------------------------------------------
+def test_seeds_are_jobs_of_their_own_and_the_default_is_unchanged(cfg):
+    from stem import seeds
+    assert seeds.seeds_of(cfg, "350m", "stem") == [0, 1, 2] and seeds.seeds_of(cfg, "350m", "hashmoe") == [0]
+    assert C.seed_targets(cfg) == [("350m", v, "pretrain") for v in ("dense_seed1", "dense_seed2", "stem_seed1",
+                                                                      "stem_seed2")]
+    base, two = C.train_spec(cfg, "350m", "stem", "pretrain"), C.train_spec(cfg, "350m", "stem_seed2", "pretrain")
+    assert {k for k in base if base[k] != two[k]} == {"variant", "seed", "out_dir"}
+    assert two["seed"] == cfg["seed"] + 2 and two["out_dir"] == "results/tiny/350m/stem_seed2/pretrain"
+    assert base["out_dir"] == "results/tiny/350m/stem/pretrain" and base["seed"] == cfg["seed"]
+    with pytest.raises(C.ConfigError, match="seed 3 of 'stem' at 350m is not asked for by the tiny config"):
+        C.train_spec(cfg, "350m", "stem_seed3", "pretrain")
+    bad = json.loads(json.dumps(cfg))
+    bad["matrix"]["350m"]["seeds"] = {"moe": [0, 1]}
+    with pytest.raises(C.ConfigError, match=r"key 'matrix.350m.seeds.moe': 'moe' is not one of matrix.350m.variants"):
+        C.validate_experiment(bad, "x.yaml")
+    whole = json.loads(json.dumps(cfg))
+    del whole["matrix"]["350m"]["seeds"]
+    whole["seeds"] = [0, 1]
+    assert len(C.seed_targets(C.validate_experiment(whole))) == 9 + 3 * 3   # every variant, every stage
+    from stem.eval.run import eval_targets
+    assert "results/tiny/350m/stem_seed1/pretrain/eval/commonsense.json" in eval_targets(cfg)
+
+
+def test_seeded_bootstrap_folds_the_seed_variance():
+    rng = np.random.default_rng(0)
+    a = [rng.integers(0, 2, 400).astype(float) for _ in range(3)]
+    shift = [0.15, -0.15, 0.15]   # each seed alone: a clear effect, in disagreeing directions
+    per_seed = [[(x, np.clip(x + (rng.random(400) < abs(s)) * np.sign(s), 0, 1))] for x, s in zip(a, shift)]
+    alone = [V.grouped_bootstrap(g) for g in per_seed]
+    assert all(c["lo"] > 0 or c["hi"] < 0 for c in alone)
+    folded = V.seeded_bootstrap(per_seed)
+    assert folded["lo"] < 0 < folded["hi"] and folded["seeds"] == 3 and folded["n"] == 1200
+    assert folded["delta"] == pytest.approx(np.mean([c["delta"] for c in alone]))
+    assert V.seeded_bootstrap(per_seed[:1])["lo"] == alone[0]["lo"]
+
+
+def test_seed_rows_in_table3_and_directions(tmp_path, cfg):
+    from stem.report import tables as T
+    from test_report import eval_json
+    cfg = {**cfg, "matrix": {"350m": {**cfg["matrix"]["350m"], "variants": ["dense", "hashmoe", "stem"]}}}
+    write_results(tmp_path, cfg)
+    write_samples(tmp_path, cfg)
+    for k, offset in ((1, 2.0), (2, -1.0)):
+        for variant in ("dense", "stem"):
+            d = tmp_path / "tiny" / "350m" / f"{variant}_seed{k}" / "pretrain"
+            (d / "eval" / "raw").mkdir(parents=True)
+            e = {**eval_json(cfg, "350m", variant, "pretrain", "commonsense", {"dense": 0.0}.get(variant, 1.0) + offset),
+                 "variant": f"{variant}_seed{k}"}
+            (d / "eval" / "commonsense.json").write_text(json.dumps(e))
+            src = tmp_path / "tiny" / "350m" / variant / "pretrain" / "eval" / "raw" / "commonsense.json"
+            (d / "eval" / "raw" / "commonsense.json").write_text(src.read_text())
+    t3 = T.table3(cfg, Results("tiny", tmp_path)).set_index(["scale", "variant", "column"])["value"]
+    one = P.load_table("table3").set_index(["scale", "variant", "column"])["value"]
+    avgs = [np.mean([one[("350m", "stem", t)] + 1.0 + o for t in P.COMMONSENSE_TASKS]) for o in (0.0, 2.0, -1.0)]
+    assert t3[("350m", "stem", "avg")] == pytest.approx(np.mean(avgs))
+    assert t3[("350m", "stem", "seeds")] == 3 and t3[("350m", "stem", "avg_sd")] == pytest.approx(np.std(avgs, ddof=1))
+    assert t3[("350m", "stem", "avg_min")] == pytest.approx(min(avgs)) and ("350m", "hashmoe", "seeds") not in t3
+    rows = {(r["table"], r["variant"], r["column"]): r for r in V.table_directions(cfg, results=tmp_path)
+            if r["scale"] == "350m"}
+    assert rows[("table3", "stem", "arc_easy")]["seeds"] == 3 and rows[("table3", "stem", "arc_easy")]["verdict"] == "agree"
+    assert rows[("table3", "hashmoe", "arc_easy")]["seeds"] == 0

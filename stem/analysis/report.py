@@ -300,8 +300,8 @@ def directions_long(cfg: dict, res) -> pd.DataFrame:
     from stem.report import tables as T
     df = directions_frame(cfg, res.root, _load(cfg, res))
     # stage, check_table and check_column: the key the diff reads each verdict back by (stem.report.diff.directions)
-    cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "verdict", "paper_effect_resolvable", "stage", "check_table",
-            "check_column")
+    cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "seeds", "verdict", "paper_effect_resolvable", "stage",
+            "check_table", "check_column")
     records = [{**r, "check_table": r["table"], "check_column": r["column"]} for r in df.to_dict("records")]
     return T.frame([T.cell("directions", r["scale"], r["variant"], c, None if pd.isna(r.get(c)) else r.get(c),
                            r["source"], row=f"{r['variant']} {r['stage'] if isinstance(r['stage'], str) else '(no stage)'}: "

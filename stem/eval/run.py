@@ -92,7 +92,7 @@ def eval_targets(cfg: dict) -> list[str]:
     """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage."""
     from stem import config as C
     return [layout.eval_json(cfg["experiment"], s, v, st, suite)
-            for s, v, st in C.train_targets(cfg) for suite in suites_for(cfg, st)]
+            for s, v, st in C.train_targets(cfg) + C.seed_targets(cfg) for suite in suites_for(cfg, st)]
 
 
 def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
