@@ -5,7 +5,8 @@ windows, probe facts). ``paired_bootstrap`` resamples the items (with replacemen
 models) and gives the mean difference b - a with a percentile interval; ``classify`` reads it against the
 sign the paper reports: the interval above zero (or below) is a direction, one that contains zero is
 *inconclusive* (the tiny fixtures cannot tell). ``grouped_bootstrap`` is the same for a mean of per-group
-means (the commonsense average: each task resampled within itself).
+means (the commonsense average: each task resampled within itself); ``seeded_bootstrap`` folds several
+seeds of a matrix cell in (stem.seeds: seeds resampled, then items within each seed).
 
 ``table_directions`` applies it to the diff's accuracy directions (Tables 3 and 4, per task and the average)
 from the per-item lm-eval samples; ``loss_directions`` to the held-out loss (analysis ``heldout``).

@@ -1,8 +1,9 @@
 """Reproduced vs published, cell by cell; where the paper disagrees with itself; direction checks.
 
 ``compare`` joins an experiment's tables (``tables.build_all``) with the paper's cells of every table
-registered as ``compared`` (stem.report.registry), ``directions`` asks whether each variant beats the
-dense baseline where the paper says it does,
+registered as ``compared`` (stem.report.registry), ``directions`` gives every direction's verdict from one
+source, the ``directions`` table (paired bootstrap; point estimates only where it has no row), and
+``gate_directions`` fails on resolved disagreements or verdicts changed against a baseline,
 ``paper_consistency`` recomputes printed numbers from other printed numbers, ``gate`` selects cells
 a user wants to hold within a tolerance. ``render`` writes it all as one Markdown document.
 """
