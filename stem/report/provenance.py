@@ -39,7 +39,7 @@ def rows(cfg: dict, res) -> list[dict]:
     """One row per result file that exists: what its ``provenance`` entry says (None where it has none)."""
     suites = ((cfg.get("eval") or {}).get("stages") or {})
     out = []
-    for scale, variant, stage in C.train_targets(cfg):
+    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
         summary = res.summary(scale, variant, stage)
         train_hash = ((summary or {}).get("provenance") or {}).get("spec_sha256")
         files = [("summary", summary)] + [(f"eval {s}", res.eval(scale, variant, stage, s)) for s in suites.get(stage, [])]
