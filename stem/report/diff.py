@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from fnmatch import fnmatch
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -156,7 +157,8 @@ def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
                      "paper_effect_resolvable": None, "origin": POINT,
                      "source": f"{registry.table(r.table).title}: {r.variant} vs dense, {r.column}"})
     point = pd.DataFrame(rows, columns=DIRECTION_COLUMNS)
-    return pd.concat([boot, point], ignore_index=True) if len(point) and len(boot) else (point if len(point) else boot)
+    parts = [f for f in (boot, point) if len(f)]
+    return pd.concat(parts, ignore_index=True) if parts else boot
 
 
 def direction_counts(dirs: pd.DataFrame) -> dict:
@@ -199,7 +201,6 @@ def gate_directions(dirs: pd.DataFrame, baseline: pd.DataFrame | None = None) ->
 def load_directions(path) -> pd.DataFrame:
     """A diff/directions.csv (as ``directions`` returned it), e.g. a saved baseline; a file without its columns
     is refused with one line."""
-    from pathlib import Path
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{path}: no such directions file (expected a reports/<experiment>/diff/directions.csv)")
