@@ -71,17 +71,15 @@ def results_summary(prov: pd.DataFrame | None) -> dict:
     without provenance, and the evaluations of a checkpoint whose spec differs from its training summary's."""
     if prov is None or prov.empty:
         return {"files": 0, "commits": {}, "versions": {}, "without": 0, "spec_mismatch": []}
-    w = prov.pivot_table(index=["scale", "variant", "row", "source"], columns="column", values="value",
-                         aggfunc="first", dropna=False).reset_index()
-    known = lambda c: w[c] if c in w else pd.Series([None] * len(w))  # noqa: E731
-    commits = known("commit").dropna()
-    commits = commits[commits.astype(str).str.len() > 0]
-    vers = [" ".join(f"{k} {known(k).iloc[i]}" for k in ("torch", "lm_eval", "snakemake", "transformers"))
-            for i in range(len(w)) if not T._isnan(known("torch").iloc[i])]
-    return {"files": int(len(w)), "commits": {str(k): int(n) for k, n in commits.value_counts().items()},
-            "versions": {k: vers.count(k) for k in dict.fromkeys(vers)},
-            "without": int(len(w) - len(commits)),
-            "spec_mismatch": sorted(str(s) for s, x in zip(w["source"], known("same_spec")) if x == "NO")}
+    files = [(src, dict(zip(g["column"], g["value"])))
+             for (_, _, _, src), g in prov.groupby(["scale", "variant", "row", "source"], sort=False)]
+    has = lambda v: v is not None and not T._isnan(v) and str(v) != ""  # noqa: E731
+    commits = [str(f["commit"]) for _, f in files if has(f.get("commit"))]
+    vers = [" ".join(f"{k} {f.get(k)}" for k in ("torch", "lm_eval", "snakemake", "transformers"))
+            for _, f in files if has(f.get("torch"))]
+    return {"files": len(files), "commits": {c: commits.count(c) for c in dict.fromkeys(commits)},
+            "versions": {v: vers.count(v) for v in dict.fromkeys(vers)}, "without": len(files) - len(commits),
+            "spec_mismatch": sorted(str(src) for src, f in files if f.get("same_spec") == "NO")}
 
 
 registry.paper_table(
