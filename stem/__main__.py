@@ -101,7 +101,7 @@ def cmd_compare(args):
     from stem.eval import compare as K
     a = K.raw_path(args.a, args.suite, args.experiment, args.results, args.stage)
     b = K.raw_path(args.b, args.suite, args.experiment, args.results, args.stage)
-    rows = K.compare(a, b, args.task)
+    rows = K.compare(a, b, args.task, args.metric)
     print(json.dumps(rows, indent=1) if args.json else K.render(f"{args.a} ({a})", f"{args.b} ({b})", rows))
 
 
@@ -209,6 +209,8 @@ def main(argv=None):
     k.add_argument("--results", default="results", help="folder holding {experiment}/ results")
     k.add_argument("--stage", default="pretrain", help="stage when a model is given as scale/variant")
     k.add_argument("--task", action="append", help="only this task (repeatable)")
+    k.add_argument("--metric", help="score items by this per-sample metric (e.g. acc, acc_norm; default: the one "
+                                    "the eval JSON reports for each task)")
     k.add_argument("--json", action="store_true", help="every compared item as JSON instead of Markdown")
     k.set_defaults(fn=cmd_compare)
     m = sub.add_parser("memory", help="per-GPU peak memory of every training job at the configured parallelism "

@@ -226,12 +226,18 @@ def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
     rows = K.compare(a, b)
     raw_a = K.load_samples(a)
     assert {r["task"] for r in rows} == set(tasks) and len(rows) == sum(len(raw_a[t]) for t in tasks)
-    for r in rows:   # the answer is the argmax choice: its acc is 1 exactly when it is the gold choice
+    metrics = json.loads(a.parent.parent.joinpath("commonsense.json").read_text())["tasks"]
+    assert {r["metric"] for r in rows if r["task"] == "arc_easy"} == {metrics["arc_easy"]["metric"].split(",")[0]}
+    for r in rows:   # the answer is the choice the metric scores: the item scores 1 exactly when it is the gold one
         s = next(x for x in raw_a[r["task"]] if x["doc_id"] == r["doc_id"])
-        assert (r["a"] == r["gold"]) == bool(s["acc"]) and r["a"] in [x.strip() for x in K._choices(s)]
+        assert (r["a"] == r["gold"]) == bool(s[r["metric"]]) and r["a"] in [x.strip() for x in K._choices(s)]
+        assert (r["a"] == r["gold"]) == bool(K.answer(s, "acc") == r["gold"]) or r["metric"] == "acc_norm"
+    # untrained models: acc_norm's per-character likelihood picks the same choices; raw likelihoods differ
+    rows = K.compare(a, b, metric="acc")
     differ = [r for r in rows if not r["same"]]
     assert differ, "two differently initialised models answered every item alike"
-    main(["compare", "350m/dense", "350m/stem", "--suite", "commonsense", "--results", str(tmp_path / "results")])
+    main(["compare", "350m/dense", "350m/stem", "--suite", "commonsense", "--metric", "acc",
+          "--results", str(tmp_path / "results")])
     out = capsys.readouterr().out
     assert f"## Items where the answers differ ({len(differ)};" in out
     r = differ[0]
@@ -287,7 +293,7 @@ def test_seed_rows_in_table3_and_directions(tmp_path, cfg):
     for k, offset in ((1, 2.0), (2, -1.0)):
         for variant in ("dense", "stem"):
             d = tmp_path / "tiny" / "350m" / f"{variant}_seed{k}" / "pretrain"
-            (d / "eval" / "raw").mkdir(parents=True)
+            (d / "eval" / "raw").mkdir(parents=True, exist_ok=True)
             e = {**eval_json(cfg, "350m", variant, "pretrain", "commonsense", {"dense": 0.0}.get(variant, 1.0) + offset),
                  "variant": f"{variant}_seed{k}"}
             (d / "eval" / "commonsense.json").write_text(json.dumps(e))
@@ -303,3 +309,23 @@ def test_seed_rows_in_table3_and_directions(tmp_path, cfg):
             if r["scale"] == "350m"}
     assert rows[("table3", "stem", "arc_easy")]["seeds"] == 3 and rows[("table3", "stem", "arc_easy")]["verdict"] == "agree"
     assert rows[("table3", "hashmoe", "arc_easy")]["seeds"] == 0
+
+
+def test_compare_names_choices_that_share_their_text(tmp_path):
+    """WinoGrande's options are in the contexts, its choices one shared continuation: answers are 'choice i' and
+    the gold one is the choice that scored 1 (its target is the continuation, not an index)."""
+    from stem.eval import compare as K
+
+    def sample(doc_id, lls, acc):
+        return {"doc_id": doc_id, "target": "went home.", "filter": "none", "acc": acc,
+                "arguments": [["Anna asked Bea because Anna", " went home."], ["Anna asked Bea because Bea", " went home."]],
+                "filtered_resps": [[ll, False] for ll in lls]}
+    for name, items in (("a", [sample(0, [-1, -2], 1.0), sample(1, [-1, -2], 0.0)]),
+                        ("b", [sample(0, [-2, -1], 0.0), sample(1, [-2, -1], 1.0)])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"samples": {"winogrande": items}}))
+    rows = K.compare(tmp_path / "a.json", tmp_path / "b.json")
+    assert [(r["a"], r["b"], r["gold"]) for r in rows] == [("choice 0", "choice 1", "choice 0"),
+                                                           ("choice 0", "choice 1", "choice 1")]
+    (tmp_path / "c.json").write_text(json.dumps({"results": {}}))
+    with pytest.raises(K.CompareError, match="c.json: no per-sample logs"):
+        K.compare(tmp_path / "a.json", tmp_path / "c.json")

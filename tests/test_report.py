@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from stem import config as C
+from stem import seeds
 from stem.report import build as B
 from stem.report import diff
 from stem.report import figures as F
@@ -34,10 +35,11 @@ def eval_json(cfg, scale, variant, stage, suite, offset):
     base = {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage, "suite": suite,
             "checkpoint": "x", "limit": None, "tasks": {}, "groups": {}}
     entry = lambda v: {"metric": "acc,none", "value": v, "stderr": 1.0, "n": 40}  # noqa: E731
-    paper_row = {"dse": "dense", "stem_sparse": "stem"}.get(variant, variant)   # not paper variants
+    named = seeds.split(variant)[0]   # a seed job (stem.seeds) scores like its variant
+    paper_row = {"dse": "dense", "stem_sparse": "stem"}.get(named, named)   # not paper variants
     p3 = paper_scores("table3", "1b" if scale == "1b" else "350m", paper_row, offset)
-    p5 = paper_scores("table5", "1b", "stem" if variant != "dense" else "dense", offset)
-    p6 = paper_scores("table6", "1b", "stem" if variant != "dense" else "dense", offset)
+    p5 = paper_scores("table5", "1b", "stem" if named != "dense" else "dense", offset)
+    p6 = paper_scores("table6", "1b", "stem" if named != "dense" else "dense", offset)
     if suite == "commonsense":
         base["tasks"] = {t: entry(p3[t]) for t in P.COMMONSENSE_TASKS}
     elif suite in ("mmlu", "bbh"):
@@ -73,7 +75,7 @@ def write_results(root, cfg, skip=(MISSING,)):
     rng = np.random.default_rng(0)
     stage_suites = {"pretrain": ["commonsense"], "midtrain": ["commonsense", "mmlu", "gsm8k"],
                     "extend": ["niah", "bbh", "musr", "longbench"]}
-    for scale, variant, stage in C.train_targets(cfg):
+    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
         d = root / cfg["experiment"] / scale / variant / stage
         (d / "eval").mkdir(parents=True)
         steps = np.arange(1, 201)
@@ -94,7 +96,7 @@ def write_results(root, cfg, skip=(MISSING,)):
         for suite in stage_suites[stage]:
             if (scale, variant) in skip and suite == "commonsense":
                 continue
-            offset = {"dense": 0.0}.get(variant, 1.0)
+            offset = {"dense": 0.0}.get(seeds.split(variant)[0], 1.0)
             (d / "eval" / f"{suite}.json").write_text(json.dumps(eval_json(cfg, scale, variant, stage, suite, offset)))
 
 

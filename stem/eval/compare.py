@@ -3,8 +3,8 @@
 From lm-eval's per-sample logs (the raw output beside each eval JSON, ``eval/raw/{suite}.json``, written with
 ``log_samples``): for every task both evaluated, the items (same ``doc_id`` and filter) where the two models'
 answers differ, with both answers, the gold one and each model's score on the item. A multiple-choice item's
-answer is the choice of highest log-likelihood (what ``acc`` scores); a generated one is the filtered
-response (what the task's metric scores).
+answer is the choice of highest log-likelihood, per character where the task reports ``acc_norm`` (what the
+task's metric scores); a generated one is the filtered response.
 """
 from __future__ import annotations
 
@@ -64,12 +64,20 @@ def _choices(s: dict) -> list[str] | None:
     return None
 
 
-def answer(s: dict) -> str:
+def _label(choices: list[str], i: int) -> str:
+    """A choice as printed: its text, or 'choice i' where the choices share their text (e.g. WinoGrande, whose
+    options are in the contexts)."""
+    return choices[i].strip() if len(set(choices)) == len(choices) else f"choice {i}"
+
+
+def answer(s: dict, metric: str = "acc") -> str:
+    """The model's answer as ``metric`` scores it: acc_norm divides each choice's log-likelihood by the choice's
+    length in characters (lm-eval's acc_norm), acc takes it as is."""
     choices = _choices(s)
     resps = s.get("filtered_resps") or []
     if choices is not None:
-        best = max(range(len(resps)), key=lambda i: resps[i][0])
-        return choices[best].strip()
+        norm = (lambda i: max(len(choices[i]), 1)) if metric == "acc_norm" else (lambda i: 1)
+        return _label(choices, max(range(len(resps)), key=lambda i: resps[i][0] / norm(i)))
     r = resps[0] if resps else ""
     while isinstance(r, list) and r:
         r = r[0]
@@ -79,19 +87,35 @@ def answer(s: dict) -> str:
 def gold(s: dict) -> str:
     t, choices = s.get("target"), _choices(s)
     if choices is not None and isinstance(t, int) and 0 <= t < len(choices):
-        return choices[t].strip()
+        return _label(choices, t)
     if isinstance(t, list) and t:
         return " | ".join(str(x).strip() for x in t)
     return str(t).strip()
 
 
-def score(s: dict):
+def score(s: dict, metric: str | None = None):
+    if metric and isinstance(s.get(metric), (int, float)):
+        return s[metric]
     return next((s[m] for m in METRICS if isinstance(s.get(m), (int, float))), None)
 
 
-def compare(a_path, b_path, tasks=None) -> list[dict]:
-    """One row per item where the answers differ: task, doc_id, both answers and scores, the gold answer."""
+def task_metrics(raw_json) -> dict[str, str]:
+    """{task: metric name} the eval JSON beside a raw one reports (eval/{suite}.json for eval/raw/{suite}.json);
+    {} when there is none (each item then shows its first of METRICS)."""
+    p = Path(raw_json)
+    res = p.parent.parent / p.name
+    if p.parent.name != "raw" or not res.is_file():
+        return {}
+    data = json.loads(res.read_text())
+    return {t: e["metric"].split(",")[0] for t, e in (data.get("tasks") or {}).items()
+            if isinstance(e, dict) and isinstance(e.get("metric"), str)}
+
+
+def compare(a_path, b_path, tasks=None, metric: str | None = None) -> list[dict]:
+    """One row per item both evaluated: task, doc_id, both answers and scores (``metric``, by default the one
+    the eval JSON beside the first reports for the task), the gold answer, and whether the answers are the same."""
     a, b = load_samples(a_path), load_samples(b_path)
+    metrics = task_metrics(a_path)
     common = [t for t in a if t in b and (not tasks or t in tasks)]
     if not common:
         raise CompareError(f"{a_path} and {b_path}: no task in common"
@@ -104,10 +128,12 @@ def compare(a_path, b_path, tasks=None) -> list[dict]:
             t = bi.get((int(s["doc_id"]), s.get("filter", "none")))
             if t is None:
                 continue
-            ans_a, ans_b = answer(s), answer(t)
-            rows.append({"task": task, "doc_id": int(s["doc_id"]), "filter": s.get("filter", "none"),
-                         "a": ans_a, "b": ans_b, "gold": gold(s), "a_score": score(s), "b_score": score(t),
-                         "same": ans_a == ans_b})
+            m = metric or metrics.get(task, "acc_norm" if "acc_norm" in s else "acc")
+            ans_a, ans_b, g, sa, sb = answer(s, m), answer(t, m), gold(s), score(s, m), score(t, m)
+            if ans_a.startswith("choice ") and not g.startswith("choice "):   # the target is not a choice index:
+                g = ans_a if sa == 1 else ans_b if sb == 1 else f"neither {ans_a} nor {ans_b}"   # the one scored 1
+            rows.append({"task": task, "doc_id": int(s["doc_id"]), "filter": s.get("filter", "none"), "metric": m,
+                         "a": ans_a, "b": ans_b, "gold": g, "a_score": sa, "b_score": sb, "same": ans_a == ans_b})
     return rows
 
 
