@@ -267,6 +267,8 @@ def test_seeds_are_jobs_of_their_own_and_the_default_is_unchanged(cfg):
     del whole["matrix"]["350m"]["seeds"]
     whole["seeds"] = [0, 1]
     assert len(C.seed_targets(C.validate_experiment(whole))) == 9 + 3 * 3   # every variant, every stage
+    mid = C.train_spec(whole, "1b", "stem_seed1", "midtrain")   # a later stage starts from the same seed's
+    assert mid["init_from"] == "results/tiny/1b/stem_seed1/pretrain/checkpoint" and mid["seed"] == cfg["seed"] + 1
     from stem.eval.run import eval_targets
     assert "results/tiny/350m/stem_seed1/pretrain/eval/commonsense.json" in eval_targets(cfg)
 
