@@ -126,6 +126,9 @@ def bootstrap_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
     rows = []
     for (scale, variant, _), g in d.groupby(["scale", "variant", "row"], sort=False):
         v = dict(zip(g["column"], g["value"]))
+        if "check_table" not in v:
+            raise ValueError(f"directions table row {scale}/{variant}/{g['row'].iloc[0]}: no check_table / check_column "
+                             "(tables/reproduced.csv predates them: rebuild the tables, rule report_tables)")
         num = lambda k: None if T._isnan(v.get(k, math.nan)) else float(v[k])  # noqa: E731
         rows.append({"table": v["check_table"], "scale": scale, "variant": variant,
                      "stage": "" if T._isnan(v.get("stage", math.nan)) else str(v["stage"]),
