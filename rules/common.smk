@@ -32,7 +32,7 @@ def as_json(obj):
 
 
 def train_outputs():
-    return [L.summary(EXP, s, v, st) for s, v, st in C.train_targets(config)]
+    return [L.summary(EXP, s, v, st) for s, v, st in C.train_targets(config) + C.seed_targets(config)]
 
 
 def params_tables():

@@ -1,4 +1,4 @@
-"""Command line: python -m stem {params,bench,train,eval,diff,memory,gpucheck,rehearsal-data} ..."""
+"""Command line: python -m stem {params,bench,train,eval,diff,compare,memory,gpucheck,rehearsal-data} ..."""
 from __future__ import annotations
 
 import json
@@ -87,10 +87,32 @@ def cmd_diff(args):
         write_diff(f"reports/{cfg['experiment']}/diff", *out)
     from stem.report.diff import render
     print(json.dumps(out[0], indent=2, default=float) if args.json else render(*out))
+    prov = out[0]["provenance"]["results"]
+    if len(prov["commits"]) > 1 or prov["spec_mismatch"]:
+        print(f"warning: the compared results come from {len(prov['commits'])} commits "
+              f"({', '.join(prov['commits'])}); {len(prov['spec_mismatch'])} evaluation(s) of a checkpoint from "
+              "another job spec than its training summary's", file=sys.stderr)
     if out[4] is not None and len(out[4]):
         print(f"gate failed: {len(out[4])} chosen cells missing or beyond tolerance: "
               + ", ".join(out[0]["gate"]["failed"]), file=sys.stderr)
         sys.exit(2)
+    if args.gate_directions or args.baseline:
+        from stem.report.diff import gate_directions, load_directions
+        failed = gate_directions(out[2], load_directions(args.baseline) if args.baseline else None)
+        for line in failed:
+            print(f"direction gate: {line}", file=sys.stderr)
+        if failed:
+            print(f"direction gate failed: {len(failed)} direction(s)", file=sys.stderr)
+            sys.exit(2)
+
+
+def cmd_compare(args):
+    """Items where two models' answers differ (lm-eval's per-sample logs), with both answers and the gold one."""
+    from stem.eval import compare as K
+    a = K.raw_path(args.a, args.suite, args.experiment, args.results, args.stage)
+    b = K.raw_path(args.b, args.suite, args.experiment, args.results, args.stage)
+    rows = K.compare(a, b, args.task, args.metric)
+    print(json.dumps(rows, indent=1) if args.json else K.render(f"{args.a} ({a})", f"{args.b} ({b})", rows))
 
 
 def cmd_memory(args):
@@ -200,9 +222,27 @@ def main(argv=None):
                         "'table3/350m/*/avg') is missing or beyond tolerance; repeatable")
     d.add_argument("--gate-tolerance", type=A.number(0, "absolute tolerance"),
                    help="absolute tolerance for the gated cells (default: per unit, config report.tolerance)")
+    d.add_argument("--gate-directions", action="store_true",
+                   help="exit 2 if a resolved direction (interval excludes 0) disagrees with the paper, naming each")
+    d.add_argument("--baseline", metavar="DIRECTIONS_CSV",
+                   help="with --gate-directions: also exit 2 when a verdict changed against this saved "
+                        "reports/<experiment>/diff/directions.csv (implies --gate-directions)")
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)
+    k = sub.add_parser("compare", help="per-item comparison of two models' evaluations on a suite (lm-eval's "
+                                       "per-sample logs): the items where their answers differ, and the gold one")
+    k.add_argument("a", help="scale/variant[/stage] under --results, a stage folder, or a raw eval JSON")
+    k.add_argument("b", help="the same, for the second model")
+    k.add_argument("--suite", required=True, help="the suite (eval/raw/{suite}.json)")
+    k.add_argument("--experiment", default="tiny")
+    k.add_argument("--results", default="results", help="folder holding {experiment}/ results")
+    k.add_argument("--stage", type=A.stage, default="pretrain", help="stage when a model is given as scale/variant")
+    k.add_argument("--task", action="append", help="only this task (repeatable)")
+    k.add_argument("--metric", help="score items by this per-sample metric (e.g. acc, acc_norm; default: the one "
+                                    "the eval JSON reports for each task)")
+    k.add_argument("--json", action="store_true", help="every compared item as JSON instead of Markdown")
+    k.set_defaults(fn=cmd_compare)
     m = sub.add_parser("memory", help="per-GPU peak memory of every training job at the configured parallelism "
                                       "(traced; exit 2 if one exceeds cluster.gpu_mem_gib)")
     A.add_experiment(m, "paper")

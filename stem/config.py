@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from stem.config_base import REPO, VARIANTS, ConfigError, read_yaml, variants  # noqa: F401 (re-exported)
 from stem.config_base import deep_merge as _deep_merge
+from stem import seeds
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.options import Scale, Stage, values
 
@@ -35,6 +36,7 @@ def validate_experiment(cfg: dict, origin: str = "config") -> dict:
         key = ".".join(str(p) for p in e.path) or "<top level>"
         raise ConfigError(f"{origin}: key '{key}': {e.message}")
     _cross_check(cfg, origin)
+    seeds.check(cfg, origin)
     return cfg
 
 
@@ -155,6 +157,9 @@ def variant_spec(cfg: dict, variant: str) -> dict:
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
     it overrides)."""
     all_variants = variants(cfg)
+    base, k = seeds.split(variant)   # a seed of a matrix cell (stem.seeds): the variant's own spec
+    if k and base in all_variants:
+        return all_variants[base]
     if variant in all_variants:
         return all_variants[variant]
     from stem import sweeps
@@ -222,9 +227,24 @@ def train_targets(cfg: dict) -> list[tuple[str, str, str]]:
     return [(scale, v, stage) for scale, m in cfg["matrix"].items() for v in m["variants"] for stage in m["stages"]]
 
 
+def seed_targets(cfg: dict) -> list[tuple[str, str, str]]:
+    """The training jobs of seeds beyond the matrix's own (stem.seeds): (scale, '{variant}_seed{k}', stage)."""
+    return seeds.extra_targets(cfg)
+
+
 def train_job(cfg: dict, scale: str, variant: str, stage: str):
     """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
     from stem.specs import TrainSpec
+    base, k = seeds.split(variant)
+    if k:   # seed k of a matrix cell (stem.seeds): the cell's spec, its own seed and folder
+        if k not in seeds.seeds_of(cfg, scale, base):
+            raise ConfigError(f"variant {variant!r}: seed {k} of {base!r} at {scale} is not asked for by the "
+                              f"{cfg['experiment']} config (seeds: {seeds.seeds_of(cfg, scale, base)})")
+        d = train_job(cfg, scale, base, stage).to_dict()
+        init = d.get("init_stage")
+        return TrainSpec.from_dict({**d, "variant": variant, "seed": cfg["seed"] + k,
+                                    "out_dir": stage_dir(cfg["experiment"], scale, variant, stage),
+                                    "init_from": checkpoint(cfg["experiment"], scale, variant, init) if init else None})
     from stem.sweeps import is_sweep_id
     exp = cfg["experiment"]
     point = is_sweep_id(variant)   # a sweep point: trained at sweeps.scale / sweeps.stage, matrix or not

@@ -265,11 +265,14 @@ def capacity_long(cfg: dict, res) -> pd.DataFrame:
 def directions_long(cfg: dict, res) -> pd.DataFrame:
     from stem.report import tables as T
     df = directions_frame(cfg, res.root, _load(cfg, res))
-    cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "verdict", "paper_effect_resolvable")
+    # stage, check_table and check_column: the key the diff reads each verdict back by (stem.report.diff.directions)
+    cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "seeds", "verdict", "paper_effect_resolvable", "stage",
+            "check_table", "check_column")
+    records = [{**r, "check_table": r["table"], "check_column": r["column"]} for r in df.to_dict("records")]
     return T.frame([T.cell("directions", r["scale"], r["variant"], c, None if pd.isna(r.get(c)) else r.get(c),
                            r["source"], row=f"{r['variant']} {r['stage'] if isinstance(r['stage'], str) else '(no stage)'}: "
                            f"{r['table']} {r['column']}", unit="")
-                    for r in df.to_dict("records") for c in cols if c in r])
+                    for r in records for c in cols if c in r])
 
 
 def edit_example_long(cfg: dict, res) -> pd.DataFrame:
@@ -346,7 +349,8 @@ def _register():
                          inputs=table_inputs("capacity"), **gap)(capacity_long)
     registry.paper_table(
         "directions", "Directions with confidence (paired bootstrap, 95%): Tables 3/4 accuracy, held-out loss and "
-        "each analysis against the paper's claim", inputs=all_inputs, **gap)(directions_long)
+        "each analysis against the paper's claim", inputs=all_inputs,
+        labels={"check_table": "table", "check_column": "column"}, **gap)(directions_long)
     registry.report_figure(
         "fig6_spread", "Figure 6a-c (angular spread): pairwise cosine similarity of (a) the STEM table vectors, "
         "(b) the dense up-projection outputs beside the STEM vectors at the same layers, (c) the down-projection "

@@ -24,7 +24,7 @@ import json
 import time
 from pathlib import Path
 
-from stem import layout
+from stem import layout, provenance
 from stem.eval.kinds import SUITE_KINDS, SuiteKind, suite_kind  # the registry of suite kinds; runners below
 
 
@@ -99,7 +99,7 @@ def eval_targets(cfg: dict) -> list[str]:
     """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage."""
     from stem import config as C
     return [layout.eval_json(cfg["experiment"], s, v, st, suite)
-            for s, v, st in C.train_targets(cfg) for suite in suites_for(cfg, st)]
+            for s, v, st in C.train_targets(cfg) + C.seed_targets(cfg) for suite in suites_for(cfg, st)]
 
 
 def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
@@ -308,6 +308,7 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
               "stage": job.get("stage"), "suite": spec["suite"], "checkpoint": str(checkpoint), "limit": limit,
               "harness": harness, "fixtures": spec.get("fixtures"), "num_fewshot": spec.get("num_fewshot"),
               "gen_kwargs": spec.get("gen_kwargs"), **norm, "wall_seconds": round(time.time() - t0, 2)}
+    result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job)
     if getattr(lm, "offload", None) is not None:  # STEM tables off the device: the engine's counters
         result["offload"] = lm.offload.stats()
     if raw_json:

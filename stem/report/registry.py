@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 BUILTIN = ("stem.report.tables", "stem.report.figures", "stem.analysis.report",
-           "stem.analysis.mechanism_report", "stem.sweeps.report")   # modules that register tables, figures
+           "stem.analysis.mechanism_report", "stem.sweeps.report", "stem.report.provenance")   # modules that register tables, figures
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")   # a file name under reports/ and a Snakemake output / wildcard value
 RESERVED = {"md", "long", "reproduced"}   # rule report_tables' other outputs, tables/reproduced.csv
 

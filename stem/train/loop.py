@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from stem import layout
+from stem import layout, provenance
 from stem.data.loader import MixtureLoader, validation_batches
 from stem.data.shards import ShardSet
 from stem.io import atomic_write_json, atomic_write_text
@@ -284,7 +284,9 @@ def finish(run: Run) -> dict:
     if ctx.is_main:
         summary["final_train_loss"] = _final_train_loss(run.metrics_path)
         summary.update(run.meter.summary(_rows(run.metrics_path), spec.train.tokens_per_step))
-        ck.save_checkpoint(out_dir / layout.CHECKPOINT, full, spec.to_dict(), spec.tokenizer, run.accounting,
+        spec_dict = spec.to_dict()   # provenance goes into the summary only, never into the job spec
+        summary["provenance"] = provenance.record(spec_dict, provenance.manifests_of(spec_dict))
+        ck.save_checkpoint(out_dir / layout.CHECKPOINT, full, spec_dict, spec.tokenizer, run.accounting,
                            optim_dir)
         atomic_write_text(out_dir / layout.METRICS, run.metrics_path.read_text())
         atomic_write_json(out_dir / layout.SUMMARY, summary)
