@@ -628,10 +628,12 @@ def long_documents(world: World, seed: int = 0, min_chars: int = 4000,
 
 
 # the built-in generators ``gen(world, seed, **kwargs) -> documents``; another registers the same way from a
-# plugin module (stem.plugins), and a synth source's ``generator:`` names it
-for _name, _gen in {"web": web_documents, "math": math_documents, "code": code_documents,
-                    "long": long_documents}.items():
-    GENERATORS.add(_name, _gen)
+# plugin module (stem.plugins), and a synth source's ``generator:`` names it. (Run as ``python -m
+# stem.data.synth``, this copy is __main__ and the registry imports stem.data.synth, which registers them.)
+if __name__ != "__main__":
+    for _name, _gen in {"web": web_documents, "math": math_documents, "code": code_documents,
+                        "long": long_documents}.items():
+        GENERATORS.add(_name, _gen)
 
 # ---------------------------------------------------------------------- output
 
