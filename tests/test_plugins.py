@@ -134,3 +134,18 @@ def test_a_job_imports_the_plugins_its_spec_names(tmp_path):
                          "spread, capacity, heldout, logitlens, cka, dse_disabled")
     assert out[1][0] == 1 and str(tmp_path / "none") in out[1][1] and "toy_norms" not in out[1][1]
     assert not (tmp_path / "out.json").exists()
+
+
+def test_the_registry_class():
+    reg = registry.Registry("widget")
+    reg.add("path", "pathlib:Path")                # "module:attr": imported on first use
+    assert reg.register("one")(len) is len         # the decorator returns what it registers
+    reg.add("one", len)                            # the same entry again: a no-op
+    assert reg.names() == ["path", "one"] and "one" in reg and "two" not in reg
+    assert reg["path"] is Path and reg.get("two") is None
+    with pytest.raises(ValueError, match=r"^widget 'one': already registered \(len\)$"):
+        reg.add("one", max)
+    with pytest.raises(ValueError, match=r"^unknown widget 'two'; expected one of path, one$") as e:
+        reg["two"]
+    assert str(e.value) == "unknown widget 'two'; expected one of path, one"   # one plain line (not KeyError's repr)
+    assert reg.remove("one") is len and reg.names() == ["path"]
