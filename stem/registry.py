@@ -1,11 +1,11 @@
 """The one registration mechanism: every extension point of the project is a ``Registry`` (name -> entry).
 
-    FFN_KINDS       FFN module classes, built as ``cls(cfg, layer)``          (stem.models.registry)
-    SUITE_KINDS     eval suite runners (``SuiteKind``)                          (stem.eval.run)
-    REPORT_TABLES   report tables (``PaperTable``)                              (stem.report.registry)
-    REPORT_FIGURES  report figures (``Figure``)                                 (stem.report.registry)
+    FFN_KINDS       FFN module classes, built as ``cls(cfg, layer)``           (stem.models.registry)
+    SUITE_KINDS     eval suite runners (``SuiteKind``)                           (stem.eval.run)
+    REPORT_TABLES   report tables (``PaperTable``)                               (stem.report.registry)
+    REPORT_FIGURES  report figures (``Figure``)                                  (stem.report.registry)
     ANALYSES        analyses of a checkpoint (``Analysis``)                      (stem.analysis.workflow)
-    GENERATORS      synthetic document generators ``gen(world, seed, **kw)``   (stem.data.synth)
+    GENERATORS      synthetic document generators ``gen(world, seed, **kw)``    (stem.data.synth)
 
 An entry is registered with ``REG.register(name)`` (a decorator) or ``REG.add(name, entry)``; an entry given
 as a ``"module:attr"`` string is imported on first use (torch-level classes and functions: the config check
