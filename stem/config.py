@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from stem import plugins
 from stem.config_base import REPO, VARIANTS, ConfigError, read_yaml, variants  # noqa: F401 (re-exported)
 from stem.config_base import deep_merge as _deep_merge
 from stem import seeds
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.options import Scale, Stage, values
+from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS  # names only: entries load on use
 
 SCHEMA = REPO / "config" / "schema.yaml"
 SCALES = values(Scale)
@@ -35,6 +37,10 @@ def validate_experiment(cfg: dict, origin: str = "config") -> dict:
         e = errors[0]
         key = ".".join(str(p) for p in e.path) or "<top level>"
         raise ConfigError(f"{origin}: key '{key}': {e.message}")
+    try:   # a config's own plugin modules register their kinds, tables, analyses before anything is looked up
+        plugins.load(cfg.get("plugins"), origin=f"{origin}: key 'plugins'")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _cross_check(cfg, origin)
     seeds.check(cfg, origin)
     return cfg
@@ -61,13 +67,24 @@ def _check_sources(cfg: dict, origin: str):
 
 
 def _check_suite_kinds(cfg: dict, origin: str):
-    """Every eval suite's kind (default lm_eval) is a registered one (stem.eval.kinds)."""
-    from stem.eval.kinds import known_kinds
+    """Every eval suite's kind (default lm_eval) is a registered one (stem.registry.SUITE_KINDS)."""
     for name, suite in ((cfg.get("eval") or {}).get("suites") or {}).items():
         kind = suite.get("kind", "lm_eval") if isinstance(suite, dict) else None
-        if kind not in known_kinds():
+        if kind not in SUITE_KINDS:
             raise ConfigError(f"{origin}: key 'eval.suites.{name}.kind': unknown suite kind {kind!r}; "
-                              f"expected one of {known_kinds()}")
+                              f"expected one of {sorted(SUITE_KINDS)}")
+
+
+def _check_registered(cfg: dict, origin: str):
+    """The analyses and synthetic generators the config names are registered ones (stem.registry)."""
+    for name in cfg.get("analysis") or {}:
+        if name != "stages" and name not in ANALYSES:
+            raise ConfigError(f"{origin}: key 'analysis.{name}': unknown analysis; expected stages or one of "
+                              f"{', '.join(ANALYSES)}")
+    for name, src in cfg["sources"].items():
+        if src.get("kind") == "synth" and "generator" in src and src["generator"] not in GENERATORS:
+            raise ConfigError(f"{origin}: key 'sources.{name}.generator': unknown generator "
+                              f"{src.get('generator')!r}; expected one of {', '.join(GENERATORS)}")
 
 
 def _check_variant_optim(cfg: dict, name: str, optim, origin: str):
@@ -100,7 +117,7 @@ def _check_variant_dse(name: str, dse, origin: str):
 def _cross_check(cfg: dict, origin: str):
     _check_sources(cfg, origin)
     _check_suite_kinds(cfg, origin)
-    from stem.models.registry import FFN_KINDS  # torch-free: the kinds' names, classes resolved on use
+    _check_registered(cfg, origin)
     for name, spec in variants(cfg).items():
         if "optim" in spec:   # a variant's optim keys are merged over the experiment's: the same schema
             _check_variant_optim(cfg, name, spec["optim"], origin)
@@ -279,6 +296,7 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
         "init_from": checkpoint(exp, scale, variant, init) if init else None,
         "init_stage": init,
         "out_dir": stage_dir(exp, scale, variant, stage),
+        **plugins.spec_key(cfg),
     })
 
 
@@ -291,7 +309,7 @@ def corpus_spec(cfg: dict, source: str) -> dict:
     src = source_of(cfg, source)
     if src["kind"] != "synth":
         raise ConfigError(f"source {source!r}: no corpus to generate (only kind 'synth' sources have one)")
-    return {"source": source, "world": cfg.get("world", {}), "seed": cfg["seed"], **src}
+    return {"source": source, "world": cfg.get("world", {}), "seed": cfg["seed"], **src, **plugins.spec_key(cfg)}
 
 
 def documents_spec(cfg: dict, source: str) -> dict:

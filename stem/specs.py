@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from stem.models.config import ModelConfig
 from stem.options import Schedule, Strategy, TableUpdate, values
+from stem.registry import SUITE_KINDS
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
 SCHEDULES = values(Schedule)
@@ -270,6 +271,7 @@ class TrainSpec(_Spec):
     init_from: str | None    # the previous stage's checkpoint folder
     init_stage: str | None   # ... and that stage's name
     out_dir: str             # the stage folder (stem.layout.stage_dir)
+    plugins: tuple[str, ...] = field(default=(), metadata=OPTIONAL)   # the config's plugin modules (stem.plugins)
 
     def __post_init__(self):
         _check(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
@@ -291,9 +293,9 @@ class JobId:
 
 @dataclass(frozen=True)
 class EvalSpec(_Spec):
-    """One eval job: a suite of a registered kind (stem.eval.kinds) run on one checkpoint. The common keys are
-    typed; a kind's own keys (tasks, metric, lengths, documents, ...) stay in ``options``, and ``to_dict`` puts
-    them back beside the common ones (the flat mapping a kind's runner reads)."""
+    """One eval job: a suite of a registered kind (stem.registry.SUITE_KINDS) run on one checkpoint. The common
+    keys are typed; a kind's own keys (tasks, metric, lengths, documents, ...) and the config's ``plugins`` stay
+    in ``options``, and ``to_dict`` puts them back beside the common ones (the flat mapping a runner reads)."""
     KIND: typing.ClassVar[str] = "eval"
     suite: str
     kind: str
@@ -307,8 +309,8 @@ class EvalSpec(_Spec):
     COMMON: typing.ClassVar[tuple] = ("suite", "kind", "batch_size", "seed", "device", "fixtures", "job")
 
     def __post_init__(self):
-        from stem.eval.kinds import known_kinds
-        _check(self.kind in known_kinds(), "kind", f"a registered suite kind ({', '.join(known_kinds())})", self.kind)
+        _check(self.kind in SUITE_KINDS, "kind", f"a registered suite kind ({', '.join(sorted(SUITE_KINDS))})",
+               self.kind)
         _check(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
 
     @classmethod

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from stem import plugins
 from stem.cli_args import OneLineParser  # a bad argument: one line, exit 1 (torch-free)
 
 
@@ -36,4 +37,5 @@ def spec_of(args) -> dict:
         raise ValueError(f"--spec: not valid JSON ({e.msg} at column {e.colno}); expected the job spec object") from None
     if not isinstance(spec, dict):
         raise ValueError(f"--spec: a JSON {type(spec).__name__}; expected the job spec object")
+    plugins.load(spec.get("plugins"), origin="--spec: key 'plugins'")   # the config's own kinds, before any lookup
     return spec

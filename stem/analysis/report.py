@@ -106,7 +106,8 @@ def analysis_directions(all_res: dict) -> list[dict]:
 
 
 # Direction rows of other report modules, each a function (all results -> rows) they append here when imported
-# (stem.report.registry imports every BUILTIN module): stem.analysis.mechanism_report's DSE paper claims.
+# (the report registry imports every built-in module, stem.plugins.BUILTIN): stem.analysis.mechanism_report's
+# DSE paper claims.
 EXTRA_DIRECTIONS: list = []
 
 

@@ -1,10 +1,9 @@
 """Run one analysis on one checkpoint and write its JSON atomically (nothing is written on an error)."""
 from __future__ import annotations
 
-import importlib
 import time
 
-from stem.analysis.workflow import ANALYSES
+from stem.registry import ANALYSES, resolve
 
 IDENTITY = ("experiment", "scale", "variant", "stage")
 
@@ -20,7 +19,7 @@ def analyze(ckpt_dir, spec: dict, out_json) -> dict:
     saved = read_checkpoint_spec(ckpt_dir)
     check_identity(ckpt_dir, saved, spec.get("job"), "this analysis job")
     t0 = time.time()
-    result = importlib.import_module(f"stem.analysis.{name}").run(ckpt_dir, spec)
+    result = resolve(ANALYSES[name].run)(ckpt_dir, spec)
     out = {**{k: saved.get(k) for k in IDENTITY}, **result, "spec": spec,
            "wall_seconds": round(time.time() - t0, 2)}
     if saved.get("experiment") == "tiny":

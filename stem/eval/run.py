@@ -16,16 +16,34 @@ suite's perplexities (``"unit": "perplexity"``). The raw lm-eval output (per-sam
 included) is kept beside it as ``eval/raw/{suite}.json``.
 
 Each suite ``kind`` (lm_eval, niah, ppl) is a runner registered with ``@suite_kind(name)`` in
-``SUITE_KINDS``; the config check, the workflow's inputs and ``evaluate`` all look the kind up there.
+``stem.registry.SUITE_KINDS`` (this module is its built-in plugin, stem.plugins; another kind registers the
+same way from a plugin module); the config check, the workflow's inputs and ``evaluate`` all look it up there.
 """
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from stem import layout, provenance
-from stem.eval.kinds import SUITE_KINDS, SuiteKind, suite_kind  # the registry of suite kinds; runners below
+from stem import layout, plugins, provenance
+from stem.registry import SUITE_KINDS  # the registry of suite kinds; the built-in runners below
+
+
+@dataclass(frozen=True)
+class SuiteKind:
+    """How a kind of suite runs: ``run(lm, spec, limit) -> (result fields, raw output, harness label)``;
+    ``resolve(cfg, spec)`` completes the suite's spec from the experiment config (in place); ``inputs(cfg,
+    spec)`` are the files its eval job reads besides the checkpoint (rules/eval.smk)."""
+    run: Callable[..., tuple[dict, dict, str]]
+    resolve: Callable[[dict, dict], None] | None = None
+    inputs: Callable[[dict, dict], dict] | None = None
+
+
+def suite_kind(name: str, resolve=None, inputs=None):
+    """Decorator: register ``run`` as the runner of suite kind ``name`` (in ``stem.registry.SUITE_KINDS``)."""
+    return SUITE_KINDS.register(name, lambda run: SuiteKind(run, resolve, inputs))
 
 
 def kind_of(spec: dict) -> SuiteKind:
@@ -56,7 +74,7 @@ def job_spec(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
     checkpoint it must read (``job``)."""
     from stem.specs import EvalSpec
     spec = {**suite_spec(cfg, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
-                                              "stage": stage}}
+                                              "stage": stage}, **plugins.spec_key(cfg)}
     return EvalSpec.from_dict(spec).to_dict()
 
 
