@@ -9,17 +9,22 @@ CORES  ?= 2
 # `make test TORCH_INDEX=https://mirror.example/whl/cpu`. Extra indexes and find-links in the pip
 # configuration still apply (on a machine with a local package mirror, torch comes from there).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# The pinned environment: constraints.txt (every package's version, `make constraints` regenerates it from the
+# venv, docs/confidence.md) applies to every install below; torch is pinned here instead, since its local
+# version (+cpu / +cu124) depends on the machine, not on the project.
+TORCH_VERSION ?= 2.13.0
+CONSTRAINTS   ?= constraints.txt
 
-.PHONY: smoke test lint dryrun-paper clean-tiny
+.PHONY: smoke test lint dryrun-paper clean-tiny gpu-check constraints
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	@# CPU build of torch where there is no NVIDIA driver, from $(TORCH_INDEX) (see above)
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
-	else $(PY) -m pip install -q torch==2.13.0 --index-url $(TORCH_INDEX); fi
-	$(PY) -m pip install -q -e '.[test]'
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==$(TORCH_VERSION); \
+	else $(PY) -m pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX); fi
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
 	@# ProLong's MDS reader; --no-deps: its metadata pulls torchvision and a CUDA torch (see pyproject.toml)
-	$(PY) -m pip install -q --no-deps mosaicml-streaming==0.13.0
+	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-deps mosaicml-streaming==0.13.0
 	touch $(STAMP)
 
 smoke: $(STAMP)
@@ -37,11 +42,20 @@ test: $(STAMP)
 	wait $$pid; slurm=$$?; echo "== the real-Slurm tests (pytest -m slurm) =="; cat $$log; rm -f $$log; \
 	test $$rest -eq 0 && test $$slurm -eq 0
 
+gpu-check: $(STAMP)
+	@# the paper path on this machine's GPU (docs/gpu.md); without CUDA one line, exit 0
+	@$(PY) -m stem gpucheck
+
 lint: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --lint
 
 dryrun-paper: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --profile profiles/slurm --dry-run
+
+# Regenerate constraints.txt from the installed venv (every package but the project itself and torch)
+constraints: $(STAMP)
+	{ echo "# Pinned environment (docs/confidence.md). Regenerate: make constraints"; \
+	  $(PY) -m pip freeze --exclude-editable --exclude torch; } > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 
 clean-tiny:
 	rm -rf results/tiny data/tiny reports/tiny logs/tiny

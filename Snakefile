@@ -6,8 +6,9 @@
 
 # The default config, loaded once here (profiles do not load it again). With --replace-workflow-config
 # (profiles/slurm) it would be discarded anyway, so it is not read at all: "Config file(s)" names only
-# the file in use.
-if not workflow.config_settings.replace_workflow_config:
+# the file in use. A --configfile on the command line (e.g. config/rehearsal.yaml) is the whole config too,
+# not an overlay on the default's keys.
+if not (workflow.config_settings.replace_workflow_config or workflow.config_settings.configfiles):
 
     configfile: f"{workflow.basedir}/config/tiny.yaml"
 

@@ -32,7 +32,7 @@ def as_json(obj):
 
 
 def train_outputs():
-    return [L.summary(EXP, s, v, st) for s, v, st in C.train_targets(config)]
+    return [L.summary(EXP, s, v, st) for s, v, st in C.train_targets(config) + C.seed_targets(config)]
 
 
 def params_tables():
@@ -79,10 +79,9 @@ def cluster_resources(kind, scale=None):
 def state_bytes(scale, variant, stage):
     """Bytes of a training job's saved state: fp32 weights + AdamW's two fp32 moments, 12 B per parameter
     (stem.train.checkpoint / distributed.save_state; DCP writes the same total, shared over the ranks)."""
-    from stem.models.config import ModelConfig
-    from stem.models.model import build_model
+    from stem.models.model import meta_model
 
-    model = build_model(ModelConfig.from_dict(C.train_spec(config, scale, variant, stage)["model"]), "meta")
+    model = meta_model(as_json(C.train_spec(config, scale, variant, stage)["model"]))
     return 12 * sum(p.numel() for p in model.parameters())
 
 

@@ -1,18 +1,28 @@
-"""Command line: python -m stem {params,bench,train,eval,diff,memory} ..."""
+"""Command line: python -m stem {params,bench,train,eval,diff,compare,memory,gpucheck,rehearsal-data} ..."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from stem import cli_args as A
 from stem import config as C
+from stem.options import Strategy, values
 
 
 def experiment_config(name: str) -> dict:
-    path = C.REPO / "config" / f"{name}.yaml"
-    if not path.is_file():
-        raise C.ConfigError(f"experiment {name!r}: {path} not found (expected tiny or paper)")
-    return C.load_experiment(path)
+    """config/{name}.yaml, or the experiment YAML at the path ``name`` (checked: one line when missing)."""
+    return C.load_experiment(A.experiment_path(name))
+
+
+def _matching_jobs(cfg: dict, args) -> list:
+    """The training jobs of the config's matrix that --scale / --variant select; none is an error naming them."""
+    jobs = C.train_targets(cfg)
+    picked = [j for j in jobs if (not args.scale or j[0] == args.scale) and (not args.variant or j[1] == args.variant)]
+    if not picked:
+        chosen = " ".join(f"--{k} {getattr(args, k)}" for k in ("scale", "variant") if getattr(args, k))
+        raise C.ConfigError(f"{chosen}: no training job of experiment {cfg['experiment']!r} matches; its matrix trains "
+                            + "; ".join(f"{s}: {', '.join(m['variants'])}" for s, m in cfg["matrix"].items()))
+    return picked
 
 
 def cmd_params(args):
@@ -77,22 +87,50 @@ def cmd_diff(args):
         write_diff(f"reports/{cfg['experiment']}/diff", *out)
     from stem.report.diff import render
     print(json.dumps(out[0], indent=2, default=float) if args.json else render(*out))
+    prov = out[0]["provenance"]["results"]
+    if len(prov["commits"]) > 1 or prov["spec_mismatch"]:
+        print(f"warning: the compared results come from {len(prov['commits'])} commits "
+              f"({', '.join(prov['commits'])}); {len(prov['spec_mismatch'])} evaluation(s) of a checkpoint from "
+              "another job spec than its training summary's", file=sys.stderr)
     if out[4] is not None and len(out[4]):
         print(f"gate failed: {len(out[4])} chosen cells missing or beyond tolerance: "
               + ", ".join(out[0]["gate"]["failed"]), file=sys.stderr)
         sys.exit(2)
+    if args.gate_directions or args.baseline:
+        from stem.report.diff import gate_directions, load_directions
+        failed = gate_directions(out[2], load_directions(args.baseline) if args.baseline else None)
+        for line in failed:
+            print(f"direction gate: {line}", file=sys.stderr)
+        if failed:
+            print(f"direction gate failed: {len(failed)} direction(s)", file=sys.stderr)
+            sys.exit(2)
+
+
+def cmd_compare(args):
+    """Items where two models' answers differ (lm-eval's per-sample logs), with both answers and the gold one."""
+    from stem.eval import compare as K
+    a = K.raw_path(args.a, args.suite, args.experiment, args.results, args.stage)
+    b = K.raw_path(args.b, args.suite, args.experiment, args.results, args.stage)
+    rows = K.compare(a, b, args.task, args.metric)
+    print(json.dumps(rows, indent=1) if args.json else K.render(f"{args.a} ({a})", f"{args.b} ({b})", rows))
 
 
 def cmd_memory(args):
     from stem.models.model import build_model
     from stem.train import memory
+    from stem.train.distributed import local_micro_batch
     from stem.train.optim import configure_table_update
     cfg = experiment_config(args.experiment)
     cluster = cfg.get("cluster") or {}
     strategy, limit = args.strategy or cluster.get("strategy", "fsdp"), cluster.get("gpu_mem_gib")
-    jobs = [j for j in C.train_targets(cfg) if (not args.scale or j[0] == args.scale)
-            and (not args.variant or j[1] == args.variant)]
+    jobs = _matching_jobs(cfg, args)
     specs = [(C.train_spec(cfg, *j), args.gpus or memory.job_layout(cfg, j[0])[0], strategy) for j in jobs]
+    for job, (spec, world, _) in zip(jobs, specs):   # before tracing: a world the batch does not split over
+        try:
+            local_micro_batch(spec["train"]["batch_size"], spec["train"]["micro_batch"], world)
+        except ValueError as e:
+            raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'} {world}: training job "
+                                f"{'/'.join(job)}: {e}") from None
     print(f"Per-GPU peak memory of each training job, experiment '{args.experiment}' (strategy {strategy}): traced = "
           "one real training step under FakeTensorMode (stem.train.memory.trace); closed form = memory.estimate, "
           "kept where within 10 % of the trace; limit = cluster.gpu_mem_gib")
@@ -125,73 +163,106 @@ def cmd_import_hf(args):
     print(json.dumps(import_hf(args.source, args.out, log=log_stderr), indent=2))
 
 
+def cmd_gpucheck(args):
+    from stem import gpucheck
+    sys.exit(gpucheck.main(args))
+
+
+def cmd_rehearsal_data(args):
+    from stem import rehearsal
+    rehearsal.prepare(args.root, args.mds_rows)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m stem", description=__doc__)
+    p = A.OneLineParser(prog="python -m stem", description=__doc__)   # typed arguments: stem.cli_args
     sub = p.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("params", help="parameter / FLOP accounting")
-    q.add_argument("--experiment", default="paper")
-    q.add_argument("--scale")
+    A.add_experiment(q, "paper")
+    q.add_argument("--scale", type=A.scale)
     q.add_argument("--variant")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     b.add_argument("what", choices=["ffn", "attention", "train", "offload"])
-    b.add_argument("--scale", default="350m")
-    b.add_argument("--tokens", type=int, default=2048)
-    b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--scale", default="350m", type=A.scale)
+    b.add_argument("--tokens", type=A.whole(1, "tokens per call"), default=2048)
+    b.add_argument("--repeats", type=A.whole(1, "timed repeats"), default=5)
+    b.add_argument("--threads", type=A.whole(1, "CPU threads"), default=None)
     b.add_argument("--device", default="cpu")
-    b.add_argument("--layers", type=int, default=3, help="train: layers of the reduced model")
-    b.add_argument("--micro-tokens", type=int, nargs=2, default=[256, 1024], metavar=("N1", "N2"),
+    b.add_argument("--layers", type=A.whole(1, "layers"), default=3, help="train: layers of the reduced model")
+    b.add_argument("--micro-tokens", type=A.whole(1, "tokens per micro-batch"), nargs=2, default=[256, 1024],
+                   metavar=("N1", "N2"),
                    help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
                         "from the cost per micro-batch")
     o = b.add_argument_group("bench offload (stem.bench_offload)")
     o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
-    o.add_argument("--batch", type=int, default=8, help="rows of held-out text decoded together")
-    o.add_argument("--prompt", type=int, default=32, help="prefill tokens per row")
-    o.add_argument("--steps", type=int, default=96, help="decode steps")
-    o.add_argument("--cache-rows", type=int, nargs="+", help="cache sizes timed (default d, 4d, 16d rows)")
+    o.add_argument("--batch", type=A.whole(1, "rows"), default=8, help="rows of held-out text decoded together")
+    o.add_argument("--prompt", type=A.whole(1, "prefill tokens"), default=32, help="prefill tokens per row")
+    o.add_argument("--steps", type=A.whole(1, "decode steps"), default=96, help="decode steps")
+    o.add_argument("--cache-rows", type=A.whole(0, "cache rows"), nargs="+",
+                   help="cache sizes timed (default d, 4d, 16d rows)")
     o.add_argument("--json", help="also write the figures as JSON here")
     o.add_argument("--figure", help="also write the hit-rate figure (PNG) here")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("train", help="train one job of an experiment (outside the workflow)")
-    t.add_argument("--experiment", default="tiny")
-    t.add_argument("--scale", required=True)
+    A.add_experiment(t, "tiny")
+    t.add_argument("--scale", required=True, type=A.scale)
     t.add_argument("--variant", required=True)
-    t.add_argument("--stage", default="pretrain")
-    t.add_argument("--threads", type=int)
+    t.add_argument("--stage", default="pretrain", type=A.stage)
+    t.add_argument("--threads", type=A.whole(1, "CPU threads"))
     t.set_defaults(fn=cmd_train)
     e = sub.add_parser("eval", help="evaluate a checkpoint on a suite (outside the workflow), or benchmark the evaluator")
     e.add_argument("--checkpoint", required=True, help="a checkpoint folder written by a training stage")
     e.add_argument("--suite", help="a suite of the experiment config's eval.suites")
-    e.add_argument("--experiment", default="tiny", help="config whose suites (and fixtures) to use")
-    e.add_argument("--limit", type=int, help="at most this many items per task (quick looks)")
+    A.add_experiment(e, "tiny", help="config whose suites (and fixtures) to use: tiny, paper or a YAML path")
+    e.add_argument("--limit", type=int, help="at most this many items per task (quick looks; checked by "
+                                               "stem.eval.run, which the workflow's jobs share)")
     e.add_argument("--device")
     e.add_argument("--out", help="normalised result JSON (raw lm-eval output goes beside it, as *.raw.json)")
     e.add_argument("--bench", action="store_true", help="print loglikelihood requests/s and generation tokens/s")
     e.add_argument("--offload", action="store_true", help="STEM tables off the device (stem.models.offload)")
-    e.add_argument("--cache-rows", type=int, default=0, help="with --offload: rows of the LFU cache")
+    e.add_argument("--cache-rows", type=A.whole(0, "cache rows"), default=0,
+                   help="with --offload: rows of the LFU cache")
     e.set_defaults(fn=cmd_eval)
     d = sub.add_parser("diff", help="reproduced tables vs the paper's, cell by cell")
-    d.add_argument("--experiment", default="tiny")
+    A.add_experiment(d, "tiny")
     d.add_argument("--results", default="results", help="folder holding {experiment}/ results")
     d.add_argument("--gate", action="append", default=[], metavar="PATTERN",
                    help="exit 2 if a cell matching PATTERN (table/scale/variant/column, shell wildcards, e.g. "
                         "'table3/350m/*/avg') is missing or beyond tolerance; repeatable")
-    d.add_argument("--gate-tolerance", type=float, help="absolute tolerance for the gated cells (default: per unit, "
-                                                        "config report.tolerance)")
+    d.add_argument("--gate-tolerance", type=A.number(0, "absolute tolerance"),
+                   help="absolute tolerance for the gated cells (default: per unit, config report.tolerance)")
+    d.add_argument("--gate-directions", action="store_true",
+                   help="exit 2 if a resolved direction (interval excludes 0) disagrees with the paper, naming each")
+    d.add_argument("--baseline", metavar="DIRECTIONS_CSV",
+                   help="with --gate-directions: also exit 2 when a verdict changed against this saved "
+                        "reports/<experiment>/diff/directions.csv (implies --gate-directions)")
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)
+    k = sub.add_parser("compare", help="per-item comparison of two models' evaluations on a suite (lm-eval's "
+                                       "per-sample logs): the items where their answers differ, and the gold one")
+    k.add_argument("a", help="scale/variant[/stage] under --results, a stage folder, or a raw eval JSON")
+    k.add_argument("b", help="the same, for the second model")
+    k.add_argument("--suite", required=True, help="the suite (eval/raw/{suite}.json)")
+    k.add_argument("--experiment", default="tiny")
+    k.add_argument("--results", default="results", help="folder holding {experiment}/ results")
+    k.add_argument("--stage", type=A.stage, default="pretrain", help="stage when a model is given as scale/variant")
+    k.add_argument("--task", action="append", help="only this task (repeatable)")
+    k.add_argument("--metric", help="score items by this per-sample metric (e.g. acc, acc_norm; default: the one "
+                                    "the eval JSON reports for each task)")
+    k.add_argument("--json", action="store_true", help="every compared item as JSON instead of Markdown")
+    k.set_defaults(fn=cmd_compare)
     m = sub.add_parser("memory", help="per-GPU peak memory of every training job at the configured parallelism "
                                       "(traced; exit 2 if one exceeds cluster.gpu_mem_gib)")
-    m.add_argument("--experiment", default="paper")
-    m.add_argument("--scale")
+    A.add_experiment(m, "paper")
+    m.add_argument("--scale", type=A.scale)
     m.add_argument("--variant")
-    m.add_argument("--gpus", type=int, help="world size (default: the config's cluster.train nodes x gpus_per_node)")
-    m.add_argument("--strategy", choices=["fsdp", "ddp"])
+    m.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
+                   help="world size (default: the config's cluster.train nodes x gpus_per_node)")
+    m.add_argument("--strategy", choices=values(Strategy))
     m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
-    m.add_argument("--workers", type=int, default=1, help="jobs traced at once (one process each)")
+    m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
     x = sub.add_parser("export-hf", help="a checkpoint folder -> a transformers folder (docs/huggingface.md)")
     x.add_argument("checkpoint", help="a checkpoint folder written by a training stage")
@@ -202,10 +273,24 @@ def main(argv=None):
     i.add_argument("source", help="a transformers model folder, or a hub id org/name")
     i.add_argument("out", help="the checkpoint folder to write (replaced atomically)")
     i.set_defaults(fn=cmd_import_hf)
+    g = sub.add_parser("gpucheck", help="the paper path on this machine's GPU: one pass/fail line per item "
+                                        "(stem.gpucheck); without CUDA one line, exit 0")
+    g.add_argument("--device", help="cuda (default when available) or cpu (with --tiny: the items' code paths)")
+    g.add_argument("--tiny", action="store_true", help="tiny shapes of the same architectures (tests, CPU)")
+    g.add_argument("--items", default="abcdefg", help="which items to run, e.g. 'ae' (default: all)")
+    g.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="the device's dense bf16 peak for MFU (default: known GPUs)")
+    g.add_argument("--no-compile", action="store_true", help="item e: eager only")
+    g.add_argument("--out", default="reports/gpucheck", help="folder of gpucheck.json and gpucheck.md")
+    g.set_defaults(fn=cmd_gpucheck)
+    r = sub.add_parser("rehearsal-data", help="write the one-node rehearsal's offline inputs (config/rehearsal.yaml): "
+                                              "paper-vocabulary tokenizers and ProLong-shaped MDS folders")
+    r.add_argument("--root", default="data/rehearsal/hub")
+    r.add_argument("--mds-rows", type=A.whole(1, "rows"), default=8, help="rows of 65,536 ids per MDS folder")
+    r.set_defaults(fn=cmd_rehearsal_data)
     args = p.parse_args(argv)
     try:
         args.fn(args)
-    except (C.ConfigError, ValueError) as e:
+    except (C.ConfigError, ValueError, OSError) as e:   # OSError: names its file (FileExistsError, ...)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

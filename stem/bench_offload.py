@@ -216,9 +216,11 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
     from stem.models.offload import offload
+    from stem.train.checkpoint import check_identity
 
     ckpt = Path(checkpoint)
     resident, _, spec = load_for_eval(ckpt, "cpu")
+    check_identity(ckpt, spec, None, "this offload benchmark")   # a checkpoint copied into another variant's slot
     cfg = resident.cfg
     vocab, d, d_ff = cfg.vocab_size, cfg.d_model, cfg.d_ff
     if prompt + steps > cfg.max_seq_len:

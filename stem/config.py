@@ -7,15 +7,20 @@ the jobs whose spec changed (it is passed as a rule parameter).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
+from stem import plugins
 from stem.config_base import REPO, VARIANTS, ConfigError, read_yaml, variants  # noqa: F401 (re-exported)
 from stem.config_base import deep_merge as _deep_merge
+from stem import seeds
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
+from stem.options import Scale, Stage, values
+from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS  # names only: entries load on use
 
 SCHEMA = REPO / "config" / "schema.yaml"
 HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
-SCALES = ("350m", "1b")
-STAGES = ("pretrain", "midtrain", "extend")
+SCALES = values(Scale)
+STAGES = values(Stage)
 TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
                   "tensorboard": False}
 
@@ -33,7 +38,12 @@ def validate_experiment(cfg: dict, origin: str = "config") -> dict:
         e = errors[0]
         key = ".".join(str(p) for p in e.path) or "<top level>"
         raise ConfigError(f"{origin}: key '{key}': {e.message}")
+    try:   # a config's own plugin modules register their kinds, tables, analyses before anything is looked up
+        plugins.load(cfg.get("plugins"), origin=f"{origin}: key 'plugins'")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _cross_check(cfg, origin)
+    seeds.check(cfg, origin)
     return cfg
 
 
@@ -58,13 +68,24 @@ def _check_sources(cfg: dict, origin: str):
 
 
 def _check_suite_kinds(cfg: dict, origin: str):
-    """Every eval suite's kind (default lm_eval) is a registered one (stem.eval.kinds)."""
-    from stem.eval.kinds import known_kinds
+    """Every eval suite's kind (default lm_eval) is a registered one (stem.registry.SUITE_KINDS)."""
     for name, suite in ((cfg.get("eval") or {}).get("suites") or {}).items():
         kind = suite.get("kind", "lm_eval") if isinstance(suite, dict) else None
-        if kind not in known_kinds():
+        if kind not in SUITE_KINDS:
             raise ConfigError(f"{origin}: key 'eval.suites.{name}.kind': unknown suite kind {kind!r}; "
-                              f"expected one of {known_kinds()}")
+                              f"expected one of {sorted(SUITE_KINDS)}")
+
+
+def _check_registered(cfg: dict, origin: str):
+    """The analyses and synthetic generators the config names are registered ones (stem.registry)."""
+    for name in cfg.get("analysis") or {}:
+        if name != "stages" and name not in ANALYSES:
+            raise ConfigError(f"{origin}: key 'analysis.{name}': unknown analysis; expected stages or one of "
+                              f"{', '.join(ANALYSES)}")
+    for name, src in cfg["sources"].items():
+        if src.get("kind") == "synth" and "generator" in src and src["generator"] not in GENERATORS:
+            raise ConfigError(f"{origin}: key 'sources.{name}.generator': unknown generator "
+                              f"{src.get('generator')!r}; expected one of {', '.join(GENERATORS)}")
 
 
 def _check_variant_optim(cfg: dict, name: str, optim, origin: str):
@@ -78,13 +99,31 @@ def _check_variant_optim(cfg: dict, name: str, optim, origin: str):
                           f"{errors[0].message}")
 
 
+def _check_variant_dse(name: str, dse, origin: str):
+    from stem.models.config import DSEConfig   # torch-free
+    where = f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides)"
+    if not isinstance(dse, dict):
+        raise ConfigError(f"{where}: key 'dse': {dse!r}; expected a mapping (placement, orders, heads, ...)")
+    fields = {k: tuple(v) if k == "orders" and isinstance(v, list) else v for k, v in dse.items() if k != "placement"}
+    unknown = sorted(set(fields) - set(DSEConfig.__dataclass_fields__) - {"layers"})
+    if unknown:
+        raise ConfigError(f"{where}: key 'dse.{unknown[0]}': unknown; expected placement or one of "
+                          f"{', '.join(f for f in DSEConfig.__dataclass_fields__ if f != 'layers')}")
+    try:
+        DSEConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: key {str(e).split('=')[0]!r}: {e}") from None
+
+
 def _cross_check(cfg: dict, origin: str):
     _check_sources(cfg, origin)
     _check_suite_kinds(cfg, origin)
-    from stem.models.registry import FFN_KINDS  # torch-free: the kinds' names, classes resolved on use
+    _check_registered(cfg, origin)
     for name, spec in variants(cfg).items():
         if "optim" in spec:   # a variant's optim keys are merged over the experiment's: the same schema
             _check_variant_optim(cfg, name, spec["optim"], origin)
+        if spec.get("dse") is not None:   # DSE orders, heads, widths: checked here, not when a job builds it
+            _check_variant_dse(name, spec["dse"], origin)
         kind = spec.get("ffn", "dense")
         if kind not in FFN_KINDS:
             raise ConfigError(f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides): key 'ffn': "
@@ -149,6 +188,9 @@ def variant_spec(cfg: dict, variant: str) -> dict:
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
     it overrides)."""
     all_variants = variants(cfg)
+    base, k = seeds.split(variant)   # a seed of a matrix cell (stem.seeds): the variant's own spec
+    if k and base in all_variants:
+        return all_variants[base]
     if variant in all_variants:
         return all_variants[variant]
     from stem import sweeps
@@ -179,14 +221,36 @@ def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = No
 TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample")
 
 
+def source_of(cfg: dict, source: str) -> dict:
+    """The config's ``sources.<source>``; a source it does not define (e.g. a target path naming one) is one line
+    naming it and the defined ones."""
+    if source not in cfg["sources"]:
+        raise ConfigError(f"source {source!r}: not defined in the {cfg['experiment']} config's sources; expected one "
+                          f"of {sorted(cfg['sources'])}")
+    return cfg["sources"][source]
+
+
 def source_parts(cfg: dict, source: str) -> int:
     """How many scattered tokenize jobs a source is split into (`parts`, default 1)."""
-    return int(cfg["sources"][source].get("parts", 1))
+    return int(source_of(cfg, source).get("parts", 1))
 
 
 def part_names(cfg: dict, source: str) -> list[str]:
+    return list(_part_names(source_parts(cfg, source)))
+
+
+@lru_cache(maxsize=None)
+def _part_names(n: int) -> tuple[str, ...]:
+    return tuple(f"part{k:05d}-of-{n:05d}" for k in range(n))
+
+
+def part_index(cfg: dict, source: str, part: str) -> tuple[int, int]:
+    """(k, n) of a part name of a source; a one-line error for a name that is not one of its parts."""
     n = source_parts(cfg, source)
-    return [f"part{k:05d}-of-{n:05d}" for k in range(n)]
+    k = int(part[4:9]) if len(part) == 18 and part.startswith("part") else -1
+    if not (0 <= k < n and part == _part_names(n)[k]):
+        raise ConfigError(f"source {source!r}: part {part!r} is not one of its {n} parts")
+    return k, n
 
 
 # ---- job specs -----------------------------------------------------------------------------------
@@ -202,9 +266,24 @@ def train_targets(cfg: dict) -> list[tuple[str, str, str]]:
             for stage in variant_stages(cfg, v, m["stages"])]
 
 
+def seed_targets(cfg: dict) -> list[tuple[str, str, str]]:
+    """The training jobs of seeds beyond the matrix's own (stem.seeds): (scale, '{variant}_seed{k}', stage)."""
+    return seeds.extra_targets(cfg)
+
+
 def train_job(cfg: dict, scale: str, variant: str, stage: str):
     """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
     from stem.specs import TrainSpec
+    base, k = seeds.split(variant)
+    if k:   # seed k of a matrix cell (stem.seeds): the cell's spec, its own seed and folder
+        if k not in seeds.seeds_of(cfg, scale, base):
+            raise ConfigError(f"variant {variant!r}: seed {k} of {base!r} at {scale} is not asked for by the "
+                              f"{cfg['experiment']} config (seeds: {seeds.seeds_of(cfg, scale, base)})")
+        d = train_job(cfg, scale, base, stage).to_dict()
+        init = d.get("init_stage")
+        return TrainSpec.from_dict({**d, "variant": variant, "seed": cfg["seed"] + k,
+                                    "out_dir": stage_dir(cfg["experiment"], scale, variant, stage),
+                                    "init_from": checkpoint(cfg["experiment"], scale, variant, init) if init else None})
     from stem.sweeps import is_sweep_id
     exp = cfg["experiment"]
     point = is_sweep_id(variant)   # a sweep point: trained at sweeps.scale / sweeps.stage, matrix or not
@@ -252,6 +331,7 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
                       else checkpoint(exp, scale, ins["from"] if ins else variant, init) if init else None),
         "init_stage": None if isinstance(init, dict) else init,
         "out_dir": stage_dir(exp, scale, variant, stage),
+        **plugins.spec_key(cfg),
     })
 
 
@@ -261,22 +341,22 @@ def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
 
 
 def corpus_spec(cfg: dict, source: str) -> dict:
-    src = cfg["sources"].get(source)
-    if src is None or src["kind"] != "synth":
+    src = source_of(cfg, source)
+    if src["kind"] != "synth":
         raise ConfigError(f"source {source!r}: no corpus to generate (only kind 'synth' sources have one)")
-    return {"source": source, "world": cfg.get("world", {}), "seed": cfg["seed"], **src}
+    return {"source": source, "world": cfg.get("world", {}), "seed": cfg["seed"], **src, **plugins.spec_key(cfg)}
 
 
 def documents_spec(cfg: dict, source: str) -> dict:
     """The reader spec of a source's documents (a synth source is read back from its corpus file)."""
-    src = cfg["sources"][source]
+    src = source_of(cfg, source)
     if src["kind"] == "synth":
         return {"kind": "files", "paths": [corpus_path(cfg["experiment"], source)], "format": "jsonl"}
     return {k: v for k, v in src.items() if k not in TOKENIZE_KEYS}
 
 
 def source_inputs(cfg: dict, source: str) -> list[str]:
-    return [corpus_path(cfg["experiment"], source)] if cfg["sources"][source]["kind"] == "synth" else []
+    return [corpus_path(cfg["experiment"], source)] if source_of(cfg, source)["kind"] == "synth" else []
 
 
 def tokenizer_spec(cfg: dict, scale: str) -> dict:
@@ -290,13 +370,8 @@ def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -
     """Spec of one tokenize job: part k of n of a source (``part`` as named by ``part_names``).
     ``max_tokens`` is split evenly over the parts; ``sample`` is a [lo, hi) range of the per-document
     uniform (or a mapping scale -> range), see stem.data.shards.tokenize_to_shards."""
-    if source not in cfg["sources"]:
-        raise ConfigError(f"source {source!r}: expected one of {sorted(cfg['sources'])}")
-    src, names = cfg["sources"][source], part_names(cfg, source)
-    part = part or names[0]
-    if part not in names:
-        raise ConfigError(f"source {source!r}: part {part!r} is not one of its {len(names)} parts")
-    n = len(names)
+    src = source_of(cfg, source)
+    k, n = part_index(cfg, source, part or _part_names(source_parts(cfg, source))[0])
     sample = src.get("sample")
     if isinstance(sample, dict):
         if scale not in sample:
@@ -308,5 +383,5 @@ def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -
     max_tokens = src.get("max_tokens")
     return {"documents": documents_spec(cfg, source), "seed": cfg["seed"],
             "max_tokens": None if max_tokens is None else -(-int(max_tokens) // n),
-            "vocab_size": cfg["archs"][scale]["vocab_size"], "part": [names.index(part), n],
+            "vocab_size": cfg["archs"][scale]["vocab_size"], "part": [k, n],
             "doc_keys": src.get("doc_keys", "index"), "sample": sample}

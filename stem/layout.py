@@ -128,3 +128,12 @@ def eval_identity(path) -> dict | None:
     if len(parts) >= 7 and parts[-7] == "results" and parts[-2] == "eval":
         return dict(zip(IDENTITY, parts[-6:-2]))
     return None
+
+
+def checkpoint_identity(path) -> dict | None:
+    """The experiment/scale/variant/stage a checkpoint folder's path names (``checkpoint``'s inverse:
+    ``.../results/{experiment}/{scale}/{variant}/{stage}/checkpoint``), else None."""
+    parts = Path(path).resolve().parts
+    if len(parts) >= 6 and parts[-6] == "results" and parts[-1] == CHECKPOINT:
+        return dict(zip(IDENTITY, parts[-5:-1]))
+    return None

@@ -7,7 +7,7 @@ the jobs whose spec changed). The job builds the dataclass with ``from_dict`` on
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
 
 Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
-``activation_checkpointing``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
 JSON of the jobs that do not use it unchanged.
 """
 from __future__ import annotations
@@ -19,10 +19,12 @@ import typing
 from dataclasses import dataclass, field
 
 from stem.models.config import ModelConfig
+from stem.options import Schedule, Strategy, TableUpdate, values
+from stem.registry import SUITE_KINDS
 
-STRATEGIES = ("fsdp", "ddp")              # the backbone's parallel strategy (stem.train.distributed)
-SCHEDULES = ("cosine", "linear", "constant")
-TABLE_UPDATES = ("dense", "sparse")        # optim.table_update (stem.train.optim)
+STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
+SCHEDULES = values(Schedule)
+TABLE_UPDATES = values(TableUpdate)        # optim.table_update (stem.train.optim)
 OPTIONAL = {"omit_default": True}       # field metadata: left out of to_dict() at its default
 
 
@@ -221,6 +223,9 @@ class TrainSettings:
     schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
     parallel: str = field(default="fsdp", metadata=OPTIONAL)   # the backbone's strategy under torchrun
+    peak_tflops: float | None = field(default=None, metadata=OPTIONAL)   # MFU's peak (stem.train.throughput)
+    wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
+    compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)
 
     def __post_init__(self):
         _check(self.schedule in SCHEDULES, "schedule", f"one of {', '.join(SCHEDULES)}", self.schedule)
@@ -234,6 +239,9 @@ class TrainSettings:
         _check(self.eval_batches >= 0, "eval_batches", "an integer >= 0", self.eval_batches)
         _check(self.schedule_steps is None or self.schedule_steps >= 1, "schedule_steps", "an integer >= 1 or null",
                self.schedule_steps)
+        _check(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops", "a number > 0 or null",
+               self.peak_tflops)
+        _check(self.wandb is None or bool(self.wandb.strip()), "wandb", "a project name or null", self.wandb)
 
     def lr_schedule(self) -> dict:
         """Keyword arguments of stem.train.schedule.get_lr."""
@@ -266,6 +274,7 @@ class TrainSpec(_Spec):
     # mid-training insertion (stem.models.insert): {"from": the dense variant init_from belongs to, "init":
     # projected | xavier}; only in the insertion stage's spec
     insert: dict | None = field(default=None, metadata=OPTIONAL)
+    plugins: tuple[str, ...] = field(default=(), metadata=OPTIONAL)   # the config's plugin modules (stem.plugins)
 
     def __post_init__(self):
         _check(self.insert is None or (set(self.insert) == {"from", "init"}
@@ -290,9 +299,9 @@ class JobId:
 
 @dataclass(frozen=True)
 class EvalSpec(_Spec):
-    """One eval job: a suite of a registered kind (stem.eval.kinds) run on one checkpoint. The common keys are
-    typed; a kind's own keys (tasks, metric, lengths, documents, ...) stay in ``options``, and ``to_dict`` puts
-    them back beside the common ones (the flat mapping a kind's runner reads)."""
+    """One eval job: a suite of a registered kind (stem.registry.SUITE_KINDS) run on one checkpoint. The common
+    keys are typed; a kind's own keys (tasks, metric, lengths, documents, ...) and the config's ``plugins`` stay
+    in ``options``, and ``to_dict`` puts them back beside the common ones (the flat mapping a runner reads)."""
     KIND: typing.ClassVar[str] = "eval"
     suite: str
     kind: str
@@ -306,8 +315,8 @@ class EvalSpec(_Spec):
     COMMON: typing.ClassVar[tuple] = ("suite", "kind", "batch_size", "seed", "device", "fixtures", "job")
 
     def __post_init__(self):
-        from stem.eval.kinds import known_kinds
-        _check(self.kind in known_kinds(), "kind", f"a registered suite kind ({', '.join(known_kinds())})", self.kind)
+        _check(self.kind in SUITE_KINDS, "kind", f"a registered suite kind ({', '.join(sorted(SUITE_KINDS))})",
+               self.kind)
         _check(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
 
     @classmethod

@@ -1,7 +1,8 @@
-"""Extending the project (README "Extending"): a toy FFN kind (tests/toy_ffn.py), a toy suite kind and a toy
+"""Extending the project (docs/extending.md): a toy FFN kind (tests/toy_ffn.py), a toy suite kind and a toy
 report table and figure, all registered from the tests alone, run through the config check, accounting,
 optimizer groups, the real training loop on 2 gloo ranks (the toy table sharded), the eval job, and the report
-(tables, diff, figure, README, HTML, the workflow's file lists)."""
+(tables, diff, figure, README, HTML, the workflow's file lists). (Registered in this process; tests/test_plugins.py
+loads such entries from a config's ``plugins:`` in a fresh process, as Snakemake does.)"""
 from __future__ import annotations
 
 import json
@@ -79,9 +80,9 @@ def toys():
         "toy_evals": [p for p in evals if p.endswith(f"eval/{SUITE}.json")]})(toy_figure)
     yield
     toy_ffn.unregister()
-    run.SUITE_KINDS.pop("toy_nll")
-    registry.TABLES.pop(TABLE)
-    registry.FIGURES.pop(FIGURE)
+    run.SUITE_KINDS.remove("toy_nll")
+    registry.TABLES.remove(TABLE)
+    registry.FIGURES.remove(FIGURE)
 
 
 WORKER = r'''

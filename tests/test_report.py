@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from stem import config as C
+from stem import seeds
 from stem.report import build as B
 from stem.report import diff
 from stem.report import figures as F
@@ -34,10 +35,11 @@ def eval_json(cfg, scale, variant, stage, suite, offset):
     base = {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage, "suite": suite,
             "checkpoint": "x", "limit": None, "tasks": {}, "groups": {}}
     entry = lambda v: {"metric": "acc,none", "value": v, "stderr": 1.0, "n": 40}  # noqa: E731
-    paper_row = {"dse": "dense", "stem_sparse": "stem", "stem_insert": "stem"}.get(variant, variant)   # not paper variants
+    named = seeds.split(variant)[0]   # a seed job (stem.seeds) scores like its variant
+    paper_row = {"dse": "dense", "stem_sparse": "stem", "stem_insert": "stem"}.get(named, named)   # not paper variants
     p3 = paper_scores("table3", "1b" if scale == "1b" else "350m", paper_row, offset)
-    p5 = paper_scores("table5", "1b", "stem" if variant != "dense" else "dense", offset)
-    p6 = paper_scores("table6", "1b", "stem" if variant != "dense" else "dense", offset)
+    p5 = paper_scores("table5", "1b", "stem" if named != "dense" else "dense", offset)
+    p6 = paper_scores("table6", "1b", "stem" if named != "dense" else "dense", offset)
     if suite == "commonsense":
         base["tasks"] = {t: entry(p3[t]) for t in P.COMMONSENSE_TASKS}
     elif suite in ("mmlu", "bbh"):
@@ -73,7 +75,7 @@ def write_results(root, cfg, skip=(MISSING,)):
     rng = np.random.default_rng(0)
     stage_suites = {"pretrain": ["commonsense"], "midtrain": ["commonsense", "mmlu", "gsm8k"],
                     "extend": ["niah", "bbh", "musr", "longbench"]}
-    for scale, variant, stage in C.train_targets(cfg):
+    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
         d = root / cfg["experiment"] / scale / variant / stage
         (d / "eval").mkdir(parents=True)
         steps = np.arange(1, 201)
@@ -94,7 +96,7 @@ def write_results(root, cfg, skip=(MISSING,)):
         for suite in stage_suites[stage]:
             if (scale, variant) in skip and suite == "commonsense":
                 continue
-            offset = {"dense": 0.0}.get(variant, 1.0)
+            offset = {"dense": 0.0}.get(seeds.split(variant)[0], 1.0)
             (d / "eval" / f"{suite}.json").write_text(json.dumps(eval_json(cfg, scale, variant, stage, suite, offset)))
 
 
@@ -229,7 +231,7 @@ def test_directions():
     ours = paper_as_ours()
     t3 = ours["table3"]
     t3.loc[(t3["scale"] == "350m") & (t3["variant"] == "stem") & (t3["column"] == "avg"), "value"] = 40.0
-    dirs = diff.directions(ours).set_index(["table", "scale", "variant", "column"])
+    dirs = diff.point_directions(ours).set_index(["table", "scale", "variant", "column"])
     assert not dirs.loc[("table3", "350m", "stem", "avg"), "agree"]
     assert dirs.loc[("table3", "350m", "stem_gate", "avg"), "agree"]  # the paper: gate-proj trails baseline
     assert dirs.drop(("table3", "350m", "stem", "avg"))["agree"].all()
@@ -285,7 +287,7 @@ def test_report_builds(tmp_path, tiny_cfg, tiny_results):
     B.write_diff(rd / "diff", *B.run_diff(tiny_cfg, reread, ["table3/*/*/avg"]))
     summary = json.loads((rd / "diff" / "summary.json").read_text())
     assert summary["label"] == "experiment: tiny (embedded default, not paper scale)" and not summary["paper_scale"]
-    assert summary["directions"]["agree"] > 0 and summary["gate"]["failed"]
+    assert summary["directions"]["point_only"]["point estimate: agree"] > 0 and summary["gate"]["failed"]
     for name in ("fig5a_loss_vs_tokens", "roi_by_scale"):
         F.save(F.draw(name, tiny_cfg, tiny_results, reread), rd / "figures" / f"{name}.png")
     text = B.readme(tiny_cfg, rd, ["fig5a_loss_vs_tokens", "roi_by_scale"])
@@ -314,7 +316,7 @@ def test_readme_and_html_are_built_from_data_not_from_written_markdown(tmp_path,
     assert B.readme(tiny_cfg, rd, ["roi_by_scale"]) == readme and B.html_report(tiny_cfg, rd, ["roi_by_scale"]) == html
     # the diff summary in the README is diff.md's, one heading level down, from directions.csv read back
     assert page.markdown(diff.summary_blocks(s, dirs, level=3)) in readme
-    assert B.load_directions(rd / "diff" / "directions.csv")["agree"].tolist() == dirs["agree"].tolist()
+    assert B.load_directions(rd / "diff" / "directions.csv")["verdict"].tolist() == dirs["verdict"].tolist()
     for name in B.TABLES:   # every row of every table's CSV, in both pages
         for r in pd.read_csv(rd / "tables" / f"{name}.csv", dtype=str, keep_default_na=False).itertuples(index=False):
             assert "| " + " | ".join(r) + " |" in readme
@@ -341,6 +343,13 @@ def test_real_training_summary_passes_the_check(spec_factory, tmp_path):
     res = Results("tiny", tmp_path)
     s = res.summary("350m", "stem", "pretrain")
     assert s["final_val_loss"] > 0 and s["steps"] == 6
+    from stem import provenance   # issue 24: where the summary came from, the job spec itself untouched
+    saved_spec = json.loads((tmp_path / "tiny/350m/stem/pretrain/checkpoint/config.json").read_text())
+    assert "provenance" not in saved_spec and s["provenance"]["spec_sha256"] == provenance.spec_hash(saved_spec)
+    assert len(s["provenance"]["commit"]) == 40 and isinstance(s["provenance"]["dirty"], bool)
+    assert set(s["provenance"]["versions"]) == {"torch", "lm_eval", "snakemake", "transformers"}
+    assert s["provenance"]["versions"]["torch"] and s["provenance"]["versions"]["snakemake"]
+    assert s["provenance"]["manifests"] and all(len(h) == 64 for h in s["provenance"]["manifests"].values())
     with pytest.raises(ResultError, match="key 'variant': the file is of variant 'stem' but its path says 'dense'"):
         check_summary(tmp_path / "x.json", s, {"experiment": "tiny", "scale": "350m", "variant": "dense",
                                                "stage": "pretrain"})
@@ -549,6 +558,11 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     assert res.eval("1b", "stem", "extend", "commonsense")["tasks"].keys() == {"arc_easy", "boolq"}
     assert res.eval("1b", "stem", "extend", "longbench")["by_length"]["table5"]
     assert len(res.eval("1b", "stem", "extend", "niah")["cells"]) == 4
+    from stem import provenance   # issue 24: each eval JSON names the checkpoint's job spec it evaluated
+    train_spec = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    for suite in ("commonsense", "longbench", "niah"):
+        p = res.eval("1b", "stem", "extend", suite)["provenance"]
+        assert p["train_spec_sha256"] == provenance.spec_hash(train_spec) and p["versions"]["lm_eval"]
 
 
 def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
@@ -570,7 +584,7 @@ def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
         assert value(t, scale, "dse", "arc_easy") == pytest.approx(value(t, scale, "dense", "arc_easy") + 1)
     assert "DSE (Cheng et al.)" in T.wide(t)["Model"].tolist()
     assert "dse" not in registry.compared()
-    dirs = diff.directions(tiny_tables)
+    dirs = diff.point_directions(tiny_tables)
     dirs = dirs[dirs["table"] == "dse"].set_index(["scale", "variant", "column"])
     assert set(dirs.index) == {(s, "dse", c) for s in ("350m", "1b")
                                for c in ("val_loss", "arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande")}
@@ -583,7 +597,7 @@ def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
         dse = ours["dse"]
         base = value(t, "1b", "dense", "val_loss")
         dse.loc[(dse["scale"] == "1b") & (dse["variant"] == "dse") & (dse["column"] == "val_loss"), "value"] = base + shift
-        row = diff.directions(ours).set_index(["table", "scale", "variant", "column"]).loc[("dse", "1b", "dse", "val_loss")]
+        row = diff.point_directions(ours).set_index(["table", "scale", "variant", "column"]).loc[("dse", "1b", "dse", "val_loss")]
         assert row["agree"] == agree and row["ours"] == ("beats baseline" if agree else "trails baseline")
 
 

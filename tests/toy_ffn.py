@@ -35,5 +35,6 @@ def register():
 
 
 def unregister():
-    registry.FFN_KINDS.pop(KIND, None)
+    if KIND in registry.FFN_KINDS:
+        registry.FFN_KINDS.remove(KIND)
     registry.OPTIM_GROUPS.pop(GROUP, None)

@@ -5,9 +5,12 @@ import argparse
 import json
 import sys
 
+from stem import plugins
+from stem.cli_args import OneLineParser  # a bad argument: one line, exit 1 (torch-free)
+
 
 def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    p = OneLineParser(description=description)
     p.add_argument("--spec", required=True, help="the job spec as JSON (resolved by the workflow)")
     return p
 
@@ -20,11 +23,19 @@ def run(main):
         from stem.config import ConfigError
         from stem.train.loop import TrainingError
 
-        if not isinstance(e, (ConfigError, TrainingError, ValueError, FileNotFoundError)):
+        # OSError names its file (a folder that cannot be created: FileExistsError, PermissionError, ...)
+        if not isinstance(e, (ConfigError, TrainingError, ValueError, OSError)):
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 
 
 def spec_of(args) -> dict:
-    return json.loads(args.spec)
+    try:
+        spec = json.loads(args.spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--spec: not valid JSON ({e.msg} at column {e.colno}); expected the job spec object") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--spec: a JSON {type(spec).__name__}; expected the job spec object")
+    plugins.load(spec.get("plugins"), origin="--spec: key 'plugins'")   # the config's own kinds, before any lookup
+    return spec

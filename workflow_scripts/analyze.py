@@ -1,4 +1,5 @@
 """Run one analysis (stem.analysis) on one checkpoint; spec resolved by the workflow from config `analysis:`."""
+from stem.cli_args import whole
 from workflow_scripts._entry import parser, run, spec_of
 
 
@@ -6,7 +7,7 @@ def main():
     p = parser(__doc__)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=whole(1, "CPU threads"), default=None)
     args = p.parse_args()
     import torch
     if args.threads:

@@ -1,4 +1,5 @@
 """Evaluate one checkpoint on one suite (spec resolved by the workflow from config `eval.suites`)."""
+from stem.cli_args import whole
 from workflow_scripts._entry import parser, run, spec_of
 
 
@@ -7,7 +8,7 @@ def main():
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--raw", required=True)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=whole(1, "CPU threads"), default=None)
     p.add_argument("--limit", type=int, default=None)
     args = p.parse_args()
     import torch

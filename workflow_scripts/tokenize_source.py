@@ -1,4 +1,5 @@
 """Tokenize one source into train/val token shards with a manifest."""
+from stem.cli_args import whole
 from workflow_scripts._entry import parser, run, spec_of
 
 
@@ -6,7 +7,7 @@ def main():
     p = parser(__doc__)
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=whole(1, "CPU threads"), default=2)
     args = p.parse_args()
     from stem.pipeline import tokenize
     m = tokenize(spec_of(args), args.tokenizer, args.out, workers=args.threads)

@@ -3,6 +3,7 @@
 The process stops (saving its state, exit 143) when its parent (the rule's shell, or torchrun) or the
 Snakemake process named by $STEM_OWNER_PID (launch.py --owner-pid) dies: see stem/train/lifecycle.py.
 """
+from stem.cli_args import whole
 from workflow_scripts._entry import parser, run, spec_of
 
 
@@ -10,7 +11,7 @@ def main():
     from stem.train import lifecycle
     lifecycle.catch_stop_signals()   # before the slow imports: a stop signal arriving now is kept
     p = parser(__doc__)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=whole(1, "CPU threads"), default=None)
     args = p.parse_args()
     lifecycle.die_with_parent()
     lifecycle.watch_owner()

@@ -36,6 +36,10 @@ def load_baseline(ckpt_dir, spec: dict):
             (base / "tokenizer.json").read_bytes() != ours.read_bytes():
         raise ValueError(f"baseline checkpoint {base}: its tokenizer.json differs from {ours} (the baseline must "
                          "be a model of the same scale)")
+    from stem.train.checkpoint import check_identity, read_checkpoint_spec
+    job = spec.get("job")   # the baseline: the job's experiment/scale/stage, variant spec["baseline"]
+    expected = {**job, "variant": spec["baseline"]} if job and spec.get("baseline") else None
+    check_identity(base, read_checkpoint_spec(base), expected, f"this analysis job's baseline ({spec.get('baseline')})")
     return load(base, spec.get("device", "cpu"))
 
 
@@ -121,11 +125,6 @@ def score_many(model, queries: list[tuple[list[int], list[list[int]]]], max_toke
                 nxt[qi] = logp[i, n - 1].cpu()
         b = e
     return list(zip(scores, nxt))
-
-
-def score_candidates(model, prompt: list[int], candidates: list[list[int]]):
-    """``score_many`` for one prompt."""
-    return score_many(model, [(prompt, candidates)])[0]
 
 
 def find_span(ids: list[int], span: list[int]) -> int:

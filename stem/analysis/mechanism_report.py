@@ -1,5 +1,5 @@
 """Tables, figures and directions of the DSE paper's mechanism analyses (analyses ``logitlens``, ``cka``,
-``dse_disabled``; stem.analysis), registered with the report's registry (stem.report.registry ``BUILTIN``;
+``dse_disabled``; stem.analysis), registered with the report's registry (stem.report.registry, stem.plugins.BUILTIN;
 report-only, no paper CSV, not compared):
 
 - table ``logitlens`` and figure ``dse_logitlens``: KL(final || layer) per layer, DSE beside its baseline

@@ -58,40 +58,6 @@ def load_all(cfg: dict, root=".", results=None) -> dict[str, dict]:
     return out
 
 
-def editing_table(res: dict) -> pd.DataFrame:
-    rows = [{"scale": s, "stage": st, "variant": v, **row}
-            for (s, v, st), r in res.items() for row in r["summary"] if row["case"] == "all"]
-    return pd.DataFrame(rows)
-
-
-def spread_table(res: dict) -> pd.DataFrame:
-    rows = []
-    for (s, v, st), r in res.items():
-        for layer in r["layers"]:
-            for key in ("table", "up_proj", "down_input"):
-                if key in layer:
-                    d = layer[key]
-                    rows.append({"scale": s, "stage": st, "variant": v, "layer": layer["layer"], "ffn": layer["ffn"],
-                                 "vectors": key, "pairs": d["pairs"], "mean_abs_cos": d["mean_abs"],
-                                 "mean_cos": d["mean"], **d["quantiles"]})
-    return pd.DataFrame(rows)
-
-
-def heaps_table(res: dict) -> pd.DataFrame:
-    rows = []
-    for (s, v, st), r in res.items():
-        for L, u, a in zip(r["lengths"], r["unique"], r["activated_stem_params"]):
-            rows.append({"scale": s, "stage": st, "variant": v, "L": L, "L_uniq": u, "activated_stem_params": a,
-                         "K": r["fit"]["K"], "beta": r["fit"]["beta"], "r2": r["fit"]["r2"],
-                         "n_stem_layers": r["n_stem_layers"]})
-    return pd.DataFrame(rows)
-
-
-def capacity_table(res: dict) -> pd.DataFrame:
-    return pd.DataFrame([{"scale": s, "stage": st, "variant": v, "relation": rel, **row}
-                         for (s, v, st), r in res.items() for rel, row in r["table"].items()])
-
-
 def analysis_directions(all_res: dict) -> list[dict]:
     """One direction per analysis and STEM variant, each with its confidence where items allow one."""
     rows = []
@@ -140,7 +106,8 @@ def analysis_directions(all_res: dict) -> list[dict]:
 
 
 # Direction rows of other report modules, each a function (all results -> rows) they append here when imported
-# (stem.report.registry imports every BUILTIN module): stem.analysis.mechanism_report's DSE paper claims.
+# (the report registry imports every built-in module, stem.plugins.BUILTIN): stem.analysis.mechanism_report's
+# DSE paper claims.
 EXTRA_DIRECTIONS: list = []
 
 
@@ -170,17 +137,17 @@ def fig6(res: dict, label: str):
             tag = f"{s} {v} L{layer['layer']}"
             if "table" in layer and v == "stem":
                 axes[0].plot(mid, dens(layer["table"]["hist"]), label=tag)
-                axes[1].plot(mid, dens(layer["table"]["hist"]), color=COLORS["stem"], alpha=0.7,
+                axes[1].plot(mid, dens(layer["table"]["hist"]), color=COLORS.get("stem"), alpha=0.7,
                              label=f"{s} STEM tables" if layer is next(x for x in r["layers"] if "table" in x) else None)
             if v in ("dense", "stem") and "down_input" in layer:
-                axes[2].plot(mid, dens(layer["down_input"]["hist"]), color=COLORS[v], alpha=0.5,
+                axes[2].plot(mid, dens(layer["down_input"]["hist"]), color=COLORS.get(v), alpha=0.5,
                              label=f"{s} {v}" if layer is r["layers"][0] else None)
         stem_layers = {layer["layer"] for (s2, v2, st2), r2 in res.items() if v2 == "stem" and s2 == s
                        for layer in r2["layers"] if "table" in layer}
         if v == "dense":
             for layer in r["layers"]:
                 if layer["layer"] in stem_layers and "up_proj" in layer:
-                    axes[1].plot(mid, dens(layer["up_proj"]["hist"]), color=COLORS["dense"], alpha=0.7,
+                    axes[1].plot(mid, dens(layer["up_proj"]["hist"]), color=COLORS.get("dense"), alpha=0.7,
                                  label=f"{s} dense up-proj" if layer["layer"] == min(stem_layers) else None)
     for ax in axes:
         _legend(ax)
@@ -222,7 +189,7 @@ def heaps_fig(res: dict, label: str, niah: dict | None = None):
     b.set(xlabel="context length L (tokens)", ylabel="|S| d_ff L_uniq",
           title="activated STEM parameters per sequence")
     for v, (lengths, acc) in (niah or {}).items():
-        c.plot(lengths, acc, "o-", color=COLORS[v], label=f"1b {v}")
+        c.plot(lengths, acc, "o-", color=COLORS.get(v), label=f"1b {v}")
     c.set(xscale="log", xlabel="context length (tokens)", ylabel="NIAH accuracy (%)", ylim=(-2, 102),
           title="beside it: Fig. 1b, NIAH accuracy vs length" + ("" if niah else " (no results)"))
     for ax in (a, b, c):
@@ -299,11 +266,14 @@ def capacity_long(cfg: dict, res) -> pd.DataFrame:
 def directions_long(cfg: dict, res) -> pd.DataFrame:
     from stem.report import tables as T
     df = directions_frame(cfg, res.root, _load(cfg, res))
-    cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "verdict", "paper_effect_resolvable")
+    # stage, check_table and check_column: the key the diff reads each verdict back by (stem.report.diff.directions)
+    cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "seeds", "verdict", "paper_effect_resolvable", "stage",
+            "check_table", "check_column")
+    records = [{**r, "check_table": r["table"], "check_column": r["column"]} for r in df.to_dict("records")]
     return T.frame([T.cell("directions", r["scale"], r["variant"], c, None if pd.isna(r.get(c)) else r.get(c),
                            r["source"], row=f"{r['variant']} {r['stage'] if isinstance(r['stage'], str) else '(no stage)'}: "
                            f"{r['table']} {r['column']}", unit="")
-                    for r in df.to_dict("records") for c in cols if c in r])
+                    for r in records for c in cols if c in r])
 
 
 def edit_example_long(cfg: dict, res) -> pd.DataFrame:
@@ -380,7 +350,8 @@ def _register():
                          inputs=table_inputs("capacity"), **gap)(capacity_long)
     registry.paper_table(
         "directions", "Directions with confidence (paired bootstrap, 95%): Tables 3/4 accuracy, held-out loss and "
-        "each analysis against the paper's claim", inputs=all_inputs, **gap)(directions_long)
+        "each analysis against the paper's claim", inputs=all_inputs,
+        labels={"check_table": "table", "check_column": "column"}, **gap)(directions_long)
     registry.report_figure(
         "fig6_spread", "Figure 6a-c (angular spread): pairwise cosine similarity of (a) the STEM table vectors, "
         "(b) the dense up-projection outputs beside the STEM vectors at the same layers, (c) the down-projection "

@@ -1,10 +1,9 @@
 """Run one analysis on one checkpoint and write its JSON atomically (nothing is written on an error)."""
 from __future__ import annotations
 
-import importlib
 import time
 
-from stem.analysis.workflow import ANALYSES
+from stem.registry import ANALYSES, resolve
 
 IDENTITY = ("experiment", "scale", "variant", "stage")
 
@@ -12,18 +11,15 @@ IDENTITY = ("experiment", "scale", "variant", "stage")
 def analyze(ckpt_dir, spec: dict, out_json) -> dict:
     from stem.analysis.common import TINY_NOTE
     from stem.io import atomic_write_json
-    from stem.train.checkpoint import read_checkpoint_spec
+    from stem.train.checkpoint import check_identity, read_checkpoint_spec
 
     name = spec.get("analysis")
     if name not in ANALYSES:
         raise ValueError(f"analysis spec: key 'analysis' is {name!r}; expected one of {', '.join(ANALYSES)}")
     saved = read_checkpoint_spec(ckpt_dir)
-    job = spec.get("job") or {}
-    wrong = [f"{k} {saved.get(k)!r} != {job[k]!r}" for k in IDENTITY if k in job and saved.get(k) != job[k]]
-    if wrong:
-        raise ValueError(f"{ckpt_dir}/config.json: checkpoint is not the one this analysis job is for ({'; '.join(wrong)})")
+    check_identity(ckpt_dir, saved, spec.get("job"), "this analysis job")
     t0 = time.time()
-    result = importlib.import_module(f"stem.analysis.{name}").run(ckpt_dir, spec)
+    result = resolve(ANALYSES[name].run)(ckpt_dir, spec)
     out = {**{k: saved.get(k) for k in IDENTITY}, **result, "spec": spec,
            "wall_seconds": round(time.time() - t0, 2)}
     if saved.get("experiment") == "tiny":

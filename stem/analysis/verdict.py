@@ -5,11 +5,15 @@ windows, probe facts). ``paired_bootstrap`` resamples the items (with replacemen
 models) and gives the mean difference b - a with a percentile interval; ``classify`` reads it against the
 sign the paper reports: the interval above zero (or below) is a direction, one that contains zero is
 *inconclusive* (the tiny fixtures cannot tell). ``grouped_bootstrap`` is the same for a mean of per-group
-means (the commonsense average: each task resampled within itself).
+means (the commonsense average: each task resampled within itself); ``seeded_bootstrap`` folds several
+seeds of a matrix cell in (stem.seeds: seeds resampled, then items within each seed).
 
 ``table_directions`` applies it to the diff's accuracy directions (Tables 3 and 4, per task and the average)
-from the per-item lm-eval samples; ``loss_directions`` to the held-out loss (analysis ``heldout``). This is
-kept apart from ``stem.report.diff.directions`` (point estimates); the report shows both.
+from the per-item lm-eval samples; ``loss_directions`` to the held-out loss (analysis ``heldout``).
+
+``category`` folds every verdict string into one of ``CATEGORIES``; ``count`` counts them. The report's
+``directions`` table (tables/directions.csv) is the one source of verdicts: the diff summary, the README/HTML
+direction table and ``python -m stem diff`` count its rows with these (stem.report.diff.directions).
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from stem import seeds
 
 LEVEL = 0.95
 N_BOOT = 2000
@@ -41,7 +47,52 @@ def grouped_bootstrap(groups, n_boot: int = N_BOOT, seed: int = 0, level: float 
         n += d.size
     boots /= len(groups)
     lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
-    return {"delta": float(np.mean(deltas)), "lo": float(lo), "hi": float(hi), "n": n, "level": level}
+    return {"delta": float(np.mean(deltas)), "lo": float(lo), "hi": float(hi), "n": n, "level": level,
+            "boots": boots}
+
+
+# Every verdict is one of these (a verdict string such as "missing (the full model scores 0 ...)" or
+# "agree (point estimate)" folds into its category): agree / disagree only where the interval excludes 0.
+CATEGORIES = ("agree", "disagree", "inconclusive", "point estimate: agree", "point estimate: disagree", "missing")
+
+
+def category(verdict) -> str:
+    """The category of a verdict string (CATEGORIES); a missing value is 'missing'."""
+    v = "" if verdict is None or (isinstance(verdict, float) and np.isnan(verdict)) else str(verdict).strip()
+    word = v.split(" ")[0] if v else "missing"
+    if "(point estimate)" in v and word in ("agree", "disagree"):
+        return f"point estimate: {word}"
+    if word in ("agree", "disagree", "inconclusive", "missing"):
+        return word
+    raise ValueError(f"direction verdict {verdict!r}: expected one of {', '.join(CATEGORIES)}")
+
+
+def count(categories) -> dict:
+    """{category: how many} over CATEGORIES (zeros included) and 'total'."""
+    cats = list(categories)
+    return {c: sum(x == c for x in cats) for c in CATEGORIES} | {"total": len(cats)}
+
+
+def seeded_bootstrap(per_seed, n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL) -> dict:
+    """``grouped_bootstrap`` folded over seeds (stem.seeds): ``per_seed`` = one list of (a, b) groups per seed
+    (the dense and the variant model of the same seed index). Each draw resamples the seeds with replacement
+    and, within each seed, every group's items; the statistic is the mean over the drawn seeds. One seed: the
+    plain ``grouped_bootstrap``."""
+    if len(per_seed) == 1:
+        return grouped_bootstrap(per_seed[0], n_boot, seed, level)
+    rng = np.random.default_rng(seed)
+    point, draws, n = [], [], 0
+    for groups in per_seed:
+        b = grouped_bootstrap(groups, n_boot, int(rng.integers(2**31)), level)
+        point.append(b["delta"])
+        draws.append(b.pop("boots"))
+        n += b["n"]
+    draws = np.asarray(draws)                                    # (seeds, n_boot)
+    pick = rng.integers(0, len(per_seed), size=(n_boot, len(per_seed)))
+    boots = draws[pick, np.arange(n_boot)[:, None]].mean(axis=1)
+    lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
+    return {"delta": float(np.mean(point)), "lo": float(lo), "hi": float(hi), "n": n, "level": level,
+            "seeds": len(per_seed)}
 
 
 def classify(ci: dict, paper_sign: float) -> str:
@@ -108,21 +159,27 @@ def table_directions(cfg: dict, root=".", results=None) -> list[dict]:
             p_delta = float(pv - paper[(scale, "dense", column)])
             stage = next((st for st in stages.get(table, []) if (results / exp / scale / variant / st
                                                                   / "eval").is_dir()), None)
-            ci = None
+            ci, per_seed = None, []
             if stage is not None:
                 tasks = P.COMMONSENSE_TASKS if column == "avg" else [column]
-                pairs = []
-                for t in tasks:
-                    a = _task_items(results, exp, scale, "dense", stage, suite_of[t], t, groups.get(t))
-                    b = _task_items(results, exp, scale, variant, stage, suite_of[t], t, groups.get(t))
-                    if a is None or b is None:
-                        pairs = []
-                        break
-                    pairs.append(_paired(a, b))
-                if pairs:
-                    ci = grouped_bootstrap([(np.asarray(x) * 100, np.asarray(y) * 100) for x, y in pairs])
+                # every seed both models ran (stem.seeds; seed k of dense paired with seed k of the variant)
+                for k in sorted(set(seeds.seeds_of(cfg, scale, "dense")) & set(seeds.seeds_of(cfg, scale, variant))):
+                    pairs = []
+                    for t in tasks:
+                        a = _task_items(results, exp, scale, seeds.seed_id("dense", k), stage, suite_of[t], t,
+                                        groups.get(t))
+                        b = _task_items(results, exp, scale, seeds.seed_id(variant, k), stage, suite_of[t], t,
+                                        groups.get(t))
+                        if a is None or b is None:
+                            pairs = []
+                            break
+                        pairs.append(_paired(a, b))
+                    if pairs:
+                        per_seed.append([(np.asarray(x) * 100, np.asarray(y) * 100) for x, y in pairs])
+                if per_seed:
+                    ci = seeded_bootstrap(per_seed)
             rows.append({"table": table, "scale": scale, "variant": variant, "column": column, "stage": stage,
-                         "paper_delta": p_delta, **_ci_cols(ci, p_delta),
+                         "paper_delta": p_delta, **_ci_cols(ci, p_delta), "seeds": len(per_seed),
                          "source": f"{table.capitalize()}, {scale}, {variant} vs dense, column {column}"})
     return rows
 

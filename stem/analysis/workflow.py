@@ -11,20 +11,48 @@
       dse_disabled: {suite: commonsense, categories: {...}, modes: [disabled, forced]}
 
 One job per (checkpoint, analysis): ``results/{experiment}/{scale}/{variant}/{stage}/analysis/{name}.json``.
+Every analysis is an ``Analysis`` registered by name in ``stem.registry.ANALYSES`` (the built-in ones at the
+end of this module, another from a plugin module, stem.plugins); its config key ``analysis.{name}`` turns it on.
 This module imports no torch (Snakemake builds the DAG with it).
 """
 from __future__ import annotations
 
-ANALYSES = ("editing", "heaps", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled")
-NEEDS_WORLD = ("capacity",)
-# Analyses that compare a model with its baseline: the checkpoint of the same experiment/scale/stage's
-# ``analysis.{name}.baseline`` variant is an input of the job (spec key ``baseline_checkpoint``).
-WITH_BASELINE = ("logitlens", "cka")
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+from stem import plugins
+from stem.registry import ANALYSES
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One analysis of a checkpoint.
+
+    run: ``run(ckpt_dir, spec) -> result fields`` or its ``"module:function"`` (imported by the job only).
+    needs_world: run only when the config has a synthetic ``world:``.
+    baseline: compares the model with its baseline: the checkpoint of the same experiment/scale/stage's
+        ``analysis.{name}.baseline`` variant (default dense) is an input of the job (``baseline_checkpoint``).
+    only_for(kind) -> whether a checkpoint gets it by default (``model_kind``'s mapping); None: every one.
+    resolve(cfg, spec): completes the job spec from the experiment config (in place), e.g. adds input files
+        under keys ``rule_inputs`` reads (manifest, corpus, facts).
+    """
+    run: Callable | str
+    needs_world: bool = False
+    baseline: bool = False
+    only_for: Callable | None = None
+    resolve: Callable | None = None
+
+
+def analysis(name: str, **kw):
+    """Decorator: register ``run(ckpt_dir, spec)`` as analysis ``name`` (keywords: Analysis's fields)."""
+    return ANALYSES.register(name, lambda run: Analysis(run, **kw))
 
 
 def analyses(cfg: dict) -> list[str]:
     a = cfg.get("analysis") or {}
-    return [n for n in ANALYSES if a.get(n) is not None and (n not in NEEDS_WORLD or cfg.get("world"))]
+    return [n for n in ANALYSES if a.get(n) is not None and (not ANALYSES[n].needs_world or cfg.get("world"))]
 
 
 def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
@@ -34,9 +62,14 @@ def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
 
 
 def _meta_model(cfg: dict, scale: str, variant: str):
+    from stem.models.model import meta_model
+    return meta_model(_model_json(cfg, scale, variant))
+
+
+def _model_json(cfg: dict, scale: str, variant: str) -> str:
+    """The variant's model config (its FFN kinds; any stage: a mid-training insertion has no pretraining) as JSON."""
     from stem import config as C
-    from stem.models.model import build_model
-    return build_model(C.model_config_for(cfg, scale, variant), "meta")   # the variant's FFN kinds (any stage)
+    return json.dumps(C.model_config_for(cfg, scale, variant).to_dict(), sort_keys=True)
 
 
 def has_tables(cfg: dict, scale: str, variant: str) -> bool:
@@ -48,12 +81,17 @@ def has_tables(cfg: dict, scale: str, variant: str) -> bool:
 def model_kind(cfg: dict, scale: str, variant: str) -> dict:
     """{tables: a STEM table (token-indexed rows), lookups: any lookup-role parameter (STEM or DSE tables),
     dse: a DSE memory, variant}: what decides the default analyses of a checkpoint."""
+    return {**_kind(_model_json(cfg, scale, variant)), "variant": variant}
+
+
+@lru_cache(maxsize=None)
+def _kind(model_json: str) -> dict:
     from stem.analysis.common import table_sites
+    from stem.models.model import meta_model
     from stem.models.registry import param_roles
-    model = _meta_model(cfg, scale, variant)
+    model = meta_model(model_json)
     lookups = any(r.count == "lookup" for r in param_roles(model).values())
-    return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None,
-            "variant": variant}
+    return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None}
 
 
 # Analyses a checkpoint gets by default (any one can still be asked for by its path): Heaps' curve is the same
@@ -65,6 +103,9 @@ def model_kind(cfg: dict, scale: str, variant: str) -> dict:
 # editing (the embedding rows as for dense: DSE has no per-token rows to edit), spread and capacity: every model.
 ONLY_FOR = {"heaps": lambda m: m["tables"], "heldout": lambda m: m["lookups"] or m["variant"] == "dense",
             "logitlens": lambda m: m["dse"], "cka": lambda m: m["dse"], "dse_disabled": lambda m: m["dse"]}
+for _name in ("editing", "heaps", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled"):
+    ANALYSES.add(_name, Analysis(f"stem.analysis.{_name}:run", needs_world=_name == "capacity",
+                                 baseline=_name in ("logitlens", "cka"), only_for=ONLY_FOR.get(_name)))
 
 
 def targets(cfg: dict) -> list[str]:
@@ -74,8 +115,8 @@ def targets(cfg: dict) -> list[str]:
     for s, v, st in checkpoints(cfg):
         kind = model_kind(cfg, s, v)
         out += [L.analysis_json(cfg["experiment"], s, v, st, name) for name in analyses(cfg)
-                if ONLY_FOR.get(name, lambda m: True)(kind)
-                and (name not in WITH_BASELINE or (s, baseline(cfg, name), st) in trained)]
+                if (ANALYSES[name].only_for or (lambda m: True))(kind)
+                and (not ANALYSES[name].baseline or (s, baseline(cfg, name), st) in trained)]
     return out
 
 
@@ -96,7 +137,7 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
         spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
     if cfg.get("world") and name in ("editing", "capacity", "cka", "dse_disabled"):
         spec["world"] = cfg["world"]
-    if name in WITH_BASELINE:
+    if ANALYSES[name].baseline:
         from stem import layout as L
         spec["baseline"] = baseline(cfg, name)
         if (scale, spec["baseline"], stage) not in C.train_targets(cfg):
@@ -119,7 +160,9 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
         spec["manifest"] = C.tokens_manifest(cfg["experiment"], scale, spec["source"])
         if name == "capacity":
             spec["corpus"] = f"data/{cfg['experiment']}/corpus/{spec['source']}.jsonl"
-    return spec
+    if ANALYSES[name].resolve:
+        ANALYSES[name].resolve(cfg, spec)
+    return {**spec, **plugins.spec_key(cfg)}
 
 
 def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:

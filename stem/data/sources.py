@@ -93,6 +93,11 @@ def _check_keys(spec: dict, allowed: set[str]) -> None:
 # ----------------------------------------------------------------------------- files
 
 
+def _library_error(e: Exception) -> str:
+    """A library's exception as one line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
 def _expand_paths(patterns) -> list[str]:
     if isinstance(patterns, str):
         patterns = [patterns]
@@ -134,7 +139,13 @@ def _gen_files(files, fmt, text_field, sep) -> Iterator[str]:
             docs = _read_text(path, sep)
         else:
             docs = _read_parquet(path, text_field)
-        yield from _checked(path, docs)
+        try:
+            yield from _checked(path, docs)
+        except ValueError:   # already one line naming the file (and line / row group)
+            raise
+        except Exception as e:  # a truncated .gz (EOFError), a corrupt .zst (ZstdError), an I/O error
+            raise ValueError(f"{path}: cannot read as {fmt} ({_library_error(e)}); expected a whole, readable "
+                             "file") from None
 
 
 def _checked(path: str, docs: Iterator[str]) -> Iterator[str]:
@@ -213,11 +224,14 @@ def _read_parquet(path: str, text_field: str) -> Iterator[str]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for bad files
-        raise ValueError(f"{path}: cannot read as parquet ({e})") from None
+        raise ValueError(f"{path}: cannot read as parquet ({_library_error(e)})") from None
     if text_field not in pf.schema_arrow.names:
         raise ValueError(f"{path}: missing text_field {text_field!r}; columns are {pf.schema_arrow.names}")
     for rg in range(pf.num_row_groups):
-        column = pf.read_row_group(rg, columns=[text_field]).column(0)
+        try:
+            column = pf.read_row_group(rg, columns=[text_field]).column(0)
+        except Exception as e:  # a corrupt or truncated column chunk: pyarrow's OSError / ArrowInvalid
+            raise ValueError(f"{path}: row group {rg}: cannot read as parquet ({_library_error(e)})") from None
         for text in column.to_pylist():
             if not isinstance(text, str):
                 raise ValueError(
@@ -338,10 +352,19 @@ def _gen_mds(units, ids_field, idx_field, vocab) -> Iterator[np.ndarray]:
         raw = os.path.join(d, sh["raw_data"]["basename"])
         if not os.path.isfile(raw):
             raise ValueError(f"{raw}: MDS shard missing (compressed shards must be decompressed first)")
-        reader = fmt.reader_from_json(d, None, sh)
-        for row in range(reader.samples):
-            sample = reader.get_item(row)
-            ids, bounds = np.asarray(sample[ids_field]), np.asarray(sample[idx_field]).reshape(-1, 2)
+        try:
+            reader = fmt.reader_from_json(d, None, sh)
+            n_rows = int(reader.samples)
+        except Exception as e:  # the library's own errors (KeyError, ValueError, ...): one line naming the shard
+            raise ValueError(f"{raw}: not a readable MDS shard ({_library_error(e)}); expected the shard its folder's "
+                             "index.json describes") from None
+        for row in range(n_rows):
+            try:
+                sample = reader.get_item(row)
+                ids, bounds = np.asarray(sample[ids_field]), np.asarray(sample[idx_field]).reshape(-1, 2)
+            except Exception as e:  # a corrupt shard: IndexError; a truncated one: a reshape ValueError
+                raise ValueError(f"{raw}: row {row}: cannot decode the MDS sample ({_library_error(e)}); expected "
+                                 "the shard its folder's index.json describes (a corrupt or truncated shard?)") from None
             if len(ids) and int(ids.max()) >= vocab:
                 raise ValueError(f"{raw}: row {row} holds token id {int(ids.max())} >= vocab_size {vocab}")
             for start, end in bounds:

@@ -33,6 +33,7 @@ from functools import cached_property
 from typing import Callable, Iterator
 
 from stem.io import atomic_open
+from stem.registry import GENERATORS
 
 # ----------------------------------------------------------------- the world
 
@@ -626,9 +627,13 @@ def long_documents(world: World, seed: int = 0, min_chars: int = 4000,
         yield _cut("\n\n".join(parts), min_chars, max_chars)
 
 
-GENERATORS: dict[str, Callable[..., Iterator[str]]] = {
-    "web": web_documents, "math": math_documents, "code": code_documents, "long": long_documents,
-}
+# the built-in generators ``gen(world, seed, **kwargs) -> documents``; another registers the same way from a
+# plugin module (stem.plugins), and a synth source's ``generator:`` names it. (Run as ``python -m
+# stem.data.synth``, this copy is __main__ and the registry imports stem.data.synth, which registers them.)
+if __name__ != "__main__":
+    for _name, _gen in {"web": web_documents, "math": math_documents, "code": code_documents,
+                        "long": long_documents}.items():
+        GENERATORS.add(_name, _gen)
 
 # ---------------------------------------------------------------------- output
 

@@ -125,7 +125,9 @@ def load_tokenizer(spec_or_path) -> Tok:
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:
-        raise ValueError(f"tokenizer file {path}: cannot parse ({e})") from None
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"tokenizer file {path}: cannot parse ({msg}); expected a Hugging Face tokenizers "
+                         "tokenizer.json") from None
     return Tok(tok, str(path))
 
 

@@ -27,18 +27,17 @@ def bench(checkpoint, device=None, n_requests: int = 512, ctx_tokens: int = 96, 
 
     prompt = [rng.randrange(vocab) for _ in range(min(prompt_tokens, lm.max_length - gen_tokens))]
     rates = {}
-    for cached in (True, False) if lm.model.supports_kv_cache else (False,):
+    for cached in (True, False):
         best = 0.0
         for _ in range(repeats):
             t = time.perf_counter()
             out = greedy_generate(lm.model, prompt, gen_tokens, eos_id=None, use_cache=cached)
             best = max(best, len(out) / (time.perf_counter() - t))
         rates["with_kv_cache" if cached else "without_kv_cache"] = round(best, 1)
-    if lm.model.supports_kv_cache:
-        prompts = [[rng.randrange(vocab) for _ in range(len(prompt))] for _ in range(lm.batch_size)]
-        t = time.perf_counter()
-        n = sum(len(g) for g in greedy_generate_batch(lm.model, prompts, gen_tokens, eos_id=None))
-        rates[f"with_kv_cache_batch_{lm.batch_size}"] = round(n / (time.perf_counter() - t), 1)
+    prompts = [[rng.randrange(vocab) for _ in range(len(prompt))] for _ in range(lm.batch_size)]
+    t = time.perf_counter()
+    n = sum(len(g) for g in greedy_generate_batch(lm.model, prompts, gen_tokens, eos_id=None))
+    rates[f"with_kv_cache_batch_{lm.batch_size}"] = round(n / (time.perf_counter() - t), 1)
     return {"checkpoint": str(checkpoint), "device": str(lm.device), "threads": torch.get_num_threads(),
             "batch_size": lm.batch_size,
             "loglikelihood_requests_per_s": round(ll_rate, 1),

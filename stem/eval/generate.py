@@ -41,9 +41,9 @@ def greedy_generate_batch(model, prompts: list[list[int]], max_new: int, eos_id:
     """``greedy_generate`` for several prompts at once. Each prompt is prefilled alone (the model's
     own causal forward), the caches are left-padded into one, and decoding steps run batched with
     the padding masked out and per-row positions, so a row decodes as it would alone (up to float
-    round-off). Needs ``model.supports_kv_cache``."""
-    if len(prompts) == 1 or not model.supports_kv_cache:
-        return [greedy_generate(model, p, max_new, eos_id, model.supports_kv_cache, stop) for p in prompts]
+    round-off)."""
+    if len(prompts) == 1:
+        return [greedy_generate(model, p, max_new, eos_id, True, stop) for p in prompts]
     device = next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
     cache, nxt = KVCache(length=width), []

@@ -93,7 +93,7 @@ class StemLM(TemplateLM):
         self.batch_size = 32 if batch_size in ("auto", None) else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length or self.model.cfg.max_seq_len)
-        self.use_cache = bool(use_cache) and self.model.supports_kv_cache
+        self.use_cache = bool(use_cache)
         self.pretrained = str(pretrained)
 
     # ---- tokenizer ------------------------------------------------------------------------------

@@ -16,16 +16,34 @@ suite's perplexities (``"unit": "perplexity"``). The raw lm-eval output (per-sam
 included) is kept beside it as ``eval/raw/{suite}.json``.
 
 Each suite ``kind`` (lm_eval, niah, ppl) is a runner registered with ``@suite_kind(name)`` in
-``SUITE_KINDS``; the config check, the workflow's inputs and ``evaluate`` all look the kind up there.
+``stem.registry.SUITE_KINDS`` (this module is its built-in plugin, stem.plugins; another kind registers the
+same way from a plugin module); the config check, the workflow's inputs and ``evaluate`` all look it up there.
 """
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from stem import layout
-from stem.eval.kinds import SUITE_KINDS, SuiteKind, suite_kind  # the registry of suite kinds; runners below
+from stem import layout, plugins, provenance
+from stem.registry import SUITE_KINDS  # the registry of suite kinds; the built-in runners below
+
+
+@dataclass(frozen=True)
+class SuiteKind:
+    """How a kind of suite runs: ``run(lm, spec, limit) -> (result fields, raw output, harness label)``;
+    ``resolve(cfg, spec)`` completes the suite's spec from the experiment config (in place); ``inputs(cfg,
+    spec)`` are the files its eval job reads besides the checkpoint (rules/eval.smk)."""
+    run: Callable[..., tuple[dict, dict, str]]
+    resolve: Callable[[dict, dict], None] | None = None
+    inputs: Callable[[dict, dict], dict] | None = None
+
+
+def suite_kind(name: str, resolve=None, inputs=None):
+    """Decorator: register ``run`` as the runner of suite kind ``name`` (in ``stem.registry.SUITE_KINDS``)."""
+    return SUITE_KINDS.register(name, lambda run: SuiteKind(run, resolve, inputs))
 
 
 def kind_of(spec: dict) -> SuiteKind:
@@ -56,7 +74,7 @@ def job_spec(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
     checkpoint it must read (``job``)."""
     from stem.specs import EvalSpec
     spec = {**suite_spec(cfg, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
-                                              "stage": stage}}
+                                              "stage": stage}, **plugins.spec_key(cfg)}
     return EvalSpec.from_dict(spec).to_dict()
 
 
@@ -69,6 +87,13 @@ def expected_job(spec: dict, out_json=None) -> dict | None:
     if spec.get("job"):
         return spec["job"]
     return layout.eval_identity(out_json) if out_json else None
+
+
+def _expected(spec: dict, checkpoint, out_json) -> dict | None:
+    """``expected_job``, else what the checkpoint's own path names (``layout.checkpoint_identity``)."""
+    if isinstance(checkpoint, (str, Path)):
+        return expected_job(spec, out_json) or layout.checkpoint_identity(checkpoint)
+    return expected_job(spec, out_json)
 
 
 def check_job(checkpoint, saved: dict, expected: dict | None, out_json=None) -> None:
@@ -92,7 +117,7 @@ def eval_targets(cfg: dict) -> list[str]:
     """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage."""
     from stem import config as C
     return [layout.eval_json(cfg["experiment"], s, v, st, suite)
-            for s, v, st in C.train_targets(cfg) for suite in suites_for(cfg, st)]
+            for s, v, st in C.train_targets(cfg) + C.seed_targets(cfg) for suite in suites_for(cfg, st)]
 
 
 def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
@@ -294,13 +319,14 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
     spec = EvalSpec.from_dict(spec).to_dict()   # checked once; the runners read its JSON mapping
     t0 = time.time()
     lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"], **(model_args or {}))
-    check_job(checkpoint, lm.spec, expected_job(spec, out_json), out_json)
+    check_job(checkpoint, lm.spec, _expected(spec, checkpoint, out_json), out_json)
     norm, raw, harness = kind.run(lm, spec, limit)
     job = lm.spec
     result = {"experiment": job.get("experiment"), "scale": job.get("scale"), "variant": job.get("variant"),
               "stage": job.get("stage"), "suite": spec["suite"], "checkpoint": str(checkpoint), "limit": limit,
               "harness": harness, "fixtures": spec.get("fixtures"), "num_fewshot": spec.get("num_fewshot"),
               "gen_kwargs": spec.get("gen_kwargs"), **norm, "wall_seconds": round(time.time() - t0, 2)}
+    result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job)
     if getattr(lm, "offload", None) is not None:  # STEM tables off the device: the engine's counters
         result["offload"] = lm.offload.stats()
     if raw_json:

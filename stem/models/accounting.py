@@ -80,3 +80,24 @@ def dense_total_params(cfg: ModelConfig) -> int:
 def training_flops(active_params: int, tokens: int) -> float:
     """Training FLOPs in the paper's convention: forward 2 * active per token, backward twice that."""
     return 6.0 * active_params * tokens
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of attention's context-dependent products (QK^T and AV), which no parameter
+    counts: 2 products x 2 FLOPs a multiply-add x n_heads x head_dim x seq_len per layer forward, x 3 for
+    forward + backward = 12 x n_layers x n_heads x head_dim x seq_len (PaLM, Chowdhery et al. 2022, App. B;
+    the convention torchtitan's MFU uses). The full context is counted (the causal half is not subtracted),
+    as in that convention."""
+    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+def matmul_active_params(acct: dict, cfg: ModelConfig) -> int:
+    """The active parameters that run in matrix products: ``active_params`` less the input embedding (a
+    lookup, like STEM's tables; the paper's convention counts it in ``active_params``, MFU does not)."""
+    return acct["active_params"] - cfg.vocab_size * cfg.d_model
+
+
+def flops_per_token(acct: dict, cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token for MFU: 6 x the matrix-product active parameters (forward 2, backward 4)
+    + attention's context term at ``seq_len``."""
+    return 6.0 * matmul_active_params(acct, cfg) + attention_flops_per_token(cfg, seq_len)

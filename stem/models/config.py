@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from stem.models.registry import check_ffn_kind
+from stem.options import TableInit, values
 
-TABLE_INITS = ("xavier_normal", "normal")
+TABLE_INITS = values(TableInit)
 
 
 def _is_prime(n: int) -> bool:
@@ -104,6 +105,23 @@ class DSEConfig:
     d_mem: int = 256            # concatenated memory width (split evenly over orders x heads)
     conv_kernel: int = 4
     seed: int = 0
+
+    def __post_init__(self):
+        orders = self.orders
+        if (not isinstance(orders, (tuple, list)) or not orders
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in orders)
+                or len(set(orders)) != len(orders)):
+            shown = list(orders) if isinstance(orders, (tuple, list)) else repr(orders)
+            raise ValueError(f"dse.orders={shown}: expected a non-empty list of distinct whole N-gram orders >= 2 "
+                             "(the DSE paper's Eq. 2 concatenates n = 2..N; order 1 is the token alone, which the "
+                             "token embedding already holds)")
+        for key in ("heads", "rows_per_head", "d_mem", "conv_kernel"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"dse.{key}={value!r}: expected a whole number >= 1")
+        if self.d_mem % (len(orders) * self.heads):
+            raise ValueError(f"dse.d_mem={self.d_mem}: must divide evenly over {len(orders) * self.heads} order x head "
+                             f"tables ({len(orders)} orders x {self.heads} heads)")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,10 @@ is plainly causal with positions 0..T-1.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -91,6 +93,13 @@ def build_model(cfg: ModelConfig, device=None) -> "Transformer":
     """Instantiate the model (on ``device``; ``"meta"`` costs no memory)."""
     with torch.device(device or "cpu"):
         return Transformer(cfg)
+
+
+@lru_cache(maxsize=None)
+def meta_model(model_json: str) -> "Transformer":
+    """The model of a spec's ``model`` JSON on the meta device, built once per distinct config (the workflow asks
+    about the same few models for hundreds of jobs while it builds the DAG). Shared: read it, never change it."""
+    return build_model(ModelConfig.from_dict(json.loads(model_json)), "meta")
 
 
 class Transformer(nn.Module):
@@ -222,10 +231,6 @@ class Transformer(nn.Module):
     def _cache_mask(t, offset, device):
         q = torch.arange(offset, offset + t, device=device).unsqueeze(1)
         return torch.arange(offset + t, device=device).unsqueeze(0) <= q
-
-    @property
-    def supports_kv_cache(self) -> bool:
-        return True  # DSE layers keep their N-gram history and convolution inputs in the cache (KVCache.dse)
 
     # ---- parameter groups and accounting ---------------------------------------------------------
     def param_groups(self) -> dict[str, list[nn.Parameter]]:

@@ -56,13 +56,20 @@ class MappedRows:
             with open(path, "rb") as f:
                 n = struct.unpack("<Q", f.read(8))[0]
                 info = json.loads(f.read(n)).get(name)
-        except (OSError, ValueError, struct.error) as e:
+        except (OSError, ValueError, AttributeError, struct.error) as e:   # AttributeError: a header not a mapping
             raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
         if info is None or info["dtype"] not in _NUMPY or len(info["shape"]) != 2:
             raise ValueError(f"{path}: no 2-D float tensor {name!r} (expected the model's table weights)")
         self.bf16 = info["dtype"] == "BF16"
-        self.rows = np.memmap(path, dtype=_NUMPY[info["dtype"]], mode="r", offset=8 + n + info["data_offsets"][0],
-                              shape=tuple(info["shape"]))
+        end, size = 8 + n + info["data_offsets"][1], Path(path).stat().st_size
+        if size < end:   # np.memmap would say only "mmap length is greater than file size"
+            raise ValueError(f"{path}: truncated safetensors file ({size} bytes; tensor {name!r} ends at byte {end}); "
+                             "expected the whole file (copy or save the checkpoint again)")
+        try:
+            self.rows = np.memmap(path, dtype=_NUMPY[info["dtype"]], mode="r", offset=8 + n + info["data_offsets"][0],
+                                  shape=tuple(info["shape"]))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: cannot map tensor {name!r} ({e})") from None
         self.shape, self.dtype = tuple(info["shape"]), dtype
 
     def gather(self, ids: np.ndarray) -> torch.Tensor:
@@ -522,6 +529,9 @@ def load_offloaded(ckpt_dir, device="cpu", dtype=torch.float32, cache_rows: int 
                 if t.shape != v.shape:
                     raise ValueError(f"{weights}: {k} {tuple(t.shape)} vs model {tuple(v.shape)}")
                 v.copy_(t)
-    except OSError as e:
-        raise ValueError(f"{weights}: unreadable safetensors file ({e})") from None
+    except ValueError:
+        raise
+    except Exception as e:  # SafetensorError (a truncated or foreign file), OSError
+        msg = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{weights}: unreadable safetensors file ({type(e).__name__}: {msg})") from None
     return model.eval(), spec

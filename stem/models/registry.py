@@ -1,7 +1,7 @@
 """FFN kinds and parameter roles: the one place that says what a kind is and how its parameters are treated.
 
-An FFN kind is a module class registered by name (``FFN_KINDS`` below, or ``@register_ffn("name")``) and
-built as ``cls(cfg, layer)``.
+An FFN kind is a module class registered by name in ``stem.registry.FFN_KINDS`` (the built-in ones below as
+"module:Class", another with ``@register_ffn("name")`` or ``FFN_KINDS.add``) and built as ``cls(cfg, layer)``.
 A module (an FFN, a table inside one, a DSE memory) declares what is special about its own parameters:
 
 - ``param_roles``: {parameter name relative to the module (``fnmatch`` pattern): Role}. A parameter
@@ -21,8 +21,9 @@ This module imports nothing from the model so the config can validate kinds with
 from __future__ import annotations
 
 import fnmatch
-import importlib
 from dataclasses import dataclass
+
+from stem.registry import FFN_KINDS  # noqa: F401 (re-exported: the kinds' registry)
 
 COUNTS = ("active", "lookup", "expert")
 INITS = ("normal", "module")
@@ -62,26 +63,17 @@ class Role:
 OPTIM_GROUPS: dict[str, tuple[float, float | None]] = {
     "matrix": (1.0, None), "norm": (1.0, 0.0), "table": (1.0, None), "dse_table": (5.0, 0.0)}
 
-# name -> class, or "module:Class" for the built-in kinds (resolved on first use, so a config is checked
-# without importing torch, e.g. while Snakemake builds the DAG).
-FFN_KINDS: dict[str, type | str] = {
-    "dense": "stem.models.ffn:DenseFFN",
-    "stem": "stem.models.ffn:StemFFN",
-    "stem_gate": "stem.models.ffn:StemGateFFN",
-    "stem_dagger": "stem.models.ffn:StemDaggerFFN",
-    "hashmoe": "stem.models.ffn:HashMoEFFN",
-    "moe": "stem.models.moe:RoutedMoEFFN",
-}
+# The built-in kinds as "module:Class" (imported on first use, so a config is checked without importing torch,
+# e.g. while Snakemake builds the DAG); another kind registers the same way from a plugin module (stem.plugins).
+for _name, _cls in {"dense": "stem.models.ffn:DenseFFN", "stem": "stem.models.ffn:StemFFN",
+                    "stem_gate": "stem.models.ffn:StemGateFFN", "stem_dagger": "stem.models.ffn:StemDaggerFFN",
+                    "hashmoe": "stem.models.ffn:HashMoEFFN", "moe": "stem.models.moe:RoutedMoEFFN"}.items():
+    FFN_KINDS.add(_name, _cls)
 
 
 def register_ffn(name: str):
     """Class decorator: register an FFN kind under ``name`` (built as ``cls(cfg, layer)``)."""
-    def deco(cls):
-        if name in FFN_KINDS and FFN_KINDS[name] is not cls:
-            raise ValueError(f"ffn kind {name!r} is already registered ({FFN_KINDS[name]})")
-        FFN_KINDS[name] = cls
-        return cls
-    return deco
+    return FFN_KINDS.register(name)
 
 
 def register_group(name: str, lr_mult: float = 1.0, weight_decay: float | None = None):
@@ -98,11 +90,7 @@ def check_ffn_kind(name: str):
 
 def ffn_class(name: str) -> type:
     check_ffn_kind(name)
-    cls = FFN_KINDS[name]
-    if isinstance(cls, str):
-        module, _, attr = cls.partition(":")
-        cls = FFN_KINDS[name] = getattr(importlib.import_module(module), attr)
-    return cls
+    return FFN_KINDS[name]
 
 
 def param_roles(model) -> dict[int, Role]:

@@ -69,7 +69,7 @@ def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper
     tol = T.settings(cfg).tolerance
     cells, dirs = diff.compare(ours, tol), diff.directions(ours)
     cons = diff.paper_consistency(paper_acct)
-    s = diff.summary(cfg["experiment"], cells, dirs, cons)
+    s = diff.summary(cfg["experiment"], cells, dirs, cons, prov=ours.get("provenance"))
     failures = diff.gate(cells, list(gate_patterns), gate_tolerance) if gate_patterns else None
     if failures is not None:
         s["gate"] = {"patterns": list(gate_patterns), "failed": [f"{r.table}/{r.scale}/{r.variant}/{r.column}"
@@ -90,12 +90,8 @@ def write_diff(out_dir, s, cells, dirs, cons, failures=None) -> str:
 
 # ---- README and HTML report: one page built from the data ---------------------------------------------
 def load_directions(path) -> pd.DataFrame:
-    """directions.csv as diff.directions() returned it ('agree' True / False / missing)."""
-    text = ("table", "scale", "variant", "column", "paper_says", "ours", "agree")
-    dirs = pd.read_csv(path, dtype=dict.fromkeys(text, str), keep_default_na=False,
-                       na_values={"paper_delta": [""], "ours_delta": [""]})
-    dirs["agree"] = dirs["agree"].map({"True": True, "False": False, "": None})
-    return dirs
+    """diff/directions.csv as diff.directions() returned it (stem.report.diff.load_directions)."""
+    return diff.load_directions(path)
 
 
 def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: list[str]) -> list:

@@ -1,8 +1,9 @@
 """Reproduced vs published, cell by cell; where the paper disagrees with itself; direction checks.
 
 ``compare`` joins an experiment's tables (``tables.build_all``) with the paper's cells of every table
-registered as ``compared`` (stem.report.registry), ``directions`` asks whether each variant beats the
-dense baseline where the paper says it does,
+registered as ``compared`` (stem.report.registry), ``directions`` gives every direction's verdict from one
+source, the ``directions`` table (paired bootstrap; point estimates only where it has no row), and
+``gate_directions`` fails on resolved disagreements or verdicts changed against a baseline,
 ``paper_consistency`` recomputes printed numbers from other printed numbers, ``gate`` selects cells
 a user wants to hold within a tolerance. ``render`` writes it all as one Markdown document.
 """
@@ -10,11 +11,15 @@ from __future__ import annotations
 
 import math
 from fnmatch import fnmatch
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from stem import provenance
+from stem.analysis import verdict as V
 from stem.report import paper_data as P
+from stem.report.provenance import commit_label, results_summary
 from stem.report import registry
 from stem.report import tables as T
 
@@ -73,9 +78,10 @@ def compare(ours: dict[str, pd.DataFrame], tol: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=CELL_COLUMNS)
 
 
-def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
+def point_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """For every non-baseline cell of the direction-checked tables (Tables 3-6, ROI included): does the
-    variant beat the same scale's dense baseline in our results where the paper says it does?"""
+    variant beat the same scale's dense baseline in our results where the paper says it does? Point estimates
+    (the tables' numbers), no uncertainty: ``directions`` uses them only where the bootstrap table has no row."""
     rows = []
     for name in registry.direction_checked():
         t = registry.table(name)
@@ -98,6 +104,122 @@ def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
                          "agree": None if T._isnan(o_delta) else bool(np.sign(p_delta) == np.sign(o_delta))})
     return pd.DataFrame(rows, columns=["table", "scale", "variant", "column", "paper_delta", "ours_delta",
                                        "paper_says", "ours", "agree"])
+
+
+DIRECTION_COLUMNS = ["table", "scale", "variant", "stage", "column", "paper_delta", "ours_delta", "lo", "hi", "n",
+                     "verdict", "category", "paper_effect_resolvable", "origin", "source"]
+BOOTSTRAP = "tables/directions.csv"   # origin of a verdict read from the registered ``directions`` table
+POINT = "point estimate (no per-item data)"
+KEY = ["table", "scale", "variant", "stage", "column"]
+
+
+def _bool(x):
+    return None if T._isnan(x) or x in ("", None) else str(x) == "True"
+
+
+def bootstrap_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The registered ``directions`` table (stem.analysis.report: paired bootstrap, 95%) back as one row per
+    direction, each with its verdict's category (stem.analysis.verdict.category)."""
+    d = ours.get("directions")
+    if d is None or d.empty:
+        return pd.DataFrame(columns=DIRECTION_COLUMNS)
+    rows = []
+    for (scale, variant, _), g in d.groupby(["scale", "variant", "row"], sort=False):
+        v = dict(zip(g["column"], g["value"]))
+        if "check_table" not in v:
+            raise ValueError(f"directions table row {scale}/{variant}/{g['row'].iloc[0]}: no check_table / check_column "
+                             "(tables/reproduced.csv predates them: rebuild the tables, rule report_tables)")
+        num = lambda k: None if T._isnan(v.get(k, math.nan)) else float(v[k])  # noqa: E731
+        rows.append({"table": v["check_table"], "scale": scale, "variant": variant,
+                     "stage": "" if T._isnan(v.get("stage", math.nan)) else str(v["stage"]),
+                     "column": str(v["check_column"]), "paper_delta": num("paper_delta"),
+                     "ours_delta": num("ours_delta"), "lo": num("lo"), "hi": num("hi"),
+                     "n": int(num("n") or 0), "verdict": str(v.get("verdict", "missing")),
+                     "category": V.category(v.get("verdict")),
+                     "paper_effect_resolvable": _bool(v.get("paper_effect_resolvable", math.nan)),
+                     "origin": BOOTSTRAP, "source": g["source"].iloc[0]})
+    return pd.DataFrame(rows, columns=DIRECTION_COLUMNS)
+
+
+def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Every direction's verdict, from one source: the rows of the ``directions`` table (paired bootstrap over
+    items / windows; stem.analysis.report) first, then the point-estimate direction cells of the direction-
+    checked tables that it has no row for (Table 3's ROI, Tables 5-6, the DSE paper's Table 1: no per-item data),
+    verdict 'agree (point estimate)' / 'disagree (point estimate)' / 'missing'."""
+    boot = bootstrap_directions(ours)
+    have = set(zip(boot["table"], boot["scale"], boot["variant"], boot["column"]))
+    rows = []
+    for r in point_directions(ours).itertuples():
+        if (r.table, r.scale, r.variant, r.column) in have:
+            continue
+        verdict = "missing" if r.agree is None or T._isnan(r.ours_delta) else (
+            "inconclusive" if r.ours_delta == 0 else f"{'agree' if r.agree else 'disagree'} (point estimate)")
+        rows.append({"table": r.table, "scale": r.scale, "variant": r.variant, "stage": "", "column": r.column,
+                     "paper_delta": r.paper_delta, "ours_delta": None if T._isnan(r.ours_delta) else r.ours_delta,
+                     "lo": None, "hi": None, "n": 0, "verdict": verdict, "category": V.category(verdict),
+                     "paper_effect_resolvable": None, "origin": POINT,
+                     "source": f"{registry.table(r.table).title}: {r.variant} vs dense, {r.column}"})
+    point = pd.DataFrame(rows, columns=DIRECTION_COLUMNS)
+    parts = [f for f in (boot, point) if len(f)]
+    return pd.concat(parts, ignore_index=True) if parts else boot
+
+
+def direction_counts(dirs: pd.DataFrame) -> dict:
+    """The summary's direction counts: ``checked`` over the bootstrap table's rows (tables/directions.csv),
+    ``point_only`` over the point-estimate rows, and how many sized directions could resolve the paper's
+    effect (interval half-width below the paper's |delta|)."""
+    boot = dirs[dirs["origin"] == BOOTSTRAP]
+    sized = boot["paper_effect_resolvable"].dropna()
+    return {"source": f"{BOOTSTRAP}: paired bootstrap, {V.LEVEL:.0%}", "checked": V.count(boot["category"]),
+            "point_only": V.count(dirs[dirs["origin"] == POINT]["category"]),
+            "paper_effect_resolvable": int(sum(bool(x) for x in sized)), "paper_effect_sized": int(len(sized))}
+
+
+def gate_directions(dirs: pd.DataFrame, baseline: pd.DataFrame | None = None) -> list[str]:
+    """One line per failing direction: a resolved disagreement (interval excludes 0, the paper's sign the other
+    way), or, given ``baseline`` (an earlier diff/directions.csv), a verdict whose category changed or that is
+    gone. A direction new since the baseline does not fail."""
+    def name(r):
+        return "/".join(str(r[k]) for k in ("table", "scale", "variant")) + f"/{r['column']}" + (
+            f" ({r['stage']})" if r["stage"] else "")
+
+    def ci(r):
+        return "" if r["lo"] is None or T._isnan(r["lo"]) else f" [{r['lo']:+.3g}, {r['hi']:+.3g}]"
+    out = [f"{name(r)}: disagrees with the paper (ours {r['ours_delta']:+.3g}{ci(r)}, paper {r['paper_delta']:+.3g})"
+           for r in dirs.to_dict("records") if r["category"] == "disagree"]
+    if baseline is not None:
+        now = {tuple(str(r[k]) for k in KEY): r for r in dirs.to_dict("records")}
+        for b in baseline.to_dict("records"):
+            key = tuple(str(b[k]) for k in KEY)
+            r = now.get(key)
+            if r is None:
+                out.append(f"{name(b)}: in the baseline ({b['category']}), not in these results")
+            elif r["category"] != b["category"]:
+                out.append(f"{name(r)}: verdict changed against the baseline: {b['category']} -> {r['category']}"
+                           f" (ours {r['ours_delta'] if r['ours_delta'] is None else format(r['ours_delta'], '+.3g')}"
+                           f"{ci(r)})")
+    return out
+
+
+def load_directions(path) -> pd.DataFrame:
+    """A diff/directions.csv (as ``directions`` returned it), e.g. a saved baseline; a file without its columns
+    is refused with one line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such directions file (expected a reports/<experiment>/diff/directions.csv)")
+    dirs = pd.read_csv(p, dtype={k: str for k in ("table", "scale", "variant", "stage", "column", "verdict",
+                                                   "category", "origin", "source", "paper_effect_resolvable")},
+                       keep_default_na=False, na_values={k: [""] for k in ("paper_delta", "ours_delta", "lo", "hi")})
+    missing = [c for c in KEY + ["verdict"] if c not in dirs.columns]
+    if missing:
+        raise ValueError(f"{path}: not a diff/directions.csv (no column {', '.join(missing)}; expected "
+                         f"{', '.join(DIRECTION_COLUMNS)})")
+    dirs["category"] = [V.category(v) for v in dirs["verdict"]]
+    dirs["paper_effect_resolvable"] = dirs.get("paper_effect_resolvable", pd.Series([""] * len(dirs))).map(
+        {"True": True, "False": False}).astype(object).where(lambda x: x.notna(), None)
+    for c in ("paper_delta", "ours_delta", "lo", "hi"):
+        dirs[c] = dirs[c].astype(object).where(dirs[c].notna(), None) if c in dirs else None
+    return dirs
 
 
 def _verdict(delta: float, lower_better: bool = False) -> str:
@@ -187,7 +309,9 @@ def gate(cells: pd.DataFrame, patterns: list[str], tolerance: float | None = Non
 
 
 def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
-            top: int = 10) -> dict:
+            top: int = 10, prov: pd.DataFrame | None = None) -> dict:
+    """``prov``: the provenance table (long; stem.report.provenance), condensed into the summary beside the
+    report's own provenance (stem.provenance.record)."""
     numeric = cells.dropna(subset=["delta"]).copy()
     numeric["gap"] = numeric["delta"].abs() / numeric["tolerance"].where(numeric["tolerance"] > 0, 1.0)
     arch = cells["unit"].isin(["B params", "GFLOPs/token"])
@@ -204,10 +328,9 @@ def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistenc
         "beyond_tolerance": int(counts.get("drift", 0)), "missing": int(counts.get("missing", 0)),
         "largest_gaps": [{"cell": f"{r.table}/{r.scale}/{r.variant}/{r.column}", "ours": r.ours, "paper": r.paper,
                           "delta": r.delta, "tolerance": r.tolerance} for r in largest.itertuples()],
-        "directions": {"agree": int((dirs["agree"] == True).sum()),  # noqa: E712
-                       "disagree": int((dirs["agree"] == False).sum()),  # noqa: E712
-                       "missing": int(dirs["agree"].isna().sum())},
+        "directions": direction_counts(dirs),
         "paper_inconsistencies": int((~consistency["consistent"]).sum()) if len(consistency) else 0,
+        "provenance": {"report": provenance.record(), "results": results_summary(prov)},
     }
 
 
@@ -255,8 +378,8 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
         f"Of these, parameter / GFLOPs cells (the accounting saved with each checkpoint): "
         f"**{s['architecture_matching']}/{s['architecture_cells']}** within tolerance (see the Table 3 notes)",
         f"Config vs Table 2: **{s['config_matching']}/{s['config_cells']}** hyperparameter cells match",
-        f"Directions (variant vs dense baseline, Tables 3–6 and the DSE paper's Table 1): agree **{s['directions']['agree']}**, "
-        f"disagree **{s['directions']['disagree']}**, missing **{s['directions']['missing']}**",
+        *direction_lines(s["directions"]),
+        *provenance_lines(s.get("provenance")),
         f"Places where the paper disagrees with itself: **{s['paper_inconsistencies']}** (see below)",
         "Tolerances (absolute): accuracy points / params (B) / GFLOPs / ROI as configured in `report.tolerance`;"
         " text cells must match exactly."))]
@@ -269,19 +392,67 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
         blocks += [page.Heading(level + 1, "Largest gaps among result cells (accuracy, scores, ROI; in units of each "
                                 "cell's tolerance)"), page.Table(gaps)]
     blocks.append(page.Heading(level, "Directions: does each variant beat the baseline where the paper says it does?"))
+    blocks.append(page.Para(
+        "Each verdict is the row of `tables/directions.csv` (paired bootstrap over the same items of both models, "
+        f"{V.LEVEL:.0%} interval; *agree* / *disagree* only where the interval excludes 0, *inconclusive* where it "
+        "does not), or, where no per-item data exist, a point estimate (no interval, so never a resolved verdict). "
+        "Resolvable: the interval's half-width is below the paper's |effect|."))
     if len(dirs):
-        rows = []
-        for (table, scale, variant), d in dirs.groupby(["table", "scale", "variant"], sort=False):
-            avg = d[d["column"] == "avg"]
-            pa = f"{avg['paper_delta'].iloc[0]:+.2f}" if len(avg) else "n/a"
-            oa = ("—" if T._isnan(avg["ours_delta"].iloc[0]) else f"{avg['ours_delta'].iloc[0]:+.2f}") if len(avg) \
-                else "n/a"
-            known = d["agree"].dropna()
-            rows.append((table, scale, P.VARIANT_LABELS.get(variant, variant), pa, oa,
-                         f"{int(known.sum())}/{len(known)} ({len(d) - len(known)} missing)"))
-        blocks.append(page.Table(pd.DataFrame(rows, columns=[
-            "Table", "Scale", "Variant", "Paper: Avg vs baseline", "Ours: Avg vs baseline", "Cells agreeing"])))
+        blocks.append(page.Table(direction_table(dirs)))
     return blocks
+
+
+def provenance_lines(p: dict | None) -> list[str]:
+    """The summary's provenance: the commits and versions the result files come from (⚠ where more than one),
+    the evaluations of a checkpoint trained from another spec, and the commit that built this report."""
+    if not p:
+        return []
+    r, me = p["results"], p["report"]
+    commits = ", ".join(f"`{c}` ({n})" for c, n in r["commits"].items()) or "none recorded"
+    out = [f"Provenance: {r['files']} result files; commits {commits}"
+           + (f", {r['without']} without provenance" if r["without"] else "")
+           + (" — ⚠ **the compared results come from different commits**" if len(r["commits"]) > 1 else "")
+           + "; versions " + ("; ".join(f"{v} ({n})" for v, n in r["versions"].items()) or "none recorded")
+           + (" — ⚠ **different package versions**" if len(r["versions"]) > 1 else "")
+           + f"; this report: `{commit_label(me) or 'no git checkout'}` (table `provenance`)"]
+    if r["spec_mismatch"]:
+        out.append(f"⚠ **Evaluations of a checkpoint whose job spec differs from its training summary's** "
+                   f"({len(r['spec_mismatch'])}): " + ", ".join(f"`{x}`" for x in r["spec_mismatch"]))
+    return out
+
+
+def direction_lines(c: dict) -> list[str]:
+    """The summary's direction counts (``direction_counts``) as two lines."""
+    k, p = c["checked"], c["point_only"]
+    return [f"Directions with their uncertainty ({c['source']}): agree **{k['agree']}**, disagree "
+            f"**{k['disagree']}**, inconclusive **{k['inconclusive']}**, point estimate only **"
+            f"{k['point estimate: agree'] + k['point estimate: disagree']}** (agree {k['point estimate: agree']}, "
+            f"disagree {k['point estimate: disagree']}), missing **{k['missing']}** of {k['total']}; the paper's "
+            f"effect is resolvable for **{c['paper_effect_resolvable']}** of the {c['paper_effect_sized']} directions "
+            "with a printed effect size and an interval",
+            f"Directions without per-item data (Table 3 ROI, Tables 5–6, the DSE paper's Table 1; point estimates, no "
+            f"verdict): agree **{p['point estimate: agree']}**, disagree **{p['point estimate: disagree']}**, "
+            f"tied {p['inconclusive']}, missing **{p['missing']}** of {p['total']}"]
+
+
+def direction_table(dirs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (table, scale, variant): the Avg direction (paper, ours with its interval) and the verdicts."""
+    rows = []
+    for (table, scale, variant), d in dirs.groupby(["table", "scale", "variant"], sort=False):
+        avg = d[d["column"] == "avg"]
+        pa = f"{avg['paper_delta'].iloc[0]:+.2f}" if len(avg) else "n/a"
+        oa = "n/a"
+        if len(avg):
+            a = avg.iloc[0]
+            oa = "—" if T._isnan(a["ours_delta"]) else f"{a['ours_delta']:+.2f}" + (
+                "" if T._isnan(a["lo"]) else f" [{a['lo']:+.2f}, {a['hi']:+.2f}]")
+        counts = V.count(d["category"])
+        verdicts = " · ".join(f"{c} {counts[c]}" for c in V.CATEGORIES if counts[c])
+        res = d["paper_effect_resolvable"].dropna()
+        rows.append((table, scale, P.VARIANT_LABELS.get(variant, variant), pa, oa, verdicts,
+                     f"{int(sum(bool(x) for x in res))}/{len(res)}" if len(res) else "—"))
+    return pd.DataFrame(rows, columns=["Table", "Scale", "Variant", "Paper: Avg vs baseline",
+                                       "Ours: Avg vs baseline [95% CI]", "Verdicts", "Paper's effect resolvable"])
 
 
 def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
@@ -309,10 +480,3 @@ def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.Dat
            "(all checks: `diff/paper_consistency.csv`).", ""] + [f"- {n}" for n in notes] + [""]
     return head + "\n".join(md)
 
-
-def confident_directions(cfg: dict, root=".") -> pd.DataFrame:
-    """The direction check with a confidence per verdict (stem.analysis.verdict): each Table 3/4 accuracy
-    direction (per task and the average) by a paired bootstrap over the benchmark items, read as agree /
-    disagree / inconclusive. Kept beside ``directions`` (point estimates), which it does not change."""
-    from stem.analysis.verdict import table_directions
-    return pd.DataFrame(table_directions(cfg, root))

@@ -5,18 +5,19 @@ A table is registered with ``@paper_table(name, title, ...)`` on its builder, a 
 stem.report.workflow), the table writer, the diff, the figures, the README and the HTML report all iterate
 ``tables()`` / ``figures()``; none of them names a table or a figure. The paper's own tables and figures are
 registered when stem.report.tables and stem.report.figures are imported, the analyze stage's by
-stem.analysis.report and stem.analysis.mechanism_report, the DSE sweeps' by stem.sweeps.report (``BUILTIN``);
-``tables()`` and ``figures()`` import them first. This module imports nothing of the project.
+stem.analysis.report and stem.analysis.mechanism_report, the DSE sweeps' by stem.sweeps.report (their
+``stem.plugins.BUILTIN`` list: the registries ``stem.registry.REPORT_TABLES`` / ``REPORT_FIGURES`` import them
+on their first lookup); a config's plugin modules register more the same way. This module imports nothing
+of the project but stem.registry.
 """
 from __future__ import annotations
 
-import importlib
 import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-BUILTIN = ("stem.report.tables", "stem.report.figures", "stem.analysis.report",
-           "stem.analysis.mechanism_report", "stem.sweeps.report")   # modules that register tables, figures
+from stem.registry import REPORT_FIGURES as FIGURES
+from stem.registry import REPORT_TABLES as TABLES
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")   # a file name under reports/ and a Snakemake output / wildcard value
 RESERVED = {"md", "long", "reproduced"}   # rule report_tables' other outputs, tables/reproduced.csv
 
@@ -94,55 +95,30 @@ class Figure:
         _check_name("figure", self.name)
 
 
-TABLES: dict[str, PaperTable] = {}
-FIGURES: dict[str, Figure] = {}
-
-
 def paper_table(name: str, title: str, **kw):
     """Decorator: register ``build(cfg, res)`` as table ``name`` (keywords: the fields of PaperTable)."""
-    def register(build):
-        if name in TABLES:
-            raise ValueError(f"report table {name!r}: already registered ({TABLES[name].build.__qualname__})")
-        TABLES[name] = PaperTable(name, title, build, **kw)
-        return build
-    return register
+    return TABLES.register(name, lambda build: PaperTable(name, title, build, **kw))
 
 
 def report_figure(name: str, caption: str, **kw):
     """Decorator: register ``draw(cfg, res, ours, files)`` as figure ``name`` (keywords: Figure's fields)."""
-    def register(draw):
-        if name in FIGURES:
-            raise ValueError(f"report figure {name!r}: already registered")
-        FIGURES[name] = Figure(name, draw, caption, **kw)
-        return draw
-    return register
+    return FIGURES.register(name, lambda draw: Figure(name, draw, caption, **kw))
 
 
-def _builtins():
-    for module in BUILTIN:
-        importlib.import_module(module)
-
-
-def tables() -> dict[str, PaperTable]:
-    """Every registered table, in registration order (the paper's first)."""
-    _builtins()
+def tables():
+    """Every registered table, in registration order (the paper's first): a read-only mapping name -> table."""
     return TABLES
 
 
-def figures() -> dict[str, Figure]:
-    _builtins()
+def figures():
     return FIGURES
 
 
 def table(name: str) -> PaperTable:
-    if name not in tables():
-        raise ValueError(f"unknown report table {name!r}; expected one of {', '.join(TABLES)}")
     return TABLES[name]
 
 
 def figure(name: str) -> Figure:
-    if name not in figures():
-        raise ValueError(f"unknown figure {name!r}; expected one of {', '.join(FIGURES)}")
     return FIGURES[name]
 
 

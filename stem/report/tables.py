@@ -25,7 +25,7 @@ COMMONSENSE_LABELS = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "boolq": "B
                       "avg": "Avg"}
 UNITS = {"p_tot_b": "B params", "p_act_b": "B params", "dse_params_b": "B params", "total_params_b": "B params",
          "total_params_exact_b": "B params", "active_params_b": "B params", "gflops_per_token": "GFLOPs/token",
-         "roi": "x (vs same-scale baseline)", "val_loss": "nats"}
+         "roi": "x (vs same-scale baseline)", "val_loss": "nats", "seeds": "count"}
 INF = math.inf
 LONGBENCH = {  # column -> (group, lo, hi) in thousands of tokens
     "lb_multi_lt4k": ("multi", 0, 4), "lb_multi_4_8k": ("multi", 4, 8), "lb_multi_ge8k": ("multi", 8, INF),
@@ -202,20 +202,40 @@ def checkpoints_of(table: str):
     return inputs
 
 
+def seed_scores(cfg: dict, res: Results, scale, variant, stages, suites) -> tuple[dict, str, list[float]]:
+    """A matrix cell's scores over its seeds (stem.seeds): the per-task mean over the seeds that have the task,
+    their sources, and each seed's Avg (seeds with a complete Avg only). One seed: ``_scores`` and its Avg."""
+    from stem import seeds
+    per = [_scores(res, scale, seeds.seed_id(variant, k), stages, suites)
+           for k in seeds.seeds_of(cfg, scale, variant)]
+    tasks = {t for sc, _ in per for t in sc}
+    mean = {t: float(np.mean([sc[t] for sc, _ in per if t in sc])) for t in tasks}
+    avgs = [a for a in (average(sc) for sc, _ in per) if not _isnan(a)]
+    return mean, "; ".join(src for _, src in per if src != "missing") or "missing", avgs
+
+
 def table3(cfg: dict, res: Results) -> pd.DataFrame:
+    from stem import seeds
     stages = settings(cfg).stages["table3"]
-    rows = []
+    rows, spread = [], {}
     trained = set(C.train_targets(cfg))
     for scale in scales_with(cfg, stages[0]):
         for v in ordered_variants(cfg["matrix"][scale]["variants"]):
             if (scale, v, stages[0]) not in trained:
                 continue   # a mid-training insertion (stem_insert) has no pretraining of its own
-            scores, src = _scores(res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
+            scores, src, spread[scale, v] = seed_scores(cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
             rows.append((scale, v, scores, trained_accounting(cfg, res, scale, v, stages), src))
 
     def val_loss(scale, variant):
         s = res.summary(scale, variant, stages[0]) or {}
-        return [("val_loss", s.get("final_val_loss"), f"{scale}/{variant}/{stages[0]}/summary.json")]
+        out = [("val_loss", s.get("final_val_loss"), f"{scale}/{variant}/{stages[0]}/summary.json")]
+        if len(seeds.seeds_of(cfg, scale, variant)) > 1:   # Avg is the mean over seeds; its spread beside it
+            a = spread[scale, variant]
+            out += [("seeds", len(a), "seeds with a complete Avg (stem.seeds)"),
+                    ("avg_sd", float(np.std(a, ddof=1)) if len(a) > 1 else None, "sd of the seeds' Avg"),
+                    ("avg_min", min(a) if a else None, "lowest seed's Avg"),
+                    ("avg_max", max(a) if a else None, "highest seed's Avg")]
+        return out
     return accuracy_table("table3", rows, val_loss)
 
 
@@ -479,7 +499,8 @@ registry.paper_table(
 registry.paper_table(
     "table3", "Table 3: pretrained models, zero-shot commonsense accuracy (%), parameters, GFLOPs/token, ROI",
     csv="table3", stages=("pretrain",), compared=True, direction_checked=True, inputs=checkpoints_of("table3"),
-    undirected=("total_params_b", "total_params_exact_b", "active_params_b", "gflops_per_token", "val_loss"),
+    undirected=("total_params_b", "total_params_exact_b", "active_params_b", "gflops_per_token", "val_loss", "seeds",
+                "avg_sd", "avg_min", "avg_max"),
     notes={("350m", "total_params_b"):
            "Convention: #Total = dense total + n_STEM x V x d_ff (removed up-projections not subtracted), which "
            "reproduces the 1B row exactly; the paper's 350M #Total column (1.14/1.85/3.25, Hash-MoE 1.22) fits no "
@@ -489,7 +510,8 @@ registry.paper_table(
                         "#GFLOPs column."},
     labels={"total_params_b": "#Total Params (B)", "total_params_exact_b": "#Total exact (B)",
             "active_params_b": "#Active Params (B)", **COMMONSENSE_LABELS, "gflops_per_token": "#GFLOPs",
-            "roi": "ROI", "val_loss": "val loss"})(table3)
+            "roi": "ROI", "val_loss": "val loss", "seeds": "seeds", "avg_sd": "Avg sd (seeds)",
+            "avg_min": "Avg min (seeds)", "avg_max": "Avg max (seeds)"})(table3)
 registry.paper_table(
     "table4", "Table 4: mid-trained models (%)", csv="table4", stages=("midtrain",), compared=True,
     direction_checked=True, labels={**COMMONSENSE_LABELS, "gsm8k": "GSM8K", "mmlu": "MMLU"})(table4)

@@ -1,4 +1,4 @@
-"""The DSE sweeps' figures in the report (stem.report.registry; imported as one of its ``BUILTIN`` modules, after
+"""The DSE sweeps' figures in the report (stem.report.registry; one of its built-in modules, stem.plugins.BUILTIN, after
 the paper's and the analyze stage's figures): ``sweep_rho`` and ``sweep_slots``, drawn from
 ``reports/{experiment}/sweeps/{kind}.json`` when ``sweeps.in_all`` is true (so the report asks for the sweeps),
 else a placeholder saying how to run them."""

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stem.io import atomic_dir, atomic_write_json, atomic_write_text
+from stem.layout import IDENTITY, checkpoint_identity
 
 
 def _state_dict_for_save(model) -> dict:
@@ -157,6 +158,22 @@ def read_checkpoint_spec(ckpt_dir) -> dict:
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
         raise ValueError(f"{path}: not a checkpoint config (expected a JSON object with a 'model' object)")
     return spec
+
+
+def check_identity(ckpt_dir, saved: dict, expected: dict | None, job: str) -> None:
+    """One line when the checkpoint's saved job spec (its config.json) is not the experiment/scale/variant/stage
+    ``expected`` (the job's own; None: what the checkpoint's path names, ``layout.checkpoint_identity``; a path
+    outside the results layout names none, and nothing is checked): e.g. a checkpoint copied into another
+    variant's slot is never read as that variant's."""
+    expected = expected or checkpoint_identity(ckpt_dir)
+    if not expected:
+        return
+    wrong = [f"{k} {saved.get(k)!r} != {expected[k]!r}" for k in IDENTITY
+             if k in expected and saved.get(k) != expected[k]]
+    if wrong:
+        have, want = ("/".join(str(d.get(k)) for k in IDENTITY) for d in (saved, expected))
+        raise ValueError(f"checkpoint {Path(ckpt_dir) / 'config.json'}: not the one {job} is for (saved job {have}, "
+                         f"expected {want}: {', '.join(wrong)})")
 
 
 def load_checkpoint(ckpt_dir, device="cpu"):

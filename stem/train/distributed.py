@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 
 from stem.io import atomic_write_json, replace_dir
+from stem.options import Strategy, values
 
-STRATEGIES = ("fsdp", "ddp")
+STRATEGIES = values(Strategy)
 
 
 @dataclass

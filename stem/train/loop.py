@@ -5,8 +5,9 @@
 ``finish`` (checkpoint, metrics, summary).
 
 Metrics (``metrics.jsonl``, one row a step): ``loss`` is the training cross-entropy (token mean over the
-step); a model with auxiliary losses (the routed MoE's load balancing) minimises ``loss + aux_loss`` and logs
-``aux_loss`` beside it. Validation loss is the cross-entropy alone (the model in eval mode).
+step); ``tokens_per_s`` (global), ``tokens_per_s_per_gpu`` and, where the GPU's peak is known, ``mfu``
+(stem.train.throughput; summary.json holds their run mean); a model with auxiliary losses (the routed MoE's
+load balancing) minimises ``loss + aux_loss`` and logs ``aux_loss`` beside it. Validation loss is the cross-entropy alone (the model in eval mode).
 
 Resumable: state is saved every ``checkpoint_interval`` steps (and on SIGTERM, e.g. Slurm
 preemption) under ``{out_dir}/_state``; rerunning the same spec continues from there and ends with
@@ -20,6 +21,7 @@ size. At world size 1 every distributed helper falls through and the maths is th
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -32,13 +34,13 @@ from pathlib import Path
 
 import torch
 
-from stem import layout
+from stem import layout, provenance
 from stem.data.loader import MixtureLoader, validation_batches
 from stem.config import HF_PREFIX
 from stem.data.shards import ShardSet
 from stem.hf import importer as hf_import
 from stem.io import atomic_write_json, atomic_write_text
-from stem.models.accounting import accounting as model_accounting, training_flops
+from stem.models.accounting import accounting as model_accounting, flops_per_token, training_flops
 from stem.models.insert import insert_stem
 from stem.models.model import build_model
 from stem.specs import SpecError, TrainSpec
@@ -46,6 +48,8 @@ from stem.train import checkpoint as ck
 from stem.train import distributed
 from stem.train import lifecycle
 from stem.train import memory
+from stem.train import throughput
+from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
 from stem.train.optim import configure_table_update
 from stem.train.schedule import get_lr
 from stem.train.step import TrainingError, make_optimizer, train_step
@@ -89,6 +93,7 @@ class Run:
     accum: int                  # global micro-batches per step
     accounting: dict            # the model's parameter / FLOP accounting (saved with the checkpoint)
     t0: float                   # when this process started the job
+    meter: throughput.Meter     # tokens/s per GPU and MFU
     step: int = 0
     wall_before: float = 0.0    # wall time of the attempts before a resume
     val_loss: float = float("nan")
@@ -121,6 +126,8 @@ def train(spec: TrainSpec | dict, threads: int | None = None, max_steps: int | N
         raise TrainingError(str(e)) from None
     if spec.init_from:
         check_init_from(spec)  # before the job takes its state directory: a wrong input leaves nothing behind
+    if spec.train.wandb:
+        _import_wandb(spec)    # likewise: a missing package is one line before anything is written
     try:
         with lifecycle.job(layout.state_dir(spec.out_dir)) as stop:
             run = setup(spec, threads)
@@ -152,6 +159,8 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
                                flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
     micro, accum = distributed.local_micro_batch(tc.batch_size, tc.micro_batch, ctx.world)
     configure_table_update(model, spec.to_dict()["optim"])   # optim.table_update: sparse -> row-sparse table grads
+    if tc.compile:   # torchtitan's order: activation checkpointing (set above), compile each block, then FSDP
+        compile_blocks(model)
     if ctx.is_main:
         print(f"[{spec.out_dir}] " + memory.describe(memory.estimate(
             model, micro, tc.seq_len, ctx.world, tc.parallel, tc.activation_checkpointing)), file=sys.stderr)
@@ -159,7 +168,9 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
 
     loader, val = _data(spec, micro)
     opt = make_optimizer(model, spec, ctx, fused=ctx.device.type == "cuda")
-    return Run(spec, ctx, model, opt, loader, val, mixed_precision(ctx.device), accum, accounting, t0)
+    meter = throughput.Meter(flops_per_token(accounting, spec.model, tc.seq_len), ctx.world,
+                             *throughput.device_peak(ctx.device, tc.peak_tflops))
+    return Run(spec, ctx, model, opt, loader, val, mixed_precision(ctx.device), accum, accounting, t0, meter)
 
 
 def _data(spec: TrainSpec, micro: int) -> tuple[MixtureLoader, list]:
@@ -217,9 +228,13 @@ def train_steps(run: Run, stop: dict, last: int):
             if aux:   # a model with auxiliary losses (routed MoE): "loss" is the cross-entropy, "aux_loss" the rest
                 loss -= aux["aux_loss"]
             run.step, run.loss = run.step + 1, loss
+            if tc.compile and ctx.is_main and not log.breaks_reported:   # the first step compiled every block
+                log.breaks_reported = True
+                print(f"[{spec.name}] {describe_breaks(graph_breaks())}", file=sys.stderr)
             tokens = run.step * tc.tokens_per_step
+            tokens_per_s = tc.tokens_per_step / (time.time() - t_step)
             row = {"step": run.step, "tokens": tokens, "lr": lr, "loss": loss, **aux, "grad_norm": float(grad_norm),
-                   "tokens_per_s": tc.tokens_per_step / (time.time() - t_step),
+                   "tokens_per_s": tokens_per_s, **run.meter.row(tokens_per_s),
                    "train_flops": training_flops(run.accounting["active_params"], tokens)}
             if run.step % tc.eval_interval == 0 or run.step == tc.steps:
                 run.val_loss = evaluate(run.model, run.val, ctx.device, run.autocast) if run.val else float("nan")
@@ -271,7 +286,10 @@ def finish(run: Run) -> dict:
         ck.save_optimizer(optim_dir, run.model, run.opt)
     if ctx.is_main:
         summary["final_train_loss"] = _final_train_loss(run.metrics_path)
-        ck.save_checkpoint(out_dir / layout.CHECKPOINT, full, spec.to_dict(), spec.tokenizer, run.accounting,
+        summary.update(run.meter.summary(_rows(run.metrics_path), spec.train.tokens_per_step))
+        spec_dict = spec.to_dict()   # provenance goes into the summary only, never into the job spec
+        summary["provenance"] = provenance.record(spec_dict, provenance.manifests_of(spec_dict))
+        ck.save_checkpoint(out_dir / layout.CHECKPOINT, full, spec_dict, spec.tokenizer, run.accounting,
                            optim_dir)
         atomic_write_text(out_dir / layout.METRICS, run.metrics_path.read_text())
         atomic_write_json(out_dir / layout.SUMMARY, summary)
@@ -286,9 +304,11 @@ class StepLog:
     def __init__(self, run: Run):
         tc, self.ctx = run.spec.train, run.ctx
         self.steps, self.log_interval = tc.steps, tc.log_interval
-        self.file = open(run.metrics_path if self.ctx.is_main else os.devnull, "a")
         self.tb = _tensorboard(run.out_dir, run.step) if self.ctx.is_main and tc.tensorboard else None
-        self.progress = Progress(run.spec.name, run.step, tc.steps, tc.tokens_per_step)
+        self.file = open(run.metrics_path if self.ctx.is_main else os.devnull, "a")
+        self.progress = Progress(run.spec.name, run.step, tc.steps, tc.tokens_per_step, run.meter)
+        self.wandb = _wandb(run) if self.ctx.is_main and tc.wandb else None
+        self.breaks_reported = False
 
     def __enter__(self):
         return self
@@ -297,6 +317,8 @@ class StepLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
     def write(self, row: dict):
         step = row["step"]
@@ -312,6 +334,9 @@ class StepLog:
             print(line, file=sys.stderr, flush=True)  # and its log (logs/...)
             if self.tb is not None:
                 self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({("val/" + k[4:]) if k.startswith("val_") else "train/" + k: v
+                            for k, v in row.items() if k != "step"}, step=step)
 
 
 # what must equal between a stage and the checkpoint it starts from (the spec's model config: all but the
@@ -380,11 +405,12 @@ def check_init_from(spec: TrainSpec):
 
 
 class Progress:
-    """The progress line printed every log_interval: step/total, loss, LR, tokens/s over the interval and
-    the ETA at the throughput since this process started (a resumed job counts from its resume step)."""
+    """The progress line printed every log_interval: step/total, loss, LR, tokens/s over the interval (with
+    ``meter``: per GPU under data parallelism, and MFU where the peak is known) and the ETA at the throughput
+    since this process started (a resumed job counts from its resume step)."""
 
-    def __init__(self, name: str, step: int, total: int, tokens_per_step: int):
-        self.name, self.total, self.tokens_per_step = name, total, tokens_per_step
+    def __init__(self, name: str, step: int, total: int, tokens_per_step: int, meter: throughput.Meter | None = None):
+        self.name, self.total, self.tokens_per_step, self.meter = name, total, tokens_per_step, meter
         self.start_step, self.start = step, time.time()
         self.last_step, self.last = step, self.start
 
@@ -394,7 +420,7 @@ class Progress:
         eta = (self.total - step) * (now - self.start) / max(step - self.start_step, 1)
         self.last_step, self.last = step, now
         return (f"[{self.name}] step {step}/{self.total} ({100 * step / self.total:.0f}%) loss {loss:.4f} "
-                f"lr {lr:.2e} {tok_s:,.0f} tok/s ETA {_hms(eta)}")
+                f"lr {lr:.2e} {tok_s:,.0f} tok/s{self.meter.line(tok_s) if self.meter else ''} ETA {_hms(eta)}")
 
 
 def _hms(seconds: float) -> str:
@@ -409,14 +435,43 @@ def _tensorboard(out_dir: Path, step: int):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise TrainingError("train.tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
+    folder = out_dir / layout.TENSORBOARD
+    if folder.exists() and not folder.is_dir():
+        raise TrainingError(f"{folder}: a file, not a folder (train.tensorboard: true writes its event files in this "
+                            "folder); expected a folder or nothing there: move the file away")
     if step == 0:   # a fresh start: no curves of an earlier attempt
-        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
-    return SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        return SummaryWriter(str(folder), purge_step=step + 1 if step else None)
+    except OSError as e:   # a parent that is a file, no permission, a full disk
+        raise TrainingError(f"{folder}: cannot create the TensorBoard folder ({e.strerror or e}); expected a "
+                            "writable folder (train.tensorboard: true)") from None
+
+
+def _import_wandb(spec: TrainSpec):
+    try:
+        import wandb   # optional and heavy: only a job that names a project imports it
+    except ImportError:
+        raise TrainingError(f"train.wandb: {spec.train.wandb!r} needs the wandb package (pip install wandb), "
+                            "or leave train.wandb out") from None
+    return wandb
+
+
+def _wandb(run: Run):
+    """A Weights & Biases run in ``train.wandb``'s project named by the job's folder (WANDB_MODE=offline
+    works without a network)."""
+    return _import_wandb(run.spec).init(project=run.spec.train.wandb, name=run.spec.out_dir, config=run.spec.to_dict(),
+                      dir=str(run.state_dir), id=hashlib.sha1(run.spec.out_dir.encode()).hexdigest()[:16],
+                      resume="allow")   # a resumed job continues its W&B run
+
+
+def _rows(metrics_path: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
 
 
 def _final_train_loss(metrics_path: Path, last: int = 10) -> float:
     """Mean training loss of the last ``last`` steps (one step's loss is noisy at small batch sizes)."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = _rows(metrics_path)
     tail = [r["loss"] for r in rows[-last:]]
     return sum(tail) / len(tail)
 

@@ -18,10 +18,11 @@ import math
 import torch
 
 from stem.models.registry import OPTIM_GROUPS, param_roles
+from stem.options import TableUpdate, values
 
 # LR multiplier and weight decay per group unless the config overrides them (see the registry).
 GROUP_DEFAULTS = OPTIM_GROUPS
-TABLE_UPDATES = ("dense", "sparse")
+TABLE_UPDATES = values(TableUpdate)
 SPARSE_GROUP = "table"
 
 

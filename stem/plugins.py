@@ -1,0 +1,53 @@
+"""The one plugin list: the modules whose import registers entries in the registries of ``stem.registry``.
+
+``BUILTIN`` names the project's own modules per registry; a registry imports its own on its first lookup (so
+an FFN lookup in a training job does not import the report's pandas and matplotlib). An experiment config's
+``plugins: [module, ...]`` names a user's own modules (importable from the repository root or PYTHONPATH),
+imported whole by ``load``: by the config check (stem.config.validate_experiment, which the Snakefile runs
+first), and by every job, whose spec carries the config's ``plugins`` (workflow_scripts/_entry.spec_of). A
+plugin module registers with ``stem.registry`` (``FFN_KINDS.add("name", "module:Class")`` keeps torch out
+of the DAG). This module imports nothing of the project (its imports are by name, at run time).
+"""
+from __future__ import annotations
+
+import importlib
+
+BUILTIN: dict[str, tuple[str, ...]] = {
+    "ffn kind": ("stem.models.registry",),
+    "suite kind": ("stem.eval.run",),
+    "report table": ("stem.report.tables", "stem.report.figures", "stem.analysis.report",
+                     "stem.analysis.mechanism_report", "stem.sweeps.report", "stem.report.provenance"),
+    "analysis": ("stem.analysis.workflow",),
+    "generator": ("stem.data.synth",),
+}
+BUILTIN["report figure"] = BUILTIN["report table"]
+
+_done: set[str] = set()
+
+
+def load_builtin(what: str):
+    """Import the built-in modules of one registry, all of them on every call until each has finished
+    importing (a lookup made while one of them is being imported, e.g. stem.report.figures naming a table,
+    imports the rest first: the registration order is the list's, whichever module is imported first)."""
+    if what in _done:
+        return
+    modules = [importlib.import_module(m) for m in BUILTIN.get(what, ())]
+    if not any(getattr(m.__spec__, "_initializing", False) for m in modules):
+        _done.add(what)
+
+
+def load(modules=(), origin: str = "plugins"):
+    """Import a config's plugin modules (each once: Python caches modules); a module that cannot be imported
+    is one line naming it. The built-in modules are imported by the registries themselves."""
+    for module in modules or ():
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"{origin}: plugin module {module!r} cannot be imported ({e}); expected a module "
+                              "importable from the repository root or PYTHONPATH") from None
+
+
+def spec_key(cfg: dict) -> dict:
+    """What a job spec carries of the config's plugins: ``{"plugins": [...]}``, nothing without any (so the
+    specs of a config without plugins are unchanged)."""
+    return {"plugins": list(cfg["plugins"])} if cfg.get("plugins") else {}

@@ -1,0 +1,89 @@
+"""The report's provenance table: for every training summary and evaluation JSON of the experiment, the commit
+that produced it (and whether the tree was dirty), the versions of torch / lm-eval / snakemake / transformers,
+the job spec's and the data manifests' hashes (stem.provenance). ``results_summary`` condenses it for the diff
+summary: how many commits and versions the results come from, and the evaluations whose checkpoint's spec is
+not the spec of the training summary beside them (results compared across different specs).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import pandas as pd
+
+from stem import config as C
+from stem.report import registry
+from stem.report import tables as T
+
+COLUMNS = ("commit", "torch", "lm_eval", "snakemake", "transformers", "spec", "manifests", "same_spec")
+
+
+def _short(h) -> str | None:
+    return None if not h else f"sha256:{h[:12]}"
+
+
+def commit_label(p: dict) -> str | None:
+    """'<12 hex> clean' / '<12 hex> dirty' (never a number when read back from CSV), None when unknown."""
+    if not p.get("commit"):
+        return None
+    return f"{p['commit'][:12]} {'dirty' if p.get('dirty') else 'clean' if p.get('dirty') is False else '?'}"
+
+
+def _manifests(p: dict) -> str | None:
+    m = p.get("manifests") or {}
+    if not m:
+        return None
+    return _short(hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(m.items())).encode()).hexdigest())
+
+
+def rows(cfg: dict, res) -> list[dict]:
+    """One row per result file that exists: what its ``provenance`` entry says (None where it has none)."""
+    suites = ((cfg.get("eval") or {}).get("stages") or {})
+    out = []
+    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
+        summary = res.summary(scale, variant, stage)
+        train_hash = ((summary or {}).get("provenance") or {}).get("spec_sha256")
+        files = [("summary", summary)] + [(f"eval {s}", res.eval(scale, variant, stage, s)) for s in suites.get(stage, [])]
+        for what, data in files:
+            if data is None:
+                continue
+            p = data.get("provenance") or {}
+            v = p.get("versions") or {}
+            same = None
+            if what != "summary" and p.get("train_spec_sha256") and train_hash:
+                same = "yes" if p["train_spec_sha256"] == train_hash else "NO"
+            out.append({"scale": scale, "variant": variant, "stage": stage, "what": what,
+                        "path": str(res.stage_dir(scale, variant, stage) / ("summary.json" if what == "summary"
+                                                                             else f"eval/{what[5:]}.json")),
+                        "commit": commit_label(p), "torch": v.get("torch"), "lm_eval": v.get("lm_eval"),
+                        "snakemake": v.get("snakemake"), "transformers": v.get("transformers"),
+                        "spec": _short(p.get("spec_sha256")), "manifests": _manifests(p), "same_spec": same})
+    return out
+
+
+def provenance_long(cfg: dict, res) -> pd.DataFrame:
+    return T.frame([T.cell("provenance", r["scale"], r["variant"], c, r[c], r["path"],
+                           row=f"{r['variant']} {r['stage']}: {r['what']}", unit="")
+                    for r in rows(cfg, res) for c in COLUMNS])
+
+
+def results_summary(prov: pd.DataFrame | None) -> dict:
+    """From the provenance table (long): result files counted per commit and per version set, the files
+    without provenance, and the evaluations of a checkpoint whose spec differs from its training summary's."""
+    if prov is None or prov.empty:
+        return {"files": 0, "commits": {}, "versions": {}, "without": 0, "spec_mismatch": []}
+    files = [(src, dict(zip(g["column"], g["value"])))
+             for (_, _, _, src), g in prov.groupby(["scale", "variant", "row", "source"], sort=False)]
+    has = lambda v: v is not None and not T._isnan(v) and str(v) != ""  # noqa: E731
+    commits = [str(f["commit"]) for _, f in files if has(f.get("commit"))]
+    vers = [" ".join(f"{k} {f.get(k)}" for k in ("torch", "lm_eval", "snakemake", "transformers"))
+            for _, f in files if has(f.get("torch"))]
+    return {"files": len(files), "commits": {c: commits.count(c) for c in dict.fromkeys(commits)},
+            "versions": {v: vers.count(v) for v in dict.fromkeys(vers)}, "without": len(files) - len(commits),
+            "spec_mismatch": sorted(str(src) for src, f in files if f.get("same_spec") == "NO")}
+
+
+registry.paper_table(
+    "provenance", "Provenance: the commit, package versions, job spec and data manifests behind every result file",
+    labels={"commit": "commit", "lm_eval": "lm-eval", "spec": "job spec", "manifests": "data manifests",
+            "same_spec": "evaluated the summary's spec"},
+    empty="_(no rows: no results yet)_")(provenance_long)

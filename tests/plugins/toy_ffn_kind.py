@@ -1,0 +1,20 @@
+"""An FFN kind as a plugin module (config ``plugins: [toy_ffn_kind]``; tests/test_plugins.py): a dense FFN
+with a squared-ReLU activation, ``relu2``, built as ``cls(cfg, layer)`` taking ``(x, ids)``. It declares no
+parameter roles, so accounting, optimizer groups, initialisation and sharding treat it as backbone.
+(It imports torch, so a DAG built with it does too; a torch-free plugin registers
+``FFN_KINDS.add("relu2", "module:Class")`` and keeps the class in that other module.)"""
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stem.models.registry import register_ffn
+
+
+@register_ffn("relu2")
+class Relu2FFN(nn.Module):
+    def __init__(self, cfg, layer: int = 0):
+        super().__init__()
+        self.w_up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x, ids):
+        return self.w_down(F.relu(self.w_up(x)).square())

@@ -1,0 +1,291 @@
+"""No silent failures, second pass (issue 21): the newer surfaces (memory CLI, MDS, offload, DSE config,
+TensorBoard, checkpoint slots, config paths, undefined sources) answer bad input with one line naming the
+file/key/value, a non-zero exit, and nothing half-written."""
+import copy
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import make_spec
+from stem import config as C
+from stem.train.loop import TrainingError, train
+from workflow_scripts._entry import run as run_entry
+
+
+def _one_line(err: str) -> str:
+    """The error line of a failed command's stderr: exactly one, the last line, and no traceback (progress lines
+    such as 'stem: evaluating on device cpu' may come before it)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and sum(line.startswith("error") for line in lines) == 1 and lines[-1].startswith("error: "), err
+    assert "Traceback" not in err, err
+    return lines[-1]
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    """``python -m stem ...`` in this process: (exit status, its one stderr line)."""
+    from stem.__main__ import main
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code, _one_line(capsys.readouterr().err)
+
+
+def _entry(monkeypatch, capsys, module, argv) -> tuple[int, str]:
+    """A workflow entry point (workflow_scripts.<module>) in this process, as its rule runs it."""
+    import importlib
+    main = importlib.import_module(f"workflow_scripts.{module}").main
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_entry(main)
+    return e.value.code, _one_line(capsys.readouterr().err)
+
+
+@pytest.fixture(scope="module")
+def stem_ckpt(tiny_data, tmp_path_factory):
+    """A finished 2-step STEM pretraining checkpoint of the tiny data (saved job tiny/350m/stem/pretrain)."""
+    out = tmp_path_factory.mktemp("bad_input") / "run"
+    train(make_spec(tiny_data, out, steps=2, eval_interval=2, checkpoint_interval=2), threads=1)
+    return out / "checkpoint"
+
+
+def _slot(ckpt, root, variant):
+    """The checkpoint copied into another variant's slot of the results layout."""
+    slot = root / "results" / "tiny" / "350m" / variant / "pretrain" / "checkpoint"
+    shutil.copytree(ckpt, slot)
+    return slot
+
+
+# ---- python -m stem memory: a filter matching no job, a world size out of range -------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--scale", "7b"], "error: python -m stem memory: argument --scale: scale '7b': expected one of 350m, 1b"),
+    (["--gpus", "0"], "error: python -m stem memory: argument --gpus: 0: expected a whole number >= 1 (GPUs: the "
+                      "world size)"),
+    (["--gpus", "-4"], "error: python -m stem memory: argument --gpus: -4: expected a whole number >= 1 (GPUs: the "
+                       "world size)"),
+    (["--workers", "two"], "error: python -m stem memory: argument --workers: two: expected a whole number >= 1"),
+    (["--variant", "stem_quarter"], "error: --variant stem_quarter: no training job of experiment 'tiny' matches; "
+                                    "its matrix trains 350m: dense,"),
+    (["--gpus", "3", "--scale", "350m", "--variant", "dense"],   # was a worker's RuntimeError traceback
+     "error: --gpus 3: training job 350m/dense/pretrain: batch_size 16 cannot be split into micro-batches of 5 over 3 "
+     "ranks"),
+])
+def test_memory_arguments_out_of_range_are_one_line(capsys, argv, message):
+    code, line = _cli(["memory", "--experiment", "tiny", *argv], capsys)
+    assert code == 1 and line.startswith(message)
+
+
+def test_memory_scale_outside_the_matrix_is_one_line(tmp_path, capsys):
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg["matrix"] = {"350m": cfg["matrix"]["350m"]}
+    path = tmp_path / "only350m.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    code, line = _cli(["memory", "--config", str(path), "--scale", "1b", "--cache", str(tmp_path / "c")], capsys)
+    assert code == 1 and line.startswith("error: --scale 1b: no training job of experiment 'tiny' matches")
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "ffn", "--scale", "7b"], "bench: argument --scale: scale '7b': expected one of 350m, 1b"),  # was KeyError
+    (["bench", "offload", "--steps", "0"], "bench: argument --steps: 0: expected a whole number >= 1 (decode steps)"),
+    (["train", "--scale", "350m", "--variant", "stem", "--stage", "final"],
+     "train: argument --stage: stage 'final': expected one of pretrain, midtrain, extend"),
+    (["diff", "--gate-tolerance", "-1"], "diff: argument --gate-tolerance: -1: expected a number >= 0"),
+    (["eval", "--checkpoint", "c", "--cache-rows", "-1"], "eval: argument --cache-rows: -1: expected a whole number >= 0"),
+])
+def test_every_subcommands_arguments_are_typed(capsys, argv, message):
+    code, line = _cli(argv, capsys)
+    assert code == 1 and line.startswith(f"error: python -m stem {message}")
+
+
+# ---- a config file that does not exist ---------------------------------------------------------------------
+@pytest.mark.parametrize("cmd", [["memory"], ["params"], ["train", "--scale", "350m", "--variant", "stem"],
+                                 ["diff"]])
+def test_missing_config_file_is_one_line(capsys, cmd):
+    code, line = _cli([*cmd, "--config", "nonexistent.yaml"], capsys)
+    assert code == 1 and line == (f"error: python -m stem {cmd[0]}: argument --experiment/--config: 'nonexistent.yaml': "
+                                  "no such experiment config file; expected tiny, paper, rehearsal (config/{name}.yaml) or the "
+                                  "path of an experiment YAML")
+
+
+# ---- DSE orders: checked when the config is loaded ----------------------------------------------------------
+@pytest.mark.parametrize("orders", [[0, 3], [], [1, 2]])
+def test_dse_orders_below_two_empty_or_repeated_are_one_line(tmp_path, capsys, orders):
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg["variant_overrides"] = {**cfg.get("variant_overrides", {}), "dse": {"dse": {"orders": orders}}}
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_experiment(copy.deepcopy(cfg), origin="bad.yaml")
+    assert str(e.value) == (
+        f"bad.yaml: variant 'dse' (config/variants.yaml + variant_overrides): key 'dse.orders': dse.orders={orders}: "
+        "expected a non-empty list of distinct whole N-gram orders >= 2 (the DSE paper's Eq. 2 concatenates "
+        "n = 2..N; order 1 is the token alone, which the token embedding already holds)")
+    path = tmp_path / "bad.yaml"   # and the command line says so before a job is built
+    path.write_text(yaml.safe_dump(cfg))
+    code, line = _cli(["train", "--config", str(path), "--scale", "350m", "--variant", "dse"], capsys)
+    assert code == 1 and line.startswith(f"error: {path}: variant 'dse' ") and "dse.orders=" in line
+
+
+def test_dse_heads_and_width_checked_too():
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    for dse, message in [({"heads": 0}, "key 'dse.heads': dse.heads=0: expected a whole number >= 1"),
+                         ({"d_mem": 30, "heads": 4}, "key 'dse.d_mem': dse.d_mem=30: must divide evenly over 8"),
+                         ({"order": [2]}, "key 'dse.order': unknown; expected placement or one of orders, heads")]:
+        bad = {**cfg, "variant_overrides": {"dse": {"dse": dse}}}
+        with pytest.raises(C.ConfigError, match=message):
+            C.validate_experiment(copy.deepcopy(bad), origin="bad.yaml")
+
+
+# ---- a target of an undefined source (what the data rules' input functions call) -----------------------------
+def test_undefined_source_in_a_target_is_one_line_naming_the_defined_ones():
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    message = "source 'wiki': not defined in the tiny config's sources; expected one of ['code', 'long', 'math', 'web']"
+    for fn in (lambda: C.part_names(cfg, "wiki"), lambda: C.source_inputs(cfg, "wiki"),
+               lambda: C.corpus_spec(cfg, "wiki"), lambda: C.tokenize_spec(cfg, "350m", "wiki"),
+               lambda: C.documents_spec(cfg, "wiki")):
+        with pytest.raises(C.ConfigError) as e:
+            fn()
+        assert str(e.value) == message
+
+
+# ---- MDS: a corrupt and a truncated shard name the folder, the shard and the row --------------------------------
+def _mds_folder(root):
+    from stem.data.sources import _streaming_format
+    fmt = _streaming_format()
+    columns = {"input_ids": "ndarray:uint32", "indices": "ndarray:uint32"}
+    with fmt.MDSWriter(out=str(root), columns=columns, size_limit=1 << 20) as w:
+        for r in range(3):
+            w.write({"input_ids": np.arange(r, r + 128, dtype=np.uint32), "indices": np.array([[0, 64], [64, 128]], np.uint32)})
+    return {"kind": "mds", "paths": [str(root)], "ids_field": "input_ids", "indices_field": "indices", "vocab_size": 512}
+
+
+@pytest.mark.parametrize("damage, message", [
+    # row 0's offsets overwritten (mosaicml-streaming: "IndexError: Relative sample index 0 is not present ...")
+    (lambda p: p.write_bytes(p.read_bytes()[:4] + b"\xff" * 8 + p.read_bytes()[12:]),
+     r": row 0: cannot decode the MDS sample \(IndexError: "),
+    (lambda p: os.truncate(p, p.stat().st_size - 40), r": row 2: cannot decode the MDS sample \("),
+])
+def test_damaged_mds_shard_is_one_line_naming_the_shard_and_row(tmp_path, damage, message):
+    from stem.data.sources import iter_documents
+    spec = _mds_folder(tmp_path / "mds")
+    assert len(list(iter_documents(spec))) == 6
+    shard = tmp_path / "mds" / "shard.00000.mds"
+    damage(shard)
+    with pytest.raises(ValueError, match=f"^{shard}{message}") as e:
+        list(iter_documents(spec))
+    assert "\n" not in str(e.value)
+
+
+# ---- other foreign files: a truncated .jsonl.gz, parquet file and column chunk, a tokenizer.json of another kind ----
+def test_truncated_or_corrupt_documents_and_tokenizer_are_one_line_naming_the_file(tmp_path):
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stem.data.sources import iter_documents
+    from stem.data.tokenizer import load_tokenizer
+    rows = [{"text": f"document {i} " * 20} for i in range(2000)]
+    gz, pf, chunk = tmp_path / "a.jsonl.gz", tmp_path / "a.parquet", tmp_path / "b.parquet"
+    with gzip.open(gz, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.truncate(gz, gz.stat().st_size // 2)
+    pq.write_table(pa.Table.from_pylist(rows), pf)
+    pq.write_table(pa.Table.from_pylist(rows), chunk)
+    os.truncate(pf, pf.stat().st_size - 100)
+    data = bytearray(chunk.read_bytes())
+    data[100:400] = bytes(300)
+    chunk.write_bytes(bytes(data))
+    for path, fmt, message in [
+            (gz, "jsonl", f"{gz}: cannot read as jsonl (EOFError: Compressed file ended before the end-of-stream marker "
+                          "was reached); expected a whole, readable file"),
+            (pf, "parquet", f"{pf}: cannot read as parquet (ArrowInvalid: Parquet magic bytes not found in footer."),
+            (chunk, "parquet", f"{chunk}: row group 0: cannot read as parquet (")]:
+        with pytest.raises(ValueError) as e:
+            list(iter_documents({"kind": "files", "paths": [str(path)], "format": fmt}))
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"version": "1.0", "model": 3}')
+    with pytest.raises(ValueError, match=f"^tokenizer file {tok}: cannot parse \\(.*\\); expected a Hugging Face "
+                                         "tokenizers tokenizer.json$"):
+        load_tokenizer(tok)
+
+
+# ---- checkpoint slots: a job reading a checkpoint refuses one saved for another job -------------------------------
+def test_offload_bench_refuses_a_checkpoint_in_another_variants_slot(stem_ckpt, tmp_path, monkeypatch, capsys):
+    slot = _slot(stem_ckpt, tmp_path, "stem_half")
+    out = tmp_path / "reports" / "tiny" / "offload" / "stem_half"
+    code, line = _entry(monkeypatch, capsys, "bench_offload", [
+        "--spec", json.dumps({"batch": 1, "prompt": 4, "steps": 4, "repeats": 1}), "--checkpoint", str(slot),
+        "--json", str(out / "offload.json"), "--md", str(out / "offload.md")])
+    assert code == 1 and line == (f"error: checkpoint {slot / 'config.json'}: not the one this offload benchmark is "
+                                  "for (saved job tiny/350m/stem/pretrain, expected tiny/350m/stem_half/pretrain: "
+                                  "variant 'stem' != 'stem_half')")
+    assert not out.exists()
+    code, line = _cli(["eval", "--checkpoint", str(slot), "--suite", "ppl", "--experiment", "tiny"], capsys)
+    assert code == 1 and line == (f"error: checkpoint {slot / 'config.json'}: saved job tiny/350m/stem/pretrain, but "
+                                  "this eval job is for tiny/350m/stem_half/pretrain (variant 'stem' != 'stem_half')")
+
+
+def test_analysis_refuses_a_foreign_checkpoint_and_a_foreign_baseline(stem_ckpt, tmp_path, monkeypatch, capsys):
+    slot = _slot(stem_ckpt, tmp_path, "hashmoe")
+    out = tmp_path / "heaps.json"
+    code, line = _entry(monkeypatch, capsys, "analyze", ["--spec", json.dumps({"analysis": "heaps"}),
+                                                         "--checkpoint", str(slot), "--out", str(out)])
+    assert code == 1 and line.startswith(f"error: checkpoint {slot / 'config.json'}: not the one this analysis job is "
+                                         "for (saved job tiny/350m/stem/pretrain, expected tiny/350m/hashmoe/pretrain")
+    assert not out.exists()
+    from stem.analysis.common import load_baseline
+    job = {"experiment": "tiny", "scale": "350m", "variant": "stem", "stage": "pretrain"}
+    with pytest.raises(ValueError, match=r"not the one this analysis job's baseline \(dense\) is for .*variant "
+                                         r"'stem' != 'dense'"):
+        load_baseline(stem_ckpt, {"job": job, "baseline": "dense", "baseline_checkpoint": str(_slot(stem_ckpt, tmp_path, "dense"))})
+
+
+# ---- offload: a truncated model.safetensors names the file --------------------------------------------------------
+def test_offload_of_truncated_weights_names_the_file(stem_ckpt, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(stem_ckpt, ckpt)
+    weights = ckpt / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    from stem.eval.lm import load_for_eval
+    with pytest.raises(ValueError, match=f"^checkpoint {ckpt}: {weights}: truncated safetensors file") as e:
+        load_for_eval(ckpt, "cpu", offload=True)
+    assert "\n" not in str(e.value)
+    code, line = _cli(["bench", "offload", "--checkpoint", str(ckpt), "--steps", "2", "--prompt", "2",
+                       "--json", str(tmp_path / "o.json")], capsys)
+    assert code == 1 and line.startswith(f"error: {weights}: unreadable safetensors file")
+    assert not (tmp_path / "o.json").exists()
+
+
+# ---- TensorBoard: a folder that cannot be created --------------------------------------------------------------
+def test_tensorboard_folder_that_cannot_be_created_is_one_line(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").write_text("not a folder")
+    spec = make_spec(tiny_data, out, tensorboard=True, steps=2)
+    with pytest.raises(TrainingError, match=f"^{out / 'tensorboard'}: a file, not a folder"):
+        train(spec, threads=1)
+    capsys.readouterr()   # as workflow_scripts.train reports it (its signal handlers stay out of this process)
+    with pytest.raises(SystemExit) as e:
+        run_entry(lambda: train(spec, threads=1))
+    code, line = e.value.code, _one_line(capsys.readouterr().err)
+    assert code == 1 and line.startswith(f"error: {out / 'tensorboard'}: a file, not a folder")
+    assert not (out / "checkpoint").exists() and not (out / "summary.json").exists()
+
+
+# ---- the entry points' own arguments ---------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--spec", "{not json"], "error: --spec: not valid JSON (Expecting property name enclosed in double quotes at "
+                              "column 2); expected the job spec object"),
+    (["--spec", "[1]"], "error: --spec: a JSON list; expected the job spec object"),
+    (["--spec", "{}", "--threads", "x"], "error: analyze: argument --threads: x: expected a whole number >= 1 (CPU threads)"),
+])
+def test_entry_point_arguments_are_one_line(tmp_path, monkeypatch, capsys, argv, message):
+    code, line = _entry(monkeypatch, capsys, "analyze", [*argv, "--checkpoint", str(tmp_path), "--out",
+                                                         str(tmp_path / "o.json")])
+    assert code == 1 and line == message

@@ -1,0 +1,333 @@
+"""Issue 24: one source for a direction's verdict (the paired bootstrap of tables/directions.csv) in the diff
+summary, the README/HTML direction table and ``python -m stem diff``; the directions gate; provenance.
+
+Results are synthetic (tests/test_report.py's ``write_results``) plus per-item lm-eval samples written here
+for the 350m dense and STEM models, chosen so that the bootstrap gives each kind of verdict.
+"""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from stem import config as C
+from stem.analysis import verdict as V
+from stem.report import build as B
+from stem.report import diff
+from stem.report import paper_data as P
+from stem.report.results import Results
+from test_report import write_results
+
+# per commonsense task of the 350m STEM model vs dense: how its items relate to the paper's sign
+PLAN = {"arc_easy": "with", "arc_challenge": "against"}   # every other task: the same answers (a tie)
+
+
+def write_samples(root, cfg):
+    """eval/raw/commonsense.json (lm-eval's per-item samples) for 350m dense and stem at pretrain."""
+    paper = P.load_table("table3").set_index(["scale", "variant", "column"])["value"]
+    rng = np.random.default_rng(3)
+    base = {t: rng.integers(0, 2, 40).astype(float) for t in P.COMMONSENSE_TASKS}
+    for variant in ("dense", "stem"):
+        samples = {}
+        for t in P.COMMONSENSE_TASKS:
+            sign = np.sign(paper[("350m", "stem", t)] - paper[("350m", "dense", t)])
+            x = base[t]
+            if variant == "stem" and t in PLAN:
+                x = np.full(40, 1.0 if (sign > 0) == (PLAN[t] == "with") else 0.0)
+            samples[t] = [{"doc_id": i, "acc": float(v), "filter": "none"} for i, v in enumerate(x)]
+        d = root / cfg["experiment"] / "350m" / variant / "pretrain" / "eval"
+        (d / "raw").mkdir(exist_ok=True)
+        (d / "raw" / "commonsense.json").write_text(json.dumps({"samples": samples}))
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return C.load_experiment(C.REPO / "config" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, cfg):
+    root = tmp_path_factory.mktemp("confidence")
+    write_results(root / "results", cfg)
+    write_samples(root / "results", cfg)
+    rd = root / "reports" / "tiny"
+    B.write_tables(cfg, Results("tiny", root / "results"), rd / "tables")
+    out = B.run_diff(cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))
+    B.write_diff(rd / "diff", *out)
+    return root, rd, out
+
+
+def test_verdict_categories():
+    assert V.category("agree") == "agree" and V.category("inconclusive") == "inconclusive"
+    assert V.category("disagree (point estimate)") == "point estimate: disagree"
+    assert V.category("missing (the full model scores 0 on a category)") == "missing"
+    assert V.category(None) == "missing" and V.category(float("nan")) == "missing"
+    with pytest.raises(ValueError, match="'better': expected one of agree"):
+        V.category("better")
+    assert V.count(["agree", "agree", "missing"]) == {**dict.fromkeys(V.CATEGORIES, 0), "agree": 2, "missing": 1,
+                                                       "total": 3}
+
+
+def test_summary_counts_are_the_bootstrap_tables_verdicts(report):
+    root, rd, (s, cells, dirs, cons, _) = report
+    table = pd.read_csv(rd / "tables" / "directions.csv", dtype=str, keep_default_na=False)
+    expected = V.count(V.category(v) for v in table["verdict"])
+    assert s["directions"]["checked"] == expected
+    saved = json.loads((rd / "diff" / "summary.json").read_text())["directions"]
+    assert saved["checked"] == expected and saved["checked"]["total"] == len(table)
+    boot = dirs[dirs["origin"] == diff.BOOTSTRAP].set_index(["table", "scale", "variant", "column"])
+    assert boot.loc[("table3", "350m", "stem", "arc_easy"), "category"] == "agree"
+    assert boot.loc[("table3", "350m", "stem", "arc_challenge"), "category"] == "disagree"
+    assert boot.loc[("table3", "350m", "stem", "boolq"), "category"] == "inconclusive"
+    assert boot.loc[("table3", "350m", "hashmoe", "boolq"), "category"] == "missing"   # no per-item samples
+    # the point estimates fill only what the bootstrap table has no row for (ROI, Tables 5-6, DSE Table 1)
+    point = dirs[dirs["origin"] == diff.POINT]
+    assert set(point["table"]) <= {"table3", "table5", "table6", "dse"} and len(point)
+    assert set(point[point["table"] == "table3"]["column"]) == {"roi"}
+    assert s["directions"]["point_only"] == V.count(point["category"])
+    # resolvable: sized (Tables 3/4 with an interval); a 0-or-1 item difference resolves the paper's effect
+    sized = boot["paper_effect_resolvable"].dropna()
+    assert s["directions"]["paper_effect_sized"] == len(sized) > 0
+    assert s["directions"]["paper_effect_resolvable"] == int(sized.astype(bool).sum()) >= 2
+
+
+def test_readme_html_and_diff_say_the_same_counts(report, cfg):
+    root, rd, (s, cells, dirs, cons, _) = report
+    k = s["directions"]["checked"]
+    line = (f"agree **{k['agree']}**, disagree **{k['disagree']}**, inconclusive **{k['inconclusive']}**")
+    readme, html = B.readme(cfg, rd, []), B.html_report(cfg, rd, [])
+    md = (rd / "diff" / "diff.md").read_text()
+    assert line in readme and line in md
+    assert line.replace("**", "") in html.replace("<strong>", "").replace("</strong>", "")
+    assert "agree **42**" not in readme and "Cells agreeing" not in readme   # the old point-estimate count is gone
+    row = diff.direction_table(B.load_directions(rd / "diff" / "directions.csv"))
+    stem = row[(row["Table"] == "table3") & (row["Scale"] == "350m") & (row["Variant"] == P.VARIANT_LABELS["stem"])]
+    assert "agree 1" in stem["Verdicts"].iloc[0] and "disagree 1" in stem["Verdicts"].iloc[0]
+    # read back from diff/directions.csv: the same verdicts as in memory
+    back = B.load_directions(rd / "diff" / "directions.csv")
+    assert back["category"].tolist() == dirs["category"].tolist() and back["stage"].tolist() == dirs["stage"].tolist()
+
+
+def test_directions_gate(report, tmp_path, capsys):
+    root, rd, (s, cells, dirs, cons, _) = report
+    failed = diff.gate_directions(dirs)
+    assert failed == [next(f for f in failed if f.startswith("table3/350m/stem/arc_challenge (pretrain): disagrees"))]
+    base = B.load_directions(rd / "diff" / "directions.csv")
+    assert diff.gate_directions(dirs, base) == failed   # same verdicts as the baseline: only the disagreement
+    edited = base.copy()
+    i = edited.index[(edited["variant"] == "stem") & (edited["column"] == "boolq") & (edited["scale"] == "350m")][0]
+    edited.loc[i, "verdict"] = "agree"
+    edited.to_csv(tmp_path / "baseline.csv", index=False)
+    from stem.__main__ import main
+    args = ["diff", "--experiment", "tiny", "--results", str(root / "results")]
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--baseline", str(tmp_path / "baseline.csv")])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2
+    assert "direction gate: table3/350m/stem/boolq (pretrain): verdict changed against the baseline: agree -> " \
+           "inconclusive (ours +0 [+0, +0])" in err
+    assert any(x.startswith("direction gate: table3/350m/stem/arc_challenge (pretrain): disagrees") for x in err)
+    assert err[-1] == "direction gate failed: 2 direction(s)"
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--baseline", str(tmp_path / "bad.csv")])
+    assert e.value.code == 1 and "bad.csv: not a diff/directions.csv (no column table" in capsys.readouterr().err
+
+
+def test_directions_gate_passes_without_resolved_disagreements(report):
+    root, rd, (s, cells, dirs, cons, _) = report
+    ok = dirs[dirs["category"] != "disagree"]
+    assert diff.gate_directions(ok) == [] and diff.gate_directions(ok, ok) == []
+
+
+def test_provenance_table_and_diff_say_when_results_differ(tmp_path, cfg, capsys):
+    from stem import provenance
+    from stem.__main__ import main
+    write_results(tmp_path / "results", cfg)
+    run = tmp_path / "results" / "tiny" / "350m"
+    rec = {**provenance.record({"a": 1}, [run / "dense" / "pretrain" / "summary.json"]), "commit": "a" * 40,
+           "dirty": False}
+    for variant, commit in (("dense", "a" * 40), ("stem", "b" * 40)):
+        path = run / variant / "pretrain" / "summary.json"
+        s = json.loads(path.read_text())
+        path.write_text(json.dumps({**s, "provenance": {**rec, "commit": commit}}))
+    ev = run / "stem" / "pretrain" / "eval" / "commonsense.json"   # evaluated a checkpoint of another spec
+    ev.write_text(json.dumps({**json.loads(ev.read_text()),
+                              "provenance": {**rec, "train_spec_sha256": provenance.spec_hash({"a": 2})}}))
+    rd = tmp_path / "reports" / "tiny"
+    ours = B.write_tables(cfg, Results("tiny", tmp_path / "results"), rd / "tables")
+    prov = ours["provenance"][ours["provenance"]["scale"] == "350m"]
+    commits = prov[prov["column"] == "commit"].set_index("row")["value"]
+    assert commits["dense pretrain: summary"] == "aaaaaaaaaaaa clean" and commits["stem pretrain: summary"] == \
+        "bbbbbbbbbbbb clean"
+    assert pd.isna(commits["hashmoe pretrain: summary"])   # a result without provenance: a gap, not a guess
+    same = prov[prov["column"] == "same_spec"].set_index("row")["value"]
+    assert same["stem pretrain: eval commonsense"] == "NO"
+    s = B.run_diff(cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))[0]
+    r = s["provenance"]["results"]
+    assert r["commits"] == {"aaaaaaaaaaaa clean": 2, "bbbbbbbbbbbb clean": 1} and r["without"] > 0
+    assert r["spec_mismatch"] == [str(ev)]
+    assert s["provenance"]["report"]["commit"] == provenance.git_state()["commit"]
+    text = "\n".join(diff.provenance_lines(s["provenance"]))
+    assert "the compared results come from different commits" in text and str(ev) in text
+    main(["diff", "--experiment", "tiny", "--results", str(tmp_path / "results")])
+    err = capsys.readouterr().err
+    assert "warning: the compared results come from 2 commits" in err and "1 evaluation(s)" in err
+
+
+def test_the_environment_is_pinned():
+    """constraints.txt pins every package but torch (pinned by the Makefile, its build depends on the machine)
+    and the project; make and environment.yml install with it; the running environment is the pinned one."""
+    from importlib import metadata
+    lines = [x for x in (C.REPO / "constraints.txt").read_text().splitlines() if x and not x.startswith("#")]
+    pins = dict(x.split("==") for x in lines)
+    assert all(len(x.split("==")) == 2 for x in lines) and "torch" not in pins and "stem-repro" not in pins
+    for name in ("lm_eval", "snakemake", "transformers", "numpy", "pandas"):
+        assert metadata.version(name) == pins[name], name
+    make = (C.REPO / "Makefile").read_text()
+    assert "pip install -q -c $(CONSTRAINTS) -e '.[test]'" in make and "torch==$(TORCH_VERSION)" in make
+    assert metadata.version("torch").split("+")[0] == next(
+        x.split("?=")[1].strip() for x in make.splitlines() if x.startswith("TORCH_VERSION"))
+    assert "- -c constraints.txt" in (C.REPO / "environment.yml").read_text()
+
+
+def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
+    """Two real (untrained, differently seeded) checkpoints evaluated by lm-eval on fixture tasks; the comparison
+    reads the per-sample logs: answers are each model's highest-likelihood choice, gold the target's choice."""
+    import torch
+
+    from stem.__main__ import main
+    from stem.data import synth
+    from stem.data.tokenizer import train_bpe
+    from stem.eval import compare as K
+    from stem.eval import fixtures, run
+    from stem.models.config import ModelConfig
+    from stem.models.model import build_model
+    from stem.train.checkpoint import save_checkpoint
+    world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
+    docs = [doc for doc, _ in zip(synth.web_documents(synth.make_world(**world)), range(200))]
+    train_bpe(docs, 320, tmp_path / "tok.json")
+    c = json.loads(json.dumps(cfg))
+    c["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
+    tasks = ["arc_easy", "boolq"]
+    fixtures.write_fixtures({**c["eval"]["fixtures"], "world": world, "seed": 0, "items": 6, "train_items": 2,
+                             "tasks": tasks, "groups": {}}, tmp_path / "fx")
+    spec = {**run.suite_spec(c, "commonsense"), "fixtures": str(tmp_path / "fx"), "tasks": tasks}
+    for seed, variant in ((0, "dense"), (1, "stem")):
+        mc = C.model_config_for(c, "350m", variant, "pretrain").to_dict()
+        torch.manual_seed(seed)
+        ident = {"experiment": "tiny", "scale": "350m", "variant": variant, "stage": "pretrain"}
+        save_checkpoint(tmp_path / variant, build_model(ModelConfig.from_dict(mc), "cpu"), {**ident, "model": mc},
+                        tmp_path / "tok.json", {})
+        d = tmp_path / "results/tiny/350m" / variant / "pretrain/eval"
+        run.evaluate(tmp_path / variant, spec, d / "commonsense.json", d / "raw" / "commonsense.json", limit=6)
+    a = K.raw_path("350m/dense", "commonsense", "tiny", tmp_path / "results")
+    b = K.raw_path(str(tmp_path / "results/tiny/350m/stem/pretrain"), "commonsense", "tiny")
+    rows = K.compare(a, b)
+    raw_a = K.load_samples(a)
+    assert {r["task"] for r in rows} == set(tasks) and len(rows) == sum(len(raw_a[t]) for t in tasks)
+    metrics = json.loads(a.parent.parent.joinpath("commonsense.json").read_text())["tasks"]
+    assert {r["metric"] for r in rows if r["task"] == "arc_easy"} == {metrics["arc_easy"]["metric"].split(",")[0]}
+    for r in rows:   # the answer is the choice the metric scores: the item scores 1 exactly when it is the gold one
+        s = next(x for x in raw_a[r["task"]] if x["doc_id"] == r["doc_id"])
+        assert (r["a"] == r["gold"]) == bool(s[r["metric"]]) and r["a"] in [x.strip() for x in K._choices(s)]
+        assert (r["a"] == r["gold"]) == bool(K.answer(s, "acc") == r["gold"]) or r["metric"] == "acc_norm"
+    # untrained models: acc_norm's per-character likelihood picks the same choices; raw likelihoods differ
+    rows = K.compare(a, b, metric="acc")
+    differ = [r for r in rows if not r["same"]]
+    assert differ, "two differently initialised models answered every item alike"
+    main(["compare", "350m/dense", "350m/stem", "--suite", "commonsense", "--metric", "acc",
+          "--results", str(tmp_path / "results")])
+    out = capsys.readouterr().out
+    assert f"## Items where the answers differ ({len(differ)};" in out
+    r = differ[0]
+    assert f"| {r['task']} | {r['doc_id']} | " in out
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "350m/dense", "350m/hashmoe", "--suite", "commonsense", "--results", str(tmp_path / "results")])
+    assert e.value.code == 1 and "model '350m/hashmoe':" in capsys.readouterr().err
+
+
+# ---- seeds (stem.seeds) -------------------------------------------------------------------------------------
+def test_seeds_are_jobs_of_their_own_and_the_default_is_unchanged(cfg):
+    from stem import seeds
+    assert seeds.seeds_of(cfg, "350m", "stem") == [0, 1, 2] and seeds.seeds_of(cfg, "350m", "hashmoe") == [0]
+    assert C.seed_targets(cfg) == [("350m", v, "pretrain") for v in ("dense_seed1", "dense_seed2", "stem_seed1",
+                                                                      "stem_seed2")]
+    base, two = C.train_spec(cfg, "350m", "stem", "pretrain"), C.train_spec(cfg, "350m", "stem_seed2", "pretrain")
+    assert {k for k in base if base[k] != two[k]} == {"variant", "seed", "out_dir"}
+    assert two["seed"] == cfg["seed"] + 2 and two["out_dir"] == "results/tiny/350m/stem_seed2/pretrain"
+    assert base["out_dir"] == "results/tiny/350m/stem/pretrain" and base["seed"] == cfg["seed"]
+    with pytest.raises(C.ConfigError, match="seed 3 of 'stem' at 350m is not asked for by the tiny config"):
+        C.train_spec(cfg, "350m", "stem_seed3", "pretrain")
+    bad = json.loads(json.dumps(cfg))
+    bad["matrix"]["350m"]["seeds"] = {"moe": [0, 1]}
+    with pytest.raises(C.ConfigError, match=r"key 'matrix.350m.seeds.moe': 'moe' is not one of matrix.350m.variants"):
+        C.validate_experiment(bad, "x.yaml")
+    whole = json.loads(json.dumps(cfg))
+    del whole["matrix"]["350m"]["seeds"]
+    whole["seeds"] = [0, 1]
+    assert len(C.seed_targets(C.validate_experiment(whole))) == 9 + 3 * 3   # every variant, every stage
+    mid = C.train_spec(whole, "1b", "stem_seed1", "midtrain")   # a later stage starts from the same seed's
+    assert mid["init_from"] == "results/tiny/1b/stem_seed1/pretrain/checkpoint" and mid["seed"] == cfg["seed"] + 1
+    from stem.eval.run import eval_targets
+    assert "results/tiny/350m/stem_seed1/pretrain/eval/commonsense.json" in eval_targets(cfg)
+
+
+def test_seeded_bootstrap_folds_the_seed_variance():
+    rng = np.random.default_rng(0)
+    a = [rng.integers(0, 2, 400).astype(float) for _ in range(3)]
+    shift = [0.15, -0.15, 0.15]   # each seed alone: a clear effect, in disagreeing directions
+    per_seed = [[(x, np.clip(x + (rng.random(400) < abs(s)) * np.sign(s), 0, 1))] for x, s in zip(a, shift)]
+    alone = [V.grouped_bootstrap(g) for g in per_seed]
+    assert all(c["lo"] > 0 or c["hi"] < 0 for c in alone)
+    folded = V.seeded_bootstrap(per_seed)
+    assert folded["lo"] < 0 < folded["hi"] and folded["seeds"] == 3 and folded["n"] == 1200
+    assert folded["delta"] == pytest.approx(np.mean([c["delta"] for c in alone]))
+    assert V.seeded_bootstrap(per_seed[:1])["lo"] == alone[0]["lo"]
+
+
+def test_seed_rows_in_table3_and_directions(tmp_path, cfg):
+    from stem.report import tables as T
+    from test_report import eval_json
+    cfg = {**cfg, "matrix": {"350m": {**cfg["matrix"]["350m"], "variants": ["dense", "hashmoe", "stem"]}}}
+    write_results(tmp_path, cfg)
+    write_samples(tmp_path, cfg)
+    for k, offset in ((1, 2.0), (2, -1.0)):
+        for variant in ("dense", "stem"):
+            d = tmp_path / "tiny" / "350m" / f"{variant}_seed{k}" / "pretrain"
+            (d / "eval" / "raw").mkdir(parents=True, exist_ok=True)
+            e = {**eval_json(cfg, "350m", variant, "pretrain", "commonsense", {"dense": 0.0}.get(variant, 1.0) + offset),
+                 "variant": f"{variant}_seed{k}"}
+            (d / "eval" / "commonsense.json").write_text(json.dumps(e))
+            src = tmp_path / "tiny" / "350m" / variant / "pretrain" / "eval" / "raw" / "commonsense.json"
+            (d / "eval" / "raw" / "commonsense.json").write_text(src.read_text())
+    t3 = T.table3(cfg, Results("tiny", tmp_path)).set_index(["scale", "variant", "column"])["value"]
+    one = P.load_table("table3").set_index(["scale", "variant", "column"])["value"]
+    avgs = [np.mean([one[("350m", "stem", t)] + 1.0 + o for t in P.COMMONSENSE_TASKS]) for o in (0.0, 2.0, -1.0)]
+    assert t3[("350m", "stem", "avg")] == pytest.approx(np.mean(avgs))
+    assert t3[("350m", "stem", "seeds")] == 3 and t3[("350m", "stem", "avg_sd")] == pytest.approx(np.std(avgs, ddof=1))
+    assert t3[("350m", "stem", "avg_min")] == pytest.approx(min(avgs)) and ("350m", "hashmoe", "seeds") not in t3
+    rows = {(r["table"], r["variant"], r["column"]): r for r in V.table_directions(cfg, results=tmp_path)
+            if r["scale"] == "350m"}
+    assert rows[("table3", "stem", "arc_easy")]["seeds"] == 3 and rows[("table3", "stem", "arc_easy")]["verdict"] == "agree"
+    assert rows[("table3", "hashmoe", "arc_easy")]["seeds"] == 0
+
+
+def test_compare_names_choices_that_share_their_text(tmp_path):
+    """WinoGrande's options are in the contexts, its choices one shared continuation: answers are 'choice i' and
+    the gold one is the choice that scored 1 (its target is the continuation, not an index)."""
+    from stem.eval import compare as K
+
+    def sample(doc_id, lls, acc):
+        return {"doc_id": doc_id, "target": "went home.", "filter": "none", "acc": acc,
+                "arguments": [["Anna asked Bea because Anna", " went home."], ["Anna asked Bea because Bea", " went home."]],
+                "filtered_resps": [[ll, False] for ll in lls]}
+    for name, items in (("a", [sample(0, [-1, -2], 1.0), sample(1, [-1, -2], 0.0)]),
+                        ("b", [sample(0, [-2, -1], 0.0), sample(1, [-2, -1], 1.0)])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"samples": {"winogrande": items}}))
+    rows = K.compare(tmp_path / "a.json", tmp_path / "b.json")
+    assert [(r["a"], r["b"], r["gold"]) for r in rows] == [("choice 0", "choice 1", "choice 0"),
+                                                           ("choice 0", "choice 1", "choice 1")]
+    (tmp_path / "c.json").write_text(json.dumps({"results": {}}))
+    with pytest.raises(K.CompareError, match="c.json: no per-sample logs"):
+        K.compare(tmp_path / "a.json", tmp_path / "c.json")

@@ -1,0 +1,81 @@
+"""The one-node rehearsal (issue 22, item 3): its offline inputs in the paper's formats, its DAG (dry run with
+the command a cluster user types), and its smallest job: one training step at the 350M shapes."""
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from conftest import job_counts
+from stem import config as C
+from stem.data.sources import iter_documents
+from stem.data.synth import GENERATORS, make_world
+from stem.data.tokenizer import load_tokenizer
+from stem.rehearsal import ROW, padded_tokenizer, write_mds
+from stem.train.loop import train
+
+REPO = Path(__file__).resolve().parents[1]
+CFG = C.load_experiment(REPO / "config" / "rehearsal.yaml")
+PAPER = C.load_experiment(REPO / "config" / "paper.yaml")
+
+
+def test_rehearsal_has_the_papers_shapes_stages_lengths_and_suites():
+    assert CFG["archs"] == PAPER["archs"] and CFG["matrix"] == PAPER["matrix"]
+    assert CFG["eval"]["stages"] == PAPER["eval"]["stages"] and CFG["device"] == "cuda"
+    for stage, scales in PAPER["stages"].items():
+        for scale, st in scales.items():
+            ours = CFG["stages"][stage][scale]
+            for key in ("seq_len", "micro_batch", "cross_doc_mask", "schedule", "lr", "max_seq_len", "rope_scaling",
+                        "activation_checkpointing"):
+                assert ours.get(key) == st.get(key), (stage, scale, key)
+            assert 50 <= ours["steps"] <= 500
+    assert {s["vocab_size"] for s in CFG["sources"].values() if s["kind"] == "mds"} == {128256}
+
+
+def test_paper_vocabulary_tokenizer_and_mds_folder(tmp_path):
+    world = make_world(seed=3, n_countries=8, n_people=20, n_filler=100)
+    path = tmp_path / "tok" / "tokenizer.json"
+    path.parent.mkdir()
+    padded_tokenizer(itertools.islice(GENERATORS["web"](world, 1), 200), 128256, path)
+    tok = load_tokenizer(path)
+    assert tok.vocab_size == 128256
+    write_mds(tmp_path / "prolong-data-64K" / "long" / "proc00-64", tok, GENERATORS["web"](world, 2), 1, "long")
+    spec = {**{k: v for k, v in CFG["sources"]["prolong_long"].items() if k not in ("doc_keys",)},
+            "paths": [str(tmp_path / "prolong-data-64K" / "long" / "*")]}
+    docs = list(iter_documents(spec))          # the reader the paper's ProLong sources go through
+    assert sum(len(d) for d in docs) == ROW and all(d.dtype == np.uint32 for d in docs)
+    assert tok.decode(docs[0].tolist()) == next(GENERATORS["web"](world, 2))[:len(tok.decode(docs[0].tolist()))]
+
+
+def test_rehearsal_dag_dry_runs(tmp_path):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--profile",
+                        str(REPO / "profiles" / "local"), "--configfile", str(REPO / "config" / "rehearsal.yaml"),
+                        "-d", str(tmp_path), "-n"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = job_counts(r.stdout)
+    assert counts["train"] == 13 and counts["tokenizer"] == 2 and counts["eval"] == 23
+    assert counts["report_html"] == 1 and "tiny.yaml" not in r.stdout + r.stderr
+
+
+def test_smallest_job_one_step_at_the_350m_widths(tiny_data, tmp_path):
+    spec = C.train_spec(CFG, "350m", "dense", "pretrain")
+    assert spec["model"]["d_model"] == 960 and spec["model"]["n_layers"] == 32 and spec["train"]["compile"] is True
+    # the CPU: the job cut to one step of one 128-token row, eager, 2 of its 32 layers (every width, head and
+    # the 32,000-token vocabulary as they are; the full depth takes minutes on two CPU cores, and gpucheck
+    # item a trains it on a GPU); the GPU runs the spec as it is
+    spec["model"].update(n_layers=2, ffn=spec["model"]["ffn"][:2])
+    spec.update(device="cpu", out_dir=str(tmp_path / "run"), tokenizer=tiny_data["tokenizer"],
+                data={"web": {"weight": 1.0, "manifest": tiny_data["manifests"]["web"]}})
+    spec["train"].update(batch_size=1, micro_batch=1, seq_len=128, steps=1, compile=False, eval_batches=1,
+                         tensorboard=False)
+    out = train(spec, threads=2)
+    layer = 2 * 960 * 960 + 2 * 960 * 320 + 3 * 960 * 2560 + 2 * 960   # wq, wo; wk, wv (5 KV heads); SwiGLU; norms
+    assert out["steps"] == 1 and np.isfinite(out["final_train_loss"])
+    assert out["total_params"] == 2 * 32000 * 960 + 2 * layer + 960
+    assert out["tokens_per_s_per_gpu"] > 0 and out["mfu"] is None
+    assert (tmp_path / "run" / "checkpoint" / "model.safetensors").is_file()
