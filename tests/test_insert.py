@@ -2,11 +2,6 @@
 are the formula, every other weight is the dense source's bit for bit, the stage resumes after SIGKILL."""
 import copy
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +13,8 @@ from stem.specs import TrainSpec
 from stem.train.checkpoint import save_checkpoint
 from stem.train.loop import setup, train
 from stem.train.step import TrainingError
+
+from killing import sigkill_after_state
 
 
 @pytest.fixture
@@ -84,18 +81,7 @@ def test_insertion_stage_sigkill_then_rerun_ends_with_the_same_loss(spec_factory
     ckpt, _ = dense_ckpt
     full = train(insert_spec(spec_factory, tmp_path / "full", ckpt, steps=12, checkpoint_interval=4), threads=1)
     killed = insert_spec(spec_factory, tmp_path / "killed", ckpt, steps=12, checkpoint_interval=4)
-    code = "import json,sys; from stem.train.loop import train; train(json.loads(sys.argv[1]), threads=1)"
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(killed)], cwd=C.REPO,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(C.REPO)})
-    latest = tmp_path / "killed" / "_state" / "latest"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().strip() >= "step_00000004":
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (tmp_path / "killed" / "summary.json").exists(), "the run finished before it could be killed"
+    sigkill_after_state(killed, 4)
     resumed = train(killed, threads=1)
     assert resumed["last_step_loss"] == full["last_step_loss"]
     assert resumed["final_val_loss"] == full["final_val_loss"]

@@ -5,12 +5,6 @@ against the dense path (first step identical, accumulation and clipping), agains
 by hand in numpy, and through the training loop: SIGKILL + resume. 1 vs 2 gloo ranks: tests/test_distributed.py.
 """
 import copy
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -27,6 +21,8 @@ from stem.train import distributed
 from stem.train.loop import train
 from stem.train.step import accumulate_gradients
 from stem.train.optim import RowSparseAdamW, build_optimizer, configure_table_update
+
+from killing import sigkill_after_state
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIM = {"betas": [0.9, 0.95], "weight_decay": 0.0, "eps": 1e-8, "grad_clip": 1.0}
@@ -174,18 +170,7 @@ def test_sparse_path_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, tm
         return s
     full = train(spec("full"), threads=1)
     killed = spec("killed")
-    code = "import json,sys; from stem.train.loop import train; train(json.loads(sys.argv[1]), threads=1)"
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(killed)], cwd=REPO,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
-    latest = tmp_path / "killed" / "_state" / "latest"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().strip() >= "step_00000008":
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (tmp_path / "killed" / "summary.json").exists(), "the run finished before it could be killed"
+    sigkill_after_state(killed, 8)
     resumed = train(killed, threads=1)
     assert resumed["last_step_loss"] == full["last_step_loss"]
     assert resumed["final_val_loss"] == full["final_val_loss"]

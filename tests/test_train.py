@@ -1,10 +1,5 @@
 """Training core: schedules, the mixture loader, resume determinism (incl. SIGKILL), bad runs."""
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +11,8 @@ from stem.data.shards import ShardSet
 from stem.train.checkpoint import load_checkpoint
 from stem.train.loop import TrainingError, train
 from stem.train.schedule import get_lr
+
+from killing import sigkill_after_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,18 +96,7 @@ def test_resume_gives_the_same_final_loss(spec_factory, tmp_path, variant):
 def test_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, tmp_path):
     full = train(spec_factory(tmp_path / "full", steps=40, checkpoint_interval=5), threads=1)
     spec = spec_factory(tmp_path / "killed", steps=40, checkpoint_interval=5)
-    code = "import json,sys; from stem.train.loop import train; train(json.loads(sys.argv[1]), threads=1)"
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], cwd=REPO,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
-    latest = tmp_path / "killed" / "_state" / "latest"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().strip() >= "step_00000010":
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (tmp_path / "killed" / "summary.json").exists(), "the run finished before it could be killed"
+    sigkill_after_state(spec, 10)
     resumed = train(spec, threads=1)
     assert resumed["last_step_loss"] == full["last_step_loss"]
 
