@@ -12,12 +12,11 @@ counted by ``graph_breaks`` (torch._dynamo's counters) and reported by the loop 
 """
 from __future__ import annotations
 
-import torch
-import torch._dynamo
 
 
 def compile_blocks(model) -> None:
     """Compile every block of ``model`` in place (call after ``set_training_options``, before sharding)."""
+    import torch._dynamo   # lazy: 1.5 s of imports that every eager training job would pay
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     setattr(cfg, name, max(getattr(cfg, name), 2 * len(model.layers)))
