@@ -268,7 +268,8 @@ def train_targets(cfg: dict) -> list[tuple[str, str, str]]:
 
 def seed_targets(cfg: dict) -> list[tuple[str, str, str]]:
     """The training jobs of seeds beyond the matrix's own (stem.seeds): (scale, '{variant}_seed{k}', stage)."""
-    return seeds.extra_targets(cfg)
+    return [(scale, seeds.seed_id(v, k), stage) for scale, m in cfg["matrix"].items() for v in m["variants"]
+            for k in seeds.seeds_of(cfg, scale, v) if k for stage in variant_stages(cfg, v, m["stages"])]
 
 
 def train_job(cfg: dict, scale: str, variant: str, stage: str):

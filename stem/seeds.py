@@ -37,12 +37,6 @@ def seeds_of(cfg: dict, scale: str, variant: str) -> list[int]:
     return sorted({0, *(int(k) for k in s)})
 
 
-def extra_targets(cfg: dict) -> list[tuple[str, str, str]]:
-    """(scale, seed variant id, stage) of every seed beyond seed 0, each a training job of its own."""
-    return [(scale, seed_id(v, k), stage) for scale, m in cfg["matrix"].items() for v in m["variants"]
-            for k in seeds_of(cfg, scale, v) if k for stage in m["stages"]]
-
-
 def check(cfg: dict, origin: str):
     """A per-variant ``seeds`` entry names variants of its matrix entry only."""
     from stem.config_base import ConfigError

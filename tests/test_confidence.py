@@ -266,7 +266,8 @@ def test_seeds_are_jobs_of_their_own_and_the_default_is_unchanged(cfg):
     whole = json.loads(json.dumps(cfg))
     del whole["matrix"]["350m"]["seeds"]
     whole["seeds"] = [0, 1]
-    assert len(C.seed_targets(C.validate_experiment(whole))) == 9 + 3 * 3   # every variant, every stage
+    # every variant, every stage it trains (stem_insert starts at midtrain)
+    assert len(C.seed_targets(C.validate_experiment(whole))) == 9 + 3 * 3 + 2
     mid = C.train_spec(whole, "1b", "stem_seed1", "midtrain")   # a later stage starts from the same seed's
     assert mid["init_from"] == "results/tiny/1b/stem_seed1/pretrain/checkpoint" and mid["seed"] == cfg["seed"] + 1
     from stem.eval.run import eval_targets

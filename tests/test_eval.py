@@ -288,9 +288,9 @@ def test_tiny_dag_ends_in_eval_jsons():
     assert "results/tiny/350m/stem/pretrain/eval/commonsense.json" in targets
     assert "results/tiny/1b/dense/extend/eval/longbench.json" in targets
     assert "results/tiny/1b/dse/extend/eval/longbench.json" in targets
-    # 9 350m (stem_sparse, dse too) + 3 1b pretrain (dense, stem, dse); 3 midtrain x 3 suites; 3 extend x 4;
-    # seeds 1 and 2 of 350m dense and STEM (stem.seeds)
-    assert len(targets) == 9 + 3 + 3 * 3 + 3 * 4 + 4
+    # 9 350m (stem_sparse, dse too) + 3 1b pretrain (dense, stem, dse); 4 midtrain x 3 suites; 4 extend x 4
+    # (stem_insert from midtrain on); seeds 1 and 2 of 350m dense and STEM (stem.seeds)
+    assert len(targets) == 9 + 3 + 4 * 3 + 4 * 4 + 4
     snakefile = (C.REPO / "Snakefile").read_text()
     assert 'include: "rules/eval.smk"' in snakefile and "eval_outputs()" in snakefile
 
