@@ -118,7 +118,7 @@ def test_soft_alignment_hand_example():
 
 
 # ---- the three analyses through the analyze stage ---------------------------------------------------------
-def test_mechanism_analyses_end_to_end(tiny_data, tmp_path, monkeypatch):
+def test_mechanism_analyses_end_to_end(tiny_data, tmp_path):
     """logitlens, cka and dse_disabled on saved (untrained) DSE and dense checkpoints: the job specs the workflow
     builds, the baseline read from its checkpoint, entity positions found in held-out text, the eval path with the
     gate overridden (normal == the same model through lm-eval unmodified)."""
@@ -132,9 +132,6 @@ def test_mechanism_analyses_end_to_end(tiny_data, tmp_path, monkeypatch):
     from stem.eval import fixtures
     from stem.eval.run import suite_spec
     from stem.train.checkpoint import save_checkpoint
-    # lm-eval's environment report (torch's collect_env: a `pip list` subprocess, 2-3 s per simple_evaluate) is
-    # metadata of its results JSON, which the analysis does not keep
-    monkeypatch.setattr("lm_eval.evaluator.add_env_info", lambda results: None)
     tok = load_tokenizer(tiny_data["tokenizer"])
     ckpts = {}
     for variant, model in (("dse", dse_model(512, 3, (0,))), ("dense", build_model(ModelConfig.from_dict(dict(

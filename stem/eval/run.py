@@ -138,16 +138,26 @@ def task_manager(fixtures: str | None):
 
 
 def run_lm_eval(lm, spec: dict, limit=None) -> dict:
-    from lm_eval import simple_evaluate
+    from lm_eval import evaluator, simple_evaluate
 
     tm = task_manager(spec["fixtures"])
     unknown = [t for t in spec["tasks"] if not tm.match_tasks([t])]
     if unknown:
         where = f"fixtures {spec['fixtures']}" if spec["fixtures"] else "lm-eval"
         raise ValueError(f"suite {spec['suite']!r}: unknown task(s) {unknown} in {where}")
-    return simple_evaluate(model=lm, tasks=list(spec["tasks"]), num_fewshot=spec["num_fewshot"], limit=limit,
-                           task_manager=tm, log_samples=True, gen_kwargs=spec["gen_kwargs"],
-                           bootstrap_iters=spec.get("bootstrap_iters", 1000), random_seed=spec["seed"])
+    # lm-eval's add_env_info runs torch's collect_env (pip, nvidia-smi and friends as subprocesses: ~2 s per eval
+    # job, ~100 s of a tiny run); the eval JSON's `provenance` (stem.provenance) records the versions instead
+    env_info, evaluator.add_env_info = evaluator.add_env_info, _no_env_info
+    try:
+        return simple_evaluate(model=lm, tasks=list(spec["tasks"]), num_fewshot=spec["num_fewshot"], limit=limit,
+                               task_manager=tm, log_samples=True, gen_kwargs=spec["gen_kwargs"],
+                               bootstrap_iters=spec.get("bootstrap_iters", 1000), random_seed=spec["seed"])
+    finally:
+        evaluator.add_env_info = env_info
+
+
+def _no_env_info(results: dict):
+    results["env_info"] = "not collected: see the eval JSON's provenance (stem.provenance)"
 
 
 def _pick(metrics: dict, prefs: list[str]) -> str | None:
