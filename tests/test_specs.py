@@ -18,7 +18,7 @@ def test_train_spec_json_is_what_the_config_says():
     spec = C.train_spec(TINY, "1b", "stem", "midtrain")
     assert spec["train"] == {"log_interval": 10, "eval_interval": 50, "eval_batches": 4, "checkpoint_interval": 50,
                              "tensorboard": False, "lr": 1.0e-3, "schedule": "linear", "warmup": 0.05,
-                             "min_lr_ratio": 0.0, "batch_size": 16, "micro_batch": 16, "seq_len": 128, "steps": 60,
+                             "min_lr_ratio": 0.0, "batch_size": 16, "micro_batch": 16, "seq_len": 128, "steps": 40,
                              "cross_doc_mask": False, "reset_optimizer": True, "save_optimizer": False}
     assert spec["optim"] == {"betas": [0.9, 0.95], "weight_decay": 0.1, "eps": 1.0e-8, "grad_clip": 1.0,
                              "groups": {"table": {"lr_mult": 1.0, "weight_decay": 0.1},
