@@ -78,7 +78,7 @@ def cluster_resources(kind, scale=None):
 
 def state_bytes(scale, variant, stage):
     """Bytes of a training job's saved state: fp32 weights + AdamW's two fp32 moments, 12 B per parameter
-    (stem.train.checkpoint / distributed.save_state; DCP writes the same total, shared over the ranks)."""
+    (stem.checkpoint / distributed.save_state; DCP writes the same total, shared over the ranks)."""
     from stem.models.model import meta_model
 
     model = meta_model(as_json(C.train_spec(config, scale, variant, stage)["model"]))

@@ -216,7 +216,7 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
     from stem.models.offload import offload
-    from stem.train.checkpoint import check_identity
+    from stem.checkpoint import check_identity
 
     ckpt = Path(checkpoint)
     resident, _, spec = load_for_eval(ckpt, "cpu")

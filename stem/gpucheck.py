@@ -52,7 +52,7 @@ from stem.models.model import build_model
 from stem.models.offload import offload
 from stem.specs import TrainSpec
 from stem.train import distributed, memory, throughput
-from stem.train.checkpoint import save_checkpoint
+from stem.checkpoint import save_checkpoint
 from stem.train.compile import compile_blocks
 from stem.train.optim import build_optimizer, configure_table_update
 from stem.train.step import accumulate_gradients, make_optimizer, train_step

@@ -192,7 +192,7 @@ def one_thread():
 
 def test_analyze_end_to_end(tiny_data, tmp_path, one_thread):
     from stem.analysis.run import analyze
-    from stem.train.checkpoint import save_checkpoint
+    from stem.checkpoint import save_checkpoint
     cfg = ModelConfig(vocab_size=512, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=64,
                       ffn=("dense", "stem"))
     model = build_model(cfg).eval()

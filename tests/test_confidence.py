@@ -203,7 +203,7 @@ def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
     from stem.eval import fixtures, run
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
-    from stem.train.checkpoint import save_checkpoint
+    from stem.checkpoint import save_checkpoint
     world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
     docs = [doc for doc, _ in zip(synth.web_documents(synth.make_world(**world)), range(200))]
     train_bpe(docs, 320, tmp_path / "tok.json")

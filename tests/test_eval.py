@@ -13,7 +13,7 @@ from stem.eval.generate import greedy_generate  # noqa: E402
 from stem.eval.lm import StemLM, cut_at_stop  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
-from stem.train.checkpoint import save_checkpoint  # noqa: E402
+from stem.checkpoint import save_checkpoint  # noqa: E402
 
 WORLD = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
 

@@ -50,7 +50,7 @@ def ckpt(tmp_path_factory):
     from stem.data.tokenizer import train_bpe
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
-    from stem.train.checkpoint import save_checkpoint
+    from stem.checkpoint import save_checkpoint
     d = tmp_path_factory.mktemp("ckpt")
     train_bpe([doc for doc, _ in zip(synth.web_documents(synth.make_world(**WORLD)), range(200))], 320, d / "tok.json")
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")

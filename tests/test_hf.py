@@ -17,7 +17,7 @@ from stem.hf.export import export_hf  # noqa: E402
 from stem.hf.importer import HF_KEY, import_hf  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
-from stem.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from stem.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 WORLD = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
 ATOL, RTOL = 1e-4, 1e-5   # fp32 logits, transformers vs the pipeline (float round-off: RoPE frequencies in fp32 vs fp64)

@@ -10,7 +10,7 @@ import torch
 from stem import config as C
 from stem.models.model import build_model
 from stem.specs import TrainSpec
-from stem.train.checkpoint import save_checkpoint
+from stem.checkpoint import save_checkpoint
 from stem.train.loop import setup, train
 from stem.train.step import TrainingError
 

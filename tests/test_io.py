@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stem.io import atomic_dir, atomic_open, atomic_path, atomic_write_json, replace_dir, umask
-from stem.train import checkpoint as ck
+from stem import checkpoint as ck
 
 
 def _mode(p):

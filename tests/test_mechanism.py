@@ -131,7 +131,7 @@ def test_mechanism_analyses_end_to_end(tiny_data, tmp_path):
     from stem.data.tokenizer import load_tokenizer
     from stem.eval import fixtures
     from stem.eval.run import suite_spec
-    from stem.train.checkpoint import save_checkpoint
+    from stem.checkpoint import save_checkpoint
     tok = load_tokenizer(tiny_data["tokenizer"])
     ckpts = {}
     for variant, model in (("dse", dse_model(512, 3, (0,))), ("dense", build_model(ModelConfig.from_dict(dict(

@@ -11,7 +11,7 @@ from stem import config as C
 from stem.eval.generate import greedy_generate_batch
 from stem.models.model import KVCache, build_model
 from stem.models.offload import LFUCache, OffloadedHashedTable, OffloadedTable, offload
-from stem.train.checkpoint import save_weights
+from stem.checkpoint import save_weights
 
 VARIANTS = ["stem", "stem_gate", "stem_dagger", "stem_half", "stem_full"]
 V, D_FF = 64, 24
@@ -199,7 +199,7 @@ def test_bench_offload_end_to_end(tiny_data, tmp_path, capsys):
     import json
 
     from stem.__main__ import main
-    from stem.train.checkpoint import save_checkpoint
+    from stem.checkpoint import save_checkpoint
     model = tiny_model("stem_half", vocab=512)  # the tiny data's vocabulary
     spec = {"experiment": "test", "scale": "350m", "variant": "stem_half", "stage": "pretrain",
             "model": model.cfg.to_dict(), "data": {"web": {"manifest": tiny_data["manifests"]["web"], "weight": 1.0}},
@@ -241,7 +241,7 @@ def test_warm_replay_starts_with_the_most_frequent_ids():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_load_offloaded_never_reads_the_tables_into_the_model(tmp_path, dtype):
     from stem.models.offload import load_offloaded
-    from stem.train.checkpoint import save_checkpoint
+    from stem.checkpoint import save_checkpoint
     model = tiny_model("stem_full")
     spec = {"experiment": "test", "scale": "350m", "variant": "stem_full", "stage": "pretrain",
             "model": model.cfg.to_dict()}
@@ -316,7 +316,7 @@ def test_bench_offload_on_a_dse_checkpoint(tiny_data, tmp_path):
     """python -m stem bench offload on a small DSE checkpoint: its hashed tables offloaded, per-table counters."""
     import json
 
-    from stem.train.checkpoint import save_checkpoint
+    from stem.checkpoint import save_checkpoint
     model = tiny_model("dse", vocab=512)
     spec = {"experiment": "test", "scale": "350m", "variant": "dse", "stage": "pretrain",
             "model": model.cfg.to_dict(), "data": {"web": {"manifest": tiny_data["manifests"]["web"], "weight": 1.0}},

@@ -89,7 +89,7 @@ def write_results(root, cfg, skip=(MISSING,)):
                     row.update(val_loss=float(l), val_ppl=float(np.exp(l)))
                 f.write(json.dumps(row) + "\n")
         (d / "summary.json").write_text(json.dumps(summary_json(cfg, scale, variant, stage, loss)))
-        (d / "checkpoint").mkdir()  # what stem.train.checkpoint writes besides the weights: job spec, accounting
+        (d / "checkpoint").mkdir()  # what stem.checkpoint writes besides the weights: job spec, accounting
         (d / "checkpoint" / "config.json").write_text(json.dumps(
             {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}))
         (d / "checkpoint" / "accounting.json").write_text(json.dumps(T.accounting(cfg, scale, variant)))
@@ -528,7 +528,7 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     from stem.eval import fixtures, run
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
-    from stem.train.checkpoint import save_checkpoint
+    from stem.checkpoint import save_checkpoint
     world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
     docs = [doc for doc, _ in zip(synth.web_documents(synth.make_world(**world)), range(200))]
     train_bpe(docs, 320, tmp_path / "tok.json")

@@ -8,7 +8,7 @@ import torch
 
 from stem.data.loader import MixtureLoader, positions_from_docs
 from stem.data.shards import ShardSet
-from stem.train.checkpoint import load_checkpoint
+from stem.checkpoint import load_checkpoint
 from stem.train.loop import TrainingError, train
 from stem.train.schedule import get_lr
 

@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_spec
 from stem import config as C
-from stem.train.checkpoint import load_checkpoint
+from stem.checkpoint import load_checkpoint
 from stem.train.loop import TrainingError, train
 
 

@@ -16,7 +16,7 @@ def load(ckpt_dir, device: str = "cpu"):
     """(model in eval mode in float32 on ``device`` (CPU when CUDA is absent), tokenizer, saved job spec);
     one-line errors on bad folders."""
     from stem.data.tokenizer import load_tokenizer
-    from stem.train.checkpoint import load_checkpoint
+    from stem.checkpoint import load_checkpoint
 
     ckpt = Path(ckpt_dir)
     if not (ckpt / "tokenizer.json").is_file():
@@ -36,7 +36,7 @@ def load_baseline(ckpt_dir, spec: dict):
             (base / "tokenizer.json").read_bytes() != ours.read_bytes():
         raise ValueError(f"baseline checkpoint {base}: its tokenizer.json differs from {ours} (the baseline must "
                          "be a model of the same scale)")
-    from stem.train.checkpoint import check_identity, read_checkpoint_spec
+    from stem.checkpoint import check_identity, read_checkpoint_spec
     job = spec.get("job")   # the baseline: the job's experiment/scale/stage, variant spec["baseline"]
     expected = {**job, "variant": spec["baseline"]} if job and spec.get("baseline") else None
     check_identity(base, read_checkpoint_spec(base), expected, f"this analysis job's baseline ({spec.get('baseline')})")

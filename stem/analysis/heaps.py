@@ -48,7 +48,7 @@ def run(ckpt_dir, spec: dict) -> dict:
     from stem.data.shards import ShardSet
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
-    from stem.train.checkpoint import read_checkpoint_spec
+    from stem.checkpoint import read_checkpoint_spec
 
     saved = read_checkpoint_spec(ckpt_dir)
     cfg = ModelConfig.from_dict(saved["model"])

@@ -11,7 +11,7 @@ IDENTITY = ("experiment", "scale", "variant", "stage")
 def analyze(ckpt_dir, spec: dict, out_json) -> dict:
     from stem.analysis.common import TINY_NOTE
     from stem.io import atomic_write_json
-    from stem.train.checkpoint import check_identity, read_checkpoint_spec
+    from stem.checkpoint import check_identity, read_checkpoint_spec
 
     name = spec.get("analysis")
     if name not in ANALYSES:

@@ -34,7 +34,7 @@ def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None,
     ``offload`` the STEM tables stay off the device (stem.models.offload; ``model.offload_engine``) and are
     never read into memory whole: only the rest of the model is loaded, on ``device``."""
     from stem.data.tokenizer import load_tokenizer
-    from stem.train.checkpoint import load_checkpoint
+    from stem.checkpoint import load_checkpoint
 
     ckpt = Path(ckpt_dir)
     if not ckpt.is_dir():

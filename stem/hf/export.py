@@ -26,7 +26,7 @@ from stem.hf.keys import to_hf
 from stem.hf.remote.configuration_stem import StemLlamaConfig
 from stem.io import atomic_dir
 from stem.models.config import ModelConfig
-from stem.train.checkpoint import load_checkpoint
+from stem.checkpoint import load_checkpoint
 
 REMOTE = Path(__file__).parent / "remote"
 REMOTE_FILES = ("configuration_stem.py", "modeling_stem.py")

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from stem.hf.keys import from_hf
 from stem.models.config import ModelConfig, RopeScaling
 from stem.models.model import build_model
-from stem.train.checkpoint import save_checkpoint
+from stem.checkpoint import save_checkpoint
 
 
 

@@ -503,7 +503,7 @@ def load_offloaded(ckpt_dir, device="cpu", dtype=torch.float32, cache_rows: int 
 
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
-    from stem.train.checkpoint import read_checkpoint_spec
+    from stem.checkpoint import read_checkpoint_spec
 
     ckpt = Path(ckpt_dir)
     weights = ckpt / "model.safetensors"

@@ -29,7 +29,7 @@ Sharding (``parallelize``):
   and optimizer state (``MixedPrecisionPolicy``). On the CPU (gloo, tests) everything stays fp32.
 
 Checkpoints (``save_state`` / ``load_state``): world size 1 keeps the single-process format of
-``stem.train.checkpoint`` (safetensors + torch.save). World size > 1 writes ``torch.distributed.checkpoint``
+``stem.checkpoint`` (safetensors + torch.save). World size > 1 writes ``torch.distributed.checkpoint``
 (DCP: every rank writes its own shards, no gather) in ``step_N/dcp``; DCP reshards on load, so a state
 saved at world size W resumes at any other world size, including 1 (DCP loads without a process group).
 The final, declared checkpoint stays one safetensors file: its full state dict is gathered to rank 0
@@ -263,7 +263,7 @@ def optimizer_for_dtensors(opt, ctx: DistContext, strategy: str):
 
 def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, keep: int = 2):
     """Resumable state: the single-process format at world size 1, DCP (sharded, reshardable) above."""
-    from stem.train import checkpoint as ck
+    from stem import checkpoint as ck
     state_dir = Path(state_dir)
     if ctx.world == 1:
         return ck.save_state(state_dir, step, model, opt, extra, keep=keep)
@@ -289,7 +289,7 @@ def load_state(state_dir, model, opt, ctx: DistContext) -> dict | None:
     """Restore the latest complete state (either format, any world size it was saved at); returns its extra
     dict, or None if there is no state. A state that fails its manifest or its load is skipped with a
     one-line warning naming the bad file, falling back to the previous one; none complete: ValueError."""
-    from stem.train import checkpoint as ck
+    from stem import checkpoint as ck
     import sys
     bad = []
     for folder in ck.state_candidates(state_dir):
@@ -309,7 +309,7 @@ def load_state(state_dir, model, opt, ctx: DistContext) -> dict | None:
 
 
 def _load_state_folder(folder: Path, model, opt, ctx: DistContext) -> dict:
-    from stem.train import checkpoint as ck
+    from stem import checkpoint as ck
     if ctx.world == 1 and not (folder / "dcp").is_dir():
         return ck.load_state(folder, model, opt)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict

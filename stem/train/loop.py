@@ -44,7 +44,7 @@ from stem.models.accounting import accounting as model_accounting, flops_per_tok
 from stem.models.insert import insert_stem
 from stem.models.model import build_model
 from stem.specs import SpecError, TrainSpec
-from stem.train import checkpoint as ck
+from stem import checkpoint as ck
 from stem.train import distributed
 from stem.train import lifecycle
 from stem.train import memory
