@@ -8,7 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from stem.config_base import REPO, ConfigError
+from stem.io import ConfigError
+from stem.layout import REPO
 from stem.options import Experiment, Scale, Stage, values
 
 EXPERIMENTS = values(Experiment)

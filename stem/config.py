@@ -10,9 +10,10 @@ import math
 from functools import lru_cache
 
 from stem import plugins
-from stem.config_base import REPO, VARIANTS, ConfigError, read_yaml, variants  # noqa: F401 (re-exported)
-from stem.config_base import deep_merge as _deep_merge
 from stem import seeds
+from stem.io import ConfigError, read_yaml, variants  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
+from stem.io import deep_merge as _deep_merge
+from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.options import Scale, Stage, values
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS  # names only: entries load on use

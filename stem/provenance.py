@@ -16,7 +16,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from stem.config_base import REPO
+from stem.layout import REPO
 
 PACKAGES = {"torch": "torch", "lm_eval": "lm_eval", "snakemake": "snakemake", "transformers": "transformers"}
 

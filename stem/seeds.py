@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from stem.io import ConfigError
+
 ID = re.compile(r"^(?P<base>[a-z][a-z0-9_]*?)_seed(?P<k>[1-9][0-9]*)$")
 
 
@@ -39,7 +41,6 @@ def seeds_of(cfg: dict, scale: str, variant: str) -> list[int]:
 
 def check(cfg: dict, origin: str):
     """A per-variant ``seeds`` entry names variants of its matrix entry only."""
-    from stem.config_base import ConfigError
     for scale, m in (cfg.get("matrix") or {}).items():
         s = m.get("seeds")
         for v in s if isinstance(s, dict) else []:

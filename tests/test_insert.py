@@ -139,7 +139,7 @@ def _docs_block(name):
 def test_official_blocks_in_the_docs():
     """The documented config blocks run the official settings: merged over config/paper.yaml, they validate and
     give the official values in the job specs (no code change)."""
-    from stem.config_base import deep_merge
+    from stem.io import deep_merge
     paper = C.read_yaml(C.REPO / "config" / "paper.yaml")
     cfg = C.validate_experiment(deep_merge(copy.deepcopy(paper), _docs_block("official-1b")))
     assert C.train_targets(cfg)[-1] == ("1b", "stem_insert", "pretrain")

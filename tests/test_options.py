@@ -2,7 +2,7 @@
 import json
 
 from stem import config as C
-from stem.config_base import read_yaml
+from stem.io import read_yaml
 from stem.options import Experiment, Scale, Schedule, Stage, Strategy, TableInit, TableUpdate, values
 
 

@@ -155,7 +155,7 @@ def _resolve(cfg: dict, spec: dict) -> dict:
 
 
 def _named(cfg: dict, kind: str, key: str) -> dict:
-    from stem.config_base import variants
+    from stem.io import variants
     name = section(cfg, kind)[key]
     named = variants(cfg)
     if name not in named:
@@ -165,7 +165,7 @@ def _named(cfg: dict, kind: str, key: str) -> dict:
 
 def _memory(cfg: dict, kind: str) -> dict:
     """The DSE section the points use: the memory variant's (with variant_overrides), sweeps.{kind}.dse over it."""
-    from stem.config_base import deep_merge as _deep_merge
+    from stem.io import deep_merge as _deep_merge
     sw = section(cfg, kind)
     mem = _named(cfg, kind, "memory").get("dse")
     if not mem:
@@ -181,7 +181,7 @@ def _memory(cfg: dict, kind: str) -> dict:
 
 def _base(cfg: dict, kind: str) -> dict:
     """The base variant (with variant_overrides), sweeps.{kind}.base_overrides over it."""
-    from stem.config_base import deep_merge as _deep_merge
+    from stem.io import deep_merge as _deep_merge
     base = _deep_merge(_named(cfg, kind, "base"), section(cfg, kind).get("base_overrides") or {})
     name = section(cfg, kind)["base"]
     if base.get("dse"):
@@ -324,7 +324,7 @@ def validate(cfg: dict, origin: str):
     every point is a valid model config (one line naming the key otherwise). The tolerance of the rho points
     depends on the architecture and is checked when the sweep is built (``strict``), so a config that reshapes
     archs for another target still loads."""
-    from stem.config_base import ConfigError, variants
+    from stem.io import ConfigError, variants
     sw = cfg.get("sweeps")
     if not sw:
         return
