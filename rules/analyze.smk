@@ -4,7 +4,7 @@
 # reruns alone:
 #   snakemake --profile profiles/local results/tiny/350m/stem/pretrain/analysis/editing.json
 # Which checkpoints and analyses: config `analysis:`; their tables and figures are report tables / figures
-# (stem.analysis.report registers them with stem.report.registry), built by rules/report.smk.
+# (stem.report.analyses registers them with stem.report.registry), built by rules/report.smk.
 from stem.analysis import workflow as AW  # noqa: E402
 
 analysis_outputs = lambda: AW.targets(config)  # noqa: E731

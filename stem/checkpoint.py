@@ -9,6 +9,11 @@ Two kinds, in two places:
 - the declared final checkpoint ``{out_dir}/checkpoint/``: model.safetensors, config.json (the job
   spec, model config included), tokenizer.json, accounting.json, and ``optimizer/`` when the next stage
   carries the optimizer state (reset_optimizer: false); written to a temp folder, renamed.
+  ``load_checkpoint`` builds its model; ``load_offloaded`` builds it with the tables left in the file
+  (stem.models.offload).
+
+Below training and evaluation (stem.train, stem.eval, stem.hf and stem.analysis read and write checkpoints
+here), above stem.models.
 """
 from __future__ import annotations
 
@@ -20,10 +25,14 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from stem.io import atomic_dir, atomic_write_json, atomic_write_text
 from stem.layout import IDENTITY, checkpoint_identity
+from stem.models.config import ModelConfig
+from stem.models.model import build_model
+from stem.models.offload import dse_tables, offload, token_tables
 
 
 def _state_dict_for_save(model) -> dict:
@@ -178,9 +187,6 @@ def check_identity(ckpt_dir, saved: dict, expected: dict | None, job: str) -> No
 
 def load_checkpoint(ckpt_dir, device="cpu"):
     """(model, spec) from a checkpoint folder written by save_checkpoint."""
-    from stem.models.config import ModelConfig
-    from stem.models.model import build_model
-
     ckpt_dir = Path(ckpt_dir)
     spec = read_checkpoint_spec(ckpt_dir)
     try:
@@ -192,6 +198,42 @@ def load_checkpoint(ckpt_dir, device="cpu"):
 
 
 @contextlib.contextmanager
+def load_offloaded(ckpt_dir, device="cpu", dtype=torch.float32, cache_rows: int = 0, prefetch: bool = True):
+    """(model, spec) from a checkpoint folder without ever reading its tables into memory: the model is built
+    on the meta device, its tables offloaded (the far tier reads model.safetensors), the rest materialised on
+    ``device`` and read from the file tensor by tensor."""
+    ckpt = Path(ckpt_dir)
+    weights = ckpt / "model.safetensors"
+    spec = read_checkpoint_spec(ckpt)
+    try:
+        model = build_model(ModelConfig.from_dict(spec["model"]), "meta").to(dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{ckpt / 'config.json'}: bad model config ({e})") from None
+    offloaded = [t for _, _, t in token_tables(model)] + [t for _, _, _, t in dse_tables(model)]
+    tables = {f"{n}.weight" for n, m in model.named_modules() if any(m is t for t in offloaded)}
+    offload(model, weights, device, cache_rows, prefetch)
+    model.to_empty(device=device)
+    model.init_weights()  # the buffers not saved with the weights (RoPE frequencies); the weights come next
+    own = model.state_dict()
+    try:
+        with safe_open(str(weights), framework="pt", device="cpu") as f:
+            have = set(f.keys())
+            if have != set(own) | tables:
+                raise ValueError(f"{weights}: weights do not match the model (missing "
+                                 f"{sorted(set(own) - have)[:3]}, unexpected {sorted(have - set(own) - tables)[:3]})")
+            for k, v in own.items():
+                t = f.get_tensor(k)
+                if t.shape != v.shape:
+                    raise ValueError(f"{weights}: {k} {tuple(t.shape)} vs model {tuple(v.shape)}")
+                v.copy_(t)
+    except ValueError:
+        raise
+    except Exception as e:  # SafetensorError (a truncated or foreign file), OSError
+        msg = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{weights}: unreadable safetensors file ({type(e).__name__}: {msg})") from None
+    return model.eval(), spec
+
+
 def _single_process_quiet():
     """DCP warns that it assumes one process when there is no process group: that is the intent here."""
     with warnings.catch_warnings():

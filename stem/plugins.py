@@ -15,8 +15,8 @@ import importlib
 BUILTIN: dict[str, tuple[str, ...]] = {
     "ffn kind": ("stem.models.registry",),
     "suite kind": ("stem.eval.run",),
-    "report table": ("stem.report.tables", "stem.report.figures", "stem.analysis.report",
-                     "stem.analysis.mechanism_report", "stem.sweeps.report", "stem.report.provenance"),
+    "report table": ("stem.report.tables", "stem.report.figures", "stem.report.analyses",
+                     "stem.report.mechanism", "stem.report.sweep_figures", "stem.report.provenance"),
     "analysis": ("stem.analysis.workflow",),
     "generator": ("stem.data.synth",),
 }

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from stem.models.config import ModelConfig
 from stem.options import Schedule, Strategy, TableUpdate, values
-from stem.registry import SUITE_KINDS
+from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
 SCHEDULES = values(Schedule)
@@ -362,8 +362,7 @@ class ReportSpec(_Spec):
     spikes: Spikes = field(default_factory=Spikes)
 
     def __post_init__(self):
-        from stem.report import registry
-        tables = registry.tables()
+        tables = REPORT_TABLES
         fed = [n for n, t in tables.items() if t.stages]
         for name, stages in self.stages.items():
             _check(name in fed, f"stages.{name}", f"a table fed by training stages ({', '.join(fed)})", name)
@@ -377,11 +376,10 @@ class ReportSpec(_Spec):
     @classmethod
     def from_config(cls, cfg: dict) -> "ReportSpec":
         """The defaults (registry stages, tolerances, spike rule) under the config's ``report:`` section."""
-        from stem.report import registry
         rep = cfg.get("report") or {}
         if not isinstance(rep, dict):
             raise SpecError(f"report spec: key 'report': expected a mapping, got {rep!r}")
-        stages = {n: list(t.stages) for n, t in registry.tables().items() if t.stages}
+        stages = {n: list(t.stages) for n, t in REPORT_TABLES.items() if t.stages}
         tolerance = {"accuracy": 1.0, "params": 0.01, "gflops": 0.01, "roi": 0.02, "other": 0.0}
         for key, default in (("stages", stages), ("tolerance", tolerance)):
             if not isinstance(rep.get(key) or {}, dict):

@@ -9,7 +9,7 @@ import torch
 from stem.analysis import editing as E
 from stem.analysis import heaps as H
 from stem.analysis import spread as S
-from stem.analysis import verdict as V
+from stem.report import verdict as V
 from stem.analysis.common import state_digest, table_sites
 from stem.models.config import ModelConfig
 from stem.models.model import build_model
@@ -225,7 +225,7 @@ def test_analyze_end_to_end(tiny_data, tmp_path, one_thread):
 
 
 def test_analysis_directions_constructed():
-    from stem.analysis.report import analysis_directions
+    from stem.report.analyses import analysis_directions
     layer = lambda i, **sets: {"layer": i, "ffn": "x", **{k: {"mean_abs": v, "pairs": 10} for k, v in sets.items()}}  # noqa: E731
     spread = {("350m", "dense", "pretrain"): {"layers": [layer(0, up_proj=0.5), layer(1, up_proj=0.4)]},
               ("350m", "stem", "pretrain"): {"layers": [layer(0), layer(1, table=0.1)]}}

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from stem import config as C
-from stem.analysis import verdict as V
+from stem.report import verdict as V
 from stem.report import build as B
 from stem.report import diff
 from stem.report import paper_data as P

@@ -225,14 +225,14 @@ def test_mechanism_analyses_end_to_end(tiny_data, tmp_path):
                                  "modes": ["disabled"], "categories": {"factual": ["arc_easy"]}}, tmp_path / "y.json")
 
 
-# ---- tables, figures and directions (stem.analysis.mechanism_report) ---------------------------------------
+# ---- tables, figures and directions (stem.report.mechanism) ---------------------------------------
 def test_mechanism_tables_figures_and_directions_through_the_registry(tmp_path):
     """Hand-made analysis JSONs: table cells copied from them, the directions against the DSE paper's claims
     (a constructed case per verdict), each figure drawn; no results: empty tables, figures that say so."""
     import matplotlib.pyplot as plt
 
     from stem import config as C
-    from stem.analysis.mechanism_report import mechanism_directions, retained_bootstrap
+    from stem.report.mechanism import mechanism_directions, retained_bootstrap
     from stem.report import registry
     from stem.report.figures import draw
     from stem.report.results import Results

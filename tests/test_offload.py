@@ -240,7 +240,7 @@ def test_warm_replay_starts_with_the_most_frequent_ids():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_load_offloaded_never_reads_the_tables_into_the_model(tmp_path, dtype):
-    from stem.models.offload import load_offloaded
+    from stem.checkpoint import load_offloaded
     from stem.checkpoint import save_checkpoint
     model = tiny_model("stem_full")
     spec = {"experiment": "test", "scale": "350m", "variant": "stem_full", "stage": "pretrain",

@@ -14,7 +14,7 @@ import yaml
 from conftest import job_counts
 from stem import config as C
 from stem import sweeps as S
-from stem.sweeps import results as SR
+from stem.report import sweeps as SR
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ def main():
     for ext in ("json", "md", "png", "pdf"):
         p.add_argument(f"--{ext}", required=True)
     args = p.parse_args()
-    from stem.sweeps import results as sweeps
+    from stem.report import sweeps
     from stem.io import atomic_write_json, atomic_write_text
     from stem.report.figures import save
     r = sweeps.collect(spec_of(args), args.kind, args.results)

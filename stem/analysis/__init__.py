@@ -13,6 +13,6 @@ One module per analysis, each ``run(ckpt_dir, spec) -> dict`` (the JSON written 
   CKA between baseline and DSE layers, the soft alignment a_j, Fig. 3b-c), ``dse_disabled`` (accuracy with the
   DSE gate forced to 0 / 1 through the eval path, Figs 9-10).
 
-``report`` (and ``mechanism_report`` for the DSE analyses) turns the per-checkpoint JSONs into tables and
-figures; ``verdict`` gives directions a confidence.
+The report layer turns the per-checkpoint JSONs into tables and figures (stem.report.analyses, and
+stem.report.mechanism for the DSE analyses) and gives directions a confidence (stem.report.verdict).
 """

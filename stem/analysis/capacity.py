@@ -5,7 +5,7 @@ Each fact is a prompt in the wording of the training templates and its answer am
 when the answer has the highest summed log-probability. Per relation (with its chance level 1/choices)
 and per entity-frequency bucket: the entity's name is counted in the training corpus and the entities are
 split into equal-count buckets (rare, mid, frequent). Per-item hits are kept for paired comparisons between
-variants (stem.analysis.verdict).
+variants (stem.report.verdict).
 """
 from __future__ import annotations
 

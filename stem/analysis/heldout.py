@@ -1,4 +1,4 @@
-"""Per-window held-out loss: the items of the paired bootstrap behind the loss direction (stem.analysis.verdict).
+"""Per-window held-out loss: the items of the paired bootstrap behind the loss direction (stem.report.verdict).
 
 ``windows`` windows of ``seq_len`` tokens at evenly spaced offsets of a source's validation split (the same
 windows for every variant of a scale: same tokenizer, same split); each window's mean next-token loss.

@@ -5,7 +5,7 @@ q_l = softmax(W_head RMSNorm(h_l)), and compared with the model's final distribu
 KL(p || q_l) = sum_v p_v (log p_v - log q_{l,v}), averaged over the held-out tokens (``windows`` windows of
 ``seq_len`` tokens of a source's validation split, as ``heldout`` reads them). The last layer's KL is 0 by
 construction. Run on a DSE checkpoint and on its baseline (the same experiment/scale/stage's ``baseline``
-variant) on the same tokens; per-window values are kept for the paired comparison (stem.analysis.verdict).
+variant) on the same tokens; per-window values are kept for the paired comparison (stem.report.verdict).
 """
 from __future__ import annotations
 

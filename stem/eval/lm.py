@@ -44,7 +44,7 @@ def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None,
     device = pick_device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if offload:
-        from stem.models.offload import load_offloaded
+        from stem.checkpoint import load_offloaded
         try:
             model, spec = load_offloaded(ckpt, device, getattr(torch, dtype), cache_rows)
         except ValueError as e:

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from stem import provenance
-from stem.analysis import verdict as V
+from stem.report import verdict as V
 from stem.report import paper_data as P
 from stem.report.provenance import commit_label, results_summary
 from stem.report import registry
@@ -118,8 +118,8 @@ def _bool(x):
 
 
 def bootstrap_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """The registered ``directions`` table (stem.analysis.report: paired bootstrap, 95%) back as one row per
-    direction, each with its verdict's category (stem.analysis.verdict.category)."""
+    """The registered ``directions`` table (stem.report.analyses: paired bootstrap, 95%) back as one row per
+    direction, each with its verdict's category (stem.report.verdict.category)."""
     d = ours.get("directions")
     if d is None or d.empty:
         return pd.DataFrame(columns=DIRECTION_COLUMNS)
@@ -143,7 +143,7 @@ def bootstrap_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
 
 def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Every direction's verdict, from one source: the rows of the ``directions`` table (paired bootstrap over
-    items / windows; stem.analysis.report) first, then the point-estimate direction cells of the direction-
+    items / windows; stem.report.analyses) first, then the point-estimate direction cells of the direction-
     checked tables that it has no row for (Table 3's ROI, Tables 5-6, the DSE paper's Table 1: no per-item data),
     verdict 'agree (point estimate)' / 'disagree (point estimate)' / 'missing'."""
     boot = bootstrap_directions(ours)

@@ -5,7 +5,7 @@ A table is registered with ``@paper_table(name, title, ...)`` on its builder, a 
 stem.report.workflow), the table writer, the diff, the figures, the README and the HTML report all iterate
 ``tables()`` / ``figures()``; none of them names a table or a figure. The paper's own tables and figures are
 registered when stem.report.tables and stem.report.figures are imported, the analyze stage's by
-stem.analysis.report and stem.analysis.mechanism_report, the DSE sweeps' by stem.sweeps.report (their
+stem.report.analyses and stem.report.mechanism, the DSE sweeps' by stem.report.sweep_figures (their
 ``stem.plugins.BUILTIN`` list: the registries ``stem.registry.REPORT_TABLES`` / ``REPORT_FIGURES`` import them
 on their first lookup); a config's plugin modules register more the same way. This module imports nothing
 of the project but stem.registry.

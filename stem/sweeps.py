@@ -18,7 +18,7 @@ Each point is a variant id (``rho_0p833``, ``slots_4096``) that the train rule b
 ``sweeps.train`` over them, so results live in ``results/{experiment}/{scale}/{variant}/{stage}/``. Parameter
 counts here are plain arithmetic on the config (torch-free: the workflow resolves the variants while it
 builds the DAG); tests check them against the built models and against a hand computation. The report's figures
-``sweep_rho`` / ``sweep_slots``: stem.sweeps.report.
+``sweep_rho`` / ``sweep_slots``: stem.report.sweep_figures.
 """
 from __future__ import annotations
 

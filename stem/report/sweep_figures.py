@@ -8,7 +8,7 @@ import json
 
 from stem.report import registry
 from stem.sweeps import in_all
-from stem.sweeps.results import figure
+from stem.report.sweeps import figure
 
 
 def _report_inputs(kind):

@@ -9,7 +9,7 @@ report-only, no paper CSV, not compared):
   centroid sees it) (Fig. 3b-c);
 - table ``dse_disabled`` and figure ``dse_ablation``: retained performance (% of the full model) per task and
   category with the DSE gate forced to 0 and 1 (App. G, Figs 9-10);
-- ``mechanism_directions``: their rows of the ``directions`` table (stem.analysis.report), each against the
+- ``mechanism_directions``: their rows of the ``directions`` table (stem.report.analyses), each against the
   DSE paper's claim with its source (``CLAIMS``).
 
 Tiny-scale values come from 6-layer models trained for minutes: they test the pipeline and say what the tiny
@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from stem.analysis import report as AR
-from stem.analysis import verdict as V
+from stem.report import analyses as AR
+from stem.report import verdict as V
 
 # The DSE paper's claims each analysis is read against (data with their source).
 CLAIMS = {

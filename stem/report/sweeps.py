@@ -1,6 +1,7 @@
 """A DSE sweep's result from its points' training summaries (rule sweep_report): the counts checked against each
 trained model, the losses, the optimum (rho) or the log-linear fit (slots), as JSON, Markdown and Fig. 2's
-figure. Kept apart from stem.sweeps, which stem.config imports, because it reads results through stem.report."""
+figure. In the report layer (it reads results through stem.report.results); the points themselves are
+stem.sweeps, below stem.config."""
 from __future__ import annotations
 
 import math

@@ -9,9 +9,9 @@ module, so they land in ``reports/{experiment}/tables/`` and ``figures/``, the r
 - table ``heaps`` (the fit's K, beta, r2 and the activated STEM params at the longest L) and figure
   ``heaps_law``: L_uniq vs L with the fit, activated STEM params vs L, NIAH accuracy beside it;
 - table ``capacity``: recall per relation and entity-frequency bucket (chance level beside it);
-- table ``directions``: every direction with its confidence (stem.analysis.verdict): Tables 3/4 accuracy
+- table ``directions``: every direction with its confidence (stem.report.verdict): Tables 3/4 accuracy
   per task, held-out loss, and one per analysis, each against the paper's claim (source named), the DSE
-  paper's mechanism analyses included (stem.analysis.mechanism_report, which registers their tables/figures).
+  paper's mechanism analyses included (stem.report.mechanism, which registers their tables/figures).
 
 An experiment without an ``analysis:`` section (or without one analysis) gets empty tables (a visible gap) and
 figures that say so.
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from stem.analysis import verdict as V
+from stem.report import verdict as V
 from stem.analysis.workflow import analyses, checkpoints, targets
 
 # The paper's claims each analysis is read against (data with their source).
@@ -106,7 +106,7 @@ def analysis_directions(all_res: dict) -> list[dict]:
 
 
 # Direction rows of other report modules, each a function (all results -> rows) they append here when imported
-# (the report registry imports every built-in module, stem.plugins.BUILTIN): stem.analysis.mechanism_report's
+# (the report registry imports every built-in module, stem.plugins.BUILTIN): stem.report.mechanism's
 # DSE paper claims.
 EXTRA_DIRECTIONS: list = []
 
