@@ -1,0 +1,130 @@
+"""The import contract: the package's layers, bottom to top, and which may import which.
+
+Every ``stem`` import of a unit (a subpackage such as ``stem.models`` or a top-level module such as
+``stem.config``) goes to the unit itself or to a unit of the same or a lower layer, lazy (function-level)
+imports included; and the units' import graph has no cycle (tests/test_imports.py checks the modules').
+A new package or top-level module is added to ``LAYERS`` (one line) or the test says where it is missing.
+docs/design.md shows the same table.
+"""
+import ast
+from pathlib import Path
+
+from test_imports import _cycle
+
+REPO = Path(__file__).resolve().parents[1]
+
+# bottom -> top; a unit may import its own layer's units and every layer below
+LAYERS = [
+    ("base", "stem stem.options stem.plugins stem.registry stem.layout stem.io stem.provenance stem.seeds"),
+    ("models", "stem.models"),
+    ("checkpoint", "stem.checkpoint"),
+    ("data", "stem.data"),
+    ("hf", "stem.hf"),
+    ("specs", "stem.specs"),
+    ("sweep points", "stem.sweeps"),
+    ("config", "stem.config"),
+    ("train", "stem.train"),
+    ("eval", "stem.eval"),
+    ("analysis", "stem.analysis"),
+    ("report", "stem.report"),
+    ("entry points", "stem.pipeline stem.gpucheck stem.rehearsal stem.bench stem.bench_offload stem.cli_args "
+                     "stem.__main__"),
+]
+
+
+def layer_of(layers=LAYERS) -> dict[str, int]:
+    return {unit: i for i, (_, units) in enumerate(layers) for unit in units.split()}
+
+
+def unit(module: str) -> str:
+    """``stem.models.ffn`` -> ``stem.models``; ``stem.config`` -> ``stem.config``; ``stem`` -> ``stem``."""
+    return ".".join(module.split(".")[:2])
+
+
+def _modules(package: Path = REPO / "stem") -> dict[str, Path]:
+    return {".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in sorted(package.rglob("*.py"))}
+
+
+def imports(package: Path = REPO / "stem") -> list[tuple[str, str, str]]:
+    """(importing module, imported stem module, 'file:line') for every stem import anywhere in the package's
+    source, function-level ones included (relative imports resolved; ``from stem import config`` names
+    ``stem.config``)."""
+    mods = _modules(package)
+    out = []
+    for name, path in mods.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        where = lambda node: f"{path.relative_to(package.parent)}:{node.lineno}"  # noqa: E731
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out += [(name, a.name, where(node)) for a in node.names if a.name.split(".")[0] == "stem"]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                if base.split(".")[0] != "stem":
+                    continue
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
+                out += [(name, m, where(node)) for m in subs or [base]]
+    return out
+
+
+def wrong_way(edges, layers=LAYERS) -> list[str]:
+    """The imports that go up a layer, as 'file:line: A (layer) imports B (layer above)'."""
+    rank = layer_of(layers)
+    names = [n for n, _ in layers]
+    bad = []
+    for a, b, where in edges:
+        ua, ub = unit(a), unit(b)
+        if ua in rank and ub in rank and rank[ub] > rank[ua]:   # a unit without a layer: the next test
+            bad.append(f"{where}: {a} ({names[rank[ua]]}) imports {b} ({names[rank[ub]]}, a layer above)")
+    return bad
+
+
+def unit_graph(edges) -> dict[str, set[str]]:
+    graph = {}
+    for a, b, _ in edges:
+        graph.setdefault(unit(a), set())
+        if unit(a) != unit(b):
+            graph[unit(a)].add(unit(b))
+    return graph
+
+
+def test_the_checks_can_fail():
+    toy = [("low", "stem.l"), ("high", "stem.h")]
+    assert wrong_way([("stem.h.x", "stem.l.y", "stem/h/x.py:1")], toy) == []
+    assert wrong_way([("stem.l.y", "stem.h.x", "stem/l/y.py:7")], toy) == [
+        "stem/l/y.py:7: stem.l.y (low) imports stem.h.x (high, a layer above)"]
+    assert _cycle(unit_graph([("stem.a.x", "stem.b.y", ""), ("stem.b.z", "stem.a.w", "")])) == [
+        "stem.a", "stem.b", "stem.a"]
+    # a cycle inside one package is the module-level test's business (tests/test_imports.py), not this one's
+    assert _cycle(unit_graph([("stem.a.x", "stem.a.y", ""), ("stem.a.y", "stem.a.x", ""),
+                              ("stem.a.x", "stem.b.y", "")])) is None
+
+
+def test_the_scan_sees_lazy_and_relative_imports(tmp_path):
+    pkg = tmp_path / "stem"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("from . import mod\n")
+    (pkg / "low" / "mod.py").write_text("def f():\n    from stem import top\n")
+    (pkg / "top.py").write_text("from stem.low.mod import f\n")
+    assert sorted(imports(pkg)) == [("stem.low", "stem.low.mod", "stem/low/__init__.py:1"),
+                                    ("stem.low.mod", "stem.top", "stem/low/mod.py:2"),
+                                    ("stem.top", "stem.low.mod", "stem/top.py:1")]
+    toy = [("low", "stem stem.low"), ("top", "stem.top")]
+    assert wrong_way(imports(pkg), toy) == ["stem/low/mod.py:2: stem.low.mod (low) imports stem.top (top, a "
+                                            "layer above)"]
+
+
+def test_every_package_and_module_has_a_layer():
+    missing = sorted({unit(m) for m in _modules()} - set(layer_of()))
+    assert not missing, f"add to tests/test_layers.py LAYERS (and docs/design.md): {', '.join(missing)}"
+
+
+def test_imports_go_down_the_layers():
+    bad = wrong_way(imports())
+    assert not bad, "imports against the layers (tests/test_layers.py LAYERS):\n" + "\n".join(bad)
+
+
+def test_no_package_level_import_cycle():
+    assert _cycle(unit_graph(imports())) is None
