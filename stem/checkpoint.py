@@ -197,7 +197,6 @@ def load_checkpoint(ckpt_dir, device="cpu"):
     return model, spec
 
 
-@contextlib.contextmanager
 def load_offloaded(ckpt_dir, device="cpu", dtype=torch.float32, cache_rows: int = 0, prefetch: bool = True):
     """(model, spec) from a checkpoint folder without ever reading its tables into memory: the model is built
     on the meta device, its tables offloaded (the far tier reads model.safetensors), the rest materialised on
@@ -234,6 +233,7 @@ def load_offloaded(ckpt_dir, device="cpu", dtype=torch.float32, cache_rows: int 
     return model.eval(), spec
 
 
+@contextlib.contextmanager
 def _single_process_quiet():
     """DCP warns that it assumes one process when there is no process group: that is the intent here."""
     with warnings.catch_warnings():
