@@ -8,6 +8,9 @@ from stem import cli_args as A
 from stem import config as C
 from stem.options import Strategy, values
 
+# Each command imports the code it runs inside its function (cmd_*): torch, lm_eval, transformers, pandas
+# and matplotlib load only for the commands that use them.
+
 
 def experiment_config(name: str) -> dict:
     """config/{name}.yaml, or the experiment YAML at the path ``name`` (checked: one line when missing)."""

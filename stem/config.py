@@ -9,14 +9,16 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from stem import plugins
-from stem import seeds
+from stem import plugins, seeds, sweeps
 from stem.io import ConfigError, read_yaml, variants  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
 from stem.io import deep_merge as _deep_merge
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
+from stem.models.config import DSEConfig, model_config
 from stem.options import Scale, Stage, values
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS  # names only: entries load on use
+from stem.specs import TrainSpec
+from stem.sweeps import is_sweep_id
 
 SCHEMA = REPO / "config" / "schema.yaml"
 HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
@@ -101,7 +103,6 @@ def _check_variant_optim(cfg: dict, name: str, optim, origin: str):
 
 
 def _check_variant_dse(name: str, dse, origin: str):
-    from stem.models.config import DSEConfig   # torch-free
     where = f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides)"
     if not isinstance(dse, dict):
         raise ConfigError(f"{where}: key 'dse': {dse!r}; expected a mapping (placement, orders, heads, ...)")
@@ -179,7 +180,6 @@ def _cross_check(cfg: dict, origin: str):
         elif "path" not in tok:
             raise ConfigError(f"{origin}: key 'tokenizer.{scale}.path' missing (needed by kind pretrained)")
     if cfg.get("sweeps"):   # the DSE paper's Sec. 3 sweeps: every point builds, within tolerance
-        from stem import sweeps
         sweeps.validate(cfg, origin)
 
 
@@ -194,7 +194,6 @@ def variant_spec(cfg: dict, variant: str) -> dict:
         return all_variants[base]
     if variant in all_variants:
         return all_variants[variant]
-    from stem import sweeps
     if cfg.get("sweeps") and sweeps.is_sweep_id(variant):
         points = sweeps.variant_specs(cfg)
         if variant in points:
@@ -205,8 +204,6 @@ def variant_spec(cfg: dict, variant: str) -> dict:
 
 
 def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):
-    from stem.models.config import model_config
-
     arch = dict(cfg["archs"][scale])
     if stage is not None:
         spec = cfg["stages"][stage][scale]
@@ -275,7 +272,6 @@ def seed_targets(cfg: dict) -> list[tuple[str, str, str]]:
 
 def train_job(cfg: dict, scale: str, variant: str, stage: str):
     """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
-    from stem.specs import TrainSpec
     base, k = seeds.split(variant)
     if k:   # seed k of a matrix cell (stem.seeds): the cell's spec, its own seed and folder
         if k not in seeds.seeds_of(cfg, scale, base):
@@ -286,7 +282,6 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
         return TrainSpec.from_dict({**d, "variant": variant, "seed": cfg["seed"] + k,
                                     "out_dir": stage_dir(cfg["experiment"], scale, variant, stage),
                                     "init_from": checkpoint(cfg["experiment"], scale, variant, init) if init else None})
-    from stem.sweeps import is_sweep_id
     exp = cfg["experiment"]
     point = is_sweep_id(variant)   # a sweep point: trained at sweeps.scale / sweeps.stage, matrix or not
     if not point and (scale not in cfg["matrix"] or stage not in cfg["matrix"][scale]["stages"]):

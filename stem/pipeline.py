@@ -9,6 +9,7 @@ from stem.data import synth
 from stem.data.shards import tokenize_to_shards
 from stem.data.sources import iter_documents
 from stem.data.tokenizer import load_tokenizer, train_bpe
+from stem.io import atomic_write_text
 
 
 def make_corpus(spec: dict, out_path) -> dict:
@@ -20,8 +21,6 @@ def make_corpus(spec: dict, out_path) -> dict:
 
 
 def make_tokenizer(spec: dict, out_path) -> dict:
-    from stem.io import atomic_write_text
-
     out_path = Path(out_path)
     if spec["kind"] == "train_bpe":
         docs = chain.from_iterable(iter_documents(d) for d in spec["documents"])

@@ -29,7 +29,10 @@ import re
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
-from stem.models.config import ModelConfig, table_rows
+from stem import layout as L
+from stem.io import ConfigError, variants
+from stem.io import deep_merge as _deep_merge
+from stem.models.config import ModelConfig, resolve_placement, table_rows
 
 MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
@@ -140,7 +143,6 @@ def section(cfg: dict, kind: str) -> dict:
 def _resolve(cfg: dict, spec: dict) -> dict:
     """A variant spec resolved at the sweep's scale into ModelConfig's dict form, without building it (the
     moe_* fields are read by ``counts``)."""
-    from stem.models.config import resolve_placement
     arch = dict(cfg["archs"][cfg["sweeps"]["scale"]])
     n = int(arch["n_layers"])
     kind = spec.get("ffn", "dense")
@@ -155,7 +157,6 @@ def _resolve(cfg: dict, spec: dict) -> dict:
 
 
 def _named(cfg: dict, kind: str, key: str) -> dict:
-    from stem.io import variants
     name = section(cfg, kind)[key]
     named = variants(cfg)
     if name not in named:
@@ -165,7 +166,6 @@ def _named(cfg: dict, kind: str, key: str) -> dict:
 
 def _memory(cfg: dict, kind: str) -> dict:
     """The DSE section the points use: the memory variant's (with variant_overrides), sweeps.{kind}.dse over it."""
-    from stem.io import deep_merge as _deep_merge
     sw = section(cfg, kind)
     mem = _named(cfg, kind, "memory").get("dse")
     if not mem:
@@ -181,7 +181,6 @@ def _memory(cfg: dict, kind: str) -> dict:
 
 def _base(cfg: dict, kind: str) -> dict:
     """The base variant (with variant_overrides), sweeps.{kind}.base_overrides over it."""
-    from stem.io import deep_merge as _deep_merge
     base = _deep_merge(_named(cfg, kind, "base"), section(cfg, kind).get("base_overrides") or {})
     name = section(cfg, kind)["base"]
     if base.get("dse"):
@@ -324,7 +323,6 @@ def validate(cfg: dict, origin: str):
     every point is a valid model config (one line naming the key otherwise). The tolerance of the rho points
     depends on the architecture and is checked when the sweep is built (``strict``), so a config that reshapes
     archs for another target still loads."""
-    from stem.io import ConfigError, variants
     sw = cfg.get("sweeps")
     if not sw:
         return
@@ -340,7 +338,6 @@ def validate(cfg: dict, origin: str):
                           + "; expected a stage trained from scratch (init_from: null), e.g. pretrain")
     try:
         specs = variant_specs(cfg, strict=False)
-        from stem.models.config import ModelConfig
         for name, spec in specs.items():
             if name in variants(cfg):
                 raise SweepError(f"sweep point {name!r}: clashes with the variant of that name")
@@ -360,7 +357,6 @@ def in_all(cfg: dict) -> bool:
 # ---- the workflow (rules/sweep.smk) ---------------------------------------------------------------------------
 def summaries(cfg: dict, kind: str) -> list[str]:
     """The training summaries a sweep collects (inputs of rule sweep_report)."""
-    from stem import layout as L
     section(cfg, kind)
     sw = cfg["sweeps"]
     return [L.summary(cfg["experiment"], sw["scale"], v, sw["stage"]) for v in variant_ids(cfg, kind)]
@@ -368,5 +364,4 @@ def summaries(cfg: dict, kind: str) -> list[str]:
 
 def targets(cfg: dict) -> list[str]:
     """What `rule all` needs from the sweeps: every sweep's files when sweeps.in_all is true, else nothing."""
-    from stem import layout as L
     return [f for kind in KINDS if in_all(cfg) and kind in cfg["sweeps"] for f in L.sweep_files(cfg["experiment"], kind)]

@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import random
 
-from stem.analysis.common import encode, score_many
+from stem.analysis.common import encode, load, score_many, world_of
+from stem.data.synth import _a
 
 BUCKETS = ("rare", "mid", "frequent")
 
 
 def world_items(world) -> list[dict]:
     """(relation, entity, prompt, answer, the relation's value pool) for every country and person."""
-    from stem.data.synth import _a
     items = []
     for c in world.countries:
         for rel, prompt, ans in (("capital", f"The capital of {c.name} is", c.capital),
@@ -51,7 +51,6 @@ def buckets(counts: dict[str, int]) -> tuple[dict[str, str], list[int]]:
 
 
 def run(ckpt_dir, spec: dict) -> dict:
-    from stem.analysis.common import load, world_of
     model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
     world = world_of(spec)
     rng = random.Random(f"capacity:{spec['seed']}")

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from stem.analysis.common import encode, layer_outputs, load, load_baseline, val_windows, world_of
+
 
 def hsic1(K: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
     """Unbiased HSIC (Song et al. 2012, Eq. 5) of two n x n Gram matrices (n >= 4): with K~, L~ the matrices
@@ -78,7 +80,6 @@ def entity_positions(tok, names: list[str], x: torch.Tensor) -> list[tuple[int, 
     """(window, position) of the last token of every occurrence of a name (tokenised with a leading space, as
     it reads inside a sentence) in the windows ``x``, in text order; a name's tokens merging with a neighbour
     are simply not found."""
-    from stem.analysis.common import encode
     pats: dict[int, list[list[int]]] = {}
     for n in names:
         ids = encode(tok, " " + n)
@@ -95,7 +96,6 @@ def entity_positions(tok, names: list[str], x: torch.Tensor) -> list[tuple[int, 
 @torch.no_grad()
 def features(model, x: torch.Tensor, where: list[tuple[int, int]], batch: int = 8) -> list[torch.Tensor]:
     """Every block's output at the (window, position) pairs ``where``, (n, d) per layer."""
-    from stem.analysis.common import layer_outputs
     device, per_layer = model.tok_emb.weight.device, None
     for b in range(0, len(x), batch):
         outs, _ = layer_outputs(model, x[b:b + batch].to(device))
@@ -108,7 +108,6 @@ def features(model, x: torch.Tensor, where: list[tuple[int, int]], batch: int = 
 
 
 def run(ckpt_dir, spec: dict) -> dict:
-    from stem.analysis.common import load, load_baseline, val_windows, world_of
     model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
     base, _, _ = load_baseline(ckpt_dir, spec)
     n = min(spec["seq_len"], model.cfg.max_seq_len, base.cfg.max_seq_len)

@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 from stem.models.registry import param_roles
 
+# The checkpoint, tokenizer and data imports below sit in their functions: the workflow imports ``table_sites``
+# from here while it builds the DAG (stem.analysis.workflow), which needs none of them.
+
 TINY_NOTE = "tiny experiment: CPU-sized stand-in models on a synthetic world, never comparable to the paper's scale"
 
 

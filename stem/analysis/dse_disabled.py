@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import random
 
+# The imports sit in the functions: the workflow imports ``WORLD_TASKS`` from here while it builds the DAG
+# (stem.analysis.workflow), and the evaluation code brings torch and lm_eval.
 MODES = ("normal", "disabled", "forced")
 WORLD_TASKS = ("world_closed_book", "world_in_context")
 

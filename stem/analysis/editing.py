@@ -27,13 +27,9 @@ import random
 import torch
 import torch.nn.functional as F
 
-from stem.analysis.common import (
-    encode,
-    find_span,
-    score_many,
-    state_digest,
-    table_sites,
-)
+from stem.analysis.common import encode, find_span, load, score_many, state_digest, table_sites, world_of
+from stem.data.synth import _a
+from stem.eval.generate import greedy_generate
 
 SCHEMES = ("swap", "pad_left", "pad_right", "copy", "subset", "average")
 CASES = ("equal", "longer", "shorter")  # n_s == n_t, n_s > n_t, n_s < n_t
@@ -123,7 +119,6 @@ def topk_overlap(a_log: torch.Tensor, b_log: torch.Tensor, k: int) -> float:
 def world_facts(world, spec: dict) -> dict:
     """The synthetic world's entities as edit facts: {kind: {"templates": {relation: prompt}, "entities":
     {name: {relation: answer}}}}. Answers carry their leading space (how they follow the prompt)."""
-    from stem.data.synth import _a
     return {
         "country": {"templates": {"capital": "The capital of {e} is", "language": "The people of {e} speak"},
                     "entities": {c.name: {"capital": " " + c.capital, "language": " " + c.language}
@@ -161,7 +156,6 @@ def _pad_id(tok) -> tuple[int, str]:
 
 
 def run(ckpt_dir, spec: dict) -> dict:
-    from stem.analysis.common import load, world_of
     model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
     explicit = []
     if spec.get("facts"):  # a shipped prompt set (real checkpoints): reference/analysis/edit_facts.yaml
@@ -298,7 +292,6 @@ def example(model, tok, facts, edits, sites, pad_id, ex: dict) -> dict:
     """One edit shown as Fig. 7 shows it: the top-k next tokens (with probabilities) of the source prompt, of
     the control (target) prompt and of the source prompt after the edit, and greedy continuations of each.
     Without a named pair it is the first pair of that kind (the seeded draw; not chosen by its outcome)."""
-    from stem.eval.generate import greedy_generate
     kind, s, t, relation = ex["kind"], ex.get("source"), ex.get("target"), ex["relation"]
     if s is None:
         e = next(e for e in edits if e["kind"] == kind and e["relation"] == relation)

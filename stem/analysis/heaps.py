@@ -13,6 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from stem.analysis.common import table_sites
+from stem.checkpoint import read_checkpoint_spec
+from stem.data.shards import ShardSet
+from stem.models.config import ModelConfig
+from stem.models.model import build_model
+
 
 def unique_counts(tokens: np.ndarray, lengths: list[int]) -> list[int]:
     """Distinct ids among the first L tokens, for each L."""
@@ -44,12 +50,6 @@ def heaps_curve(tokens: np.ndarray, lengths: list[int], windows: int) -> tuple[l
 
 
 def run(ckpt_dir, spec: dict) -> dict:
-    from stem.analysis.common import table_sites
-    from stem.data.shards import ShardSet
-    from stem.models.config import ModelConfig
-    from stem.models.model import build_model
-    from stem.checkpoint import read_checkpoint_spec
-
     saved = read_checkpoint_spec(ckpt_dir)
     cfg = ModelConfig.from_dict(saved["model"])
     model = build_model(cfg, "meta")  # shapes and roles only

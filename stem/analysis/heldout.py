@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stem.analysis.common import load, val_windows
+
 
 @torch.no_grad()
 def run(ckpt_dir, spec: dict) -> dict:
-    from stem.analysis.common import load, val_windows
-
     model, _, _ = load(ckpt_dir, spec.get("device", "cpu"))
     n = min(spec["seq_len"], model.cfg.max_seq_len) + 1
     starts, x = val_windows(spec["manifest"], n, spec["windows"])

@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stem.analysis.common import layer_outputs, load, load_baseline, val_windows
+
 
 @torch.no_grad()
 def layer_kl(model, x: torch.Tensor, batch: int = 8) -> torch.Tensor:
     """(windows, layers): the mean over each window's tokens of KL(final || layer l)."""
-    from stem.analysis.common import layer_outputs
     device, rows = model.tok_emb.weight.device, []
     for b in range(0, len(x), batch):   # bounded logits at a large vocabulary
         outs, logits = layer_outputs(model, x[b:b + batch].to(device))
@@ -29,7 +30,6 @@ def layer_kl(model, x: torch.Tensor, batch: int = 8) -> torch.Tensor:
 
 
 def run(ckpt_dir, spec: dict) -> dict:
-    from stem.analysis.common import load, load_baseline, val_windows
     model, _, _ = load(ckpt_dir, spec.get("device", "cpu"))
     base, _, _ = load_baseline(ckpt_dir, spec)
     n = min(spec["seq_len"], model.cfg.max_seq_len, base.cfg.max_seq_len)

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import time
 
+from stem.analysis.common import TINY_NOTE
+from stem.checkpoint import check_identity, read_checkpoint_spec
+from stem.io import atomic_write_json
 from stem.registry import ANALYSES, resolve
 
 IDENTITY = ("experiment", "scale", "variant", "stage")
 
 
 def analyze(ckpt_dir, spec: dict, out_json) -> dict:
-    from stem.analysis.common import TINY_NOTE
-    from stem.io import atomic_write_json
-    from stem.checkpoint import check_identity, read_checkpoint_spec
-
     name = spec.get("analysis")
     if name not in ANALYSES:
         raise ValueError(f"analysis spec: key 'analysis' is {name!r}; expected one of {', '.join(ANALYSES)}")

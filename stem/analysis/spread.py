@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from stem.analysis.common import load, table_sites
+from stem.data.shards import ShardSet
+
 BINS = 80  # histogram bins over [-1, 1]
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -49,9 +52,6 @@ def first_occurrences(tokens: list[int], n: int, skip: set[int]) -> tuple[list[i
 
 @torch.no_grad()
 def run(ckpt_dir, spec: dict) -> dict:
-    from stem.analysis.common import load, table_sites
-    from stem.data.shards import ShardSet
-
     model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
     shards = ShardSet(Path(spec["manifest"]).parent, "val")
     window = min(len(shards), model.cfg.max_seq_len, spec.get("window") or model.cfg.max_seq_len)

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from stem.models.attention import flex_document_mask
 from stem.models.config import ModelConfig
 from stem.models.dse import DSE_MODES, DSEMemory, token_compression
 from stem.models.ffn import build_ffn
@@ -150,7 +151,6 @@ class Transformer(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.flex_mask_fn = None
         if flex_attention:
-            from stem.models.attention import flex_document_mask
             self.flex_mask_fn = flex_document_mask
 
     def set_dse_vocabulary(self, tok):

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from stem.models.model import document_ids
 from stem.models.registry import param_roles
 
 _NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}  # BF16: raw bits
@@ -432,7 +433,6 @@ def dse_row_ids(model, ids, positions=None, cache=None, attn_mask=None) -> list[
     """The row ids every DSE table of ``model`` reads in ``model(ids, positions=, cache=, attn_mask=)``, in
     ``dse_tables`` order, computed before the forward (what the forward computes: the documents of
     ``positions`` when it builds its own mask, the cached last ids under a KV cache)."""
-    from stem.models.model import document_ids
     cids = model.dse_compress[ids]
     doc_ids = document_ids(positions) if positions is not None and attn_mask is None else None
     out = []

@@ -24,8 +24,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from stem.report import verdict as V
+from stem import layout as L
 from stem.analysis.workflow import analyses, checkpoints, targets
+from stem.report import registry
+from stem.report import tables as T
+from stem.report import verdict as V
+from stem.report.results import niah_cells
 
 # The paper's claims each analysis is read against (data with their source).
 CLAIMS = {
@@ -119,7 +123,7 @@ def _legend(ax):
 def fig6(res: dict, label: str):
     import matplotlib.pyplot as plt
 
-    from stem.report.figures import COLORS
+    from stem.report.figures import COLORS  # not at the top: see _register
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     titles = ("(a) STEM table vectors, per STEM layer", "(b) dense up-projection outputs vs STEM vectors",
               "(c) down-projection inputs after gating")
@@ -158,7 +162,6 @@ def fig6(res: dict, label: str):
 
 def niah_curves(cfg: dict, results="results") -> dict[str, tuple[list, list]]:
     """{variant: (lengths, mean NIAH accuracy over depths)} of the 1B models at Fig. 1b's stage, where present."""
-    from stem.report.results import niah_cells
     out = {}
     stage = ((cfg.get("report") or {}).get("stages") or {}).get("figure1b", ["extend"])[0]
     for v in ("dense", "stem"):
@@ -174,7 +177,7 @@ def niah_curves(cfg: dict, results="results") -> dict[str, tuple[list, list]]:
 def heaps_fig(res: dict, label: str, niah: dict | None = None):
     import matplotlib.pyplot as plt
 
-    from stem.report.figures import COLORS
+    from stem.report.figures import COLORS  # not at the top: see _register
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     for (s, v, st), r in sorted(res.items()):
         if v != "stem":  # the curve depends on the scale's tokenizer and held-out text only
@@ -225,13 +228,11 @@ def _load(cfg: dict, res) -> dict:
 
 
 def _json_path(cfg: dict, key: tuple, name: str) -> str:
-    from stem import layout as L
     return L.analysis_json(cfg["experiment"], *key, name)
 
 
 def _long(table: str, cfg: dict, name: str, res: dict, rows) -> pd.DataFrame:
     """rows(key, JSON) -> [(row, column, value, unit)] per checkpoint; ``row`` names the model first."""
-    from stem.report import tables as T
     return T.frame([T.cell(table, k[0], k[1], c, val, _json_path(cfg, k, name), row=row, unit=unit)
                     for k, r in sorted(res.items()) for row, c, val, unit in rows(k, r)])
 
@@ -264,7 +265,6 @@ def capacity_long(cfg: dict, res) -> pd.DataFrame:
 
 
 def directions_long(cfg: dict, res) -> pd.DataFrame:
-    from stem.report import tables as T
     df = directions_frame(cfg, res.root, _load(cfg, res))
     # stage, check_table and check_column: the key the diff reads each verdict back by (stem.report.diff.directions)
     cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "seeds", "verdict", "paper_effect_resolvable", "stage",
@@ -277,7 +277,6 @@ def directions_long(cfg: dict, res) -> pd.DataFrame:
 
 
 def edit_example_long(cfg: dict, res) -> pd.DataFrame:
-    from stem.report import tables as T
     ed = _load(cfg, res).get("editing", {})
     k, ex = next(((k, r["example"]) for k, r in sorted(ed.items()) if r.get("example") and k[1] == "stem"),
                  (None, None))  # "1b" sorts first
@@ -300,14 +299,13 @@ def all_inputs(cfg: dict) -> list[str]:
 def _figure(name: str, draw_fn, what: str):
     """draw(cfg, res, ours, files): the analysis JSONs ``files["analysis"]`` (keyed by what each records)."""
     def draw(cfg, res, ours, files):
-        from stem.report.tables import experiment_label
         got = {}
         for path in files.get("analysis", []):
             r = json.loads(Path(path).read_text())
             got[r["scale"], r["variant"], r["stage"]] = r
-        fig = draw_fn(cfg, res, got, experiment_label(cfg), files)
+        fig = draw_fn(cfg, res, got, T.experiment_label(cfg), files)
         if not got:
-            from stem.report.figures import _missing
+            from stem.report.figures import _missing  # not at the top: see _register
             _missing(fig.axes[0], f"no {what} results: this experiment's config has no analysis.{name}" if name not in
                      analyses(cfg) else f"no {what} results yet")
         return fig
@@ -329,8 +327,9 @@ def _niah(cfg: dict, res, files: dict) -> dict:
 
 
 def _register():
-    from stem.report import registry
-    from stem.report import figures, tables  # noqa: F401  (the paper's tables and figures register first)
+    # stem.report.figures looks tables up while it is imported, which imports every built-in report module (this
+    # one, stem.report.mechanism reading this one's functions): it is imported here, once they are defined.
+    from stem.report import figures  # noqa: F401  (the paper's tables and figures register first)
     gap = dict(empty="_(no rows: no analysis results for this table yet, or config `analysis:` does not run it)_")
     label = {"pairs": "pairs", "mean_abs_cos": "mean |cos|", "mean_cos": "mean cos"}
     registry.paper_table(

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from stem.report import diff
-from stem.report import page
+from stem import config as C
+from stem.io import atomic_write_text
+from stem.report import diff, page, registry
 from stem.report import paper_data as P
-from stem.report import registry
 from stem.report import tables as T
 from stem.report.results import Results
 
@@ -27,7 +27,6 @@ DIFF_FILES = ["diff.md", "cells.csv", "directions.csv", "paper_consistency.csv",
 
 
 def _write(path, text: str):
-    from stem.io import atomic_write_text
     atomic_write_text(path, text)
 
 
@@ -59,7 +58,6 @@ def load_reproduced(path) -> dict[str, pd.DataFrame]:
 
 def paper_accounting() -> dict:
     """Accounting of config/paper.yaml's Table 3 models (for the paper-consistency checks)."""
-    from stem import config as C
     cfg = C.read_yaml(C.REPO / "config" / "paper.yaml")  # only archs / variant_overrides are used
     t3 = P.load_table("table3")
     return {(s, v): T.accounting(cfg, s, v) for s, v in t3[["scale", "variant"]].drop_duplicates().itertuples(index=False)}

@@ -17,11 +17,12 @@ import numpy as np
 import pandas as pd
 
 from stem import provenance
-from stem.report import verdict as V
+from stem.report import page, registry
 from stem.report import paper_data as P
-from stem.report.provenance import commit_label, results_summary
-from stem.report import registry
 from stem.report import tables as T
+from stem.report import verdict as V
+from stem.report.page import markdown
+from stem.report.provenance import commit_label, results_summary
 
 CELL_COLUMNS = ["table", "scale", "variant", "row", "column", "unit", "ours", "paper", "delta", "tolerance",
                 "status", "note"]
@@ -364,7 +365,6 @@ def side_by_side(cells: pd.DataFrame, table: str) -> str:
 def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, level: int = 2) -> list:
     """The diff's summary as page blocks (diff.md at ``level`` 2; the README and HTML report one level down):
     counts, the largest gaps and the direction check."""
-    from stem.report import page
     blocks = []
     if not s["paper_scale"]:
         blocks.append(page.Quote(
@@ -457,7 +457,6 @@ def direction_table(dirs: pd.DataFrame) -> pd.DataFrame:
 
 def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
            gate_failures: pd.DataFrame | None = None) -> str:
-    from stem.report.page import markdown
     head = f"# Paper diff — {s['label']}\n\n"
     md = [markdown(summary_blocks(s, dirs, None if gate_failures is None else len(gate_failures)))]
     md += ["## Side by side (ours / paper (ours − paper); ⚠ beyond tolerance; — no result yet)", ""]

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from stem.report import analyses as AR
+from stem.report import registry
 from stem.report import verdict as V
 
 # The DSE paper's claims each analysis is read against (data with their source).
@@ -109,7 +110,7 @@ def _cols(ci: dict, sign: float) -> dict:
 def logitlens_fig(res: dict, label: str):
     import matplotlib.pyplot as plt
 
-    from stem.report.figures import COLORS
+    from stem.report.figures import COLORS  # not at the top: see stem.report.analyses._register
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for k, ((s, v, st), r) in enumerate(sorted(res.items())):
         for key, name, style in (("model", v, "o-"), ("baseline_model", r["baseline"], "s--")):
@@ -207,7 +208,6 @@ def disabled_long(cfg: dict, res) -> pd.DataFrame:
 
 
 def _register():
-    from stem.report import registry
     gap = dict(empty="_(no rows: no DSE checkpoint analysed yet, or config `analysis:` does not run this analysis)_")
     registry.paper_table(
         "logitlens", "LogitLens (DSE paper Sec. 6, Fig. 3a): mean KL(final || layer) over held-out tokens per layer, "

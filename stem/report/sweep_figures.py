@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 
+from stem import layout as L
 from stem.report import registry
-from stem.sweeps import in_all
 from stem.report.sweeps import figure
+from stem.sweeps import in_all
 
 
 def _report_inputs(kind):
     def inputs(cfg, evals):
-        from stem import layout as L
         if not in_all(cfg) or kind not in cfg["sweeps"]:
             return {}
         return {"sweep": L.sweep_file(cfg["experiment"], kind, "json")}
@@ -25,6 +25,8 @@ def _report_draw(kind):
         from pathlib import Path
         if "sweep" in files:
             return figure(json.loads(Path(files["sweep"]).read_text()))
+        # stem.report.figures looks tables up while it is imported, which imports every built-in report
+        # module (this one included): imported where a placeholder is drawn
         from stem.report.figures import _missing, _title, plt
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
         _missing(ax, f"the {kind} sweep is not part of this run (sweeps.in_all is false or sweeps.{kind} is "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from stem.report.results import ResultError, Results
+from stem.report.tables import experiment_label
 from stem.sweeps import CLAIMS, TOLERANCE, _stage, points
 
 
@@ -24,8 +26,6 @@ def fit_loglinear(x, y) -> dict:
 def collect(cfg: dict, kind: str, results_root="results") -> dict:
     """The sweep's result: every point's counts (the config's arithmetic, equal to the trained model's accounting
     in its summary.json, total and active, or a one-line error) and final validation loss, the optimum (rho) or the log-linear fit (slots)."""
-    from stem.report.results import ResultError, Results
-    from stem.report.tables import experiment_label
     sw = cfg["sweeps"]
     scale, stage = sw["scale"], sw["stage"]
     res = Results(cfg["experiment"], results_root)

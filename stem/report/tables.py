@@ -13,9 +13,14 @@ import numpy as np
 import pandas as pd
 
 from stem import config as C
+from stem import layout
+from stem import seeds
 from stem.report import paper_data as P
 from stem.report import registry
+from stem.report.page import Table, md_table
+from stem.report.params import accounting_for
 from stem.report.results import Results, as_number, by_length, niah_cells, range_rows, task_score
+from stem.specs import ReportSpec
 
 VARIANT_ORDER = list(P.VARIANT_LABELS)
 PAPER_ROW = {"table6": {"dense": "Base"},  # Table 6 calls the baseline "Base"
@@ -61,7 +66,6 @@ def longbench_cell(ev: dict | None, table: str, column: str) -> tuple[float | No
 def settings(cfg: dict):
     """The experiment's report settings, checked once (``stem.specs.ReportSpec``: the config's ``report:``
     section over the defaults; each table's stages from its registry entry)."""
-    from stem.specs import ReportSpec
     return ReportSpec.from_config(cfg)
 
 
@@ -130,7 +134,6 @@ def scales_with(cfg: dict, stage: str) -> list[str]:
 def _accounting(cfg_key: str, scale: str, variant: str) -> dict:
     import json
 
-    from stem.report.params import accounting_for
     return accounting_for(json.loads(cfg_key), scale, variant)
 
 
@@ -195,17 +198,14 @@ def trained_accounting(cfg: dict, res: Results, scale: str, variant: str, stages
 def checkpoints_of(table: str):
     """inputs(cfg) of a registry entry: the checkpoints of the stages feeding ``table`` (their accounting)."""
     def inputs(cfg: dict) -> list[str]:
-        from stem import config as C
-        from stem import layout as L
         stages = settings(cfg).stages[table]
-        return [L.checkpoint(cfg["experiment"], s, v, st) for s, v, st in C.train_targets(cfg) if st in stages]
+        return [layout.checkpoint(cfg["experiment"], s, v, st) for s, v, st in C.train_targets(cfg) if st in stages]
     return inputs
 
 
 def seed_scores(cfg: dict, res: Results, scale, variant, stages, suites) -> tuple[dict, str, list[float]]:
     """A matrix cell's scores over its seeds (stem.seeds): the per-task mean over the seeds that have the task,
     their sources, and each seed's Avg (seeds with a complete Avg only). One seed: ``_scores`` and its Avg."""
-    from stem import seeds
     per = [_scores(res, scale, seeds.seed_id(variant, k), stages, suites)
            for k in seeds.seeds_of(cfg, scale, variant)]
     tasks = {t for sc, _ in per for t in sc}
@@ -215,7 +215,6 @@ def seed_scores(cfg: dict, res: Results, scale, variant, stages, suites) -> tupl
 
 
 def table3(cfg: dict, res: Results) -> pd.DataFrame:
-    from stem import seeds
     stages = settings(cfg).stages["table3"]
     rows, spread = [], {}
     trained = set(C.train_targets(cfg))
@@ -460,7 +459,6 @@ def column_label(column: str, table: str | None = None) -> str:
 
 
 def to_markdown(w: pd.DataFrame, empty: str | None = None) -> str:
-    from stem.report.page import Table, md_table
     return md_table(w, empty or Table.empty)
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from stem import seeds
+from stem.report import paper_data as P
 
 LEVEL = 0.95
 N_BOOT = 2000
@@ -143,7 +144,6 @@ def table_directions(cfg: dict, root=".", results=None) -> list[dict]:
     paired-bootstrap interval over items and a verdict against the paper's sign. ``results``: the results
     folder (default ``{root}/results``)."""
     results = Path(results) if results is not None else Path(root) / "results"
-    from stem.report import paper_data as P
     exp = cfg["experiment"]
     stages = (cfg.get("report") or {}).get("stages") or {}
     groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
@@ -198,7 +198,6 @@ LOSS_SOURCE = "Sec. 4.4 / Fig. 5a-5b: STEM variants reach a lower training loss 
 def dse_loss_claim() -> tuple[float, str]:
     """The DSE paper's loss direction: (DSE-27B - Dense-4B validation loss, its source), from
     reference/dse_paper/table1.csv."""
-    from stem.report import paper_data as P
     t = P.load_table("dse_paper/table1").set_index(["variant", "column"])["value"]
     delta = float(t[("dse_27b", "val_loss")] - t[("dense_4b", "val_loss")])
     return delta, (f"DSE paper Table 1, 'Validation Set (loss)': DSE-27B {t[('dse_27b', 'val_loss')]:g} vs "
