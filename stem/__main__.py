@@ -53,14 +53,14 @@ def cmd_train(args):
 
 
 def cmd_eval(args):
-    from stem.eval import run
+    from stem.eval import run, spec as ES
     if args.bench:
         from stem.eval.bench import bench
         print(json.dumps(bench(args.checkpoint, device=args.device), indent=2))
         return
     if not args.suite:
         raise C.ConfigError("--suite is required (or --bench)")
-    spec = run.suite_spec(experiment_config(args.experiment), args.suite)
+    spec = ES.suite_spec(experiment_config(args.experiment), args.suite)
     raw = args.out[:-5] + ".raw.json" if args.out and args.out.endswith(".json") else None
     r = run.evaluate(args.checkpoint, spec, args.out, raw, limit=args.limit, device=args.device,
                      model_args={"offload": args.offload, "cache_rows": args.cache_rows})
