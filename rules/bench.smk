@@ -1,5 +1,5 @@
 # Systems benchmarks whose figures go into the report. bench_offload: the offloaded STEM engine
-# (stem/bench_offload.py, `python -m stem bench offload`) on the experiment's 350m STEM pretrain checkpoint,
+# (stem/bench/offload.py, `python -m stem bench offload`) on the experiment's 350m STEM pretrain checkpoint,
 # decoding held-out text (the val split of its own training data): tokens/s, hit rate vs cache rows (figure),
 # bytes moved per token, FFN memory freed, parameter bytes per decoded token, uniq(BL). Seconds at tiny scale;
 # on the CPU at paper scale too (minutes: the 350M model decodes once per cache configuration). The report's

@@ -40,9 +40,9 @@ def cmd_params(args):
 
 def cmd_bench(args):
     if args.what == "offload":
-        from stem import bench_offload
-        return bench_offload.main(args)
-    from stem import bench
+        from stem.bench import offload
+        return offload.main(args)
+    from stem.bench import train as bench
     {"attention": bench.main_attention, "train": bench.main_train}.get(args.what, bench.main)(args)
 
 
@@ -55,7 +55,7 @@ def cmd_train(args):
 def cmd_eval(args):
     from stem.eval import run, spec as ES
     if args.bench:
-        from stem.eval.bench import bench
+        from stem.bench.eval import bench
         print(json.dumps(bench(args.checkpoint, device=args.device), indent=2))
         return
     if not args.suite:
@@ -194,7 +194,7 @@ def main(argv=None):
                    metavar=("N1", "N2"),
                    help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
                         "from the cost per micro-batch")
-    o = b.add_argument_group("bench offload (stem.bench_offload)")
+    o = b.add_argument_group("bench offload (stem.bench.offload)")
     o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
     o.add_argument("--batch", type=A.whole(1, "rows"), default=8, help="rows of held-out text decoded together")
     o.add_argument("--prompt", type=A.whole(1, "prefill tokens"), default=32, help="prefill tokens per row")

@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 from stem import config as C
-from stem.bench_offload import decode_seconds
+from stem.bench.offload import decode_seconds
 from stem.data.synth import make_world, web_documents
 from stem.data.tokenizer import train_bpe
 from stem.io import atomic_write_json, atomic_write_text
