@@ -16,7 +16,7 @@ rule eval_fixtures:
     params:
         spec=lambda w: as_json({**config["eval"]["fixtures"], "world": config.get("world", {}), "seed": config["seed"]}),
     log:
-        "logs/{experiment}/eval/fixtures.log",
+        L.fixtures_log("{experiment}"),
     conda:
         ENV
     shell:

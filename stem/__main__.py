@@ -6,6 +6,7 @@ import sys
 
 from stem import cli_args as A
 from stem import config as C
+from stem import layout as L
 from stem.options import Strategy, values
 
 
@@ -78,13 +79,13 @@ def cmd_diff(args):
         raise C.ConfigError(f"--results {args.results}: no {res.experiment}/ folder in it (expected "
                             f"{args.results}/{res.experiment}/{{scale}}/{{variant}}/{{stage}}/)")
     if args.write:
-        ours = write_tables(cfg, res, f"reports/{cfg['experiment']}/tables")
+        ours = write_tables(cfg, res, L.tables_dir(cfg["experiment"]))
     else:
         from stem.report.tables import build_all
         ours = build_all(cfg, res)
     out = run_diff(cfg, ours, args.gate, args.gate_tolerance, paper_acct=paper_accounting())
     if args.write:
-        write_diff(f"reports/{cfg['experiment']}/diff", *out)
+        write_diff(L.diff_dir(cfg["experiment"]), *out)
     from stem.report.diff import render
     print(json.dumps(out[0], indent=2, default=float) if args.json else render(*out))
     prov = out[0]["provenance"]["results"]
@@ -261,7 +262,7 @@ def main(argv=None):
     m.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
                    help="world size (default: the config's cluster.train nodes x gpus_per_node)")
     m.add_argument("--strategy", choices=values(Strategy))
-    m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
+    m.add_argument("--cache", default=L.MEMORY_TRACES, help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
     x = sub.add_parser("export-hf", help="a checkpoint folder -> a transformers folder (docs/huggingface.md)")
@@ -280,7 +281,7 @@ def main(argv=None):
     g.add_argument("--items", default="abcdefg", help="which items to run, e.g. 'ae' (default: all)")
     g.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="the device's dense bf16 peak for MFU (default: known GPUs)")
     g.add_argument("--no-compile", action="store_true", help="item e: eager only")
-    g.add_argument("--out", default="reports/gpucheck", help="folder of gpucheck.json and gpucheck.md")
+    g.add_argument("--out", default=L.GPUCHECK_DIR, help="folder of gpucheck.json and gpucheck.md")
     g.set_defaults(fn=cmd_gpucheck)
     r = sub.add_parser("rehearsal-data", help="write the one-node rehearsal's offline inputs (config/rehearsal.yaml): "
                                               "paper-vocabulary tokenizers and ProLong-shaped MDS folders")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from stem import layout as L
 from stem.report import diff
 from stem.report import page
 from stem.report import paper_data as P
@@ -23,7 +24,7 @@ from stem.report import tables as T
 from stem.report.results import Results
 
 TABLES = registry.TABLES  # name -> PaperTable, every registered table (filled when stem.report.tables is imported)
-DIFF_FILES = ["diff.md", "cells.csv", "directions.csv", "paper_consistency.csv", "summary.json"]
+DIFF_FILES = L.DIFF_FILES  # the diff folder's files (stem.layout: every path of the workflow)
 
 
 def _write(path, text: str):
