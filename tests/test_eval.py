@@ -450,3 +450,22 @@ def test_offloaded_tables_score_the_same_through_simple_evaluate(ckpt, lm, tmp_p
         StemLM(str(ckpt), device="cpu", cache_rows=4)
     with pytest.raises(ValueError, match="offload='maybe': expected true or false"):
         StemLM(str(ckpt), device="cpu", offload="maybe")
+
+
+def test_the_workflows_eval_specs_import_neither_torch_nor_lm_eval():
+    """rules/eval.smk builds every eval job's spec, inputs and targets from stem.eval.spec: the built-in runners
+    are registered by name ("module:function"), so building the DAG imports neither torch nor lm-eval."""
+    import subprocess
+    import sys
+
+    from stem import config as C
+    code = ("import sys; from stem import config as C; from stem.eval import spec as EV\n"
+            "cfg = C.load_experiment(C.REPO / 'config' / 'tiny.yaml'); C.validate_experiment(cfg)\n"
+            "for p in EV.eval_targets(cfg)[:12]:\n"
+            "    _, _, scale, variant, stage, _, suite = p[:-5].split('/')\n"
+            "    EV.job_spec(cfg, 'tiny', scale, variant, stage, suite); EV.rule_inputs(cfg, 'tiny', scale, variant, stage, suite)\n"
+            "assert EV.SUITE_KINDS['niah'].runner == 'stem.eval.niah:run_niah'\n"
+            "print(sorted(m for m in ('torch', 'lm_eval') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=C.REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
