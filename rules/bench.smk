@@ -1,5 +1,5 @@
 # Systems benchmarks whose figures go into the report. bench_offload: the offloaded STEM engine
-# (stem/bench_offload.py, `python -m stem bench offload`) on the experiment's 350m STEM pretrain checkpoint,
+# (stem/bench/offload.py, `python -m stem bench offload`) on the experiment's 350m STEM pretrain checkpoint,
 # decoding held-out text (the val split of its own training data): tokens/s, hit rate vs cache rows (figure),
 # bytes moved per token, FFN memory freed, parameter bytes per decoded token, uniq(BL). Seconds at tiny scale;
 # on the CPU at paper scale too (minutes: the 350M model decodes once per cache configuration). The report's
@@ -16,13 +16,13 @@ rule bench_offload:
         tokens=lambda w: [L.tokens_manifest(w.experiment, "350m", src)
                           for src in C.train_spec(config, "350m", "stem", "pretrain")["data"]],
     output:
-        json="reports/{experiment}/offload/offload.json",
-        md="reports/{experiment}/offload/offload.md",
+        json=L.offload_file("{experiment}", "json"),
+        md=L.offload_file("{experiment}", "md"),
     params:
         spec=lambda w: as_json({"batch": 8, "prompt": 32, "steps": 48, "repeats": 2}),
     threads: 1
     log:
-        "logs/{experiment}/bench_offload.log",
+        L.experiment_log("{experiment}", "bench_offload"),
     conda:
         ENV
     shell:
@@ -36,13 +36,13 @@ rule bench_offload_variant:
         tokens=lambda w: [L.tokens_manifest(w.experiment, "350m", src)
                           for src in C.train_spec(config, "350m", w.variant, "pretrain")["data"]],
     output:
-        json="reports/{experiment}/offload/{variant}/offload.json",
-        md="reports/{experiment}/offload/{variant}/offload.md",
+        json=L.offload_file("{experiment}", "json", "{variant}"),
+        md=L.offload_file("{experiment}", "md", "{variant}"),
     params:
         spec=lambda w: as_json({"batch": 8, "prompt": 32, "steps": 48, "repeats": 2}),
     threads: 1
     log:
-        "logs/{experiment}/bench_offload_{variant}.log",
+        L.experiment_log("{experiment}", "bench_offload_{variant}"),
     conda:
         ENV
     shell:

@@ -36,7 +36,7 @@ def train_outputs():
 
 
 def params_tables():
-    return expand("reports/{exp}/params.{ext}", exp=EXP, ext=["csv", "md"])
+    return [L.params_file(EXP, ext) for ext in L.PARAMS_FILES]
 
 
 def train_inputs(w):

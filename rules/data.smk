@@ -7,7 +7,7 @@ rule corpus:
     params:
         spec=lambda w: as_json(C.corpus_spec(config, w.source)),
     log:
-        "logs/{experiment}/corpus/{source}.log",
+        L.corpus_log("{experiment}", "{source}"),
     conda:
         ENV
     shell:
@@ -22,7 +22,7 @@ rule tokenizer:
     params:
         spec=lambda w: as_json(C.tokenizer_spec(config, w.scale)),
     log:
-        "logs/{experiment}/{scale}/tokenizer.log",
+        L.tokenizer_log("{experiment}", "{scale}"),
     conda:
         ENV
     shell:
@@ -45,7 +45,7 @@ rule tokenize_part:
     resources:
         **{k: v for k, v in ((config.get("cluster") or {}).get("tokenize") or {}).items() if k in ("mem_mb", "runtime")},
     log:
-        "logs/{experiment}/{scale}/tokenize/{source}/{part}.log",
+        L.tokenize_log("{experiment}", "{scale}", "{source}", "{part}"),
     conda:
         ENV
     shell:
@@ -62,7 +62,7 @@ rule tokenize_gather:
         out=lambda w: L.tokens_dir(EXP, w.scale, w.source),
     localrule: True
     log:
-        "logs/{experiment}/{scale}/tokenize/{source}/gather.log",
+        L.tokens_gather_log("{experiment}", "{scale}", "{source}"),
     conda:
         ENV
     shell:

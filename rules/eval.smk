@@ -3,7 +3,7 @@
 #   snakemake --profile profiles/local results/tiny/1b/stem/pretrain/eval/mmlu.json
 # The embedded default runs the real lm-eval tasks offline on fixtures generated from the synthetic
 # world (rule eval_fixtures); config/paper.yaml has no fixtures and uses the real datasets.
-from stem.eval import run as EV  # noqa: E402
+from stem.eval import spec as EV  # noqa: E402  (torch-free)
 
 
 # rule all's eval targets (a lambda: `snakemake --lint` wants no functions beside rules)
@@ -16,7 +16,7 @@ rule eval_fixtures:
     params:
         spec=lambda w: as_json({**config["eval"]["fixtures"], "world": config.get("world", {}), "seed": config["seed"]}),
     log:
-        "logs/{experiment}/eval/fixtures.log",
+        L.fixtures_log("{experiment}"),
     conda:
         ENV
     shell:

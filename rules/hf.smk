@@ -9,7 +9,7 @@ rule export_hf:
     output:
         directory(L.hf_export(*L.STAGE)),
     log:
-        "logs/{experiment}/{scale}/{variant}/{stage}/export_hf.log",
+        L.export_hf_log(*L.STAGE),
     conda:
         ENV
     shell:

@@ -21,12 +21,12 @@ report: "../stem/report/captions/workflow.rst"
 
 rule params:
     output:
-        csv="reports/{experiment}/params.csv",
-        md="reports/{experiment}/params.md",
+        csv=L.params_file("{experiment}", "csv"),
+        md=L.params_file("{experiment}", "md"),
     params:
         cfg=lambda w: as_json({k: config[k] for k in ("experiment", "archs", "variant_overrides") if k in config}),
     log:
-        "logs/{experiment}/params.log",
+        L.experiment_log("{experiment}", "params"),
     conda:
         ENV
     shell:
@@ -41,21 +41,21 @@ rule report_tables:
     output:
         **{
             name: report(
-                f"reports/{{experiment}}/tables/{name}.csv",
+                L.table_file("{experiment}", name, "csv"),
                 caption="../stem/report/captions/table.rst",
                 category="Tables",
                 labels={"table": name},
             )
             for name in REPORT_TABLES
         },
-        md=expand("reports/{{experiment}}/tables/{name}.{ext}", name=REPORT_TABLES, ext=["md", "tex"]),
-        long="reports/{experiment}/tables/reproduced.csv",
+        md=[L.table_file("{experiment}", name, ext) for name in REPORT_TABLES for ext in ("md", "tex")],
+        long=L.reproduced("{experiment}"),
     params:
         spec=lambda w: as_json(config),
         label=lambda w: experiment_label(w.experiment),
-        out=lambda w: f"reports/{w.experiment}/tables",
+        out=lambda w: L.tables_dir(w.experiment),
     log:
-        "logs/{experiment}/report_tables.log",
+        L.experiment_log("{experiment}", "report_tables"),
     conda:
         ENV
     shell:
@@ -64,23 +64,23 @@ rule report_tables:
 
 rule report_diff:
     input:
-        "reports/{experiment}/tables/reproduced.csv",
+        L.reproduced("{experiment}"),
     output:
         md=report(
-            "reports/{experiment}/diff/diff.md",
+            L.diff_file("{experiment}", "diff.md"),
             caption="../stem/report/captions/diff.rst",
             category="Paper diff",
         ),
-        cells="reports/{experiment}/diff/cells.csv",
-        directions="reports/{experiment}/diff/directions.csv",
-        consistency="reports/{experiment}/diff/paper_consistency.csv",
-        summary="reports/{experiment}/diff/summary.json",
+        cells=L.diff_file("{experiment}", "cells.csv"),
+        directions=L.diff_file("{experiment}", "directions.csv"),
+        consistency=L.diff_file("{experiment}", "paper_consistency.csv"),
+        summary=L.diff_file("{experiment}", "summary.json"),
     params:
         spec=lambda w: as_json(config),
         label=lambda w: experiment_label(w.experiment),
-        out=lambda w: f"reports/{w.experiment}/diff",
+        out=lambda w: L.diff_dir(w.experiment),
     log:
-        "logs/{experiment}/report_diff.log",
+        L.experiment_log("{experiment}", "report_diff"),
     conda:
         ENV
     shell:
@@ -93,12 +93,12 @@ rule report_figure:
         unpack(lambda w: RW.figure_inputs(config, eval_results(), w.figure)),
     output:
         png=report(
-            "reports/{experiment}/figures/{figure}.png",
+            L.figure_file("{experiment}", "{figure}", "png"),
             caption="../stem/report/captions/figure.rst",
             category="Figures",
             labels={"figure": "{figure}"},
         ),
-        pdf="reports/{experiment}/figures/{figure}.pdf",
+        pdf=L.figure_file("{experiment}", "{figure}", "pdf"),
     wildcard_constraints:
         figure="|".join(map(re.escape, REPORT_FIGURES)),
     params:
@@ -106,7 +106,7 @@ rule report_figure:
         caption=lambda w: REPORT_FIGURES[w.figure].caption,
         files=lambda w: as_json(RW.figure_inputs(config, eval_results(), w.figure)),
     log:
-        "logs/{experiment}/report_figure_{figure}.log",
+        L.experiment_log("{experiment}", "report_figure_{figure}"),
     conda:
         ENV
     shell:
@@ -116,13 +116,13 @@ rule report_figure:
 
 rule report_readme:
     input:
-        tables="reports/{experiment}/tables/reproduced.csv",
-        diff="reports/{experiment}/diff/summary.json",
-        params="reports/{experiment}/params.md",
+        tables=L.reproduced("{experiment}"),
+        diff=L.diff_file("{experiment}", "summary.json"),
+        params=L.params_file("{experiment}", "md"),
         everything=lambda w: RW.report_files(w.experiment),  # all of it: a missing file is rebuilt, then this
     output:
         report(
-            "reports/{experiment}/README.md",
+            L.report_readme("{experiment}"),
             caption="../stem/report/captions/readme.rst",
             category="Report",
         ),
@@ -130,9 +130,9 @@ rule report_readme:
         spec=lambda w: as_json(config),
         label=lambda w: experiment_label(w.experiment),
         figures=" ".join(REPORT_FIGURES),
-        out=lambda w: f"reports/{w.experiment}",
+        out=lambda w: L.report_dir(w.experiment),
     log:
-        "logs/{experiment}/report_readme.log",
+        L.experiment_log("{experiment}", "report_readme"),
     conda:
         ENV
     shell:
@@ -142,18 +142,18 @@ rule report_readme:
 
 rule report_html:
     input:
-        tables="reports/{experiment}/tables/reproduced.csv",
-        diff="reports/{experiment}/diff/summary.json",
-        params="reports/{experiment}/params.md",  # linked from the page
+        tables=L.reproduced("{experiment}"),
+        diff=L.diff_file("{experiment}", "summary.json"),
+        params=L.params_file("{experiment}", "md"),  # linked from the page
         everything=lambda w: RW.report_files(w.experiment),
     output:
-        "reports/{experiment}/report.html",
+        L.report_html("{experiment}"),
     params:
         spec=lambda w: as_json(config),
         figures=" ".join(REPORT_FIGURES),
-        out=lambda w: f"reports/{w.experiment}",
+        out=lambda w: L.report_dir(w.experiment),
     log:
-        "logs/{experiment}/report_html.log",
+        L.experiment_log("{experiment}", "report_html"),
     conda:
         ENV
     shell:

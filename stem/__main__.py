@@ -6,6 +6,7 @@ import sys
 
 from stem import cli_args as A
 from stem import config as C
+from stem import layout as L
 from stem.options import Strategy, values
 
 # Each command imports the code it runs inside its function (cmd_*): torch, lm_eval, transformers, pandas
@@ -43,9 +44,9 @@ def cmd_params(args):
 
 def cmd_bench(args):
     if args.what == "offload":
-        from stem import bench_offload
-        return bench_offload.main(args)
-    from stem import bench
+        from stem.bench import offload
+        return offload.main(args)
+    from stem.bench import train as bench
     {"attention": bench.main_attention, "train": bench.main_train}.get(args.what, bench.main)(args)
 
 
@@ -56,14 +57,14 @@ def cmd_train(args):
 
 
 def cmd_eval(args):
-    from stem.eval import run
+    from stem.eval import run, spec as ES
     if args.bench:
-        from stem.eval.bench import bench
+        from stem.bench.eval import bench
         print(json.dumps(bench(args.checkpoint, device=args.device), indent=2))
         return
     if not args.suite:
         raise C.ConfigError("--suite is required (or --bench)")
-    spec = run.suite_spec(experiment_config(args.experiment), args.suite)
+    spec = ES.suite_spec(experiment_config(args.experiment), args.suite)
     raw = args.out[:-5] + ".raw.json" if args.out and args.out.endswith(".json") else None
     r = run.evaluate(args.checkpoint, spec, args.out, raw, limit=args.limit, device=args.device,
                      model_args={"offload": args.offload, "cache_rows": args.cache_rows})
@@ -81,13 +82,13 @@ def cmd_diff(args):
         raise C.ConfigError(f"--results {args.results}: no {res.experiment}/ folder in it (expected "
                             f"{args.results}/{res.experiment}/{{scale}}/{{variant}}/{{stage}}/)")
     if args.write:
-        ours = write_tables(cfg, res, f"reports/{cfg['experiment']}/tables")
+        ours = write_tables(cfg, res, L.tables_dir(cfg["experiment"]))
     else:
         from stem.report.tables import build_all
         ours = build_all(cfg, res)
     out = run_diff(cfg, ours, args.gate, args.gate_tolerance, paper_acct=paper_accounting())
     if args.write:
-        write_diff(f"reports/{cfg['experiment']}/diff", *out)
+        write_diff(L.diff_dir(cfg["experiment"]), *out)
     from stem.report.diff import render
     print(json.dumps(out[0], indent=2, default=float) if args.json else render(*out))
     prov = out[0]["provenance"]["results"]
@@ -197,7 +198,7 @@ def main(argv=None):
                    metavar=("N1", "N2"),
                    help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
                         "from the cost per micro-batch")
-    o = b.add_argument_group("bench offload (stem.bench_offload)")
+    o = b.add_argument_group("bench offload (stem.bench.offload)")
     o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
     o.add_argument("--batch", type=A.whole(1, "rows"), default=8, help="rows of held-out text decoded together")
     o.add_argument("--prompt", type=A.whole(1, "prefill tokens"), default=32, help="prefill tokens per row")
@@ -264,7 +265,7 @@ def main(argv=None):
     m.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
                    help="world size (default: the config's cluster.train nodes x gpus_per_node)")
     m.add_argument("--strategy", choices=values(Strategy))
-    m.add_argument("--cache", default="results/memory_traces", help="folder of cached traces (one file per job spec)")
+    m.add_argument("--cache", default=L.MEMORY_TRACES, help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
     x = sub.add_parser("export-hf", help="a checkpoint folder -> a transformers folder (docs/huggingface.md)")
@@ -283,7 +284,7 @@ def main(argv=None):
     g.add_argument("--items", default="abcdefg", help="which items to run, e.g. 'ae' (default: all)")
     g.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="the device's dense bf16 peak for MFU (default: known GPUs)")
     g.add_argument("--no-compile", action="store_true", help="item e: eager only")
-    g.add_argument("--out", default="reports/gpucheck", help="folder of gpucheck.json and gpucheck.md")
+    g.add_argument("--out", default=L.GPUCHECK_DIR, help="folder of gpucheck.json and gpucheck.md")
     g.set_defaults(fn=cmd_gpucheck)
     r = sub.add_parser("rehearsal-data", help="write the one-node rehearsal's offline inputs (config/rehearsal.yaml): "
                                               "paper-vocabulary tokenizers and ProLong-shaped MDS folders")

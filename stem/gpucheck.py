@@ -43,7 +43,8 @@ import torch
 from safetensors.torch import save_file
 
 from stem import config as C
-from stem.bench_offload import decode_seconds
+from stem import layout as L
+from stem.bench.offload import decode_seconds
 from stem.data.synth import make_world, web_documents
 from stem.data.tokenizer import train_bpe
 from stem.io import atomic_write_json, atomic_write_text
@@ -521,7 +522,7 @@ def environment(device: torch.device) -> dict:
             "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
-def run(device: str = "cuda", tiny: bool = False, items: str = ITEMS, out_dir="reports/gpucheck",
+def run(device: str = "cuda", tiny: bool = False, items: str = ITEMS, out_dir=L.GPUCHECK_DIR,
         peak_tflops: float | None = None, compile: bool = True, log=print, variants=VARIANTS) -> dict:
     """Run the items, print one line each, write {out_dir}/gpucheck.{json,md}; returns the JSON."""
     dev = torch.device(device)

@@ -8,9 +8,18 @@ the code reads and writes.
     results/{experiment}/{scale}/{variant}/{stage}/             one training job ("stage folder"):
         summary.json, metrics.jsonl, checkpoint/, _state/ (resumable, undeclared), tensorboard/,
         eval/{suite}.json, eval/raw/{suite}.json, analysis/{name}.json
-    logs/{experiment}/{scale}/{variant}/{stage}/train.log, .../eval/{suite}.log, .../analysis/{name}.log
+    logs/{experiment}/{scale}/{variant}/{stage}/train.log, .../eval/{suite}.log, .../analysis/{name}.log,
+        .../export_hf.log
+    logs/{experiment}/corpus/{source}.log, {scale}/tokenizer.log, {scale}/tokenize/{source}/{part}.log and
+        gather.log, eval/fixtures.log                            the data and fixture jobs
+    reports/{experiment}/                                        the report (rules/report.smk, stem.report):
+        params.{csv,md}, tables/{table}.{csv,md,tex}, tables/reproduced.csv, diff/{diff.md, cells.csv,
+        directions.csv, paper_consistency.csv, summary.json}, figures/{figure}.{png,pdf}, README.md, report.html
+    reports/{experiment}/offload/[{variant}/]offload.{json,md}    the offload benchmark (rules/bench.smk)
     reports/{experiment}/sweeps/{kind}.{json,md,png,pdf}          the DSE paper's Sec. 3 sweeps (stem.sweeps)
     logs/{experiment}/sweeps/{kind}.log
+    logs/{experiment}/{job}.log                                   the experiment's other jobs (report, bench)
+    results/memory_traces/, reports/gpucheck/                     caches and checks outside the workflow's jobs
 
 Every function takes the path's parts; called with wildcard names (``"{experiment}"``, ...; ``STAGE``) it
 gives the rule's pattern, so a rule and the code cannot disagree. Torch-free (the Snakefile imports it).
@@ -98,12 +107,109 @@ def eval_log(exp: str, scale: str, variant: str, stage: str, suite: str) -> str:
     return f"logs/{exp}/{scale}/{variant}/{stage}/eval/{suite}.log"
 
 
+def export_hf_log(exp: str, scale: str, variant: str, stage: str) -> str:
+    return f"logs/{exp}/{scale}/{variant}/{stage}/export_hf.log"
+
+
+# ---- logs of the data and fixture jobs (rules/data.smk, rules/eval.smk) -----------------------------------
+def corpus_log(exp: str, source: str) -> str:
+    return f"logs/{exp}/corpus/{source}.log"
+
+
+def tokenizer_log(exp: str, scale: str) -> str:
+    return f"logs/{exp}/{scale}/tokenizer.log"
+
+
+def tokenize_log(exp: str, scale: str, source: str, part: str) -> str:
+    return f"logs/{exp}/{scale}/tokenize/{source}/{part}.log"
+
+
+def tokens_gather_log(exp: str, scale: str, source: str) -> str:
+    return f"logs/{exp}/{scale}/tokenize/{source}/gather.log"
+
+
+def fixtures_log(exp: str) -> str:
+    return f"logs/{exp}/eval/fixtures.log"
+
+
+def experiment_log(exp: str, job: str) -> str:
+    """The log of one of the experiment's own jobs (params, report_tables, report_figure_{figure}, bench_offload,
+    ...)."""
+    return f"logs/{exp}/{job}.log"
+
+
+# ---- the report (rules/report.smk, stem.report) -----------------------------------------------------------
+PARAMS_FILES = ("csv", "md")
+TABLE_FILES = ("csv", "md", "tex")
+FIGURE_FILES = ("png", "pdf")
+REPRODUCED = "reproduced"   # tables/reproduced.csv: every table, long format
+DIFF_FILES = ["diff.md", "cells.csv", "directions.csv", "paper_consistency.csv", "summary.json"]
+
+
+def report_dir(exp: str) -> str:
+    return f"reports/{exp}"
+
+
+def params_file(exp: str, ext: str) -> str:
+    """The parameter accounting (csv, md)."""
+    return f"{report_dir(exp)}/params.{ext}"
+
+
+def tables_dir(exp: str) -> str:
+    return f"{report_dir(exp)}/tables"
+
+
+def table_file(exp: str, table: str, ext: str) -> str:
+    return f"{tables_dir(exp)}/{table}.{ext}"
+
+
+def reproduced(exp: str) -> str:
+    return table_file(exp, REPRODUCED, "csv")
+
+
+def diff_dir(exp: str) -> str:
+    return f"{report_dir(exp)}/diff"
+
+
+def diff_file(exp: str, name: str) -> str:
+    """One of the paper diff's files (``DIFF_FILES``)."""
+    return f"{diff_dir(exp)}/{name}"
+
+
+def figures_dir(exp: str) -> str:
+    return f"{report_dir(exp)}/figures"
+
+
+def figure_file(exp: str, figure: str, ext: str) -> str:
+    return f"{figures_dir(exp)}/{figure}.{ext}"
+
+
+def report_readme(exp: str) -> str:
+    return f"{report_dir(exp)}/README.md"
+
+
+def report_html(exp: str) -> str:
+    return f"{report_dir(exp)}/report.html"
+
+
+# ---- the offload benchmark (rules/bench.smk) ---------------------------------------------------------------
+def offload_file(exp: str, ext: str, variant: str | None = None) -> str:
+    """The benchmark's result (json) or printed table (md): the experiment's 350m STEM checkpoint, or
+    ``variant``'s."""
+    return f"{report_dir(exp)}/offload/{variant + '/' if variant else ''}offload.{ext}"
+
+
+# ---- outside the workflow's jobs ---------------------------------------------------------------------------
+MEMORY_TRACES = "results/memory_traces"   # cached memory traces of the paper's training jobs (stem.train.memory)
+GPUCHECK_DIR = "reports/gpucheck"         # python -m stem gpucheck
+
+
 # ---- sweeps (stem.sweeps, rules/sweep.smk) ---------------------------------------------------------------
 SWEEP_FILES = ("json", "md", "png", "pdf")
 
 
 def sweep_dir(exp: str) -> str:
-    return f"reports/{exp}/sweeps"
+    return f"{report_dir(exp)}/sweeps"
 
 
 def sweep_file(exp: str, kind: str, ext: str) -> str:

@@ -14,7 +14,7 @@ import importlib
 
 BUILTIN: dict[str, tuple[str, ...]] = {
     "ffn kind": ("stem.models.registry",),
-    "suite kind": ("stem.eval.run",),
+    "suite kind": ("stem.eval.spec",),
     "report table": ("stem.report.tables", "stem.report.figures", "stem.report.analyses",
                      "stem.report.mechanism", "stem.report.sweep_figures", "stem.report.provenance"),
     "analysis": ("stem.analysis.workflow",),

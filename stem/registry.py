@@ -1,7 +1,7 @@
 """The one registration mechanism: every extension point of the project is a ``Registry`` (name -> entry).
 
     FFN_KINDS       FFN module classes, built as ``cls(cfg, layer)``           (stem.models.registry)
-    SUITE_KINDS     eval suite runners (``SuiteKind``)                           (stem.eval.run)
+    SUITE_KINDS     eval suite runners (``SuiteKind``)                           (stem.eval.spec)
     REPORT_TABLES   report tables (``PaperTable``)                               (stem.report.registry)
     REPORT_FIGURES  report figures (``Figure``)                                  (stem.report.registry)
     ANALYSES        analyses of a checkpoint (``Analysis``)                      (stem.analysis.workflow)

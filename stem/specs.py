@@ -1,7 +1,7 @@
 """Typed job specs: what one training or evaluation job is told, beside the model's ``ModelConfig``.
 
 The workflow resolves each job's spec from the experiment config (``stem.config.train_spec``,
-``stem.eval.run.job_spec``) and passes it to the job as JSON (a rule parameter, so Snakemake reruns exactly
+``stem.eval.spec.job_spec``) and passes it to the job as JSON (a rule parameter, so Snakemake reruns exactly
 the jobs whose spec changed). The job builds the dataclass with ``from_dict`` once, which checks every key
 (one line naming the key and what is expected), and reads typed fields from then on. ``to_dict`` gives the
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).

@@ -201,6 +201,7 @@ def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
     from stem.data.tokenizer import train_bpe
     from stem.eval import compare as K
     from stem.eval import fixtures, run
+    from stem.eval import spec as ES
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
     from stem.checkpoint import save_checkpoint
@@ -212,7 +213,7 @@ def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
     tasks = ["arc_easy", "boolq"]
     fixtures.write_fixtures({**c["eval"]["fixtures"], "world": world, "seed": 0, "items": 6, "train_items": 2,
                              "tasks": tasks, "groups": {}}, tmp_path / "fx")
-    spec = {**run.suite_spec(c, "commonsense"), "fixtures": str(tmp_path / "fx"), "tasks": tasks}
+    spec = {**ES.suite_spec(c, "commonsense"), "fixtures": str(tmp_path / "fx"), "tasks": tasks}
     for seed, variant in ((0, "dense"), (1, "stem")):
         mc = C.model_config_for(c, "350m", variant, "pretrain").to_dict()
         torch.manual_seed(seed)
@@ -270,7 +271,7 @@ def test_seeds_are_jobs_of_their_own_and_the_default_is_unchanged(cfg):
     assert len(C.seed_targets(C.validate_experiment(whole))) == 9 + 3 * 3 + 2
     mid = C.train_spec(whole, "1b", "stem_seed1", "midtrain")   # a later stage starts from the same seed's
     assert mid["init_from"] == "results/tiny/1b/stem_seed1/pretrain/checkpoint" and mid["seed"] == cfg["seed"] + 1
-    from stem.eval.run import eval_targets
+    from stem.eval.spec import eval_targets
     assert "results/tiny/350m/stem_seed1/pretrain/eval/commonsense.json" in eval_targets(cfg)
 
 

@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("lm_eval")
 
 from stem.data.tokenizer import train_bpe  # noqa: E402
-from stem.eval import fixtures, run  # noqa: E402
+from stem.eval import fixtures, harness, run  # noqa: E402
+from stem.eval import spec as ES  # noqa: E402
 from stem.eval.generate import greedy_generate  # noqa: E402
 from stem.eval.lm import StemLM, cut_at_stop  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
@@ -135,7 +136,7 @@ def test_fixture_task_runs_through_simple_evaluate(lm, tmp_path):
                      "longbench": ["longbench_multi", "longbench_code"]}}
     fixtures.write_fixtures(fx, tmp_path / "fx")
     assert "include:" in (tmp_path / "fx" / "arc_easy.yaml").read_text()
-    spec = run.suite_spec(cfg, "commonsense")
+    spec = ES.suite_spec(cfg, "commonsense")
     spec.update(tasks=["arc_easy", "boolq"], fixtures=str(tmp_path / "fx"))
     out = run.evaluate(lm.pretrained, spec, tmp_path / "cs.json", tmp_path / "raw.json", lm=lm)
     saved = json.loads((tmp_path / "cs.json").read_text())
@@ -145,7 +146,7 @@ def test_fixture_task_runs_through_simple_evaluate(lm, tmp_path):
     assert saved["tasks"]["arc_easy"]["metric"] == "acc_norm,none"
     assert "samples" in json.loads((tmp_path / "raw.json").read_text())
     # generation task + per-length buckets
-    spec = run.suite_spec(cfg, "longbench")
+    spec = ES.suite_spec(cfg, "longbench")
     spec["fixtures"] = str(tmp_path / "fx")
     out = run.evaluate(lm.pretrained, spec, lm=lm, limit=4)
     assert {"longbench", "longbench_multi", "longbench_code"} <= out["groups"].keys()
@@ -213,7 +214,7 @@ def test_niah_oracle_scores_100_in_every_cell(ckpt, tmp_path, experiment):
     from stem import config as C
     from stem.data import synth
     cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
-    spec = run.suite_spec(cfg, "niah")
+    spec = ES.suite_spec(cfg, "niah")
     w = synth.make_world(**WORLD)
     n_docs = 8 if experiment == "tiny" else 60
     docs = tmp_path / "long.jsonl"
@@ -241,7 +242,7 @@ def test_by_length_buckets():
     raw = {"group_subtasks": {"g": ["a", "b"]},
            "samples": {"a": [{"doc": {"length": 10}, "score": 1.0}, {"doc": {"length": 50}, "score": 0.0}],
                        "b": [{"doc": {"length": 15}, "score": 0.5}]}}
-    out = run.by_length(raw, {"t": [[0, 20], [20, None]]})
+    out = harness.by_length(raw, {"t": [[0, 20], [20, None]]})
     lo, hi = out["t"]
     assert lo["groups"]["g"] == pytest.approx(75.0) and hi["groups"]["g"] == pytest.approx(0.0)
     assert hi["tasks"] == {"a": 0.0} and hi["range"] == "20+"
@@ -264,11 +265,11 @@ def test_checkpoint_without_tokenizer_is_a_clear_error(ckpt, tmp_path):
 def test_unknown_suite_and_task_are_clear_errors(lm, tmp_path):
     cfg = _tiny_cfg(tmp_path)
     with pytest.raises(ValueError, match="suite 'nope'"):
-        run.suite_spec(cfg, "nope")
+        ES.suite_spec(cfg, "nope")
     with pytest.raises(ValueError, match="no fixture generator|no lm-eval task"):
         fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 2, "train_items": 1, "tasks": ["nope"]}, tmp_path)
     fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 2, "train_items": 1, "tasks": ["boolq"]}, tmp_path / "fx")
-    spec = run.suite_spec(cfg, "commonsense")
+    spec = ES.suite_spec(cfg, "commonsense")
     spec.update(tasks=["boolq", "not_a_task"], fixtures=str(tmp_path / "fx"))
     with pytest.raises(ValueError, match="unknown task"):
         run.evaluate(lm.pretrained, spec, lm=lm)
@@ -284,7 +285,7 @@ def test_cli_reports_errors(tmp_path, capsys):
 def test_tiny_dag_ends_in_eval_jsons():
     from stem import config as C
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
-    targets = run.eval_targets(cfg)
+    targets = ES.eval_targets(cfg)
     assert "results/tiny/350m/stem/pretrain/eval/commonsense.json" in targets
     assert "results/tiny/1b/dense/extend/eval/longbench.json" in targets
     assert "results/tiny/1b/dse/extend/eval/longbench.json" in targets
@@ -321,8 +322,8 @@ def test_lm_eval_cli_runs_the_stem_model(ckpt, lm, tmp_path):
     (res_file,) = (tmp_path / "out").rglob("results_*.json")
     got = json.loads(res_file.read_text())
     assert got["config"]["model"] == "stem" and got["n-samples"]["arc_easy"]["effective"] == 4
-    spec = {**run.suite_spec(_tiny_cfg(tmp_path), "commonsense"), "tasks": ["arc_easy"], "fixtures": str(tmp_path / "fx")}
-    ref = run.run_lm_eval(lm, spec)["results"]["arc_easy"]
+    spec = {**ES.suite_spec(_tiny_cfg(tmp_path), "commonsense"), "tasks": ["arc_easy"], "fixtures": str(tmp_path / "fx")}
+    ref = harness.run_lm_eval(lm, spec)["results"]["arc_easy"]
     for k in ("acc,none", "acc_norm,none"):
         assert got["results"]["arc_easy"][k] == pytest.approx(ref[k])
 
@@ -342,7 +343,7 @@ def _ppl_spec(tmp_path):
     from stem.data import synth
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": d}) + "\n" for d, _ in zip(synth.web_documents(synth.make_world(**WORLD)), range(2))))
-    spec = run.suite_spec(_tiny_cfg(tmp_path), "ppl")
+    spec = ES.suite_spec(_tiny_cfg(tmp_path), "ppl")
     spec.update(documents={"kind": "files", "paths": [str(docs)], "format": "jsonl"}, device="cpu")
     return spec
 
@@ -363,7 +364,7 @@ def test_eval_refuses_a_checkpoint_of_another_job(ckpt, lm, tmp_path):
     out = tmp_path / "results" / "test" / "1b" / "stem" / "pretrain" / "eval" / "ppl.json"
     r = run.evaluate(ckpt, spec, out, lm=lm, limit=1)
     assert (r["experiment"], r["scale"], r["variant"], r["stage"]) == ("test", "1b", "stem", "pretrain") and out.is_file()
-    assert run.job_spec(_tiny_cfg(tmp_path), "tiny", "1b", "stem", "pretrain", "ppl")["job"] == {
+    assert ES.job_spec(_tiny_cfg(tmp_path), "tiny", "1b", "stem", "pretrain", "ppl")["job"] == {
         "experiment": "tiny", "scale": "1b", "variant": "stem", "stage": "pretrain"}
     from stem import config as C
     assert "EV.job_spec(config, w.experiment, w.scale, w.variant, w.stage, w.suite)" in (C.REPO / "rules" / "eval.smk").read_text()
@@ -433,7 +434,7 @@ def test_offloaded_tables_score_the_same_through_simple_evaluate(ckpt, lm, tmp_p
     ckpt = tmp_path / "ckpt"
     fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 4, "train_items": 2, "tasks": ["arc_easy", "gsm8k"]},
                             tmp_path / "fx")
-    tm = run.task_manager(str(tmp_path / "fx"))
+    tm = harness.task_manager(str(tmp_path / "fx"))
     args = f"pretrained={ckpt},device=cpu,batch_size=4,max_gen_toks=6"
     off = get_model("stem").create_from_arg_string(args + ",offload=true,cache_rows=16")
     assert off.offload is not None and off.offload.stats()["cache_rows"] == 16
@@ -449,3 +450,22 @@ def test_offloaded_tables_score_the_same_through_simple_evaluate(ckpt, lm, tmp_p
         StemLM(str(ckpt), device="cpu", cache_rows=4)
     with pytest.raises(ValueError, match="offload='maybe': expected true or false"):
         StemLM(str(ckpt), device="cpu", offload="maybe")
+
+
+def test_the_workflows_eval_specs_import_neither_torch_nor_lm_eval():
+    """rules/eval.smk builds every eval job's spec, inputs and targets from stem.eval.spec: the built-in runners
+    are registered by name ("module:function"), so building the DAG imports neither torch nor lm-eval."""
+    import subprocess
+    import sys
+
+    from stem import config as C
+    code = ("import sys; from stem import config as C; from stem.eval import spec as EV\n"
+            "cfg = C.load_experiment(C.REPO / 'config' / 'tiny.yaml'); C.validate_experiment(cfg)\n"
+            "for p in EV.eval_targets(cfg)[:12]:\n"
+            "    _, _, scale, variant, stage, _, suite = p[:-5].split('/')\n"
+            "    EV.job_spec(cfg, 'tiny', scale, variant, stage, suite); EV.rule_inputs(cfg, 'tiny', scale, variant, stage, suite)\n"
+            "assert EV.SUITE_KINDS['niah'].runner == 'stem.eval.niah:run_niah'\n"
+            "print(sorted(m for m in ('torch', 'lm_eval') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=C.REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

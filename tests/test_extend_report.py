@@ -29,6 +29,7 @@ from stem.report.results import Results, task_score  # noqa: E402
 
 pytest.importorskip("lm_eval")
 from stem.eval import run  # noqa: E402
+from stem.eval import spec as ES  # noqa: E402
 
 V, D, L, H, KV, F = 512, 32, 3, 2, 1, 48   # conftest.make_spec's 350m model
 PAIRS = [["The capital of Sarland is", " Bondo."], ["One two three", " four five"]]
@@ -72,7 +73,7 @@ def toy_figure(cfg, res, ours, files):
 @pytest.fixture
 def toys():
     toy_ffn.register()
-    run.suite_kind("toy_nll", resolve=_resolve)(continuation_nll)
+    ES.suite_kind("toy_nll", resolve=_resolve)(continuation_nll)
     registry.paper_table(TABLE, "Toy: continuation NLL and lookup parameters", stages=("pretrain",),
                          labels={"nll": "NLL (nats)", "lookup_params": "Lookup params"},
                          inputs=T.checkpoints_of(TABLE))(toy_table)
@@ -80,7 +81,7 @@ def toys():
         "toy_evals": [p for p in evals if p.endswith(f"eval/{SUITE}.json")]})(toy_figure)
     yield
     toy_ffn.unregister()
-    run.SUITE_KINDS.remove("toy_nll")
+    ES.SUITE_KINDS.remove("toy_nll")
     registry.TABLES.remove(TABLE)
     registry.FIGURES.remove(FIGURE)
 
@@ -181,9 +182,9 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
     # the eval job through the toy suite kind
     (tmp_path / "data" / "tiny").mkdir(parents=True)
     (tmp_path / "data" / "tiny" / "toy_pairs.json").write_text(json.dumps(PAIRS))
-    evals = run.eval_targets(cfg)
+    evals = ES.eval_targets(cfg)
     assert evals == [f"{stage_dir}/eval/toy.json"]
-    run.evaluate(ckpt, run.job_spec(cfg, "tiny", "350m", "stem", "pretrain", SUITE), out_json=evals[0])
+    run.evaluate(ckpt, ES.job_spec(cfg, "tiny", "350m", "stem", "pretrain", SUITE), out_json=evals[0])
     nll = sum(_reference_nll(ckpt, *p) for p in PAIRS) / len(PAIRS)
     assert json.loads(Path(evals[0]).read_text())["tasks"][SUITE]["value"] == pytest.approx(nll, abs=1e-4)
 

@@ -11,6 +11,7 @@ pytest.importorskip("lm_eval")
 
 from stem import config as C  # noqa: E402
 from stem.eval import run  # noqa: E402
+from stem.eval import spec as ES  # noqa: E402
 
 WORLD = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
 PAIRS = [["The capital of Sarland is", " Bondo."], ["One two three", " four five"], ["x", " y z"]]
@@ -38,9 +39,9 @@ def continuation_logprob(lm, spec: dict, limit=None):
 
 @pytest.fixture
 def toy_kind():
-    run.suite_kind("continuation_logprob", resolve=_resolve, inputs=_inputs)(continuation_logprob)
+    ES.suite_kind("continuation_logprob", resolve=_resolve, inputs=_inputs)(continuation_logprob)
     yield "continuation_logprob"
-    run.SUITE_KINDS.remove("continuation_logprob")
+    ES.SUITE_KINDS.remove("continuation_logprob")
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +89,12 @@ def test_toy_suite_kind_runs_through_the_eval_job(toy_kind, ckpt, tmp_path, monk
     from workflow_scripts._entry import run as run_entry
 
     cfg = C.validate_experiment(_cfg_with_toy_suite())  # the config check accepts the registered kind
-    assert "results/tiny/1b/stem/pretrain/eval/toy.json" in run.eval_targets(cfg)
-    assert run.rule_inputs(cfg, "tiny", "1b", "stem", "pretrain", "toy") == {
+    assert "results/tiny/1b/stem/pretrain/eval/toy.json" in ES.eval_targets(cfg)
+    assert ES.rule_inputs(cfg, "tiny", "1b", "stem", "pretrain", "toy") == {
         "checkpoint": "results/tiny/1b/stem/pretrain/checkpoint", "pairs": "data/tiny/toy_pairs.json"}
     cfg["eval"]["suites"]["toy"]["pairs_file"] = str(tmp_path / "pairs.json")
     (tmp_path / "pairs.json").write_text(json.dumps(PAIRS))
-    spec = run.job_spec(cfg, "test", "1b", "stem", "pretrain", "toy")
+    spec = ES.job_spec(cfg, "test", "1b", "stem", "pretrain", "toy")
     assert (spec["kind"], spec["suite"], spec["pairs_file"]) == (toy_kind, "toy", str(tmp_path / "pairs.json"))
 
     out, raw = tmp_path / "o" / "toy.json", tmp_path / "o" / "raw" / "toy.json"
@@ -109,13 +110,13 @@ def test_toy_suite_kind_runs_through_the_eval_job(toy_kind, ckpt, tmp_path, monk
 
 
 def test_unregistered_kind_is_a_one_line_error(tmp_path):
-    assert sorted(run.SUITE_KINDS) == ["lm_eval", "niah", "ppl"]  # the toy kind did not leak out of its test
+    assert sorted(ES.SUITE_KINDS) == ["lm_eval", "niah", "ppl"]  # the toy kind did not leak out of its test
     with pytest.raises(C.ConfigError, match=r"^config: key 'eval.suites.toy.kind': unknown suite kind "
                                             r"'continuation_logprob'; expected one of \['lm_eval', 'niah', 'ppl'\]$"):
         C.validate_experiment(_cfg_with_toy_suite())
     cfg = _cfg_with_toy_suite()
     with pytest.raises(ValueError, match=r"^suite 'toy': unknown kind 'continuation_logprob' \(expected one of"):
-        run.suite_spec(cfg, "toy")
+        ES.suite_spec(cfg, "toy")
     spec = {"kind": "nope", "suite": "s", "batch_size": 1}
     out = tmp_path / "s.json"
     known = r"\(expected one of \['lm_eval', 'niah', 'ppl'\]\)$"
@@ -126,5 +127,5 @@ def test_unregistered_kind_is_a_one_line_error(tmp_path):
 
 def test_a_kind_registers_once(toy_kind):
     with pytest.raises(ValueError, match="suite kind 'ppl': already registered"):
-        run.suite_kind("ppl")(continuation_logprob)
-    assert run.SUITE_KINDS["ppl"].run is run.run_ppl and run.SUITE_KINDS[toy_kind].run is continuation_logprob
+        ES.suite_kind("ppl")(continuation_logprob)
+    assert ES.SUITE_KINDS["ppl"].runner == "stem.eval.ppl:run_ppl" and ES.SUITE_KINDS[toy_kind].runner is continuation_logprob

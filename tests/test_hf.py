@@ -145,20 +145,21 @@ def test_lm_eval_hf_model_scores_as_the_stem_model(tok_file, tmp_path):
     from lm_eval import simple_evaluate
 
     from stem.__main__ import main as stem_main
-    from stem.eval import fixtures, run
+    from stem.eval import fixtures, harness
+    from stem.eval import spec as ES
     from stem.eval.lm import StemLM
     fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 8, "train_items": 2, "tasks": ["arc_easy"]},
                             tmp_path / "fx")
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
-    spec = {**run.suite_spec(cfg, "commonsense"), "tasks": ["arc_easy"], "fixtures": str(tmp_path / "fx")}
+    spec = {**ES.suite_spec(cfg, "commonsense"), "tasks": ["arc_easy"], "fixtures": str(tmp_path / "fx")}
     for variant in ("stem", "dense"):
         ckpt, _ = make_ckpt(tmp_path / variant, tok_file, variant, seed=5)
         out = tmp_path / variant / "hf"
         stem_main(["export-hf", str(ckpt), str(out)])   # python -m stem export-hf CHECKPOINT OUT
-        ref = run.run_lm_eval(StemLM(str(ckpt), device="cpu", batch_size=4), spec)
+        ref = harness.run_lm_eval(StemLM(str(ckpt), device="cpu", batch_size=4), spec)
         got = simple_evaluate(model="hf", model_args={"pretrained": str(out), "dtype": "float32",
                                                       "trust_remote_code": variant != "dense"},
-                              tasks=["arc_easy"], task_manager=run.task_manager(spec["fixtures"]), device="cpu",
+                              tasks=["arc_easy"], task_manager=harness.task_manager(spec["fixtures"]), device="cpu",
                               batch_size=3, num_fewshot=spec["num_fewshot"], random_seed=spec["seed"],
                               log_samples=True)
         assert got["config"]["model"] == "hf" and got["n-samples"]["arc_easy"]["effective"] == 8

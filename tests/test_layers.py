@@ -27,7 +27,7 @@ LAYERS = [
     ("eval", "stem.eval"),
     ("analysis", "stem.analysis"),
     ("report", "stem.report"),
-    ("entry points", "stem.pipeline stem.gpucheck stem.rehearsal stem.bench stem.bench_offload stem.cli_args "
+    ("entry points", "stem.pipeline stem.gpucheck stem.rehearsal stem.bench stem.cli_args "
                      "stem.__main__"),
 ]
 

@@ -130,7 +130,7 @@ def test_mechanism_analyses_end_to_end(tiny_data, tmp_path):
     from stem.data.synth import make_world
     from stem.data.tokenizer import load_tokenizer
     from stem.eval import fixtures
-    from stem.eval.run import suite_spec
+    from stem.eval.spec import suite_spec
     from stem.checkpoint import save_checkpoint
     tok = load_tokenizer(tiny_data["tokenizer"])
     ckpts = {}
@@ -211,7 +211,7 @@ def test_mechanism_analyses_end_to_end(tiny_data, tmp_path):
         for t in ("world_closed_book", "world_in_context"):
             hits = w["items"][mode][t]
             assert len(hits) == 12 and w["accuracy"][mode][t] == pytest.approx(100 * sum(hits) / 12)
-    from stem.eval.run import lm_eval_suite
+    from stem.eval.harness import lm_eval_suite
     from stem.eval.lm import StemLM
     lm = StemLM(str(ckpts["dse"]), batch_size=8, dse_mode="disabled")
     assert {m.mode for m in lm.model.modules() if hasattr(m, "mode")} == {"disabled"}

@@ -150,7 +150,7 @@ def test_bad_use_is_a_clear_error(tmp_path):
 
 
 def test_replayed_hit_rate_equals_the_engines(tmp_path):
-    from stem.bench_offload import decode_seconds, replay_hit_rate
+    from stem.bench.offload import decode_seconds, replay_hit_rate
     model = tiny_model("stem_half")
     twin, engine = offloaded(model, tmp_path, cache_rows=6)
     rng = np.random.default_rng(0)
@@ -164,7 +164,7 @@ def test_replayed_hit_rate_equals_the_engines(tmp_path):
 def test_bytes_read_per_decoded_token_match_the_papers_formula(tmp_path):
     """Sec. 3.2.3 / Table 1, batch 1, MHA: a layer reads 4d^2 + 2Ld (KV) + 3 d d_ff (dense) or 2 d d_ff (STEM)
     parameters, plus d_ff for the STEM row (Table 1's B_uniq d_ff); fp32."""
-    from stem.bench_offload import decode_step_access
+    from stem.bench.offload import decode_step_access
     d, f, L = 16, D_FF, 6
     models = {v: tiny_model(v, n_kv_heads=2) for v in ("dense", "stem_half")}  # MHA; STEM in layers 1 and 3
     models["offloaded"], _ = offloaded(models["stem_half"], tmp_path)
@@ -185,7 +185,7 @@ def test_bytes_read_per_decoded_token_match_the_papers_formula(tmp_path):
 
 
 def test_unique_ids_per_training_batch():
-    from stem.bench_offload import unique_per_batch
+    from stem.bench.offload import unique_per_batch
     train = np.arange(1000) % 37
     r = unique_per_batch(train, batch=2, seq_len=10, n=3)
     assert r["tokens"] == 20 and r["uniq_max"] <= 20
@@ -229,7 +229,7 @@ def test_bench_offload_end_to_end(tiny_data, tmp_path, capsys):
 
 
 def test_warm_replay_starts_with_the_most_frequent_ids():
-    from stem.bench_offload import replay_hit_rate
+    from stem.bench.offload import replay_hit_rate
     warm = np.array([5] * 3 + [6] * 2 + [7])  # the 2-row cache starts with 5 and 6
     steps = np.array([[5, 6, 7, 5]])          # hits: 5, 6, miss 7 (count 2 < 4, 3: not admitted), hit 5
     assert replay_hit_rate(np.array([[6]]), steps, 10, 2, warm) == 3 / 4
@@ -322,7 +322,7 @@ def test_bench_offload_on_a_dse_checkpoint(tiny_data, tmp_path):
             "model": model.cfg.to_dict(), "data": {"web": {"manifest": tiny_data["manifests"]["web"], "weight": 1.0}},
             "train": {"batch_size": 2, "seq_len": 16}}
     save_checkpoint(tmp_path / "ckpt", model, spec, tiny_data["tokenizer"], {})
-    from stem.bench_offload import bench_offload, render
+    from stem.bench.offload import bench_offload, render
     from stem.report.figures import hit_rate_figure, save
     r = json.loads(json.dumps(bench_offload(tmp_path / "ckpt", batch=4, prompt=4, steps=4, cache_rows=[16],
                                             curve=[8, 16, 64], repeats=1)))   # what `bench offload` runs

@@ -46,7 +46,7 @@ for path in sys.argv[2:]:   # configs whose plugin lists lack a toy the config u
         errors.append(None)
     except C.ConfigError as e:
         errors.append(str(e))
-from stem.eval import run as EV
+from stem.eval import spec as EV
 from stem.analysis import workflow as AW
 from stem.report import workflow as RW
 from stem.models.model import meta_model

@@ -526,6 +526,7 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     from stem.data import synth
     from stem.data.tokenizer import train_bpe
     from stem.eval import fixtures, run
+    from stem.eval import spec as ES
     from stem.models.config import ModelConfig
     from stem.models.model import build_model
     from stem.checkpoint import save_checkpoint
@@ -547,10 +548,10 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
                             tmp_path / "fx")
     out = tmp_path / "results/tiny/1b/stem/extend/eval"
     for suite, limit in (("commonsense", 2), ("longbench", 2)):
-        spec = run.suite_spec(cfg, suite)
+        spec = ES.suite_spec(cfg, suite)
         spec.update(fixtures=str(tmp_path / "fx"), **({"tasks": tasks[:2]} if suite == "commonsense" else {}))
         run.evaluate(tmp_path / "ckpt", spec, out / f"{suite}.json", limit=limit)
-    spec = {**run.suite_spec(cfg, "niah"), "lengths": [224, 256], "depths": [0, 100], "samples": 1,
+    spec = {**ES.suite_spec(cfg, "niah"), "lengths": [224, 256], "depths": [0, 100], "samples": 1,
             "documents": {"kind": "files", "paths": [str(tmp_path / "long.jsonl")], "format": "jsonl"}}
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     run.evaluate(tmp_path / "ckpt", spec, out / "niah.json")

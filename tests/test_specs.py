@@ -88,13 +88,13 @@ def test_train_refuses_a_bad_spec_before_writing_anything(tmp_path):
 
 
 def test_eval_spec_round_trips_and_checks_its_keys():
-    from stem.eval import run
+    from stem.eval import spec as ES
     for stage in ("pretrain", "midtrain", "extend"):
-        for suite in run.suites_for(TINY, stage):
-            d = run.job_spec(TINY, "tiny", "1b", "stem", stage, suite)
+        for suite in ES.suites_for(TINY, stage):
+            d = ES.job_spec(TINY, "tiny", "1b", "stem", stage, suite)
             spec = EvalSpec.from_dict(d)
             assert spec.to_dict() == d and spec.job.stage == stage and spec.kind == d["kind"]
-    d = run.job_spec(TINY, "tiny", "1b", "stem", "pretrain", "commonsense")
+    d = ES.job_spec(TINY, "tiny", "1b", "stem", "pretrain", "commonsense")
     with pytest.raises(SpecError, match=r"^eval spec: key 'batch_size': expected an integer >= 1, got 0$"):
         EvalSpec.from_dict({**d, "batch_size": 0})
     with pytest.raises(SpecError, match=r"^eval spec: key 'job.stage' missing \(expected a string\)$"):

@@ -11,7 +11,7 @@ def main():
     args = p.parse_args()
     import torch
 
-    from stem.bench_offload import bench_offload, render
+    from stem.bench.offload import bench_offload, render
     from stem.io import atomic_write_json, atomic_write_text
     spec = spec_of(args)
     torch.set_num_threads(1)

@@ -55,7 +55,7 @@ def world_queries(world, tok, probe: dict) -> dict[str, list]:
 
 def run(ckpt_dir, spec: dict) -> dict:
     from stem.eval.lm import StemLM
-    from stem.eval.run import kind_of
+    from stem.eval.spec import kind_of
 
     from stem.analysis.common import score_many, world_of
 

@@ -146,7 +146,7 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
                              f"{scale}/{stage}")
         spec["baseline_checkpoint"] = L.checkpoint(cfg["experiment"], scale, spec["baseline"], stage)
     if name == "dse_disabled":   # the eval suite whose fixtures, shots and metric the ablation runs with
-        from stem.eval.run import suite_spec
+        from stem.eval.spec import suite_spec
         spec["eval"] = suite_spec(cfg, spec["suite"])
         groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
         from stem.analysis.dse_disabled import WORLD_TASKS   # torch-free module

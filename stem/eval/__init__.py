@@ -1,5 +1,7 @@
-"""Evaluation: the ``stem`` lm-eval model (lm.py), suites and output format (run.py), offline fixtures
-(fixtures.py), needle-in-a-haystack (niah.py), greedy decoding (generate.py), benchmark (bench.py).
+"""Evaluation: suite kinds, suite and job specs, eval targets (spec.py, torch-free: the workflow reads it), one
+suite end to end (run.py), the lm-eval adapter (harness.py), the ``stem`` lm-eval model (lm.py),
+needle-in-a-haystack (niah.py), perplexity (ppl.py), offline fixtures (fixtures.py), greedy decoding
+(generate.py), comparing two variants' results (compare.py). The evaluator's speed benchmark is stem.bench.eval.
 
 ``import stem.eval.lm`` (or touching ``stem.eval.StemLM``) registers the model ``stem`` with lm-eval;
 it is imported lazily so that the workflow can read suite specs without importing torch/lm-eval.
@@ -8,6 +10,6 @@ it is imported lazily so that the workflow can read suite specs without importin
 
 def __getattr__(name):
     if name == "StemLM":
-        from stem.eval.lm import StemLM
+        from stem.eval.lm import StemLM  # lazy: torch and lm-eval (see above)
         return StemLM
     raise AttributeError(name)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import lm_eval
 import yaml
+from lm_eval.tasks._yaml_loader import load_yaml
 
 from stem.data import synth
 from stem.data.synth import World, make_world
@@ -283,8 +284,6 @@ def generator(task: str):
 # ---- writing -----------------------------------------------------------------------------------------
 def _splits(task_yaml: Path) -> tuple[str, list[str]]:
     """(evaluation split, other splits) of a real task."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
     cfg = load_yaml(task_yaml, resolve_func=False)
     eval_split = cfg.get("test_split") or cfg.get("validation_split")
     others = {cfg.get(k) for k in ("training_split", "validation_split", "fewshot_split")} - {None, eval_split}

@@ -25,6 +25,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from stem.checkpoint import load_checkpoint, load_offloaded
+from stem.data.tokenizer import load_tokenizer
 from stem.eval.generate import greedy_generate, greedy_generate_batch
 
 
@@ -33,9 +35,6 @@ def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None,
     """(model, tokenizer, spec) from a checkpoint folder, in eval mode; clear errors on bad folders. With
     ``offload`` the STEM tables stay off the device (stem.models.offload; ``model.offload_engine``) and are
     never read into memory whole: only the rest of the model is loaded, on ``device``."""
-    from stem.data.tokenizer import load_tokenizer
-    from stem.checkpoint import load_checkpoint
-
     ckpt = Path(ckpt_dir)
     if not ckpt.is_dir():
         raise ValueError(f"checkpoint {ckpt}: no such folder (train that stage first)")
@@ -44,7 +43,6 @@ def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None,
     device = pick_device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if offload:
-        from stem.checkpoint import load_offloaded
         try:
             model, spec = load_offloaded(ckpt, device, getattr(torch, dtype), cache_rows)
         except ValueError as e:

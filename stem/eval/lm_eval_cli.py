@@ -11,11 +11,12 @@ stock ``lm_eval --model stem`` cannot see a model defined outside its tree. This
 """
 from __future__ import annotations
 
+from lm_eval.__main__ import cli_evaluate
+
+import stem.eval.lm  # noqa: F401  (registers the model "stem" with lm-eval)
+
 
 def main() -> None:
-    import stem.eval.lm  # noqa: F401  (registers the model "stem" with lm-eval)
-    from lm_eval.__main__ import cli_evaluate
-
     cli_evaluate()
 
 

@@ -6,11 +6,14 @@ a sentence boundary), and the prompt ends with the completion query "The special
 {key} mentioned in the provided text is". The cell length is the whole budget: prompt tokens plus
 ``max_gen_toks`` generated tokens fit in ``length``, so a model whose context is the cell length sees
 the whole prompt (the decoder never cuts it). Greedy decoding; a cell's accuracy is the share of
-outputs that contain the value (exact match of the 7-digit number).
+outputs that contain the value (exact match of the 7-digit number). ``run_niah`` is the runner of suite kind
+``niah`` (registered by name in stem.eval.spec).
 """
 from __future__ import annotations
 
 import random
+
+from stem.eval.run import documents
 
 
 def needle_of(key: str, value: str) -> str:
@@ -83,3 +86,19 @@ def run(lm, items: list[dict], max_gen_toks: int = 12) -> dict:
             for (L, d), v in sorted(cells.items())]
     n = len(items)
     return {"cells": rows, "accuracy": 100.0 * sum(it["correct"] for it in items) / max(n, 1), "n": n}
+
+
+def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
+    """The runner of suite kind ``niah``: haystacks from the suite's documents, one result entry ``niah`` and
+    the accuracy of every (length, depth) cell."""
+    too_long = [L for L in spec["lengths"] if L > lm.max_length]
+    if too_long:
+        raise ValueError(f"niah: lengths {too_long} exceed the checkpoint's context ({lm.max_length} tokens)")
+    docs = documents(spec, n_chars=8 * max(spec["lengths"]) * 4, tok=lm.tok)
+    gen = spec.get("max_gen_toks", 12)
+    items = make_items(lm.tok, docs, spec["lengths"], spec["depths"], limit or spec["samples"], spec["seed"], gen)
+    res = run(lm, items, gen)
+    out = {"tasks": {"niah": {"metric": "exact_match", "value": res["accuracy"], "stderr": None, "n": res["n"],
+                              "version": "stem-niah-1", "all_metrics": {"exact_match": res["accuracy"]}}},
+           "groups": {}, "cells": res["cells"]}
+    return out, {"items": items, **res}, "stem.eval.niah"

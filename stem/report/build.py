@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from stem import config as C
+from stem import layout as L
 from stem.io import atomic_write_text
 from stem.report import diff, page, registry
 from stem.report import paper_data as P
@@ -23,7 +24,7 @@ from stem.report import tables as T
 from stem.report.results import Results
 
 TABLES = registry.TABLES  # name -> PaperTable, every registered table (filled when stem.report.tables is imported)
-DIFF_FILES = ["diff.md", "cells.csv", "directions.csv", "paper_consistency.csv", "summary.json"]
+DIFF_FILES = L.DIFF_FILES  # the diff folder's files (stem.layout: every path of the workflow)
 
 
 def _write(path, text: str):

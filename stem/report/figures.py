@@ -308,7 +308,7 @@ for _t in ("table3", "table4", "table5", "table6"):
 
 
 def hit_rate_figure(r: dict):
-    """Hit rate vs cache rows of an offload benchmark's result (stem.bench_offload), with the paper's 80 % and
+    """Hit rate vs cache rows of an offload benchmark's result (stem.bench.offload), with the paper's 80 % and
     the removed up-projection's memory marked: the report's offload_hit_rate and `bench offload --figure`."""
     xs = [x["cache_rows"] for x in r["hit_rate_curve"]]
     ys = [100 * x["hit_rate"] for x in r["hit_rate_curve"]]
@@ -334,7 +334,7 @@ def hit_rate_figure(r: dict):
 
 
 def offload_hit_rate(cfg, res, ours, files):
-    """The offload benchmark's hit rate vs cache rows (rule bench_offload, stem.bench_offload); it runs on the
+    """The offload benchmark's hit rate vs cache rows (rule bench_offload, stem.bench.offload); it runs on the
     350M STEM pretrain checkpoint, so an experiment without that run shows the gap."""
     import json
     from pathlib import Path

@@ -186,7 +186,7 @@ def _entries(path, d: dict, where: str, lo: float, hi: float):
 
 
 def check_eval(path, d: dict, identity: dict):
-    """An eval JSON (stem.eval.run): identity, per-task scores in percent (perplexities for ``unit:
+    """An eval JSON (stem.eval.run.evaluate): identity, per-task scores in percent (perplexities for ``unit:
     perplexity`` entries), LongBench rows by length, NIAH cells."""
     _identity(path, d, identity)
     if not isinstance(d.get("tasks"), dict):

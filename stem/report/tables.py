@@ -41,7 +41,7 @@ LONGBENCH = {  # column -> (group, lo, hi) in thousands of tokens
 }
 
 
-# column -> (groups to read, index of the range) in the harness's by_length[table] rows (stem/eval/run.py)
+# column -> (groups to read, index of the range) in the harness's by_length[table] rows (stem/eval/harness.py)
 POSITIONAL = {
     "table5": {**{c: (("longbench_multi", "multi"), i) for i, c in enumerate(P.TASKS["table5"][2:5])},
                **{c: (("longbench_code", "code"), i) for i, c in enumerate(P.TASKS["table5"][5:8])}},

@@ -2,8 +2,8 @@
 figures comes from the registry (stem.report.registry)."""
 from __future__ import annotations
 
+from stem import layout as L
 from stem.report import registry
-from stem.report.build import DIFF_FILES
 
 
 def report_files(experiment: str) -> list[str]:
@@ -11,15 +11,14 @@ def report_files(experiment: str) -> list[str]:
     (PNG and PDF). All are requested (by the README and HTML rules and `rule all`), so a missing or incomplete
     one (a report killed half-way) is rebuilt, and the pages after it: Snakemake checks only the outputs
     something asks for."""
-    r = f"reports/{experiment}"
-    return ([f"{r}/tables/{t}.{ext}" for t in registry.tables() for ext in ("csv", "md", "tex")]
-            + [f"{r}/tables/reproduced.csv"] + [f"{r}/diff/{name}" for name in DIFF_FILES]
-            + [f"{r}/figures/{f}.{ext}" for f in registry.figures() for ext in ("png", "pdf")])
+    return ([L.table_file(experiment, t, ext) for t in registry.tables() for ext in L.TABLE_FILES]
+            + [L.reproduced(experiment)] + [L.diff_file(experiment, name) for name in L.DIFF_FILES]
+            + [L.figure_file(experiment, f, ext) for f in registry.figures() for ext in L.FIGURE_FILES])
 
 
 def report_outputs(experiment: str) -> list[str]:
     """What `rule all` needs from the aggregate stage: every report file, the README and the HTML report."""
-    return [*report_files(experiment), f"reports/{experiment}/README.md", f"reports/{experiment}/report.html"]
+    return [*report_files(experiment), L.report_readme(experiment), L.report_html(experiment)]
 
 
 def table_inputs(cfg: dict) -> list[str]:
@@ -33,5 +32,5 @@ def table_inputs(cfg: dict) -> list[str]:
 def figure_inputs(cfg: dict, evals: list[str], figure: str) -> dict:
     """A figure's inputs: the reproduced tables, plus what its registry entry names."""
     fig = registry.figure(figure)
-    return {"tables": f"reports/{cfg['experiment']}/tables/reproduced.csv",
+    return {"tables": L.reproduced(cfg["experiment"]),
             **(fig.inputs(cfg, evals) if fig.inputs else {})}

@@ -2,7 +2,7 @@
 log-probability of each pair's continuation given its context, pairs from a JSON file. Torch-free at import."""
 import json
 
-from stem.eval.run import suite_kind
+from stem.eval.spec import suite_kind
 
 
 def _resolve(cfg: dict, spec: dict) -> None:   # completes the suite's spec from the experiment config

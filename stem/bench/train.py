@@ -19,7 +19,14 @@ import numpy as np
 import torch
 
 from stem import config as C
+from stem.data.loader import positions_from_docs
+from stem.models.accounting import accounting
+from stem.models.config import model_config
 from stem.models.ffn import build_ffn
+from stem.models.model import build_model, document_ids
+from stem.models.rope import rope_cos_sin
+from stem.train import distributed
+from stem.train.optim import build_optimizer, configure_table_update
 
 
 def _median_seconds(fn, repeats: int, device=None) -> float:
@@ -83,9 +90,6 @@ def main(args):
 def bench_attention(seq_len: int = 1024, micro_batch: int = 4, repeats: int = 5, scale: str = "1b",
                     stage: str = "extend", experiment: str = "tiny") -> dict:
     """Attention fwd+bwd time of all layers of one micro-batch: document mask vs plain causal."""
-    from stem.data.loader import positions_from_docs
-    from stem.models.model import build_model, document_ids
-    from stem.models.rope import rope_cos_sin
 
     cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
     model = build_model(C.model_config_for(cfg, scale, "dense", stage))
@@ -126,9 +130,6 @@ TRAIN_PATHS = (("dense", "dense", "dense"), ("stem", "stem", "dense"), ("stem_sp
 
 def _train_models(scale: str, n_layers: int, dev):
     """{path: (model, optimizer, optim spec)} at ``scale``'s shapes with ``n_layers`` layers, one seed."""
-    from stem.models.config import model_config
-    from stem.models.model import build_model
-    from stem.train.optim import build_optimizer, configure_table_update
     exp = C.load_experiment(C.REPO / "config" / "paper.yaml")
     arch, variants = dict(exp["archs"][scale], n_layers=n_layers), C.variants(exp)
     out = {}
@@ -148,8 +149,6 @@ def bench_train(scale: str = "350m", n_layers: int = 3, micro_tokens=(256, 1024)
     Two micro-batch sizes give each path's cost per token (slope) and per micro-batch (intercept).
     On the CPU the clock is the process's CPU time (``time.process_time``: other processes on a shared
     machine do not inflate it; with several threads it is their sum), on CUDA wall time after a synchronize."""
-    from stem.models.accounting import accounting
-    from stem.train import distributed
     dev = torch.device(device)
     models, exp = _train_models(scale, n_layers, dev)
     ctx = distributed.DistContext(device=dev)

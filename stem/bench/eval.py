@@ -1,20 +1,20 @@
 """Evaluator speed: loglikelihood requests/s and greedy generation tokens/s with/without KV cache.
 
-    python -m stem eval --bench --checkpoint results/tiny/1b/stem/extend/checkpoint
+    python -m stem eval --bench --checkpoint results/tiny/1b/stem/extend/checkpoint   (stem.__main__.cmd_eval)
 """
 from __future__ import annotations
 
 import random
 import time
 
+import torch
+
+from stem.eval.generate import greedy_generate, greedy_generate_batch
+from stem.eval.lm import StemLM
+
 
 def bench(checkpoint, device=None, n_requests: int = 512, ctx_tokens: int = 96, cont_tokens: int = 4,
           prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int = 3) -> dict:
-    import torch
-
-    from stem.eval.generate import greedy_generate, greedy_generate_batch
-    from stem.eval.lm import StemLM
-
     lm = StemLM(str(checkpoint), device=device)
     rng = random.Random(0)
     vocab = lm.tok.vocab_size

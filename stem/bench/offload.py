@@ -26,6 +26,14 @@ import torch
 import torch.nn as nn
 
 from stem import config as C
+from stem.data.shards import ShardSet
+from stem.eval.lm import load_for_eval
+from stem.io import atomic_write_json
+from stem.models.config import ModelConfig
+from stem.models.model import Attention, KVCache, build_model
+from stem.models.offload import (LFUCache, OffloadedHashedTable, OffloadedTable, dse_row_ids, dse_tables, offload,
+                                 token_tables)
+from stem.checkpoint import check_identity
 
 PAPER = {
     "hit_rate": ("STEM Sec. 3.4: 'we utilize the property that the input token ids follow a Zipfian distribution "
@@ -48,7 +56,6 @@ def _manifest(spec: dict, ckpt) -> Path:
 
 
 def tokens(manifest, split: str, n: int | None = None) -> np.ndarray:
-    from stem.data.shards import ShardSet
     s = ShardSet(Path(manifest).parent, split)
     n = len(s) if n is None else n
     if len(s) < n:
@@ -63,7 +70,6 @@ def replay_hit_rate(prompt: np.ndarray, steps: np.ndarray, vocab: int, cache_row
     """Hit rate of the decode steps (cached / unique ids per step) after a prefill of ``prompt`` (B, P):
     the engine's LFUCache fed the ids the engine would see; ``warm``: ids read once before (e.g. the
     training split: the cache starts with its most frequent ids and their counts)."""
-    from stem.models.offload import LFUCache
     cache = LFUCache(vocab, cache_rows)
     if warm is not None:
         cache.access(*np.unique(warm, return_counts=True))
@@ -93,7 +99,6 @@ def replay_hit_rate_tables(rows: list[np.ndarray], prompt: int, cache_rows: int,
 def dse_rows_of(model, tokens: np.ndarray) -> list[np.ndarray]:
     """The row ids (as ``tokens``' shape, 2-D) every DSE table of ``model`` reads over ``tokens`` (a full
     forward's, which a KV-cache decode reproduces step by step)."""
-    from stem.models.offload import dse_row_ids
     return [r.numpy() for r in dse_row_ids(model, torch.from_numpy(tokens))]
 
 
@@ -101,7 +106,6 @@ def dse_rows_of(model, tokens: np.ndarray) -> list[np.ndarray]:
 @torch.no_grad()
 def decode_seconds(model, prompt: torch.Tensor, steps: torch.Tensor) -> float:
     """Wall time of the decode steps (the prefill is not timed); the engine's counters cover the steps."""
-    from stem.models.model import KVCache
     engine = getattr(model, "offload_engine", None)
     if engine is not None:
         engine.reset()
@@ -128,8 +132,6 @@ class AccessMeter:
     and values. Kinds: embedding, attn, kv, norm, ffn, table (rows of a token-indexed table), head."""
 
     def __init__(self, model):
-        from stem.models.model import Attention
-        from stem.models.offload import OffloadedHashedTable, OffloadedTable, dse_tables, token_tables
         self.bytes: dict = defaultdict(int)
         tables = {id(m) for _, _, m in token_tables(model)} | {id(t) for _, _, _, t in dse_tables(model)}
         hashed_bytes = {t: h.row_bytes for t, h in enumerate(getattr(getattr(model, "offload_engine", None),
@@ -171,7 +173,6 @@ class AccessMeter:
 @torch.no_grad()
 def decode_step_access(model, prompt: torch.Tensor, next_ids: torch.Tensor) -> AccessMeter:
     """The bytes one decode step reads after prefilling ``prompt``."""
-    from stem.models.model import KVCache
     cache = KVCache()
     model(prompt, cache=cache)
     meter = AccessMeter(model)
@@ -192,8 +193,6 @@ def unique_per_batch(train: np.ndarray, batch: int, seq_len: int, n: int = 16, s
 def paper_shapes(dtype=torch.bfloat16) -> list[dict]:
     """FFN memory on the device at the paper's shapes (config/paper.yaml, models on the meta device): dense,
     STEM with its tables offloaded, the tables; and the cache budget (d_model rows) as a share of V."""
-    from stem.models.model import build_model
-    from stem.models.offload import token_tables
     cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")
     size = torch.empty((), dtype=dtype).element_size()
     rows = []
@@ -212,12 +211,6 @@ def paper_shapes(dtype=torch.bfloat16) -> list[dict]:
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 32, steps: int = 96,
                   cache_rows: list[int] | None = None, curve: list[int] | None = None, repeats: int = 3) -> dict:
-    from stem.eval.lm import load_for_eval
-    from stem.models.config import ModelConfig
-    from stem.models.model import build_model
-    from stem.models.offload import offload
-    from stem.checkpoint import check_identity
-
     ckpt = Path(checkpoint)
     resident, _, spec = load_for_eval(ckpt, "cpu")
     check_identity(ckpt, spec, None, "this offload benchmark")   # a checkpoint copied into another variant's slot
@@ -232,7 +225,6 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
                          f"{batch * (prompt + steps)} (lower --batch / --prompt / --steps)")
     streams = val[:len(val) // batch * batch].reshape(batch, -1)  # the whole split as `batch` concurrent streams
     p_ids, s_ids = streams[:, :prompt], streams[:, prompt:prompt + steps]
-    from stem.models.offload import dse_tables, token_tables
     n_stem, hashed = len(token_tables(resident)), dse_tables(resident)
     if not n_stem and not hashed:
         raise ValueError(f"{ckpt / 'config.json'}: variant {spec.get('variant')!r} has no STEM or DSE tables to offload")
@@ -395,13 +387,12 @@ def render(r: dict) -> str:
 
 
 def main(args):
-    from stem.io import atomic_write_json
     torch.set_num_threads(args.threads or 1)  # one thread unless asked: steadier timings on a shared machine
     r = bench_offload(args.checkpoint, args.batch, args.prompt, args.steps, args.cache_rows, repeats=args.repeats)
     print(render(r))
     if args.json:
         atomic_write_json(args.json, r)
     if args.figure:
-        from stem.report.figures import hit_rate_figure, save
+        from stem.report.figures import hit_rate_figure, save  # lazy: matplotlib only when a figure is asked for
         save(hit_rate_figure(r), args.figure)
     return r

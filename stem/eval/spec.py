@@ -1,0 +1,121 @@
+"""Eval suites as the workflow sees them: the suite kinds, a suite's resolved spec, an eval job's spec, the
+experiment's eval targets and an eval job's inputs (rules/eval.smk). Torch-free and lm-eval-free: the
+Snakefile imports it to build the DAG.
+
+Each suite ``kind`` is a ``SuiteKind`` registered in ``stem.registry.SUITE_KINDS``: its runner (a function, or a
+``"module:function"`` string imported only when an eval job runs it), how a suite's spec is completed from the
+experiment config, and the eval job's inputs besides the checkpoint. The built-in kinds (this module is their
+plugin, stem.plugins):
+
+    lm_eval   lm-eval tasks          stem.eval.harness:lm_eval_suite
+    niah      needle-in-a-haystack   stem.eval.niah:run_niah
+    ppl       rolling perplexity     stem.eval.ppl:run_ppl
+
+Another kind registers the same way from a plugin module, ``@suite_kind("name", resolve=..., inputs=...)``;
+the config check, the workflow's inputs and ``stem.eval.run.evaluate`` all look it up there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from stem import config as C
+from stem import layout, plugins
+from stem.registry import SUITE_KINDS, resolve as _import
+from stem.specs import EvalSpec
+
+
+@dataclass(frozen=True)
+class SuiteKind:
+    """How a kind of suite runs: ``runner(lm, spec, limit) -> (result fields, raw output, harness label)`` (a
+    function or a ``"module:function"`` string); ``resolve(cfg, spec)`` completes the suite's spec from the
+    experiment config (in place); ``inputs(cfg, spec)`` are the files its eval job reads besides the checkpoint
+    (rules/eval.smk)."""
+    runner: Callable[..., tuple[dict, dict, str]] | str
+    resolve: Callable[[dict, dict], None] | None = None
+    inputs: Callable[[dict, dict], dict] | None = None
+
+    def run(self, lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
+        """Run the suite (a string runner is imported now: torch and lm-eval only in the eval job)."""
+        return _import(self.runner)(lm, spec, limit)
+
+
+def suite_kind(name: str, resolve=None, inputs=None):
+    """Decorator: register ``run`` as the runner of suite kind ``name`` (in ``stem.registry.SUITE_KINDS``)."""
+    return SUITE_KINDS.register(name, lambda run: SuiteKind(run, resolve, inputs))
+
+
+def kind_of(spec: dict) -> SuiteKind:
+    """The registered kind of a suite spec; a one-line error naming the known kinds otherwise."""
+    if spec["kind"] not in SUITE_KINDS:
+        raise ValueError(f"suite {spec.get('suite')!r}: unknown kind {spec['kind']!r} "
+                         f"(expected one of {sorted(SUITE_KINDS)})")
+    return SUITE_KINDS[spec["kind"]]
+
+
+def suite_spec(cfg: dict, suite: str) -> dict:
+    """The resolved spec of one suite from an experiment config (stem.config dict)."""
+    ev = cfg.get("eval") or {}
+    suites = ev.get("suites", {})
+    if suite not in suites:
+        raise ValueError(f"suite {suite!r}: not in the {cfg['experiment']} config (expected one of {sorted(suites)})")
+    spec = {"kind": "lm_eval", "num_fewshot": None, "metric": [], "gen_kwargs": None, **suites[suite]}
+    kind = kind_of({**spec, "suite": suite})
+    spec.update(suite=suite, batch_size=ev.get("batch_size", 32), seed=cfg["seed"], device=cfg.get("device"),
+                fixtures=layout.fixtures_dir(cfg["experiment"]) if ev.get("fixtures") else None)
+    if kind.resolve:
+        kind.resolve(cfg, spec)
+    return spec
+
+
+def job_spec(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
+    """The spec of one eval job (the JSON of a stem.specs.EvalSpec, checked): the suite's spec and the
+    checkpoint it must read (``job``)."""
+    spec = {**suite_spec(cfg, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
+                                              "stage": stage}, **plugins.spec_key(cfg)}
+    return EvalSpec.from_dict(spec).to_dict()
+
+
+def suites_for(cfg: dict, stage: str) -> list[str]:
+    return list(((cfg.get("eval") or {}).get("stages") or {}).get(stage, []))
+
+
+# ---- workflow helpers (rules/eval.smk) ------------------------------------------------------------------
+def eval_targets(cfg: dict) -> list[str]:
+    """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage."""
+    return [layout.eval_json(cfg["experiment"], s, v, st, suite)
+            for s, v, st in C.train_targets(cfg) + C.seed_targets(cfg) for suite in suites_for(cfg, st)]
+
+
+def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
+    spec = suite_spec(cfg, suite)
+    inputs = {"checkpoint": layout.checkpoint(experiment, scale, variant, stage)}
+    kind = kind_of(spec)
+    return {**inputs, **kind.inputs(cfg, spec)} if kind.inputs else inputs
+
+
+# ---- the built-in kinds: how their specs resolve and what their jobs read --------------------------------
+def _lm_eval_inputs(cfg: dict, spec: dict) -> dict:
+    return {"fixtures": spec["fixtures"]} if spec["fixtures"] else {}
+
+
+def _source(spec: dict) -> str:
+    return spec.get("haystack") or spec["source"]
+
+
+def _resolve_documents(cfg: dict, spec: dict) -> None:
+    spec["documents"] = C.documents_spec(cfg, _source(spec))
+
+
+def _resolve_ppl(cfg: dict, spec: dict) -> None:
+    spec["n_documents"] = spec.get("documents", 100)  # `documents` (a count) is replaced by the reader spec
+    _resolve_documents(cfg, spec)
+
+
+def _documents_inputs(cfg: dict, spec: dict) -> dict:
+    return {"documents": C.source_inputs(cfg, _source(spec))}
+
+
+SUITE_KINDS.add("lm_eval", SuiteKind("stem.eval.harness:lm_eval_suite", inputs=_lm_eval_inputs))
+SUITE_KINDS.add("niah", SuiteKind("stem.eval.niah:run_niah", _resolve_documents, _documents_inputs))
+SUITE_KINDS.add("ppl", SuiteKind("stem.eval.ppl:run_ppl", _resolve_ppl, _documents_inputs))
