@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from stem.models.registry import check_ffn_kind
+from stem.models.registry import check_ffn_kind, ffn_facts
 from stem.options import TableInit, values
 
 TABLE_INITS = values(TableInit)
@@ -213,6 +213,28 @@ class ModelConfig:
             dse["orders"] = tuple(dse.get("orders", (2, 3)))
             d["dse"] = DSEConfig(**dse)
         return cls(**d)
+
+
+def param_count(cfg: ModelConfig) -> int | None:
+    """The parameters of the model as built (``stem.models.accounting``'s ``total_params``, which stays the
+    truth; tests/test_models.py checks the two agree), in closed form, without torch: the token embedding and the
+    untied LM head (V d each); per layer attention (q and o d x d, k and v d x kv) and two RMSNorms (d each); each
+    layer's FFN (its kind's declared ``params``, stem.models.registry.FFNFacts); each DSE memory (its tables,
+    the first primes >= rows_per_head rows, d_mem / (orders x heads) wide; key and value d_mem x d; the depthwise
+    convolution d x kernel; three RMSNorms); the final norm. None when an FFN kind declares no ``params``."""
+    d, v = cfg.d_model, cfg.vocab_size
+    ffn = [ffn_facts(kind).params for kind in cfg.ffn]
+    if any(f is None for f in ffn):
+        return None
+    kv = cfg.n_kv_heads * cfg.head_dim
+    total = 2 * v * d + cfg.n_layers * (2 * d * d + 2 * d * kv + 2 * d) + d + sum(f(cfg) for f in ffn)
+    if cfg.dse is not None:
+        dc = cfg.dse
+        n_tables = len(dc.orders) * dc.heads
+        per_layer = (sum(table_rows(dc.rows_per_head, n_tables)) * (dc.d_mem // n_tables)
+                     + 2 * dc.d_mem * d + dc.conv_kernel * d + 3 * d)
+        total += len(dc.layers) * per_layer
+    return total
 
 
 def resolve_placement(spec, n_layers: int) -> list[int]:

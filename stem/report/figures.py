@@ -8,23 +8,35 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from stem.report import paper_data as P  # noqa: E402
-from stem.report import registry  # noqa: E402
-from stem.report import tables as T  # noqa: E402
-from stem.report.results import Results, niah_cells  # noqa: E402
+from stem.report import paper_data as P
+from stem.report import registry
+from stem.report import tables as T
+from stem.report.results import Results, niah_cells
 
 COLORS = {"dense": "#4d4d4d", "hashmoe": "#d62728", "stem": "#1f77b4", "stem_gate": "#9467bd",
           "stem_dagger": "#8c564b", "stem_half": "#2ca02c", "stem_full": "#ff7f0e", "dse": "#17becf",
           "stem_sparse": "#e377c2"}
 LABELS = {**P.VARIANT_LABELS, "stem": "STEM (1/3)"}
 FIGURES = registry.FIGURES  # name -> registry.Figure; the entries are at the end of this module
+
+def _plt():
+    """matplotlib.pyplot on the Agg backend, imported when a figure is drawn (lazy: a heavy optional import, ~1 s,
+    that the workflow, which only lists the figures, does not need)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def __getattr__(name: str):
+    """``plt`` for the modules that import it from here (stem.sweeps.report), imported then."""
+    if name == "plt":
+        return _plt()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # ---- loss spikes ---------------------------------------------------------------------------------
 def loss_spikes(loss, window: int = 50, k: float = 6.0) -> np.ndarray:
@@ -70,7 +82,7 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
                   stage: str, mark_spikes=False, logy=False):
     scale, wanted = registry.figure(name).scale, registry.figure(name).variants
     sp = T.settings(cfg).spikes
-    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    fig, ax = _plt().subplots(figsize=(7, 4.5), layout="constrained")
     drawn = 0
     for v in _variants(cfg, scale, wanted):
         m = res.metrics(scale, v, stage)
@@ -149,7 +161,7 @@ def fig1b_niah(cfg, res, ours=None, files=None):
     stages = T.settings(cfg).stages["figure1b"]
     variants = _variants(cfg, scale, wanted)
     data = {v: niah_cells(res.first_eval(scale, v, stages, "niah")[0]) for v in variants}
-    fig, axes = plt.subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
+    fig, axes = _plt().subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
                              layout="constrained")
     ax = axes[0]
     drawn = [v for v in variants if len(data[v])]
@@ -195,7 +207,7 @@ def roi_by_scale(cfg, res, ours, files=None):
     per_scale = {s: T.ordered_variants(set(t3[t3["scale"] == s]["variant"]) | set(paper[paper["scale"] == s]["variant"]))
                  for s in scales}
     widths = [max(2, len(v)) for v in per_scale.values()]
-    fig, axes = plt.subplots(1, len(scales), figsize=(2 + 1.1 * sum(widths), 4.8), layout="constrained",
+    fig, axes = _plt().subplots(1, len(scales), figsize=(2 + 1.1 * sum(widths), 4.8), layout="constrained",
                              squeeze=False, gridspec_kw={"width_ratios": widths})
     for ax, scale in zip(axes[0], scales):
         mine = t3[(t3["scale"] == scale) & (t3["column"] == "roi")]
@@ -230,7 +242,7 @@ def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
     cells = compare(ours, T.settings(cfg).tolerance)
     cells = cells[(cells["table"] == table) & cells["unit"].isin(["%", "score"])]
     have = cells.dropna(subset=["delta"])
-    fig, ax = plt.subplots(figsize=(6, 5.5), layout="constrained")
+    fig, ax = _plt().subplots(figsize=(6, 5.5), layout="constrained")
     if len(have):
         for v, g in have.groupby("variant", sort=False):
             ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=COLORS.get(v), label=LABELS.get(v, v),
@@ -266,7 +278,7 @@ def save(fig, png, pdf=None):
             continue
         with atomic_path(path) as tmp:
             fig.savefig(tmp, format=fmt, dpi=130)
-    plt.close(fig)
+    _plt().close(fig)
 
 
 # ---- the report's figures, in its order (one entry each; stem.report.registry) --------------------------
@@ -312,7 +324,7 @@ def hit_rate_figure(r: dict):
     the removed up-projection's memory marked: the report's offload_hit_rate and `bench offload --figure`."""
     xs = [x["cache_rows"] for x in r["hit_rate_curve"]]
     ys = [100 * x["hit_rate"] for x in r["hit_rate_curve"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _plt().subplots(figsize=(6, 4))
     ax.plot(xs, ys, "o-", color="#1f77b4", label="LFU (LRU tie-break), held-out decode, cold start")
     ax.plot(xs, [100 * x["hit_rate_warm"] for x in r["hit_rate_curve"]], "s--", color="#2ca02c",
             label="same, counts warmed on the training split")
@@ -339,7 +351,7 @@ def offload_hit_rate(cfg, res, ours, files):
     import json
     from pathlib import Path
     if "offload" not in files:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = _plt().subplots(figsize=(6, 4))
         _missing(ax, "no 350m stem pretrain run in this experiment's matrix: nothing to benchmark")
         _title(fig, "Offloaded STEM tables: hit rate vs cache size", cfg)
         return fig
