@@ -262,6 +262,11 @@ def resolve_placement(spec, n_layers: int) -> list[int]:
     return layers
 
 
+# A variant's keys that are not ModelConfig fields: its FFN kind and placement, DSE memory, optimizer and insertion
+# settings, and its presentation (the report's label, figure label and colour; stem.config.variant_labels).
+VARIANT_KEYS = ("ffn", "placement", "label", "figure_label", "color", "dse", "optim", "insert")
+
+
 def model_config(arch: dict, variant: dict) -> ModelConfig:
     """Combine an architecture dict (shapes) and a variant dict (ffn kind, placement, options)."""
     arch = dict(arch)
@@ -269,7 +274,7 @@ def model_config(arch: dict, variant: dict) -> ModelConfig:
     kind = variant.get("ffn", "dense")
     layers = resolve_placement(variant.get("placement"), n) if kind != "dense" else []
     ffn = tuple(kind if i in layers else "dense" for i in range(n))
-    extra = {k: v for k, v in variant.items() if k not in ("ffn", "placement", "label", "dse", "optim", "insert")}
+    extra = {k: v for k, v in variant.items() if k not in VARIANT_KEYS}
     dse = None
     if variant.get("dse"):
         spec = dict(variant["dse"])

@@ -29,7 +29,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
-from stem.models.config import ModelConfig, table_rows
+from stem.models.config import VARIANT_KEYS, ModelConfig, table_rows
 
 MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
@@ -145,7 +145,7 @@ def _resolve(cfg: dict, spec: dict) -> dict:
     n = int(arch["n_layers"])
     kind = spec.get("ffn", "dense")
     layers = resolve_placement(spec.get("placement"), n) if kind != "dense" else []
-    out = {**arch, **{k: v for k, v in spec.items() if k not in ("ffn", "placement", "label", "dse", "optim", "stage")},
+    out = {**arch, **{k: v for k, v in spec.items() if k not in (*VARIANT_KEYS, "stage")},
            "ffn": tuple(kind if i in layers else "dense" for i in range(n))}
     if spec.get("dse"):
         dse = dict(spec["dse"])
