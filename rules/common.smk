@@ -79,10 +79,15 @@ def cluster_resources(kind, scale=None):
 def state_bytes(scale, variant, stage):
     """Bytes of a training job's saved state: fp32 weights + AdamW's two fp32 moments, 12 B per parameter
     (stem.checkpoint / distributed.save_state; DCP writes the same total, shared over the ranks)."""
-    from stem.models.model import meta_model
+    from stem.models.config import ModelConfig, param_count   # torch-free: the closed form
 
-    model = meta_model(as_json(C.train_spec(config, scale, variant, stage)["model"]))
-    return 12 * sum(p.numel() for p in model.parameters())
+    model = C.train_spec(config, scale, variant, stage)["model"]
+    n = param_count(ModelConfig.from_dict(model))
+    if n is None:  # an FFN kind registered without its `params` (stem.models.registry.FFNFacts): build it
+        from stem.models.model import meta_model
+
+        n = sum(p.numel() for p in meta_model(as_json(model)).parameters())
+    return 12 * n
 
 
 def stop_warning_seconds(scale, variant, stage):

@@ -117,7 +117,21 @@ def _check_variant_dse(name: str, dse, origin: str):
         raise ConfigError(f"{where}: key {str(e).split('=')[0]!r}: {e}") from None
 
 
+def _check_variant_names(cfg: dict, origin: str):
+    """Every variant the config names is one of config/variants.yaml (the schema checks only their spelling)."""
+    known = variants(cfg)
+    named = [(f"matrix.{s}.variants", v) for s, m in cfg["matrix"].items() for v in m["variants"]]
+    named += [(f"variant_overrides.{v}", v) for v in cfg.get("variant_overrides") or {}]
+    named += [(f"analysis.{a}.baseline", spec["baseline"]) for a, spec in (cfg.get("analysis") or {}).items()
+              if isinstance(spec, dict) and "baseline" in spec]
+    for key, v in named:
+        if v not in known:
+            raise ConfigError(f"{origin}: key '{key}': {v!r} is not a variant of config/variants.yaml; expected one "
+                              f"of {', '.join(known)}")
+
+
 def _cross_check(cfg: dict, origin: str):
+    _check_variant_names(cfg, origin)
     _check_sources(cfg, origin)
     _check_suite_kinds(cfg, origin)
     _check_registered(cfg, origin)
@@ -201,6 +215,23 @@ def variant_spec(cfg: dict, variant: str) -> dict:
         raise ConfigError(f"variant {variant!r}: not a point of the config's sweeps: section (expected one of "
                           f"{', '.join(points)})")
     raise ConfigError(f"variant {variant!r}: expected one of {sorted(all_variants)}")
+
+
+def variant_labels(cfg: dict | None = None) -> dict[str, str]:
+    """{variant: its row label} in config/variants.yaml's order (each variant's ``label:``, the one source;
+    with ``cfg``'s variant_overrides): the tables' rows and their order, the figures' legends."""
+    return {name: spec.get("label", name) for name, spec in variants(cfg or {}).items()}
+
+
+def variant_figure_labels(cfg: dict | None = None) -> dict[str, str]:
+    """{variant: its figures' legend label}: ``figure_label:`` where a variant sets one, else its ``label:``."""
+    return {name: spec.get("figure_label", spec.get("label", name)) for name, spec in variants(cfg or {}).items()}
+
+
+def variant_colors(cfg: dict | None = None) -> dict[str, str]:
+    """{variant: its figures' colour} for the variants whose config/variants.yaml entry sets ``color:`` (the
+    others are drawn in matplotlib's colour cycle)."""
+    return {name: spec["color"] for name, spec in variants(cfg or {}).items() if spec.get("color")}
 
 
 def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):

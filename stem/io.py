@@ -130,12 +130,12 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 def variants(cfg: dict) -> dict:
     """config/variants.yaml with the experiment's ``variant_overrides`` merged over each variant."""
-    base = _variants_file(VARIANTS.stat().st_mtime_ns)
+    base = _variants_file(str(VARIANTS), VARIANTS.stat().st_mtime_ns)
     return {name: deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {})) for name, spec in base.items()}
 
 
 @lru_cache(maxsize=1)
-def _variants_file(mtime_ns: int) -> dict:
+def _variants_file(path: str, mtime_ns: int) -> dict:
     """config/variants.yaml, read once per version of the file (the DAG resolves hundreds of job specs);
     callers get deep copies through ``deep_merge``."""
-    return read_yaml(VARIANTS)
+    return read_yaml(path)

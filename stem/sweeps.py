@@ -32,7 +32,7 @@ from functools import lru_cache
 from stem import layout as L
 from stem.io import ConfigError, variants
 from stem.io import deep_merge as _deep_merge
-from stem.models.config import ModelConfig, resolve_placement, table_rows
+from stem.models.config import VARIANT_KEYS, ModelConfig, resolve_placement, table_rows
 
 MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
@@ -147,7 +147,7 @@ def _resolve(cfg: dict, spec: dict) -> dict:
     n = int(arch["n_layers"])
     kind = spec.get("ffn", "dense")
     layers = resolve_placement(spec.get("placement"), n) if kind != "dense" else []
-    out = {**arch, **{k: v for k, v in spec.items() if k not in ("ffn", "placement", "label", "dse", "optim", "stage")},
+    out = {**arch, **{k: v for k, v in spec.items() if k not in (*VARIANT_KEYS, "stage")},
            "ffn": tuple(kind if i in layers else "dense" for i in range(n))}
     if spec.get("dse"):
         dse = dict(spec["dse"])

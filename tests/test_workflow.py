@@ -64,7 +64,7 @@ def test_reduced_tiny_dag_runs_for_real_and_reruns_nothing(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["stages"]["pretrain"]["350m"].update(lrr=1.0), "key 'stages.pretrain.350m'"),
-    (lambda c: c["matrix"]["350m"].update(variants=["dense", "stem_quarter"]), "'stem_quarter' is not one of"),
+    (lambda c: c["matrix"]["350m"].update(variants=["dense", "stem_quarter"]), "key 'matrix.350m.variants': 'stem_quarter' is not a variant of config/variants.yaml"),
     (lambda c: c["stages"]["pretrain"]["350m"].update(data={"web": 0.5}), "mixture weights sum to 0.5, expected 1"),
     (lambda c: c["stages"]["pretrain"]["350m"].update(data={"wikipedia": 1.0}), "unknown source 'wikipedia'"),
     (lambda c: c["stages"]["pretrain"]["350m"].update(seq_len=4096), "exceeds the model's max_seq_len 256"),

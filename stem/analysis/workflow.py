@@ -61,11 +61,6 @@ def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
     return [(s, v, st) for s, v, st in C.train_targets(cfg) if st in (stages.get(s) or [])]
 
 
-def _meta_model(cfg: dict, scale: str, variant: str):
-    from stem.models.model import meta_model
-    return meta_model(_model_json(cfg, scale, variant))
-
-
 def _model_json(cfg: dict, scale: str, variant: str) -> str:
     """The variant's model config (its FFN kinds; any stage: a mid-training insertion has no pretraining) as JSON."""
     from stem import config as C
@@ -73,9 +68,8 @@ def _model_json(cfg: dict, scale: str, variant: str) -> str:
 
 
 def has_tables(cfg: dict, scale: str, variant: str) -> bool:
-    """Whether the variant's model declares a token-indexed (STEM) table (built on the meta device: no memory)."""
-    from stem.analysis.common import table_sites
-    return bool(table_sites(_meta_model(cfg, scale, variant)))
+    """Whether the variant's model declares a token-indexed (STEM) table."""
+    return model_kind(cfg, scale, variant)["tables"]
 
 
 def model_kind(cfg: dict, scale: str, variant: str) -> dict:
@@ -86,6 +80,20 @@ def model_kind(cfg: dict, scale: str, variant: str) -> dict:
 
 @lru_cache(maxsize=None)
 def _kind(model_json: str) -> dict:
+    """From the FFN kinds' registered facts (stem.models.registry.FFNFacts, torch-free; every model build checks
+    them against the modules); a kind registered without them: from the model built on the meta device."""
+    from stem.models.config import ModelConfig
+    from stem.models.registry import ffn_facts
+    cfg = ModelConfig.from_dict(json.loads(model_json))
+    facts = [ffn_facts(k) for k in sorted(set(cfg.ffn))]
+    if all(f.table is not None and f.lookup is not None for f in facts):
+        return {"tables": any(f.table for f in facts), "lookups": any(f.lookup for f in facts) or bool(cfg.dse and cfg.dse.layers),
+                "dse": cfg.dse is not None}
+    return _built_kind(model_json)
+
+
+def _built_kind(model_json: str) -> dict:
+    """``_kind`` read from the model built on the meta device (torch)."""
     from stem.analysis.common import table_sites
     from stem.models.model import meta_model
     from stem.models.registry import param_roles

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from stem.models.registry import check_ffn_kind
+from stem.models.registry import check_ffn_kind, ffn_facts
 from stem.options import TableInit, values
 
 TABLE_INITS = values(TableInit)
@@ -215,6 +215,28 @@ class ModelConfig:
         return cls(**d)
 
 
+def param_count(cfg: ModelConfig) -> int | None:
+    """The parameters of the model as built (``stem.models.accounting``'s ``total_params``, which stays the
+    truth; tests/test_models.py checks the two agree), in closed form, without torch: the token embedding and the
+    untied LM head (V d each); per layer attention (q and o d x d, k and v d x kv) and two RMSNorms (d each); each
+    layer's FFN (its kind's declared ``params``, stem.models.registry.FFNFacts); each DSE memory (its tables,
+    the first primes >= rows_per_head rows, d_mem / (orders x heads) wide; key and value d_mem x d; the depthwise
+    convolution d x kernel; three RMSNorms); the final norm. None when an FFN kind declares no ``params``."""
+    d, v = cfg.d_model, cfg.vocab_size
+    ffn = [ffn_facts(kind).params for kind in cfg.ffn]
+    if any(f is None for f in ffn):
+        return None
+    kv = cfg.n_kv_heads * cfg.head_dim
+    total = 2 * v * d + cfg.n_layers * (2 * d * d + 2 * d * kv + 2 * d) + d + sum(f(cfg) for f in ffn)
+    if cfg.dse is not None:
+        dc = cfg.dse
+        n_tables = len(dc.orders) * dc.heads
+        per_layer = (sum(table_rows(dc.rows_per_head, n_tables)) * (dc.d_mem // n_tables)
+                     + 2 * dc.d_mem * d + dc.conv_kernel * d + 3 * d)
+        total += len(dc.layers) * per_layer
+    return total
+
+
 def resolve_placement(spec, n_layers: int) -> list[int]:
     """Layer indices from a placement spec.
 
@@ -240,6 +262,11 @@ def resolve_placement(spec, n_layers: int) -> list[int]:
     return layers
 
 
+# A variant's keys that are not ModelConfig fields: its FFN kind and placement, DSE memory, optimizer and insertion
+# settings, and its presentation (the report's label, figure label and colour; stem.config.variant_labels).
+VARIANT_KEYS = ("ffn", "placement", "label", "figure_label", "color", "dse", "optim", "insert")
+
+
 def model_config(arch: dict, variant: dict) -> ModelConfig:
     """Combine an architecture dict (shapes) and a variant dict (ffn kind, placement, options)."""
     arch = dict(arch)
@@ -247,7 +274,7 @@ def model_config(arch: dict, variant: dict) -> ModelConfig:
     kind = variant.get("ffn", "dense")
     layers = resolve_placement(variant.get("placement"), n) if kind != "dense" else []
     ffn = tuple(kind if i in layers else "dense" for i in range(n))
-    extra = {k: v for k, v in variant.items() if k not in ("ffn", "placement", "label", "dse", "optim", "insert")}
+    extra = {k: v for k, v in variant.items() if k not in VARIANT_KEYS}
     dse = None
     if variant.get("dse"):
         spec = dict(variant["dse"])

@@ -21,7 +21,7 @@ from stem.models.attention import flex_document_mask
 from stem.models.config import ModelConfig
 from stem.models.dse import DSE_MODES, DSEMemory, token_compression
 from stem.models.ffn import build_ffn
-from stem.models.registry import OPTIM_GROUPS, param_roles
+from stem.models.registry import OPTIM_GROUPS, check_facts, param_roles
 from stem.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 
@@ -81,6 +81,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = build_ffn(self.kind, cfg, layer)
+        check_facts(self.kind, self.ffn, cfg, layer)   # the kind's registered facts (the DAG's) are its module's
         self.dse = DSEMemory(cfg, layer) if cfg.dse is not None and layer in cfg.dse.layers else None
 
     def forward(self, x, ids, cos, sin, mask, cache=None, layer=0, cids=None, doc_ids=None):

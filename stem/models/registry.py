@@ -1,7 +1,10 @@
 """FFN kinds and parameter roles: the one place that says what a kind is and how its parameters are treated.
 
 An FFN kind is a module class registered by name in ``stem.registry.FFN_KINDS`` (the built-in ones below as
-"module:Class", another with ``@register_ffn("name")`` or ``FFN_KINDS.add``) and built as ``cls(cfg, layer)``.
+"module:Class" with ``declare_ffn``, another with ``@register_ffn("name", ...)``, ``declare_ffn`` or
+``FFN_KINDS.add``) and built as ``cls(cfg, layer)``. Its registration may carry torch-free facts
+(``FFNFacts``: a token-indexed table, lookup parameters, its parameter count in closed form) that let the
+workflow build its DAG without torch; every model build checks them against the module.
 A module (an FFN, a table inside one, a DSE memory) declares what is special about its own parameters:
 
 - ``param_roles``: {parameter name relative to the module (``fnmatch`` pattern): Role}. A parameter
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import Callable
 
 from stem.registry import FFN_KINDS  # noqa: F401 (re-exported: the kinds' registry)
 
@@ -63,17 +67,93 @@ class Role:
 OPTIM_GROUPS: dict[str, tuple[float, float | None]] = {
     "matrix": (1.0, None), "norm": (1.0, 0.0), "table": (1.0, None), "dse_table": (5.0, 0.0)}
 
+@dataclass(frozen=True)
+class FFNFacts:
+    """What the workflow knows of an FFN kind without importing its module (torch-free), declared with its
+    registration (``declare_ffn`` / ``register_ffn``). ``None``: not declared; the workflow then builds the
+    model on the meta device to find out (torch in the DAG). Every model build compares each declared fact
+    with the built module (``check_facts``): a wrong declaration is a one-line error.
+
+    table: a token-indexed table (a ``lookup`` role counted ``paper_table``: STEM's U); with ``lookup`` it
+        picks a checkpoint's default analyses (stem.analysis.workflow.model_kind).
+    lookup: any ``lookup``-role parameter (a DSE memory is not an FFN: ``ModelConfig.dse`` says it).
+    params: ``params(cfg) -> int``, the parameters of one layer's FFN in closed form (exact); the workflow's
+        state bytes (stem.models.config.param_count).
+    """
+    table: bool | None = None
+    lookup: bool | None = None
+    params: Callable | None = None
+
+
+FFN_FACTS: dict[str, FFNFacts] = {}
+
+
+def declare_ffn(name: str, entry, *, table: bool | None = None, lookup: bool | None = None,
+                params: Callable | None = None):
+    """Register FFN kind ``name`` (a class or its ``"module:Class"``) with its torch-free facts (FFNFacts)."""
+    facts = FFNFacts(table, lookup, params)
+    if FFN_FACTS.get(name, facts) != facts and name in FFN_KINDS._entries:
+        raise ValueError(f"ffn kind {name!r}: already registered with other facts")
+    FFN_KINDS.add(name, entry)
+    FFN_FACTS[name] = facts
+    return entry
+
+
+def _swiglu(d: int, f: int) -> int:
+    return 3 * d * f
+
+
 # The built-in kinds as "module:Class" (imported on first use, so a config is checked without importing torch,
-# e.g. while Snakemake builds the DAG); another kind registers the same way from a plugin module (stem.plugins).
-for _name, _cls in {"dense": "stem.models.ffn:DenseFFN", "stem": "stem.models.ffn:StemFFN",
-                    "stem_gate": "stem.models.ffn:StemGateFFN", "stem_dagger": "stem.models.ffn:StemDaggerFFN",
-                    "hashmoe": "stem.models.ffn:HashMoEFFN", "moe": "stem.models.moe:RoutedMoEFFN"}.items():
-    FFN_KINDS.add(_name, _cls)
+# e.g. while Snakemake builds the DAG) with their facts; another kind registers the same way from a plugin
+# module (stem.plugins): ``declare_ffn("name", "module:Class", ...)`` or ``@register_ffn("name", ...)``.
+_STEM = {"table": True, "lookup": True}
+declare_ffn("dense", "stem.models.ffn:DenseFFN", table=False, lookup=False,        # gate, up, down
+            params=lambda c: _swiglu(c.d_model, c.d_ff))
+declare_ffn("stem", "stem.models.ffn:StemFFN", **_STEM,                            # gate, V x d_ff table, down
+            params=lambda c: 2 * c.d_model * c.d_ff + c.vocab_size * c.d_ff)
+declare_ffn("stem_gate", "stem.models.ffn:StemGateFFN", **_STEM,                   # table, up, down
+            params=lambda c: 2 * c.d_model * c.d_ff + c.vocab_size * c.d_ff)
+declare_ffn("stem_dagger", "stem.models.ffn:StemDaggerFFN", **_STEM,               # gate, up, down, table
+            params=lambda c: _swiglu(c.d_model, c.d_ff) + c.vocab_size * c.d_ff)
+declare_ffn("hashmoe", "stem.models.ffn:HashMoEFFN", table=False, lookup=False,    # E SwiGLU experts
+            params=lambda c: c.n_experts * _swiglu(c.d_model, c.d_ff))
+declare_ffn("moe", "stem.models.moe:RoutedMoEFFN", table=False, lookup=False,      # router, shared + routed
+            params=lambda c: c.d_model * c.moe_experts
+            + (c.moe_shared + c.moe_experts) * _swiglu(c.d_model, c.expert_d_ff))
 
 
-def register_ffn(name: str):
-    """Class decorator: register an FFN kind under ``name`` (built as ``cls(cfg, layer)``)."""
-    return FFN_KINDS.register(name)
+def register_ffn(name: str, **facts):
+    """Class decorator: register an FFN kind under ``name`` (built as ``cls(cfg, layer)``), with its facts
+    (FFNFacts' keywords; none given: the workflow builds the model to find them out)."""
+    def deco(cls):
+        declare_ffn(name, cls, **facts)
+        return cls
+    return deco
+
+
+def ffn_facts(name: str) -> FFNFacts:
+    """The declared facts of FFN kind ``name`` (all ``None`` for a kind registered without them)."""
+    check_ffn_kind(name)
+    return FFN_FACTS.get(name, FFNFacts())
+
+
+def module_facts(ffn) -> dict:
+    """The facts of a built FFN module (what ``FFNFacts`` declares), read from its parameters and roles."""
+    roles = param_roles(ffn).values()
+    return {"table": any(r.count == "lookup" and r.paper_table for r in roles),
+            "lookup": any(r.count == "lookup" for r in roles),
+            "params": sum(p.numel() for p in ffn.parameters())}
+
+
+def check_facts(name: str, ffn, cfg, layer: int):
+    """A one-line ValueError when FFN kind ``name``'s declared facts disagree with its module as built."""
+    declared, built = ffn_facts(name), module_facts(ffn)
+    want = {"table": declared.table, "lookup": declared.lookup,
+            "params": None if declared.params is None else declared.params(cfg)}
+    bad = [f"{k}={want[k]!r} (the module: {built[k]!r})" for k in want if want[k] is not None and want[k] != built[k]]
+    if bad:
+        raise ValueError(f"ffn kind {name!r} ({type(ffn).__name__}, layer {layer}): its registration declares "
+                         f"{', '.join(bad)}; fix the facts given to declare_ffn/register_ffn")
 
 
 def register_group(name: str, lr_mult: float = 1.0, weight_decay: float | None = None):

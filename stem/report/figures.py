@@ -8,23 +8,49 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+from stem import config as C
+from stem.report import paper_data as P
+from stem.report import registry
+from stem.report import tables as T
+from stem.report.results import Results, niah_cells
 
-from stem.report import paper_data as P  # noqa: E402
-from stem.report import registry  # noqa: E402
-from stem.report import tables as T  # noqa: E402
-from stem.report.results import Results, niah_cells  # noqa: E402
-
-COLORS = {"dense": "#4d4d4d", "hashmoe": "#d62728", "stem": "#1f77b4", "stem_gate": "#9467bd",
-          "stem_dagger": "#8c564b", "stem_half": "#2ca02c", "stem_full": "#ff7f0e", "dse": "#17becf",
-          "stem_sparse": "#e377c2"}
-LABELS = {**P.VARIANT_LABELS, "stem": "STEM (1/3)"}
 FIGURES = registry.FIGURES  # name -> registry.Figure; the entries are at the end of this module
+
+
+def _label(variant: str) -> str:
+    """A variant's legend label: config/variants.yaml's ``figure_label`` or ``label`` (the variant id for a sweep
+    point or an unknown name)."""
+    return C.variant_figure_labels().get(variant, variant)
+
+
+def _color(variant: str) -> str | None:
+    """A variant's colour: config/variants.yaml's ``color`` (None: matplotlib's colour cycle)."""
+    return C.variant_colors().get(variant)
+
+
+def _plt():
+    """matplotlib.pyplot on the Agg backend, imported when a figure is drawn (lazy: a heavy optional import, ~1 s,
+    that the workflow, which only lists the figures, does not need)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def __getattr__(name: str):
+    """``plt`` (imported then), ``COLORS`` and ``LABELS`` (config/variants.yaml's, read then) for the modules
+    that import them from here (stem.sweeps.report, stem.analysis.report, stem.analysis.mechanism_report)."""
+    if name == "plt":
+        return _plt()
+    if name == "COLORS":   # {variant: colour} for the modules that import it from here (stem.analysis.*)
+        return C.variant_colors()
+    if name == "LABELS":
+        return C.variant_figure_labels()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # ---- loss spikes ---------------------------------------------------------------------------------
 def loss_spikes(loss, window: int = 50, k: float = 6.0) -> np.ndarray:
@@ -70,7 +96,7 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
                   stage: str, mark_spikes=False, logy=False):
     scale, wanted = registry.figure(name).scale, registry.figure(name).variants
     sp = T.settings(cfg).spikes
-    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    fig, ax = _plt().subplots(figsize=(7, 4.5), layout="constrained")
     drawn = 0
     for v in _variants(cfg, scale, wanted):
         m = res.metrics(scale, v, stage)
@@ -78,12 +104,12 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
             continue
         m = m.dropna(subset=[y])
         xs, xl = _scaled(m[x].to_numpy(), xlabel)
-        label = LABELS.get(v, v)
+        label = _label(v)
         if mark_spikes:
             spikes = loss_spikes(m[y], sp.window, sp.k)
             label += f" ({int(spikes.sum())} spikes)"
-            ax.plot(xs[spikes], m[y].to_numpy()[spikes], "x", color=COLORS.get(v), ms=8, mew=2)
-        ax.plot(xs, m[y], color=COLORS.get(v), lw=1.2, label=label, alpha=0.9)
+            ax.plot(xs[spikes], m[y].to_numpy()[spikes], "x", color=_color(v), ms=8, mew=2)
+        ax.plot(xs, m[y], color=_color(v), lw=1.2, label=label, alpha=0.9)
         ax.set_xlabel(xl)
         drawn += 1
     if drawn:
@@ -95,7 +121,7 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
         if x == "train_flops":
             ax.set_xscale("log")
     else:
-        _missing(ax, f"no {stage} metrics yet for {', '.join(LABELS.get(v, v) for v in wanted)} at scale {scale}")
+        _missing(ax, f"no {stage} metrics yet for {', '.join(_label(v) for v in wanted)} at scale {scale}")
     if mark_spikes and drawn:
         ax.text(0.99, 0.98, f"spike: loss > trailing median + {sp.k:g} x 1.4826 x MAD (window {sp.window} steps)",
                 transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.3")
@@ -131,7 +157,7 @@ def table_update_loss(cfg, res, ours=None, files=None):
     scale, (dense, sparse) = entry.scale, entry.variants
     ax = fig.axes[0]
     for line in ax.get_lines():   # the dense update drawn wider, underneath: the curves nearly coincide
-        if line.get_label() == LABELS[dense]:
+        if line.get_label() == _label(dense):
             line.set(label="STEM (dense update, the paper)", lw=3, alpha=0.6)
     if ax.get_legend() is not None:
         ax.legend(fontsize=9)
@@ -149,13 +175,13 @@ def fig1b_niah(cfg, res, ours=None, files=None):
     stages = T.settings(cfg).stages["figure1b"]
     variants = _variants(cfg, scale, wanted)
     data = {v: niah_cells(res.first_eval(scale, v, stages, "niah")[0]) for v in variants}
-    fig, axes = plt.subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
+    fig, axes = _plt().subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
                              layout="constrained")
     ax = axes[0]
     drawn = [v for v in variants if len(data[v])]
     for v in drawn:
         per_len = data[v].groupby("length")["accuracy"].mean()
-        ax.plot(per_len.index, per_len.values, "o-", color=COLORS.get(v), label=LABELS.get(v, v))
+        ax.plot(per_len.index, per_len.values, "o-", color=_color(v), label=_label(v))
     if drawn:
         lengths = sorted({L for v in drawn for L in data[v]["length"]})
         ax.set_xscale("log", base=2)
@@ -171,7 +197,7 @@ def fig1b_niah(cfg, res, ours=None, files=None):
     for hax, v in zip(axes[1:], variants or [None]):
         df = data.get(v, pd.DataFrame())
         if v is None or not len(df):
-            _missing(hax, f"no NIAH cells for {LABELS.get(v, v) if v else 'any variant'}")
+            _missing(hax, f"no NIAH cells for {_label(v) if v else 'any variant'}")
             continue
         grid = df.pivot_table(index="depth", columns="length", values="accuracy", aggfunc="mean")
         im = hax.imshow(grid.values, aspect="auto", origin="lower", vmin=0, vmax=100, cmap="RdYlGn")
@@ -182,7 +208,7 @@ def fig1b_niah(cfg, res, ours=None, files=None):
                 hax.text(j, i, f"{acc:.0f}", ha="center", va="center", fontsize=8)
         hax.set_xlabel("context length (tokens)")
         hax.set_ylabel("needle depth (% of context)")
-        hax.set_title(LABELS.get(v, v), fontsize=10)
+        hax.set_title(_label(v), fontsize=10)
         fig.colorbar(im, ax=hax, label="accuracy (%)")
     _title(fig, "Fig. 1b: Needle-in-a-Haystack accuracy, 1B after context extension", cfg)
     return fig
@@ -195,7 +221,7 @@ def roi_by_scale(cfg, res, ours, files=None):
     per_scale = {s: T.ordered_variants(set(t3[t3["scale"] == s]["variant"]) | set(paper[paper["scale"] == s]["variant"]))
                  for s in scales}
     widths = [max(2, len(v)) for v in per_scale.values()]
-    fig, axes = plt.subplots(1, len(scales), figsize=(2 + 1.1 * sum(widths), 4.8), layout="constrained",
+    fig, axes = _plt().subplots(1, len(scales), figsize=(2 + 1.1 * sum(widths), 4.8), layout="constrained",
                              squeeze=False, gridspec_kw={"width_ratios": widths})
     for ax, scale in zip(axes[0], scales):
         mine = t3[(t3["scale"] == scale) & (t3["column"] == "roi")]
@@ -211,7 +237,7 @@ def roi_by_scale(cfg, res, ours, files=None):
             if not math.isnan(pv):
                 ax.text(xi + 0.2, pv + 0.01, f"{pv:.2f}", ha="center", va="bottom", fontsize=7, color="0.35")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_xticks(x, [LABELS.get(v, v) for v in variants], rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(x, [_label(v) for v in variants], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("training ROI (x, dense baseline = 1)")
         ax.set_title(f"scale {scale}", fontsize=10)
         ax.set_ylim(0, max(1.5, np.nanmax(np.r_[ours_v, paper_v, 1.0]) * 1.15))
@@ -230,10 +256,10 @@ def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
     cells = compare(ours, T.settings(cfg).tolerance)
     cells = cells[(cells["table"] == table) & cells["unit"].isin(["%", "score"])]
     have = cells.dropna(subset=["delta"])
-    fig, ax = plt.subplots(figsize=(6, 5.5), layout="constrained")
+    fig, ax = _plt().subplots(figsize=(6, 5.5), layout="constrained")
     if len(have):
         for v, g in have.groupby("variant", sort=False):
-            ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=COLORS.get(v), label=LABELS.get(v, v),
+            ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=_color(v), label=_label(v),
                        s=28, alpha=0.85)
         lo = min(have["paper"].astype(float).min(), have["ours"].astype(float).min(), 0)
         hi = max(have["paper"].astype(float).max(), have["ours"].astype(float).max()) * 1.05
@@ -266,7 +292,7 @@ def save(fig, png, pdf=None):
             continue
         with atomic_path(path) as tmp:
             fig.savefig(tmp, format=fmt, dpi=130)
-    plt.close(fig)
+    _plt().close(fig)
 
 
 # ---- the report's figures, in its order (one entry each; stem.report.registry) --------------------------
@@ -312,7 +338,7 @@ def hit_rate_figure(r: dict):
     the removed up-projection's memory marked: the report's offload_hit_rate and `bench offload --figure`."""
     xs = [x["cache_rows"] for x in r["hit_rate_curve"]]
     ys = [100 * x["hit_rate"] for x in r["hit_rate_curve"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _plt().subplots(figsize=(6, 4))
     ax.plot(xs, ys, "o-", color="#1f77b4", label="LFU (LRU tie-break), held-out decode, cold start")
     ax.plot(xs, [100 * x["hit_rate_warm"] for x in r["hit_rate_curve"]], "s--", color="#2ca02c",
             label="same, counts warmed on the training split")
@@ -339,7 +365,7 @@ def offload_hit_rate(cfg, res, ours, files):
     import json
     from pathlib import Path
     if "offload" not in files:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = _plt().subplots(figsize=(6, 4))
         _missing(ax, "no 350m stem pretrain run in this experiment's matrix: nothing to benchmark")
         _title(fig, "Offloaded STEM tables: hit rate vs cache size", cfg)
         return fig

@@ -21,19 +21,13 @@ PAPER_DIR = REFERENCE_DIR / "paper"
 OTHER_PAPERS = ("dse_paper",)   # folders under reference/ holding another paper's tables
 COLUMNS = ["table", "scale", "variant", "row", "column", "value", "unit", "source"]
 
-VARIANT_LABELS = {
-    "dense": "Baseline",
-    "hashmoe": "Hash-MoE",
-    "stem": "STEM",
-    "stem_insert": "STEM (mid-training insertion)",   # 1B, from the dense pretrain checkpoint (no paper row)
-    "stem_gate": "STEM (gate-proj)",
-    "stem_dagger": "STEM†",
-    "stem_half": "STEM-1/2",
-    "stem_full": "STEM-full",
-    "dse": "DSE (Cheng et al.)",   # the DSE paper's method (not a STEM paper variant)
-    "stem_sparse": "STEM (sparse update)",   # not a paper variant: STEM with optim.table_update: sparse
-    "moe": "MoE",                             # the DSE paper's routed MoE baseline (DeepSeekMoE)
-}
+def __getattr__(name: str):
+    """``VARIANT_LABELS``: {variant: the paper's row label}, read from config/variants.yaml (each variant's
+    ``label:``, stem.config.variant_labels) whenever it is asked for, in that file's order (the tables' row order)."""
+    if name == "VARIANT_LABELS":
+        from stem import config as C
+        return C.variant_labels()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 COMMONSENSE_TASKS = ["arc_easy", "arc_challenge", "boolq", "piqa", "social_iqa", "hellaswag",
                      "openbookqa", "winogrande"]

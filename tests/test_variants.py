@@ -1,0 +1,64 @@
+"""A variant is defined once, in config/variants.yaml (issue 20 item 1): its label and colour reach the config
+check, the tables and the figures from there; adding one touches that file and an experiment's matrix only."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stem import config as C  # noqa: E402
+from stem import io as stem_io  # noqa: E402
+from stem.report import figures as F  # noqa: E402
+from stem.report import paper_data as P  # noqa: E402
+from stem.report import tables as T  # noqa: E402
+
+NEW = "stem_quarter:  {label: STEM-1/4, ffn: stem, placement: {every: 4, offset: 3}, color: \"#123456\"}\n"
+
+
+def test_a_new_variant_in_variants_yaml_is_labelled_and_coloured_everywhere(tmp_path, monkeypatch):
+    path = tmp_path / "variants.yaml"
+    path.write_text((REPO / "config" / "variants.yaml").read_text() + NEW)
+    monkeypatch.setattr(stem_io, "VARIANTS", path)
+    cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
+    cfg["matrix"]["350m"]["variants"].append("stem_quarter")   # the matrix line
+    C.validate_experiment(cfg, origin="tiny.yaml")              # the schema and the config check accept it
+    assert ("350m", "stem_quarter", "pretrain") in C.train_targets(cfg)
+    assert C.model_config_for(cfg, "350m", "stem_quarter").ffn[3] == "stem"
+    assert C.variant_labels()["stem_quarter"] == P.VARIANT_LABELS["stem_quarter"] == "STEM-1/4"
+    assert T.cell("table3", "350m", "stem_quarter", "avg", 1.0)["row"] == "STEM-1/4"
+    assert (F._label("stem_quarter"), F._color("stem_quarter")) == ("STEM-1/4", "#123456")
+    assert F.COLORS["stem_quarter"] == "#123456" and F.LABELS["stem_quarter"] == "STEM-1/4"
+
+
+def test_labels_and_colours_are_the_reports_of_before():
+    """The report's labels and colours, as the Python modules listed them before they moved to variants.yaml."""
+    assert P.VARIANT_LABELS == {
+        "dense": "Baseline", "hashmoe": "Hash-MoE", "stem": "STEM", "stem_gate": "STEM (gate-proj)",
+        "stem_dagger": "STEM†", "stem_half": "STEM-1/2", "stem_full": "STEM-full",
+        "stem_sparse": "STEM (sparse update)", "stem_insert": "STEM (mid-training insertion)", "moe": "MoE",
+        "dse": "DSE (Cheng et al.)"}
+    assert F.COLORS == {"dense": "#4d4d4d", "hashmoe": "#d62728", "stem": "#1f77b4", "stem_gate": "#9467bd",
+                        "stem_dagger": "#8c564b", "stem_half": "#2ca02c", "stem_full": "#ff7f0e",
+                        "stem_sparse": "#e377c2", "dse": "#17becf"}
+    assert F.LABELS == {**P.VARIANT_LABELS, "stem": "STEM (1/3)"}
+
+
+def test_no_python_file_lists_the_variants_labels_or_colours():
+    """No {variant: label} or {variant: colour} table in Python, no label as a string (the plain-word labels
+    STEM, MoE aside), no variant named in the schema."""
+    variants = yaml.safe_load((REPO / "config" / "variants.yaml").read_text())
+    for py in (REPO / "stem").rglob("*.py"):
+        text = py.read_text()
+        for name, spec in variants.items():
+            values = "|".join(re.escape(spec[k]) for k in ("label", "color", "figure_label") if spec.get(k))
+            assert not re.search(rf"[\"']{name}[\"']\s*:\s*[\"']({values})[\"']", text), f"{py.relative_to(REPO)}: {name}"
+            if len(spec["label"]) > 4:
+                assert not re.search(rf"[\"']{re.escape(spec['label'])}[\"']", text), f"{py.relative_to(REPO)}: {name}"
+    schema = (REPO / "config" / "schema.yaml").read_text()
+    for line in schema.splitlines():   # a list of the variants (an enum, a pattern) would name several on a line
+        assert len([n for n in variants if re.search(rf"\b{n}\b", line)]) < 3, line
