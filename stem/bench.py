@@ -128,7 +128,7 @@ def _train_models(scale: str, n_layers: int, dev):
     """{path: (model, optimizer, optim spec)} at ``scale``'s shapes with ``n_layers`` layers, one seed."""
     from stem.models.config import model_config
     from stem.models.model import build_model
-    from stem.train.optim import build_optimizer, configure_table_update
+    from stem.optim import build_optimizer, configure_table_update
     exp = C.load_experiment(C.REPO / "config" / "paper.yaml")
     arch, variants = dict(exp["archs"][scale], n_layers=n_layers), C.variants(exp)
     out = {}

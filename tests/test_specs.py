@@ -117,7 +117,7 @@ def test_layout_paths_and_rule_patterns():
 
 def test_memory_trace_runs_the_loops_training_step(monkeypatch):
     """The FSDP memory trace calls stem.train.step.train_step, the step the loop runs, not a copy."""
-    from stem.train import memory, step
+    from stem.train import memtrace, step
     calls = []
     real = step.train_step
 
@@ -127,7 +127,7 @@ def test_memory_trace_runs_the_loops_training_step(monkeypatch):
     monkeypatch.setattr(step, "train_step", counted)
     spec = C.train_spec(TINY, "350m", "stem", "pretrain")
     spec["model"].update(n_layers=3, ffn=["dense", "dense", "stem"])
-    r = memory.trace(spec, 2, "fsdp")
+    r = memtrace.trace(*memtrace.job(spec, 2, "fsdp"))
     assert len(calls) == 1 and calls[0]["on_backward"] is not None and r["micro_batches_traced"] == 1
     assert r["peak_gib"] > 0
     from stem.train import loop
