@@ -11,6 +11,7 @@ import yaml
 from stem import config as C
 from stem.models.model import build_model
 from stem.train import memory, memtrace
+from stem.train.plan import ParallelPlan
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024 ** 3
@@ -191,3 +192,17 @@ def test_the_pre_run_check_covers_the_dags_sweep_points():
     assert memory.gpu_jobs(cfg, {point, ("1b", "stem", "pretrain")}) == [("1b", "stem", "pretrain"), point]
     assert point not in memory.gpu_jobs(cfg)                        # the matrix alone
     assert C.train_spec(cfg, *point)["model"]["dse"]["rows_per_head"] > 0   # a job spec the tracer takes
+
+
+def test_the_trace_cache_is_keyed_on_the_code_the_trace_imports():
+    """The cache key hashes every stem module the trace imports (found from the import statements, lazy ones
+    included), so an edit on that path retraces without a hand-kept list."""
+    files = {str(p.relative_to(REPO)) for p in memtrace._imported_sources()}
+    assert {"stem/train/memtrace.py", "stem/train/step.py", "stem/train/distributed.py", "stem/train/plan.py",
+            "stem/optim/adamw.py", "stem/optim/__init__.py", "stem/models/model.py", "stem/models/ffn.py",
+            "stem/specs.py"} <= files
+    assert "stem/train/loop.py" not in files and "stem/eval/run.py" not in files   # not on the trace's path
+    spec, plan = memtrace.job(C.train_spec(_small_paper_config(3, 1.0), "1b", "stem", "pretrain"), WORLD)
+    key = memtrace._trace_key(spec, plan, "code")
+    assert memtrace._trace_key(spec, plan, "edited code") != key
+    assert memtrace._trace_key(spec, ParallelPlan.of(spec.train, WORLD, "ddp"), "code") != key
