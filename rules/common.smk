@@ -7,6 +7,7 @@ from snakemake.utils import validate
 sys.path.insert(0, workflow.basedir)
 from stem import config as C  # noqa: E402
 from stem import layout as L  # noqa: E402  (every path of the workflow)
+from stem.train.plan import cluster_train  # noqa: E402  (torch-free: a training job's nodes and GPUs)
 
 try:  # one clear line naming the key first; then Snakemake's own schema validation (same schema)
     C.validate_experiment(config, origin="workflow config")
@@ -56,8 +57,7 @@ def cluster_resources(kind, scale=None):
     res = {res_key: cl[key] for key, res_key in (("partition", "slurm_partition"), ("account", "slurm_account"),
                                                   ("constraint", "constraint")) if cl.get(key)}
     if kind == "train":
-        t = (cl.get("train") or {}).get(scale) or {"nodes": 1, "runtime": 60,
-                                                   "gpus_per_node": 0 if config["device"] == "cpu" else 1}
+        t = cluster_train(config, scale)   # the job's world size in the job itself: stem.train.plan.job_layout
         nodes, gpus = t["nodes"], t["gpus_per_node"]
         res.update(nodes=nodes, runtime=t["runtime"],
                    cpus_per_task=t.get("cpus") or gpus * t.get("cpus_per_gpu", 1) or 1,

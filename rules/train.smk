@@ -65,8 +65,8 @@ use rule train as train_multinode with:
 
 
 # Before anything is submitted (not in a dry run): refuse a GPU training job of the DAG whose per-GPU peak,
-# traced from one real training step at its world size (stem.train.memory; cached per job spec in
-# results/memory_traces), exceeds cluster.gpu_mem_gib. Jobs without GPUs (the tiny DAG) are not traced.
+# traced from one real training step at its world size (stem.train.memory.check; the trace, stem.train.memtrace,
+# is cached per job in results/memory_traces), exceeds cluster.gpu_mem_gib. Jobs without GPUs (the tiny DAG) are not traced.
 onstart:
     import os
 

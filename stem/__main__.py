@@ -121,35 +121,31 @@ def cmd_compare(args):
 
 def cmd_memory(args):
     from stem.models.model import build_model
-    from stem.train import memory
-    from stem.train.distributed import local_micro_batch
-    from stem.train.optim import configure_table_update
+    from stem.train import memory, memtrace
+    from stem.train.plan import job_layout
     cfg = experiment_config(args.experiment)
     cluster = cfg.get("cluster") or {}
     strategy, limit = args.strategy or cluster.get("strategy", "fsdp"), cluster.get("gpu_mem_gib")
     jobs = _matching_jobs(cfg, args)
-    specs = [(C.train_spec(cfg, *j), args.gpus or memory.job_layout(cfg, j[0])[0], strategy) for j in jobs]
-    for job, (spec, world, _) in zip(jobs, specs):   # before tracing: a world the batch does not split over
+    specs = []   # (TrainSpec, ParallelPlan) of each job: traced and estimated alike
+    for job in jobs:   # before tracing: a world the batch does not split over
+        world = args.gpus or job_layout(cfg, job[0])[0]
         try:
-            local_micro_batch(spec["train"]["batch_size"], spec["train"]["micro_batch"], world)
+            specs.append(memtrace.job(C.train_spec(cfg, *job), world, strategy))
         except ValueError as e:
             raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'} {world}: training job "
                                 f"{'/'.join(job)}: {e}") from None
     print(f"Per-GPU peak memory of each training job, experiment '{args.experiment}' (strategy {strategy}): traced = "
-          "one real training step under FakeTensorMode (stem.train.memory.trace); closed form = memory.estimate, "
+          "one real training step under FakeTensorMode (stem.train.memtrace.trace); closed form = memory.estimate, "
           "kept where within 10 % of the trace; limit = cluster.gpu_mem_gib")
     over = 0
-    for (scale, variant, stage), (spec, world, _), r in zip(jobs, specs, memory.traced(specs, args.cache, args.workers)):
-        tc = spec["train"]
-        model = build_model(C.model_config_for(cfg, scale, variant, stage), "meta")
-        configure_table_update(model, spec["optim"])   # table_update sparse: replicated tables
-        est = memory.estimate(model, r["micro_batch"], tc["seq_len"], world, strategy,
-                              bool(tc.get("activation_checkpointing")))["total_gib"]
+    for (scale, variant, stage), (spec, plan), r in zip(jobs, specs, memtrace.traced(specs, args.cache, args.workers)):
+        est = memory.estimate(build_model(spec.model, "meta"), plan)["total_gib"]
         dev = est / r["peak_gib"] - 1
         closed = f"{est:5.1f} GiB ({dev:+.1%})" if abs(dev) <= 0.10 else f"not kept ({est:.1f} GiB, {dev:+.1%})"
         fits = "" if limit is None else ("  fits" if r["peak_gib"] <= limit else "  EXCEEDS THE LIMIT")
         over += limit is not None and r["peak_gib"] > limit
-        print(f"{scale}/{variant}/{stage}: world {world}, micro-batch {r['micro_batch']} x {r['seq_len']}"
+        print(f"{scale}/{variant}/{stage}: world {plan.world}, micro-batch {r['micro_batch']} x {r['seq_len']}"
               f"{', act. ckpt' if r['activation_checkpointing'] else ''}: traced {r['peak_gib']:5.1f} GiB, "
               f"closed form {closed}, limit {'-' if limit is None else f'{limit} GiB'}{fits}")
     if over:

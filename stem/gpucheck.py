@@ -13,7 +13,7 @@ writes), with the device name and the torch / CUDA versions.
 - c. resume: the loop's state saved after k steps by a child process (FSDP2 + DCP under torchrun when
   several GPUs are visible), the child killed with SIGKILL, resumed here: step k+1's loss equals the
   uninterrupted run's, and the child's steps equal the single-process steps.
-- d. memory: the traced per-GPU peak (``stem.train.memory.trace``, what ``python -m stem memory`` prints)
+- d. memory: the traced per-GPU peak (``stem.train.memtrace.trace``, what ``python -m stem memory`` prints)
   against ``torch.cuda.max_memory_allocated`` of the same step (within 10 %); on the CPU the trace alone.
 - e. throughput: tokens/s and MFU of one training step, dense vs STEM, 350M and 1B shapes, at the paper's
   sequence length and the largest micro-batch that fits; eager and compiled; STEM/dense step-time ratio
@@ -45,17 +45,18 @@ from safetensors.torch import save_file
 from stem import config as C
 from stem import layout as L
 from stem.bench.offload import decode_seconds
+from stem.checkpoint import save_checkpoint
 from stem.data.synth import make_world, web_documents
 from stem.data.tokenizer import train_bpe
 from stem.io import atomic_write_json, atomic_write_text
 from stem.models.accounting import accounting, flops_per_token
 from stem.models.model import build_model
 from stem.models.offload import offload
+from stem.optim import build_optimizer, configure_table_update
 from stem.specs import TrainSpec
-from stem.train import distributed, memory, throughput
-from stem.checkpoint import save_checkpoint
+from stem.train import distributed, memtrace, throughput
 from stem.train.compile import compile_blocks
-from stem.train.optim import build_optimizer, configure_table_update
+from stem.train.plan import ParallelPlan
 from stem.train.step import accumulate_gradients, make_optimizer, train_step
 
 VARIANTS = ("dense", "hashmoe", "stem", "stem_gate", "stem_dagger", "stem_half", "stem_full", "dse", "moe")
@@ -246,10 +247,11 @@ def _resume_setup(ctx_device: torch.device, tiny: bool, dctx):
     torch.manual_seed(0)
     mcfg = model_cfg(cfg, "350m", "stem")
     model = build_model(mcfg, ctx_device)
-    configure_table_update(model, cfg["optim"])
-    distributed.parallelize(model, dctx, "fsdp")
+    plan = ParallelPlan(dctx.world, "fsdp", 1, 2 * max(dctx.world, 1), st["seq_len"],
+                        row_sparse=configure_table_update(model, cfg["optim"]))
+    distributed.parallelize(model, dctx, plan)
     opt = distributed.optimizer_for_dtensors(
-        build_optimizer(model, cfg["optim"], st["lr"], fused=ctx_device.type == "cuda"), dctx, "fsdp")
+        build_optimizer(model, cfg["optim"], st["lr"], fused=ctx_device.type == "cuda"), plan)
     x, y = _batch(mcfg.vocab_size, 2 * max(dctx.world, 1), st["seq_len"], ctx_device, seed=3)
     batches = [(x[i:i + 1], y[i:i + 1], None) for i in range(x.shape[0])]
     return model, opt, batches, st["lr"], cfg["optim"]["grad_clip"]
@@ -321,7 +323,7 @@ def item_d(ctx: Ctx) -> dict:
     cfg = experiment(ctx.tiny)
     spec = C.train_spec(cfg, "350m", "stem", "pretrain")
     spec["train"].update(micro_batch=2 if ctx.tiny else 8, batch_size=4 if ctx.tiny else 16)
-    traced = memory.trace(spec, 1, "fsdp", mixed_precision=True)["peak_gib"]
+    traced = memtrace.trace(*memtrace.job(spec, 1, "fsdp"), mixed_precision=True)["peak_gib"]
     if not ctx.cuda:
         return {"ok": traced > 0, "figure": f"traced peak {traced * 1024:.1f} MiB (CUDA allocator: not measured "
                                             f"on {ctx.device.type})", "details": {"traced_gib": traced}}
@@ -330,8 +332,8 @@ def item_d(ctx: Ctx) -> dict:
     torch.manual_seed(0)
     model = build_model(spec.model, ctx.device)
     model.set_training_options(activation_checkpointing=spec.train.activation_checkpointing)
-    configure_table_update(model, spec.to_dict()["optim"])
-    opt = make_optimizer(model, spec, dctx, fused=True)
+    plan = ParallelPlan.of(spec.train, 1, row_sparse=configure_table_update(model, spec.optim))
+    opt = make_optimizer(model, spec, plan, fused=True)
     x, y = _batch(spec.model.vocab_size, spec.train.micro_batch, spec.train.seq_len, ctx.device)
     batches = [(x, y, None)] * 2       # the trace's two micro-batches
     train_step(model, opt, batches, dctx, ctx.autocast(), spec.train.lr, spec.optim.grad_clip)   # Adam state

@@ -37,7 +37,7 @@ class Schedule(StrEnum):
 
 
 class TableUpdate(StrEnum):
-    """How AdamW updates the STEM tables (stem.train.optim): every row, or the batch's rows only."""
+    """How AdamW updates the STEM tables (stem.optim.adamw): every row, or the batch's rows only."""
     DENSE = "dense"
     SPARSE = "sparse"
 

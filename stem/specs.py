@@ -18,26 +18,18 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from stem.fields import OPTIONAL, FieldError as _FieldError, check as _check, is_number as _is_number
 from stem.models.config import ModelConfig
-from stem.options import Schedule, Strategy, TableUpdate, values
+from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
+from stem.options import Schedule, Strategy, values
 from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
 SCHEDULES = values(Schedule)
-TABLE_UPDATES = values(TableUpdate)        # optim.table_update (stem.train.optim)
-OPTIONAL = {"omit_default": True}       # field metadata: left out of to_dict() at its default
 
 
 class SpecError(ValueError):
     """A job spec that does not hold what the job needs: one line naming the key."""
-
-
-class _FieldError(Exception):
-    """A dataclass's own check of one of its fields (``__post_init__``); ``_from_dict`` names the full key."""
-
-    def __init__(self, field: str, problem: str):
-        super().__init__(problem)
-        self.field = field
 
 
 # ---- building a dataclass from JSON, checking each key against its type --------------------------------
@@ -107,10 +99,6 @@ def _convert(tp, value, key: str):
     return value
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _from_dict(cls, d, where: str):
     if not isinstance(d, dict):
         raise SpecError(f"key '{where}': expected a mapping, got {d!r}")
@@ -166,11 +154,6 @@ class _Spec:
         return json.loads(json.dumps(_plain(self)))
 
 
-def _check(ok: bool, field: str, expected: str, value):
-    if not ok:
-        raise _FieldError(field, f"expected {expected}, got {value!r}")
-
-
 # ---- training -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DataSource:
@@ -179,26 +162,6 @@ class DataSource:
 
     def __post_init__(self):
         _check(self.weight > 0, "weight", "a number > 0", self.weight)
-
-
-@dataclass(frozen=True)
-class OptimSpec:
-    """AdamW (stem.train.optim.build_optimizer); ``groups``: per optimizer group ``lr_mult`` / ``weight_decay``
-    overrides of the registry's defaults."""
-    betas: tuple[float, float]
-    weight_decay: float
-    eps: float
-    grad_clip: float | None
-    groups: dict = field(default_factory=dict)
-    table_update: str = field(default="dense", metadata=OPTIONAL)   # stem.train.optim: dense (paper) | sparse
-
-    def __post_init__(self):
-        _check(self.table_update in TABLE_UPDATES, "table_update", f"one of {', '.join(TABLE_UPDATES)}",
-               self.table_update)
-        for name, o in self.groups.items():
-            _check(isinstance(o, dict) and set(o) <= {"lr_mult", "weight_decay"}
-                   and all(_is_number(v) for v in o.values()), f"groups.{name}",
-                   "a mapping of lr_mult and/or weight_decay numbers", o)
 
 
 @dataclass(frozen=True)

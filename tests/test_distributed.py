@@ -19,8 +19,8 @@ sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
-from stem.train import distributed  # noqa: E402
 from stem.train import memory  # noqa: E402
+from stem.train.plan import ParallelPlan, local_micro_batch  # noqa: E402
 
 WORKER = r'''
 import json, os, sys
@@ -168,7 +168,7 @@ def test_optimizer_state_saved_at_two_ranks_loads_at_one(runs, variant):
     """checkpoint/optimizer/ (DCP, sharded at 2 ranks) loads into a single process like the 1-rank one."""
     from stem.models.config import ModelConfig
     from stem.checkpoint import load_optimizer, read_checkpoint_spec
-    from stem.train.optim import build_optimizer
+    from stem.optim import build_optimizer
     states = []
     for world in ("w1", "w2"):
         ckpt = runs / world / variant / "checkpoint"
@@ -197,19 +197,18 @@ def test_state_saved_at_two_ranks_resumes_at_one(runs, variant):
 
 
 def test_local_micro_batch_split():
-    assert distributed.local_micro_batch(512, 16, 1) == (16, 32)
-    assert distributed.local_micro_batch(512, 16, 8) == (16, 32)
-    assert distributed.local_micro_batch(16, 16, 2) == (8, 2)
+    assert local_micro_batch(512, 16, 1) == (16, 32)
+    assert local_micro_batch(512, 16, 8) == (16, 32)
+    assert local_micro_batch(16, 16, 2) == (8, 2)
     with pytest.raises(ValueError, match="multiple"):
-        distributed.local_micro_batch(12, 8, 8)
+        local_micro_batch(12, 8, 8)
 
 
 def test_memory_estimate_shards_tables_over_all_ranks():
     cfg = C.load_experiment(REPO / "config" / "paper.yaml")
     model = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
-    e1 = memory.estimate(model, 16, 2048, 1, "fsdp")
-    e8 = memory.estimate(model, 16, 2048, 8, "fsdp")
-    d8 = memory.estimate(model, 16, 2048, 8, "ddp")
+    e1, e8, d8 = (memory.estimate(model, ParallelPlan(world, strategy, 16, 32, 2048))
+                  for world, strategy in ((1, "fsdp"), (8, "fsdp"), (8, "ddp")))
     assert e8["optimizer_gib"] == pytest.approx(e1["optimizer_gib"] / 8)
     assert e8["optimizer_gib"] < d8["optimizer_gib"] < e1["optimizer_gib"]  # ddp: only the tables are sharded
     assert e8["sharded_table_params"] > 0 and "per-GPU memory estimate" in memory.describe(e8)

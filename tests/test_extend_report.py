@@ -100,7 +100,8 @@ from stem.train.loop import train
 spec = json.loads(open(sys.argv[2]).read())
 ctx = distributed.setup(torch.device("cpu"))
 model = build_model(ModelConfig.from_dict(spec["model"]), "cpu")
-distributed.parallelize(model, ctx, "fsdp")
+from stem.train.plan import ParallelPlan
+distributed.parallelize(model, ctx, ParallelPlan(ctx.world, "fsdp", 1, ctx.world, 16))
 bias = model.layers[2].ffn.bias.weight
 shard = {"sharded": isinstance(bias, DTensor), "local_rows": bias.to_local().shape[0]}
 train(spec, threads=1)
@@ -139,7 +140,7 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
     from stem.report import build as B
     from stem.report import figures
     from stem.report import workflow as RW
-    from stem.train.optim import build_optimizer
+    from stem.optim import build_optimizer
 
     monkeypatch.chdir(tmp_path)   # the workflow's relative layout: results/, data/, reports/
     cfg = _cfg()                  # the config check accepts the registered FFN kind and suite kind

@@ -105,7 +105,7 @@ def test_stem_insert_variant_and_stage_table_group():
     C.validate_experiment(cfg2)
     spec = C.train_job(cfg2, "1b", "stem_insert", "midtrain")
     assert spec.optim.groups["table"] == {"lr_mult": 50, "weight_decay": 0.0}
-    from stem.train.optim import build_optimizer
+    from stem.optim import build_optimizer
     opt = build_optimizer(build_model(spec.model, "meta"), spec.to_dict()["optim"], 1e-5)
     table = next(g for g in opt.param_groups if g["name"] == "table")
     assert table["lr"] == pytest.approx(5e-4) and table["weight_decay"] == 0.0

@@ -10,7 +10,8 @@ import yaml
 
 from stem import config as C
 from stem.models.model import build_model
-from stem.train import memory
+from stem.train import memory, memtrace
+from stem.train.plan import ParallelPlan
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024 ** 3
@@ -45,7 +46,8 @@ def traces(tmp_path_factory):
     cfgs["sparse"] = _small_paper_config(3, 1.0)     # 3 layers, optim.table_update: sparse
     cfgs["sparse"]["optim"]["table_update"] = "sparse"
     specs = {n: C.train_spec(cfg, "1b", "stem", "pretrain") for n, cfg in cfgs.items()}
-    out = dict(zip(specs, memory.traced([(s, WORLD, "fsdp") for s in specs.values()], cache, workers=2)))
+    out = dict(zip(specs, memtrace.traced([memtrace.job(s, WORLD, "fsdp") for s in specs.values()], cache,
+                                                     workers=2)))
     for n in specs:
         out[n]["cfg"], out[n]["spec"] = cfgs[n], specs[n]
     out["cache"] = cache
@@ -83,7 +85,7 @@ def test_peak_grows_by_three_blocks_as_counted(traces):
 def test_closed_form_within_ten_percent_of_the_trace(traces, n):
     t = traces[n]
     model = build_model(C.model_config_for(t["cfg"], "1b", "stem", "pretrain"), "meta")
-    est = memory.estimate(model, MICRO, SEQ, WORLD, "fsdp")
+    est = memory.estimate(model, memtrace.job(t["spec"], WORLD, "fsdp")[1])   # the plan the trace had
     assert est["total_gib"] == pytest.approx(t["peak_gib"], rel=0.10)
 
 
@@ -144,7 +146,7 @@ def test_hashmoe_traces_with_balanced_experts(tmp_path):
     cfg = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())
     cfg["archs"]["350m"]["n_layers"] = 3
     spec = C.train_spec(cfg, "350m", "hashmoe", "pretrain")
-    r = memory.traced([(spec, WORLD, "fsdp")], tmp_path, workers=1)[0]
+    r = memtrace.traced([memtrace.job(spec, WORLD, "fsdp")], tmp_path, workers=1)[0]
     from stem.models.config import ModelConfig
     n = sum(p.numel() for p in build_model(ModelConfig.from_dict(spec["model"]), "meta").parameters())
     assert r["peak_gib"] * GIB > 16 * n / WORLD
@@ -173,11 +175,12 @@ def test_routed_moe_traces_and_the_closed_form_follows():
     stage = cfg["stages"]["pretrain"]["350m"]
     stage["batch_size"] = stage["micro_batch"] * WORLD      # one micro-batch a rank: half the trace's time
     spec = C.train_spec(cfg, "350m", "moe", "pretrain")
-    r = memory.trace(spec, WORLD)      # in this process (it holds no process group): no worker's start-up
+    spec, plan = memtrace.job(spec, WORLD)
+    r = memtrace.trace(spec, plan)     # in this process (it holds no process group): no worker's start-up
     model = build_model(C.model_config_for(cfg, "350m", "moe", "pretrain"), "meta")
     n = sum(p.numel() for p in model.parameters())
     assert r["peak_gib"] * GIB > 16 * n / WORLD
-    est = memory.estimate(model, r["micro_batch"], r["seq_len"], WORLD, "fsdp")
+    est = memory.estimate(model, plan)
     assert est["total_gib"] == pytest.approx(r["peak_gib"], rel=0.10)
 
 
@@ -189,3 +192,17 @@ def test_the_pre_run_check_covers_the_dags_sweep_points():
     assert memory.gpu_jobs(cfg, {point, ("1b", "stem", "pretrain")}) == [("1b", "stem", "pretrain"), point]
     assert point not in memory.gpu_jobs(cfg)                        # the matrix alone
     assert C.train_spec(cfg, *point)["model"]["dse"]["rows_per_head"] > 0   # a job spec the tracer takes
+
+
+def test_the_trace_cache_is_keyed_on_the_code_the_trace_imports():
+    """The cache key hashes every stem module the trace imports (found from the import statements, lazy ones
+    included), so an edit on that path retraces without a hand-kept list."""
+    files = {str(p.relative_to(REPO)) for p in memtrace._imported_sources()}
+    assert {"stem/train/memtrace.py", "stem/train/step.py", "stem/train/distributed.py", "stem/train/plan.py",
+            "stem/optim/adamw.py", "stem/optim/__init__.py", "stem/models/model.py", "stem/models/ffn.py",
+            "stem/specs.py"} <= files
+    assert "stem/train/loop.py" not in files and "stem/eval/run.py" not in files   # not on the trace's path
+    spec, plan = memtrace.job(C.train_spec(_small_paper_config(3, 1.0), "1b", "stem", "pretrain"), WORLD)
+    key = memtrace._trace_key(spec, plan, "code")
+    assert memtrace._trace_key(spec, plan, "edited code") != key
+    assert memtrace._trace_key(spec, ParallelPlan.of(spec.train, WORLD, "ddp"), "code") != key

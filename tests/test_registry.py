@@ -21,10 +21,11 @@ from stem.models import registry  # noqa: E402
 from stem.models.accounting import accounting  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
-from stem.train.distributed import sharded_leaf_modules  # noqa: E402
-from stem.train.optim import build_optimizer  # noqa: E402
+from stem.train.plan import ParallelPlan  # noqa: E402
+from stem.optim import build_optimizer  # noqa: E402
 
 V, D, L, H, KV, F = 64, 32, 3, 4, 2, 48
+DENSE_PLAN = ParallelPlan(1, "fsdp", 1, 1, 16)   # no row-sparse table: every shard_unit is an FSDP unit
 OPTIM = {"weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8}
 
 
@@ -67,7 +68,7 @@ def test_toy_kind_accounting_groups_init(toy):
     assert (groups[toy_ffn.GROUP]["lr"], groups[toy_ffn.GROUP]["weight_decay"]) == (2e-3, 0.0)
     ids = [id(p) for g in opt.param_groups for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())   # every parameter exactly once
-    assert sharded_leaf_modules(model) == [model.layers[1].ffn.bias]
+    assert DENSE_PLAN.shard_units(model) == [model.layers[1].ffn.bias]
 
 
 def test_unregistered_group_is_an_error(toy):
@@ -89,7 +90,7 @@ def test_builtin_roles_match_the_paper_accounting():
     model = build_model(cfg, "cpu")
     groups = model.param_groups()
     assert [id(p) for p in groups["table"]] == [id(model.layers[0].ffn.table.weight)]
-    names = [type(m).__name__ for m in sharded_leaf_modules(model)]
+    names = [type(m).__name__ for m in DENSE_PLAN.shard_units(model)]
     assert names == ["StemTable", "HashMoEFFN"]
     a = accounting(model)
     # active: the table (V F) is a lookup, 3 of the 4 experts (3 * 3 D F) do not run
@@ -118,12 +119,13 @@ toy_ffn.register()   # the child registers the kind from the test module too
 from stem.models.config import ModelConfig
 from stem.models.model import build_model
 from stem.train import distributed as dist_
-from stem.train.optim import build_optimizer
+from stem.optim import build_optimizer
 cfg = ModelConfig.from_dict(json.loads(sys.argv[2]))
 ctx = dist_.setup(torch.device("cpu"))
 torch.manual_seed(0)
 model = build_model(cfg, "cpu")
-dist_.parallelize(model, ctx, "fsdp")
+from stem.train.plan import ParallelPlan
+dist_.parallelize(model, ctx, ParallelPlan(ctx.world, "fsdp", 1, ctx.world, 16))
 opt = build_optimizer(model, json.loads(sys.argv[3]), lr=1e-2)
 bias = model.layers[1].ffn.bias.weight
 out = {"sharded": isinstance(bias, DTensor), "local_rows": bias.to_local().shape[0],

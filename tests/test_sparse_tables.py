@@ -20,7 +20,9 @@ from stem.models.registry import Role
 from stem.train import distributed
 from stem.train.loop import train
 from stem.train.step import accumulate_gradients
-from stem.train.optim import RowSparseAdamW, build_optimizer, configure_table_update
+from stem.optim import build_optimizer, configure_table_update
+from stem.optim.adamw import RowSparseAdamW
+from stem.train.plan import ParallelPlan
 
 from killing import sigkill_after_state
 
@@ -36,7 +38,7 @@ def _pair():
                       ffn=("dense", "stem", "dense"))
     dense = build_model(cfg)
     sparse = copy.deepcopy(dense)
-    assert configure_table_update(dense, {**OPTIM, "table_update": "dense"}) == []
+    assert configure_table_update(dense, {**OPTIM, "table_update": "dense"}) == ()
     assert len(configure_table_update(sparse, {**OPTIM, "table_update": "sparse"})) == 1
     return dense, sparse
 
@@ -147,9 +149,9 @@ def test_a_table_group_parameter_without_a_row_sparse_lookup_is_refused():
             self.weight = nn.Parameter(torch.zeros(4, 2))
 
     with pytest.raises(ValueError, match=r"optim.table_update: sparse: Plain.weight is in the 'table' group"):
-        configure_table_update(nn.Sequential(Plain()), {"table_update": "sparse"})
-    with pytest.raises(ValueError, match=r"optim.table_update: 'rows': expected one of dense, sparse"):
-        configure_table_update(nn.Sequential(Plain()), {"table_update": "rows"})
+        configure_table_update(nn.Sequential(Plain()), {**OPTIM, "table_update": "sparse"})
+    with pytest.raises(ValueError, match=r"optim.table_update: expected one of dense, sparse, got 'rows'"):
+        configure_table_update(nn.Sequential(Plain()), {**OPTIM, "table_update": "rows"})
 
 
 def test_variant_stem_sparse_carries_the_option_in_its_train_spec():
@@ -181,8 +183,9 @@ def test_memory_estimate_counts_row_sparse_tables_as_replicated():
     cfg = C.load_experiment(REPO / "config" / "paper.yaml")
     dense = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
     sparse = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
-    configure_table_update(sparse, {"table_update": "sparse"})
-    e_dense, e_sparse = (memory.estimate(m, 16, 2048, 8, "fsdp") for m in (dense, sparse))
+    tables = configure_table_update(sparse, {**OPTIM, "table_update": "sparse"})
+    e_dense, e_sparse = (memory.estimate(m, ParallelPlan(8, "fsdp", 16, 32, 2048, row_sparse=r))
+                         for m, r in ((dense, ()), (sparse, tables)))
     n_table = 10 * 32000 * 2560                   # 10 STEM layers of V x d_ff at 350M
     assert e_sparse["replicated_table_params"] == n_table and e_sparse["sharded_table_params"] == 0
     assert e_dense["sharded_table_params"] == n_table
@@ -198,8 +201,8 @@ def test_row_sparse_tables_are_listed_in_module_order():
     cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16,
                       ffn=("stem", "dense", "stem_gate", "stem_dagger"))
     model = build_model(cfg, "meta")
-    configure_table_update(model, {"table_update": "sparse"})
-    got = distributed.row_sparse_params(model)
+    plan = ParallelPlan(2, "fsdp", 1, 2, 16, row_sparse=configure_table_update(model, {**OPTIM, "table_update": "sparse"}))
+    got = plan.row_sparse_params(model)
     assert isinstance(got, list)
     assert [id(p) for p in got] == [id(model.layers[i].ffn.table.weight) for i in (0, 2, 3)]
-    assert distributed.sharded_leaf_modules(model) == []      # none of them is an FSDP unit
+    assert plan.shard_units(model) == []      # none of them is an FSDP unit

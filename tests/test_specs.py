@@ -1,6 +1,9 @@
 """Typed job specs (stem/specs.py), the results layout (stem/layout.py) and the parallel strategy in the spec."""
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -117,7 +120,7 @@ def test_layout_paths_and_rule_patterns():
 
 def test_memory_trace_runs_the_loops_training_step(monkeypatch):
     """The FSDP memory trace calls stem.train.step.train_step, the step the loop runs, not a copy."""
-    from stem.train import memory, step
+    from stem.train import memtrace, step
     calls = []
     real = step.train_step
 
@@ -127,7 +130,7 @@ def test_memory_trace_runs_the_loops_training_step(monkeypatch):
     monkeypatch.setattr(step, "train_step", counted)
     spec = C.train_spec(TINY, "350m", "stem", "pretrain")
     spec["model"].update(n_layers=3, ffn=["dense", "dense", "stem"])
-    r = memory.trace(spec, 2, "fsdp")
+    r = memtrace.trace(*memtrace.job(spec, 2, "fsdp"))
     assert len(calls) == 1 and calls[0]["on_backward"] is not None and r["micro_batches_traced"] == 1
     assert r["peak_gib"] > 0
     from stem.train import loop
@@ -152,3 +155,29 @@ def test_the_model_sets_its_dse_vocabulary_from_the_tokenizer():
     model = build_model(cfg)
     model.set_dse_vocabulary(Tok())
     assert model.dse_compress.tolist() == [0, 0, 2, 2, 4, 5, 6]
+
+
+def test_specs_optim_and_the_plan_import_no_torch():
+    """The DAG build imports stem.specs (through stem.config) and the Snakefile stem.train.plan: torch-free;
+    OptimSpec.build imports the torch-level stem.optim.adamw only when it runs."""
+    code = ("import sys; import stem.specs, stem.optim, stem.train.plan, stem.train.memory; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "from stem.specs import OptimSpec; import stem.optim as o; assert OptimSpec is o.OptimSpec")
+    r = subprocess.run([sys.executable, "-c", code], cwd=C.REPO, env={**os.environ, "PYTHONPATH": str(C.REPO)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_parallel_plan_is_the_jobs_layout():
+    from stem.train.plan import ParallelPlan, cluster_train, job_layout
+    spec = TrainSpec.from_dict(C.train_spec(TINY, "350m", "stem", "pretrain"))
+    plan = ParallelPlan.of(spec.train, 2)
+    assert (plan.world, plan.strategy, plan.seq_len) == (2, spec.train.parallel, spec.train.seq_len)
+    assert plan.micro_batch * plan.accum == spec.train.batch_size and plan.accum % plan.world == 0
+    assert ParallelPlan.of(spec.train, 2, "ddp").strategy == "ddp"
+    with pytest.raises(ValueError, match="parallel strategy 'tp'"):
+        ParallelPlan(1, "tp", 1, 1, 8)
+    # the world size a job gets is what rules/common.smk requests (both read cluster_train)
+    cfg = {"device": "auto", "cluster": {"train": {"1b": {"nodes": 4, "gpus_per_node": 8, "runtime": 60}}}}
+    assert job_layout(cfg, "1b") == (32, 8) and job_layout(cfg, "350m") == (1, 1)
+    assert job_layout({"device": "cpu"}, "350m") == (1, 0) and cluster_train({"device": "cpu"}, "1b")["nodes"] == 1

@@ -25,8 +25,8 @@ from stem.models.config import model_config
 from stem.models.ffn import build_ffn
 from stem.models.model import build_model, document_ids
 from stem.models.rope import rope_cos_sin
+from stem.optim import build_optimizer, configure_table_update
 from stem.train import distributed
-from stem.train.optim import build_optimizer, configure_table_update
 
 
 def _median_seconds(fn, repeats: int, device=None) -> float:

@@ -65,7 +65,7 @@ class RowSparseLookup(torch.autograd.Function):
 class StemTable(nn.Embedding):
     """The per-layer V x d_ff table U, sharded over all ranks as its own unit.
 
-    ``row_sparse = True`` (set by ``stem.train.optim.configure_table_update`` for ``optim.table_update:
+    ``row_sparse = True`` (set by ``stem.optim.adamw.use_row_sparse`` for ``optim.table_update:
     sparse``): the lookup's gradient holds only the batch's unique rows (``RowSparseLookup``) and the table
     is not sharded (its sparse gradient is all-gathered instead, ``stem.train.distributed``)."""
     param_roles = {"weight": TABLE}

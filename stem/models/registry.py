@@ -17,7 +17,7 @@ A module (an FFN, a table inside one, a DSE memory) declares what is special abo
   them to None) on every forward.
 
 Accounting (``stem.models.accounting``), optimizer groups (``Transformer.param_groups``), initialisation
-(``Transformer.init_weights``) and sharding (``stem.train.distributed.sharded_leaf_modules``) read these
+(``Transformer.init_weights``) and sharding (``stem.train.plan.ParallelPlan.shard_units``) read these
 declarations; none of them names a kind. A layer is *sparse* when its FFN declares a role for any parameter.
 This module imports nothing from the model so the config can validate kinds without importing torch.
 """

@@ -1,5 +1,6 @@
 """Data-parallel training under torchrun: process group, FSDP2 wrapping, gradient clipping over shards,
-resumable state that reshards across world sizes, and a per-GPU memory estimate for sizing jobs.
+resumable state that reshards across world sizes. What is sharded how is the job's ``ParallelPlan``
+(``stem.train.plan``), decided once.
 
 World size 1 (a plain ``python`` run, or torchrun with one process) uses none of this: ``setup`` returns a
 context with ``world == 1`` and every helper below falls through to the single-process behaviour, so the
@@ -8,11 +9,14 @@ single-process loop is the same maths as before.
 Data parallelism. Every rank reads the same deterministic micro-batch stream and keeps micro-batches
 ``rank, rank + W, rank + 2W, ...`` of each step's ``accum`` global micro-batches, so a step sees the same set
 of sequences at any world size and the loader state is global (identical on every rank). The per-rank
-micro-batch is ``min(micro_batch, batch_size // W)`` (the config's micro_batch is a per-GPU upper bound).
+micro-batch is ``min(micro_batch, batch_size // W)`` (the config's micro_batch is a per-GPU upper bound;
+``stem.train.plan.local_micro_batch``).
 
-Sharding (``parallelize``):
+Sharding (``parallelize``, as the plan says):
 - the backbone: ``fully_shard`` per transformer block plus the root (FSDP2, ``strategy="fsdp"``), or
   replicated with one gradient all-reduce per step (``strategy="ddp"``, for small models);
+- row-sparse tables (``optim.table_update: sparse``, the plan's ``row_sparse``): replicated on every rank,
+  outside FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead;
 - STEM tables, DSE tables, Hash-MoE experts and the routed MoE's experts: each such module gets its own ``fully_shard`` unit on the
   world mesh *before* the backbone is wrapped, so they are sharded over all ranks (dim 0: table rows /
   experts) whatever the backbone strategy. FSDP reduce-scatters their gradients over the whole world,
@@ -40,17 +44,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
+from stem import checkpoint as ck
 from stem.io import atomic_write_json, replace_dir
-from stem.options import Strategy, values
+from stem.train.plan import ParallelPlan
 
-STRATEGIES = values(Strategy)
+# torch.distributed's FSDP, DTensor, DCP and device-mesh modules are imported where they are used: 1.5 s of
+# imports that a single-process job (and every process importing the training step) would otherwise pay.
 
 
 @dataclass
@@ -93,15 +101,6 @@ def teardown(ctx: DistContext):
         dist.destroy_process_group()
 
 
-def local_micro_batch(batch_size: int, micro_batch: int, world: int) -> tuple[int, int]:
-    """(per-rank micro-batch, global micro-batches per step); raises if the batch does not split evenly."""
-    micro = min(micro_batch, batch_size // world) if world > 1 else micro_batch
-    if micro < 1 or batch_size % (micro * world):
-        raise ValueError(f"batch_size {batch_size} cannot be split into micro-batches of {micro} "
-                         f"over {world} ranks (batch_size must be a multiple of micro_batch x world size)")
-    return micro, batch_size // micro
-
-
 def all_mean(ctx: DistContext, value: float) -> float:
     """The mean of a per-rank float over ranks (the float itself at world size 1)."""
     if ctx.world == 1:
@@ -122,35 +121,22 @@ def any_rank(ctx: DistContext, flag: bool) -> bool:
 
 # ----------------------------------------------------------------------------- wrapping
 
-def sharded_leaf_modules(model) -> list:
-    """Modules sharded over all ranks independently of the backbone: those declaring ``shard_unit``
-    (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts; ``stem.models.registry``), except row-sparse tables."""
-    return [m for m in model.modules() if getattr(m, "shard_unit", False) and not getattr(m, "row_sparse", False)]
-
-
-def row_sparse_params(model) -> list:
-    """Parameters of row-sparse tables (``optim.table_update: sparse``): replicated on every rank, outside
-    FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead. In module
-    order, the same on every rank (the collectives run in this order)."""
-    return [p for m in model.modules() if getattr(m, "row_sparse", False) for p in m.parameters()]
-
-
-def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision: bool | None = None):
-    """Shard ``model`` in place over the world (no-op at world size 1); see the module docstring.
-    ``mixed_precision`` (default: on CUDA) forces the bf16 policy, e.g. for the memory trace on the CPU."""
+def parallelize(model, ctx: DistContext, plan: ParallelPlan, mixed_precision: bool | None = None):
+    """Shard ``model`` in place over the world as ``plan`` says (no-op at world size 1); see the module
+    docstring. ``mixed_precision`` (default: on CUDA) forces the bf16 policy, e.g. for the memory trace on the CPU."""
+    if plan.world != ctx.world:
+        raise ValueError(f"parallel plan for world size {plan.world}, but the process group has {ctx.world} ranks")
     if ctx.world == 1:
         return model
-    if strategy not in STRATEGIES:
-        raise ValueError(f"parallel strategy {strategy!r}: expected one of {STRATEGIES}")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     if mixed_precision is None:
         mixed_precision = ctx.device.type == "cuda"
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if mixed_precision else MixedPrecisionPolicy())
-    for m in sharded_leaf_modules(model):
+    for m in plan.shard_units(model):
         fully_shard(m, mesh=ctx.mesh, mp_policy=mp)
-    if strategy == "fsdp":
-        ignored = set(row_sparse_params(model)) or None
+    if plan.strategy == "fsdp":
+        ignored = set(plan.row_sparse_params(model)) or None
         for block in model.layers:
             fully_shard(block, mesh=ctx.mesh, mp_policy=mp, ignored_params=ignored)
         fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
@@ -159,12 +145,13 @@ def parallelize(model, ctx: DistContext, strategy: str = "fsdp", mixed_precision
 
 def sync_replicated_grads(model, ctx: DistContext):
     """Average over all ranks the gradients FSDP does not reduce: the row-sparse tables' (kept out of FSDP and
-    replicated; ``all_gather_sparse_grad``) and the other replicated (non-DTensor) parameters', the backbone's
-    under strategy ddp (under fsdp every other parameter is a DTensor, sharded)."""
+    replicated; their gradients are the sparse ones: ``all_gather_sparse_grad``, in module order, the same on
+    every rank) and the other replicated (non-DTensor) parameters', the backbone's under strategy ddp (under
+    fsdp every other parameter is a DTensor, sharded)."""
     if ctx.world == 1:
         return
-    for p in row_sparse_params(model):
-        if p.grad is not None:
+    for p in model.parameters():
+        if p.grad is not None and p.grad.is_sparse:
             p.grad = all_gather_sparse_grad(p.grad, ctx)
     from torch.distributed.tensor import DTensor
     grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)
@@ -251,9 +238,9 @@ def clip_grad_norm_(model, max_norm: float, ctx: DistContext) -> torch.Tensor:
     return total
 
 
-def optimizer_for_dtensors(opt, ctx: DistContext, strategy: str):
+def optimizer_for_dtensors(opt, plan: ParallelPlan):
     """Groups that mix DTensors and plain tensors (strategy ddp) cannot use the foreach/fused kernels."""
-    if ctx.world > 1 and strategy == "ddp":
+    if plan.world > 1 and plan.strategy == "ddp":
         for g in opt.param_groups:
             g["foreach"], g["fused"] = False, False
     return opt
@@ -263,7 +250,6 @@ def optimizer_for_dtensors(opt, ctx: DistContext, strategy: str):
 
 def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, keep: int = 2):
     """Resumable state: the single-process format at world size 1, DCP (sharded, reshardable) above."""
-    from stem import checkpoint as ck
     state_dir = Path(state_dir)
     if ctx.world == 1:
         return ck.save_state(state_dir, step, model, opt, extra, keep=keep)
@@ -289,8 +275,6 @@ def load_state(state_dir, model, opt, ctx: DistContext) -> dict | None:
     """Restore the latest complete state (either format, any world size it was saved at); returns its extra
     dict, or None if there is no state. A state that fails its manifest or its load is skipped with a
     one-line warning naming the bad file, falling back to the previous one; none complete: ValueError."""
-    from stem import checkpoint as ck
-    import sys
     bad = []
     for folder in ck.state_candidates(state_dir):
         problem = ck.verify_state(folder)
@@ -309,7 +293,6 @@ def load_state(state_dir, model, opt, ctx: DistContext) -> dict | None:
 
 
 def _load_state_folder(folder: Path, model, opt, ctx: DistContext) -> dict:
-    from stem import checkpoint as ck
     if ctx.world == 1 and not (folder / "dcp").is_dir():
         return ck.load_state(folder, model, opt)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -320,7 +303,6 @@ def _load_state_folder(folder: Path, model, opt, ctx: DistContext) -> dict:
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:  # a single-process state resumed on several ranks: full tensors, each rank keeps its shard
-        from safetensors.torch import load_file
         full = load_file(str(folder / "model.safetensors"))
         osd = _fqn_optimizer_state(torch.load(folder / "optim.pt", weights_only=True, map_location="cpu"), model)
         set_state_dict(model, opt, model_state_dict=full, optim_state_dict=osd,

@@ -38,11 +38,13 @@ from stem import layout, provenance
 from stem.data.loader import MixtureLoader, validation_batches
 from stem.config import HF_PREFIX
 from stem.data.shards import ShardSet
+from stem.data.tokenizer import load_tokenizer
 from stem.hf import importer as hf_import
 from stem.io import atomic_write_json, atomic_write_text
 from stem.models.accounting import accounting as model_accounting, flops_per_token, training_flops
 from stem.models.insert import insert_stem
 from stem.models.model import build_model
+from stem.optim.adamw import use_row_sparse
 from stem.specs import SpecError, TrainSpec
 from stem import checkpoint as ck
 from stem.train import distributed
@@ -50,7 +52,7 @@ from stem.train import lifecycle
 from stem.train import memory
 from stem.train import throughput
 from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
-from stem.train.optim import configure_table_update
+from stem.train.plan import ParallelPlan
 from stem.train.schedule import get_lr
 from stem.train.step import TrainingError, make_optimizer, train_step
 
@@ -90,7 +92,7 @@ class Run:
     loader: MixtureLoader
     val: list                   # the validation batches
     autocast: object
-    accum: int                  # global micro-batches per step
+    plan: ParallelPlan          # the job's layout over its ranks (micro-batch, accumulation, sharding)
     accounting: dict            # the model's parameter / FLOP accounting (saved with the checkpoint)
     t0: float                   # when this process started the job
     meter: throughput.Meter     # tokens/s per GPU and MFU
@@ -150,27 +152,26 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
 
     model = build_model(spec.model, ctx.device)
     if spec.model.dse is not None:
-        from stem.data.tokenizer import load_tokenizer
         model.set_dse_vocabulary(load_tokenizer(spec.tokenizer))
     if spec.init_from:
         load_init(model, spec)
     accounting = model_accounting(model)
     model.set_training_options(activation_checkpointing=tc.activation_checkpointing,
                                flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
-    micro, accum = distributed.local_micro_batch(tc.batch_size, tc.micro_batch, ctx.world)
-    configure_table_update(model, spec.to_dict()["optim"])   # optim.table_update: sparse -> row-sparse table grads
+    # the job's layout, decided once: micro-batches, strategy, the tables optim.table_update: sparse trains row-sparse
+    plan = ParallelPlan.of(tc, ctx.world, row_sparse=spec.optim.row_sparse_tables(model))
+    use_row_sparse(model, plan.row_sparse)
     if tc.compile:   # torchtitan's order: activation checkpointing (set above), compile each block, then FSDP
         compile_blocks(model)
     if ctx.is_main:
-        print(f"[{spec.out_dir}] " + memory.describe(memory.estimate(
-            model, micro, tc.seq_len, ctx.world, tc.parallel, tc.activation_checkpointing)), file=sys.stderr)
-    distributed.parallelize(model, ctx, tc.parallel)
+        print(f"[{spec.out_dir}] " + memory.describe(memory.estimate(model, plan)), file=sys.stderr)
+    distributed.parallelize(model, ctx, plan)
 
-    loader, val = _data(spec, micro)
-    opt = make_optimizer(model, spec, ctx, fused=ctx.device.type == "cuda")
+    loader, val = _data(spec, plan.micro_batch)
+    opt = make_optimizer(model, spec, plan, fused=ctx.device.type == "cuda")
     meter = throughput.Meter(flops_per_token(accounting, spec.model, tc.seq_len), ctx.world,
                              *throughput.device_peak(ctx.device, tc.peak_tflops))
-    return Run(spec, ctx, model, opt, loader, val, mixed_precision(ctx.device), accum, accounting, t0, meter)
+    return Run(spec, ctx, model, opt, loader, val, mixed_precision(ctx.device), plan, accounting, t0, meter)
 
 
 def _data(spec: TrainSpec, micro: int) -> tuple[MixtureLoader, list]:
@@ -218,7 +219,7 @@ def train_steps(run: Run, stop: dict, last: int):
         while run.step < last:
             t_step = time.time()
             lr = get_lr(run.step, **tc.lr_schedule())
-            batches = [run.loader.next_batch() for _ in range(run.accum)]  # every rank draws the global stream
+            batches = [run.loader.next_batch() for _ in range(run.plan.accum)]  # every rank draws the global stream
             aux = {}
             try:
                 loss, grad_norm = train_step(run.model, run.opt, batches, ctx, run.autocast, lr, spec.optim.grad_clip,

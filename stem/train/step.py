@@ -1,22 +1,23 @@
-"""One optimizer step, shared by the training loop (stem.train.loop) and the memory trace (stem.train.memory):
+"""One optimizer step, shared by the training loop (stem.train.loop) and the memory trace (stem.train.memtrace):
 the optimizer as a job builds it, then forward/backward over the step's micro-batches, gradient sync and
 clipping, and the update."""
 from __future__ import annotations
 
 import math
 
+from stem.optim.adamw import set_lr
 from stem.train import distributed
-from stem.train.optim import build_optimizer, set_lr
+from stem.train.plan import ParallelPlan
 
 
 class TrainingError(RuntimeError):
     pass
 
 
-def make_optimizer(model, spec, ctx, fused: bool):
-    """The job's AdamW over the model's parameter groups (``spec``: a TrainSpec), ready for its sharding."""
-    opt = build_optimizer(model, spec.to_dict()["optim"], spec.train.lr, fused=fused)
-    return distributed.optimizer_for_dtensors(opt, ctx, spec.train.parallel)
+def make_optimizer(model, spec, plan: ParallelPlan, fused: bool):
+    """The job's AdamW over the model's parameter groups (``spec``: a TrainSpec; ``OptimSpec.build``), ready
+    for the sharding ``plan`` gave the model."""
+    return distributed.optimizer_for_dtensors(spec.optim.build(model, spec.train.lr, fused=fused), plan)
 
 
 def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, counts=None, on_backward=None,
@@ -33,7 +34,7 @@ def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, c
     the W ranks, hence the extra factor W. The count comes from the batches themselves, which every rank
     holds, so no collective is needed before backward (``counts`` gives them instead: the memory trace's
     fake tensors hold no values). Under FSDP every backward reduce-scatters its gradients, so they stay
-    sharded between micro-batches (stem.train.memory traces that peak). ``on_backward()`` runs after each
+    sharded between micro-batches (stem.train.memtrace traces that peak). ``on_backward()`` runs after each
     micro-batch's backward (the memory tracker's bookkeeping)."""
     counts = [int((y != -1).sum()) for _, y, _ in batches] if counts is None else counts
     total = sum(counts)

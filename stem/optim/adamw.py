@@ -1,5 +1,5 @@
 """AdamW with named parameter groups owned by the model (matrix, norm, table, dse_table, and any group a
-registered kind adds: ``stem.models.registry.OPTIM_GROUPS``).
+registered kind adds: ``stem.models.registry.OPTIM_GROUPS``), as ``stem.optim.OptimSpec.build`` makes it.
 
 ``optim.table_update`` chooses how the ``table`` group (STEM tables) is trained:
 
@@ -10,6 +10,10 @@ registered kind adds: ``stem.models.registry.OPTIM_GROUPS``).
   difference from dense AdamW: an untouched row is left exactly as it is (its moments do not decay, no
   weight decay, no momentum step); the group's step count (bias correction) counts every optimizer step.
   A row touched at every step gets exactly dense AdamW's update; at the first step every row does.
+
+Which modules are trained row-sparse is explicit data: ``row_sparse_tables`` names them (the job's
+``stem.train.plan.ParallelPlan`` carries the names to the sharding and the memory estimate), and
+``use_row_sparse`` switches those modules' lookups before the model is wrapped.
 """
 from __future__ import annotations
 
@@ -18,40 +22,40 @@ import math
 import torch
 
 from stem.models.registry import OPTIM_GROUPS, param_roles
-from stem.options import TableUpdate, values
 
 # LR multiplier and weight decay per group unless the config overrides them (see the registry).
 GROUP_DEFAULTS = OPTIM_GROUPS
-TABLE_UPDATES = values(TableUpdate)
-SPARSE_GROUP = "table"
+SPARSE_GROUP = "table"     # the group optim.table_update: sparse trains row-sparse
+
+# ``optim`` below is a ``stem.optim.OptimSpec`` (not imported: that module imports this one to build).
 
 
-def table_update(optim: dict) -> str:
-    mode = optim.get("table_update", "dense")
-    if mode not in TABLE_UPDATES:
-        raise ValueError(f"optim.table_update: {mode!r}: expected one of {', '.join(TABLE_UPDATES)}")
-    return mode
-
-
-def configure_table_update(model, optim: dict) -> list:
-    """Before the model is wrapped for data parallelism: with ``table_update: sparse`` every module holding a
-    ``table``-group parameter switches to row-sparse gradients (it must support it: ``row_sparse``). Returns
-    those modules (empty for ``dense``)."""
-    if table_update(optim) == "dense":
-        return []
+def row_sparse_tables(model, optim) -> tuple[str, ...]:
+    """Names of the modules holding a ``table``-group parameter, for ``table_update: sparse`` (each must support
+    a row-sparse lookup: ``row_sparse``); empty for ``dense``. Changes nothing."""
+    if not optim.sparse_tables:
+        return ()
     roles = param_roles(model)
-    modules = []
-    for m in model.modules():
+    names = []
+    for name, m in model.named_modules():
         own = [n for n, p in m.named_parameters(recurse=False) if getattr(roles.get(id(p)), "group", None) == SPARSE_GROUP]
         if not own:
             continue
         if not hasattr(type(m), "row_sparse"):
             raise ValueError(f"optim.table_update: sparse: {type(m).__name__}.{own[0]} is in the "
                              f"'{SPARSE_GROUP}' group but its module has no row-sparse lookup (row_sparse)")
+        names.append(name)
+    return tuple(names)
+
+
+def use_row_sparse(model, names) -> list:
+    """Before the model is wrapped for data parallelism: the modules ``names`` (``row_sparse_tables``) switch to
+    row-sparse gradients, coalesced after each micro-batch's backward. Returns those modules."""
+    modules = [model.get_submodule(n) for n in names]
+    for m in modules:
         m.row_sparse = True
         for p in m.parameters(recurse=False):
             p.register_post_accumulate_grad_hook(_coalesce_grad)
-        modules.append(m)
     return modules
 
 
@@ -115,17 +119,18 @@ class RowSparseAdamW(torch.optim.AdamW):
         p.index_copy_(0, rows, w)
 
 
-def build_optimizer(model, optim: dict, lr: float, fused: bool = False) -> torch.optim.AdamW:
-    overrides = optim.get("groups", {})
+def build_optimizer(model, optim, lr: float, fused: bool = False) -> torch.optim.AdamW:
+    """``OptimSpec.build``: AdamW over ``model.param_groups()`` with the registry's LR multipliers and weight
+    decays under the spec's ``groups`` overrides."""
     groups = []
     for name, params in model.param_groups().items():
         lr_mult, wd = GROUP_DEFAULTS[name]
-        o = overrides.get(name, {})
+        o = optim.groups.get(name, {})
         lr_mult = o.get("lr_mult", lr_mult)
-        wd = o.get("weight_decay", optim["weight_decay"] if wd is None else wd)
+        wd = o.get("weight_decay", optim.weight_decay if wd is None else wd)
         groups.append({"params": params, "name": name, "lr_mult": lr_mult, "weight_decay": wd, "lr": lr * lr_mult})
-    cls = RowSparseAdamW if table_update(optim) == "sparse" else torch.optim.AdamW
-    return cls(groups, lr=lr, betas=tuple(optim["betas"]), eps=optim["eps"], fused=fused)
+    cls = RowSparseAdamW if optim.sparse_tables else torch.optim.AdamW
+    return cls(groups, lr=lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float):

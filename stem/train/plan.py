@@ -1,0 +1,77 @@
+"""How one training job is laid out over its GPUs, decided once: ``ParallelPlan``.
+
+A job computes its plan once (``ParallelPlan.of``: the spec's batch layout and strategy at the job's world
+size, plus the tables its optimizer trains row-sparse) and hands the same object to the sharding
+(``stem.train.distributed.parallelize``), the closed-form memory estimate (``stem.train.memory.estimate``)
+and the memory trace (``stem.train.memtrace.trace``).
+
+Torch-free, like ``job_layout`` (the world size a training job gets from ``cluster.train``): the workflow
+calls it while it builds the DAG (``rules/common.smk``'s ``cluster_resources``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stem.options import Strategy, values
+
+STRATEGIES = values(Strategy)
+
+
+def cluster_train(cfg: dict, scale: str) -> dict:
+    """``cluster.train.<scale>`` (nodes, gpus_per_node, runtime, ...), or one node for an hour with one GPU
+    (none for ``device: cpu``) where the config sets none: what a training job at ``scale`` is given."""
+    return (((cfg.get("cluster") or {}).get("train") or {}).get(scale)
+            or {"nodes": 1, "runtime": 60, "gpus_per_node": 0 if cfg["device"] == "cpu" else 1})
+
+
+def job_layout(cfg: dict, scale: str) -> tuple[int, int]:
+    """(world size, GPUs per node) of a training job at ``scale`` (``cluster_train``)."""
+    t = cluster_train(cfg, scale)
+    return max(1, t["nodes"] * t["gpus_per_node"]), t["gpus_per_node"]
+
+
+def local_micro_batch(batch_size: int, micro_batch: int, world: int) -> tuple[int, int]:
+    """(per-rank micro-batch, global micro-batches per step); raises if the batch does not split evenly."""
+    micro = min(micro_batch, batch_size // world) if world > 1 else micro_batch
+    if micro < 1 or batch_size % (micro * world):
+        raise ValueError(f"batch_size {batch_size} cannot be split into micro-batches of {micro} "
+                         f"over {world} ranks (batch_size must be a multiple of micro_batch x world size)")
+    return micro, batch_size // micro
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """One training job's layout: ``world`` ranks, the backbone's ``strategy`` (fsdp | ddp), ``micro_batch``
+    sequences of ``seq_len`` per rank per forward, ``accum`` global micro-batches per step (rank r runs r,
+    r + world, ...), activation checkpointing, and ``row_sparse``: the names of the table modules trained
+    row-sparse (``optim.table_update: sparse``), replicated on every rank outside FSDP. Every other module
+    declaring ``shard_unit`` (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts) is its own FSDP unit over
+    all ranks whatever the strategy."""
+    world: int
+    strategy: str
+    micro_batch: int
+    accum: int
+    seq_len: int
+    activation_checkpointing: bool = False
+    row_sparse: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"parallel strategy {self.strategy!r}: expected one of {STRATEGIES}")
+
+    @classmethod
+    def of(cls, train, world: int, strategy: str | None = None, row_sparse: tuple[str, ...] = ()) -> "ParallelPlan":
+        """The plan of a job with ``train`` settings (a TrainSettings) at ``world`` ranks; ``strategy`` overrides
+        the spec's ``train.parallel``; ``row_sparse``: ``OptimSpec.row_sparse_tables`` of the job's model."""
+        micro, accum = local_micro_batch(train.batch_size, train.micro_batch, world)
+        return cls(world, strategy or train.parallel, micro, accum, train.seq_len, train.activation_checkpointing,
+                   tuple(row_sparse))
+
+    def shard_units(self, model) -> list:
+        """Modules sharded over all ranks independently of the backbone: those declaring ``shard_unit``, except
+        the row-sparse tables."""
+        return [m for n, m in model.named_modules() if getattr(m, "shard_unit", False) and n not in self.row_sparse]
+
+    def row_sparse_params(self, model) -> list:
+        """Parameters of the row-sparse tables, in module order (the same on every rank)."""
+        return [p for n in self.row_sparse for p in model.get_submodule(n).parameters()]
