@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import shutil
+import sys
+import time
 from itertools import chain
 from pathlib import Path
 
@@ -33,9 +35,6 @@ def make_tokenizer(spec: dict, out_path) -> dict:
 
 def tokenize(spec: dict, tokenizer_path, out_dir, workers: int = 2, log=None) -> dict:
     """Tokenize part ``spec["part"]`` = [k, n] of a source into ``out_dir``; print progress lines to ``log``."""
-    import sys
-    import time
-
     tok = load_tokenizer(tokenizer_path)
     if tok.vocab_size > spec["vocab_size"]:
         raise ValueError(f"{tokenizer_path}: tokenizer has {tok.vocab_size} tokens but the model's "

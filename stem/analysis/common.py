@@ -4,13 +4,15 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stem.checkpoint import check_identity, load_checkpoint, read_checkpoint_spec
+from stem.data.shards import ShardSet
+from stem.data.synth import make_world
+from stem.data.tokenizer import load_tokenizer
 from stem.models.registry import param_roles
-
-# The checkpoint, tokenizer and data imports below sit in their functions: the workflow imports ``table_sites``
-# from here while it builds the DAG (stem.analysis.workflow), which needs none of them.
 
 TINY_NOTE = "tiny experiment: CPU-sized stand-in models on a synthetic world, never comparable to the paper's scale"
 
@@ -18,9 +20,6 @@ TINY_NOTE = "tiny experiment: CPU-sized stand-in models on a synthetic world, ne
 def load(ckpt_dir, device: str = "cpu"):
     """(model in eval mode in float32 on ``device`` (CPU when CUDA is absent), tokenizer, saved job spec);
     one-line errors on bad folders."""
-    from stem.data.tokenizer import load_tokenizer
-    from stem.checkpoint import load_checkpoint
-
     ckpt = Path(ckpt_dir)
     if not (ckpt / "tokenizer.json").is_file():
         raise ValueError(f"checkpoint {ckpt}: tokenizer.json is missing (not a finished checkpoint folder)")
@@ -39,7 +38,6 @@ def load_baseline(ckpt_dir, spec: dict):
             (base / "tokenizer.json").read_bytes() != ours.read_bytes():
         raise ValueError(f"baseline checkpoint {base}: its tokenizer.json differs from {ours} (the baseline must "
                          "be a model of the same scale)")
-    from stem.checkpoint import check_identity, read_checkpoint_spec
     job = spec.get("job")   # the baseline: the job's experiment/scale/stage, variant spec["baseline"]
     expected = {**job, "variant": spec["baseline"]} if job and spec.get("baseline") else None
     check_identity(base, read_checkpoint_spec(base), expected, f"this analysis job's baseline ({spec.get('baseline')})")
@@ -49,9 +47,6 @@ def load_baseline(ckpt_dir, spec: dict):
 def val_windows(manifest, n: int, windows: int):
     """(starts, ``windows`` windows of ``n`` tokens (LongTensor)) at evenly spaced offsets of the validation
     split of a source's token shards (the same windows for every model of a scale)."""
-    import numpy as np
-
-    from stem.data.shards import ShardSet
     shards = ShardSet(Path(manifest).parent, "val")
     if len(shards) < n:
         raise ValueError(f"{manifest}: validation split has {len(shards)} tokens, fewer than one window of {n}")
@@ -140,7 +135,6 @@ def find_span(ids: list[int], span: list[int]) -> int:
 
 
 def world_of(spec: dict):
-    from stem.data.synth import make_world
     return make_world(**spec["world"])
 
 

@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import random
 
-# The imports sit in the functions: the workflow imports ``WORLD_TASKS`` from here while it builds the DAG
-# (stem.analysis.workflow), and the evaluation code brings torch and lm_eval.
+from stem.eval.spec import kind_of
+
+# The analysis code's imports sit in the functions: the workflow imports ``WORLD_TASKS`` from here while it
+# builds the DAG (stem.analysis.workflow), and stem.analysis.common / stem.eval.lm bring torch and lm_eval.
 MODES = ("normal", "disabled", "forced")
 WORLD_TASKS = ("world_closed_book", "world_in_context")
 
 
 def world_queries(world, tok, probe: dict) -> dict[str, list]:
     """{task: [(prompt ids, [candidate ids...]) with the answer first]} for the two world tasks."""
-    from stem.analysis.capacity import world_items
-    from stem.analysis.common import encode
+    from stem.analysis.capacity import world_items   # torch (lazy: the DAG imports this module)
+    from stem.analysis.common import encode          # torch (lazy: the DAG imports this module)
     rng = random.Random(f"dse_disabled:{probe['seed']}")
     items = world_items(world)
     pools: dict[str, list[str]] = {}
@@ -54,10 +56,8 @@ def world_queries(world, tok, probe: dict) -> dict[str, list]:
 
 
 def run(ckpt_dir, spec: dict) -> dict:
-    from stem.eval.lm import StemLM
-    from stem.eval.spec import kind_of
-
-    from stem.analysis.common import score_many, world_of
+    from stem.analysis.common import score_many, world_of   # torch (lazy: the DAG imports this module)
+    from stem.eval.lm import StemLM                           # torch, lm_eval (likewise)
 
     ev, cats = spec["eval"], spec["categories"]
     tasks = [t for ts in cats.values() for t in ts]

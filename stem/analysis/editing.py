@@ -26,6 +26,7 @@ import random
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 from stem.analysis.common import encode, find_span, load, score_many, state_digest, table_sites, world_of
 from stem.data.synth import _a
@@ -176,7 +177,6 @@ def run(ckpt_dir, spec: dict) -> dict:
 
 def read_facts(path) -> tuple[dict, list[dict]]:
     """(facts by kind, explicit pairs) from a prompt-set YAML; one-line errors naming the file and key."""
-    import yaml
     with open(path, encoding="utf-8") as f:
         d = yaml.safe_load(f)
     if not isinstance(d, dict) or not isinstance(d.get("kinds"), dict):

@@ -20,9 +20,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
+from stem import config as C
+from stem import layout as L
 from stem import plugins
+from stem.analysis.dse_disabled import WORLD_TASKS   # torch-free module (its imports sit in its functions)
+from stem.eval.spec import suite_spec
+from stem.models.config import ModelConfig
+from stem.models.registry import ffn_facts, param_roles
 from stem.registry import ANALYSES
 
 
@@ -56,14 +63,12 @@ def analyses(cfg: dict) -> list[str]:
 
 
 def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
-    from stem import config as C
     stages = (cfg.get("analysis") or {}).get("stages") or {}
     return [(s, v, st) for s, v, st in C.train_targets(cfg) if st in (stages.get(s) or [])]
 
 
 def _model_json(cfg: dict, scale: str, variant: str) -> str:
     """The variant's model config (its FFN kinds; any stage: a mid-training insertion has no pretraining) as JSON."""
-    from stem import config as C
     return json.dumps(C.model_config_for(cfg, scale, variant).to_dict(), sort_keys=True)
 
 
@@ -82,8 +87,6 @@ def model_kind(cfg: dict, scale: str, variant: str) -> dict:
 def _kind(model_json: str) -> dict:
     """From the FFN kinds' registered facts (stem.models.registry.FFNFacts, torch-free; every model build checks
     them against the modules); a kind registered without them: from the model built on the meta device."""
-    from stem.models.config import ModelConfig
-    from stem.models.registry import ffn_facts
     cfg = ModelConfig.from_dict(json.loads(model_json))
     facts = [ffn_facts(k) for k in sorted(set(cfg.ffn))]
     if all(f.table is not None and f.lookup is not None for f in facts):
@@ -94,9 +97,9 @@ def _kind(model_json: str) -> dict:
 
 def _built_kind(model_json: str) -> dict:
     """``_kind`` read from the model built on the meta device (torch)."""
-    from stem.analysis.common import table_sites
-    from stem.models.model import meta_model
-    from stem.models.registry import param_roles
+    # torch: only for a kind registered without its facts (the DAG of the built-in kinds imports no torch)
+    from stem.analysis.common import table_sites   # torch
+    from stem.models.model import meta_model       # torch
     model = meta_model(model_json)
     lookups = any(r.count == "lookup" for r in param_roles(model).values())
     return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None}
@@ -117,8 +120,6 @@ for _name in ("editing", "heaps", "spread", "capacity", "heldout", "logitlens", 
 
 
 def targets(cfg: dict) -> list[str]:
-    from stem import config as C
-    from stem import layout as L
     out, trained = [], set(C.train_targets(cfg))
     for s, v, st in checkpoints(cfg):
         kind = model_kind(cfg, s, v)
@@ -134,19 +135,16 @@ def baseline(cfg: dict, name: str) -> str:
 
 
 def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
-    from stem import config as C
     if name not in analyses(cfg):
         raise ValueError(f"analysis {name!r}: not configured for experiment {cfg['experiment']!r} "
                          f"(config key 'analysis.{name}'); expected one of {analyses(cfg)}")
     spec = {**cfg["analysis"][name], "analysis": name, "device": cfg.get("device", "cpu"),
             "job": {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}}
     if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
-        from pathlib import Path
         spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
     if cfg.get("world") and name in ("editing", "capacity", "cka", "dse_disabled"):
         spec["world"] = cfg["world"]
     if ANALYSES[name].baseline:
-        from stem import layout as L
         spec["baseline"] = baseline(cfg, name)
         if (scale, spec["baseline"], stage) not in C.train_targets(cfg):
             raise ValueError(f"analysis {name!r} of {scale}/{variant}/{stage}: key 'analysis.{name}.baseline' is "
@@ -154,10 +152,8 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
                              f"{scale}/{stage}")
         spec["baseline_checkpoint"] = L.checkpoint(cfg["experiment"], scale, spec["baseline"], stage)
     if name == "dse_disabled":   # the eval suite whose fixtures, shots and metric the ablation runs with
-        from stem.eval.spec import suite_spec
         spec["eval"] = suite_spec(cfg, spec["suite"])
         groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
-        from stem.analysis.dse_disabled import WORLD_TASKS   # torch-free module
         known = set(spec["eval"]["tasks"]) | {t for g in spec["eval"]["tasks"] for t in groups.get(g, [])}
         known |= set(WORLD_TASKS) if cfg.get("world") else set()
         for cat, tasks in spec["categories"].items():
@@ -174,7 +170,6 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
 
 
 def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
-    from stem import layout as L
     spec = job_spec(cfg, scale, variant, stage, name)
     inputs = {"checkpoint": L.checkpoint(cfg["experiment"], scale, variant, stage)}
     inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts") if spec.get(k)})
