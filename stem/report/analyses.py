@@ -121,7 +121,7 @@ def _legend(ax):
 
 
 def fig6(res: dict, label: str):
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
 
     from stem.report.figures import COLORS  # not at the top: see _register
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -175,7 +175,7 @@ def niah_curves(cfg: dict, results="results") -> dict[str, tuple[list, list]]:
 
 
 def heaps_fig(res: dict, label: str, niah: dict | None = None):
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
 
     from stem.report.figures import COLORS  # not at the top: see _register
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))

@@ -5,13 +5,17 @@ with the missing panel saying so (so the workflow and the report always have an 
 """
 from __future__ import annotations
 
+import json
 import math
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from stem import config as C
+from stem import layout as L
+from stem.io import atomic_path
 from stem.report import paper_data as P
 from stem.report import registry
 from stem.report import tables as T
@@ -34,9 +38,9 @@ def _color(variant: str) -> str | None:
 def _plt():
     """matplotlib.pyplot on the Agg backend, imported when a figure is drawn (lazy: a heavy optional import, ~1 s,
     that the workflow, which only lists the figures, does not need)."""
-    import matplotlib
+    import matplotlib   # heavy optional (~1 s): only when a figure is drawn (keeps the DAG build light)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # likewise
     return plt
 
 
@@ -252,6 +256,8 @@ def _get(df, variant):
 
 
 def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
+    # lazy: stem.report.diff imports stem.report.provenance, whose tables would then register before this
+    # module's (the registration order is stem.plugins.BUILTIN's)
     from stem.report.diff import compare
     cells = compare(ours, T.settings(cfg).tolerance)
     cells = cells[(cells["table"] == table) & cells["unit"].isin(["%", "score"])]
@@ -286,7 +292,6 @@ def draw(name: str, cfg: dict, res: Results, ours: dict, files: dict | None = No
 
 def save(fig, png, pdf=None):
     """Write PNG (and PDF) atomically (temp name + rename)."""
-    from stem.io import atomic_path
     for path, fmt in ((png, "png"), (pdf, "pdf")):
         if path is None:
             continue
@@ -298,8 +303,6 @@ def save(fig, png, pdf=None):
 # ---- the report's figures, in its order (one entry each; stem.report.registry) --------------------------
 def pretrain_metrics(cfg: dict, evals: list[str], scale: str, variants) -> dict:
     """inputs of a curve figure: the metrics.jsonl of the pretraining runs it plots."""
-    from stem import config as C
-    from stem import layout as L
     stage = T.settings(cfg).stages["table3"][0]  # the curves are of the pretraining runs
     return {"metrics": [L.metrics(cfg["experiment"], s, v, st) for s, v, st in C.train_targets(cfg)
                         if s == scale and v in variants and st == stage]}
@@ -362,8 +365,6 @@ def hit_rate_figure(r: dict):
 def offload_hit_rate(cfg, res, ours, files):
     """The offload benchmark's hit rate vs cache rows (rule bench_offload, stem.bench.offload); it runs on the
     350M STEM pretrain checkpoint, so an experiment without that run shows the gap."""
-    import json
-    from pathlib import Path
     if "offload" not in files:
         fig, ax = _plt().subplots(figsize=(6, 4))
         _missing(ax, "no 350m stem pretrain run in this experiment's matrix: nothing to benchmark")
@@ -387,8 +388,6 @@ registry.report_figure(
 
 def _table_update_inputs(cfg, evals) -> dict:
     """The two pretraining runs' metrics.jsonl (curves) and summary.json (the final-loss gap)."""
-    from stem import config as C
-    from stem import layout as L
     stage = T.settings(cfg).stages["table3"][0]
     runs = [(s, v) for s, v, st in C.train_targets(cfg) if s == "350m" and v in ("stem", "stem_sparse") and st == stage]
     return {"metrics": [L.metrics(cfg["experiment"], s, v, stage) for s, v in runs],

@@ -108,7 +108,7 @@ def _cols(ci: dict, sign: float) -> dict:
 
 # ---- figures ------------------------------------------------------------------------------------------------
 def logitlens_fig(res: dict, label: str):
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
 
     from stem.report.figures import COLORS  # not at the top: see stem.report.analyses._register
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -129,7 +129,7 @@ def logitlens_fig(res: dict, label: str):
 
 
 def cka_fig(res: dict, label: str):
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
     keys = sorted(res) or [None]
     fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
@@ -154,8 +154,8 @@ def cka_fig(res: dict, label: str):
 
 
 def disabled_fig(res: dict, label: str):
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
+    from matplotlib.patches import Patch   # likewise
     modes = ("disabled", "forced")
     fig, axes = plt.subplots(1, 2, figsize=(13, 4), sharey=True)
     colors = {"factual": "#d62728", "context": "#1f77b4"}

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from stem import config as C
+
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "reference"
 PAPER_DIR = REFERENCE_DIR / "paper"
 OTHER_PAPERS = ("dse_paper",)   # folders under reference/ holding another paper's tables
@@ -25,7 +27,6 @@ def __getattr__(name: str):
     """``VARIANT_LABELS``: {variant: the paper's row label}, read from config/variants.yaml (each variant's
     ``label:``, stem.config.variant_labels) whenever it is asked for, in that file's order (the tables' row order)."""
     if name == "VARIANT_LABELS":
-        from stem import config as C
         return C.variant_labels()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -10,8 +10,9 @@ COLUMNS = ["scale", "variant", "label", "total_params", "paper_total_params", "a
 def accounting_for(cfg: dict, scale: str, variant: str) -> dict:
     if scale not in cfg["archs"]:
         raise C.ConfigError(f"scale {scale!r}: expected one of {sorted(cfg['archs'])}")
-    from stem.models.accounting import accounting   # torch: the report's tables are built without it otherwise
-    from stem.models.model import build_model
+    # torch: the report's table modules are imported by the DAG build (stem.plugins) and build tables without it
+    from stem.models.accounting import accounting   # torch
+    from stem.models.model import build_model       # torch
     return accounting(build_model(C.model_config_for(cfg, scale, variant), "meta"))
 
 

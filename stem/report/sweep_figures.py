@@ -5,6 +5,7 @@ else a placeholder saying how to run them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from stem import layout as L
 from stem.report import registry
@@ -22,7 +23,6 @@ def _report_inputs(kind):
 
 def _report_draw(kind):
     def draw(cfg, res, ours, files):
-        from pathlib import Path
         if "sweep" in files:
             return figure(json.loads(Path(files["sweep"]).read_text()))
         # stem.report.figures looks tables up while it is imported, which imports every built-in report

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from stem.report.results import ResultError, Results
 from stem.report.tables import experiment_label
 from stem.sweeps import CLAIMS, TOLERANCE, _stage, points
@@ -13,7 +15,6 @@ from stem.sweeps import CLAIMS, TOLERANCE, _stage, points
 
 def fit_loglinear(x, y) -> dict:
     """Least squares y = a + b log10(x): slope b (per decade of x), intercept a, r^2."""
-    import numpy as np
     lx, y = np.log10(np.asarray(x, float)), np.asarray(y, float)
     if len(lx) < 2 or np.ptp(lx) == 0:
         raise ValueError(f"log-linear fit: expected at least two distinct x values, got {list(x)}")
@@ -105,10 +106,9 @@ def markdown(r: dict) -> str:
 
 def figure(r: dict):
     """Fig. 2 left (rho, optimum marked) or right (log slots with the fit), from a ``collect`` result."""
-    import matplotlib
+    import matplotlib   # ~1 s, only when a figure is drawn (keeps the DAG build light)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt   # likewise
     fig, ax = plt.subplots(figsize=(6.5, 4.5), layout="constrained")
     pts, label = r["points"], r["label"]
     if r["kind"] == "rho":

@@ -6,6 +6,7 @@ file or formula the number came from. ``wide()`` turns one into the paper's layo
 """
 from __future__ import annotations
 
+import json
 import math
 from functools import lru_cache
 
@@ -132,14 +133,11 @@ def scales_with(cfg: dict, stage: str) -> list[str]:
 
 @lru_cache(maxsize=None)
 def _accounting(cfg_key: str, scale: str, variant: str) -> dict:
-    import json
-
     return accounting_for(json.loads(cfg_key), scale, variant)
 
 
 def accounting(cfg: dict, scale: str, variant: str) -> dict:
     """Parameter / FLOP accounting of a configured model (from the architecture, no training needed)."""
-    import json
     keep = {k: cfg[k] for k in ("archs", "variant_overrides") if k in cfg}
     return _accounting(json.dumps(keep, sort_keys=True), scale, variant)
 
