@@ -246,8 +246,9 @@ def save_optimizer(folder, model, opt):
     """The optimizer state, keyed by parameter name, as a DCP checkpoint in ``folder``: every rank writes
     its own shards (no gather), and it reshards on load, so the next stage may run at another world size.
     Collective: every rank calls it."""
+    # torch.distributed.checkpoint: a heavy import, only when optimizer state is saved or loaded
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict   # likewise
     with _single_process_quiet():
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(folder))
 
@@ -255,8 +256,9 @@ def save_optimizer(folder, model, opt):
 def load_optimizer(folder, model, opt):
     """Restore the moments and step counts saved by save_optimizer into ``opt``; the hyper-parameters
     (LR multipliers, weight decay, betas, eps) stay those ``opt`` was built with (the new stage's)."""
+    # torch.distributed.checkpoint: a heavy import, only when optimizer state is saved or loaded
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # likewise
     folder = Path(folder)
     if not (folder / ".metadata").is_file():
         raise ValueError(f"{folder}: no optimizer state in this checkpoint (the previous stage saves it only when "

@@ -33,7 +33,7 @@ def load_experiment(path) -> dict:
 
 
 def validate_experiment(cfg: dict, origin: str = "config") -> dict:
-    import jsonschema
+    import jsonschema   # only when a config is checked (every job imports stem.config, none checks one)
 
     schema = read_yaml(SCHEMA)
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(cfg), key=lambda e: list(e.path))
@@ -92,7 +92,7 @@ def _check_registered(cfg: dict, origin: str):
 
 
 def _check_variant_optim(cfg: dict, name: str, optim, origin: str):
-    import jsonschema
+    import jsonschema   # likewise: only when a config is checked
     schema = read_yaml(SCHEMA)["properties"]["optim"]
     merged = _deep_merge(cfg["optim"], optim) if isinstance(optim, dict) else optim
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(merged), key=lambda e: list(e.path))

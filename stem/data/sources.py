@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import glob
 import gzip
+import importlib.util
 import io
 import json
 import os
+import sys
 from typing import Iterator
 
 import numpy as np
@@ -178,7 +180,7 @@ def _open_text(path: str) -> io.TextIOBase:
     if path.endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
     if path.endswith(".zst"):
-        import zstandard
+        import zstandard   # optional: only .zst files need it
 
         return io.TextIOWrapper(zstandard.open(path, "rb"), encoding="utf-8")
     return open(path, "r", encoding="utf-8")
@@ -219,7 +221,7 @@ def _read_text(path: str, sep: str | None) -> Iterator[str]:
 
 
 def _read_parquet(path: str, text_field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq   # optional: only Parquet files need it
 
     try:
         pf = pq.ParquetFile(path)
@@ -255,7 +257,7 @@ def _iter_hf(spec: dict, part=None) -> Iterator[str]:
 
 def _gen_hf(spec: dict, part=None) -> Iterator[str]:
     try:
-        import datasets
+        import datasets   # optional (the [hub] extra): only hub sources need it
     except ImportError:
         raise ValueError("source spec (kind='hf') needs the 'datasets' package: pip install 'stem-repro[hub]'") from None
     text_field = spec.get("text_field", "text")
@@ -275,7 +277,7 @@ def _gen_hf(spec: dict, part=None) -> Iterator[str]:
         raise ValueError(f"hf dataset {spec['path']!r} (config {spec.get('name')!r}): no text_field "
                          f"{text_field!r}; columns are {sorted(ds.features)}")
     if part is not None:
-        from datasets.distributed import split_dataset_by_node
+        from datasets.distributed import split_dataset_by_node   # optional, as above
 
         ds = split_dataset_by_node(ds, rank=part[0], world_size=part[1])  # by file shard when they divide
     for i, record in enumerate(ds):
@@ -295,13 +297,10 @@ def _gen_hf(spec: dict, part=None) -> Iterator[str]:
 
 def _streaming_format():
     """mosaicml-streaming's shard format module (MDSReader, MDSWriter, reader_from_json)."""
-    import importlib.util
-    import sys
-
     if importlib.util.find_spec("streaming") is None:
         raise ValueError("source spec (kind='mds') needs mosaicml-streaming: pip install mosaicml-streaming")
     try:
-        import streaming.base.format as fmt
+        import streaming.base.format as fmt   # optional (mosaicml-streaming): only MDS sources need it
         return fmt
     except (ImportError, RuntimeError):
         pass
@@ -309,7 +308,7 @@ def _streaming_format():
     # with CPU-only torch builds); the shard format needs neither, so load the package without its __init__.
     pkg = importlib.util.module_from_spec(importlib.util.find_spec("streaming"))
     sys.modules["streaming"] = pkg
-    import streaming.base.format as fmt
+    import streaming.base.format as fmt   # optional, as above
     return fmt
 
 

@@ -12,13 +12,13 @@ import torch
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention   # lazy: only the document-masked (flex) path
     return torch.compile(flex_attention, dynamic=False)
 
 
 def flex_document_mask(doc_ids: torch.Tensor):
     """Returns attend(q, k, v) that applies the causal within-document mask of ``doc_ids`` (B, T)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask   # lazy: only the flex path needs it
 
     def doc_causal(b, h, q_idx, kv_idx):
         return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (kv_idx <= q_idx)

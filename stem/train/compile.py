@@ -26,7 +26,7 @@ def compile_blocks(model) -> None:
 
 def graph_breaks() -> dict:
     """{reason: count} of the graph breaks torch._dynamo has met in this process."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters   # torch._dynamo: heavy, only when graph breaks are asked for
     return dict(counters["graph_break"])
 
 

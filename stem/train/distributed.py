@@ -91,7 +91,7 @@ def setup(device: torch.device) -> DistContext:
     if owns:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("STEM_DIST_TIMEOUT_MIN", "30"))))
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh   # multi-rank only (see the note above DistContext)
     mesh = init_device_mesh(device.type, (world,))
     return DistContext(rank, world, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), device, mesh, owns)
 
@@ -128,6 +128,7 @@ def parallelize(model, ctx: DistContext, plan: ParallelPlan, mixed_precision: bo
         raise ValueError(f"parallel plan for world size {plan.world}, but the process group has {ctx.world} ranks")
     if ctx.world == 1:
         return model
+    # multi-rank only (see the note above DistContext)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     if mixed_precision is None:
         mixed_precision = ctx.device.type == "cuda"
@@ -153,7 +154,7 @@ def sync_replicated_grads(model, ctx: DistContext):
     for p in model.parameters():
         if p.grad is not None and p.grad.is_sparse:
             p.grad = all_gather_sparse_grad(p.grad, ctx)
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor   # multi-rank only (see the note above DistContext)
     grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)
              and not p.grad.is_sparse]
     if not grads:
@@ -219,7 +220,7 @@ def clip_grad_norm_(model, max_norm: float, ctx: DistContext) -> torch.Tensor:
         if any(p.grad.is_sparse for p in params):
             return _clip_with_sparse(params, max_norm)
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor   # multi-rank only (see the note above DistContext)
     sharded = torch.zeros((), dtype=torch.float32, device=ctx.device)
     replicated = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for p in params:
@@ -253,7 +254,8 @@ def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, 
     state_dir = Path(state_dir)
     if ctx.world == 1:
         return ck.save_state(state_dir, step, model, opt, extra, keep=keep)
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp   # multi-rank only (see the note above DistContext)
+    # multi-rank only (see the note above DistContext)
     from torch.distributed.checkpoint.state_dict import get_state_dict
     name = ck.state_name(step)
     tmp = state_dir / f".tmp_{name}"   # one name every rank knows (rank 0 makes it)
@@ -295,9 +297,10 @@ def load_state(state_dir, model, opt, ctx: DistContext) -> dict | None:
 def _load_state_folder(folder: Path, model, opt, ctx: DistContext) -> dict:
     if ctx.world == 1 and not (folder / "dcp").is_dir():
         return ck.load_state(folder, model, opt)
+    # multi-rank only (see the note above DistContext)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     if (folder / "dcp").is_dir():
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint as dcp   # multi-rank only (see the note above DistContext)
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
@@ -322,6 +325,7 @@ def full_model_view(model, ctx: DistContext):
     """Something with ``state_dict()`` giving full CPU tensors (gathered on rank 0 when sharded)."""
     if ctx.world == 1:
         return model
+    # multi-rank only (see the note above DistContext)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

@@ -433,7 +433,7 @@ def _tensorboard(out_dir: Path, step: int):
     """A TensorBoard writer for {out_dir}/tensorboard; events from a step after ``step`` (left by a run cut
     after its last saved state) are purged on resume, so the curves show each step once."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter   # optional: only with train.tensorboard: true
     except ImportError:
         raise TrainingError("train.tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
     folder = out_dir / layout.TENSORBOARD
