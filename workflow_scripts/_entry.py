@@ -7,6 +7,7 @@ import sys
 
 from stem import plugins
 from stem.cli_args import OneLineParser  # a bad argument: one line, exit 1 (torch-free)
+from stem.config import ConfigError
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -19,9 +20,8 @@ def run(main):
     """Call main(); turn expected failures into one line on stderr and exit status 1."""
     try:
         main()
-    except Exception as e:  # the error types are imported only on failure: stem.train.loop imports torch
-        from stem.config import ConfigError
-        from stem.train.loop import TrainingError
+    except Exception as e:
+        from stem.train.loop import TrainingError   # only on failure: stem.train.loop imports torch
 
         # OSError names its file (a folder that cannot be created: FileExistsError, PermissionError, ...)
         if not isinstance(e, (ConfigError, TrainingError, ValueError, OSError)):

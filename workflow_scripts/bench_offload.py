@@ -2,6 +2,9 @@
 the hit-rate figure from the JSON (stem.report.figures: offload_hit_rate)."""
 from workflow_scripts._entry import parser, run, spec_of
 
+# Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
+# argument fails in one line before torch (or any other heavy module) loads.
+
 
 def main():
     p = parser(__doc__)

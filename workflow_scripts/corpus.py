@@ -1,6 +1,9 @@
 """Generate a synthetic source corpus (jsonl) for the embedded default."""
 from workflow_scripts._entry import parser, run, spec_of
 
+# Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
+# argument fails in one line before torch (or any other heavy module) loads.
+
 
 def main():
     p = parser(__doc__)

@@ -1,5 +1,11 @@
 """Write the accounting table (CSV and Markdown) for every variant of every scale."""
+import csv
+import io
+
 from workflow_scripts._entry import parser, run, spec_of
+
+# Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
+# argument fails in one line before torch (or any other heavy module) loads.
 
 
 def main():
@@ -7,9 +13,6 @@ def main():
     p.add_argument("--csv", required=True)
     p.add_argument("--md", required=True)
     args = p.parse_args()
-    import csv
-    import io
-
     from stem.report.params import COLUMNS, accounting_rows, to_markdown
     from stem.io import atomic_write_text
     cfg = spec_of(args)

@@ -1,6 +1,9 @@
 """Compare the reproduced tables with the paper's cells; write diff.md, CSVs and summary.json."""
 from workflow_scripts._entry import parser, run, spec_of
 
+# Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
+# argument fails in one line before torch (or any other heavy module) loads.
+
 
 def main():
     p = parser(__doc__)

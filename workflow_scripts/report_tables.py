@@ -1,6 +1,9 @@
 """Build the paper's tables (1-6 and Figure 1b's data) from whatever results exist."""
 from workflow_scripts._entry import parser, run, spec_of
 
+# Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
+# argument fails in one line before torch (or any other heavy module) loads.
+
 
 def main():
     p = parser(__doc__)

@@ -9,6 +9,10 @@ import argparse
 import json
 import tempfile
 import time
+from itertools import islice
+
+# Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
+# argument fails in one line before torch (or any other heavy module) loads.
 
 
 def main():
@@ -21,8 +25,6 @@ def main():
     p.add_argument("--jobs", type=int, default=1, help="scattered jobs running at once")
     p.add_argument("--cpus", type=int, default=1, help="cores per job")
     args = p.parse_args()
-    from itertools import islice
-
     from stem.data.shards import tokenize_to_shards
     from stem.data.sources import iter_documents
     from stem.data.tokenizer import load_tokenizer

@@ -2,6 +2,9 @@
 import argparse
 import sys
 
+# Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
+# argument fails in one line before torch (or any other heavy module) loads.
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)

@@ -1,6 +1,9 @@
 """Train a byte-level BPE tokenizer on the configured sources, or fetch a pretrained one."""
 from workflow_scripts._entry import parser, run, spec_of
 
+# Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
+# argument fails in one line before torch (or any other heavy module) loads.
+
 
 def main():
     p = parser(__doc__)

@@ -6,6 +6,9 @@ Snakemake process named by $STEM_OWNER_PID (launch.py --owner-pid) dies: see ste
 from stem.cli_args import whole
 from workflow_scripts._entry import parser, run, spec_of
 
+# Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
+# argument fails in one line before torch (or any other heavy module) loads.
+
 
 def main():
     from stem.train import lifecycle
