@@ -10,7 +10,7 @@ import math
 from functools import lru_cache
 
 from stem import plugins, seeds, sweeps
-from stem.io import ConfigError, read_yaml, variants  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
+from stem.io import ConfigError, read_yaml, variant, variants  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
 from stem.io import deep_merge as _deep_merge
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
@@ -173,7 +173,7 @@ def _cross_check(cfg: dict, origin: str):
                                   "whose optimizer state it carries")
             max_len = spec.get("max_seq_len", cfg["archs"][scale]["max_seq_len"])
             for v in m["variants"]:   # a mid-training insertion starts from a matrix variant's earlier stage
-                vspec = variants(cfg).get(v) or {}
+                vspec = variant(cfg, v) or {}
                 ins, v_init = vspec.get("insert"), {**spec, **(vspec.get("stage") or {})}.get("init_from")
                 if ins and ins["stage"] == stage and (not v_init or (not isinstance(v_init, dict)
                                                                       and ins["from"] not in m["variants"])):
@@ -283,10 +283,10 @@ def part_index(cfg: dict, source: str, part: str) -> tuple[int, int]:
 
 
 # ---- job specs -----------------------------------------------------------------------------------
-def variant_stages(cfg: dict, variant: str, stages: list[str]) -> list[str]:
+def variant_stages(cfg: dict, name: str, stages: list[str]) -> list[str]:
     """The stages a variant trains: all, except for a mid-training insertion (``insert:``), which starts at
     ``insert.stage`` (from another variant's checkpoint of the stage before)."""
-    ins = (variants(cfg).get(variant) or {}).get("insert")
+    ins = (variant(cfg, name) or {}).get("insert")
     return list(stages[stages.index(ins["stage"]):]) if ins and ins["stage"] in stages else list(stages)
 
 

@@ -134,6 +134,13 @@ def variants(cfg: dict) -> dict:
     return {name: deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {})) for name, spec in base.items()}
 
 
+def variant(cfg: dict, name: str) -> dict | None:
+    """One variant of ``variants(cfg)`` (None for a name config/variants.yaml does not define), without copying
+    the others (the DAG asks for one variant's stages hundreds of times)."""
+    spec = _variants_file(str(VARIANTS), VARIANTS.stat().st_mtime_ns).get(name)
+    return None if spec is None else deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {}))
+
+
 @lru_cache(maxsize=1)
 def _variants_file(path: str, mtime_ns: int) -> dict:
     """config/variants.yaml, read once per version of the file (the DAG resolves hundreds of job specs);
