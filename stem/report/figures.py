@@ -46,7 +46,7 @@ def _plt():
 
 def __getattr__(name: str):
     """``plt`` (imported then), ``COLORS`` and ``LABELS`` (config/variants.yaml's, read then) for the modules
-    that import them from here (stem.sweeps.report, stem.analysis.report, stem.analysis.mechanism_report)."""
+    that import them from here (stem.report.sweep_figures, stem.report.analyses, stem.report.mechanism)."""
     if name == "plt":
         return _plt()
     if name == "COLORS":   # {variant: colour} for the modules that import it from here (stem.analysis.*)
