@@ -10,7 +10,7 @@ import math
 from functools import lru_cache
 
 from stem import plugins, seeds, sweeps
-from stem.io import ConfigError, read_yaml, variant, variants  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
+from stem.io import ConfigError, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
 from stem.io import deep_merge as _deep_merge
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
@@ -217,21 +217,29 @@ def variant_spec(cfg: dict, variant: str) -> dict:
     raise ConfigError(f"variant {variant!r}: expected one of {sorted(all_variants)}")
 
 
+def _presentation(cfg: dict | None, key: str) -> dict:
+    """{variant: its ``key`` (label, figure_label, color) or None}, variant_overrides over config/variants.yaml,
+    in that file's order; read without copying the variants (the report asks per label)."""
+    over = (cfg or {}).get("variant_overrides") or {}
+    return {name: (over.get(name) or {}).get(key, spec.get(key)) for name, spec in variants_file().items()}
+
+
 def variant_labels(cfg: dict | None = None) -> dict[str, str]:
     """{variant: its row label} in config/variants.yaml's order (each variant's ``label:``, the one source;
     with ``cfg``'s variant_overrides): the tables' rows and their order, the figures' legends."""
-    return {name: spec.get("label", name) for name, spec in variants(cfg or {}).items()}
+    return {name: label or name for name, label in _presentation(cfg, "label").items()}
 
 
 def variant_figure_labels(cfg: dict | None = None) -> dict[str, str]:
     """{variant: its figures' legend label}: ``figure_label:`` where a variant sets one, else its ``label:``."""
-    return {name: spec.get("figure_label", spec.get("label", name)) for name, spec in variants(cfg or {}).items()}
+    return {name: fig or label for (name, fig), label in
+            zip(_presentation(cfg, "figure_label").items(), variant_labels(cfg).values())}
 
 
 def variant_colors(cfg: dict | None = None) -> dict[str, str]:
     """{variant: its figures' colour} for the variants whose config/variants.yaml entry sets ``color:`` (the
     others are drawn in matplotlib's colour cycle)."""
-    return {name: spec["color"] for name, spec in variants(cfg or {}).items() if spec.get("color")}
+    return {name: color for name, color in _presentation(cfg, "color").items() if color}
 
 
 def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):

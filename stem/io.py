@@ -129,20 +129,24 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 
 def variants(cfg: dict) -> dict:
-    """config/variants.yaml with the experiment's ``variant_overrides`` merged over each variant."""
-    base = _variants_file(str(VARIANTS), VARIANTS.stat().st_mtime_ns)
-    return {name: deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {})) for name, spec in base.items()}
+    """config/variants.yaml with the experiment's ``variant_overrides`` merged over each variant (copies)."""
+    return {name: deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {}))
+            for name, spec in variants_file().items()}
 
 
 def variant(cfg: dict, name: str) -> dict | None:
     """One variant of ``variants(cfg)`` (None for a name config/variants.yaml does not define), without copying
     the others (the DAG asks for one variant's stages hundreds of times)."""
-    spec = _variants_file(str(VARIANTS), VARIANTS.stat().st_mtime_ns).get(name)
+    spec = variants_file().get(name)
     return None if spec is None else deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {}))
+
+
+def variants_file() -> dict:
+    """config/variants.yaml as read, cached per version of the file (the DAG resolves hundreds of job specs).
+    Shared: read it, never change it (``variants`` / ``variant`` give copies)."""
+    return _variants_file(str(VARIANTS), VARIANTS.stat().st_mtime_ns)
 
 
 @lru_cache(maxsize=1)
 def _variants_file(path: str, mtime_ns: int) -> dict:
-    """config/variants.yaml, read once per version of the file (the DAG resolves hundreds of job specs);
-    callers get deep copies through ``deep_merge``."""
     return read_yaml(path)

@@ -49,7 +49,7 @@ def __getattr__(name: str):
     that import them from here (stem.report.sweep_figures, stem.report.analyses, stem.report.mechanism)."""
     if name == "plt":
         return _plt()
-    if name == "COLORS":   # {variant: colour} for the modules that import it from here (stem.analysis.*)
+    if name == "COLORS":
         return C.variant_colors()
     if name == "LABELS":
         return C.variant_figure_labels()

@@ -255,7 +255,6 @@ def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, 
     if ctx.world == 1:
         return ck.save_state(state_dir, step, model, opt, extra, keep=keep)
     import torch.distributed.checkpoint as dcp   # multi-rank only (see the note above DistContext)
-    # multi-rank only (see the note above DistContext)
     from torch.distributed.checkpoint.state_dict import get_state_dict
     name = ck.state_name(step)
     tmp = state_dir / f".tmp_{name}"   # one name every rank knows (rank 0 makes it)

@@ -78,7 +78,6 @@ def describe(e: dict) -> str:
             f"loss {e['logits_gib']:.2f}")
 
 
-
 # ----------------------------------------------------------------------------- jobs of an experiment
 
 def gpu_jobs(cfg: dict, only=None) -> list[tuple[str, str, str]]:

@@ -1,8 +1,6 @@
 """Per-GPU peak memory of a training job, traced from the real training step (``trace``), and a cache of
 traces (``traced``: ``python -m stem memory`` and the workflow's pre-flight check, ``stem.train.memory.check``).
 
-Per-GPU peak memory of a training job: traced from the real training step, and a closed form beside it.
-
 ``trace`` runs one real training step of the job (this project's model, FSDP2
 wrapping, AdamW groups, micro-batch accumulation, gradient clipping) for rank 0 of a *fake* process group
 of the job's world size, under ``FakeTensorMode`` (no memory is allocated), and records the peak of live
@@ -141,8 +139,8 @@ def trace(spec: TrainSpec, plan: ParallelPlan, mixed_precision: bool = True) -> 
         batches = [(x, y, None)] * (n_micro * plan.world)
         with tracker:                          # one step of the training loop, less its logging
             step.train_step(model, opt, batches, ctx, autocast, tc.lr, spec.optim.grad_clip,
-                       counts=[x.numel()] * len(batches),
-                       on_backward=tracker.reset_mod_stats)   # the tracker refuses a second root forward otherwise
+                            counts=[x.numel()] * len(batches),
+                            on_backward=tracker.reset_mod_stats)   # the tracker refuses a second root forward otherwise
         peak = tracker.get_tracker_snapshot("peak")
     parts: dict = {}
     for snap in peak.values():   # one device
