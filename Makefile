@@ -14,18 +14,46 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # version (+cpu / +cu124) depends on the machine, not on the project.
 TORCH_VERSION ?= 2.13.0
 CONSTRAINTS   ?= constraints.txt
+# Offline GPU nodes (docs/gpu.md): WHEELHOUSE=DIR installs from a folder `make wheelhouse` wrote, with pip's index
+# off and every wheel's hash checked (DIR/requirements.txt); TORCH=system keeps the machine's PyTorch (the venv
+# sees the system site-packages; no torch is installed). PYTHON makes the venv.
+WHEELHOUSE ?=
+TORCH      ?=
+PYTHON     ?= python3
+WHAT       ?= all
+GPUCHECK_STAMP := $(VENV)/.gpucheck-stamp
+OFFLINE := --no-index --find-links $(abspath $(WHEELHOUSE)) --no-deps --require-hashes -r $(WHEELHOUSE)/requirements.txt
 
-.PHONY: smoke test lint dryrun-paper clean-tiny gpu-check constraints
+# The venv and its torch (both stamps)
+define venv_and_torch
+	test -x $(PY) || $(PYTHON) -m venv $(if $(filter system,$(TORCH)),--system-site-packages) $(VENV)
+	@# TORCH=system: the machine's torch; else the CPU build where there is no NVIDIA driver, from $(TORCH_INDEX)
+	@# (see above), or, with WHEELHOUSE, a torch wheel put into that folder
+	$(if $(filter system,$(TORCH)),$(PY) -c 'import torch' 2>/dev/null || { echo "TORCH=system: $(PY) cannot import torch (make the venv with the Python that has it: PYTHON=...)"; exit 1; }, \
+	$(if $(WHEELHOUSE),$(PY) -m pip install -q --no-index --find-links $(abspath $(WHEELHOUSE)) torch==$(TORCH_VERSION), \
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==$(TORCH_VERSION); \
+	else $(PY) -m pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX); fi))
+endef
+
+.PHONY: smoke test lint dryrun-paper clean-tiny gpu-check constraints wheelhouse
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	test -x $(PY) || python3 -m venv $(VENV)
-	@# CPU build of torch where there is no NVIDIA driver, from $(TORCH_INDEX) (see above)
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==$(TORCH_VERSION); \
-	else $(PY) -m pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX); fi
+	$(venv_and_torch)
+ifdef WHEELHOUSE
+	$(PY) -m pip install -q $(OFFLINE)
+	$(PY) -m pip install -q --no-index --find-links $(abspath $(WHEELHOUSE)) --no-deps -e .
+else
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
 	@# ProLong's MDS reader; --no-deps: its metadata pulls torchvision and a CUDA torch (see pyproject.toml)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-deps mosaicml-streaming==0.13.0
+endif
 	touch $(STAMP)
+
+# The acceptance run's environment alone: what `python -m stem gpucheck` imports (scripts/gpucheck-requirements.txt)
+$(GPUCHECK_STAMP): scripts/gpucheck-requirements.txt $(CONSTRAINTS)
+	$(venv_and_torch)
+	$(PY) -m pip install -q $(if $(WHEELHOUSE),$(OFFLINE),--no-deps -c $(CONSTRAINTS) -r scripts/gpucheck-requirements.txt)
+	touch $@
 
 smoke: $(STAMP)
 	@start=$$(date +%s); \
@@ -42,9 +70,18 @@ test: $(STAMP)
 	wait $$pid; slurm=$$?; echo "== the real-Slurm tests (pytest -m slurm) =="; cat $$log; rm -f $$log; \
 	test $$rest -eq 0 && test $$slurm -eq 0
 
-gpu-check: $(STAMP)
-	@# the paper path on this machine's GPU (docs/gpu.md); without CUDA one line, exit 0
-	@$(PY) -m stem gpucheck
+gpu-check: $(GPUCHECK_STAMP)
+	@# the paper path on this machine's GPU (docs/gpu.md); without CUDA one line, exit 0.
+	@# GPUCHECK_ARGS: e.g. --budget 540 (an allocation's minutes), --require-mfu 0.4
+	@$(PY) -m stem gpucheck $(GPUCHECK_ARGS)
+
+# Wheels for an offline install (docs/gpu.md): WHAT=all|gpucheck, WHEEL_PYTHON / WHEEL_PLATFORM of the target,
+# LEAVE_OUT=a pip freeze of the target environment (its packages are left out)
+WHEEL_PYTHON   ?= 3.12
+WHEEL_PLATFORM ?= manylinux_2_28_x86_64
+wheelhouse:
+	$(PYTHON) scripts/wheelhouse.py --out $(or $(WHEELHOUSE),wheelhouse) --what $(WHAT) --python $(WHEEL_PYTHON) \
+	  --platform $(WHEEL_PLATFORM) $(if $(LEAVE_OUT),--leave-out $(LEAVE_OUT))
 
 lint: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --lint

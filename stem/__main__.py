@@ -164,6 +164,8 @@ def cmd_import_hf(args):
 
 
 def cmd_gpucheck(args):
+    from stem import torchfloor
+    torchfloor.require()   # before stem.gpucheck's imports: a torch without a feature is one line
     from stem import gpucheck
     sys.exit(gpucheck.main(args))
 
@@ -281,6 +283,10 @@ def main(argv=None):
     g.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="the device's dense bf16 peak for MFU (default: known GPUs)")
     g.add_argument("--no-compile", action="store_true", help="item e: eager only")
     g.add_argument("--out", default=L.GPUCHECK_DIR, help="folder of gpucheck.json and gpucheck.md")
+    g.add_argument("--budget", type=A.number(1, "seconds"), help="the allocation's seconds: the items run in order of "
+                   "value and one whose predicted cost exceeds the time left is skipped (default: all run)")
+    g.add_argument("--require-mfu", type=A.number(0, "a fraction of the peak"),
+                   help="item e fails when dense 1B MFU is below this fraction (or STEM trails it by > 5 points)")
     g.set_defaults(fn=cmd_gpucheck)
     r = sub.add_parser("rehearsal-data", help="write the one-node rehearsal's offline inputs (config/rehearsal.yaml): "
                                               "paper-vocabulary tokenizers and ProLong-shaped MDS folders")

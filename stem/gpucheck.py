@@ -22,6 +22,12 @@ writes), with the device name and the torch / CUDA versions.
   decode tokens/s resident / offloaded / offloaded + cache, batch 1 and 16, prefetch on and off.
 - g. evaluation: the registered lm-eval model (``stem.eval.lm.StemLM``) scores the same requests on this
   device as on the CPU in fp32, and within ``BF16_LOGLIK_TOL`` in bf16.
+
+Before each item its predicted cost (``predict``: the FLOPs of its steps at its shapes over a timed matrix
+product's rate, plus fixed costs per model, compilation, step and child process) is printed; with a budget
+(``--budget SECONDS``) the items run in ``VALUE_ORDER`` and one that would not fit the time left is skipped
+with one line. The JSON and Markdown are rewritten after every item, so a run killed at its allocation's end
+keeps every finished figure.
 """
 from __future__ import annotations
 
@@ -61,6 +67,11 @@ from stem.train.step import accumulate_gradients, make_optimizer, train_step
 
 VARIANTS = ("dense", "hashmoe", "stem", "stem_gate", "stem_dagger", "stem_half", "stem_full", "dse", "moe")
 ITEMS = "abcdefg"
+VALUE_ORDER = "aebdfgc"   # --budget: training of every variant, throughput, masks, memory, offload, eval, resume
+A_STEPS = 20              # item a's steps at the paper's shapes (5 tiny)
+E_MICRO = (16, 8, 4, 2, 1)   # item e: the largest micro-batch of these that fits
+E_REPEATS = 5, 3          # item e: timed steps, warm-up steps (1, 1 tiny)
+F_DECODE = 64, 128        # item f: decoded tokens, prompt tokens (8, 16 tiny)
 BF16_LOGLIK_TOL = 0.05     # item g: |log-likelihood bf16 - fp32| per request, nats (bf16 keeps ~3 digits)
 MEMORY_TOL = 0.10          # item d
 TARGET_DENSE_MFU, TARGET_STEM_GAP = 0.40, 0.05   # item e
@@ -75,6 +86,7 @@ class Ctx:
     peak_tflops: float | None = None
     compile: bool = True            # item e also times the compiled model
     variants: tuple = VARIANTS      # item a's variants (the tests pick a few)
+    require_mfu: float | None = None   # item e fails below this dense 1B MFU (--require-mfu)
 
     @property
     def cuda(self) -> bool:
@@ -129,7 +141,7 @@ def _free(ctx: Ctx):
 def item_a(ctx: Ctx) -> dict:
     cfg = experiment(ctx.tiny)
     st = cfg["stages"]["pretrain"]["350m"]
-    steps = 5 if ctx.tiny else 20
+    steps = 5 if ctx.tiny else A_STEPS
     dctx = distributed.DistContext(device=ctx.device)
     rows, bad = {}, []
     for variant in ctx.variants:
@@ -374,12 +386,12 @@ def throughput_point(ctx: Ctx, cfg: dict, scale: str, variant: str, compiled: bo
     mcfg = model_cfg(cfg, scale, variant)
     acct = accounting(build_model(mcfg, "meta"))
     fpt = flops_per_token(acct, mcfg, st["seq_len"])
-    state_gib = 16 * acct["total_params"] / 2**30     # fp32 weights, gradients and AdamW's two moments
-    if ctx.cuda and state_gib > torch.cuda.get_device_properties(ctx.device).total_memory / 2**30:
+    state_gib = _state_gib(acct)
+    if not _state_fits(ctx, state_gib):
         return {"scale": scale, "variant": variant, "compiled": compiled, "micro_batch": 0, "unsharded_state_gib":
                 state_gib, "skipped": f"weights + gradients + AdamW need {state_gib:.0f} GiB unsharded "
                                       "(the paper shards this job over several GPUs)"}
-    for micro in ([st["micro_batch"]] if ctx.tiny else [16, 8, 4, 2, 1]):
+    for micro in ([st["micro_batch"]] if ctx.tiny else E_MICRO):
         model = opt = None
         try:
             torch.manual_seed(0)
@@ -389,7 +401,7 @@ def throughput_point(ctx: Ctx, cfg: dict, scale: str, variant: str, compiled: bo
                 compile_blocks(model)
             opt = _optimizer(model, cfg, 1e-4, ctx)
             x, y = _batch(mcfg.vocab_size, micro, st["seq_len"], ctx.device)
-            seconds = _time_step(ctx, model, opt, x, y, *((1, 1) if ctx.tiny else (5, 3)))
+            seconds = _time_step(ctx, model, opt, x, y, *((1, 1) if ctx.tiny else E_REPEATS))
         except torch.OutOfMemoryError:
             del model, opt
             _free(ctx)
@@ -403,13 +415,34 @@ def throughput_point(ctx: Ctx, cfg: dict, scale: str, variant: str, compiled: bo
     return {"scale": scale, "variant": variant, "compiled": compiled, "micro_batch": 0, "error": "no micro-batch fits"}
 
 
+def _state_gib(acct: dict) -> float:
+    return 16 * acct["total_params"] / 2**30     # fp32 weights, gradients and AdamW's two moments
+
+
+def _state_fits(ctx: Ctx, state_gib: float) -> bool:
+    return not ctx.cuda or state_gib <= torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
+
+
+def mfu_target(points: list[dict], peak: float | None, dense_min: float = TARGET_DENSE_MFU) -> tuple[bool | None, str]:
+    """(met, text) of item e's target: dense 1B MFU >= ``dense_min`` and STEM within TARGET_STEM_GAP of it
+    (judged where STEM ran); met is None without a peak."""
+    if peak is None:
+        return None, "MFU not measured (no peak: --peak-tflops)"
+    met = False
+    for d, s in zip(points[::2], points[1::2]):
+        if d["scale"] == "1b" and "mfu" in d:
+            met = met or (d["mfu"] >= dense_min and ("mfu" not in s or d["mfu"] - s["mfu"] <= TARGET_STEM_GAP))
+    return met, (f"targets (dense 1B MFU >= {dense_min:.0%}, STEM within {100 * TARGET_STEM_GAP:.0f} points): "
+                 f"{'met' if met else 'NOT met'}")
+
+
 def item_e(ctx: Ctx) -> dict:
     cfg = experiment(ctx.tiny)
     peak, source = throughput.device_peak(ctx.device, ctx.peak_tflops)
     modes = (False, True) if ctx.compile else (False,)
     points = [throughput_point(ctx, cfg, s, v, c, peak)
               for s in ("350m", "1b") for c in modes for v in ("dense", "stem")]
-    parts, met, ok = [], [], all("error" not in p for p in points)
+    parts, ok = [], all("error" not in p for p in points)
     for i in range(0, len(points), 2):
         d, s = points[i], points[i + 1]
         mode = "compiled" if d["compiled"] else "eager"
@@ -425,17 +458,24 @@ def item_e(ctx: Ctx) -> dict:
             line += (f", STEM {s['tokens_per_s']:,.0f} tok/s{smfu}, step ratio {s['step_s'] / d['step_s']:.3f} "
                      f"(FLOP ratio {s['flops_per_token'] / d['flops_per_token']:.3f})")
         parts.append(line)
-        if peak is not None and d["scale"] == "1b":   # STEM's gap is judged where STEM ran
-            met.append(d["mfu"] >= TARGET_DENSE_MFU and ("mfu" not in s or d["mfu"] - s["mfu"] <= TARGET_STEM_GAP))
-    target = (f"targets (dense 1B MFU >= {TARGET_DENSE_MFU:.0%}, STEM within {100 * TARGET_STEM_GAP:.0f} points): "
-              f"{'met' if any(met) else 'NOT met'}" if peak is not None else f"MFU not measured ({source})")
-    # the item passes when every point ran; the targets are printed beside the figures, not enforced
+    required = ctx.require_mfu is not None
+    met, target = mfu_target(points, peak, ctx.require_mfu if required else TARGET_DENSE_MFU)
+    if peak is None:
+        target = f"MFU not measured ({source})"
+    # the item passes when every point ran; the targets are printed beside the figures, enforced with --require-mfu
+    if required:
+        ok = ok and bool(met)
+        target += " (required: --require-mfu)"
     return {"ok": ok, "figure": "; ".join(parts) + f"; {target}",
-            "details": {"points": points, "peak_tflops": peak, "peak_source": source,
-                        "targets_met": any(met) if peak is not None else None}}
+            "details": {"points": points, "peak_tflops": peak, "peak_source": source, "targets_met": met,
+                        "required_dense_mfu": ctx.require_mfu}}
 
 
 # ---------------------------------------------------------------------------------------------- f
+def _f_shapes(ctx: Ctx):
+    return ((1, 2), (8, 16)) if ctx.tiny else ((1, 16), F_DECODE)
+
+
 def item_f(ctx: Ctx) -> dict:
     cfg = experiment(ctx.tiny)
     mcfg = model_cfg(cfg, "1b", "stem")
@@ -445,7 +485,7 @@ def item_f(ctx: Ctx) -> dict:
     weights = ctx.work / "offload.safetensors"
     if not ctx.cuda:                 # the CPU's far tier is the safetensors file
         save_file({k: v.contiguous() for k, v in base.state_dict().items()}, str(weights))
-    batches, steps, prompt = ((1, 2), 8, 16) if ctx.tiny else ((1, 16), 64, 128)
+    batches, (steps, prompt) = _f_shapes(ctx)
 
     def model_for(offloaded: bool, prefetch: bool = True, cache: int = 0):
         m = copy.deepcopy(base)
@@ -518,6 +558,118 @@ TITLES = {"a": "bf16 training, every variant", "b": "document masks", "c": "shar
           "g": "evaluation on the device"}
 
 
+# ---------------------------------------------------------------------------------------------- cost
+# Fixed costs (seconds) beside the FLOPs: per model built, per compiled model (torch.compile of its blocks), per
+# step or forward pass (Python, launches, the optimizer), per child process (interpreter, imports, its setup), per
+# memory trace (item d, on meta tensors); set from the CPU runs of the tiny items on the 2-core development
+# machine and, for CUDA, guessed (compilation of a block stack in about a minute): no GPU has run them yet.
+FIXED_S = {"cuda": {"model": 3.0, "compiled": 60.0, "step": 0.05, "child": 30.0, "trace": 3.0},
+           "cpu": {"model": 0.1, "compiled": 12.0, "step": 0.05, "child": 8.0, "trace": 2.0}}
+EFFICIENCY = 0.35   # the fraction of the timed matrix product's rate a training step reaches
+
+
+@dataclass
+class Cost:
+    """An item's predicted work: FLOPs of its steps at its shapes and the counts that carry fixed costs."""
+    flops: float = 0.0
+    models: int = 0
+    compiled: int = 0
+    steps: int = 0
+    children: int = 0
+    traces: int = 0
+
+    def train(self, mcfg, seq: int, rows: int, steps: int, checkpointing: bool = False, models: int = 1):
+        """``steps`` training steps of ``rows`` x ``seq`` tokens (activation checkpointing: forward twice)."""
+        self.flops += _fpt(mcfg, seq) * rows * seq * steps * (4 / 3 if checkpointing else 1)
+        self.steps += steps
+        self.models += models
+
+    def forward(self, mcfg, seq: int, rows: int, passes: int = 1, models: int = 0):
+        self.flops += _fpt(mcfg, seq) / 3 * rows * seq * passes
+        self.steps += passes
+        self.models += models
+
+    def seconds(self, rate: float, device_type: str) -> float:
+        f = FIXED_S[device_type]
+        return (self.flops / rate + self.models * f["model"] + self.compiled * f["compiled"] + self.steps * f["step"]
+                + self.children * f["child"] + self.traces * f["trace"])
+
+    def text(self, rate: float) -> str:
+        parts = [f"{self.flops:.2g} FLOP at {rate / 1e12:.3g} TFLOP/s", f"{self.models} model(s)"]
+        parts += [f"{n} {what}" for n, what in ((self.compiled, "compiled"), (self.children, "child process"),
+                                                (self.traces, "memory trace")) if n]
+        return ", ".join(parts + [f"{self.steps} steps"])
+
+
+def _fpt(mcfg, seq: int) -> float:
+    return flops_per_token(accounting(build_model(mcfg, "meta")), mcfg, seq)
+
+
+def matmul_rate(device: torch.device) -> float:
+    """FLOP/s of a timed square matrix product (bf16 on CUDA, fp32 on the CPU) times EFFICIENCY."""
+    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return EFFICIENCY * 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def predict(ctx: Ctx, key: str) -> Cost:
+    """Item ``key``'s work at the shapes it runs (the same config and constants as the item)."""
+    cfg, c = experiment(ctx.tiny), Cost()
+    pre = cfg["stages"]["pretrain"]
+
+    def mc(scale, variant, stage="pretrain"):
+        return model_cfg(cfg, scale, variant, stage)
+    st = pre["350m"]
+    if key == "a":
+        for v in ctx.variants:
+            c.train(mc("350m", v), st["seq_len"], min(st["micro_batch"], 4), 5 if ctx.tiny else A_STEPS,
+                    bool(st.get("activation_checkpointing")))
+    elif key == "b":
+        c.forward(mc("350m", "dense"), min(st["seq_len"], 2048), 1, passes=3 if ctx.cuda else 2, models=1)
+        c.train(mc("1b", "dense", "extend"), cfg["stages"]["extend"]["1b"]["seq_len"], 1, 1, checkpointing=True)
+        c.compiled += ctx.cuda      # flex attention's kernel
+    elif key == "c":
+        world = max(1, torch.cuda.device_count()) if ctx.cuda else 1
+        c.children = 1
+        c.train(mc("350m", "stem"), st["seq_len"], 2 * world, RESUME_STEPS)                  # the child
+        c.train(mc("350m", "stem"), st["seq_len"], 2, 2 * RESUME_STEPS + 2, models=2)        # reference, resume
+    elif key == "d":
+        c.traces = 1
+        if ctx.cuda:
+            c.train(mc("350m", "stem"), st["seq_len"], 2 * 8, 2)
+    elif key == "e":
+        for scale in ("350m", "1b"):
+            for compiled in (False, True) if ctx.compile else (False,):
+                for v in ("dense", "stem"):
+                    m = mc(scale, v)
+                    if not _state_fits(ctx, _state_gib(accounting(build_model(m, "meta")))):
+                        continue
+                    micro = pre[scale]["micro_batch"] if ctx.tiny else E_MICRO[0]
+                    c.train(m, pre[scale]["seq_len"], micro, 2 if ctx.tiny else sum(E_REPEATS),
+                            bool(pre[scale].get("activation_checkpointing")))
+                    c.compiled += compiled
+    elif key == "f":
+        batches, (steps, prompt) = _f_shapes(ctx)
+        m = mc("1b", "stem")
+        for _ in range(4):          # resident, offloaded, without prefetch, with a cache
+            c.forward(m, prompt, 2, models=1)
+            for b in batches:
+                c.forward(m, prompt, b)
+                c.forward(m, 1, b, passes=steps)
+    elif key == "g":
+        m = model_cfg(experiment(True), "350m", "stem")
+        c.forward(m, 40, 24, passes=3, models=4)   # three StemLM loads score 24 requests; the checkpoint
+    return c
+
+
 def environment(device: torch.device) -> dict:
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "device_count": torch.cuda.device_count() if device.type == "cuda" else 0,
@@ -525,34 +677,63 @@ def environment(device: torch.device) -> dict:
 
 
 def run(device: str = "cuda", tiny: bool = False, items: str = ITEMS, out_dir=L.GPUCHECK_DIR,
-        peak_tflops: float | None = None, compile: bool = True, log=print, variants=VARIANTS) -> dict:
-    """Run the items, print one line each, write {out_dir}/gpucheck.{json,md}; returns the JSON."""
-    dev = torch.device(device)
-    report = {**environment(dev), "shapes": "tiny" if tiny else "paper", "items": {}}
-    with tempfile.TemporaryDirectory(prefix="gpucheck_") as work:
-        ctx = Ctx(dev, tiny, Path(work), peak_tflops, compile, tuple(variants))
-        for key in items:
-            t = time.perf_counter()
-            try:
-                r = ITEM_FUNCS[key](ctx)
-            except Exception as e:   # one item's failure is its line; the others still run
-                r = {"ok": False, "figure": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-            r["seconds"] = time.perf_counter() - t
-            report["items"][key] = {"title": TITLES[key], **r}
-            log(f"gpucheck {key}. {TITLES[key]}: {'PASS' if r['ok'] else 'FAIL'} ({r['seconds']:.0f} s) {r['figure']}")
+        peak_tflops: float | None = None, compile: bool = True, log=print, variants=VARIANTS,
+        budget: float | None = None, require_mfu: float | None = None) -> dict:
+    """Run the items, print one line each, rewrite {out_dir}/gpucheck.{json,md} after each; returns the JSON.
+    With ``budget`` (seconds) the items run in VALUE_ORDER, and one whose predicted cost exceeds the time left
+    is skipped (its line and entry say so)."""
+    start, dev = time.perf_counter(), torch.device(device)
+    if budget is not None:
+        items = "".join(k for k in VALUE_ORDER if k in items)
+    report = {**environment(dev), "shapes": "tiny" if tiny else "paper", "budget_s": budget, "finished": False,
+              "items": {}}
     out = Path(out_dir)
+    with tempfile.TemporaryDirectory(prefix="gpucheck_") as work:
+        ctx = Ctx(dev, tiny, Path(work), peak_tflops, compile, tuple(variants), require_mfu)
+        rate = matmul_rate(dev)
+        for key in items:
+            cost = predict(ctx, key)
+            predicted = cost.seconds(rate, dev.type)
+            head = f"gpucheck {key}. {TITLES[key]}"
+            left = None if budget is None else budget - (time.perf_counter() - start)
+            if left is not None and predicted > left:
+                r = {"ok": None, "skipped": f"predicted {predicted:.0f} s, {max(left, 0):.0f} s of the {budget:.0f} s "
+                                            "budget left", "figure": ""}
+                log(f"{head}: SKIPPED ({r['skipped']})")
+            else:
+                log(f"{head}: predicted {predicted:.0f} s ({cost.text(rate)})")
+                t = time.perf_counter()
+                try:
+                    r = ITEM_FUNCS[key](ctx)
+                except Exception as e:   # one item's failure is its line; the others still run
+                    r = {"ok": False, "figure": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                r["seconds"] = time.perf_counter() - t
+                log(f"{head}: {'PASS' if r['ok'] else 'FAIL'} ({r['seconds']:.0f} s) {r['figure']}")
+            report["items"][key] = {"title": TITLES[key], "predicted_s": predicted, **r}
+            report["finished"] = key == items[-1]
+            write_report(out, report)
+    if not items:
+        write_report(out, {**report, "finished": True})
+    return report
+
+
+def write_report(out: Path, report: dict):
     atomic_write_json(out / "gpucheck.json", report)
     atomic_write_text(out / "gpucheck.md", to_markdown(report))
-    return report
 
 
 def to_markdown(r: dict) -> str:
     label = "" if r["shapes"] == "paper" else " (tiny shapes: a check of the code paths, not paper figures)"
+    budget = "" if r["budget_s"] is None else f", budget {r['budget_s']:.0f} s"
     lines = [f"# GPU check{label}", "", f"Device: {r['device']} ({r['device_count']} visible), torch {r['torch']}, "
-             f"CUDA {r['cuda']}", "", "| item | check | result | seconds | figure |", "|---|---|---|---|---|"]
+             f"CUDA {r['cuda']}{budget}" + ("" if r["finished"] else "; unfinished (the items so far)"), "",
+             "| item | check | result | predicted s | seconds | figure |", "|---|---|---|---|---|---|"]
     for k, it in r["items"].items():
-        lines.append(f"| {k} | {it['title']} | {'pass' if it['ok'] else 'FAIL'} | {it['seconds']:.0f} | "
-                     f"{it['figure'].replace('|', '/')} |")
+        if "skipped" in it:
+            lines.append(f"| {k} | {it['title']} | skipped | {it['predicted_s']:.0f} | | {it['skipped']} |")
+            continue
+        lines.append(f"| {k} | {it['title']} | {'pass' if it['ok'] else 'FAIL'} | {it['predicted_s']:.0f} | "
+                     f"{it['seconds']:.0f} | {it['figure'].replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -568,10 +749,16 @@ def main(args) -> int:
     bad = set(args.items) - set(ITEMS)
     if bad:
         raise ValueError(f"--items {args.items}: unknown item(s) {''.join(sorted(bad))} (expected letters of {ITEMS})")
-    r = run(device, args.tiny, args.items, args.out, args.peak_tflops, not args.no_compile)
-    failed = [k for k, it in r["items"].items() if not it["ok"]]
-    print(f"gpucheck: {len(r['items']) - len(failed)}/{len(r['items'])} passed on {r['device']}; "
-          f"{args.out}/gpucheck.md" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    if args.require_mfu is not None and not 0 < args.require_mfu <= 1:
+        raise ValueError(f"--require-mfu {args.require_mfu:g}: expected a fraction of the peak in (0, 1]")
+    r = run(device, args.tiny, args.items, args.out, args.peak_tflops, not args.no_compile, budget=args.budget,
+            require_mfu=args.require_mfu)
+    failed = [k for k, it in r["items"].items() if it["ok"] is False]
+    skipped = [k for k, it in r["items"].items() if "skipped" in it]
+    passed = len(r["items"]) - len(failed) - len(skipped)
+    print(f"gpucheck: {passed}/{len(r['items'])} passed on {r['device']}; {args.out}/gpucheck.md"
+          + (f"; failed: {', '.join(failed)}" if failed else "")
+          + (f"; skipped (budget): {', '.join(skipped)}" if skipped else ""))
     return 1 if failed else 0
 
 

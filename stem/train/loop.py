@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from stem import layout, provenance
+from stem import layout, provenance, torchfloor
 from stem.data.loader import MixtureLoader, validation_batches
 from stem.config import HF_PREFIX
 from stem.data.shards import ShardSet
@@ -62,6 +62,8 @@ def resolve_device(name: str) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise TrainingError("device 'cuda' requested but CUDA is not available (set device: cpu or auto)")
+    if name == "cuda":
+        torchfloor.require()   # the GPU path's PyTorch features, before anything runs (one line)
     return torch.device(name)
 
 

@@ -1,0 +1,64 @@
+"""The PyTorch the GPU path needs, stated by feature (issue 31): a node's own PyTorch (``TORCH=system``) that
+lacks one is one line naming the feature and the release that has it, before anything runs
+(``python -m stem gpucheck``, and ``python -m stem train`` on CUDA), not a traceback deep inside a job.
+
+The releases are where each feature first appeared in PyTorch's public API (the release notes; ``ignored_params``:
+torch 2.7). The test suite ran on torch 2.11 and 2.13 (docs/gpu.md).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+
+
+def _attr(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+def _fully_shard_ignored_params() -> bool:
+    fn = _attr("torch.distributed.fsdp", "fully_shard")
+    return fn is not None and "ignored_params" in inspect.signature(fn).parameters
+
+
+def _sdpa_gqa() -> bool:
+    return "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
+
+
+# (feature, where the code uses it, the first release that has it, present?)
+FEATURES = [
+    ("flex attention with block masks", "torch.nn.attention.flex_attention.create_block_mask", "2.5",
+     lambda: _attr("torch.nn.attention.flex_attention", "create_block_mask") is not None),
+    ("grouped-query scaled_dot_product_attention", "enable_gqa=", "2.5", _sdpa_gqa),
+    ("FSDP2 fully_shard with ignored_params", "torch.distributed.fsdp.fully_shard", "2.7",
+     _fully_shard_ignored_params),
+    ("FSDP2 mixed precision", "torch.distributed.fsdp.MixedPrecisionPolicy", "2.6",
+     lambda: _attr("torch.distributed.fsdp", "MixedPrecisionPolicy") is not None),
+    ("public DTensor", "torch.distributed.tensor.DTensor", "2.5",
+     lambda: _attr("torch.distributed.tensor", "DTensor") is not None),
+    ("DCP state dicts", "torch.distributed.checkpoint.state_dict.set_state_dict", "2.4",
+     lambda: _attr("torch.distributed.checkpoint.state_dict", "StateDictOptions") is not None),
+    ("device meshes", "torch.distributed.device_mesh.init_device_mesh", "2.2",
+     lambda: _attr("torch.distributed.device_mesh", "init_device_mesh") is not None),
+    ("nn.Module.compile", "torch.nn.Module.compile", "2.2", lambda: hasattr(torch.nn.Module, "compile")),
+    ("nn.RMSNorm", "torch.nn.RMSNorm", "2.4", lambda: hasattr(torch.nn, "RMSNorm")),
+    ("device-generic OutOfMemoryError", "torch.OutOfMemoryError", "2.5", lambda: hasattr(torch, "OutOfMemoryError")),
+]
+
+
+def missing() -> list[str]:
+    """One line per feature this torch lacks."""
+    return [f"torch {torch.__version__} lacks {name} ({where}): torch >= {release} has it"
+            for name, where, release, present in FEATURES if not present()]
+
+
+def require():
+    """Raises ValueError (one line: the first missing feature, and how many more) unless every feature is here."""
+    lacks = missing()
+    if lacks:
+        more = f" (and {len(lacks) - 1} more feature(s))" if len(lacks) > 1 else ""
+        raise ValueError(lacks[0] + more)
