@@ -22,7 +22,9 @@ TORCH      ?=
 PYTHON     ?= python3
 WHAT       ?= all
 GPUCHECK_STAMP := $(VENV)/.gpucheck-stamp
-OFFLINE := --no-index --find-links $(abspath $(WHEELHOUSE)) --no-deps --require-hashes -r $(WHEELHOUSE)/requirements.txt
+# (--no-compile: modules compile on first import; most of lm_eval's task modules never are)
+OFFLINE := --no-index --find-links $(abspath $(WHEELHOUSE)) --no-deps --require-hashes --no-compile \
+           -r $(WHEELHOUSE)/requirements.txt
 
 # The venv and its torch (both stamps)
 define venv_and_torch

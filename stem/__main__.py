@@ -164,7 +164,7 @@ def cmd_import_hf(args):
 
 
 def cmd_gpucheck(args):
-    from stem import torchfloor
+    from stem.train import torchfloor
     torchfloor.require()   # before stem.gpucheck's imports: a torch without a feature is one line
     from stem import gpucheck
     sys.exit(gpucheck.main(args))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from stem import layout, provenance, torchfloor
+from stem import layout, provenance
 from stem.data.loader import MixtureLoader, validation_batches
 from stem.config import HF_PREFIX
 from stem.data.shards import ShardSet
@@ -50,7 +50,7 @@ from stem import checkpoint as ck
 from stem.train import distributed
 from stem.train import lifecycle
 from stem.train import memory
-from stem.train import throughput
+from stem.train import throughput, torchfloor
 from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
 from stem.train.plan import ParallelPlan
 from stem.train.schedule import get_lr

@@ -1,0 +1,72 @@
+"""The offline install of a GPU node with its own PyTorch (issue 31): `make wheelhouse WHAT=gpucheck` here
+(the registry reachable), leaving out what the node's environment has (a pip freeze of it), then
+`make gpu-check TORCH=system WHEELHOUSE=...` into a fresh venv with pip's index unreachable, and the acceptance
+run at tiny shapes in it. The node's PyTorch is torch and its requirements alone, on PYTHONPATH (as a module
+system provides it); nothing else of this environment is visible to the venv. Nothing is cached between runs
+(pip's own HTTP cache speeds the download, the wheels are checked against their SHA-256 on install)."""
+import importlib.metadata as md
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+
+from stem.config import REPO
+
+
+def _closure(name: str, seen: dict) -> dict:
+    dist = md.distribution(name)
+    key = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
+    if key in seen:
+        return seen
+    seen[key] = dist
+    for req in dist.requires or []:
+        if "extra ==" not in req:
+            _closure(re.match(r"[A-Za-z0-9._-]+", req)[0], seen)
+    return seen
+
+
+def system_torch(folder):
+    """A folder holding this environment's torch and its requirements (links), as a node's own PyTorch."""
+    folder.mkdir()
+    for dist in _closure("torch", {}).values():
+        site = dist.locate_file("")
+        for top in {f.parts[0] for f in dist.files if not f.parts[0].startswith("..")}:
+            if not (folder / top).exists():
+                (folder / top).symlink_to(site / top)
+    return folder
+
+
+def test_offline_gpucheck_install_on_system_torch(tmp_path):
+    system = system_torch(tmp_path / "system")
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text(subprocess.run([sys.executable, "-m", "pip", "freeze", "--path", str(system)], check=True,
+                                     capture_output=True, text=True).stdout)
+    wheels, venv, out = tmp_path / "wheels", tmp_path / "venv", tmp_path / "out"
+    pyver = "%d.%d" % sys.version_info[:2]
+    subprocess.run(["make", "-s", "-C", str(REPO), "wheelhouse", f"WHEELHOUSE={wheels}", "WHAT=gpucheck",
+                    f"WHEEL_PYTHON={pyver}", f"WHEEL_PLATFORM=manylinux_2_28_{platform.machine()}",
+                    f"LEAVE_OUT={freeze}", f"PYTHON={sys.executable}"], check=True)
+    manifest = json.loads((wheels / "manifest.json").read_text())
+    names = {w["name"] for w in manifest["wheels"]}
+    assert {"lm_eval", "numpy", "tokenizers", "safetensors", "PyYAML"} <= names and "torch" not in names
+    assert {"sympy", "filelock", "Jinja2"} <= set(manifest["left_out"]) and not names & set(manifest["left_out"])
+    assert manifest["python"] == pyver and all(len(w["sha256"]) == 64 for w in manifest["wheels"])
+    # the venv: no system site-packages here (this machine's base Python holds unrelated packages), so the
+    # node's PyTorch comes from PYTHONPATH alone; pip's configuration is off and its index unreachable
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
+    env.update(PYTHONPATH=str(system), PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple")
+    r = subprocess.run(["make", "-s", "-C", str(REPO), "gpu-check", f"VENV={venv}", "TORCH=system",
+                        f"WHEELHOUSE={wheels}", f"GPUCHECK_ARGS=--tiny --device cpu --items ge --no-compile "
+                        f"--peak-tflops 1 --require-mfu 0.5 --budget 600 --out {out}"],
+                       env=env, capture_output=True, text=True)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    assert not list(site.glob("torch*")) and list(site.glob("lm_eval*")), r.stdout + r.stderr
+    # e: every point ran, but the required MFU (50 % of a 1-TFLOPS "peak") is missed: the run fails on it alone
+    report = json.loads((out / "gpucheck.json").read_text())
+    assert list(report["items"]) == ["e", "g"] and report["finished"], r.stdout + r.stderr
+    assert report["items"]["g"]["ok"] and not report["items"]["e"]["ok"], r.stdout + r.stderr
+    assert "NOT met (required: --require-mfu)" in report["items"]["e"]["figure"]
+    assert r.returncode != 0 and "gpucheck: 1/2 passed on cpu" in r.stdout and "failed: e" in r.stdout
