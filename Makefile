@@ -29,9 +29,11 @@ OFFLINE := --no-index --find-links $(abspath $(WHEELHOUSE)) --no-deps --require-
 # The venv and its torch (both stamps)
 define venv_and_torch
 	test -x $(PY) || $(PYTHON) -m venv $(if $(filter system,$(TORCH)),--system-site-packages) $(VENV)
-	@# TORCH=system: the machine's torch; else the CPU build where there is no NVIDIA driver, from $(TORCH_INDEX)
-	@# (see above), or, with WHEELHOUSE, a torch wheel put into that folder
-	$(if $(filter system,$(TORCH)),$(PY) -c 'import torch' 2>/dev/null || { echo "TORCH=system: $(PY) cannot import torch (make the venv with the Python that has it: PYTHON=...)"; exit 1; }, \
+	@# TORCH=system: the machine's torch, with every feature the GPU path uses (stem/train/torchfloor.py); else the
+	@# CPU build where there is no NVIDIA driver, from $(TORCH_INDEX) (see above), or, with WHEELHOUSE, a torch
+	@# wheel put into that folder
+	$(if $(filter system,$(TORCH)),$(PY) -c 'import torch' 2>/dev/null || { echo "TORCH=system: $(PY) cannot import torch (make the venv with the Python that has it: PYTHON=...)"; exit 1; }; \
+	$(PY) -m stem.train.torchfloor, \
 	$(if $(WHEELHOUSE),$(PY) -m pip install -q --no-index --find-links $(abspath $(WHEELHOUSE)) torch==$(TORCH_VERSION), \
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==$(TORCH_VERSION); \
 	else $(PY) -m pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX); fi))

@@ -1,6 +1,7 @@
 """The PyTorch the GPU path needs, stated by feature (issue 31): a node's own PyTorch (``TORCH=system``) that
 lacks one is one line naming the feature and the release that has it, before anything runs
-(``python -m stem gpucheck``, and ``python -m stem train`` on CUDA), not a traceback deep inside a job.
+(``python -m stem gpucheck``, ``python -m stem train`` on CUDA, and ``make ... TORCH=system`` before it installs
+anything: ``python -m stem.train.torchfloor``), not a traceback deep inside a job.
 
 The releases are where each feature first appeared in PyTorch's public API (the release notes; ``ignored_params``:
 torch 2.7). The test suite ran on torch 2.11 and 2.13 (docs/gpu.md).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 
 import torch
 
@@ -62,3 +64,11 @@ def require():
     if lacks:
         more = f" (and {len(lacks) - 1} more feature(s))" if len(lacks) > 1 else ""
         raise ValueError(lacks[0] + more)
+
+
+if __name__ == "__main__":   # make TORCH=system: the machine's torch, before anything is installed beside it
+    lacks = missing()
+    if lacks:
+        print(f"error: {lacks[0]}", file=sys.stderr)
+        sys.exit(1)
+    print(f"torch {torch.__version__}: every PyTorch feature of the GPU path (stem/train/torchfloor.py)")
