@@ -68,10 +68,10 @@ from stem.train.step import accumulate_gradients, make_optimizer, train_step
 VARIANTS = ("dense", "hashmoe", "stem", "stem_gate", "stem_dagger", "stem_half", "stem_full", "dse", "moe")
 ITEMS = "abcdefg"
 VALUE_ORDER = "aebdfgc"   # --budget: training of every variant, throughput, masks, memory, offload, eval, resume
-A_STEPS = 20              # item a's steps at the paper's shapes (5 tiny)
-E_MICRO = (16, 8, 4, 2, 1)   # item e: the largest micro-batch of these that fits
-E_REPEATS = 5, 3          # item e: timed steps, warm-up steps (1, 1 tiny)
-F_DECODE = 64, 128        # item f: decoded tokens, prompt tokens (8, 16 tiny)
+A_STEPS = {"paper": 20, "tiny": 5}                 # item a's steps
+E_MICRO = (16, 8, 4, 2, 1)                         # item e: the largest micro-batch of these that fits
+E_REPEATS = {"paper": (5, 3), "tiny": (1, 1)}      # item e: timed steps, warm-up steps
+F_DECODE = {"paper": ((1, 16), (64, 128)), "tiny": ((1, 2), (8, 16))}   # item f: batches, (decoded, prompt tokens)
 BF16_LOGLIK_TOL = 0.05     # item g: |log-likelihood bf16 - fp32| per request, nats (bf16 keeps ~3 digits)
 MEMORY_TOL = 0.10          # item d
 TARGET_DENSE_MFU, TARGET_STEM_GAP = 0.40, 0.05   # item e
@@ -87,6 +87,10 @@ class Ctx:
     compile: bool = True            # item e also times the compiled model
     variants: tuple = VARIANTS      # item a's variants (the tests pick a few)
     require_mfu: float | None = None   # item e fails below this dense 1B MFU (--require-mfu)
+
+    @property
+    def shapes(self) -> str:
+        return "tiny" if self.tiny else "paper"
 
     @property
     def cuda(self) -> bool:
@@ -141,7 +145,7 @@ def _free(ctx: Ctx):
 def item_a(ctx: Ctx) -> dict:
     cfg = experiment(ctx.tiny)
     st = cfg["stages"]["pretrain"]["350m"]
-    steps = 5 if ctx.tiny else A_STEPS
+    steps = A_STEPS[ctx.shapes]
     dctx = distributed.DistContext(device=ctx.device)
     rows, bad = {}, []
     for variant in ctx.variants:
@@ -401,7 +405,7 @@ def throughput_point(ctx: Ctx, cfg: dict, scale: str, variant: str, compiled: bo
                 compile_blocks(model)
             opt = _optimizer(model, cfg, 1e-4, ctx)
             x, y = _batch(mcfg.vocab_size, micro, st["seq_len"], ctx.device)
-            seconds = _time_step(ctx, model, opt, x, y, *((1, 1) if ctx.tiny else E_REPEATS))
+            seconds = _time_step(ctx, model, opt, x, y, *E_REPEATS[ctx.shapes])
         except torch.OutOfMemoryError:
             del model, opt
             _free(ctx)
@@ -472,10 +476,6 @@ def item_e(ctx: Ctx) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- f
-def _f_shapes(ctx: Ctx):
-    return ((1, 2), (8, 16)) if ctx.tiny else ((1, 16), F_DECODE)
-
-
 def item_f(ctx: Ctx) -> dict:
     cfg = experiment(ctx.tiny)
     mcfg = model_cfg(cfg, "1b", "stem")
@@ -485,7 +485,7 @@ def item_f(ctx: Ctx) -> dict:
     weights = ctx.work / "offload.safetensors"
     if not ctx.cuda:                 # the CPU's far tier is the safetensors file
         save_file({k: v.contiguous() for k, v in base.state_dict().items()}, str(weights))
-    batches, (steps, prompt) = _f_shapes(ctx)
+    batches, (steps, prompt) = F_DECODE[ctx.shapes]
 
     def model_for(offloaded: bool, prefetch: bool = True, cache: int = 0):
         m = copy.deepcopy(base)
@@ -630,7 +630,7 @@ def predict(ctx: Ctx, key: str) -> Cost:
     st = pre["350m"]
     if key == "a":
         for v in ctx.variants:
-            c.train(mc("350m", v), st["seq_len"], min(st["micro_batch"], 4), 5 if ctx.tiny else A_STEPS,
+            c.train(mc("350m", v), st["seq_len"], min(st["micro_batch"], 4), A_STEPS[ctx.shapes],
                     bool(st.get("activation_checkpointing")))
     elif key == "b":
         c.forward(mc("350m", "dense"), min(st["seq_len"], 2048), 1, passes=3 if ctx.cuda else 2, models=1)
@@ -653,11 +653,11 @@ def predict(ctx: Ctx, key: str) -> Cost:
                     if not _state_fits(ctx, _state_gib(accounting(build_model(m, "meta")))):
                         continue
                     micro = pre[scale]["micro_batch"] if ctx.tiny else E_MICRO[0]
-                    c.train(m, pre[scale]["seq_len"], micro, 2 if ctx.tiny else sum(E_REPEATS),
+                    c.train(m, pre[scale]["seq_len"], micro, sum(E_REPEATS[ctx.shapes]),
                             bool(pre[scale].get("activation_checkpointing")))
                     c.compiled += compiled
     elif key == "f":
-        batches, (steps, prompt) = _f_shapes(ctx)
+        batches, (steps, prompt) = F_DECODE[ctx.shapes]
         m = mc("1b", "stem")
         for _ in range(4):          # resident, offloaded, without prefetch, with a cache
             c.forward(m, prompt, 2, models=1)
