@@ -44,10 +44,12 @@ def test_offline_gpucheck_install_on_system_torch(tmp_path):
     freeze.write_text(subprocess.run([sys.executable, "-m", "pip", "freeze", "--path", str(system)], check=True,
                                      capture_output=True, text=True).stdout)
     wheels, venv, out = tmp_path / "wheels", tmp_path / "venv", tmp_path / "out"
+    # an outer make's flags and variables (make test X=...) stay out of these makes
+    clean = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     pyver = "%d.%d" % sys.version_info[:2]
     subprocess.run(["make", "-s", "-C", str(REPO), "wheelhouse", f"WHEELHOUSE={wheels}", "WHAT=gpucheck",
                     f"WHEEL_PYTHON={pyver}", f"WHEEL_PLATFORM=manylinux_2_28_{platform.machine()}",
-                    f"LEAVE_OUT={freeze}", f"PYTHON={sys.executable}"], check=True)
+                    f"LEAVE_OUT={freeze}", f"PYTHON={sys.executable}"], env=clean, check=True)
     manifest = json.loads((wheels / "manifest.json").read_text())
     names = {w["name"] for w in manifest["wheels"]}
     assert {"lm_eval", "numpy", "tokenizers", "safetensors", "PyYAML"} <= names and "torch" not in names
@@ -56,7 +58,7 @@ def test_offline_gpucheck_install_on_system_torch(tmp_path):
     # the venv: no system site-packages here (this machine's base Python holds unrelated packages), so the
     # node's PyTorch comes from PYTHONPATH alone; pip's configuration is off and its index unreachable
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
+    env = {k: v for k, v in clean.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
     env.update(PYTHONPATH=str(system), PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple")
     r = subprocess.run(["make", "-s", "-C", str(REPO), "gpu-check", f"VENV={venv}", "TORCH=system",
                         f"WHEELHOUSE={wheels}", f"GPUCHECK_ARGS=--tiny --device cpu --items ge --no-compile "
