@@ -76,7 +76,7 @@ test: $(STAMP)
 
 gpu-check: $(GPUCHECK_STAMP)
 	@# the paper path on this machine's GPU (docs/gpu.md); without CUDA one line, exit 0.
-	@# GPUCHECK_ARGS: e.g. --budget 540 (an allocation's minutes), --require-mfu 0.4
+	@# GPUCHECK_ARGS: e.g. --budget 540 (a 10-minute allocation's seconds less a margin), --require-mfu 0.4
 	@$(PY) -m stem gpucheck $(GPUCHECK_ARGS)
 
 # Wheels for an offline install (docs/gpu.md): WHAT=all|gpucheck, WHEEL_PYTHON / WHEEL_PLATFORM of the target,
