@@ -12,18 +12,21 @@ import re
 import subprocess
 import sys
 
+from packaging.requirements import Requirement
+
 from stem.config import REPO
 
 
 def _closure(name: str, seen: dict) -> dict:
+    """{name: distribution} of ``name`` and everything it requires here."""
     dist = md.distribution(name)
     key = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
     if key in seen:
         return seen
     seen[key] = dist
-    for req in dist.requires or []:
-        if "extra ==" not in req:
-            _closure(re.match(r"[A-Za-z0-9._-]+", req)[0], seen)
+    for req in map(Requirement, dist.requires or []):
+        if req.marker is None or req.marker.evaluate({"extra": ""}):   # this Python's, no extras
+            _closure(req.name, seen)
     return seen
 
 
