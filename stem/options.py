@@ -47,5 +47,20 @@ class TableInit(StrEnum):
     NORMAL = "normal"
 
 
+class Truncation(StrEnum):
+    """What an eval request longer than the model's context keeps (stem.eval.lm.truncate; a suite's
+    ``truncation:``): refuse it, its last tokens (lm-eval's own models), or its first and last halves
+    (LongBench's pred.py)."""
+    ERROR = "error"
+    LEFT = "left"
+    MIDDLE = "middle"
+
+
+class InsertInit(StrEnum):
+    """A mid-training insertion's table init (stem.models.insert): U = RMSNorm(E) W_up^T, or the table's own."""
+    PROJECTED = "projected"
+    XAVIER = "xavier"
+
+
 def values(option: type[StrEnum]) -> tuple[str, ...]:
     return tuple(m.value for m in option)

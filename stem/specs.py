@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from stem.fields import OPTIONAL, FieldError as _FieldError, check as _check, is_number as _is_number
 from stem.models.config import ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
-from stem.options import Schedule, Strategy, values
+from stem.options import InsertInit, Schedule, Strategy, Truncation, values
 from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
@@ -241,8 +241,8 @@ class TrainSpec(_Spec):
 
     def __post_init__(self):
         _check(self.insert is None or (set(self.insert) == {"from", "init"}
-                                       and self.insert["init"] in ("projected", "xavier")),
-               "insert", "null or {from: <variant>, init: projected | xavier}", self.insert)
+                                       and self.insert["init"] in values(InsertInit)),
+               "insert", f"null or {{from: <variant>, init: {' | '.join(values(InsertInit))}}}", self.insert)
         _check(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
         _check(len(self.data) > 0, "data", "at least one source", self.data)
 
@@ -273,13 +273,15 @@ class EvalSpec(_Spec):
     device: str | None = None
     fixtures: str | None = None      # offline fixture folder (tiny), else lm-eval's own data
     job: JobId | None = None         # the checkpoint this job must read (checked against its config.json)
+    truncation: str = Truncation.LEFT   # requests longer than the context (stem.eval.lm.truncate; suite default)
     options: dict = field(default_factory=dict)
 
-    COMMON: typing.ClassVar[tuple] = ("suite", "kind", "batch_size", "seed", "device", "fixtures", "job")
+    COMMON: typing.ClassVar[tuple] = ("suite", "kind", "batch_size", "seed", "device", "fixtures", "job", "truncation")
 
     def __post_init__(self):
         _check(self.kind in SUITE_KINDS, "kind", f"a registered suite kind ({', '.join(sorted(SUITE_KINDS))})",
                self.kind)
+        _check(self.truncation in values(Truncation), "truncation", " | ".join(values(Truncation)), self.truncation)
         _check(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
 
     @classmethod

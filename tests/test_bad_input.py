@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from conftest import make_spec
@@ -289,3 +290,77 @@ def test_entry_point_arguments_are_one_line(tmp_path, monkeypatch, capsys, argv,
     code, line = _entry(monkeypatch, capsys, "analyze", [*argv, "--checkpoint", str(tmp_path), "--out",
                                                          str(tmp_path / "o.json")])
     assert code == 1 and line == message
+
+
+# ---- issue 33: no silent wrong results ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def short_lm(stem_ckpt):
+    """The STEM checkpoint as an lm-eval model with a 24-token context: any real prompt must be cut."""
+    from stem.eval.lm import StemLM
+    return StemLM(str(stem_ckpt), device="cpu", batch_size=4, max_length=24)
+
+
+def _instance(kind, args, task):
+    from lm_eval.api.instance import Instance
+    return Instance(kind, {}, args, 0, metadata=(task, 0, 1))
+
+
+LONG = "The capital of Sarland is Bondo and the capital of Velia is Turo. " * 6
+
+
+def test_truncation_error_refuses_a_request_that_must_be_cut_in_one_line(short_lm):
+    short_lm.set_truncation("error")
+    n_gen, n_ll = len(short_lm.tok_encode(LONG)), sum(map(len, short_lm._encode_pair(LONG, " Bondo")))
+    for call, n, room in [
+            (lambda: short_lm.generate_until([_instance("generate_until", (LONG, {"max_gen_toks": 4}), "bbh_x")]),
+             n_gen, 20),   # 24 less the 4 generated tokens
+            (lambda: short_lm.loglikelihood([_instance("loglikelihood", (LONG, " Bondo"), "bbh_x")]), n_ll, 25)]:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == (f"truncation=error: a request of task bbh_x has {n} tokens, more than the {room} the "
+                                "model's context leaves it (max_length 24); expected a prompt that fits, or the "
+                                "suite's truncation: left or middle")
+    short_lm.set_truncation("error")   # a request that fits passes, counted
+    short_lm.generate_until([_instance("generate_until", ("The capital", {"max_gen_toks": 2}), "bbh_x")])
+    assert short_lm.truncation_counts == {"bbh_x": {"requests": 1, "truncated": 0, "tokens_dropped": 0}}
+
+
+@torch.no_grad()
+def test_middle_truncation_keeps_the_first_and_last_halves(short_lm):
+    from stem.eval.lm import truncate
+    assert truncate(list(range(10)), 6, "middle") == [0, 1, 2, 7, 8, 9]
+    assert truncate(list(range(10)), 5, "left") == [5, 6, 7, 8, 9]
+    short_lm.set_truncation("middle")
+    ctx, cont = short_lm._encode_pair(LONG, " Bondo")
+    (lp, _), = short_lm.loglikelihood([_instance("loglikelihood", (LONG, " Bondo"), "longbench_x")])
+    whole = ctx + cont   # the model sees input whole[:-1] of the 25 kept: the first 12 and the last 13 tokens
+    kept = whole[:12] + whole[-13:]
+    logp = torch.log_softmax(short_lm.model(torch.tensor([kept[:-1]]))[0].float(), -1)
+    direct = sum(float(logp[len(kept) - len(cont) - 1 + i, t]) for i, t in enumerate(cont))
+    assert lp == pytest.approx(direct, abs=1e-4)
+    assert short_lm.truncation_counts == {"longbench_x": {"requests": 1, "truncated": 1,
+                                                          "tokens_dropped": len(whole) - 25}}
+    short_lm.generate_until([_instance("generate_until", (LONG, {"max_gen_toks": 4}), "longbench_y")])
+    assert short_lm.truncation_counts["longbench_y"]["tokens_dropped"] == len(short_lm.tok_encode(LONG)) - 20
+
+
+def test_suite_truncation_defaults_to_the_published_protocol_and_is_checked():
+    from stem.eval import spec as ES
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    assert {s: ES.suite_spec(cfg, s)["truncation"] for s in ("longbench", "bbh", "commonsense", "niah")} == {
+        "longbench": "middle", "bbh": "left", "commonsense": "left", "niah": "error"}
+    for suite, value, message in [("bbh", "right", "expected one of error, left, middle"),
+                                  ("niah", "left", "expected error (NIAH prompts are built to fit their cells, never cut)")]:
+        bad = copy.deepcopy(cfg)
+        bad["eval"]["suites"][suite]["truncation"] = value
+        with pytest.raises(C.ConfigError) as e:
+            C.validate_experiment(bad, origin="bad.yaml")
+        assert str(e.value) == f"bad.yaml: key 'eval.suites.{suite}.truncation': {value!r}; {message}"
+
+
+def test_niah_run_refuses_a_cell_longer_than_the_context(short_lm):
+    from stem.eval import niah
+    items = [{"length": 1536, "depth": 0, "key": "k", "value": "1234567", "prompt": "One of the special magic "
+              "numbers for k is: 1234567." + niah.query_of("k")}]
+    with pytest.raises(ValueError, match=r"^niah: lengths \[1536\] exceed the checkpoint's context \(24 tokens\)$"):
+        niah.run(short_lm, items)
