@@ -364,3 +364,24 @@ def test_niah_run_refuses_a_cell_longer_than_the_context(short_lm):
               "numbers for k is: 1234567." + niah.query_of("k")}]
     with pytest.raises(ValueError, match=r"^niah: lengths \[1536\] exceed the checkpoint's context \(24 tokens\)$"):
         niah.run(short_lm, items)
+
+
+# ---- a mid-training insertion's source and init: refused by the config check (the dry run), naming the key -----
+@pytest.mark.parametrize("insert, message", [
+    ({"from": "stem"}, "key 'insert.from': 'stem' has ffn 'stem'; expected a dense variant (the insertion builds the "
+                       "STEM tables from its dense up-projections)"),
+    ({"from": "dse"}, "key 'insert.from': 'dse' has a DSE memory; expected a dense variant"),
+    ({"init": "zeros"}, "key 'insert.init': 'zeros'; expected one of projected, xavier"),
+])
+def test_insertion_from_a_non_dense_variant_or_with_a_bad_init_is_refused_by_the_config_check(tmp_path, capsys,
+                                                                                                insert, message):
+    cfg = C.read_yaml(C.REPO / "config" / "paper.yaml")
+    cfg["variant_overrides"] = {**cfg.get("variant_overrides", {}), "stem_insert": {"insert": insert}}
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_experiment(copy.deepcopy(cfg), origin="bad.yaml")
+    assert str(e.value).startswith(f"bad.yaml: variant 'stem_insert' (config/variants.yaml + variant_overrides): "
+                                   f"{message}")
+    path = tmp_path / "bad.yaml"   # the command line (and the workflow's dry run) say so before any job starts
+    path.write_text(yaml.safe_dump(cfg))
+    code, line = _cli(["memory", "--config", str(path)], capsys)
+    assert code == 1 and line.startswith(f"error: {path}: variant 'stem_insert' ") and message in line
