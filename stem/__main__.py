@@ -155,7 +155,7 @@ def cmd_memory(args):
 
 def cmd_export_hf(args):
     from stem.hf.export import export_hf  # transformers: imported only by this command
-    print(json.dumps(export_hf(args.checkpoint, args.out), indent=2))
+    print(json.dumps(export_hf(args.checkpoint, args.out, force=args.force), indent=2))
 
 
 def cmd_import_hf(args):
@@ -266,7 +266,8 @@ def main(argv=None):
     m.set_defaults(fn=cmd_memory)
     x = sub.add_parser("export-hf", help="a checkpoint folder -> a transformers folder (docs/huggingface.md)")
     x.add_argument("checkpoint", help="a checkpoint folder written by a training stage")
-    x.add_argument("out", help="the transformers folder to write (replaced atomically)")
+    x.add_argument("out", help="the transformers folder to write (a previous export there is replaced atomically)")
+    x.add_argument("--force", action="store_true", help="replace whatever is at OUT (a file, another folder)")
     x.set_defaults(fn=cmd_export_hf)
     i = sub.add_parser("import-hf", help="a transformers Llama folder or hub id -> a checkpoint folder "
                                          "(docs/huggingface.md)")

@@ -385,3 +385,50 @@ def test_insertion_from_a_non_dense_variant_or_with_a_bad_init_is_refused_by_the
     path.write_text(yaml.safe_dump(cfg))
     code, line = _cli(["memory", "--config", str(path)], capsys)
     assert code == 1 and line.startswith(f"error: {path}: variant 'stem_insert' ") and message in line
+
+
+# ---- export-hf: nothing but a previous export is replaced; no temp folder outlives an interrupted export ---------
+def test_export_hf_refuses_what_is_not_a_previous_export_and_cleans_up_after_an_interrupted_one(stem_ckpt, tmp_path,
+                                                                                                 capsys):
+    from stem.io import make_temp_dir
+    out = tmp_path / "hf"
+    out.write_text("my notes")
+    code, line = _cli(["export-hf", str(stem_ckpt), str(out)], capsys)
+    assert code == 1 and line == (f"error: export-hf OUT {out}: a file; expected a new path, an empty folder or a "
+                                  "previous export (--force replaces it, or remove it)")
+    assert out.read_text() == "my notes"
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    code, line = _cli(["export-hf", str(stem_ckpt), str(other)], capsys)
+    assert code == 1 and "a folder that is not an export (no stem_source.json)" in line and (other / "sub").is_dir()
+    # an export killed mid-way leaves its temp folder (atomic_dir's name); the rerun removes it
+    stale = make_temp_dir(tmp_path, ".hf.tmp-")
+    (stale / "model.safetensors").write_bytes(b"half")
+    from stem.__main__ import main
+    main(["export-hf", "--force", str(stem_ckpt), str(out)])
+    main(["export-hf", str(stem_ckpt), str(out)])   # a previous export is replaced without --force
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "other"] and (out / "stem_source.json").is_file()
+
+
+# ---- import-hf: a tokenizer with ids the embedding does not have ----------------------------------------------
+def test_import_hf_refuses_a_tokenizer_larger_than_the_embedding(stem_ckpt, tmp_path, capsys):
+    import transformers
+    for vocab in (500, 600):   # the tokenizer's ids are 0..511
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=0)
+        src = tmp_path / f"hf{vocab}"
+        transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+        shutil.copyfile(stem_ckpt / "tokenizer.json", src / "tokenizer.json")
+        capsys.readouterr()
+        if vocab == 500:
+            code, line = _cli(["import-hf", str(src), str(tmp_path / "ckpt")], capsys)
+            assert code == 1 and line == (f"error: {src / 'tokenizer.json'}: token ids up to 511, but the model's "
+                                          "embedding has 500 rows (vocab_size); expected a tokenizer with ids < 500")
+            assert not (tmp_path / "ckpt").exists() and [p.name for p in tmp_path.iterdir()] == ["hf500"]
+        else:   # a padded vocabulary is fine, and said
+            from stem.__main__ import main
+            main(["import-hf", str(src), str(tmp_path / "ckpt")])
+            assert (f"{src / 'tokenizer.json'}: 512 token ids for an embedding of 600 rows (a padded vocabulary: "
+                    "rows 512..599 are never looked up)") in capsys.readouterr().err
+            assert (tmp_path / "ckpt" / "model.safetensors").is_file()
