@@ -61,6 +61,10 @@ def eval_json(cfg, scale, variant, stage, suite, offset):
         acc = 60.0 + offset
         base["cells"] = [{"length": L, "depth": d, "accuracy": max(0.0, acc - L / 64 + d / 10), "n": 4}
                          for L in (256, 512, 1024) for d in (0, 50, 100)]
+    if suite != "mmlu":   # the eval JSON's truncation counts (stem.eval.run); mmlu's as written before they existed
+        cut = {"bbh_sub": {"requests": 40, "truncated": 3, "tokens_dropped": 120}} if suite == "bbh" else {}
+        base["truncation"] = {"policy": "left", "context": 1024, "tasks": {
+            **{t: {"requests": 40, "truncated": 0, "tokens_dropped": 0} for t in base["tasks"]}, **cut}}
     return base
 
 
@@ -564,6 +568,24 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     for suite in ("commonsense", "longbench", "niah"):
         p = res.eval("1b", "stem", "extend", suite)["provenance"]
         assert p["train_spec_sha256"] == provenance.spec_hash(train_spec) and p["versions"]["lm_eval"]
+
+
+def test_truncation_table_and_summary_line(tiny_cfg, tiny_tables):
+    """Issue 33: each task whose requests were cut, its score beside the counts; eval JSONs without counts named."""
+    from stem.report.truncation import truncation_lines, truncation_summary
+    t = tiny_tables["truncation"]
+    extend = [v for v in tiny_cfg["matrix"]["1b"]["variants"] if "extend" in C.variant_stages(
+        tiny_cfg, v, tiny_cfg["matrix"]["1b"]["stages"])]
+    bbh = t[t["row"].str.endswith("extend: bbh bbh_sub")]
+    assert sorted(set(bbh["variant"])) == sorted(extend) and len(bbh) == 5 * len(extend)
+    one = bbh[bbh["variant"] == extend[0]].set_index("column")["value"]
+    assert one.to_dict() == {"score": 1.0, "policy": "left", "truncated": 3, "requests": 40, "tokens_dropped": 120}
+    mmlu = t[t["row"].str.endswith("midtrain: mmlu (all)") & (t["column"] == "policy")]
+    assert len(mmlu) and set(mmlu["value"]) == {"not recorded"}
+    s = truncation_summary(t)
+    assert s == {"tasks": len(extend), "truncated": 3 * len(extend), "requests": 40 * len(extend),
+                 "tokens_dropped": 120 * len(extend), "not_recorded": len(mmlu)}
+    assert truncation_lines(s)[0].startswith(f"⚠ **Truncation: {3 * len(extend)} of {40 * len(extend)} requests cut")
 
 
 def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):

@@ -68,7 +68,7 @@ def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper
     tol = T.settings(cfg).tolerance
     cells, dirs = diff.compare(ours, tol), diff.directions(ours)
     cons = diff.paper_consistency(paper_acct)
-    s = diff.summary(cfg["experiment"], cells, dirs, cons, prov=ours.get("provenance"))
+    s = diff.summary(cfg["experiment"], cells, dirs, cons, prov=ours.get("provenance"), cut=ours.get("truncation"))
     failures = diff.gate(cells, list(gate_patterns), gate_tolerance) if gate_patterns else None
     if failures is not None:
         s["gate"] = {"patterns": list(gate_patterns), "failed": [f"{r.table}/{r.scale}/{r.variant}/{r.column}"

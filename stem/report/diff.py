@@ -23,6 +23,7 @@ from stem.report import tables as T
 from stem.report import verdict as V
 from stem.report.page import markdown
 from stem.report.provenance import commit_label, results_summary
+from stem.report.truncation import truncation_lines, truncation_summary
 
 CELL_COLUMNS = ["table", "scale", "variant", "row", "column", "unit", "ours", "paper", "delta", "tolerance",
                 "status", "note"]
@@ -310,9 +311,9 @@ def gate(cells: pd.DataFrame, patterns: list[str], tolerance: float | None = Non
 
 
 def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
-            top: int = 10, prov: pd.DataFrame | None = None) -> dict:
+            top: int = 10, prov: pd.DataFrame | None = None, cut: pd.DataFrame | None = None) -> dict:
     """``prov``: the provenance table (long; stem.report.provenance), condensed into the summary beside the
-    report's own provenance (stem.provenance.record)."""
+    report's own provenance (stem.provenance.record); ``cut``: the truncation table (stem.report.truncation)."""
     numeric = cells.dropna(subset=["delta"]).copy()
     numeric["gap"] = numeric["delta"].abs() / numeric["tolerance"].where(numeric["tolerance"] > 0, 1.0)
     arch = cells["unit"].isin(["B params", "GFLOPs/token"])
@@ -332,6 +333,7 @@ def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistenc
         "directions": direction_counts(dirs),
         "paper_inconsistencies": int((~consistency["consistent"]).sum()) if len(consistency) else 0,
         "provenance": {"report": provenance.record(), "results": results_summary(prov)},
+        "truncation": truncation_summary(cut),
     }
 
 
@@ -380,6 +382,7 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
         f"Config vs Table 2: **{s['config_matching']}/{s['config_cells']}** hyperparameter cells match",
         *direction_lines(s["directions"]),
         *provenance_lines(s.get("provenance")),
+        *truncation_lines(s.get("truncation")),
         f"Places where the paper disagrees with itself: **{s['paper_inconsistencies']}** (see below)",
         "Tolerances (absolute): accuracy points / params (B) / GFLOPs / ROI as configured in `report.tolerance`;"
         " text cells must match exactly."))]
