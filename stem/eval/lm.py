@@ -121,6 +121,9 @@ class StemLM(TemplateLM):
             raise ValueError(f"truncation=error: a request of task {task} has {len(ids)} tokens, more than the "
                              f"{room} the model's context leaves it (max_length {self.max_length}); expected a "
                              f"prompt that fits, or the suite's truncation: left or middle")
+        if not n["truncated"]:   # said once per task (lm-eval's CLI users have no eval JSON)
+            print(f"stem: task {task}: a request of {len(ids)} tokens cut to {room} (truncation={policy}); "
+                  "further cuts are counted, not printed", file=sys.stderr)
         n["truncated"] += 1
         n["tokens_dropped"] += len(ids) - room
         return truncate(ids, room, policy, keep_last)
