@@ -422,6 +422,8 @@ def _edit_json(path, edit):
     ("350m/dense/pretrain/eval/commonsense.json", lambda d: d.update(suite="mmlu"),
      "key 'suite': the file is of suite 'mmlu' but its path says 'commonsense'"),
     ("1b/stem/extend/eval/niah.json", lambda d: d["cells"][0].update(accuracy=101.0), "key 'cells[0].accuracy'"),
+    ("1b/stem/extend/eval/bbh.json", lambda d: d["truncation"]["tasks"]["bbh_sub"].update(truncated=-3),
+     "key 'truncation.tasks.bbh_sub.truncated': expected a finite integer >= 0, got -3"),
     ("1b/stem/extend/eval/longbench.json", lambda d: d["by_length"]["table5"][0]["groups"].update(longbench_code=True),
      "key 'by_length.table5[0].groups.longbench_code'"),
     ("1b/dense/pretrain/metrics.jsonl", "not json\n{}\n", "1b/dense/pretrain/metrics.jsonl:1: not a JSON line"),
