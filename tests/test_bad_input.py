@@ -349,6 +349,8 @@ def test_suite_truncation_defaults_to_the_published_protocol_and_is_checked():
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
     assert {s: ES.suite_spec(cfg, s)["truncation"] for s in ("longbench", "bbh", "commonsense", "niah")} == {
         "longbench": "middle", "bbh": "left", "commonsense": "left", "niah": "error"}
+    assert ES.default_truncation({"kind": "lm_eval", "tasks": ["ruler"]}) == "error"   # lm-eval's RULER NIAH
+    assert ES.default_truncation({"kind": "lm_eval", "tasks": ["longbench_lcc", "bbh"]}) == "left"   # no one rule
     for suite, value, message in [("bbh", "right", "expected one of error, left, middle"),
                                   ("niah", "left", "expected error (NIAH prompts are built to fit their cells, never cut)")]:
         bad = copy.deepcopy(cfg)

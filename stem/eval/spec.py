@@ -28,8 +28,9 @@ from stem.specs import EvalSpec
 # A suite's default ``truncation:`` (what a request longer than the model's context keeps; stem.eval.lm.truncate):
 # the benchmark's published protocol where it has one, by task name (the task or ``{name}_...``: its subtasks and
 # groups), else lm-eval's left truncation. LongBench's pred.py keeps the first and last halves of an over-long
-# prompt. NIAH prompts are built to fit their cells and are never cut (stem.eval.niah refuses). docs/evaluation.md
-PROTOCOL_TRUNCATION = {"longbench": Truncation.MIDDLE}
+# prompt. Needle-in-a-haystack prompts are built to fit their length (ours: stem.eval.niah refuses; RULER's, lm-eval's
+# `ruler` group and its niah_* tasks) and are never cut: a cut could remove the needle. docs/evaluation.md
+PROTOCOL_TRUNCATION = {"longbench": Truncation.MIDDLE, "ruler": Truncation.ERROR, "niah": Truncation.ERROR}
 
 
 @dataclass(frozen=True)
