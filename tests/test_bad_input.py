@@ -352,7 +352,8 @@ def test_suite_truncation_defaults_to_the_published_protocol_and_is_checked():
     assert ES.default_truncation({"kind": "lm_eval", "tasks": ["ruler"]}) == "error"   # lm-eval's RULER NIAH
     assert ES.default_truncation({"kind": "lm_eval", "tasks": ["longbench_lcc", "bbh"]}) == "left"   # no one rule
     for suite, value, message in [("bbh", "right", "expected one of error, left, middle"),
-                                  ("niah", "left", "expected error (NIAH prompts are built to fit their cells, never cut)")]:
+                                  ("niah", "left",
+                                   "expected error (NIAH prompts are built to fit their cells, never cut)")]:
         bad = copy.deepcopy(cfg)
         bad["eval"]["suites"][suite]["truncation"] = value
         with pytest.raises(C.ConfigError) as e:
