@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from stem import config as C
+from stem import layout as L
 from stem.data.shards import ShardSet
 from stem.eval.lm import load_for_eval
 from stem.io import atomic_write_json
@@ -42,7 +43,7 @@ PAPER = {
                    "'incurs negligible throughput overhead (< 3%)' (1.9% on the 4B, 2.8% on the 8B backbone)"),
     "ffn_freed": "STEM Sec. 3.2.4: offloading the tables 'frees up roughly one-third of the FFN parameter memory'",
 }
-DEFAULT_CHECKPOINT = "results/tiny/350m/stem/pretrain/checkpoint"
+DEFAULT_CHECKPOINT = L.checkpoint("tiny", "350m", "stem", "pretrain")
 
 
 # ---- inputs ----------------------------------------------------------------------------------------------
