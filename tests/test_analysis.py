@@ -364,7 +364,7 @@ def test_tables_found_by_role_at_paper_shapes():
     from stem.analysis.common import stem_layers
     cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")
     model = build_model(ModelConfig.from_dict(C.train_spec(cfg, "1b", "stem", "pretrain")["model"]), "meta")
-    assert stem_layers(model) == [2, 5, 8, 11, 14]            # every third from 2: 5 of 16 (README, Variants)
+    assert stem_layers(model) == [2, 5, 8, 11, 14]            # every third from 2: 5 of 16 (docs/variants.md)
     assert all(w.shape == (128256, 8192) for _, w in table_sites(model))
     assert [AW.has_tables(cfg, "350m", v) for v in ("dense", "hashmoe", "stem_gate", "stem_full")] == \
         [False, False, True, True]
