@@ -316,9 +316,19 @@ def test_seeded_bootstrap_is_a_two_level_bootstrap():
 def test_seed_rows_in_table3_and_directions(tmp_path, cfg):
     from stem.report import tables as T
     from test_report import eval_json
-    cfg = {**cfg, "matrix": {"350m": {**cfg["matrix"]["350m"], "variants": ["dense", "hashmoe", "stem"]}}}
+    cfg = {**cfg, "matrix": {"350m": {**cfg["matrix"]["350m"], "variants": ["dense", "hashmoe", "stem"]},
+                             "1b": {**cfg["matrix"]["1b"], "seeds": {"dense": [0, 1], "stem": [0, 1]}}}}
     write_results(tmp_path, cfg)
     write_samples(tmp_path, cfg)
+    # Table 4 (1b at midtrain): seed 1 of STEM scores 2 points above seed 0 on every task
+    d = tmp_path / "tiny" / "1b" / "stem_seed1" / "midtrain" / "eval"
+    (d / "commonsense.json").write_text(json.dumps(eval_json(cfg, "1b", "stem_seed1", "midtrain", "commonsense", 3.0)))
+    t4 = T.table4(cfg, Results("tiny", tmp_path)).set_index(["scale", "variant", "column"])["value"]
+    one = P.load_table("table3").set_index(["scale", "variant", "column"])["value"]
+    avg0 = np.mean([one[("1b", "stem", t)] + 1.0 for t in P.COMMONSENSE_TASKS])
+    assert t4[("1b", "stem", "avg")] == pytest.approx(avg0 + 1.0) and t4[("1b", "stem", "seeds")] == 2
+    assert t4[("1b", "stem", "avg_sd")] == pytest.approx(np.sqrt(2)) and t4[("1b", "stem", "avg_max")] == pytest.approx(avg0 + 2)
+    assert ("1b", "stem_insert", "seeds") not in t4
     for k, offset in ((1, 2.0), (2, -1.0)):
         for variant in ("dense", "stem"):
             d = tmp_path / "tiny" / "350m" / f"{variant}_seed{k}" / "pretrain"
@@ -329,7 +339,10 @@ def test_seed_rows_in_table3_and_directions(tmp_path, cfg):
             src = tmp_path / "tiny" / "350m" / variant / "pretrain" / "eval" / "raw" / "commonsense.json"
             (d / "eval" / "raw" / "commonsense.json").write_text(src.read_text())
     t3 = T.table3(cfg, Results("tiny", tmp_path)).set_index(["scale", "variant", "column"])["value"]
-    one = P.load_table("table3").set_index(["scale", "variant", "column"])["value"]
+    losses = [json.loads((tmp_path / "tiny" / "350m" / v / "pretrain" / "summary.json").read_text())["final_val_loss"]
+              for v in ("stem", "stem_seed1", "stem_seed2")]
+    assert t3[("350m", "stem", "val_loss")] == pytest.approx(np.mean(losses))
+    assert t3[("350m", "stem", "val_loss_sd")] == pytest.approx(np.std(losses, ddof=1))
     avgs = [np.mean([one[("350m", "stem", t)] + 1.0 + o for t in P.COMMONSENSE_TASKS]) for o in (0.0, 2.0, -1.0)]
     assert t3[("350m", "stem", "avg")] == pytest.approx(np.mean(avgs))
     assert t3[("350m", "stem", "seeds")] == 3 and t3[("350m", "stem", "avg_sd")] == pytest.approx(np.std(avgs, ddof=1))
