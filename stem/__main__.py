@@ -81,6 +81,14 @@ def cmd_diff(args):
     if not (res.root / res.experiment).is_dir():
         raise C.ConfigError(f"--results {args.results}: no {res.experiment}/ folder in it (expected "
                             f"{args.results}/{res.experiment}/{{scale}}/{{variant}}/{{stage}}/)")
+    if not args.allow_dirty:
+        from stem.report.provenance import dirty
+        bad = dirty(cfg, res)
+        if bad:
+            changed = sorted({f for _, files in bad for f in files})
+            raise C.ConfigError(f"--results {args.results}: {len(bad)} result file(s) written from a dirty tree "
+                                f"(uncommitted changes to {', '.join(changed) or 'tracked files'}): "
+                                f"{', '.join(p for p, _ in bad)}; rerun them from a commit, or pass --allow-dirty")
     if args.write:
         ours = write_tables(cfg, res, L.tables_dir(cfg["experiment"]))
     else:
@@ -237,6 +245,8 @@ def main(argv=None):
     d.add_argument("--baseline", metavar="DIRECTIONS_CSV",
                    help="with --gate-directions: also exit 2 when a verdict changed against this saved "
                         "reports/<experiment>/diff/directions.csv (implies --gate-directions)")
+    d.add_argument("--allow-dirty", action="store_true",
+                   help="compare results written from a dirty tree (uncommitted changes; refused otherwise)")
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)

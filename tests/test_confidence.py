@@ -170,9 +170,20 @@ def test_provenance_table_and_diff_say_when_results_differ(tmp_path, cfg, capsys
     assert s["provenance"]["report"]["commit"] == provenance.git_state()["commit"]
     text = "\n".join(diff.provenance_lines(s["provenance"]))
     assert "the compared results come from different commits" in text and str(ev) in text
-    main(["diff", "--experiment", "tiny", "--results", str(tmp_path / "results")])
+    # issue 32: a result written from a dirty tree is refused, naming it and the changed files, unless allowed
+    path = run / "dense" / "pretrain" / "summary.json"
+    s = json.loads(path.read_text())
+    s["provenance"].update(dirty=True, dirty_files=["stem/train/loop.py"])
+    path.write_text(json.dumps(s))
+    with pytest.raises(SystemExit) as e:
+        main(["diff", "--experiment", "tiny", "--results", str(tmp_path / "results")])
     err = capsys.readouterr().err
-    assert "warning: the compared results come from 2 commits" in err and "1 evaluation(s)" in err
+    assert e.value.code == 1 and err.count("\n") == 1 and (
+        f"1 result file(s) written from a dirty tree (uncommitted changes to stem/train/loop.py): {path}; rerun them "
+        "from a commit, or pass --allow-dirty") in err
+    main(["diff", "--experiment", "tiny", "--results", str(tmp_path / "results"), "--allow-dirty"])
+    err = capsys.readouterr().err
+    assert "warning: the compared results come from 3 commits (aaaaaaaaaaaa dirty, " in err and "1 evaluation(s)" in err
 
 
 def test_the_environment_is_pinned():

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from stem import config as C
+from stem import provenance
 from stem.data.shards import ShardSet
 from stem.eval.lm import load_for_eval
 from stem.io import atomic_write_json
@@ -317,7 +318,10 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
             "workload": {"held_out": str(manifest.relative_to(C.REPO) if manifest.is_relative_to(C.REPO) else manifest), "batch": batch, "prompt": prompt, "steps": steps,
                          "repeats": repeats, "curve_steps": streams.shape[1] - prompt},
             "decode": decode, "hit_rate_curve": hit_curve, "memory": memory, "access": access,
-            "uniq_train_batch": batches, "paper_shapes": paper_shapes(), "paper": PAPER}
+            "uniq_train_batch": batches, "paper_shapes": paper_shapes(), "paper": PAPER,
+            "provenance": provenance.record({"checkpoint": str(ckpt), "batch": batch, "prompt": prompt, "steps": steps,
+                                             "cache_rows": cache_rows, "curve": curve, "repeats": repeats},
+                                            [manifest], train_spec=spec, tokenizer=ckpt / "tokenizer.json")}
 
 
 # ---- output ----------------------------------------------------------------------------------------------

@@ -94,7 +94,9 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
               "stage": job.get("stage"), "suite": spec["suite"], "checkpoint": str(checkpoint), "limit": limit,
               "harness": harness, "fixtures": spec.get("fixtures"), "num_fewshot": spec.get("num_fewshot"),
               "gen_kwargs": spec.get("gen_kwargs"), **norm, "wall_seconds": round(time.time() - t0, 2)}
-    result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job)
+    ckpt_tok = Path(checkpoint) / "tokenizer.json" if isinstance(checkpoint, (str, Path)) else None
+    result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job, tokenizer=ckpt_tok,
+                                             data=provenance.eval_data(spec, raw))
     if getattr(lm, "offload", None) is not None:  # STEM tables off the device: the engine's counters
         result["offload"] = lm.offload.stats()
     if raw_json:
