@@ -5,6 +5,7 @@ Results are synthetic (tests/test_report.py's ``write_results``) plus per-item l
 for the 350m dense and STEM models, chosen so that the bootstrap gives each kind of verdict.
 """
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -132,6 +133,48 @@ def test_directions_gate(report, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(args + ["--baseline", str(tmp_path / "bad.csv")])
     assert e.value.code == 1 and "bad.csv: not a diff/directions.csv (no column table" in capsys.readouterr().err
+
+
+def test_accepted_disagreements(report, tmp_path, cfg):
+    """Issue 32: an accepted disagreement passes the gate (also against a baseline) and is listed in the report
+    with its interval then and now; a bad file or config key stops with one line."""
+    import yaml
+    from stem.specs import ReportSpec, SpecError
+    root, rd, (s, cells, dirs, cons, _) = report
+    r = dirs[(dirs["table"] == "table3") & (dirs["variant"] == "stem") & (dirs["column"] == "arc_challenge")
+             & (dirs["scale"] == "350m")].iloc[0]
+    entry = {"cell": "table3/350m/stem/arc_challenge", "stage": "pretrain", "verdict": "disagree",
+             "interval": [float(r["lo"]), float(r["hi"])], "reason": "the fixture's items are written against the paper"}
+    path = tmp_path / "accepted.yaml"
+    path.write_text(yaml.safe_dump([entry]))
+    acc = diff.load_accepted(path)
+    assert diff.gate_directions(dirs) and diff.gate_directions(dirs, accepted=acc) == []
+    base = B.load_directions(rd / "diff" / "directions.csv")
+    assert diff.gate_directions(dirs, base, acc) == []
+    out = B.run_diff({**cfg, "report": {**cfg["report"], "accepted": str(path)}},
+                     B.load_reproduced(rd / "tables" / "reproduced.csv"))
+    cell = out[0]["accepted"]["cells"][0]
+    assert cell["now"] == "disagree" and cell["now_interval"] == pytest.approx(entry["interval"])
+    md = diff.render(*out[:4])
+    assert f"Accepted disagreements (`{path}`" in md and "`table3/350m/stem/arc_challenge` (pretrain): accepted " \
+        "disagree [" in md and "now **disagree** [" in md and entry["reason"] in md
+    for edit, message in [({"verdict": "agree"}, "entry 1: key 'verdict': 'agree'; expected disagree"),
+                          ({"interval": [1, 0]}, "entry 1: key 'interval': [1, 0]; expected [lo, hi]"),
+                          ({"reason": ""}, "entry 1: key 'reason': ''; expected a sentence"),
+                          ({"cell": "table3/stem"}, "entry 1: key 'cell': 'table3/stem'; expected table/scale/")]:
+        path.write_text(yaml.safe_dump([{**entry, **edit}]))
+        with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
+            diff.load_accepted(path)
+    with pytest.raises(SpecError, match=r"config: key 'report.accepted'.*accepted-disagreements YAML file"):
+        ReportSpec.from_config({**cfg, "report": {"accepted": "config/nope.yaml"}})
+    with pytest.raises(ValueError, match=r"--accept table3/350m/stem/boolq: its verdict is 'inconclusive'; only a "):
+        diff.accept(dirs, ["table3/350m/stem/boolq"], "why", tmp_path / "new.yaml")
+    # the command line: --accept records the cell with its interval now, and the gate then passes
+    from stem.__main__ import main
+    main(["diff", "--experiment", "tiny", "--results", str(root / "results"), "--gate-directions", "--accepted",
+          str(tmp_path / "new.yaml"), "--accept", "table3/350m/stem/arc_challenge", "--reason", entry["reason"]])
+    written = diff.load_accepted(tmp_path / "new.yaml")
+    assert written == [entry] and (tmp_path / "new.yaml").read_text().startswith("# Accepted disagreements")
 
 
 def test_directions_gate_passes_without_resolved_disagreements(report):
