@@ -358,11 +358,12 @@ def dse_table(cfg: dict, res: Results) -> pd.DataFrame:
                 cells.append(cell("dse", scale, v, column, acct[key] / 1e9 if key in acct else None, acct["source"]))
             cells.append(cell("dse", scale, v, "gflops_per_token", acct["gflops_per_token"],
                               "accounting: 2 x active params (embedding and head included, as Table 3)"))
+            loss = val_loss_cells(cfg, res, scale, v, stages[0])   # the seeds' mean (and sd) where there are seeds
             scores, src, avgs = seed_scores(cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
+            cells.append(cell("dse", scale, v, *loss[0]))
             cells += [cell("dse", scale, v, task, scores.get(task), src) for task in P.COMMONSENSE_TASKS]
             cells.append(cell("dse", scale, v, "avg", average(scores), "mean of the 8 commonsense tasks"))
-            cells += [cell("dse", scale, v, c, x, where) for c, x, where in
-                      val_loss_cells(cfg, res, scale, v, stages[0]) + seed_spread(cfg, scale, v, avgs)]
+            cells += [cell("dse", scale, v, *c) for c in loss[1:] + seed_spread(cfg, scale, v, avgs)]
     return frame(cells)
 
 
