@@ -6,7 +6,7 @@ models) and gives the mean difference b - a with a percentile interval; ``classi
 sign the paper reports: the interval above zero (or below) is a direction, one that contains zero is
 *inconclusive* (the tiny fixtures cannot tell). ``grouped_bootstrap`` is the same for a mean of per-group
 means (the commonsense average: each task resampled within itself); ``seeded_bootstrap`` folds several
-seeds of a matrix cell in (stem.seeds: seeds resampled, then items within each seed).
+seeds of a matrix cell in (stem.seeds; two levels: seeds resampled, then each picked seed's items afresh).
 
 ``table_directions`` applies it to the diff's accuracy directions (Tables 3 and 4, per task and the average)
 from the per-item lm-eval samples; ``loss_directions`` to the held-out loss (analysis ``heldout``).
