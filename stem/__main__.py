@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from stem import cli_args as A
 from stem import config as C
@@ -76,17 +77,36 @@ def cmd_diff(args):
     """Rebuild the tables from results/, diff them against the paper, print (and optionally write) it."""
     from stem.report.build import paper_accounting, run_diff, write_diff, write_tables
     from stem.report.results import Results
+    from stem.report.tables import settings
     cfg = experiment_config(args.experiment)
     res = Results(cfg["experiment"], args.results)
     if not (res.root / res.experiment).is_dir():
         raise C.ConfigError(f"--results {args.results}: no {res.experiment}/ folder in it (expected "
                             f"{args.results}/{res.experiment}/{{scale}}/{{variant}}/{{stage}}/)")
+    if not args.allow_dirty:
+        from stem.report.provenance import dirty
+        bad = dirty(cfg, res)
+        if bad:
+            changed = sorted({f for _, files in bad for f in files})
+            raise C.ConfigError(f"--results {args.results}: {len(bad)} result file(s) written from a dirty tree "
+                                f"(uncommitted changes to {', '.join(changed) or 'tracked files'}): "
+                                f"{', '.join(p for p, _ in bad)}; rerun them from a commit, or pass --allow-dirty")
     if args.write:
         ours = write_tables(cfg, res, L.tables_dir(cfg["experiment"]))
     else:
         from stem.report.tables import build_all
         ours = build_all(cfg, res)
-    out = run_diff(cfg, ours, args.gate, args.gate_tolerance, paper_acct=paper_accounting())
+    configured = settings(cfg).accepted
+    accepted = args.accepted or (C.REPO / configured if configured else None)
+    if args.accept and accepted is None:
+        raise C.ConfigError("--accept: no accepted-disagreements file: give --accepted FILE or set report.accepted")
+    out = run_diff(cfg, ours, args.gate, args.gate_tolerance, paper_acct=paper_accounting(),
+                   accepted=accepted if accepted is None or Path(accepted).is_file() or not args.accept else None)
+    if args.accept:
+        from stem.report.diff import accept, accepted_rows
+        out[0]["accepted"] = {"file": str(accepted), "cells": accepted_rows(out[2], accept(
+            out[2], args.accept, args.reason, accepted))}
+        print(f"accepted {', '.join(args.accept)} in {accepted}", file=sys.stderr)
     if args.write:
         write_diff(L.diff_dir(cfg["experiment"]), *out)
     from stem.report.diff import render
@@ -102,7 +122,8 @@ def cmd_diff(args):
         sys.exit(2)
     if args.gate_directions or args.baseline:
         from stem.report.diff import gate_directions, load_directions
-        failed = gate_directions(out[2], load_directions(args.baseline) if args.baseline else None)
+        failed = gate_directions(out[2], load_directions(args.baseline) if args.baseline else None,
+                                 (out[0].get("accepted") or {}).get("cells", []))
         for line in failed:
             print(f"direction gate: {line}", file=sys.stderr)
         if failed:
@@ -237,6 +258,14 @@ def main(argv=None):
     d.add_argument("--baseline", metavar="DIRECTIONS_CSV",
                    help="with --gate-directions: also exit 2 when a verdict changed against this saved "
                         "reports/<experiment>/diff/directions.csv (implies --gate-directions)")
+    d.add_argument("--accepted", metavar="YAML",
+                   help="accepted-disagreements file the direction gate honours (default: config report.accepted)")
+    d.add_argument("--accept", action="append", default=[], metavar="CELL",
+                   help="record a direction that disagrees now (table/scale/variant/column[@stage], as the gate "
+                        "names it) in the accepted-disagreements file, with its interval now; repeatable")
+    d.add_argument("--reason", help="with --accept: why the disagreement is accepted")
+    d.add_argument("--allow-dirty", action="store_true",
+                   help="compare results written from a dirty tree (uncommitted changes; refused otherwise)")
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)

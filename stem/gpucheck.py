@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 
 from stem import config as C
 from stem import layout as L
+from stem import provenance
 from stem.bench.offload import decode_seconds
 from stem.checkpoint import save_checkpoint
 from stem.data.synth import make_world, web_documents
@@ -541,6 +542,8 @@ def run(device: str = "cuda", tiny: bool = False, items: str = ITEMS, out_dir=L.
             report["items"][key] = {"title": TITLES[key], **r}
             log(f"gpucheck {key}. {TITLES[key]}: {'PASS' if r['ok'] else 'FAIL'} ({r['seconds']:.0f} s) {r['figure']}")
     out = Path(out_dir)
+    report["provenance"] = provenance.record({"device": device, "tiny": tiny, "items": items, "compile": compile,
+                                              "peak_tflops": peak_tflops, "variants": list(variants)})
     atomic_write_json(out / "gpucheck.json", report)
     atomic_write_text(out / "gpucheck.md", to_markdown(report))
     return report

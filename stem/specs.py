@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 
 from stem.fields import OPTIONAL, FieldError as _FieldError, check as _check, is_number as _is_number
+from stem.layout import REPO
 from stem.models.config import ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
 from stem.options import InsertInit, Schedule, Strategy, Truncation, values
@@ -318,13 +319,16 @@ class ReportSpec(_Spec):
     """The aggregate stage's settings: the experiment config's ``report:`` section over the defaults.
 
     stages: {table: training stages feeding it, first with results wins} (default: each registered table's
-    own ``stages``); tolerance: the diff's absolute tolerance per kind of cell; spikes: Figure 5a's rule.
+    own ``stages``); tolerance: the diff's absolute tolerance per kind of cell; spikes: Figure 5a's rule;
+    accepted: the accepted-disagreements file (YAML, relative to the repository; stem.report.diff.load_accepted)
+    the directions gate honours and the report lists.
     ``from_config`` checks it once; every report job reads this, never the raw section."""
     KIND: typing.ClassVar[str] = "report"
     experiment: str
     stages: dict[str, tuple[str, ...]]
     tolerance: dict[str, float]
     spikes: Spikes = field(default_factory=Spikes)
+    accepted: str | None = None
 
     def __post_init__(self):
         tables = REPORT_TABLES
@@ -337,6 +341,9 @@ class ReportSpec(_Spec):
         for name, tol in self.tolerance.items():
             _check(name in TOLERANCES and tol >= 0, f"tolerance.{name}",
                    f"a number >= 0 for one of {', '.join(TOLERANCES)}", tol)
+        if self.accepted is not None:
+            _check(isinstance(self.accepted, str) and (REPO / self.accepted).is_file(), "accepted",
+                   "the path of an accepted-disagreements YAML file (relative to the repository)", self.accepted)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ReportSpec":
@@ -352,6 +359,7 @@ class ReportSpec(_Spec):
         try:
             return cls.from_dict({"experiment": cfg["experiment"], "stages": {**stages, **(rep.get("stages") or {})},
                                   "tolerance": {**tolerance, **(rep.get("tolerance") or {})},
-                                  "spikes": {**dataclasses.asdict(Spikes()), **(rep.get("spikes") or {})}})
+                                  "spikes": {**dataclasses.asdict(Spikes()), **(rep.get("spikes") or {})},
+                                  "accepted": rep.get("accepted")})
         except SpecError as e:   # name the config's key
             raise SpecError(str(e).replace("report spec: key '", "config: key 'report.", 1)) from None

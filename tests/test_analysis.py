@@ -219,6 +219,11 @@ def test_analyze_end_to_end(tiny_data, tmp_path, one_thread):
     h = analyze(ckpt, {"analysis": "heaps", "job": job, "source": "web", "manifest": tiny_data["manifests"]["web"],
                        "lengths": [4, 16, 64], "windows": 2}, tmp_path / "heaps.json")
     assert h["n_stem_layers"] == 1 and h["activated_stem_params"][0] == cfg.d_ff * h["unique"][0]
+    from stem import provenance   # issue 32: an analysis JSON carries the provenance block, tied to its checkpoint
+    prov = json.loads((tmp_path / "heaps.json").read_text())["provenance"]
+    assert prov["train_spec_sha256"] == provenance.spec_hash(json.loads((ckpt / "config.json").read_text()))
+    assert prov["tokenizer_sha256"] == provenance.file_hash(ckpt / "tokenizer.json") and prov["versions"]["torch"]
+    assert prov["spec_sha256"] == provenance.spec_hash(h["spec"])
     with pytest.raises(ValueError, match="not the one this analysis job is for"):
         analyze(ckpt, {**ed, "job": {**job, "variant": "dense"}}, tmp_path / "x.json")
     assert not (tmp_path / "x.json").exists()

@@ -570,6 +570,14 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     for suite in ("commonsense", "longbench", "niah"):
         p = res.eval("1b", "stem", "extend", suite)["provenance"]
         assert p["train_spec_sha256"] == provenance.spec_hash(train_spec) and p["versions"]["lm_eval"]
+        assert p["tokenizer_sha256"] == provenance.file_hash(tmp_path / "ckpt" / "tokenizer.json")
+    # issue 32: the evaluation data hashed (the fixture folder; each task's items as lm-eval read them; documents)
+    data = res.eval("1b", "stem", "extend", "commonsense")["provenance"]["data"]
+    assert data["fixtures"]["sha256"] == provenance.tree_hash(tmp_path / "fx") and len(data["fixtures"]["sha256"]) == 64
+    assert set(data["items_sha256"]) == {"arc_easy", "boolq"} and "datasets" not in data   # fixtures: no hub dataset
+    assert data["items_sha256"]["arc_easy"] != data["items_sha256"]["boolq"]
+    niah = res.eval("1b", "stem", "extend", "niah")["provenance"]["data"]
+    assert niah["documents"] == {str(tmp_path / "long.jsonl"): provenance.file_hash(tmp_path / "long.jsonl")}
 
 
 def test_truncation_table_and_summary_line(tiny_cfg, tiny_tables):

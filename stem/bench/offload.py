@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from stem import config as C
 from stem import layout as L
+from stem import provenance
 from stem.data.shards import ShardSet
 from stem.eval.lm import load_for_eval
 from stem.io import atomic_write_json
@@ -260,7 +261,10 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
             "memory": _memory(resident, configs["offload cache=0"], dense, n_stem, hashed),
             "access": _access(resident, dense, p_ids, s_ids, n_stem, hashed),
             "uniq_train_batch": _uniq_train_batches(resident, spec, train, n_stem),
-            "paper_shapes": paper_shapes(), "paper": PAPER}
+            "paper_shapes": paper_shapes(), "paper": PAPER,
+            "provenance": provenance.record({"checkpoint": str(ckpt), "batch": batch, "prompt": prompt, "steps": steps,
+                                             "cache_rows": cache_rows, "curve": curve, "repeats": repeats},
+                                            [manifest], train_spec=spec, tokenizer=ckpt / "tokenizer.json")}
 
 
 def _configs(ckpt: Path, resident, cache_rows: list[int]) -> dict:

@@ -102,7 +102,9 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
               "gen_kwargs": spec.get("gen_kwargs"), **norm, "wall_seconds": round(time.time() - t0, 2)}
     result["truncation"] = {"policy": spec["truncation"], "context": lm.max_length,
                             "tasks": {spec["suite"] if t is None else t: n for t, n in lm.truncation_counts.items()}}
-    result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job)
+    ckpt_tok = Path(checkpoint) / "tokenizer.json" if isinstance(checkpoint, (str, Path)) else None
+    result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job, tokenizer=ckpt_tok,
+                                             data=provenance.eval_data(spec, raw))
     if getattr(lm, "offload", None) is not None:  # STEM tables off the device: the engine's counters
         result["offload"] = lm.offload.stats()
     if raw_json:

@@ -289,7 +289,8 @@ def finish(run: Run) -> dict:
         summary["final_train_loss"] = _final_train_loss(run.metrics_path)
         summary.update(run.meter.summary(_rows(run.metrics_path), spec.train.tokens_per_step))
         spec_dict = spec.to_dict()   # provenance goes into the summary only, never into the job spec
-        summary["provenance"] = provenance.record(spec_dict, provenance.manifests_of(spec_dict))
+        summary["provenance"] = provenance.record(spec_dict, provenance.manifests_of(spec_dict),
+                                                  tokenizer=spec.tokenizer)
         ck.save_checkpoint(out_dir / layout.CHECKPOINT, full, spec_dict, spec.tokenizer, run.accounting,
                            optim_dir)
         atomic_write_text(out_dir / layout.METRICS, run.metrics_path.read_text())
