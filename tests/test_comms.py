@@ -1,0 +1,108 @@
+"""The communication model (stem.train.comms) against the bytes that really cross a gloo process group: W
+forked processes run one training step (``stem.train.step.train_step``, as the loop calls it) of tiny models
+of every table/expert kind under both backbone strategies and count each collective (op, payload bytes); the
+model must list exactly the same ones. Forked from this process (torch already imported): no torchrun start-up."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported before the ranks fork: FSDP2 would import it in each of them)
+import torch.distributed.fsdp  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stem import config as C  # noqa: E402
+from stem.models.model import build_model  # noqa: E402
+from stem.optim.adamw import use_row_sparse  # noqa: E402
+from stem.train import comms, distributed, step  # noqa: E402
+from stem.train.plan import ParallelPlan  # noqa: E402
+
+# every table / expert kind; each backbone strategy with plain, row-sparse and padded (DSE's prime rows) units
+CASES = [("stem", "fsdp"), ("stem", "ddp"), ("stem_sparse", "fsdp"), ("stem_sparse", "ddp"), ("hashmoe", "fsdp"),
+         ("moe", "ddp"), ("dse", "fsdp"), ("dse", "ddp")]
+V, T = 96, 8
+
+
+def _cfg() -> dict:
+    cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
+    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16)
+    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 8},
+                                "dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
+    cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T)
+    return cfg
+
+
+def _rank(rank: int, world: int, port: int, specs: list, out: str):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    ctx = distributed.setup(torch.device("cpu"))
+    rows = []
+    for (variant, strategy), spec in zip(CASES, specs):
+        torch.manual_seed(0)
+        model = build_model(spec.model, ctx.device)
+        plan = ParallelPlan.of(spec.train, world, strategy, spec.optim.row_sparse_tables(model))
+        use_row_sparse(model, plan.row_sparse)
+        distributed.parallelize(model, ctx, plan)
+        opt = step.make_optimizer(model, spec, plan, fused=False)
+        g = torch.Generator().manual_seed(1)
+        batches = [(x, x, None) for x in (torch.randint(0, V, (plan.micro_batch, T), generator=g)
+                                          for _ in range(plan.accum))]
+        uniq = max(torch.cat([b[0].flatten() for b in batches[r::world]]).unique().numel() for r in range(world))
+        with comms.count_collectives() as seen:
+            step.train_step(model, opt, batches, ctx, torch.autocast("cpu", enabled=False), 1e-3, 1.0, metrics={})
+        modelled = comms.collectives(build_model(spec.model, "meta"), plan, mixed_precision=False, unique_rows=uniq)
+        rows.append({"case": f"{variant}/{strategy}", "counted": sorted(map(list, seen.items())),
+                     "modelled": sorted(map(list, comms.as_counter(modelled).items()))})
+    if ctx.is_main:
+        Path(out).write_text(json.dumps(rows))
+    distributed.teardown(ctx)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_modelled_collectives_equal_counted(tmp_path, world=2):
+    out, port, fork = tmp_path / "out.json", _free_port(), multiprocessing.get_context("fork")
+    cfg = _cfg()
+    specs = [C.train_job(cfg, "350m", v, "pretrain") for v, _ in CASES]
+    procs = [fork.Process(target=_rank, args=(r, world, port, specs, str(out))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * world
+    rows = json.loads(out.read_text())
+    assert [row["case"] for row in rows] == [f"{v}/{s}" for v, s in CASES]
+    for row in rows:
+        assert row["counted"] == row["modelled"], row["case"]
+        assert any(op != "all_reduce" or n > 8 for (op, n), _ in row["counted"]), row["case"]   # not only scalars
+
+
+def test_paper_table_traffic_is_the_hand_count():
+    """1b/stem/pretrain at world 32 (4 nodes), bf16 gathers: each of the 5 tables (V x d_ff, V = 128,256 rows
+    padded to a multiple of 32) is gathered twice and reduce-scattered once a micro-batch, 4 micro-batches per
+    GPU, (W-1)/W of each payload through every GPU; STEM's comm is reported against dense's."""
+    from stem.__main__ import main
+    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
+    rows = {r["job"]: r for r in comms.experiment(cfg, [("1b", "dense", "pretrain"), ("1b", "stem", "pretrain")])}
+    stem, dense = rows["1b/stem/pretrain"], rows["1b/dense/pretrain"]
+    table = 128256 * 8192
+    assert (stem["world"], stem["nodes"], stem["link_gbs"]) == (32, 4, comms.INTER_NODE_GBS)
+    assert stem["bytes_per_gpu"]["table_all_gather"] == pytest.approx(5 * table * 2 * 2 * 4 * 31 / 32, rel=1e-12)
+    assert stem["bytes_per_gpu"]["table_reduce_scatter"] == pytest.approx(5 * table * 4 * 4 * 31 / 32, rel=1e-12)
+    assert dense["table_bytes"] == 0 and stem["comm_vs_dense"] == pytest.approx(stem["total_bytes"] / dense["total_bytes"])
+    assert stem["comm_compute_ratio"] == pytest.approx(stem["comm_s"] / stem["compute_s"])
+    with pytest.raises(SystemExit):
+        main(["comms", "--mfu", "1.5"])
