@@ -30,6 +30,13 @@ class Strategy(StrEnum):
     DDP = "ddp"
 
 
+class TableLayout(StrEnum):
+    """Where a multi-rank job keeps its lookup tables (stem.train.distributed): each its own FSDP unit, or
+    row-sharded with only the looked-up rows moved (stem.train.tables)."""
+    FSDP = "fsdp"
+    ROWS = "rows"
+
+
 class Schedule(StrEnum):
     COSINE = "cosine"
     LINEAR = "linear"

@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stem.models.accounting import accounting, flops_per_token
+from stem.models.registry import param_roles
 from stem.train.plan import ParallelPlan
 
 # Stated link bandwidths per GPU, GB/s (1e9 B/s), one direction: NVLink 4 (H100 SXM datasheet: 900 GB/s
@@ -47,7 +48,7 @@ MFU = 0.40                 # the compute side of the ratio (the paper config's c
 PEAK_TFLOPS = 989.0        # H100 SXM dense bf16 (stem.train.throughput.PEAK_BF16_TFLOPS)
 
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
-         "row_sparse_gather", "dp_all_reduce", "scalars")
+         "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "scalars")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Collective:
 
     def wire_bytes(self, world: int) -> float:
         """Bytes through each GPU per step (ring algorithm)."""
-        share = (world - 1) / world * (2 if self.op == "all_reduce" else 1)
+        share = (world - 1) / world * (2 if self.op == "all_reduce" else 1)   # all-to-all: the others' share
         return self.payload * share * self.count
 
 
@@ -71,7 +72,7 @@ def _padded(params, world: int) -> int:
 def units(model, plan: ParallelPlan) -> list[tuple[str, list, bool]]:
     """The FSDP2 units ``parallelize`` makes, in its order: (kind, parameters, is a root unit), kind ``table``
     for the ``shard_unit`` modules (tables, experts) and ``backbone`` for the blocks and the model's own."""
-    out, taken = [], set()
+    out, taken = [], {id(p) for p in plan.row_sharded_params(model)}   # row-sharded tables: outside FSDP
     for m in plan.shard_units(model):
         ps = [p for p in m.parameters() if id(p) not in taken]
         taken |= {id(p) for p in ps}
@@ -86,9 +87,12 @@ def units(model, plan: ParallelPlan) -> list[tuple[str, list, bool]]:
     return out
 
 
-def collectives(model, plan: ParallelPlan, mixed_precision: bool, unique_rows: int = 0) -> list[Collective]:
+def collectives(model, plan: ParallelPlan, mixed_precision: bool, unique_rows: int = 0,
+                lookups: list[tuple[int, int, int]] | None = None) -> list[Collective]:
     """Every collective of one optimizer step on one rank (module docstring); ``model`` may be on the meta
-    device; ``unique_rows``: the most unique ids a rank's step reads (row-sparse tables only)."""
+    device; ``unique_rows``: the most unique ids a rank's step reads (row-sparse tables only); ``lookups``: one
+    (table width, unique ids read, ids asked of this rank) per micro-batch and row-sharded table (default:
+    estimated, ``expected_lookups``)."""
     w = plan.world
     if w == 1:
         return []
@@ -102,10 +106,18 @@ def collectives(model, plan: ParallelPlan, mixed_precision: bool, unique_rows: i
         out.append(Collective(f"{kind}_all_gather", "all_gather", n * gather_b, micro * (1 if root else 2)))
         out.append(Collective(f"{kind}_reduce_scatter", "reduce_scatter", n * 4, micro))
     if plan.strategy == "ddp":
-        sharded = {id(p) for _, ps, _ in units(model, plan) for p in ps} | {id(p) for p in plan.row_sparse_params(model)}
+        sharded = {id(p) for _, ps, _ in units(model, plan) for p in ps}
+        sharded |= {id(p) for p in plan.row_sparse_params(model) + plan.row_sharded_params(model)}
         rest = sum(p.numel() for p in model.parameters() if id(p) not in sharded)
         if rest:
             out.append(Collective("dp_all_reduce", "all_reduce", 4 * rest, 1))
+    if plan.row_sharded:
+        wire = 2 if mixed_precision else 4
+        for d, uniq, asked in (expected_lookups(model, plan) if lookups is None else lookups):
+            out += [Collective("row_sharded_lookup", "all_to_all", 8 * w, 1),        # ids asked of each owner
+                    Collective("row_sharded_lookup", "all_to_all", 8 * asked, 1),     # the ids asked of this rank
+                    Collective("row_sharded_lookup", "all_to_all", wire * uniq * d, 1),   # the rows it reads
+                    Collective("row_sharded_lookup", "all_to_all", 4 * asked * d, 1)]     # its rows' gradients
     for p in plan.row_sparse_params(model):
         out += [Collective("row_sparse_gather", "all_gather", 8 * w, 1),
                 Collective("row_sparse_gather", "all_gather", 8 * w * unique_rows, 1),
@@ -121,6 +133,22 @@ def as_counter(cs: list[Collective]) -> Counter:
     for x in cs:
         c[(x.op, x.payload)] += x.count
     return c
+
+
+def expected_lookups(model, plan: ParallelPlan) -> list[tuple[int, int, int]]:
+    """(width, unique ids, ids asked of this rank) of each row-sharded lookup of a step on one rank, estimated:
+    a micro-batch's unique ids of a token-indexed table (STEM) by ``zipf_unique``, of a hashed one (DSE) as
+    uniform draws over its rows; each owner asked as many ids as it reads (balanced: a table's blocks of rows
+    equally popular, which a vocabulary ordered by frequency makes optimistic for the first blocks)."""
+    roles, n = param_roles(model), plan.micro_batch * plan.seq_len
+    out = []
+    for name in plan.row_sharded:
+        weight = model.get_submodule(name).weight
+        rows, d = weight.shape
+        hashed = getattr(roles.get(id(weight)), "group", None) == "dse_table"
+        u = round(rows * -math.expm1(n * math.log1p(-1 / rows))) if hashed else zipf_unique(n, rows)
+        out += [(d, u, u)] * (plan.accum // plan.world)
+    return out
 
 
 def zipf_unique(tokens: int, vocab: int) -> int:
@@ -152,7 +180,8 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     compute_s = flops_per_token(acct or accounting(model), model.cfg, seq_len) * tokens_per_gpu / (mfu * peak_tflops * 1e12)
     comm_s = total / (gbs * 1e9)
     return {"world": w, "nodes": nodes, "strategy": plan.strategy, "bytes_per_gpu": by_kind, "total_bytes": total,
-            "table_bytes": by_kind["table_all_gather"] + by_kind["table_reduce_scatter"] + by_kind["row_sparse_gather"],
+            "table_bytes": sum(by_kind[k] for k in ("table_all_gather", "table_reduce_scatter", "row_sharded_lookup",
+                                                    "row_sparse_gather")),
             "unique_rows": unique_rows if plan.row_sparse else None, "link_gbs": gbs if w > 1 else None,
             "comm_s": comm_s, "compute_s": compute_s, "mfu": mfu, "peak_tflops": peak_tflops,
             "intra_gbs": intra_gbs, "inter_gbs": inter_gbs,
@@ -246,7 +275,8 @@ def experiment(cfg: dict, jobs, gpus: int | None = None, strategy: str | None = 
 
 def render(rows: list[dict], title: str) -> str:
     """The experiment's table (GB per GPU per step by kind; seconds), then the whole DAG's GPU-hours."""
-    head = ("job", "world", "backbone AG", "backbone RS", "table AG", "table RS", "row-sparse", "DP AR", "total GB",
+    head = ("job", "world", "backbone AG", "backbone RS", "table AG", "table RS", "row lookups", "row-sparse", "DP AR",
+            "total GB",
             "comm s", "compute s", "comm/compute", "comm vs dense", "step vs dense")
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

@@ -55,6 +55,7 @@ from stem.train import throughput
 from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
 from stem.train.plan import ParallelPlan
 from stem.train.schedule import get_lr
+from stem.train.tables import row_shardable
 from stem.train.step import TrainingError, make_optimizer, train_step
 
 
@@ -161,7 +162,8 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     model.set_training_options(activation_checkpointing=tc.activation_checkpointing,
                                flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
     # the job's layout, decided once: micro-batches, strategy, the tables optim.table_update: sparse trains row-sparse
-    plan = ParallelPlan.of(tc, ctx.world, row_sparse=spec.optim.row_sparse_tables(model))
+    sparse = spec.optim.row_sparse_tables(model)
+    plan = ParallelPlan.of(tc, ctx.world, row_sparse=sparse, tables=row_shardable(model, sparse))
     use_row_sparse(model, plan.row_sparse)
     if tc.compile:   # torchtitan's order: activation checkpointing (set above), compile each block, then FSDP
         compile_blocks(model)

@@ -46,7 +46,8 @@ def estimate(model, plan: ParallelPlan) -> dict:
     of ``model`` laid out as ``plan``."""
     cfg, tokens = model.cfg, plan.micro_batch * plan.seq_len
     world, strategy, act_ckpt = plan.world, plan.strategy, plan.activation_checkpointing
-    leaf = {id(p) for m in plan.shard_units(model) for p in m.parameters()}
+    # sharded over all ranks whatever the strategy: the shard units' parameters and the row-sharded tables
+    leaf = {id(p) for m in plan.shard_units(model) for p in m.parameters()} | {id(p) for p in plan.row_sharded_params(model)}
     # row-sparse tables (optim.table_update: sparse) are replicated on every rank; their gradient holds at most
     # V rows (all of them, at a large batch), counted here as a full replica too
     rep = {id(p) for p in plan.row_sparse_params(model)}

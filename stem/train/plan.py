@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stem.options import Strategy, values
+from stem.options import Strategy, TableLayout, values
 
 STRATEGIES = values(Strategy)
+TABLE_LAYOUTS = values(TableLayout)
 
 
 def cluster_train(cfg: dict, scale: str) -> dict:
@@ -43,10 +44,11 @@ def local_micro_batch(batch_size: int, micro_batch: int, world: int) -> tuple[in
 class ParallelPlan:
     """One training job's layout: ``world`` ranks, the backbone's ``strategy`` (fsdp | ddp), ``micro_batch``
     sequences of ``seq_len`` per rank per forward, ``accum`` global micro-batches per step (rank r runs r,
-    r + world, ...), activation checkpointing, and ``row_sparse``: the names of the table modules trained
-    row-sparse (``optim.table_update: sparse``), replicated on every rank outside FSDP. Every other module
-    declaring ``shard_unit`` (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts) is its own FSDP unit over
-    all ranks whatever the strategy."""
+    r + world, ...), activation checkpointing, ``row_sparse``: the names of the table modules trained
+    row-sparse (``optim.table_update: sparse``), replicated on every rank outside FSDP, and ``row_sharded``:
+    the lookup tables sharded by rows outside FSDP (``train.tables: rows``, ``stem.train.tables``). Every other
+    module declaring ``shard_unit`` (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts) with a parameter left
+    is its own FSDP unit over all ranks whatever the strategy."""
     world: int
     strategy: str
     micro_batch: int
@@ -54,23 +56,35 @@ class ParallelPlan:
     seq_len: int
     activation_checkpointing: bool = False
     row_sparse: tuple[str, ...] = ()
+    row_sharded: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"parallel strategy {self.strategy!r}: expected one of {STRATEGIES}")
 
     @classmethod
-    def of(cls, train, world: int, strategy: str | None = None, row_sparse: tuple[str, ...] = ()) -> "ParallelPlan":
+    def of(cls, train, world: int, strategy: str | None = None, row_sparse: tuple[str, ...] = (),
+           tables: tuple[str, ...] = ()) -> "ParallelPlan":
         """The plan of a job with ``train`` settings (a TrainSettings) at ``world`` ranks; ``strategy`` overrides
-        the spec's ``train.parallel``; ``row_sparse``: ``OptimSpec.row_sparse_tables`` of the job's model."""
+        the spec's ``train.parallel``; ``row_sparse``: ``OptimSpec.row_sparse_tables`` of the job's model;
+        ``tables``: its lookup tables (``stem.train.tables.row_shardable``), row-sharded if ``train.tables`` is
+        ``rows``."""
         micro, accum = local_micro_batch(train.batch_size, train.micro_batch, world)
         return cls(world, strategy or train.parallel, micro, accum, train.seq_len, train.activation_checkpointing,
-                   tuple(row_sparse))
+                   tuple(row_sparse), tuple(tables) if train.tables == "rows" else ())
 
     def shard_units(self, model) -> list:
         """Modules sharded over all ranks independently of the backbone: those declaring ``shard_unit``, except
-        the row-sparse tables."""
-        return [m for n, m in model.named_modules() if getattr(m, "shard_unit", False) and n not in self.row_sparse]
+        the row-sparse tables and those with nothing left but row-sharded tables."""
+        return [m for n, m in model.named_modules() if getattr(m, "shard_unit", False) and n not in self.row_sparse
+                and any(not self.is_row_sharded(f"{n}.{p}") for p, _ in m.named_parameters())]
+
+    def is_row_sharded(self, param_name: str) -> bool:
+        return param_name.rpartition(".")[0] in self.row_sharded
+
+    def row_sharded_params(self, model) -> list:
+        """The row-sharded tables' weights, in module order."""
+        return [model.get_submodule(n).weight for n in self.row_sharded]
 
     def row_sparse_params(self, model) -> list:
         """Parameters of the row-sparse tables, in module order (the same on every rank)."""
