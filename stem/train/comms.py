@@ -12,13 +12,18 @@ Counted from the code, per FSDP2 unit:
   except a root unit (the model under ``strategy: fsdp``; every table / expert unit under ``ddp``, where no
   wrapped module is above it), which stays gathered from its forward to its backward: once.
 - ``strategy: ddp``: the replicated backbone's fp32 gradients, one flat all-reduce a step.
+- row-sharded tables (``train.tables: rows``, ``stem.train.tables``): four all-to-alls per table a micro-batch
+  (the counts asked of each owner, int64; the ids asked of this rank, int64; the rows this rank reads, bf16
+  under mixed precision; the gradients of the rows asked of it, fp32); data-dependent (``lookups``: counted
+  from the batch in tests, estimated for the paper, ``expected_lookups``).
 - row-sparse tables (``optim.table_update: sparse``): three all-gathers per table a step (each rank's count
   of unique rows, int64; the ids, int64; the fp32 rows), padded to the rank with most unique rows
   (``unique_rows``; data-dependent: counted from the batch in tests, estimated for the paper, ``zipf_unique``).
 - scalars: the step's loss mean (float64; one more for a model with auxiliary losses) and the gradient norm's
   sum over shards (fp32). The loop adds one stop-flag all-reduce a step (4 B), not modelled.
 ``count_collectives`` counts what really crosses a process group (a dispatch mode over the c10d ops); the
-test (tests/test_comms.py) checks ``collectives`` against it, collective by collective, on gloo.
+test (tests/test_comms.py) checks ``collectives`` against it, collective by collective, on gloo (an all-to-all's
+payload: its output).
 
 Bytes on the wire per GPU (``per_gpu``) are the ring algorithm's: an all-gather or reduce-scatter moves
 (W-1)/W of its payload through every GPU, an all-reduce twice that. Time is those bytes over the slowest link
