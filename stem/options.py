@@ -31,10 +31,11 @@ class Strategy(StrEnum):
 
 
 class TableLayout(StrEnum):
-    """Where a multi-rank job keeps its lookup tables (stem.train.distributed): each its own FSDP unit, or
-    row-sharded with only the looked-up rows moved (stem.train.tables)."""
+    """Where a job keeps its lookup tables (stem.train.distributed, stem.train.tables): each its own FSDP unit,
+    row-sharded with only the looked-up rows moved, or (one rank) in host memory."""
     FSDP = "fsdp"
     ROWS = "rows"
+    HOST = "host"
 
 
 class Schedule(StrEnum):

@@ -187,7 +187,7 @@ class TrainSettings:
     schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
     parallel: str = field(default="fsdp", metadata=OPTIONAL)   # the backbone's strategy under torchrun
-    tables: str = field(default="fsdp", metadata=OPTIONAL)     # lookup tables under torchrun: fsdp units | rows
+    tables: str = field(default="fsdp", metadata=OPTIONAL)     # lookup tables: fsdp units | rows | host
     peak_tflops: float | None = field(default=None, metadata=OPTIONAL)   # MFU's peak (stem.train.throughput)
     wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
     compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)

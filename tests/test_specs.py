@@ -73,7 +73,7 @@ def _bad(path: str, value):
     ("train.steps", 0, "key 'train.steps': expected an integer >= 1, got 0"),
     ("train.lr", KeyError, "key 'train.lr' missing (expected a number)"),
     ("train.parallel", "tp", "key 'train.parallel': expected one of fsdp, ddp, got 'tp'"),
-    ("train.tables", "cols", "key 'train.tables': expected one of fsdp, rows, got 'cols'"),
+    ("train.tables", "cols", "key 'train.tables': expected one of fsdp, rows, host, got 'cols'"),
     ("train.lrr", 1.0, "key 'train.lrr': unknown (expected one of lr, schedule, "),
     ("optim.betas", [0.9], "key 'optim.betas': expected a list of 2 numbers, got [0.9]"),
     ("data.web.weight", -1, "key 'data.web.weight': expected a number > 0, got -1"),

@@ -55,7 +55,7 @@ from stem.train import throughput
 from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
 from stem.train.plan import ParallelPlan
 from stem.train.schedule import get_lr
-from stem.train.tables import row_shardable
+from stem.train.tables import row_shardable, to_host
 from stem.train.step import TrainingError, make_optimizer, train_step
 
 
@@ -163,8 +163,12 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
                                flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
     # the job's layout, decided once: micro-batches, strategy, the tables optim.table_update: sparse trains row-sparse
     sparse = spec.optim.row_sparse_tables(model)
-    plan = ParallelPlan.of(tc, ctx.world, row_sparse=sparse, tables=row_shardable(model, sparse))
+    try:
+        plan = ParallelPlan.of(tc, ctx.world, row_sparse=sparse, tables=row_shardable(model, sparse))
+    except ValueError as e:   # a batch that does not split over the ranks, host tables on several
+        raise TrainingError(f"[{spec.out_dir}] {e}") from None
     use_row_sparse(model, plan.row_sparse)
+    to_host(model, plan.host_tables)   # train.tables: host
     if tc.compile:   # torchtitan's order: activation checkpointing (set above), compile each block, then FSDP
         compile_blocks(model)
     # before sharding: the model's full shapes; this process's node has local_world of the job's GPUs

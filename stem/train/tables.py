@@ -1,5 +1,7 @@
-"""Row-sharded tables (``train.tables: rows``, from ``cluster.tables``): each rank owns a contiguous block of rows
-of every lookup table and of its AdamW moments, and a micro-batch moves only the rows it reads.
+"""Where a job keeps its lookup tables (``train.tables``, from ``cluster.tables``) when not as FSDP units: ``rows``
+(each rank owns a contiguous block of rows of every lookup table and of its AdamW moments, and a micro-batch
+moves only the rows it reads) or ``host`` (one rank: the tables, their gradients and moments in host memory,
+``to_host`` below).
 
 Which tables: every ``nn.Embedding`` whose weight has a ``lookup`` role (STEM's tables, DSE's hashed tables;
 not the input embedding), except the row-sparse ones (``optim.table_update: sparse``, replicated).
@@ -100,5 +102,60 @@ def shard_rows(model, names, mesh, mixed_precision: bool) -> list:
         m.row_block = math.ceil(m.weight.shape[0] / mesh.size())
         m.wire_dtype = torch.bfloat16 if mixed_precision else m.weight.dtype
         m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(0)]))
+        out.append(m.weight)
+    return out
+
+
+# ----------------------------------------------------------------------------- host tables
+
+class HostLookup(torch.autograd.Function):
+    """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
+    to the device (from pinned memory on CUDA); backward adds each unique row's summed gradient, copied back,
+    into the table's host gradient (made here: the dense gradient AdamW expects, never a V x d_ff one on the
+    device), and gives autograd none."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, bound: bool = False):
+        if bound:   # the memory trace (as RowShardedLookup's): every id distinct
+            uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
+        else:
+            uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        host_ids = uniq.to(weight.device)
+        rows = weight.index_select(0, host_ids)
+        if ids.device.type == "cuda":
+            rows = rows.pin_memory()
+        ctx.save_for_backward(inverse, host_ids)
+        ctx.weight, ctx.n_uniq = weight, uniq.numel()
+        return rows.to(ids.device, non_blocking=True).index_select(0, inverse).reshape(*ids.shape, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inverse, host_ids = ctx.saved_tensors
+        weight, d = ctx.weight, grad_out.shape[-1]
+        rows = grad_out.new_zeros(ctx.n_uniq, d, dtype=weight.dtype).index_add_(0, inverse, grad_out.reshape(-1, d).to(weight.dtype))
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, host_ids, rows.to(weight.device))
+        return None, None, None
+
+
+class _Host:
+    """The forward put on top of a host table's own class (``to_host``); ``trace_bound`` as ``_RowSharded``'s."""
+    trace_bound = False
+
+    def forward(self, ids):
+        return HostLookup.apply(self.weight, ids, self.trace_bound)
+
+
+def to_host(model, names) -> list:
+    """Move the tables ``names`` (``row_shardable``) of ``model`` to host memory (pinned when CUDA is there) with
+    the ``HostLookup`` forward; their AdamW moments follow their weights there. Returns their weights."""
+    out = []
+    for name in names:
+        m = model.get_submodule(name)
+        cls = type(m)
+        m.__class__ = type(f"Host{cls.__name__}", (_Host, cls), {})
+        w = m.weight.detach().cpu()
+        m.weight = nn.Parameter(w.pin_memory() if torch.cuda.is_available() else w.clone())
         out.append(m.weight)
     return out
