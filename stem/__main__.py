@@ -7,7 +7,7 @@ import sys
 from stem import cli_args as A
 from stem import config as C
 from stem import layout as L
-from stem.options import Strategy, values
+from stem.options import Strategy, TableLayout, values
 
 # Each command imports the code it runs inside its function (cmd_*): torch, lm_eval, transformers, pandas
 # and matplotlib load only for the commands that use them.
@@ -163,7 +163,7 @@ def cmd_comms(args):
         raise C.ConfigError(f"--mfu {args.mfu:g}: expected a fraction of the peak, in (0, 1]")
     link = {k: getattr(args, k) for k in ("intra_gbs", "inter_gbs", "mfu", "peak_tflops") if getattr(args, k) is not None}
     try:
-        rows = comms.experiment(cfg, jobs, args.gpus, args.strategy, **link)
+        rows = comms.experiment(cfg, jobs, args.gpus, args.strategy, args.tables, **link)
     except ValueError as e:   # a world size the batch does not split over
         raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'}: {e}") from None
     print(json.dumps(rows, indent=1) if args.json else comms.render(
@@ -291,6 +291,7 @@ def main(argv=None):
     c.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
                    help="world size (default: the config's cluster.train nodes x gpus_per_node)")
     c.add_argument("--strategy", choices=values(Strategy))
+    c.add_argument("--tables", choices=values(TableLayout), help="the table layout (default: the config's cluster.tables)")
     c.add_argument("--intra-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth within a node "
                    "(default: stem.train.comms.INTRA_NODE_GBS)")
     c.add_argument("--inter-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth between nodes "

@@ -5,9 +5,6 @@ model must list exactly the same ones. Forked from this process (torch already i
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -53,10 +50,7 @@ def _lookups(model, plan, batches, world: int) -> list:
     return out
 
 
-def _rank(rank: int, world: int, port: int, specs: list, out: str):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def _rank(world: int, specs: list, out: str):
     ctx = distributed.setup(torch.device("cpu"))
     rows = []
     for (variant, strategy, _), spec in zip(CASES, specs):
@@ -83,21 +77,10 @@ def _rank(rank: int, world: int, port: int, specs: list, out: str):
     distributed.teardown(ctx)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_modelled_collectives_equal_counted(tmp_path, world=2):
-    out, port, fork = tmp_path / "out.json", _free_port(), multiprocessing.get_context("fork")
+    out = tmp_path / "out.json"
     specs = [C.train_job(_cfg(tables), "350m", v, "pretrain") for v, _, tables in CASES]
-    procs = [fork.Process(target=_rank, args=(r, world, port, specs, str(out))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0] * world
+    assert comms.fork_ranks(_rank, world, world, specs, str(out)) == [0] * world
     rows = json.loads(out.read_text())
     assert [row["case"] for row in rows] == ["/".join(c) for c in CASES]
     for row in rows:
@@ -114,8 +97,7 @@ def test_paper_table_traffic_is_the_hand_count():
     cfg = C.load_experiment(REPO / "config" / "paper.yaml")
     jobs = [("1b", "dense", "pretrain"), ("1b", "stem", "pretrain")]
     rows = {r["job"]: r for r in comms.experiment(cfg, jobs)}
-    cfg["cluster"]["tables"] = "fsdp"
-    units = {r["job"]: r for r in comms.experiment(cfg, jobs)}
+    units = {r["job"]: r for r in comms.experiment(cfg, jobs, tables="fsdp")}
     stem, dense, rows = units["1b/stem/pretrain"], units["1b/dense/pretrain"], rows["1b/stem/pretrain"]
     table = 128256 * 8192
     assert (stem["world"], stem["nodes"], stem["link_gbs"]) == (32, 4, comms.INTER_NODE_GBS)

@@ -7,8 +7,6 @@ traced peak."""
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import sys
 from pathlib import Path
 
@@ -22,10 +20,9 @@ sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
-from stem.train import distributed, memory, memtrace, step  # noqa: E402
+from stem.train import comms, distributed, memory, memtrace, step  # noqa: E402
 from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.train.tables import row_shardable, to_host  # noqa: E402
-from test_comms import _free_port  # noqa: E402
 
 CASES = [("stem", "fsdp"), ("stem_half", "fsdp"), ("stem_gate", "ddp"), ("stem_dagger", "fsdp"), ("dse", "ddp")]
 V, T, STEPS, SAVE_AT, CLIP = 96, 8, 3, 2, 0.05
@@ -87,10 +84,7 @@ def _snapshot(model, opt) -> dict:
             for n, p in model.named_parameters()}
 
 
-def _rank(rank: int, world: int, port: int, specs: list, out: Path):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def _rank(specs: list, out: Path):
     ctx = distributed.setup(torch.device("cpu"))
     for i, (spec, (_, strategy)) in enumerate(zip(specs, CASES)):
         r = _train(spec, strategy, ctx, out / f"state{i}")
@@ -109,15 +103,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out, specs = tmp_path_factory.mktemp("tables"), _specs()
-    fork, port = multiprocessing.get_context("fork"), _free_port()
-    procs = [fork.Process(target=_rank, args=(r, 2, port, specs, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    # the unsharded single-process references, while the ranks run
+    # the unsharded single-process references (computed after the ranks, which fork from this process)
+    assert comms.fork_ranks(_rank, 2, specs, out) == [0, 0]
     refs = [_train(spec, strategy, distributed.DistContext()) for spec, (_, strategy) in zip(specs, CASES)]
-    for p in procs:
-        p.join(180)
-    assert [p.exitcode for p in procs] == [0, 0]
     return out, specs, refs
 
 

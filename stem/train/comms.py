@@ -34,6 +34,9 @@ is the step's FLOPs per GPU (``stem.models.accounting.flops_per_token``) at a st
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import socket
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -246,9 +249,11 @@ def count_collectives():
 
 # ----------------------------------------------------------------------------- jobs of an experiment
 
-def experiment(cfg: dict, jobs, gpus: int | None = None, strategy: str | None = None, **link) -> list[dict]:
+def experiment(cfg: dict, jobs, gpus: int | None = None, strategy: str | None = None, tables: str | None = None,
+               **link) -> list[dict]:
     """``model_step`` of each training job (scale, variant, stage) of ``cfg`` at its ``cluster.train`` layout
-    (``gpus``: another world size; ``strategy``: another backbone strategy), with the job's steps, its GPU-hours
+    (``gpus``: another world size; ``strategy``: another backbone strategy; ``tables``: another table layout,
+    ``cluster.tables``), with the job's steps, its GPU-hours
     at the stated MFU (compute only, and with the communication not overlapped: an upper bound) and, for every
     job whose scale and stage have a dense job, the ratio of its communication and step time to dense's.
     ``link``: ``model_step``'s bandwidth / MFU / peak overrides."""
@@ -257,6 +262,8 @@ def experiment(cfg: dict, jobs, gpus: int | None = None, strategy: str | None = 
     from stem.train.memtrace import job as traced_job
     from stem.train.plan import job_layout
     strategy = strategy or (cfg.get("cluster") or {}).get("strategy", "fsdp")
+    if tables:
+        cfg = {**cfg, "cluster": {**(cfg.get("cluster") or {}), "tables": tables}}
     rows = []
     for scale, variant, stage in jobs:
         world, per_node = job_layout(cfg, scale)
@@ -299,3 +306,26 @@ def render(rows: list[dict], title: str) -> str:
                       f"TFLOPS: {gh:,.0f} (compute only), {gn:,.0f} with the communication not overlapped "
                       f"(links: {r['intra_gbs']:g} GB/s within a node, {r['inter_gbs']:g} GB/s between nodes)"]
     return "\n".join(lines)
+
+
+def fork_ranks(target, world: int, *args, timeout: float = 300) -> list[int]:
+    """Run ``target(*args)`` in ``world`` processes forked from this one (torch already imported: no torchrun start-
+    up), each rank of one local gloo group (``stem.train.distributed.setup`` reads the environment set here);
+    returns their exit codes. For tests and benchmarks on the CPU."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def rank(r):
+        os.environ.update(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world))
+        torch.set_num_threads(1)
+        target(*args)
+
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=rank, args=(r,)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    return [p.exitcode for p in procs]
