@@ -46,6 +46,9 @@ def cmd_bench(args):
     if args.what == "offload":
         from stem.bench import offload
         return offload.main(args)
+    if args.what == "comms":
+        from stem.bench import comms
+        return comms.main(args)
     from stem.bench import train as bench
     {"attention": bench.main_attention, "train": bench.main_train}.get(args.what, bench.main)(args)
 
@@ -202,7 +205,7 @@ def main(argv=None):
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=["ffn", "attention", "train", "offload"])
+    b.add_argument("what", choices=["ffn", "attention", "train", "offload", "comms"])
     b.add_argument("--scale", default="350m", type=A.scale)
     b.add_argument("--tokens", type=A.whole(1, "tokens per call"), default=2048)
     b.add_argument("--repeats", type=A.whole(1, "timed repeats"), default=5)
