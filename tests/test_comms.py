@@ -24,19 +24,20 @@ from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.train.tables import row_shardable  # noqa: E402
 
 # every table / expert kind; each backbone strategy with plain, row-sparse and padded (DSE's prime rows) units;
-# (variant, backbone strategy, table layout)
+# (variant, backbone strategy, table layout [+ activation checkpointing])
 CASES = [("stem", "fsdp", "fsdp"), ("stem", "ddp", "fsdp"), ("stem_sparse", "fsdp", "fsdp"), ("stem_sparse", "ddp", "fsdp"),
          ("hashmoe", "fsdp", "fsdp"), ("moe", "ddp", "fsdp"), ("dse", "fsdp", "fsdp"), ("dse", "ddp", "fsdp"),
-         ("stem", "fsdp", "rows"), ("stem", "ddp", "rows")]
+         ("stem", "fsdp", "rows"), ("stem", "ddp", "rows"), ("stem", "fsdp", "fsdp+ckpt"), ("stem", "fsdp", "rows+ckpt")]
 V, T = 96, 8
 
 
-def _cfg(tables: str = "fsdp") -> dict:
+def _cfg(layout: str = "fsdp") -> dict:
+    tables, _, ckpt = layout.partition("+")
     cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
     cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 8},
                                 "dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
-    cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T)
+    cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T, activation_checkpointing=bool(ckpt))
     cfg["cluster"] = {"tables": tables}
     return cfg
 
@@ -56,6 +57,7 @@ def _rank(world: int, specs: list, out: str):
     for (variant, strategy, _), spec in zip(CASES, specs):
         torch.manual_seed(0)
         model = build_model(spec.model, ctx.device)
+        model.set_training_options(activation_checkpointing=spec.train.activation_checkpointing)
         sparse = spec.optim.row_sparse_tables(model)
         plan = ParallelPlan.of(spec.train, world, strategy, sparse, row_shardable(model, sparse))
         use_row_sparse(model, plan.row_sparse)
@@ -70,7 +72,8 @@ def _rank(world: int, specs: list, out: str):
         meta = build_model(spec.model, "meta")
         modelled = comms.collectives(meta, plan, mixed_precision=False, unique_rows=uniq,
                                      lookups=_lookups(meta, plan, batches, world) if plan.row_sharded else None)
-        rows.append({"case": f"{variant}/{strategy}/{spec.train.tables}", "counted": sorted(map(list, seen.items())),
+        ckpt = "+ckpt" if spec.train.activation_checkpointing else ""
+        rows.append({"case": f"{variant}/{strategy}/{spec.train.tables}{ckpt}", "counted": sorted(map(list, seen.items())),
                      "modelled": sorted(map(list, comms.as_counter(modelled).items()))})
     if ctx.is_main:
         Path(out).write_text(json.dumps(rows))

@@ -15,7 +15,8 @@ Counted from the code, per FSDP2 unit:
 - row-sharded tables (``train.tables: rows``, ``stem.train.tables``): four all-to-alls per table a micro-batch
   (the counts asked of each owner, int64; the ids asked of this rank, int64; the rows this rank reads, bf16
   under mixed precision; the gradients of the rows asked of it, fp32); data-dependent (``lookups``: counted
-  from the batch in tests, estimated for the paper, ``expected_lookups``).
+  from the batch in tests, estimated for the paper, ``expected_lookups``); with activation checkpointing the
+  forward's three run again when backward recomputes the block (an FSDP unit is not gathered again: counted).
 - row-sparse tables (``optim.table_update: sparse``): three all-gathers per table a step (each rank's count
   of unique rows, int64; the ids, int64; the fp32 rows), padded to the rank with most unique rows
   (``unique_rows``; data-dependent: counted from the batch in tests, estimated for the paper, ``zipf_unique``).
@@ -121,10 +122,11 @@ def collectives(model, plan: ParallelPlan, mixed_precision: bool, unique_rows: i
             out.append(Collective("dp_all_reduce", "all_reduce", 4 * rest, 1))
     if plan.row_sharded:
         wire = 2 if mixed_precision else 4
+        fwd = 2 if plan.activation_checkpointing else 1   # a checkpointed block's forward runs again in backward
         for d, uniq, asked in (expected_lookups(model, plan) if lookups is None else lookups):
-            out += [Collective("row_sharded_lookup", "all_to_all", 8 * w, 1),        # ids asked of each owner
-                    Collective("row_sharded_lookup", "all_to_all", 8 * asked, 1),     # the ids asked of this rank
-                    Collective("row_sharded_lookup", "all_to_all", wire * uniq * d, 1),   # the rows it reads
+            out += [Collective("row_sharded_lookup", "all_to_all", 8 * w, fwd),        # ids asked of each owner
+                    Collective("row_sharded_lookup", "all_to_all", 8 * asked, fwd),     # the ids asked of this rank
+                    Collective("row_sharded_lookup", "all_to_all", wire * uniq * d, fwd),   # the rows it reads
                     Collective("row_sharded_lookup", "all_to_all", 4 * asked * d, 1)]     # its rows' gradients
     for p in plan.row_sparse_params(model):
         out += [Collective("row_sparse_gather", "all_gather", 8 * w, 1),
