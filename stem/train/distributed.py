@@ -17,7 +17,8 @@ Sharding (``parallelize``, as the plan says):
   replicated with one gradient all-reduce per step (``strategy="ddp"``, for small models);
 - row-sparse tables (``optim.table_update: sparse``, the plan's ``row_sparse``): replicated on every rank,
   outside FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead;
-- STEM tables, DSE tables, Hash-MoE experts and the routed MoE's experts: each such module gets its own ``fully_shard`` unit on the
+- STEM tables and DSE tables (under ``train.tables: fsdp``, the default), Hash-MoE experts and the routed MoE's
+  experts: each such module gets its own ``fully_shard`` unit on the
   world mesh *before* the backbone is wrapped, so they are sharded over all ranks (dim 0: table rows /
   experts) whatever the backbone strategy. FSDP reduce-scatters their gradients over the whole world,
   i.e. across every data-parallel replica on every node (the official code leaves replicas of its

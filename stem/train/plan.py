@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stem.options import Strategy, TableLayout, values
+from stem.options import Strategy, values
 
 STRATEGIES = values(Strategy)
-TABLE_LAYOUTS = values(TableLayout)
 
 
 def cluster_train(cfg: dict, scale: str) -> dict:
@@ -45,8 +44,8 @@ class ParallelPlan:
     """One training job's layout: ``world`` ranks, the backbone's ``strategy`` (fsdp | ddp), ``micro_batch``
     sequences of ``seq_len`` per rank per forward, ``accum`` global micro-batches per step (rank r runs r,
     r + world, ...), activation checkpointing, ``row_sparse``: the names of the table modules trained
-    row-sparse (``optim.table_update: sparse``), replicated on every rank outside FSDP, and ``row_sharded``:
-    the lookup tables sharded by rows outside FSDP (``train.tables: rows``, ``stem.train.tables``), and
+    row-sparse (``optim.table_update: sparse``), replicated on every rank outside FSDP, ``row_sharded``: the
+    lookup tables sharded by rows outside FSDP (``train.tables: rows``, ``stem.train.tables``), and
     ``host_tables``: those kept in host memory (``train.tables: host``, one rank only). Every other
     module declaring ``shard_unit`` (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts) with a parameter left
     is its own FSDP unit over all ranks whatever the strategy."""

@@ -49,14 +49,14 @@ class RowShardedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, ids, block: int, wire_dtype, bound: bool = False):
         world, rank = dist.get_world_size(), dist.get_rank()
-        send = torch.empty(world, dtype=torch.int64, device=ids.device)   # ids asked of each owner
         if bound:   # the memory trace's upper bound: every id distinct, as many asked of each owner
             uniq, n = ids.reshape(-1), ids.numel()
             inverse = torch.arange(n, device=ids.device)
             split = [n // world + (i < n % world) for i in range(world)]
+            send = torch.tensor(split, device=ids.device)
         else:
             uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
-            send = torch.bincount(uniq // block, minlength=world)
+            send = torch.bincount(uniq // block, minlength=world)   # ids asked of each owner
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send)
         send, recv = (split, split) if bound else (send.tolist(), recv.tolist())
