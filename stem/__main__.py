@@ -1,4 +1,4 @@
-"""Command line: python -m stem {params,bench,train,eval,diff,compare,memory,gpucheck,rehearsal-data} ..."""
+"""Command line: python -m stem {params,bench,train,eval,diff,compare,memory,comms,gpucheck,rehearsal-data} ..."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 from stem import cli_args as A
 from stem import config as C
 from stem import layout as L
-from stem.options import Strategy, values
+from stem.options import Strategy, TableLayout, values
 
 # Each command imports the code it runs inside its function (cmd_*): torch, lm_eval, transformers, pandas
 # and matplotlib load only for the commands that use them.
@@ -47,6 +47,9 @@ def cmd_bench(args):
     if args.what == "offload":
         from stem.bench import offload
         return offload.main(args)
+    if args.what == "comms":
+        from stem.bench import comms
+        return comms.main(args)
     from stem.bench import train as bench
     {"attention": bench.main_attention, "train": bench.main_train}.get(args.what, bench.main)(args)
 
@@ -174,6 +177,25 @@ def cmd_memory(args):
         sys.exit(2)
 
 
+def cmd_comms(args):
+    from stem.train import comms
+    cfg = experiment_config(args.experiment)
+    jobs = _matching_jobs(cfg, args)
+    if not (args.scale or args.variant):
+        jobs += C.seed_targets(cfg)
+    if args.mfu is not None and args.mfu > 1:
+        raise C.ConfigError(f"--mfu {args.mfu:g}: expected a fraction of the peak, in (0, 1]")
+    link = {k: getattr(args, k) for k in ("intra_gbs", "inter_gbs", "mfu", "peak_tflops") if getattr(args, k) is not None}
+    try:
+        rows = comms.experiment(cfg, jobs, args.gpus, args.strategy, args.tables, **link)
+    except ValueError as e:   # a world size the batch does not split over
+        raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'}: {e}") from None
+    print(json.dumps(rows, indent=1) if args.json else comms.render(
+        rows, f"Communication per GPU per optimizer step of each training job, experiment '{args.experiment}' "
+              "(stem.train.comms: GB on the wire per GPU, ring algorithm; AG all-gather, RS reduce-scatter, AR "
+              "all-reduce; comm time at the slowest link the job's ring crosses, not overlapped)"))
+
+
 def cmd_export_hf(args):
     from stem.hf.export import export_hf  # transformers: imported only by this command
     print(json.dumps(export_hf(args.checkpoint, args.out, force=args.force), indent=2))
@@ -204,7 +226,7 @@ def main(argv=None):
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=["ffn", "attention", "train", "offload"])
+    b.add_argument("what", choices=["ffn", "attention", "train", "offload", "comms"])
     b.add_argument("--scale", default="350m", type=A.scale)
     b.add_argument("--tokens", type=A.whole(1, "tokens per call"), default=2048)
     b.add_argument("--repeats", type=A.whole(1, "timed repeats"), default=5)
@@ -293,6 +315,23 @@ def main(argv=None):
     m.add_argument("--cache", default=L.MEMORY_TRACES, help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
+    c = sub.add_parser("comms", help="modelled communication of every training job: bytes per GPU per step by kind, "
+                                     "time at stated link bandwidths vs compute at a stated MFU, GPU-hours")
+    A.add_experiment(c, "paper")
+    c.add_argument("--scale", type=A.scale)
+    c.add_argument("--variant")
+    c.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
+                   help="world size (default: the config's cluster.train nodes x gpus_per_node)")
+    c.add_argument("--strategy", choices=values(Strategy))
+    c.add_argument("--tables", choices=values(TableLayout), help="the table layout (default: the config's cluster.tables)")
+    c.add_argument("--intra-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth within a node "
+                   "(default: stem.train.comms.INTRA_NODE_GBS)")
+    c.add_argument("--inter-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth between nodes "
+                   "(default: stem.train.comms.INTER_NODE_GBS)")
+    c.add_argument("--mfu", type=A.number(1e-9, "MFU (a fraction)"), help="compute's MFU (default: 0.40)")
+    c.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="dense bf16 peak (default: H100 SXM)")
+    c.add_argument("--json", action="store_true", help="every job's figures as JSON")
+    c.set_defaults(fn=cmd_comms)
     x = sub.add_parser("export-hf", help="a checkpoint folder -> a transformers folder (docs/huggingface.md)")
     x.add_argument("checkpoint", help="a checkpoint folder written by a training stage")
     x.add_argument("out", help="the transformers folder to write (a previous export there is replaced atomically)")

@@ -383,6 +383,7 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
                                                 and not cfg["stages"][s][scale].get("reset_optimizer", True)
                                                 for s in cfg["matrix"][scale]["stages"])
     train["parallel"] = (cfg.get("cluster") or {}).get("strategy", "fsdp")   # the backbone's, under torchrun
+    train["tables"] = (cfg.get("cluster") or {}).get("tables", "fsdp")       # the lookup tables', likewise
     optim = _deep_merge(cfg["optim"], vspec.get("optim", {}))   # a variant may set e.g. table_update
     if table_group:
         optim = _deep_merge(optim, {"groups": {"table": table_group}})

@@ -30,6 +30,14 @@ class Strategy(StrEnum):
     DDP = "ddp"
 
 
+class TableLayout(StrEnum):
+    """Where a job keeps its lookup tables (stem.train.distributed, stem.train.tables): each its own FSDP unit,
+    row-sharded with only the looked-up rows moved, or (one rank) in host memory."""
+    FSDP = "fsdp"
+    ROWS = "rows"
+    HOST = "host"
+
+
 class Schedule(StrEnum):
     COSINE = "cosine"
     LINEAR = "linear"

@@ -7,7 +7,7 @@ the jobs whose spec changed). The job builds the dataclass with ``from_dict`` on
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
 
 Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
-``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
 JSON of the jobs that do not use it unchanged.
 """
 from __future__ import annotations
@@ -22,11 +22,12 @@ from stem.fields import OPTIONAL, FieldError as _FieldError, check as _check, is
 from stem.layout import REPO
 from stem.models.config import ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
-from stem.options import InsertInit, Schedule, Strategy, Truncation, values
+from stem.options import InsertInit, Schedule, Strategy, TableLayout, Truncation, values
 from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
 SCHEDULES = values(Schedule)
+TABLE_LAYOUTS = values(TableLayout)       # where a multi-rank job keeps its lookup tables (stem.train.tables)
 
 
 class SpecError(ValueError):
@@ -187,6 +188,7 @@ class TrainSettings:
     schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
     parallel: str = field(default="fsdp", metadata=OPTIONAL)   # the backbone's strategy under torchrun
+    tables: str = field(default="fsdp", metadata=OPTIONAL)     # lookup tables: fsdp units | rows | host
     peak_tflops: float | None = field(default=None, metadata=OPTIONAL)   # MFU's peak (stem.train.throughput)
     wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
     compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)
@@ -194,6 +196,7 @@ class TrainSettings:
     def __post_init__(self):
         _check(self.schedule in SCHEDULES, "schedule", f"one of {', '.join(SCHEDULES)}", self.schedule)
         _check(self.parallel in STRATEGIES, "parallel", f"one of {', '.join(STRATEGIES)}", self.parallel)
+        _check(self.tables in TABLE_LAYOUTS, "tables", f"one of {', '.join(TABLE_LAYOUTS)}", self.tables)
         _check(self.lr > 0, "lr", "a number > 0", self.lr)
         for key in ("warmup", "min_lr_ratio"):
             _check(0 <= getattr(self, key) <= 1, key, "a number in [0, 1]", getattr(self, key))
