@@ -24,9 +24,6 @@ include: "rules/sweep.smk"
 include: "rules/hf.smk"
 
 
-apply_cluster_defaults()  # partition/account/size defaults for rules that set none (data, reports)
-
-
 rule all:
     default_target: True
     input:

@@ -119,16 +119,25 @@ def _train_res(key):
     return lambda w: cluster_resources("train", w.scale)[key]
 
 
-def apply_cluster_defaults():
-    """Partition/account/constraint and the "cpu" job size for rules that do not set their own (data, reports)."""
+def add_cluster_defaults():
+    """Partition/account/constraint and the "cpu" job size for rules that do not set their own (data, reports):
+    added under Snakemake's default resources (`--default-resources` or a profile's `default-resources:` keep
+    theirs) before the first rule is defined, so every rule starts from them, and the jobs Snakemake spawns
+    (Slurm's job steps) are passed them with the rest."""
+    if list(workflow.rules):
+        raise WorkflowError("rules/common.smk: the cluster defaults must be set before the first rule is defined")
     cpu = cluster_resources("cpu")
     cpu.pop("cpus_per_task", None)  # a rule's `threads` sets its CPUs
     from snakemake.resources import Resources
 
-    defaults = Resources.from_mapping(cpu)
-    for r in list(workflow.rules) + [None]:
-        target = workflow.resource_settings._parsed_default_resources if r is None else r.resources
-        for k, v in defaults.items():
-            target.setdefault(k, v)
+    settings = workflow.resource_settings
+    defaults = Resources.default("bare") if settings.default_resources is None else Resources.from_mapping(
+        settings.default_resources).copy()
+    for k, v in cpu.items():
+        defaults.setdefault(k, v)
+    settings.default_resources = defaults
+
+
+add_cluster_defaults()  # before rules/*.smk define their rules (the Snakefile includes this file first)
 
 

@@ -64,7 +64,9 @@ rule report_tables:
 
 rule report_diff:
     input:
-        L.reproduced("{experiment}"),
+        reproduced=L.reproduced("{experiment}"),
+        # the accepted-disagreements file (config report.accepted; a path in the repository), when there is one
+        accepted=lambda w: [str(L.REPO / a) for a in [(config.get("report") or {}).get("accepted")] if a],
     output:
         md=report(
             L.diff_file("{experiment}", "diff.md"),
@@ -84,7 +86,8 @@ rule report_diff:
     conda:
         ENV
     shell:
-        "python -m workflow_scripts.report_diff --spec {params.spec:q} --reproduced {input} --out-dir {params.out} "
+        "python -m workflow_scripts.report_diff --spec {params.spec:q} --reproduced {input.reproduced} "
+        "--out-dir {params.out} "
         "2> {log}"
 
 

@@ -1,13 +1,14 @@
-"""Command line: python -m stem {params,bench,train,eval,diff,compare,memory,gpucheck,rehearsal-data} ..."""
+"""Command line: python -m stem {params,bench,train,eval,diff,compare,memory,comms,gpucheck,rehearsal-data} ..."""
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from stem import cli_args as A
 from stem import config as C
 from stem import layout as L
-from stem.options import Strategy, values
+from stem.options import Strategy, TableLayout, values
 
 # Each command imports the code it runs inside its function (cmd_*): torch, lm_eval, transformers, pandas
 # and matplotlib load only for the commands that use them.
@@ -46,6 +47,9 @@ def cmd_bench(args):
     if args.what == "offload":
         from stem.bench import offload
         return offload.main(args)
+    if args.what == "comms":
+        from stem.bench import comms
+        return comms.main(args)
     from stem.bench import train as bench
     {"attention": bench.main_attention, "train": bench.main_train}.get(args.what, bench.main)(args)
 
@@ -76,17 +80,36 @@ def cmd_diff(args):
     """Rebuild the tables from results/, diff them against the paper, print (and optionally write) it."""
     from stem.report.build import paper_accounting, run_diff, write_diff, write_tables
     from stem.report.results import Results
+    from stem.report.tables import settings
     cfg = experiment_config(args.experiment)
     res = Results(cfg["experiment"], args.results)
     if not (res.root / res.experiment).is_dir():
         raise C.ConfigError(f"--results {args.results}: no {res.experiment}/ folder in it (expected "
                             f"{args.results}/{res.experiment}/{{scale}}/{{variant}}/{{stage}}/)")
+    if not args.allow_dirty:
+        from stem.report.provenance import dirty
+        bad = dirty(cfg, res)
+        if bad:
+            changed = sorted({f for _, files in bad for f in files})
+            raise C.ConfigError(f"--results {args.results}: {len(bad)} result file(s) written from a dirty tree "
+                                f"(uncommitted changes to {', '.join(changed) or 'tracked files'}): "
+                                f"{', '.join(p for p, _ in bad)}; rerun them from a commit, or pass --allow-dirty")
     if args.write:
         ours = write_tables(cfg, res, L.tables_dir(cfg["experiment"]))
     else:
         from stem.report.tables import build_all
         ours = build_all(cfg, res)
-    out = run_diff(cfg, ours, args.gate, args.gate_tolerance, paper_acct=paper_accounting())
+    configured = settings(cfg).accepted
+    accepted = args.accepted or (C.REPO / configured if configured else None)
+    if args.accept and accepted is None:
+        raise C.ConfigError("--accept: no accepted-disagreements file: give --accepted FILE or set report.accepted")
+    out = run_diff(cfg, ours, args.gate, args.gate_tolerance, paper_acct=paper_accounting(),
+                   accepted=accepted if accepted is None or Path(accepted).is_file() or not args.accept else None)
+    if args.accept:
+        from stem.report.diff import accept, accepted_rows
+        out[0]["accepted"] = {"file": str(accepted), "cells": accepted_rows(out[2], accept(
+            out[2], args.accept, args.reason, accepted))}
+        print(f"accepted {', '.join(args.accept)} in {accepted}", file=sys.stderr)
     if args.write:
         write_diff(L.diff_dir(cfg["experiment"]), *out)
     from stem.report.diff import render
@@ -102,7 +125,8 @@ def cmd_diff(args):
         sys.exit(2)
     if args.gate_directions or args.baseline:
         from stem.report.diff import gate_directions, load_directions
-        failed = gate_directions(out[2], load_directions(args.baseline) if args.baseline else None)
+        failed = gate_directions(out[2], load_directions(args.baseline) if args.baseline else None,
+                                 (out[0].get("accepted") or {}).get("cells", []))
         for line in failed:
             print(f"direction gate: {line}", file=sys.stderr)
         if failed:
@@ -153,9 +177,28 @@ def cmd_memory(args):
         sys.exit(2)
 
 
+def cmd_comms(args):
+    from stem.train import comms
+    cfg = experiment_config(args.experiment)
+    jobs = _matching_jobs(cfg, args)
+    if not (args.scale or args.variant):
+        jobs += C.seed_targets(cfg)
+    if args.mfu is not None and args.mfu > 1:
+        raise C.ConfigError(f"--mfu {args.mfu:g}: expected a fraction of the peak, in (0, 1]")
+    link = {k: getattr(args, k) for k in ("intra_gbs", "inter_gbs", "mfu", "peak_tflops") if getattr(args, k) is not None}
+    try:
+        rows = comms.experiment(cfg, jobs, args.gpus, args.strategy, args.tables, **link)
+    except ValueError as e:   # a world size the batch does not split over
+        raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'}: {e}") from None
+    print(json.dumps(rows, indent=1) if args.json else comms.render(
+        rows, f"Communication per GPU per optimizer step of each training job, experiment '{args.experiment}' "
+              "(stem.train.comms: GB on the wire per GPU, ring algorithm; AG all-gather, RS reduce-scatter, AR "
+              "all-reduce; comm time at the slowest link the job's ring crosses, not overlapped)"))
+
+
 def cmd_export_hf(args):
     from stem.hf.export import export_hf  # transformers: imported only by this command
-    print(json.dumps(export_hf(args.checkpoint, args.out), indent=2))
+    print(json.dumps(export_hf(args.checkpoint, args.out, force=args.force), indent=2))
 
 
 def cmd_import_hf(args):
@@ -185,7 +228,7 @@ def main(argv=None):
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_params)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=["ffn", "attention", "train", "offload"])
+    b.add_argument("what", choices=["ffn", "attention", "train", "offload", "comms"])
     b.add_argument("--scale", default="350m", type=A.scale)
     b.add_argument("--tokens", type=A.whole(1, "tokens per call"), default=2048)
     b.add_argument("--repeats", type=A.whole(1, "timed repeats"), default=5)
@@ -239,6 +282,14 @@ def main(argv=None):
     d.add_argument("--baseline", metavar="DIRECTIONS_CSV",
                    help="with --gate-directions: also exit 2 when a verdict changed against this saved "
                         "reports/<experiment>/diff/directions.csv (implies --gate-directions)")
+    d.add_argument("--accepted", metavar="YAML",
+                   help="accepted-disagreements file the direction gate honours (default: config report.accepted)")
+    d.add_argument("--accept", action="append", default=[], metavar="CELL",
+                   help="record a direction that disagrees now (table/scale/variant/column[@stage], as the gate "
+                        "names it) in the accepted-disagreements file, with its interval now; repeatable")
+    d.add_argument("--reason", help="with --accept: why the disagreement is accepted")
+    d.add_argument("--allow-dirty", action="store_true",
+                   help="compare results written from a dirty tree (uncommitted changes; refused otherwise)")
     d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
     d.set_defaults(fn=cmd_diff)
@@ -266,9 +317,27 @@ def main(argv=None):
     m.add_argument("--cache", default=L.MEMORY_TRACES, help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
     m.set_defaults(fn=cmd_memory)
+    c = sub.add_parser("comms", help="modelled communication of every training job: bytes per GPU per step by kind, "
+                                     "time at stated link bandwidths vs compute at a stated MFU, GPU-hours")
+    A.add_experiment(c, "paper")
+    c.add_argument("--scale", type=A.scale)
+    c.add_argument("--variant")
+    c.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
+                   help="world size (default: the config's cluster.train nodes x gpus_per_node)")
+    c.add_argument("--strategy", choices=values(Strategy))
+    c.add_argument("--tables", choices=values(TableLayout), help="the table layout (default: the config's cluster.tables)")
+    c.add_argument("--intra-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth within a node "
+                   "(default: stem.train.comms.INTRA_NODE_GBS)")
+    c.add_argument("--inter-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth between nodes "
+                   "(default: stem.train.comms.INTER_NODE_GBS)")
+    c.add_argument("--mfu", type=A.number(1e-9, "MFU (a fraction)"), help="compute's MFU (default: 0.40)")
+    c.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="dense bf16 peak (default: H100 SXM)")
+    c.add_argument("--json", action="store_true", help="every job's figures as JSON")
+    c.set_defaults(fn=cmd_comms)
     x = sub.add_parser("export-hf", help="a checkpoint folder -> a transformers folder (docs/huggingface.md)")
     x.add_argument("checkpoint", help="a checkpoint folder written by a training stage")
-    x.add_argument("out", help="the transformers folder to write (replaced atomically)")
+    x.add_argument("out", help="the transformers folder to write (a previous export there is replaced atomically)")
+    x.add_argument("--force", action="store_true", help="replace whatever is at OUT (a file, another folder)")
     x.set_defaults(fn=cmd_export_hf)
     i = sub.add_parser("import-hf", help="a transformers Llama folder or hub id -> a checkpoint folder "
                                          "(docs/huggingface.md)")

@@ -15,7 +15,7 @@ from stem.io import deep_merge as _deep_merge
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.models.config import DSEConfig, model_config
-from stem.options import Scale, Stage, values
+from stem.options import InsertInit, Scale, Stage, Truncation, values
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS  # names only: entries load on use
 from stem.specs import TrainSpec
 from stem.sweeps import is_sweep_id
@@ -71,12 +71,18 @@ def _check_sources(cfg: dict, origin: str):
 
 
 def _check_suite_kinds(cfg: dict, origin: str):
-    """Every eval suite's kind (default lm_eval) is a registered one (stem.registry.SUITE_KINDS)."""
+    """Every eval suite's kind (default lm_eval) is a registered one (stem.registry.SUITE_KINDS); its
+    ``truncation`` one of the policies (NIAH: error only, its prompts are never cut)."""
     for name, suite in ((cfg.get("eval") or {}).get("suites") or {}).items():
         kind = suite.get("kind", "lm_eval") if isinstance(suite, dict) else None
         if kind not in SUITE_KINDS:
             raise ConfigError(f"{origin}: key 'eval.suites.{name}.kind': unknown suite kind {kind!r}; "
                               f"expected one of {sorted(SUITE_KINDS)}")
+        allowed = ("error",) if kind == "niah" else values(Truncation)
+        if suite.get("truncation", allowed[0]) not in allowed:
+            raise ConfigError(f"{origin}: key 'eval.suites.{name}.truncation': {suite['truncation']!r}; expected "
+                              + ("error (NIAH prompts are built to fit their cells, never cut)" if kind == "niah"
+                                 else f"one of {', '.join(allowed)}"))
 
 
 def _check_registered(cfg: dict, origin: str):
@@ -117,6 +123,30 @@ def _check_variant_dse(name: str, dse, origin: str):
         raise ConfigError(f"{where}: key {str(e).split('=')[0]!r}: {e}") from None
 
 
+def _check_variant_insert(cfg: dict, name: str, spec: dict, origin: str):
+    """A mid-training insertion (stem.models.insert) builds STEM tables from a dense model's up-projections: its
+    ``insert.from`` is a dense variant (no other FFN kind, no DSE memory), its ``init`` a known one, its own FFN
+    kind ``stem``; found here, not when the insertion job starts."""
+    where = f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides)"
+    ins = spec["insert"]
+    if not isinstance(ins, dict) or not {"from", "stage"} <= set(ins):
+        raise ConfigError(f"{where}: key 'insert': {ins!r}; expected {{from: <dense variant>, stage: <stage>, "
+                          f"init: {' | '.join(values(InsertInit))}}}")
+    if ins.get("init", InsertInit.PROJECTED) not in values(InsertInit):
+        raise ConfigError(f"{where}: key 'insert.init': {ins['init']!r}; expected one of "
+                          f"{', '.join(values(InsertInit))}")
+    if spec.get("ffn", "dense") != "stem":
+        raise ConfigError(f"{where}: key 'ffn': {spec.get('ffn', 'dense')!r}; an insertion builds ffn kind 'stem'")
+    src = variant(cfg, ins["from"])
+    if src is None:
+        raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} is not a variant of config/variants.yaml; "
+                          f"expected a dense one")
+    if src.get("ffn", "dense") != "dense" or src.get("dse") is not None:
+        what = f"ffn {src['ffn']!r}" if src.get("ffn", "dense") != "dense" else "a DSE memory"
+        raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} has {what}; expected a dense variant "
+                          "(the insertion builds the STEM tables from its dense up-projections)")
+
+
 def _check_variant_names(cfg: dict, origin: str):
     """Every variant the config names is one of config/variants.yaml (the schema checks only their spelling)."""
     known = variants(cfg)
@@ -140,6 +170,8 @@ def _cross_check(cfg: dict, origin: str):
             _check_variant_optim(cfg, name, spec["optim"], origin)
         if spec.get("dse") is not None:   # DSE orders, heads, widths: checked here, not when a job builds it
             _check_variant_dse(name, spec["dse"], origin)
+        if spec.get("insert") is not None:   # likewise a mid-training insertion's source and init
+            _check_variant_insert(cfg, name, spec, origin)
         kind = spec.get("ffn", "dense")
         if kind not in FFN_KINDS:
             raise ConfigError(f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides): key 'ffn': "
@@ -351,6 +383,7 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
                                                 and not cfg["stages"][s][scale].get("reset_optimizer", True)
                                                 for s in cfg["matrix"][scale]["stages"])
     train["parallel"] = (cfg.get("cluster") or {}).get("strategy", "fsdp")   # the backbone's, under torchrun
+    train["tables"] = (cfg.get("cluster") or {}).get("tables", "fsdp")       # the lookup tables', likewise
     optim = _deep_merge(cfg["optim"], vspec.get("optim", {}))   # a variant may set e.g. table_update
     if table_group:
         optim = _deep_merge(optim, {"groups": {"table": table_group}})

@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 
 from stem import config as C
 from stem import layout as L
+from stem import provenance
 from stem.bench.offload import decode_seconds
 from stem.checkpoint import save_checkpoint
 from stem.data.synth import make_world, web_documents
@@ -687,6 +688,9 @@ def run(device: str = "cuda", tiny: bool = False, items: str = ITEMS, out_dir=L.
         items = "".join(k for k in VALUE_ORDER if k in items)
     report = {**environment(dev), "shapes": "tiny" if tiny else "paper", "budget_s": budget, "finished": False,
               "items": {}}
+    report["provenance"] = provenance.record({"device": device, "tiny": tiny, "items": items, "compile": compile,
+                                              "peak_tflops": peak_tflops, "variants": list(variants),
+                                              "budget": budget, "require_mfu": require_mfu})
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="gpucheck_") as work:
         ctx = Ctx(dev, tiny, Path(work), peak_tflops, compile, tuple(variants), require_mfu)

@@ -20,6 +20,7 @@ the code reads and writes.
     logs/{experiment}/sweeps/{kind}.log
     logs/{experiment}/{job}.log                                   the experiment's other jobs (report, bench)
     results/memory_traces/, reports/gpucheck/                     caches and checks outside the workflow's jobs
+    data/rehearsal/hub/                                           the one-node rehearsal's offline inputs
 
 Every function takes the path's parts; called with wildcard names (``"{experiment}"``, ...; ``STAGE``) it
 gives the rule's pattern, so a rule and the code cannot disagree. Torch-free (the Snakefile imports it).
@@ -202,6 +203,7 @@ def offload_file(exp: str, ext: str, variant: str | None = None) -> str:
 # ---- outside the workflow's jobs ---------------------------------------------------------------------------
 MEMORY_TRACES = "results/memory_traces"   # cached memory traces of the paper's training jobs (stem.train.memory)
 GPUCHECK_DIR = "reports/gpucheck"         # python -m stem gpucheck
+REHEARSAL_HUB = "data/rehearsal/hub"      # python -m stem rehearsal-data: config/rehearsal.yaml's offline inputs
 
 
 # ---- sweeps (stem.sweeps, rules/sweep.smk) ---------------------------------------------------------------

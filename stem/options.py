@@ -30,6 +30,14 @@ class Strategy(StrEnum):
     DDP = "ddp"
 
 
+class TableLayout(StrEnum):
+    """Where a job keeps its lookup tables (stem.train.distributed, stem.train.tables): each its own FSDP unit,
+    row-sharded with only the looked-up rows moved, or (one rank) in host memory."""
+    FSDP = "fsdp"
+    ROWS = "rows"
+    HOST = "host"
+
+
 class Schedule(StrEnum):
     COSINE = "cosine"
     LINEAR = "linear"
@@ -45,6 +53,21 @@ class TableUpdate(StrEnum):
 class TableInit(StrEnum):
     XAVIER_NORMAL = "xavier_normal"
     NORMAL = "normal"
+
+
+class Truncation(StrEnum):
+    """What an eval request longer than the model's context keeps (stem.eval.lm.truncate; a suite's
+    ``truncation:``): refuse it, its last tokens (lm-eval's own models), or its first and last halves
+    (LongBench's pred.py)."""
+    ERROR = "error"
+    LEFT = "left"
+    MIDDLE = "middle"
+
+
+class InsertInit(StrEnum):
+    """A mid-training insertion's table init (stem.models.insert): U = RMSNorm(E) W_up^T, or the table's own."""
+    PROJECTED = "projected"
+    XAVIER = "xavier"
 
 
 def values(option: type[StrEnum]) -> tuple[str, ...]:

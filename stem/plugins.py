@@ -16,7 +16,8 @@ BUILTIN: dict[str, tuple[str, ...]] = {
     "ffn kind": ("stem.models.registry",),
     "suite kind": ("stem.eval.spec",),
     "report table": ("stem.report.tables", "stem.report.figures", "stem.report.analyses",
-                     "stem.report.mechanism", "stem.report.sweep_figures", "stem.report.provenance"),
+                     "stem.report.mechanism", "stem.report.sweep_figures", "stem.report.provenance",
+                     "stem.report.truncation"),
     "analysis": ("stem.analysis.workflow",),
     "generator": ("stem.data.synth",),
 }

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from stem import layout as L
 from stem.data.sources import _streaming_format
 from stem.data.synth import GENERATORS, make_world
 from stem.data.tokenizer import load_tokenizer, train_bpe
 from stem.io import atomic_dir, atomic_write_text
 
-ROOT = Path("data/rehearsal/hub")
+ROOT = Path(L.REHEARSAL_HUB)
 VOCAB = {"350m": 32000, "1b": 128256}            # the paper's tokenizers (config/paper.yaml)
 BPE_VOCAB = 4096                                  # merges learnt from the synthetic text; the rest reserved
 ROW = 65536                                       # ProLong-data-64K's row length

@@ -7,7 +7,7 @@ the jobs whose spec changed). The job builds the dataclass with ``from_dict`` on
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
 
 Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
-``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
 JSON of the jobs that do not use it unchanged.
 """
 from __future__ import annotations
@@ -19,13 +19,15 @@ import typing
 from dataclasses import dataclass, field
 
 from stem.fields import OPTIONAL, FieldError as _FieldError, check as _check, is_number as _is_number
+from stem.layout import REPO
 from stem.models.config import ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
-from stem.options import Schedule, Strategy, values
+from stem.options import InsertInit, Schedule, Strategy, TableLayout, Truncation, values
 from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
 SCHEDULES = values(Schedule)
+TABLE_LAYOUTS = values(TableLayout)       # where a multi-rank job keeps its lookup tables (stem.train.tables)
 
 
 class SpecError(ValueError):
@@ -186,6 +188,7 @@ class TrainSettings:
     schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
     parallel: str = field(default="fsdp", metadata=OPTIONAL)   # the backbone's strategy under torchrun
+    tables: str = field(default="fsdp", metadata=OPTIONAL)     # lookup tables: fsdp units | rows | host
     peak_tflops: float | None = field(default=None, metadata=OPTIONAL)   # MFU's peak (stem.train.throughput)
     wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
     compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)
@@ -193,6 +196,7 @@ class TrainSettings:
     def __post_init__(self):
         _check(self.schedule in SCHEDULES, "schedule", f"one of {', '.join(SCHEDULES)}", self.schedule)
         _check(self.parallel in STRATEGIES, "parallel", f"one of {', '.join(STRATEGIES)}", self.parallel)
+        _check(self.tables in TABLE_LAYOUTS, "tables", f"one of {', '.join(TABLE_LAYOUTS)}", self.tables)
         _check(self.lr > 0, "lr", "a number > 0", self.lr)
         for key in ("warmup", "min_lr_ratio"):
             _check(0 <= getattr(self, key) <= 1, key, "a number in [0, 1]", getattr(self, key))
@@ -241,8 +245,8 @@ class TrainSpec(_Spec):
 
     def __post_init__(self):
         _check(self.insert is None or (set(self.insert) == {"from", "init"}
-                                       and self.insert["init"] in ("projected", "xavier")),
-               "insert", "null or {from: <variant>, init: projected | xavier}", self.insert)
+                                       and self.insert["init"] in values(InsertInit)),
+               "insert", f"null or {{from: <variant>, init: {' | '.join(values(InsertInit))}}}", self.insert)
         _check(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
         _check(len(self.data) > 0, "data", "at least one source", self.data)
 
@@ -273,13 +277,15 @@ class EvalSpec(_Spec):
     device: str | None = None
     fixtures: str | None = None      # offline fixture folder (tiny), else lm-eval's own data
     job: JobId | None = None         # the checkpoint this job must read (checked against its config.json)
+    truncation: str = Truncation.LEFT   # requests longer than the context (stem.eval.lm.truncate; suite default)
     options: dict = field(default_factory=dict)
 
-    COMMON: typing.ClassVar[tuple] = ("suite", "kind", "batch_size", "seed", "device", "fixtures", "job")
+    COMMON: typing.ClassVar[tuple] = ("suite", "kind", "batch_size", "seed", "device", "fixtures", "job", "truncation")
 
     def __post_init__(self):
         _check(self.kind in SUITE_KINDS, "kind", f"a registered suite kind ({', '.join(sorted(SUITE_KINDS))})",
                self.kind)
+        _check(self.truncation in values(Truncation), "truncation", " | ".join(values(Truncation)), self.truncation)
         _check(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
 
     @classmethod
@@ -316,13 +322,16 @@ class ReportSpec(_Spec):
     """The aggregate stage's settings: the experiment config's ``report:`` section over the defaults.
 
     stages: {table: training stages feeding it, first with results wins} (default: each registered table's
-    own ``stages``); tolerance: the diff's absolute tolerance per kind of cell; spikes: Figure 5a's rule.
+    own ``stages``); tolerance: the diff's absolute tolerance per kind of cell; spikes: Figure 5a's rule;
+    accepted: the accepted-disagreements file (YAML, relative to the repository; stem.report.diff.load_accepted)
+    the directions gate honours and the report lists.
     ``from_config`` checks it once; every report job reads this, never the raw section."""
     KIND: typing.ClassVar[str] = "report"
     experiment: str
     stages: dict[str, tuple[str, ...]]
     tolerance: dict[str, float]
     spikes: Spikes = field(default_factory=Spikes)
+    accepted: str | None = None
 
     def __post_init__(self):
         tables = REPORT_TABLES
@@ -335,6 +344,9 @@ class ReportSpec(_Spec):
         for name, tol in self.tolerance.items():
             _check(name in TOLERANCES and tol >= 0, f"tolerance.{name}",
                    f"a number >= 0 for one of {', '.join(TOLERANCES)}", tol)
+        if self.accepted is not None:
+            _check(isinstance(self.accepted, str) and (REPO / self.accepted).is_file(), "accepted",
+                   "the path of an accepted-disagreements YAML file (relative to the repository)", self.accepted)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ReportSpec":
@@ -350,6 +362,7 @@ class ReportSpec(_Spec):
         try:
             return cls.from_dict({"experiment": cfg["experiment"], "stages": {**stages, **(rep.get("stages") or {})},
                                   "tolerance": {**tolerance, **(rep.get("tolerance") or {})},
-                                  "spikes": {**dataclasses.asdict(Spikes()), **(rep.get("spikes") or {})}})
+                                  "spikes": {**dataclasses.asdict(Spikes()), **(rep.get("spikes") or {})},
+                                  "accepted": rep.get("accepted")})
         except SpecError as e:   # name the config's key
             raise SpecError(str(e).replace("report spec: key '", "config: key 'report.", 1)) from None

@@ -219,6 +219,11 @@ def test_analyze_end_to_end(tiny_data, tmp_path, one_thread):
     h = analyze(ckpt, {"analysis": "heaps", "job": job, "source": "web", "manifest": tiny_data["manifests"]["web"],
                        "lengths": [4, 16, 64], "windows": 2}, tmp_path / "heaps.json")
     assert h["n_stem_layers"] == 1 and h["activated_stem_params"][0] == cfg.d_ff * h["unique"][0]
+    from stem import provenance   # issue 32: an analysis JSON carries the provenance block, tied to its checkpoint
+    prov = json.loads((tmp_path / "heaps.json").read_text())["provenance"]
+    assert prov["train_spec_sha256"] == provenance.spec_hash(json.loads((ckpt / "config.json").read_text()))
+    assert prov["tokenizer_sha256"] == provenance.file_hash(ckpt / "tokenizer.json") and prov["versions"]["torch"]
+    assert prov["spec_sha256"] == provenance.spec_hash(h["spec"])
     with pytest.raises(ValueError, match="not the one this analysis job is for"):
         analyze(ckpt, {**ed, "job": {**job, "variant": "dense"}}, tmp_path / "x.json")
     assert not (tmp_path / "x.json").exists()
@@ -364,7 +369,7 @@ def test_tables_found_by_role_at_paper_shapes():
     from stem.analysis.common import stem_layers
     cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")
     model = build_model(ModelConfig.from_dict(C.train_spec(cfg, "1b", "stem", "pretrain")["model"]), "meta")
-    assert stem_layers(model) == [2, 5, 8, 11, 14]            # every third from 2: 5 of 16 (README, Variants)
+    assert stem_layers(model) == [2, 5, 8, 11, 14]            # every third from 2: 5 of 16 (docs/variants.md)
     assert all(w.shape == (128256, 8192) for _, w in table_sites(model))
     assert [AW.has_tables(cfg, "350m", v) for v in ("dense", "hashmoe", "stem_gate", "stem_full")] == \
         [False, False, True, True]

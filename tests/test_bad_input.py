@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from conftest import make_spec
@@ -289,3 +290,148 @@ def test_entry_point_arguments_are_one_line(tmp_path, monkeypatch, capsys, argv,
     code, line = _entry(monkeypatch, capsys, "analyze", [*argv, "--checkpoint", str(tmp_path), "--out",
                                                          str(tmp_path / "o.json")])
     assert code == 1 and line == message
+
+
+# ---- issue 33: no silent wrong results ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def short_lm(stem_ckpt):
+    """The STEM checkpoint as an lm-eval model with a 24-token context: any real prompt must be cut."""
+    from stem.eval.lm import StemLM
+    return StemLM(str(stem_ckpt), device="cpu", batch_size=4, max_length=24)
+
+
+def _instance(kind, args, task):
+    from lm_eval.api.instance import Instance
+    return Instance(kind, {}, args, 0, metadata=(task, 0, 1))
+
+
+LONG = "The capital of Sarland is Bondo and the capital of Velia is Turo. " * 6
+
+
+def test_truncation_error_refuses_a_request_that_must_be_cut_in_one_line(short_lm):
+    short_lm.set_truncation("error")
+    n_gen, n_ll = len(short_lm.tok_encode(LONG)), sum(map(len, short_lm._encode_pair(LONG, " Bondo")))
+    for call, n, room in [
+            (lambda: short_lm.generate_until([_instance("generate_until", (LONG, {"max_gen_toks": 4}), "bbh_x")]),
+             n_gen, 20),   # 24 less the 4 generated tokens
+            (lambda: short_lm.loglikelihood([_instance("loglikelihood", (LONG, " Bondo"), "bbh_x")]), n_ll, 25)]:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == (f"truncation=error: a request of task bbh_x has {n} tokens, more than the {room} the "
+                                "model's context leaves it (max_length 24); expected a prompt that fits, or the "
+                                "suite's truncation: left or middle")
+    short_lm.set_truncation("error")   # a request that fits passes, counted
+    short_lm.generate_until([_instance("generate_until", ("The capital", {"max_gen_toks": 2}), "bbh_x")])
+    assert short_lm.truncation_counts == {"bbh_x": {"requests": 1, "truncated": 0, "tokens_dropped": 0}}
+
+
+@torch.no_grad()
+def test_middle_truncation_keeps_the_first_and_last_halves(short_lm):
+    from stem.eval.lm import truncate
+    assert truncate(list(range(10)), 6, "middle") == [0, 1, 2, 7, 8, 9]
+    assert truncate(list(range(10)), 5, "left") == [5, 6, 7, 8, 9]
+    short_lm.set_truncation("middle")
+    ctx, cont = short_lm._encode_pair(LONG, " Bondo")
+    (lp, _), = short_lm.loglikelihood([_instance("loglikelihood", (LONG, " Bondo"), "longbench_x")])
+    whole = ctx + cont   # the model sees input whole[:-1] of the 25 kept: the first 12 and the last 13 tokens
+    kept = whole[:12] + whole[-13:]
+    logp = torch.log_softmax(short_lm.model(torch.tensor([kept[:-1]]))[0].float(), -1)
+    direct = sum(float(logp[len(kept) - len(cont) - 1 + i, t]) for i, t in enumerate(cont))
+    assert lp == pytest.approx(direct, abs=1e-4)
+    assert short_lm.truncation_counts == {"longbench_x": {"requests": 1, "truncated": 1,
+                                                          "tokens_dropped": len(whole) - 25}}
+    short_lm.generate_until([_instance("generate_until", (LONG, {"max_gen_toks": 4}), "longbench_y")])
+    assert short_lm.truncation_counts["longbench_y"]["tokens_dropped"] == len(short_lm.tok_encode(LONG)) - 20
+
+
+def test_suite_truncation_defaults_to_the_published_protocol_and_is_checked():
+    from stem.eval import spec as ES
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    assert {s: ES.suite_spec(cfg, s)["truncation"] for s in ("longbench", "bbh", "commonsense", "niah")} == {
+        "longbench": "middle", "bbh": "left", "commonsense": "left", "niah": "error"}
+    assert ES.default_truncation({"kind": "lm_eval", "tasks": ["ruler"]}) == "error"   # lm-eval's RULER NIAH
+    assert ES.default_truncation({"kind": "lm_eval", "tasks": ["longbench_lcc", "bbh"]}) == "left"   # no one rule
+    for suite, value, message in [("bbh", "right", "expected one of error, left, middle"),
+                                  ("niah", "left",
+                                   "expected error (NIAH prompts are built to fit their cells, never cut)")]:
+        bad = copy.deepcopy(cfg)
+        bad["eval"]["suites"][suite]["truncation"] = value
+        with pytest.raises(C.ConfigError) as e:
+            C.validate_experiment(bad, origin="bad.yaml")
+        assert str(e.value) == f"bad.yaml: key 'eval.suites.{suite}.truncation': {value!r}; {message}"
+
+
+def test_niah_run_refuses_a_cell_longer_than_the_context(short_lm):
+    from stem.eval import niah
+    items = [{"length": 1536, "depth": 0, "key": "k", "value": "1234567", "prompt": "One of the special magic "
+              "numbers for k is: 1234567." + niah.query_of("k")}]
+    with pytest.raises(ValueError, match=r"^niah: lengths \[1536\] exceed the checkpoint's context \(24 tokens\)$"):
+        niah.run(short_lm, items)
+
+
+# ---- a mid-training insertion's source and init: refused by the config check (the dry run), naming the key -----
+@pytest.mark.parametrize("insert, message", [
+    ({"from": "stem"}, "key 'insert.from': 'stem' has ffn 'stem'; expected a dense variant (the insertion builds the "
+                       "STEM tables from its dense up-projections)"),
+    ({"from": "dse"}, "key 'insert.from': 'dse' has a DSE memory; expected a dense variant"),
+    ({"init": "zeros"}, "key 'insert.init': 'zeros'; expected one of projected, xavier"),
+])
+def test_insertion_from_a_non_dense_variant_or_with_a_bad_init_is_refused_by_the_config_check(tmp_path, capsys,
+                                                                                                insert, message):
+    cfg = C.read_yaml(C.REPO / "config" / "paper.yaml")
+    cfg["variant_overrides"] = {**cfg.get("variant_overrides", {}), "stem_insert": {"insert": insert}}
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_experiment(copy.deepcopy(cfg), origin="bad.yaml")
+    assert str(e.value).startswith(f"bad.yaml: variant 'stem_insert' (config/variants.yaml + variant_overrides): "
+                                   f"{message}")
+    path = tmp_path / "bad.yaml"   # the command line (and the workflow's dry run) say so before any job starts
+    path.write_text(yaml.safe_dump(cfg))
+    code, line = _cli(["memory", "--config", str(path)], capsys)
+    assert code == 1 and line.startswith(f"error: {path}: variant 'stem_insert' ") and message in line
+
+
+# ---- export-hf: nothing but a previous export is replaced; no temp folder outlives an interrupted export ---------
+def test_export_hf_refuses_what_is_not_a_previous_export_and_cleans_up_after_an_interrupted_one(stem_ckpt, tmp_path,
+                                                                                                 capsys):
+    from stem.io import make_temp_dir
+    out = tmp_path / "hf"
+    out.write_text("my notes")
+    code, line = _cli(["export-hf", str(stem_ckpt), str(out)], capsys)
+    assert code == 1 and line == (f"error: export-hf OUT {out}: a file; expected a new path, an empty folder or a "
+                                  "previous export (--force replaces it, or remove it)")
+    assert out.read_text() == "my notes"
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    code, line = _cli(["export-hf", str(stem_ckpt), str(other)], capsys)
+    assert code == 1 and "a folder that is not an export (no stem_source.json)" in line and (other / "sub").is_dir()
+    # an export killed mid-way leaves its temp folder (atomic_dir's name); the rerun removes it
+    stale = make_temp_dir(tmp_path, ".hf.tmp-")
+    (stale / "model.safetensors").write_bytes(b"half")
+    from stem.__main__ import main
+    main(["export-hf", "--force", str(stem_ckpt), str(out)])
+    main(["export-hf", str(stem_ckpt), str(out)])   # a previous export is replaced without --force
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "other"] and (out / "stem_source.json").is_file()
+
+
+# ---- import-hf: a tokenizer with ids the embedding does not have ----------------------------------------------
+def test_import_hf_refuses_a_tokenizer_larger_than_the_embedding(stem_ckpt, tmp_path, capsys):
+    import transformers
+    for vocab in (500, 600):   # the tokenizer's ids are 0..511
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=0)
+        src = tmp_path / f"hf{vocab}"
+        transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+        shutil.copyfile(stem_ckpt / "tokenizer.json", src / "tokenizer.json")
+        capsys.readouterr()
+        if vocab == 500:
+            code, line = _cli(["import-hf", str(src), str(tmp_path / "ckpt")], capsys)
+            assert code == 1 and line == (f"error: {src / 'tokenizer.json'}: token ids up to 511, but the model's "
+                                          "embedding has 500 rows (vocab_size); expected a tokenizer with ids < 500")
+            assert not (tmp_path / "ckpt").exists() and [p.name for p in tmp_path.iterdir()] == ["hf500"]
+        else:   # a padded vocabulary is fine, and said
+            from stem.__main__ import main
+            main(["import-hf", str(src), str(tmp_path / "ckpt")])
+            assert (f"{src / 'tokenizer.json'}: 512 token ids for an embedding of 600 rows (a padded vocabulary: "
+                    "rows 512..599 are never looked up)") in capsys.readouterr().err
+            assert (tmp_path / "ckpt" / "model.safetensors").is_file()

@@ -5,6 +5,7 @@ Results are synthetic (tests/test_report.py's ``write_results``) plus per-item l
 for the 350m dense and STEM models, chosen so that the bootstrap gives each kind of verdict.
 """
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -136,6 +137,48 @@ def test_directions_gate(report, tmp_path, capsys):
     assert e.value.code == 1 and "bad.csv: not a diff/directions.csv (no column table" in capsys.readouterr().err
 
 
+def test_accepted_disagreements(report, tmp_path, cfg):
+    """Issue 32: an accepted disagreement passes the gate (also against a baseline) and is listed in the report
+    with its interval then and now; a bad file or config key stops with one line."""
+    import yaml
+    from stem.specs import ReportSpec, SpecError
+    root, rd, (s, cells, dirs, cons, _) = report
+    r = dirs[(dirs["table"] == "table3") & (dirs["variant"] == "stem") & (dirs["column"] == "arc_challenge")
+             & (dirs["scale"] == "350m")].iloc[0]
+    entry = {"cell": "table3/350m/stem/arc_challenge", "stage": "pretrain", "verdict": "disagree",
+             "interval": [float(r["lo"]), float(r["hi"])], "reason": "the fixture's items are written against the paper"}
+    path = tmp_path / "accepted.yaml"
+    path.write_text(yaml.safe_dump([entry]))
+    acc = diff.load_accepted(path)
+    assert diff.gate_directions(dirs) and diff.gate_directions(dirs, accepted=acc) == []
+    base = B.load_directions(rd / "diff" / "directions.csv")
+    assert diff.gate_directions(dirs, base, acc) == []
+    out = B.run_diff({**cfg, "report": {**cfg["report"], "accepted": str(path)}},
+                     B.load_reproduced(rd / "tables" / "reproduced.csv"))
+    cell = out[0]["accepted"]["cells"][0]
+    assert cell["now"] == "disagree" and cell["now_interval"] == pytest.approx(entry["interval"])
+    md = diff.render(*out[:4])
+    assert f"Accepted disagreements (`{path}`" in md and "`table3/350m/stem/arc_challenge` (pretrain): accepted " \
+        "disagree [" in md and "now **disagree** [" in md and entry["reason"] in md
+    for edit, message in [({"verdict": "agree"}, "entry 1: key 'verdict': 'agree'; expected disagree"),
+                          ({"interval": [1, 0]}, "entry 1: key 'interval': [1, 0]; expected [lo, hi]"),
+                          ({"reason": ""}, "entry 1: key 'reason': ''; expected a sentence"),
+                          ({"cell": "table3/stem"}, "entry 1: key 'cell': 'table3/stem'; expected table/scale/")]:
+        path.write_text(yaml.safe_dump([{**entry, **edit}]))
+        with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
+            diff.load_accepted(path)
+    with pytest.raises(SpecError, match=r"config: key 'report.accepted'.*accepted-disagreements YAML file"):
+        ReportSpec.from_config({**cfg, "report": {"accepted": "config/nope.yaml"}})
+    with pytest.raises(ValueError, match=r"--accept table3/350m/stem/boolq: its verdict is 'inconclusive'; only a "):
+        diff.accept(dirs, ["table3/350m/stem/boolq"], "why", tmp_path / "new.yaml")
+    # the command line: --accept records the cell with its interval now, and the gate then passes
+    from stem.__main__ import main
+    main(["diff", "--experiment", "tiny", "--results", str(root / "results"), "--gate-directions", "--accepted",
+          str(tmp_path / "new.yaml"), "--accept", "table3/350m/stem/arc_challenge", "--reason", entry["reason"]])
+    written = diff.load_accepted(tmp_path / "new.yaml")
+    assert written == [entry] and (tmp_path / "new.yaml").read_text().startswith("# Accepted disagreements")
+
+
 def test_directions_gate_passes_without_resolved_disagreements(report):
     root, rd, (s, cells, dirs, cons, _) = report
     ok = dirs[dirs["category"] != "disagree"]
@@ -172,9 +215,20 @@ def test_provenance_table_and_diff_say_when_results_differ(tmp_path, cfg, capsys
     assert s["provenance"]["report"]["commit"] == provenance.git_state()["commit"]
     text = "\n".join(diff.provenance_lines(s["provenance"]))
     assert "the compared results come from different commits" in text and str(ev) in text
-    main(["diff", "--experiment", "tiny", "--results", str(tmp_path / "results")])
+    # issue 32: a result written from a dirty tree is refused, naming it and the changed files, unless allowed
+    path = run / "dense" / "pretrain" / "summary.json"
+    s = json.loads(path.read_text())
+    s["provenance"].update(dirty=True, dirty_files=["stem/train/loop.py"])
+    path.write_text(json.dumps(s))
+    with pytest.raises(SystemExit) as e:
+        main(["diff", "--experiment", "tiny", "--results", str(tmp_path / "results")])
     err = capsys.readouterr().err
-    assert "warning: the compared results come from 2 commits" in err and "1 evaluation(s)" in err
+    assert e.value.code == 1 and err.count("\n") == 1 and (
+        f"1 result file(s) written from a dirty tree (uncommitted changes to stem/train/loop.py): {path}; rerun them "
+        "from a commit, or pass --allow-dirty") in err
+    main(["diff", "--experiment", "tiny", "--results", str(tmp_path / "results"), "--allow-dirty"])
+    err = capsys.readouterr().err
+    assert "warning: the compared results come from 3 commits (aaaaaaaaaaaa dirty, " in err and "1 evaluation(s)" in err
 
 
 def test_the_environment_is_pinned():
@@ -295,12 +349,47 @@ def test_seeded_bootstrap_folds_the_seed_variance():
     assert V.seeded_bootstrap(per_seed[:1])["lo"] == alone[0]["lo"]
 
 
+def two_level_bootstrap(per_seed, n_boot, rng):
+    """Written apart from stem.report.verdict, one draw at a time: pick the seeds with replacement, then for
+    every pick resample each group's items afresh; the draw is the mean over picks of the mean over groups."""
+    draws = []
+    for _ in range(n_boot):
+        picks = rng.choice(len(per_seed), size=len(per_seed), replace=True)
+        draws.append(np.mean([np.mean([(b - a)[rng.choice(len(a), size=len(a))].mean() for a, b in per_seed[k]])
+                              for k in picks]))
+    return np.quantile(draws, [0.025, 0.975])
+
+
+def test_seeded_bootstrap_is_a_two_level_bootstrap():
+    """Three seeds with nearly the same items: the item variance dominates. Sharing one item resample between
+    two picks of the same seed (the bug of issue 32) widens the interval by ~sqrt(5/3), each end ~15 % of the
+    width out; the Monte-Carlo tolerance is 6 % of the width at each end (~3 sd of the two estimates' gap,
+    measured over 8 seed pairs: sd 0.015)."""
+    rng = np.random.default_rng(7)
+    base = [(x, x + 0.2 + rng.normal(size=x.size)) for x in (rng.normal(size=60), rng.normal(size=30))]
+    per_seed = [[(a, b + 0.05 * rng.normal(size=b.size)) for a, b in base] for _ in range(3)]
+    ours = V.seeded_bootstrap(per_seed, n_boot=4000, seed=1)
+    lo, hi = two_level_bootstrap(per_seed, 4000, np.random.default_rng(12345))
+    tol = 0.06 * (hi - lo)
+    assert ours["lo"] == pytest.approx(lo, abs=tol) and ours["hi"] == pytest.approx(hi, abs=tol)
+
+
 def test_seed_rows_in_table3_and_directions(tmp_path, cfg):
     from stem.report import tables as T
     from test_report import eval_json
-    cfg = {**cfg, "matrix": {"350m": {**cfg["matrix"]["350m"], "variants": ["dense", "hashmoe", "stem"]}}}
+    cfg = {**cfg, "matrix": {"350m": {**cfg["matrix"]["350m"], "variants": ["dense", "hashmoe", "stem"]},
+                             "1b": {**cfg["matrix"]["1b"], "seeds": {"dense": [0, 1], "stem": [0, 1]}}}}
     write_results(tmp_path, cfg)
     write_samples(tmp_path, cfg)
+    # Table 4 (1b at midtrain): seed 1 of STEM scores 2 points above seed 0 on every task
+    d = tmp_path / "tiny" / "1b" / "stem_seed1" / "midtrain" / "eval"
+    (d / "commonsense.json").write_text(json.dumps(eval_json(cfg, "1b", "stem_seed1", "midtrain", "commonsense", 3.0)))
+    t4 = T.table4(cfg, Results("tiny", tmp_path)).set_index(["scale", "variant", "column"])["value"]
+    one = P.load_table("table3").set_index(["scale", "variant", "column"])["value"]
+    avg0 = np.mean([one[("1b", "stem", t)] + 1.0 for t in P.COMMONSENSE_TASKS])
+    assert t4[("1b", "stem", "avg")] == pytest.approx(avg0 + 1.0) and t4[("1b", "stem", "seeds")] == 2
+    assert t4[("1b", "stem", "avg_sd")] == pytest.approx(np.sqrt(2)) and t4[("1b", "stem", "avg_max")] == pytest.approx(avg0 + 2)
+    assert ("1b", "stem_insert", "seeds") not in t4
     for k, offset in ((1, 2.0), (2, -1.0)):
         for variant in ("dense", "stem"):
             d = tmp_path / "tiny" / "350m" / f"{variant}_seed{k}" / "pretrain"
@@ -311,7 +400,10 @@ def test_seed_rows_in_table3_and_directions(tmp_path, cfg):
             src = tmp_path / "tiny" / "350m" / variant / "pretrain" / "eval" / "raw" / "commonsense.json"
             (d / "eval" / "raw" / "commonsense.json").write_text(src.read_text())
     t3 = T.table3(cfg, Results("tiny", tmp_path)).set_index(["scale", "variant", "column"])["value"]
-    one = P.load_table("table3").set_index(["scale", "variant", "column"])["value"]
+    losses = [json.loads((tmp_path / "tiny" / "350m" / v / "pretrain" / "summary.json").read_text())["final_val_loss"]
+              for v in ("stem", "stem_seed1", "stem_seed2")]
+    assert t3[("350m", "stem", "val_loss")] == pytest.approx(np.mean(losses))
+    assert t3[("350m", "stem", "val_loss_sd")] == pytest.approx(np.std(losses, ddof=1))
     avgs = [np.mean([one[("350m", "stem", t)] + 1.0 + o for t in P.COMMONSENSE_TASKS]) for o in (0.0, 2.0, -1.0)]
     assert t3[("350m", "stem", "avg")] == pytest.approx(np.mean(avgs))
     assert t3[("350m", "stem", "seeds")] == 3 and t3[("350m", "stem", "avg_sd")] == pytest.approx(np.std(avgs, ddof=1))

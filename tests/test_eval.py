@@ -145,10 +145,16 @@ def test_fixture_task_runs_through_simple_evaluate(lm, tmp_path):
         assert 0 <= t["value"] <= 100 and t["n"] == 6 and t["version"] is not None and t["stderr"] is not None
     assert saved["tasks"]["arc_easy"]["metric"] == "acc_norm,none"
     assert "samples" in json.loads((tmp_path / "raw.json").read_text())
+    cut = saved["truncation"]   # per task: requests (one per answer choice), none cut in the 256-token context
+    assert cut["policy"] == "left" and cut["context"] == 256 and cut["tasks"].keys() == {"arc_easy", "boolq"}
+    assert cut["tasks"]["boolq"] == {"requests": 12, "truncated": 0, "tokens_dropped": 0}
     # generation task + per-length buckets
     spec = ES.suite_spec(cfg, "longbench")
     spec["fixtures"] = str(tmp_path / "fx")
     out = run.evaluate(lm.pretrained, spec, lm=lm, limit=4)
+    cut = out["truncation"]   # LongBench's protocol: its fixture's long contexts cut in the middle, and counted
+    assert cut["policy"] == "middle" and cut["tasks"].keys() == {"longbench_hotpotqa", "longbench_lcc"}
+    assert all(t["requests"] == 4 and t["truncated"] >= 1 and t["tokens_dropped"] > 0 for t in cut["tasks"].values())
     assert {"longbench", "longbench_multi", "longbench_code"} <= out["groups"].keys()
     rows = out["by_length"]["table6"]
     assert [r["range"] for r in rows][-1] == "600+"
@@ -230,6 +236,7 @@ def test_niah_oracle_scores_100_in_every_cell(ckpt, tmp_path, experiment):
         out = run.evaluate(ckpt, {**spec, "lengths": [length]}, raw_json=raw, lm=lm,
                            limit=1 if experiment == "paper" else None)
         assert lm.model.longest <= length
+        assert out["truncation"]["policy"] == "error" and out["truncation"]["tasks"]["niah"]["truncated"] == 0
         items = json.loads(raw.read_text())["items"]
         assert len(items) == len(spec["depths"]) * (1 if experiment == "paper" else spec["samples"])
         assert all(tuple(lm.tok_encode(it["prompt"])) in lm.model.prompts for it in items)  # seen whole

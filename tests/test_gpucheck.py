@@ -36,6 +36,7 @@ def test_every_item_runs_at_tiny_shapes_on_the_cpu(tmp_path):
     saved = json.loads((tmp_path / "gpucheck.json").read_text())
     assert saved["device"] == "cpu" and saved["shapes"] == "tiny" and set(saved["items"]) == set(gpucheck.ITEMS)
     assert saved["torch"] and all(it["ok"] for it in saved["items"].values())
+    assert saved["provenance"]["versions"]["torch"] and "commit" in saved["provenance"]   # issue 32
     md = (tmp_path / "gpucheck.md").read_text()
     assert md.startswith("# GPU check (tiny shapes") and md.count("| pass |") == 7
     # a: every group of every variant trained; c: the resumed step equals the uninterrupted one

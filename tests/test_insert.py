@@ -118,10 +118,12 @@ def test_official_configs_are_rows_of_the_paper_audit():
     from stem.report import diff
     cons = diff.paper_consistency()
     off = cons[cons["table"] == "official_code"].set_index(["scale", "variant", "column"])
-    assert len(off) == len(diff.official_configs()) == 14
+    assert len(off) == len(diff.official_configs()) == 18
     row = off.loc[("1b", "stem_insert", "table_lr")]
     assert row["printed"] == 3.2e-4 and row["recomputed"] == 5e-4 and not row["consistent"]
-    assert "stem_llama3_1B.yaml" in row["note"] and "not in the stored snapshot" in row["note"]
+    assert "stem_llama3_1B.yaml (128c2760fae0ea5ce3484eb01caca241dfa5d521; " in row["note"] and "stem_lr: 5e-4" in row["note"]
+    assert off.loc[("350m", "stem", "warmup_ratio"), "recomputed"] == 0.005   # 2000 of 400k steps
+    assert (diff.official_configs()["commit"].str.len() == 40).all()
     assert off.loc[("350m", "stem", "n_stem_layers"), "recomputed"] == 13
     assert off.loc[("350m", "stem", "peak_lr"), "consistent"]   # the same 2e-3
     assert off["check"].str.startswith("Official code config stem_").all()   # diff.md lists the inconsistent ones
@@ -148,7 +150,9 @@ def test_official_blocks_in_the_docs():
     assert [i for i, k in enumerate(job.model.ffn) if k == "stem"] == [2, 6, 10, 14]
     assert (job.train.lr, job.train.steps, job.train.seq_len, job.optim.weight_decay) == (1e-5, 60000, 4096, 0.033)
     assert job.optim.groups["table"] == {"lr_mult": 50, "weight_decay": 0.0}   # 5e-4 = 50 x 1e-5, no decay
+    assert (job.train.warmup, job.train.min_lr_ratio) == (0.0333, 1e-6)   # 2000 of 60k steps; lr_min_ratio
     cfg = C.validate_experiment(deep_merge(copy.deepcopy(paper), _docs_block("official-350m")))
     job = C.train_job(cfg, "350m", "stem", "pretrain")
     assert [i for i, k in enumerate(job.model.ffn) if k == "stem"] == list(range(2, 27, 2))   # 13 layers
     assert (job.train.seq_len, job.model.max_seq_len, job.train.steps) == (4096, 4096, 400000)
+    assert (job.train.warmup, job.train.min_lr_ratio) == (0.005, 0.1)   # 2000 of 400k steps

@@ -20,8 +20,10 @@ WORLD, MICRO, SEQ = 8, 4, 4096
 
 
 def _small_paper_config(n_layers: int, gpu_mem_gib: float) -> dict:
-    """config/paper.yaml with only 1B STEM pretraining, ``n_layers`` layers, on one node of 8 GPUs."""
+    """config/paper.yaml with only 1B STEM pretraining, ``n_layers`` layers, on one node of 8 GPUs, its tables as
+    FSDP units (the hand counts below; row-sharded tables: tests/test_tables.py)."""
     cfg = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())
+    cfg["cluster"]["tables"] = "fsdp"
     cfg["matrix"] = {"1b": {"variants": ["stem"], "stages": ["pretrain"]}}
     cfg["archs"]["1b"]["n_layers"] = n_layers
     cfg["cluster"]["train"]["1b"].update(nodes=1, gpus_per_node=WORLD)

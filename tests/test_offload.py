@@ -327,6 +327,7 @@ def test_bench_offload_on_a_dse_checkpoint(tiny_data, tmp_path):
     r = json.loads(json.dumps(bench_offload(tmp_path / "ckpt", batch=4, prompt=4, steps=4, cache_rows=[16],
                                             curve=[8, 16, 64], repeats=1)))   # what `bench offload` runs
     assert "Offloaded DSE tables" in render(r)
+    assert r["provenance"]["train_spec_sha256"] and r["provenance"]["tokenizer_sha256"]   # issue 32
     save(hit_rate_figure(r), tmp_path / "o.png")
     assert (tmp_path / "o.png").stat().st_size > 0
     no_cache, cached = r["decode"][1], r["decode"][2]

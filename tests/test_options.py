@@ -3,7 +3,7 @@ import json
 
 from stem import config as C
 from stem.io import read_yaml
-from stem.options import Experiment, Scale, Schedule, Stage, Strategy, TableInit, TableUpdate, values
+from stem.options import Experiment, Scale, Schedule, Stage, Strategy, TableInit, TableLayout, TableUpdate, values
 
 
 def _enums(node, path=()):
@@ -21,7 +21,7 @@ def test_schema_enums_are_the_option_lists():
     for path, enum in _enums(schema):
         found.setdefault(path[-1], []).append(enum)
     expected = {"experiment": Experiment, "scale_name": Scale, "stage_name": Stage, "strategy": Strategy, "schedule": Schedule,
-                "table_update": TableUpdate, "table_init": TableInit}
+                "table_update": TableUpdate, "table_init": TableInit, "tables": TableLayout}
     for key, option in expected.items():
         assert found.get(key), f"schema has no enum under {key!r}"
         for enum in found[key]:

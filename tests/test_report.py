@@ -61,6 +61,10 @@ def eval_json(cfg, scale, variant, stage, suite, offset):
         acc = 60.0 + offset
         base["cells"] = [{"length": L, "depth": d, "accuracy": max(0.0, acc - L / 64 + d / 10), "n": 4}
                          for L in (256, 512, 1024) for d in (0, 50, 100)]
+    if suite != "mmlu":   # the eval JSON's truncation counts (stem.eval.run); mmlu's as written before they existed
+        cut = {"bbh_sub": {"requests": 40, "truncated": 3, "tokens_dropped": 120}} if suite == "bbh" else {}
+        base["truncation"] = {"policy": "left", "context": 1024, "tasks": {
+            **{t: {"requests": 40, "truncated": 0, "tokens_dropped": 0} for t in base["tasks"]}, **cut}}
     return base
 
 
@@ -418,6 +422,8 @@ def _edit_json(path, edit):
     ("350m/dense/pretrain/eval/commonsense.json", lambda d: d.update(suite="mmlu"),
      "key 'suite': the file is of suite 'mmlu' but its path says 'commonsense'"),
     ("1b/stem/extend/eval/niah.json", lambda d: d["cells"][0].update(accuracy=101.0), "key 'cells[0].accuracy'"),
+    ("1b/stem/extend/eval/bbh.json", lambda d: d["truncation"]["tasks"]["bbh_sub"].update(truncated=-3),
+     "key 'truncation.tasks.bbh_sub.truncated': expected a finite integer >= 0, got -3"),
     ("1b/stem/extend/eval/longbench.json", lambda d: d["by_length"]["table5"][0]["groups"].update(longbench_code=True),
      "key 'by_length.table5[0].groups.longbench_code'"),
     ("1b/dense/pretrain/metrics.jsonl", "not json\n{}\n", "1b/dense/pretrain/metrics.jsonl:1: not a JSON line"),
@@ -564,6 +570,32 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     for suite in ("commonsense", "longbench", "niah"):
         p = res.eval("1b", "stem", "extend", suite)["provenance"]
         assert p["train_spec_sha256"] == provenance.spec_hash(train_spec) and p["versions"]["lm_eval"]
+        assert p["tokenizer_sha256"] == provenance.file_hash(tmp_path / "ckpt" / "tokenizer.json")
+    # issue 32: the evaluation data hashed (the fixture folder; each task's items as lm-eval read them; documents)
+    data = res.eval("1b", "stem", "extend", "commonsense")["provenance"]["data"]
+    assert data["fixtures"]["sha256"] == provenance.tree_hash(tmp_path / "fx") and len(data["fixtures"]["sha256"]) == 64
+    assert set(data["items_sha256"]) == {"arc_easy", "boolq"} and "datasets" not in data   # fixtures: no hub dataset
+    assert data["items_sha256"]["arc_easy"] != data["items_sha256"]["boolq"]
+    niah = res.eval("1b", "stem", "extend", "niah")["provenance"]["data"]
+    assert niah["documents"] == {str(tmp_path / "long.jsonl"): provenance.file_hash(tmp_path / "long.jsonl")}
+
+
+def test_truncation_table_and_summary_line(tiny_cfg, tiny_tables):
+    """Issue 33: each task whose requests were cut, its score beside the counts; eval JSONs without counts named."""
+    from stem.report.truncation import truncation_lines, truncation_summary
+    t = tiny_tables["truncation"]
+    extend = [v for v in tiny_cfg["matrix"]["1b"]["variants"] if "extend" in C.variant_stages(
+        tiny_cfg, v, tiny_cfg["matrix"]["1b"]["stages"])]
+    bbh = t[t["row"].str.endswith("extend: bbh bbh_sub")]
+    assert sorted(set(bbh["variant"])) == sorted(extend) and len(bbh) == 5 * len(extend)
+    one = bbh[bbh["variant"] == extend[0]].set_index("column")["value"]
+    assert one.to_dict() == {"score": 1.0, "policy": "left", "truncated": 3, "requests": 40, "tokens_dropped": 120}
+    mmlu = t[t["row"].str.endswith("midtrain: mmlu (all)") & (t["column"] == "policy")]
+    assert len(mmlu) and set(mmlu["value"]) == {"not recorded"}
+    s = truncation_summary(t)
+    assert s == {"tasks": len(extend), "truncated": 3 * len(extend), "requests": 40 * len(extend),
+                 "tokens_dropped": 120 * len(extend), "not_recorded": len(mmlu)}
+    assert truncation_lines(s)[0].startswith(f"⚠ **Truncation: {3 * len(extend)} of {40 * len(extend)} requests cut")
 
 
 def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):

@@ -45,6 +45,10 @@ def test_the_parallel_strategy_travels_in_the_train_spec():
     assert spec["train"]["parallel"] == "ddp" and TrainSpec.from_dict(spec).train.parallel == "ddp"
     assert "parallel" not in C.train_spec(TINY, "350m", "stem", "pretrain")["train"]     # fsdp, the default
     assert C.train_job(TINY, "350m", "stem", "pretrain").train.parallel == "fsdp"
+    assert C.train_job(PAPER, "1b", "stem", "pretrain").train.tables == "rows"    # cluster.tables likewise
+    assert "tables" not in C.train_spec(TINY, "350m", "stem", "pretrain")["train"]       # fsdp, the default
+    with pytest.raises(C.ConfigError, match="key 'cluster.tables'"):
+        C.validate_experiment({**TINY, "cluster": {**TINY["cluster"], "tables": "cols"}}, "tiny")
     # no environment variable carries it any more: neither the train rule nor the package mentions one
     sources = [C.REPO / "rules" / "train.smk", *sorted((C.REPO / "stem").rglob("*.py"))]
     assert not [p for p in sources if "STEM_PARALLEL" in p.read_text()]
@@ -69,6 +73,7 @@ def _bad(path: str, value):
     ("train.steps", 0, "key 'train.steps': expected an integer >= 1, got 0"),
     ("train.lr", KeyError, "key 'train.lr' missing (expected a number)"),
     ("train.parallel", "tp", "key 'train.parallel': expected one of fsdp, ddp, got 'tp'"),
+    ("train.tables", "cols", "key 'train.tables': expected one of fsdp, rows, host, got 'cols'"),
     ("train.lrr", 1.0, "key 'train.lrr': unknown (expected one of lr, schedule, "),
     ("optim.betas", [0.9], "key 'optim.betas': expected a list of 2 numbers, got [0.9]"),
     ("data.web.weight", -1, "key 'data.web.weight': expected a number > 0, got -1"),

@@ -13,6 +13,7 @@ import yaml
 
 from conftest import job_counts
 from stem import config as C
+from stem import provenance
 from stem import sweeps as S
 from stem.report import sweeps as SR
 
@@ -246,6 +247,7 @@ def test_collect_slots_writes_the_fit_and_refuses_a_wrong_model(tmp_path):
     r = SR.collect(cfg, "slots", tmp_path)
     assert r["fit"]["slope_per_decade"] == pytest.approx(-0.05) and r["fit"]["r2"] == pytest.approx(1.0)
     assert [x["val_loss"] for x in r["points"]] == losses and r["label"].startswith("experiment: tiny")
+    assert r["provenance"]["spec_sha256"] == provenance.spec_hash(cfg)   # issue 32: the sweep JSON has provenance
     md = SR.markdown(r)
     assert "b = **-0.0500** per decade" in md and "| slots_64 | 64 | 1,320 |" in md
     from stem.report.figures import save

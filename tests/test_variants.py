@@ -2,6 +2,7 @@
 check, the tables and the figures from there; adding one touches that file and an experiment's matrix only."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
 from stem import io as stem_io  # noqa: E402
+from stem.registry import FFN_KINDS  # noqa: E402
 from stem.report import figures as F  # noqa: E402
 from stem.report import paper_data as P  # noqa: E402
 from stem.report import tables as T  # noqa: E402
@@ -62,3 +64,19 @@ def test_no_python_file_lists_the_variants_labels_or_colours():
     schema = (REPO / "config" / "schema.yaml").read_text()
     for line in schema.splitlines():   # a list of the variants (an enum, a pattern) would name several on a line
         assert len([n for n in variants if re.search(rf"\b{n}\b", line)]) < 3, line
+
+
+def test_the_docs_variant_table_is_variants_yaml():
+    """docs/variants.md's table is generated from config/variants.yaml (scripts/variants_table.py): it fails when
+    the two drift; every FFN kind (registered or used by a variant) has its equation in the kinds table."""
+    spec = importlib.util.spec_from_file_location("variants_table", REPO / "scripts" / "variants_table.py")
+    vt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vt)
+    doc = vt.DOC.read_text()
+    variants = stem_io.variants_file()
+    assert vt.with_table(doc, variants) == doc, "docs/variants.md: run python scripts/variants_table.py"
+    new = vt.with_table(doc, {**variants, **yaml.safe_load(NEW)})
+    assert "| `stem_quarter` | STEM-1/4 | `stem` | every 4th from 3 | - |" in new
+    kinds_table = doc.split("| FFN kind | FFN of a layer |")[1].split("\n\n")[0]
+    kinds = set(re.findall(r"^\| `(\w+)` \|", kinds_table, re.M))
+    assert set(FFN_KINDS) | {v["ffn"] for v in variants.values()} <= kinds, sorted(kinds)

@@ -19,6 +19,9 @@ def snakemake(*args, cwd):
     return subprocess.run([*SNAKEMAKE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
+GATE_TASKS = ["arc_easy", "boolq", "piqa"]
+
+
 def _reduced_config(tmp_path) -> Path:
     cfg = yaml.safe_load((REPO / "config/tiny.yaml").read_text())
     cfg["matrix"] = {"350m": {"variants": ["dense", "stem"], "stages": ["pretrain"]},
@@ -35,20 +38,36 @@ def _reduced_config(tmp_path) -> Path:
             spec.update(steps=6, batch_size=4, micro_batch=2, seq_len=32)
     del cfg["stages"]["extend"]
     cfg["train"] = {"log_interval": 3, "eval_interval": 3, "eval_batches": 1, "checkpoint_interval": 3}
+    # the 350m pair's Table 3 directions on three small fixture tasks: the direction gate's input
+    cfg["eval"]["fixtures"].update(items=16, train_items=4, items_by_prefix={}, groups={}, tasks=GATE_TASKS)
+    cfg["eval"]["suites"]["commonsense"]["tasks"] = GATE_TASKS
     path = tmp_path / "reduced.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 TARGETS = ["results/tiny/350m/dense/pretrain/summary.json", "results/tiny/350m/stem/pretrain/summary.json",
-           "results/tiny/1b/stem/midtrain/summary.json", "reports/tiny/params.md"]
+           "results/tiny/1b/stem/midtrain/summary.json", "reports/tiny/params.md",
+           *[f"results/tiny/350m/{v}/pretrain/eval/commonsense.json" for v in ("dense", "stem")]]
+# The direction gate's committed baseline: diff/directions.csv of the reduced DAG below (regenerate it, after a
+# deliberate change, with `python -m stem diff --experiment <reduced.yaml> --results <its results> --write` and
+# copy reports/tiny/diff/directions.csv here).
+GATE_BASELINE = REPO / "tests" / "gate" / "reduced_directions.csv"
 
 
-def test_reduced_tiny_dag_runs_for_real_and_reruns_nothing(tmp_path):
+@pytest.fixture(scope="module")
+def reduced_run(tmp_path_factory):
+    """The reduced tiny DAG, run once for the tests below: (folder, config path, snakemake arguments)."""
+    tmp_path = tmp_path_factory.mktemp("reduced")
     cfg = _reduced_config(tmp_path)
     args = ["--configfile", str(cfg), "--replace-workflow-config", "-d", str(tmp_path), "--cores", "2"]
     r = snakemake(*args, *TARGETS, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    return tmp_path, cfg, args
+
+
+def test_reduced_tiny_dag_runs_for_real_and_reruns_nothing(reduced_run):
+    tmp_path, cfg, args = reduced_run
     for t in TARGETS:
         assert (tmp_path / t).is_file(), t
     mid = json.loads((tmp_path / TARGETS[2]).read_text())
@@ -60,6 +79,54 @@ def test_reduced_tiny_dag_runs_for_real_and_reruns_nothing(tmp_path):
     assert "Nothing to be done" in r.stdout + r.stderr
     r = snakemake(*args, "-n", "results/tiny/350m/stem_half/pretrain/summary.json", cwd=tmp_path)
     assert job_counts(r.stdout) == {"train": 1, "total": 1}
+
+
+# What carries no provenance, by design (docs/confidence.md): a checkpoint's own files (its job spec and
+# accounting; the summary beside it has the provenance) and the resumable training state, lm-eval's raw output
+# (the eval JSON beside it has it),
+# the data stage's manifests and tokenizers (hashed by every job that reads them).
+NO_PROVENANCE = ("/checkpoint/", "/_state/", "/eval/raw/", "data/")
+
+
+def test_every_json_output_carries_provenance(reduced_run):
+    tmp_path, _, _ = reduced_run
+    from stem import provenance
+    outputs = [p for p in tmp_path.rglob("*.json") if ".snakemake" not in p.parts and not any(
+        x in f"{p.relative_to(tmp_path).as_posix()}" for x in NO_PROVENANCE)]
+    kinds = {p.name if "/eval/" not in p.as_posix() else "eval" for p in outputs}
+    assert kinds == {"summary.json", "eval"}, kinds   # analysis JSONs: tests/test_analysis.py
+    for p in outputs:
+        prov = json.loads(p.read_text()).get("provenance")
+        assert prov and set(prov) >= {"commit", "dirty", "versions", "spec_sha256", "manifests",
+                                      "tokenizer_sha256"}, p
+        assert prov["tokenizer_sha256"] and prov["spec_sha256"], p
+        if "/eval/" in p.as_posix():   # computed from a checkpoint
+            train = json.loads((p.parents[1] / "checkpoint" / "config.json").read_text())
+            assert prov["train_spec_sha256"] == provenance.spec_hash(train), p
+    ev = json.loads((tmp_path / TARGETS[4]).read_text())["provenance"]["data"]
+    assert ev["fixtures"]["sha256"] == provenance.tree_hash(tmp_path / ev["fixtures"]["dir"])
+    assert set(ev["items_sha256"]) == set(GATE_TASKS)
+
+
+def test_direction_gate_on_the_reduced_dag(reduced_run, tmp_path, capsys, monkeypatch):
+    """CI's direction gate (make test): the reduced DAG's verdicts against the committed baseline pass; a flipped
+    verdict fails with one line naming its cell."""
+    from stem.__main__ import main
+    from stem.report.diff import gate_directions, load_directions
+    run_dir, cfg, _ = reduced_run
+    monkeypatch.chdir(run_dir)   # --write: reports/tiny/diff/ under the run's folder
+    main(["diff", "--experiment", str(cfg), "--results", "results", "--allow-dirty", "--json", "--write",
+          "--baseline", str(GATE_BASELINE)])   # the gate passes: no SystemExit
+    now = load_directions(run_dir / "reports/tiny/diff/directions.csv")
+    flipped = load_directions(GATE_BASELINE)
+    i = flipped.index[(flipped["table"] == "table3") & (flipped["variant"] == "stem")
+                      & (flipped["column"] == "arc_easy") & (flipped["scale"] == "350m")][0]
+    was = "agree" if flipped.loc[i, "category"] != "agree" else "inconclusive"
+    flipped.loc[i, "category"] = was
+    assert gate_directions(now, flipped) == [
+        f"table3/350m/stem/arc_easy (pretrain): verdict changed against the baseline: {was} -> "
+        f"{now.loc[i, 'category']} (ours {now.loc[i, 'ours_delta']:+.3g} [{now.loc[i, 'lo']:+.3g}, "
+        f"{now.loc[i, 'hi']:+.3g}])"]
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -23,12 +23,25 @@ from __future__ import annotations
 
 import random
 
-from stem.eval.spec import kind_of
+from stem.eval.spec import kind_of, suite_spec
 
 # The analysis code's imports sit in the functions: the workflow imports ``WORLD_TASKS`` from here while it
 # builds the DAG (stem.analysis.workflow), and stem.analysis.common / stem.eval.lm bring torch and lm_eval.
 MODES = ("normal", "disabled", "forced")
 WORLD_TASKS = ("world_closed_book", "world_in_context")
+
+
+def resolve_spec(cfg: dict, spec: dict):
+    """Completes the job spec (stem.analysis.workflow): the eval suite whose fixtures, shots and metric the
+    ablation runs with; each category's tasks must be in it (or be the world tasks, with a ``world:``)."""
+    spec["eval"] = suite_spec(cfg, spec["suite"])
+    groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
+    known = set(spec["eval"]["tasks"]) | {t for g in spec["eval"]["tasks"] for t in groups.get(g, [])}
+    known |= set(WORLD_TASKS) if cfg.get("world") else set()
+    for cat, tasks in spec["categories"].items():
+        if set(tasks) - known:
+            raise ValueError(f"key 'analysis.dse_disabled.categories.{cat}': tasks {sorted(set(tasks) - known)} "
+                             f"are not in eval suite {spec['suite']!r} (expected some of {sorted(known)})")
 
 
 def world_queries(world, tok, probe: dict) -> dict[str, list]:

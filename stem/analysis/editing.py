@@ -202,67 +202,9 @@ def measure(model, tok, facts: dict, pairs: list[dict], spec: dict) -> dict:
     sites = ({"stem": stem_w} if stem_w else {}) | {"embedding": [model.tok_emb.weight]}
     digest = state_digest(model)
     rng = random.Random(f"edit-collateral:{spec['seed']}")
-
-    cand_cache: dict = {}
-
-    def candidates(kind, relation):
-        if (kind, relation) not in cand_cache:
-            values = sorted({e[relation] for e in facts[kind]["entities"].values()})
-            cand_cache[kind, relation] = values, [encode(tok, v) for v in values]
-        return cand_cache[kind, relation]
-
-    def predict(kind, relation, names):
-        """{name: (predicted answer, candidate scores, next-token log-probs)}, one batched forward."""
-        values, cands = candidates(kind, relation)
-        template = facts[kind]["templates"][relation]
-        res = score_many(model, [(encode(tok, template.format(e=n)), cands) for n in names])
-        return {n: (values[int(sc.argmax())], sc, nxt) for n, (sc, nxt) in zip(names, res)}
-
-    # unedited accuracy per (kind, relation) on a sample: how much of each relation the model knows at all
-    known = {}
-    for kind, f in facts.items():
-        sample = random.Random(f"known:{spec['seed']}").sample(list(f["entities"]),
-                                                             min(spec["known_entities"], len(f["entities"])))
-        for relation in f["templates"]:
-            preds = predict(kind, relation, sample)
-            hits = [preds[n][0] == f["entities"][n][relation] for n in sample]
-            known[f"{kind}/{relation}"] = {"accuracy": sum(hits) / len(hits), "n": len(hits),
-                                           "chance": 1 / len(candidates(kind, relation)[0])}
-    edits = []
-    for pair in pairs:
-        kind, s, t = pair["kind"], pair["source"], pair["target"]
-        ents = facts[kind]["entities"]
-        src, tgt = encode(tok, " " + s), encode(tok, " " + t)
-        pieces = [tok.decode([i]) for i in tgt]
-        others = [n for n in ents if n not in (s, t)]
-        coll = rng.sample(others, min(n_coll, len(others)))
-        for relation in facts[kind]["templates"]:
-            find_span(encode(tok, facts[kind]["templates"][relation].format(e=s)), src)
-            values = candidates(kind, relation)[0]
-            i_s, i_t = values.index(ents[s][relation]), values.index(ents[t][relation])
-            before = predict(kind, relation, [s, t] + coll)
-            pred0, sc0, nxt0 = before[s]
-            ctrl = before[t][2]
-            for scheme in schemes_for(len(src), len(tgt)):
-                positions = plan(scheme, len(src), tgt, pad_id, pieces)
-                for site, weights in sites.items():
-                    with edited(weights, src, positions):
-                        after = predict(kind, relation, [s] + coll)
-                    pred1, sc1, nxt1 = after[s]
-                    edits.append({
-                        "kind": kind, "relation": relation, "source": s, "target": t, "case": pair["case"],
-                        "n_s": len(src), "n_t": len(tgt), "scheme": scheme, "site": site,
-                        "plan": [list(p) for p in positions],
-                        "source_answer": ents[s][relation], "target_answer": ents[t][relation],
-                        "before": pred0, "after": pred1,
-                        "success": pred1 == ents[t][relation],
-                        "flip": bool(sc1[i_t] > sc1[i_s]), "flip_before": bool(sc0[i_t] > sc0[i_s]),
-                        "margin_gain": float((sc1[i_t] - sc1[i_s]) - (sc0[i_t] - sc0[i_s])),
-                        "topk_overlap": topk_overlap(nxt1, ctrl, k), "topk_overlap_before": topk_overlap(nxt0, ctrl, k),
-                        "kl_control": kl(ctrl, nxt1), "kl_control_before": kl(ctrl, nxt0),
-                        "collateral_changed": sum(after[n][0] != before[n][0] for n in coll) / max(1, len(coll)),
-                        "collateral_kl": sum(kl(before[n][2], after[n][2]) for n in coll) / max(1, len(coll)),
-                    })
+    probe = _Probe(model, tok, facts)
+    known = _known(probe, spec)
+    edits = [e for pair in pairs for e in _pair_edits(probe, pair, sites, pad_id, rng, n_coll, k)]
     restored = state_digest(model) == digest
     if not restored:
         raise RuntimeError("an edit was not undone bit for bit (model state digest changed)")
@@ -273,6 +215,86 @@ def measure(model, tok, facts: dict, pairs: list[dict], spec: dict) -> dict:
     if spec.get("example"):
         out["example"] = example(model, tok, facts, edits, sites, pad_id, spec["example"])
     return out
+
+
+class _Probe:
+    """A relation's answer for entities: each candidate value scored after the relation's template (one batched
+    forward per call), the candidates (every value of the relation among the kind's entities) encoded once."""
+
+    def __init__(self, model, tok, facts: dict):
+        self.model, self.tok, self.facts = model, tok, facts
+        self._candidates: dict = {}
+
+    def candidates(self, kind, relation):
+        if (kind, relation) not in self._candidates:
+            values = sorted({e[relation] for e in self.facts[kind]["entities"].values()})
+            self._candidates[kind, relation] = values, [encode(self.tok, v) for v in values]
+        return self._candidates[kind, relation]
+
+    def predict(self, kind, relation, names):
+        """{name: (predicted answer, candidate scores, next-token log-probs)}, one batched forward."""
+        values, cands = self.candidates(kind, relation)
+        template = self.facts[kind]["templates"][relation]
+        res = score_many(self.model, [(encode(self.tok, template.format(e=n)), cands) for n in names])
+        return {n: (values[int(sc.argmax())], sc, nxt) for n, (sc, nxt) in zip(names, res)}
+
+
+def _known(probe: _Probe, spec: dict) -> dict:
+    """Unedited accuracy per (kind, relation) on a sample: how much of each relation the model knows at all."""
+    known = {}
+    for kind, f in probe.facts.items():
+        sample = random.Random(f"known:{spec['seed']}").sample(list(f["entities"]),
+                                                             min(spec["known_entities"], len(f["entities"])))
+        for relation in f["templates"]:
+            preds = probe.predict(kind, relation, sample)
+            hits = [preds[n][0] == f["entities"][n][relation] for n in sample]
+            known[f"{kind}/{relation}"] = {"accuracy": sum(hits) / len(hits), "n": len(hits),
+                                           "chance": 1 / len(probe.candidates(kind, relation)[0])}
+    return known
+
+
+def _pair_edits(probe: _Probe, pair: dict, sites: dict, pad_id: int, rng, n_coll: int, k: int) -> list[dict]:
+    """The edits of one (source, target) pair: for each relation, scheme and site, the source's rows
+    overwritten (then restored) and its prompt and ``n_coll`` collateral entities' prompts scored again."""
+    tok, facts = probe.tok, probe.facts
+    kind, s, t = pair["kind"], pair["source"], pair["target"]
+    ents = facts[kind]["entities"]
+    src, tgt = encode(tok, " " + s), encode(tok, " " + t)
+    pieces = [tok.decode([i]) for i in tgt]
+    others = [n for n in ents if n not in (s, t)]
+    coll = rng.sample(others, min(n_coll, len(others)))
+    edits = []
+    for relation in facts[kind]["templates"]:
+        find_span(encode(tok, facts[kind]["templates"][relation].format(e=s)), src)
+        values = probe.candidates(kind, relation)[0]
+        answers = ents[s][relation], ents[t][relation]
+        index = values.index(answers[0]), values.index(answers[1])
+        before = probe.predict(kind, relation, [s, t] + coll)
+        for scheme in schemes_for(len(src), len(tgt)):
+            positions = plan(scheme, len(src), tgt, pad_id, pieces)
+            for site, weights in sites.items():
+                with edited(weights, src, positions):
+                    after = probe.predict(kind, relation, [s] + coll)
+                edits.append({"kind": kind, "relation": relation, "source": s, "target": t, "case": pair["case"],
+                              "n_s": len(src), "n_t": len(tgt), "scheme": scheme, "site": site,
+                              "plan": [list(p) for p in positions],
+                              **_effect(before, after, s, t, coll, answers, index, k)})
+    return edits
+
+
+def _effect(before: dict, after: dict, s: str, t: str, coll: list, answers: tuple, index: tuple, k: int) -> dict:
+    """What one edit did: the source's answer and the target-vs-source candidate margin before and after, its
+    next-token distribution against the control (the target's own prompt), the collateral entities' changes."""
+    (pred0, sc0, nxt0), (pred1, sc1, nxt1), ctrl = before[s], after[s], before[t][2]
+    i_s, i_t = index
+    return {"source_answer": answers[0], "target_answer": answers[1], "before": pred0, "after": pred1,
+            "success": pred1 == answers[1],
+            "flip": bool(sc1[i_t] > sc1[i_s]), "flip_before": bool(sc0[i_t] > sc0[i_s]),
+            "margin_gain": float((sc1[i_t] - sc1[i_s]) - (sc0[i_t] - sc0[i_s])),
+            "topk_overlap": topk_overlap(nxt1, ctrl, k), "topk_overlap_before": topk_overlap(nxt0, ctrl, k),
+            "kl_control": kl(ctrl, nxt1), "kl_control_before": kl(ctrl, nxt0),
+            "collateral_changed": sum(after[n][0] != before[n][0] for n in coll) / max(1, len(coll)),
+            "collateral_kl": sum(kl(before[n][2], after[n][2]) for n in coll) / max(1, len(coll))}
 
 
 def summarize(edits: list[dict]) -> list[dict]:

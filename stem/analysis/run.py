@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
+from stem import provenance
 from stem.analysis.common import TINY_NOTE
 from stem.checkpoint import check_identity, read_checkpoint_spec
 from stem.io import atomic_write_json
@@ -20,7 +22,9 @@ def analyze(ckpt_dir, spec: dict, out_json) -> dict:
     t0 = time.time()
     result = resolve(ANALYSES[name].run)(ckpt_dir, spec)
     out = {**{k: saved.get(k) for k in IDENTITY}, **result, "spec": spec,
-           "wall_seconds": round(time.time() - t0, 2)}
+           "wall_seconds": round(time.time() - t0, 2),
+           "provenance": provenance.record(spec, provenance.manifests_of(saved), train_spec=saved,
+                                           tokenizer=Path(ckpt_dir) / "tokenizer.json")}
     if saved.get("experiment") == "tiny":
         out["label"] = TINY_NOTE
     atomic_write_json(out_json, out)

@@ -12,8 +12,8 @@
 
 One job per (checkpoint, analysis): ``results/{experiment}/{scale}/{variant}/{stage}/analysis/{name}.json``.
 Every analysis is an ``Analysis`` registered by name in ``stem.registry.ANALYSES`` (the built-in ones at the
-end of this module, another from a plugin module, stem.plugins); its config key ``analysis.{name}`` turns it on.
-This module imports no torch (Snakemake builds the DAG with it).
+end of this module, as a plugin module registers its own, stem.plugins); its config key ``analysis.{name}``
+turns it on. This module imports no torch (Snakemake builds the DAG with it).
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ from typing import Callable
 from stem import config as C
 from stem import layout as L
 from stem import plugins
-from stem.analysis.dse_disabled import WORLD_TASKS   # torch-free module (its imports sit in its functions)
-from stem.eval.spec import suite_spec
+from stem.analysis import dse_disabled   # torch-free module (its imports sit in its functions)
 from stem.models.config import ModelConfig
 from stem.models.registry import ffn_facts, param_roles
 from stem.registry import ANALYSES
@@ -38,7 +37,8 @@ class Analysis:
     """One analysis of a checkpoint.
 
     run: ``run(ckpt_dir, spec) -> result fields`` or its ``"module:function"`` (imported by the job only).
-    needs_world: run only when the config has a synthetic ``world:``.
+    needs_world: run only when the config has a synthetic ``world:`` (the job spec carries it).
+    uses_world: the job spec carries the config's ``world:`` when there is one.
     baseline: compares the model with its baseline: the checkpoint of the same experiment/scale/stage's
         ``analysis.{name}.baseline`` variant (default dense) is an input of the job (``baseline_checkpoint``).
     only_for(kind) -> whether a checkpoint gets it by default (``model_kind``'s mapping); None: every one.
@@ -47,6 +47,7 @@ class Analysis:
     """
     run: Callable | str
     needs_world: bool = False
+    uses_world: bool = False
     baseline: bool = False
     only_for: Callable | None = None
     resolve: Callable | None = None
@@ -105,20 +106,6 @@ def _built_kind(model_json: str) -> dict:
     return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None}
 
 
-# Analyses a checkpoint gets by default (any one can still be asked for by its path): Heaps' curve is the same
-# for every model of a scale and only STEM's token-indexed tables make it a parameter count (|S| d_ff L_uniq),
-# so only models with those (not DSE: its hashed N-gram tables read a constant number of rows per token,
-# whatever the context); the held-out losses are compared with the dense baseline's (the loss direction of the
-# STEM paper, and of the DSE paper's Table 1 for dse), so dense and models with lookup tables (STEM, DSE);
-# the DSE paper's mechanism analyses (Sec. 6, App. G) only for models with a DSE memory.
-# editing (the embedding rows as for dense: DSE has no per-token rows to edit), spread and capacity: every model.
-ONLY_FOR = {"heaps": lambda m: m["tables"], "heldout": lambda m: m["lookups"] or m["variant"] == "dense",
-            "logitlens": lambda m: m["dse"], "cka": lambda m: m["dse"], "dse_disabled": lambda m: m["dse"]}
-for _name in ("editing", "heaps", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled"):
-    ANALYSES.add(_name, Analysis(f"stem.analysis.{_name}:run", needs_world=_name == "capacity",
-                                 baseline=_name in ("logitlens", "cka"), only_for=ONLY_FOR.get(_name)))
-
-
 def targets(cfg: dict) -> list[str]:
     out, trained = [], set(C.train_targets(cfg))
     for s, v, st in checkpoints(cfg):
@@ -138,34 +125,24 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
     if name not in analyses(cfg):
         raise ValueError(f"analysis {name!r}: not configured for experiment {cfg['experiment']!r} "
                          f"(config key 'analysis.{name}'); expected one of {analyses(cfg)}")
+    entry = ANALYSES[name]
     spec = {**cfg["analysis"][name], "analysis": name, "device": cfg.get("device", "cpu"),
             "job": {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}}
     if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
         spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
-    if cfg.get("world") and name in ("editing", "capacity", "cka", "dse_disabled"):
+    if cfg.get("world") and (entry.needs_world or entry.uses_world):
         spec["world"] = cfg["world"]
-    if ANALYSES[name].baseline:
+    if entry.baseline:
         spec["baseline"] = baseline(cfg, name)
         if (scale, spec["baseline"], stage) not in C.train_targets(cfg):
             raise ValueError(f"analysis {name!r} of {scale}/{variant}/{stage}: key 'analysis.{name}.baseline' is "
                              f"{spec['baseline']!r}, which the {cfg['experiment']} matrix does not train at "
                              f"{scale}/{stage}")
         spec["baseline_checkpoint"] = L.checkpoint(cfg["experiment"], scale, spec["baseline"], stage)
-    if name == "dse_disabled":   # the eval suite whose fixtures, shots and metric the ablation runs with
-        spec["eval"] = suite_spec(cfg, spec["suite"])
-        groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
-        known = set(spec["eval"]["tasks"]) | {t for g in spec["eval"]["tasks"] for t in groups.get(g, [])}
-        known |= set(WORLD_TASKS) if cfg.get("world") else set()
-        for cat, tasks in spec["categories"].items():
-            if set(tasks) - known:
-                raise ValueError(f"key 'analysis.dse_disabled.categories.{cat}': tasks {sorted(set(tasks) - known)} "
-                                 f"are not in eval suite {spec['suite']!r} (expected some of {sorted(known)})")
     if "source" in spec:
         spec["manifest"] = C.tokens_manifest(cfg["experiment"], scale, spec["source"])
-        if name == "capacity":
-            spec["corpus"] = f"data/{cfg['experiment']}/corpus/{spec['source']}.jsonl"
-    if ANALYSES[name].resolve:
-        ANALYSES[name].resolve(cfg, spec)
+    if entry.resolve:
+        entry.resolve(cfg, spec)
     return {**spec, **plugins.spec_key(cfg)}
 
 
@@ -178,3 +155,33 @@ def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> d
     if (spec.get("eval") or {}).get("fixtures"):
         inputs["fixtures"] = spec["eval"]["fixtures"]
     return inputs
+
+
+# ---- the built-in analyses, registered as a plugin module registers its own (tests/plugins/toy_analysis.py) ----
+# by their "module:function", so building the DAG imports no torch. The checkpoints each gets by default
+# (any one can still be asked for by its path): Heaps' curve is the same for every model of a scale and only
+# STEM's token-indexed tables make it a parameter count (|S| d_ff L_uniq), so only models with those (not DSE:
+# its hashed N-gram tables read a constant number of rows per token, whatever the context); the held-out
+# losses are compared with the dense baseline's (the loss direction of the STEM paper, and of the DSE paper's
+# Table 1 for dse), so dense and models with lookup tables (STEM, DSE); the DSE paper's mechanism analyses
+# (Sec. 6, App. G) only for models with a DSE memory; editing (the embedding rows as for dense: DSE has no
+# per-token rows to edit), spread and capacity: every model.
+def _has_dse(kind: dict) -> bool:
+    return kind["dse"]
+
+
+def _capacity_corpus(cfg: dict, spec: dict):
+    """The synthetic corpus whose fact counts bucket the capacity probe's items (an input of the job)."""
+    spec["corpus"] = L.corpus_path(cfg["experiment"], spec["source"])
+
+
+ANALYSES.add("editing", Analysis("stem.analysis.editing:run", uses_world=True))
+ANALYSES.add("heaps", Analysis("stem.analysis.heaps:run", only_for=lambda kind: kind["tables"]))
+ANALYSES.add("spread", Analysis("stem.analysis.spread:run"))
+ANALYSES.add("capacity", Analysis("stem.analysis.capacity:run", needs_world=True, resolve=_capacity_corpus))
+ANALYSES.add("heldout", Analysis("stem.analysis.heldout:run",
+                                 only_for=lambda kind: kind["lookups"] or kind["variant"] == "dense"))
+ANALYSES.add("logitlens", Analysis("stem.analysis.logitlens:run", baseline=True, only_for=_has_dse))
+ANALYSES.add("cka", Analysis("stem.analysis.cka:run", uses_world=True, baseline=True, only_for=_has_dse))
+ANALYSES.add("dse_disabled", Analysis("stem.analysis.dse_disabled:run", uses_world=True, only_for=_has_dse,
+                                      resolve=dse_disabled.resolve_spec))

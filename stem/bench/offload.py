@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 
 from stem import config as C
+from stem import layout as L
+from stem import provenance
 from stem.data.shards import ShardSet
 from stem.eval.lm import load_for_eval
 from stem.io import atomic_write_json
@@ -42,7 +44,7 @@ PAPER = {
                    "'incurs negligible throughput overhead (< 3%)' (1.9% on the 4B, 2.8% on the 8B backbone)"),
     "ffn_freed": "STEM Sec. 3.2.4: offloading the tables 'frees up roughly one-third of the FFN parameter memory'",
 }
-DEFAULT_CHECKPOINT = "results/tiny/350m/stem/pretrain/checkpoint"
+DEFAULT_CHECKPOINT = L.checkpoint("tiny", "350m", "stem", "pretrain")
 
 
 # ---- inputs ----------------------------------------------------------------------------------------------
@@ -233,30 +235,8 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
     cache_rows = cache_rows or sorted({min(top, r) for r in (d, 4 * d, 16 * d)})
     curve = curve or sorted({*(2 ** k for k in range(3, 20) if 2 ** k < top), top, d, *cache_rows})
 
-    # decode tokens/s, interleaved; hit rate and bytes moved from the engines' counters
-    configs = {"resident": resident}
-    for n in [0, *cache_rows]:
-        configs[f"offload cache={n}"] = load_for_eval(ckpt, "cpu", offload=True, cache_rows=n)[0]
-    configs["offload cache=0 no prefetch"] = sync = load_for_eval(ckpt, "cpu")[0]
-    offload(sync, ckpt / "model.safetensors", prefetch=False)  # each STEM layer fetches its rows when it runs
-    p_t, s_t = torch.from_numpy(p_ids), torch.from_numpy(s_ids)
-    times = defaultdict(list)
-    stats = {}
-    for _ in range(repeats):
-        for name, model in configs.items():
-            times[name].append(decode_seconds(model, p_t, s_t))
-            if hasattr(model, "offload_engine"):
-                stats[name] = model.offload_engine.stats()
-    decode = []
-    base = batch * steps / statistics.median(times["resident"])
-    pre = "" if n_stem else "dse_"      # a DSE-only model: its tables' counters
-    for name, model in configs.items():
-        rate = batch * steps / statistics.median(times[name])
-        st = stats.get(name)
-        decode.append({"config": name, "cache_rows": st["cache_rows"] if st else None, "tokens_per_s": rate,
-                       "vs_resident": rate / base, "hit_rate": st[f"{pre}hit_rate"] if st else None,
-                       "unique_per_total": st[f"{pre}unique_per_total"] if st else None,
-                       "bytes_per_token": st["all_bytes_per_token"] if st else 0.0})
+    configs = _configs(ckpt, resident, cache_rows)
+    decode = _decode(configs, torch.from_numpy(p_ids), torch.from_numpy(s_ids), repeats, n_stem)
     train = tokens(manifest, "train")
     if n_stem:
         hit_curve = [{"cache_rows": r, "fraction_of_vocab": r / vocab,
@@ -269,11 +249,63 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
                       "hit_rate": replay_hit_rate_tables(rows, prompt, r, sizes),
                       "hit_rate_warm": replay_hit_rate_tables(rows, prompt, r, sizes, [w[0] for w in warm])}
                      for r in curve]
-
-    # FFN memory on the device
     dense_cfg = ModelConfig.from_dict({**cfg.to_dict(), "ffn": ["dense"] * cfg.n_layers, "dse": None})
     dense = build_model(dense_cfg).to(next(resident.parameters()).dtype).eval()
-    off = configs["offload cache=0"]
+    return {"experiment": spec.get("experiment"), "checkpoint": str(ckpt), "variant": spec.get("variant"),
+            "scale": spec.get("scale"), "device": "cpu", "threads": torch.get_num_threads(),
+            "shapes": {"vocab": vocab, "d_model": d, "d_ff": d_ff, "layers": cfg.n_layers, "stem_layers": n_stem,
+                       "dtype": str(next(resident.parameters()).dtype).removeprefix("torch.")},
+            "workload": {"held_out": str(manifest.relative_to(C.REPO) if manifest.is_relative_to(C.REPO) else manifest), "batch": batch, "prompt": prompt, "steps": steps,
+                         "repeats": repeats, "curve_steps": streams.shape[1] - prompt},
+            "decode": decode, "hit_rate_curve": hit_curve,
+            "memory": _memory(resident, configs["offload cache=0"], dense, n_stem, hashed),
+            "access": _access(resident, dense, p_ids, s_ids, n_stem, hashed),
+            "uniq_train_batch": _uniq_train_batches(resident, spec, train, n_stem),
+            "paper_shapes": paper_shapes(), "paper": PAPER,
+            "provenance": provenance.record({"checkpoint": str(ckpt), "batch": batch, "prompt": prompt, "steps": steps,
+                                             "cache_rows": cache_rows, "curve": curve, "repeats": repeats},
+                                            [manifest], train_spec=spec, tokenizer=ckpt / "tokenizer.json")}
+
+
+def _configs(ckpt: Path, resident, cache_rows: list[int]) -> dict:
+    """The models whose decoding is timed, by name: resident, offloaded with each cache size (0: none), and
+    offloaded without prefetch (each STEM layer fetches its rows when it runs)."""
+    configs = {"resident": resident}
+    for n in [0, *cache_rows]:
+        configs[f"offload cache={n}"] = load_for_eval(ckpt, "cpu", offload=True, cache_rows=n)[0]
+    configs["offload cache=0 no prefetch"] = sync = load_for_eval(ckpt, "cpu")[0]
+    offload(sync, ckpt / "model.safetensors", prefetch=False)
+    return configs
+
+
+def _decode(configs: dict, p_t: torch.Tensor, s_t: torch.Tensor, repeats: int, n_stem: int) -> list[dict]:
+    """Decode tokens/s of each model, interleaved over ``repeats`` (the median); hit rate and bytes moved from
+    the engines' counters (a DSE-only model: its tables' counters)."""
+    batch, steps = s_t.shape
+    times = defaultdict(list)
+    stats = {}
+    for _ in range(repeats):
+        for name, model in configs.items():
+            times[name].append(decode_seconds(model, p_t, s_t))
+            if hasattr(model, "offload_engine"):
+                stats[name] = model.offload_engine.stats()
+    decode = []
+    base = batch * steps / statistics.median(times["resident"])
+    pre = "" if n_stem else "dse_"
+    for name, model in configs.items():
+        rate = batch * steps / statistics.median(times[name])
+        st = stats.get(name)
+        decode.append({"config": name, "cache_rows": st["cache_rows"] if st else None, "tokens_per_s": rate,
+                       "vs_resident": rate / base, "hit_rate": st[f"{pre}hit_rate"] if st else None,
+                       "unique_per_total": st[f"{pre}unique_per_total"] if st else None,
+                       "bytes_per_token": st["all_bytes_per_token"] if st else 0.0})
+    return decode
+
+
+def _memory(resident, off, dense, n_stem: int, hashed: list) -> dict:
+    """FFN and parameter memory on the device: the dense model, the resident model, ``off`` (its tables
+    offloaded)."""
+    cfg = resident.cfg
     memory = {"dense_ffn_bytes": ffn_bytes(dense), "stem_resident_ffn_bytes": ffn_bytes(resident),
               "stem_offloaded_ffn_bytes": ffn_bytes(off),
               "table_bytes_offloaded": off.offload_engine.freed_bytes,
@@ -286,9 +318,14 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
         i = next(i for i, k in enumerate(cfg.ffn) if k != "dense")  # a STEM layer, offloaded vs the dense one
         memory["freed_vs_dense_per_stem_layer"] = 1 - ffn_bytes(off, i) / ffn_bytes(dense, i)
         memory["freed_vs_dense_model"] = 1 - memory["stem_offloaded_ffn_bytes"] / memory["dense_ffn_bytes"]
-    memory["cache_budget_rows"] = d if n_stem else None  # the removed up-projections' memory, in table rows
+    memory["cache_budget_rows"] = cfg.d_model if n_stem else None  # the removed up-projections' memory, in rows
+    return memory
 
-    # parameter bytes read per decoded token (batch 1), dense vs the model
+
+def _access(resident, dense, p_ids: np.ndarray, s_ids: np.ndarray, n_stem: int, hashed: list) -> dict:
+    """Parameter bytes read per decoded token (batch 1), the dense model vs the resident one, beside the
+    paper's Sec. 3.2.3 formula (MHA, batch 1)."""
+    cfg = resident.cfg
     one_p, one_s = torch.from_numpy(p_ids[:1]), torch.from_numpy(s_ids[:1, :1])
     access = {}
     sparse_layer = (next(i for i, k in enumerate(cfg.ffn) if k != "dense") if n_stem else hashed[0][1])
@@ -298,26 +335,23 @@ def bench_offload(checkpoint=DEFAULT_CHECKPOINT, batch: int = 8, prompt: int = 3
         access[name] = {"total": m.total(), "ffn": m.total("ffn"), "table_rows": m.total("table"),
                         "kv": m.total("kv"), "attn": m.total("attn"), "dse": m.total("dse"),
                         "stem_layer_ffn": m.total("ffn", layer), "stem_layer_table": m.total("table", layer)}
-    L = prompt + 1
-    access["paper_saving_fraction_formula"] = d_ff / (4 * d + 2 * L + 3 * d_ff)  # Sec. 3.2.3, MHA, batch 1
-    access["context_length"] = L
+    context = p_ids.shape[1] + 1
+    access["paper_saving_fraction_formula"] = cfg.d_ff / (4 * cfg.d_model + 2 * context + 3 * cfg.d_ff)
+    access["context_length"] = context
+    return access
 
-    # unique ids per training batch, uniq(BL)
+
+def _uniq_train_batches(resident, spec: dict, train: np.ndarray, n_stem: int) -> list[dict]:
+    """uniq(BL): unique ids per training batch at 1, 1x and 4x the checkpoint's batch size, and the table rows
+    a step would communicate."""
     tc = spec.get("train") or {}
     b, sl = int(tc.get("batch_size", 16)), int(tc.get("seq_len", 128))
     batches = [unique_per_batch(train, bb, sl) for bb in sorted({1, b, 4 * b})]
-    row_bytes = d_ff * next(resident.parameters()).element_size()
+    row_bytes = resident.cfg.d_ff * next(resident.parameters()).element_size()
     for r in batches:
         r["comm_bytes_per_step"] = r["uniq_mean"] * row_bytes * n_stem  # forward; training doubles it (Table 1 notes)
-        r["uniq_fraction_of_vocab"] = r["uniq_mean"] / vocab
-    return {"experiment": spec.get("experiment"), "checkpoint": str(ckpt), "variant": spec.get("variant"),
-            "scale": spec.get("scale"), "device": "cpu", "threads": torch.get_num_threads(),
-            "shapes": {"vocab": vocab, "d_model": d, "d_ff": d_ff, "layers": cfg.n_layers, "stem_layers": n_stem,
-                       "dtype": str(next(resident.parameters()).dtype).removeprefix("torch.")},
-            "workload": {"held_out": str(manifest.relative_to(C.REPO) if manifest.is_relative_to(C.REPO) else manifest), "batch": batch, "prompt": prompt, "steps": steps,
-                         "repeats": repeats, "curve_steps": streams.shape[1] - prompt},
-            "decode": decode, "hit_rate_curve": hit_curve, "memory": memory, "access": access,
-            "uniq_train_batch": batches, "paper_shapes": paper_shapes(), "paper": PAPER}
+        r["uniq_fraction_of_vocab"] = r["uniq_mean"] / resident.cfg.vocab_size
+    return batches
 
 
 # ---- output ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -185,122 +186,75 @@ class _ShardWriter:
 # ----------------------------------------------------------------------------- writing
 
 
-def tokenize_to_shards(
-    documents: Iterable[str],
-    tok,
-    out_dir,
-    *,
-    shard_tokens: int = 2**24,
-    val_fraction: float = 0.01,
-    seed: int = 0,
-    dtype="auto",
-    batch_docs: int = 512,
-    num_workers: int = 2,
-    max_tokens: int | None = None,
-    source: dict | None = None,
-    doc_keys: str = "index",
-    sample: tuple[float, float] | None = None,
-    allow_empty: bool = False,
-    progress=None,
-    extra: dict | None = None,
-) -> dict:
+@dataclass(frozen=True)
+class ShardOptions:
+    """How ``tokenize_to_shards`` splits, samples and stores a document stream (checked when built).
+
+    shard_tokens: tokens per shard file (the last of a split holds the rest).
+    val_fraction: the fraction of documents in the val split, chosen by ``val_mask`` of each document's key.
+    seed: of the val split (and of sampling, with ``SAMPLE_SALT``).
+    dtype: "auto" (uint16 when the vocabulary fits, else uint32), "uint16" or "uint32".
+    batch_docs: documents encoded together, in-process with tokenizers' own Rust thread pool.
+    num_workers: >= 1 caps that pool's threads via RAYON_NUM_THREADS (best effort: only if unset and the pool
+        has not started yet in this process; 0 = all cores). (On 2 cores a process pool was measured no
+        faster, so there is none.)
+    max_tokens: caps train+val tokens; the document crossing the cap is truncated.
+    doc_keys: what the val split (and sampling) hashes per document: "index" (its position in the stream) or
+        "content" (blake2b of the document, see ``content_keys``: independent of order and of which scattered
+        job reads it).
+    sample: ``(lo, hi)`` keeps a document iff ``doc_uniform(key, seed ^ SAMPLE_SALT)`` is in [lo, hi): a seeded
+        random fraction hi-lo of the documents of the whole stream; disjoint ranges give disjoint samples.
+    allow_empty: an empty result is written (a scattered part may hold no document).
+    """
+    shard_tokens: int = 2**24
+    val_fraction: float = 0.01
+    seed: int = 0
+    dtype: str = "auto"
+    batch_docs: int = 512
+    num_workers: int = 2
+    max_tokens: int | None = None
+    doc_keys: str = "index"
+    sample: tuple[float, float] | None = None
+    allow_empty: bool = False
+
+    def __post_init__(self):
+        if int(self.shard_tokens) < 1 or int(self.batch_docs) < 1:
+            raise ValueError(f"shard_tokens ({self.shard_tokens}) and batch_docs ({self.batch_docs}) must be >= 1")
+        if not 0.0 <= float(self.val_fraction) < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.max_tokens is not None and int(self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if self.doc_keys not in ("index", "content"):
+            raise ValueError(f"doc_keys must be 'index' or 'content', got {self.doc_keys!r}")
+        if self.sample is not None and not 0.0 <= float(self.sample[0]) < float(self.sample[1]) <= 1.0:
+            raise ValueError(f"sample must be a range [lo, hi) with 0 <= lo < hi <= 1, got {self.sample!r}")
+
+
+def tokenize_to_shards(documents: Iterable[str], tok, out_dir, *, source: dict | None = None, progress=None,
+                       extra: dict | None = None, **options) -> dict:
     """Tokenize ``documents`` into train/val shards under ``out_dir``; return the manifest.
 
-    ``tok``: a ``Tok`` (or anything ``load_tokenizer`` accepts). Batches of
-    ``batch_docs`` documents are encoded in-process with tokenizers' own Rust thread
-    pool; ``num_workers`` >= 1 caps its threads via RAYON_NUM_THREADS (best effort:
-    only if unset and the pool has not started yet in this process; 0 = all cores).
-    (On 2 cores a process pool was measured no faster, so there is none.)
-    Empty strings are skipped (they still count for document indices / the split).
-    ``max_tokens`` caps train+val tokens; the document crossing the cap is truncated.
-    ``source`` (the source spec) is recorded in the manifest.
-    ``doc_keys``: what the val split (and sampling) hashes per document: "index" (its position in the
-    stream) or "content" (blake2b of the document, see ``content_keys``: independent of order and of
-    which scattered job reads it). ``sample=(lo, hi)`` keeps a document iff
-    ``doc_uniform(key, seed ^ SAMPLE_SALT)`` is in [lo, hi): a seeded random fraction hi-lo of the
-    documents of the whole stream; disjoint ranges give disjoint samples. Token-id documents (numpy
-    arrays) are stored as they are, each followed by eos. ``allow_empty``: an empty result is written
-    (a scattered part may hold no document). ``progress(stats)`` is called after every batch with
-    documents, tokens, seconds. ``extra`` is merged into the manifest.
+    ``tok``: a ``Tok`` (or anything ``load_tokenizer`` accepts). ``options``: the fields of ``ShardOptions``.
+    Empty strings are skipped (they still count for document indices / the split). Token-id documents (numpy
+    arrays) are stored as they are, each followed by eos. ``source`` (the source spec) is recorded in the
+    manifest, ``extra`` merged into it. ``progress(stats)`` is called after every batch with documents,
+    tokens, seconds.
     """
+    opts = ShardOptions(**options)
     tok = load_tokenizer(tok) if not hasattr(tok, "encode_batch") else tok
-    np_dtype = choose_dtype(dtype, tok.vocab_size)
-    if int(shard_tokens) < 1 or int(batch_docs) < 1:
-        raise ValueError(f"shard_tokens ({shard_tokens}) and batch_docs ({batch_docs}) must be >= 1")
-    if not 0.0 <= float(val_fraction) < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if max_tokens is not None and int(max_tokens) < 1:
-        raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
-    if doc_keys not in ("index", "content"):
-        raise ValueError(f"doc_keys must be 'index' or 'content', got {doc_keys!r}")
-    if sample is not None and not 0.0 <= float(sample[0]) < float(sample[1]) <= 1.0:
-        raise ValueError(f"sample must be a range [lo, hi) with 0 <= lo < hi <= 1, got {sample!r}")
-
+    np_dtype = choose_dtype(opts.dtype, tok.vocab_size)
     out_dir = Path(out_dir)
     tmp = make_temp_dir(out_dir.parent, f".{out_dir.name}.tmp-")
-    writers = {s: _ShardWriter(tmp, s, np_dtype, int(shard_tokens)) for s in SPLITS}
-    stats = {"documents_seen": 0, "empty_documents_skipped": 0}
-    max_id = np.iinfo(np_dtype).max
-    total = 0
-    truncated = False
-    t0 = time.perf_counter()
+    writers = {s: _ShardWriter(tmp, s, np_dtype, int(opts.shard_tokens)) for s in SPLITS}
     try:
-        _limit_threads(int(num_workers))
-        for idx, texts in _batches(documents, int(batch_docs), stats):
-            if doc_keys == "content" or sample is not None:
-                keys = content_keys(texts) if doc_keys == "content" else idx.astype(np.uint64)
-                if sample is not None:
-                    u = doc_uniform(keys, seed ^ SAMPLE_SALT)
-                    keep = np.flatnonzero((u >= sample[0]) & (u < sample[1]))
-                    stats["documents_not_sampled"] = stats.get("documents_not_sampled", 0) + len(texts) - len(keep)
-                    texts, idx, keys = [texts[i] for i in keep], idx[keep], keys[keep]
-                    if not texts:
-                        continue
-                idx = keys
-            flat, lengths = _encode(tok, texts)
-            if len(flat) and int(flat.max()) > max_id:
-                raise ValueError(f"token id {int(flat.max())} does not fit dtype {np_dtype.name}")
-            if max_tokens is not None and total + len(flat) >= max_tokens:
-                flat, lengths, idx = _truncate(flat, lengths, idx, int(max_tokens) - total)
-                truncated = True
-            is_val = val_mask(idx, val_fraction, seed)
-            tok_val = np.repeat(is_val, lengths)
-            writers["val"].write(flat[tok_val], lengths[is_val])
-            writers["train"].write(flat[~tok_val], lengths[~is_val])
-            total += len(flat)
-            if progress is not None:
-                progress({"documents": stats["documents_seen"], "tokens": total, "seconds": time.perf_counter() - t0})
-            if truncated:
-                break
+        stats = _encode_into(writers, documents, tok, opts, np_dtype, progress)
         splits = {s: w.finish() for s, w in writers.items()}
-        n_docs = sum(s["documents"] for s in splits.values())
-        if (total == 0 or n_docs == 0) and not allow_empty:
+        if (stats["tokens"] == 0 or sum(s["documents"] for s in splits.values()) == 0) and not opts.allow_empty:
             raise ValueError(
                 f"empty corpus: {stats['documents_seen']} documents read "
                 f"({stats['empty_documents_skipped']} empty), 0 tokens written"
             )
-        manifest = {
-            "format_version": 1,
-            "created_by": CREATED_BY,
-            "vocab_size": int(tok.vocab_size),
-            "dtype": np_dtype.name,
-            "eos_id": int(tok.eos_id),
-            "tokenizer_sha256": getattr(tok, "sha256", None),
-            "tokenizer": getattr(tok, "source", None),
-            "shard_tokens": int(shard_tokens),
-            "val_fraction": float(val_fraction),
-            "seed": int(seed),
-            "max_tokens": None if max_tokens is None else int(max_tokens),
-            "truncated": truncated,
-            "documents_seen": stats["documents_seen"],
-            "empty_documents_skipped": stats["empty_documents_skipped"],
-            "source": source,
-            "splits": splits,
-        }
-        if doc_keys != "index" or sample is not None:
-            manifest.update(doc_keys=doc_keys, sample=None if sample is None else [float(x) for x in sample],
-                            documents_not_sampled=stats.get("documents_not_sampled", 0))
-        manifest.update(extra or {})
+        manifest = _manifest(tok, np_dtype, opts, stats, splits, source, extra)
         with open(tmp / "manifest.json", "w") as f:
             json.dump(manifest, f, indent=2)
         replace_dir(tmp, out_dir)
@@ -309,6 +263,75 @@ def tokenize_to_shards(
             w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return manifest
+
+
+def _encode_into(writers: dict, documents, tok, opts: ShardOptions, np_dtype: np.dtype, progress) -> dict:
+    """Encode the stream batch by batch into the split writers; the stream's counts: documents_seen,
+    empty_documents_skipped, documents_not_sampled (when sampling), tokens, truncated."""
+    stats = {"documents_seen": 0, "empty_documents_skipped": 0, "tokens": 0, "truncated": False}
+    max_id = np.iinfo(np_dtype).max
+    t0 = time.perf_counter()
+    _limit_threads(int(opts.num_workers))
+    for idx, texts in _batches(documents, int(opts.batch_docs), stats):
+        if opts.doc_keys == "content" or opts.sample is not None:
+            texts, idx = _keyed(texts, idx, opts, stats)
+            if not texts:
+                continue
+        flat, lengths = _encode(tok, texts)
+        if len(flat) and int(flat.max()) > max_id:
+            raise ValueError(f"token id {int(flat.max())} does not fit dtype {np_dtype.name}")
+        if opts.max_tokens is not None and stats["tokens"] + len(flat) >= opts.max_tokens:
+            flat, lengths, idx = _truncate(flat, lengths, idx, int(opts.max_tokens) - stats["tokens"])
+            stats["truncated"] = True
+        is_val = val_mask(idx, opts.val_fraction, opts.seed)
+        tok_val = np.repeat(is_val, lengths)
+        writers["val"].write(flat[tok_val], lengths[is_val])
+        writers["train"].write(flat[~tok_val], lengths[~is_val])
+        stats["tokens"] += len(flat)
+        if progress is not None:
+            progress({"documents": stats["documents_seen"], "tokens": stats["tokens"],
+                      "seconds": time.perf_counter() - t0})
+        if stats["truncated"]:
+            break
+    return stats
+
+
+def _keyed(texts: list, idx: np.ndarray, opts: ShardOptions, stats: dict) -> tuple[list, np.ndarray]:
+    """A batch's documents with the keys the val split hashes (``opts.doc_keys``), the sampled ones only
+    when ``opts.sample`` is set (the others counted in ``stats["documents_not_sampled"]``)."""
+    keys = content_keys(texts) if opts.doc_keys == "content" else idx.astype(np.uint64)
+    if opts.sample is not None:
+        u = doc_uniform(keys, opts.seed ^ SAMPLE_SALT)
+        keep = np.flatnonzero((u >= opts.sample[0]) & (u < opts.sample[1]))
+        stats["documents_not_sampled"] = stats.get("documents_not_sampled", 0) + len(texts) - len(keep)
+        texts, keys = [texts[i] for i in keep], keys[keep]
+    return texts, keys
+
+
+def _manifest(tok, np_dtype, opts: ShardOptions, stats: dict, splits: dict, source, extra) -> dict:
+    manifest = {
+        "format_version": 1,
+        "created_by": CREATED_BY,
+        "vocab_size": int(tok.vocab_size),
+        "dtype": np_dtype.name,
+        "eos_id": int(tok.eos_id),
+        "tokenizer_sha256": getattr(tok, "sha256", None),
+        "tokenizer": getattr(tok, "source", None),
+        "shard_tokens": int(opts.shard_tokens),
+        "val_fraction": float(opts.val_fraction),
+        "seed": int(opts.seed),
+        "max_tokens": None if opts.max_tokens is None else int(opts.max_tokens),
+        "truncated": stats["truncated"],
+        "documents_seen": stats["documents_seen"],
+        "empty_documents_skipped": stats["empty_documents_skipped"],
+        "source": source,
+        "splits": splits,
+    }
+    if opts.doc_keys != "index" or opts.sample is not None:
+        manifest.update(doc_keys=opts.doc_keys, sample=None if opts.sample is None else [float(x) for x in opts.sample],
+                        documents_not_sampled=stats.get("documents_not_sampled", 0))
+    manifest.update(extra or {})
     return manifest
 
 

@@ -7,12 +7,17 @@
     model_args ``offload=true,cache_rows=N``: STEM tables off the device (stem.models.offload), N cached rows
     model_args ``dse_mode=disabled|forced``: the DSE gate forced to 0 or 1 (the DSE paper's App. G; stem.models.dse)
 
-- ``loglikelihood``: requests sorted by length (longest first), left-truncated to the model's
-  context, right-padded into batches (causal attention: padding never changes the real positions,
+    model_args ``truncation=left|middle|error``: what a request longer than the context keeps (``truncate``)
+
+- ``loglikelihood``: requests sorted by length (longest first), truncated to the model's context
+  (``truncation``), right-padded into batches (causal attention: padding never changes the real positions,
   so results do not depend on the batch size beyond float round-off).
 - ``loglikelihood_rolling``: non-overlapping windows of the model's context (perplexity).
 - ``generate_until``: greedy decoding with a KV cache (recomputation for models without one),
-  stopping at EOS, at any stop string (cut off) or after ``max_gen_toks`` tokens.
+  stopping at EOS, at any stop string (cut off) or after ``max_gen_toks`` tokens; the prompt truncated to the
+  context less ``max_gen_toks``.
+
+Every truncated request is counted per task (``truncation_counts``: the eval JSON's ``truncation``).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from stem.checkpoint import load_checkpoint, load_offloaded
 from stem.data.tokenizer import load_tokenizer
 from stem.eval.generate import greedy_generate, greedy_generate_batch
+from stem.options import Truncation, values
 
 
 def load_for_eval(ckpt_dir, device: str | None = None, dtype: str | None = None, offload: bool = False,
@@ -77,7 +83,7 @@ class StemLM(TemplateLM):
     def __init__(self, pretrained: str, device: str | None = None, dtype: str | None = None,
                  batch_size: int | str = 32, max_gen_toks: int = 256, max_length: int | None = None,
                  use_cache: bool = True, offload: bool | str = False, cache_rows: int | str = 0,
-                 dse_mode: str = "normal", **kwargs):
+                 dse_mode: str = "normal", truncation: str = "left", **kwargs):
         super().__init__()
         offload = _flag("offload", offload)
         if not str(cache_rows).isdigit():
@@ -93,6 +99,34 @@ class StemLM(TemplateLM):
         self._max_length = int(max_length or self.model.cfg.max_seq_len)
         self.use_cache = bool(use_cache)
         self.pretrained = str(pretrained)
+        self.set_truncation(truncation)
+        self._tasks = None   # the task of each request of the loglikelihood call under way
+
+    # ---- truncation -----------------------------------------------------------------------------
+    def set_truncation(self, policy: str) -> None:
+        """The policy for requests longer than the context (``truncate``); the counts start again."""
+        if policy not in values(Truncation):
+            raise ValueError(f"truncation={policy!r}: expected one of {', '.join(values(Truncation))}")
+        self.truncation = policy
+        self.truncation_counts: dict = {}   # task -> {"requests", "truncated", "tokens_dropped"}
+
+    def _fit(self, ids: list[int], room: int, task, policy: str | None = None, keep_last: int = 0) -> list[int]:
+        """``ids`` in ``room`` tokens by the policy (``truncate``), counted under ``task``."""
+        n = self.truncation_counts.setdefault(task, {"requests": 0, "truncated": 0, "tokens_dropped": 0})
+        n["requests"] += 1
+        if len(ids) <= room:
+            return ids
+        policy = policy or self.truncation
+        if policy == Truncation.ERROR:
+            raise ValueError(f"truncation=error: a request of task {task} has {len(ids)} tokens, more than the "
+                             f"{room} the model's context leaves it (max_length {self.max_length}); expected a "
+                             f"prompt that fits, or the suite's truncation: left or middle")
+        if not n["truncated"]:   # said once per task (lm-eval's CLI users have no eval JSON)
+            print(f"stem: task {task}: a request of {len(ids)} tokens cut to {room} (truncation={policy}); "
+                  "further cuts are counted, not printed", file=sys.stderr)
+        n["truncated"] += 1
+        n["tokens_dropped"] += len(ids) - room
+        return truncate(ids, room, policy, keep_last)
 
     # ---- tokenizer ------------------------------------------------------------------------------
     @property
@@ -118,14 +152,23 @@ class StemLM(TemplateLM):
         return self.tok.decode(ids)
 
     # ---- loglikelihood --------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._tasks = [getattr(r, "task_name", None) for r in requests]   # TemplateLM drops them: for the counts
+        try:
+            return super().loglikelihood(requests, disable_tqdm)
+        finally:
+            self._tasks = None
+
     @torch.no_grad()
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        """requests: [(cache_key, context_ids, continuation_ids)] -> [(logprob, is_greedy)]."""
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, tasks=None, **kwargs):
+        """requests: [(cache_key, context_ids, continuation_ids)] -> [(logprob, is_greedy)]; ``tasks``: the
+        task of each (for the truncation counts; default: those of the loglikelihood call under way)."""
+        tasks = tasks or self._tasks or [None] * len(requests)
         rows = []  # (index, input ids, number of continuation tokens)
         for i, (_, ctx, cont) in enumerate(requests):
             if not cont:
                 raise ValueError("loglikelihood request with an empty continuation")
-            whole = (ctx + cont)[-(self.max_length + 1):]  # left-truncate to the context window
+            whole = self._fit(ctx + cont, self.max_length + 1, tasks[i], keep_last=len(cont))  # the context window
             rows.append((i, whole[:-1], whole[len(whole) - len(cont):]))
         rows.sort(key=lambda r: -len(r[1]))
         out: list = [None] * len(rows)
@@ -154,7 +197,7 @@ class StemLM(TemplateLM):
                 ctx, cont = make_disjoint_window(w)
                 windows.append((None, ctx, cont))
                 owners.append(i)
-        scores = self._loglikelihood_tokens(windows)
+        scores = self._loglikelihood_tokens(windows, tasks=[getattr(requests[i], "task_name", None) for i in owners])
         totals = [0.0] * len(requests)
         for i, (lp, _) in zip(owners, scores):
             totals[i] += lp
@@ -177,17 +220,22 @@ class StemLM(TemplateLM):
             groups.setdefault(key, []).append(i)
         out: list = [None] * len(requests)
         for (until, max_new), idx in groups.items():
-            texts = self.generate_many([requests[i].args[0] for i in idx], list(until), max_new)
+            texts = self.generate_many([requests[i].args[0] for i in idx], list(until), max_new,
+                                       [getattr(requests[i], "task_name", None) for i in idx])
             for i, text in zip(idx, texts):
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out
 
     @torch.no_grad()
-    def generate_many(self, contexts: list[str], until: list[str], max_new: int) -> list[str]:
-        """Greedy continuations, cut before the first stop string; batches of similar lengths."""
+    def generate_many(self, contexts: list[str], until: list[str], max_new: int, tasks=None,
+                      truncation: str | None = None) -> list[str]:
+        """Greedy continuations, cut before the first stop string; batches of similar lengths. ``tasks``: the
+        task of each context (truncation counts); ``truncation``: this call's policy over the model's."""
         max_new = max(1, min(max_new, self.max_length - 1))
-        prompts = [ids[-(self.max_length - max_new):] or [self.eot_token_id] for ids in self.tok.encode_batch(contexts)]
+        tasks = tasks or [None] * len(contexts)
+        prompts = [self._fit(ids, self.max_length - max_new, task, truncation) or [self.eot_token_id]
+                   for ids, task in zip(self.tok.encode_batch(contexts), tasks)]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         stop = (lambda toks: any(s in self.tok_decode(toks) for s in until)) if until else None
         out: list = [None] * len(prompts)
@@ -203,6 +251,20 @@ class StemLM(TemplateLM):
 
     def generate(self, context: str, until: list[str], max_new: int) -> str:
         return self.generate_many([context], until, max_new)[0]
+
+
+def truncate(ids: list, room: int, policy: str, keep_last: int = 0) -> list:
+    """``ids`` cut to ``room`` tokens: ``left`` keeps the last ``room`` (lm-eval's models); ``middle`` the first
+    ``room // 2`` and the last ``room - room // 2`` (LongBench's pred.py keeps the first and last max_length/2
+    tokens), the last part never shorter than ``keep_last`` (a scored continuation stays whole)."""
+    if len(ids) <= room:
+        return ids
+    if policy == Truncation.LEFT:
+        return ids[len(ids) - room:]
+    if policy == Truncation.MIDDLE:
+        tail = max(room - room // 2, min(keep_last, room))
+        return ids[:room - tail] + ids[len(ids) - tail:]
+    raise ValueError(f"truncation={policy!r}: expected left or middle to cut a request")
 
 
 def _flag(name: str, value) -> bool:

@@ -70,7 +70,12 @@ def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max
 
 
 def run(lm, items: list[dict], max_gen_toks: int = 12) -> dict:
-    """Score items with a StemLM; returns {"cells": [...], "accuracy": overall percent, "n": ...}."""
+    """Score items with a StemLM; returns {"cells": [...], "accuracy": overall percent, "n": ...}. Every path to
+    the decoder goes through here: a cell longer than the model's context, or a prompt that with the generation
+    budget does not fit its cell, is refused (never cut: the needle could be the part cut away)."""
+    too_long = sorted({it["length"] for it in items if it["length"] > lm.max_length})
+    if too_long:
+        raise ValueError(f"niah: lengths {too_long} exceed the checkpoint's context ({lm.max_length} tokens)")
     for it in items:
         n = len(lm.tok_encode(it["prompt"]))
         if n + max_gen_toks > it["length"]:
@@ -78,7 +83,8 @@ def run(lm, items: list[dict], max_gen_toks: int = 12) -> dict:
                              f"with {max_gen_toks} generated tokens it exceeds the cell (make_items with "
                              f"max_gen_toks={max_gen_toks})")
     cells: dict = {}
-    outputs = lm.generate_many([it["prompt"] for it in items], ["\n"], max_gen_toks)
+    outputs = lm.generate_many([it["prompt"] for it in items], ["\n"], max_gen_toks, ["niah"] * len(items),
+                               truncation="error")
     for it, out in zip(items, outputs):
         it["output"], it["correct"] = out, it["value"] in out
         cells.setdefault((it["length"], it["depth"]), []).append(it["correct"])
@@ -92,7 +98,7 @@ def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
     """The runner of suite kind ``niah``: haystacks from the suite's documents, one result entry ``niah`` and
     the accuracy of every (length, depth) cell."""
     too_long = [L for L in spec["lengths"] if L > lm.max_length]
-    if too_long:
+    if too_long:   # before the haystacks are built (run checks it again: every path to the decoder)
         raise ValueError(f"niah: lengths {too_long} exceed the checkpoint's context ({lm.max_length} tokens)")
     docs = documents(spec, n_chars=8 * max(spec["lengths"]) * 4, tok=lm.tok)
     gen = spec.get("max_gen_toks", 12)

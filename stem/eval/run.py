@@ -9,7 +9,12 @@ Output ``results/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.json`` (wri
                        "version": 1.0, "all_metrics": {"acc,none": 58.0, "acc_stderr,none": 2.2, ...}}},
      "groups": {group: same fields (n = sum over its tasks, version = group version or null)},
      "by_length": {...},   # longbench only, see stem.eval.harness.by_length
-     "cells": [{"length", "depth", "accuracy", "n"}, ...]}  # niah only
+     "cells": [{"length", "depth", "accuracy", "n"}, ...],  # niah only
+     "truncation": {"policy": "left" | "middle" | "error", "context": max_length,
+                    "tasks": {task: {"requests", "truncated", "tokens_dropped"}}}}
+
+``truncation``: the suite's policy for requests longer than the model's context (stem.eval.lm.truncate) and, per
+task, how many requests were cut and how many tokens they lost (docs/evaluation.md).
 
 All metric values and stderrs are in percent (0-100, as the paper prints them), except a ``ppl``
 suite's perplexities (``"unit": "perplexity"``). The raw lm-eval output (per-sample records
@@ -88,13 +93,18 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
     t0 = time.time()
     lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"], **(model_args or {}))
     check_job(checkpoint, lm.spec, _expected(spec, checkpoint, out_json), out_json)
+    lm.set_truncation(spec["truncation"])
     norm, raw, harness = kind.run(lm, spec, limit)
     job = lm.spec
     result = {"experiment": job.get("experiment"), "scale": job.get("scale"), "variant": job.get("variant"),
               "stage": job.get("stage"), "suite": spec["suite"], "checkpoint": str(checkpoint), "limit": limit,
               "harness": harness, "fixtures": spec.get("fixtures"), "num_fewshot": spec.get("num_fewshot"),
               "gen_kwargs": spec.get("gen_kwargs"), **norm, "wall_seconds": round(time.time() - t0, 2)}
-    result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job)
+    result["truncation"] = {"policy": spec["truncation"], "context": lm.max_length,
+                            "tasks": {spec["suite"] if t is None else t: n for t, n in lm.truncation_counts.items()}}
+    ckpt_tok = Path(checkpoint) / "tokenizer.json" if isinstance(checkpoint, (str, Path)) else None
+    result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job, tokenizer=ckpt_tok,
+                                             data=provenance.eval_data(spec, raw))
     if getattr(lm, "offload", None) is not None:  # STEM tables off the device: the engine's counters
         result["offload"] = lm.offload.stats()
     if raw_json:

@@ -21,8 +21,16 @@ from typing import Callable
 
 from stem import config as C
 from stem import layout, plugins
+from stem.options import Truncation
 from stem.registry import SUITE_KINDS, resolve as _import
 from stem.specs import EvalSpec
+
+# A suite's default ``truncation:`` (what a request longer than the model's context keeps; stem.eval.lm.truncate):
+# the benchmark's published protocol where it has one, by task name (the task or ``{name}_...``: its subtasks and
+# groups), else lm-eval's left truncation. LongBench's pred.py keeps the first and last halves of an over-long
+# prompt. Needle-in-a-haystack prompts are built to fit their length (ours: stem.eval.niah refuses; RULER's, lm-eval's
+# `ruler` group and its niah_* tasks) and are never cut: a cut could remove the needle. docs/evaluation.md
+PROTOCOL_TRUNCATION = {"longbench": Truncation.MIDDLE, "ruler": Truncation.ERROR, "niah": Truncation.ERROR}
 
 
 @dataclass(frozen=True)
@@ -61,11 +69,22 @@ def suite_spec(cfg: dict, suite: str) -> dict:
         raise ValueError(f"suite {suite!r}: not in the {cfg['experiment']} config (expected one of {sorted(suites)})")
     spec = {"kind": "lm_eval", "num_fewshot": None, "metric": [], "gen_kwargs": None, **suites[suite]}
     kind = kind_of({**spec, "suite": suite})
+    spec.setdefault("truncation", default_truncation(spec))
     spec.update(suite=suite, batch_size=ev.get("batch_size", 32), seed=cfg["seed"], device=cfg.get("device"),
                 fixtures=layout.fixtures_dir(cfg["experiment"]) if ev.get("fixtures") else None)
     if kind.resolve:
         kind.resolve(cfg, spec)
     return spec
+
+
+def default_truncation(spec: dict) -> str:
+    """The published protocol of the suite's benchmark (``PROTOCOL_TRUNCATION``) when all its tasks have the same
+    one; ``error`` for NIAH (never cut); else ``left`` (lm-eval's)."""
+    if spec["kind"] == "niah":
+        return str(Truncation.ERROR)
+    found = {next((p for name, p in PROTOCOL_TRUNCATION.items() if t == name or t.startswith(name + "_")), None)
+             for t in spec.get("tasks") or []}
+    return str(found.pop()) if len(found) == 1 and None not in found else str(Truncation.LEFT)
 
 
 def job_spec(cfg: dict, experiment, scale, variant, stage, suite) -> dict:

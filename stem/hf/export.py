@@ -10,7 +10,10 @@
   no incremental state there, so the folder says ``use_cache: false`` (generation recomputes the prefix).
 
 The folder holds config.json, model.safetensors (fp32, the checkpoint's tensors renamed: stem.hf.keys),
-generation_config.json and the tokenizer as ``PreTrainedTokenizerFast`` files; it is written atomically.
+generation_config.json and the tokenizer as ``PreTrainedTokenizerFast`` files, and ``stem_source.json`` (what it
+was exported from: the mark of an export); it is written atomically. OUT must not exist, or be an empty folder or
+a previous export (replaced); anything else is refused (``force``: replace it). The temp folders an interrupted
+export left beside OUT are removed.
 """
 from __future__ import annotations
 
@@ -101,9 +104,27 @@ def hf_state_dict(model) -> dict:
     return state
 
 
-def export_hf(checkpoint, out) -> dict:
-    """Write the transformers folder ``out`` for the checkpoint folder ``checkpoint``; returns a summary."""
+SOURCE_FILE = "stem_source.json"   # in every export folder: what it was exported from
+
+
+def check_out(out: Path, force: bool = False) -> None:
+    """One line unless ``out`` is free to write: nothing there, an empty folder, a previous export (its
+    stem_source.json) or ``force``; then the temp folders an interrupted export left beside it are removed."""
+    if out.is_symlink() or out.exists():
+        what = ("a file" if not out.is_dir() else None if not any(out.iterdir()) or (out / SOURCE_FILE).is_file()
+                else f"a folder that is not an export (no {SOURCE_FILE})")
+        if what and not force:
+            raise ValueError(f"export-hf OUT {out}: {what}; expected a new path, an empty folder or a previous "
+                             "export (--force replaces it, or remove it)")
+    for stale in list(out.parent.glob(f".{out.name}.tmp-*")) + list(out.parent.glob(f".{out.name}.old-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def export_hf(checkpoint, out, force: bool = False) -> dict:
+    """Write the transformers folder ``out`` for the checkpoint folder ``checkpoint``; returns a summary.
+    ``force``: replace whatever is at ``out`` (else only a previous export or an empty folder, ``check_out``)."""
     checkpoint, out = Path(checkpoint), Path(out)
+    check_out(out, force)
     model, spec = load_checkpoint(checkpoint, "cpu")
     tok_file = checkpoint / "tokenizer.json"
     if not tok_file.is_file():
@@ -125,7 +146,7 @@ def export_hf(checkpoint, out) -> dict:
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
         for name in REMOTE_FILES if remote else ():
             shutil.copyfile(REMOTE / name, tmp / name)
-        (tmp / "stem_source.json").write_text(json.dumps(
+        (tmp / SOURCE_FILE).write_text(json.dumps(
             {k: spec.get(k) for k in ("experiment", "scale", "variant", "stage")} | {"checkpoint": str(checkpoint)},
             indent=2) + "\n")
     return {"out": str(out), "architecture": config.architectures[0], "trust_remote_code": remote,

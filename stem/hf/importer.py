@@ -8,7 +8,9 @@ a stage's ``init_from: {hf: <hub id or local folder>}``).
 - a folder written by ``export-hf`` (model_type ``stem_llama``) carries the pipeline's own model config (any variant).
 - weights: model.safetensors (or its sharded index), renamed (stem.hf.keys). Tied embeddings (Llama-3.2-1B) are
   untied by copying the embedding into the LM head (the paper's 1B is untied); the copy is reported.
-- tokenizer: the folder's tokenizer.json (import-hf copies it into the checkpoint).
+- tokenizer: the folder's tokenizer.json (import-hf copies it into the checkpoint). Every id it can produce must
+  have an embedding row (ids < vocab_size), else it is refused; a smaller tokenizer (a padded vocabulary) is fine
+  and said in the log.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from stem.hf.keys import from_hf
 from stem.models.config import ModelConfig, RopeScaling
@@ -172,6 +175,23 @@ def load_for_stage(source: str, want: ModelConfig, log=print) -> dict:
     return pipeline_state(folder, tied, log)
 
 
+def check_tokenizer(path: Path, vocab_size: int, log=print) -> int:
+    """The number of ids the tokenizer at ``path`` uses (its highest id + 1, added tokens included): one line if
+    the model cannot embed them all; a tokenizer smaller than the embedding is reported."""
+    try:
+        n_ids = max(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()) + 1
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read as a tokenizers tokenizer.json ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if n_ids > vocab_size:
+        raise ValueError(f"{path}: token ids up to {n_ids - 1}, but the model's embedding has {vocab_size} rows "
+                         f"(vocab_size); expected a tokenizer with ids < {vocab_size}")
+    if n_ids < vocab_size:
+        log(f"{path}: {n_ids} token ids for an embedding of {vocab_size} rows (a padded vocabulary: rows "
+            f"{n_ids}..{vocab_size - 1} are never looked up)")
+    return n_ids
+
+
 def import_hf(source, out, log=print) -> dict:
     """Write the pipeline checkpoint folder ``out`` (model.safetensors, config.json, tokenizer.json) for a
     transformers folder or hub id; returns a summary."""
@@ -180,6 +200,7 @@ def import_hf(source, out, log=print) -> dict:
     tok = folder / "tokenizer.json"
     if not tok.is_file():
         raise ValueError(f"{tok}: missing (the pipeline reads the tokenizer as a tokenizers tokenizer.json)")
+    check_tokenizer(tok, cfg.vocab_size, log)
     model = build_model(cfg, "cpu")
     load_into(model, pipeline_state(folder, tied, log), folder)
     spec = {"experiment": None, "scale": None, "variant": None, "stage": None, "model": cfg.to_dict(),

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-INSERT_INITS = ("projected", "xavier")
+from stem.options import InsertInit, values
+
+INSERT_INITS = values(InsertInit)
 
 
 def projected_table(emb: torch.Tensor, norm_weight: torch.Tensor, w_up: torch.Tensor, eps: float) -> torch.Tensor:

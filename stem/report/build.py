@@ -64,11 +64,18 @@ def paper_accounting() -> dict:
     return {(s, v): T.accounting(cfg, s, v) for s, v in t3[["scale", "variant"]].drop_duplicates().itertuples(index=False)}
 
 
-def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper_acct=None):
-    tol = T.settings(cfg).tolerance
+def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper_acct=None, accepted=None):
+    """``accepted``: an accepted-disagreements file (default: the config's ``report.accepted``, relative to the
+    repository); the summary's ``accepted`` lists its cells with their verdicts now."""
+    rs = T.settings(cfg)
+    tol = rs.tolerance
     cells, dirs = diff.compare(ours, tol), diff.directions(ours)
     cons = diff.paper_consistency(paper_acct)
-    s = diff.summary(cfg["experiment"], cells, dirs, cons, prov=ours.get("provenance"))
+    s = diff.summary(cfg["experiment"], cells, dirs, cons, prov=ours.get("provenance"), cut=ours.get("truncation"))
+    path = accepted if accepted is not None else (C.REPO / rs.accepted if rs.accepted else None)
+    if path is not None:
+        s["accepted"] = {"file": str(accepted) if accepted is not None else rs.accepted,
+                         "cells": diff.accepted_rows(dirs, diff.load_accepted(path))}
     failures = diff.gate(cells, list(gate_patterns), gate_tolerance) if gate_patterns else None
     if failures is not None:
         s["gate"] = {"patterns": list(gate_patterns), "failed": [f"{r.table}/{r.scale}/{r.variant}/{r.column}"

@@ -15,14 +15,17 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import yaml
 
 from stem import provenance
+from stem.io import atomic_write_text
 from stem.report import page, registry
 from stem.report import paper_data as P
 from stem.report import tables as T
 from stem.report import verdict as V
 from stem.report.page import markdown
 from stem.report.provenance import commit_label, results_summary
+from stem.report.truncation import truncation_lines, truncation_summary
 
 CELL_COLUMNS = ["table", "scale", "variant", "row", "column", "unit", "ours", "paper", "delta", "tolerance",
                 "status", "note"]
@@ -176,18 +179,27 @@ def direction_counts(dirs: pd.DataFrame) -> dict:
             "paper_effect_resolvable": int(sum(bool(x) for x in sized)), "paper_effect_sized": int(len(sized))}
 
 
-def gate_directions(dirs: pd.DataFrame, baseline: pd.DataFrame | None = None) -> list[str]:
-    """One line per failing direction: a resolved disagreement (interval excludes 0, the paper's sign the other
-    way), or, given ``baseline`` (an earlier diff/directions.csv), a verdict whose category changed or that is
-    gone. A direction new since the baseline does not fail."""
-    def name(r):
-        return "/".join(str(r[k]) for k in ("table", "scale", "variant")) + f"/{r['column']}" + (
-            f" ({r['stage']})" if r["stage"] else "")
+def cell_name(r) -> str:
+    """A direction's name in the gate's lines and the accepted-disagreements file: table/scale/variant/column."""
+    return "/".join(str(r[k]) for k in ("table", "scale", "variant", "column"))
 
-    def ci(r):
-        return "" if r["lo"] is None or T._isnan(r["lo"]) else f" [{r['lo']:+.3g}, {r['hi']:+.3g}]"
-    out = [f"{name(r)}: disagrees with the paper (ours {r['ours_delta']:+.3g}{ci(r)}, paper {r['paper_delta']:+.3g})"
-           for r in dirs.to_dict("records") if r["category"] == "disagree"]
+
+def _ci(r) -> str:
+    return "" if r["lo"] is None or T._isnan(r["lo"]) else f" [{r['lo']:+.3g}, {r['hi']:+.3g}]"
+
+
+def gate_directions(dirs: pd.DataFrame, baseline: pd.DataFrame | None = None, accepted=()) -> list[str]:
+    """One line per failing direction: a resolved disagreement (interval excludes 0, the paper's sign the other
+    way) that is not an ``accepted`` one (``load_accepted``), or, given ``baseline`` (an earlier
+    diff/directions.csv), a verdict whose category changed (unless into an accepted disagreement) or that is
+    gone. A direction new since the baseline does not fail; a baseline never waives a disagreement."""
+    def name(r):
+        return cell_name(r) + (f" ({r['stage']})" if r["stage"] else "")
+
+    ok = {_accepted_key(a) for a in accepted}
+    waived = lambda r: r["category"] == "disagree" and tuple(str(r[k]) for k in KEY) in ok  # noqa: E731
+    out = [f"{name(r)}: disagrees with the paper (ours {r['ours_delta']:+.3g}{_ci(r)}, paper {r['paper_delta']:+.3g})"
+           for r in dirs.to_dict("records") if r["category"] == "disagree" and not waived(r)]
     if baseline is not None:
         now = {tuple(str(r[k]) for k in KEY): r for r in dirs.to_dict("records")}
         for b in baseline.to_dict("records"):
@@ -195,10 +207,90 @@ def gate_directions(dirs: pd.DataFrame, baseline: pd.DataFrame | None = None) ->
             r = now.get(key)
             if r is None:
                 out.append(f"{name(b)}: in the baseline ({b['category']}), not in these results")
-            elif r["category"] != b["category"]:
+            elif r["category"] != b["category"] and not waived(r):
                 out.append(f"{name(r)}: verdict changed against the baseline: {b['category']} -> {r['category']}"
                            f" (ours {r['ours_delta'] if r['ours_delta'] is None else format(r['ours_delta'], '+.3g')}"
-                           f"{ci(r)})")
+                           f"{_ci(r)})")
+    return out
+
+
+ACCEPTED_KEYS = ("cell", "stage", "verdict", "interval", "reason")
+
+
+def _accepted_key(a: dict) -> tuple:
+    table, scale, variant, column = a["cell"].split("/", 3)
+    return table, scale, variant, a["stage"], column
+
+
+def load_accepted(path) -> list[dict]:
+    """The accepted-disagreements file (YAML): a list of {cell: table/scale/variant/column, stage, verdict (the
+    verdict then: disagree), interval: [lo, hi] (then), reason}. The directions gate passes these cells while
+    they still disagree; the report lists them with their interval then and now. One-line errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such accepted-disagreements file")
+    entries = yaml.safe_load(p.read_text()) or []
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of accepted disagreements, got {type(entries).__name__}")
+    for i, a in enumerate(entries):
+        where = f"{path}: entry {i + 1}"
+        if not isinstance(a, dict) or set(a) != set(ACCEPTED_KEYS):
+            raise ValueError(f"{where}: expected exactly the keys {', '.join(ACCEPTED_KEYS)}, got "
+                             f"{sorted(a) if isinstance(a, dict) else a!r}")
+        if not isinstance(a["cell"], str) or a["cell"].count("/") != 3:
+            raise ValueError(f"{where}: key 'cell': {a['cell']!r}; expected table/scale/variant/column")
+        if V.category(a["verdict"]) != "disagree":
+            raise ValueError(f"{where}: key 'verdict': {a['verdict']!r}; expected disagree (only a disagreement "
+                             "is accepted)")
+        iv = a["interval"]
+        if not (isinstance(iv, list) and len(iv) == 2 and all(isinstance(x, (int, float)) for x in iv)
+                and iv[0] <= iv[1]):
+            raise ValueError(f"{where}: key 'interval': {iv!r}; expected [lo, hi], two numbers, lo <= hi")
+        if not isinstance(a["reason"], str) or not a["reason"].strip():
+            raise ValueError(f"{where}: key 'reason': {a['reason']!r}; expected a sentence saying why")
+        a["stage"] = "" if a["stage"] is None else str(a["stage"])
+    return entries
+
+
+ACCEPTED_HEADER = ("# Accepted disagreements (stem.report.diff.load_accepted): directions that disagree with the paper,\n"
+                   "# known and accepted; `python -m stem diff --gate-directions` passes them while they still disagree,\n"
+                   "# the report lists them. Add one with `python -m stem diff --accept CELL --reason TEXT`.\n")
+
+
+def accept(dirs: pd.DataFrame, cells, reason: str, path) -> list[dict]:
+    """Write ``path`` (YAML, atomically) with each of ``cells`` ('table/scale/variant/column', '@stage' where
+    the cell has several) accepted: its verdict and interval now and ``reason``; an entry for the same cell is
+    replaced. One-line error for a cell that does not disagree now."""
+    p = Path(path)
+    entries = load_accepted(p) if p.is_file() else []
+    if not reason or not reason.strip():
+        raise ValueError("--accept: needs --reason, a sentence saying why the disagreement is accepted")
+    for spec in cells:
+        cell, _, stage = spec.partition("@")
+        rows = [r for r in dirs.to_dict("records") if cell_name(r) == cell and (not stage or str(r["stage"]) == stage)]
+        if len(rows) != 1:
+            raise ValueError(f"--accept {spec}: {'no direction' if not rows else 'several directions (add @stage)'} "
+                             "of that name; expected table/scale/variant/column[@stage] as the gate names it")
+        r = rows[0]
+        if r["category"] != "disagree":
+            raise ValueError(f"--accept {spec}: its verdict is {r['verdict']!r}; only a disagreement is accepted")
+        new = {"cell": cell, "stage": str(r["stage"]), "verdict": "disagree",
+               "interval": [float(r["lo"]), float(r["hi"])], "reason": reason.strip()}
+        entries = [e for e in entries if _accepted_key(e) != _accepted_key(new)] + [new]
+    atomic_write_text(p, ACCEPTED_HEADER + yaml.safe_dump(entries, sort_keys=False, allow_unicode=True, width=110))
+    return entries
+
+
+def accepted_rows(dirs: pd.DataFrame, accepted) -> list[dict]:
+    """Each accepted disagreement with its verdict and interval now (``missing`` where the cell is gone)."""
+    now = {tuple(str(r[k]) for k in KEY): r for r in dirs.to_dict("records")}
+    out = []
+    for a in accepted:
+        r = now.get(_accepted_key(a))
+        lo, hi = (None, None) if r is None or T._isnan(r["lo"]) else (float(r["lo"]), float(r["hi"]))
+        out.append({"cell": a["cell"], "stage": a["stage"], "verdict": a["verdict"], "interval": a["interval"],
+                    "reason": a["reason"], "now": "missing" if r is None else r["category"], "now_interval":
+                    None if lo is None else [lo, hi]})
     return out
 
 
@@ -310,9 +402,9 @@ def gate(cells: pd.DataFrame, patterns: list[str], tolerance: float | None = Non
 
 
 def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
-            top: int = 10, prov: pd.DataFrame | None = None) -> dict:
+            top: int = 10, prov: pd.DataFrame | None = None, cut: pd.DataFrame | None = None) -> dict:
     """``prov``: the provenance table (long; stem.report.provenance), condensed into the summary beside the
-    report's own provenance (stem.provenance.record)."""
+    report's own provenance (stem.provenance.record); ``cut``: the truncation table (stem.report.truncation)."""
     numeric = cells.dropna(subset=["delta"]).copy()
     numeric["gap"] = numeric["delta"].abs() / numeric["tolerance"].where(numeric["tolerance"] > 0, 1.0)
     arch = cells["unit"].isin(["B params", "GFLOPs/token"])
@@ -332,6 +424,7 @@ def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistenc
         "directions": direction_counts(dirs),
         "paper_inconsistencies": int((~consistency["consistent"]).sum()) if len(consistency) else 0,
         "provenance": {"report": provenance.record(), "results": results_summary(prov)},
+        "truncation": truncation_summary(cut),
     }
 
 
@@ -380,6 +473,7 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
         f"Config vs Table 2: **{s['config_matching']}/{s['config_cells']}** hyperparameter cells match",
         *direction_lines(s["directions"]),
         *provenance_lines(s.get("provenance")),
+        *truncation_lines(s.get("truncation")),
         f"Places where the paper disagrees with itself: **{s['paper_inconsistencies']}** (see below)",
         "Tolerances (absolute): accuracy points / params (B) / GFLOPs / ROI as configured in `report.tolerance`;"
         " text cells must match exactly."))]
@@ -399,7 +493,23 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
         "Resolvable: the interval's half-width is below the paper's |effect|."))
     if len(dirs):
         blocks.append(page.Table(direction_table(dirs)))
+    if s.get("accepted"):
+        blocks.append(page.Para(f"Accepted disagreements (`{s['accepted']['file']}`; the directions gate passes "
+                                "them while they still disagree):"))
+        blocks.append(page.Items(tuple(accepted_lines(s["accepted"]["cells"])) or ("none",)))
     return blocks
+
+
+def accepted_lines(cells) -> list[str]:
+    """One line per accepted disagreement: the verdict and interval at acceptance, now, and the reason."""
+    def iv(x):
+        return "" if not x else f" [{x[0]:+.3g}, {x[1]:+.3g}]"
+    out = []
+    for c in cells:
+        stage = f" ({c['stage']})" if c["stage"] else ""
+        out.append(f"`{c['cell']}`{stage}: accepted {c['verdict']}{iv(c['interval'])}, now **{c['now']}**"
+                   f"{iv(c['now_interval'])} — {c['reason']}")
+    return out
 
 
 def provenance_lines(p: dict | None) -> list[str]:

@@ -376,7 +376,7 @@ def offload_hit_rate(cfg, res, ours, files):
 def _offload_inputs(cfg, evals) -> dict:
     if "stem" not in cfg["matrix"].get("350m", {}).get("variants", []):
         return {}
-    return {"offload": f"reports/{cfg['experiment']}/offload/offload.json"}
+    return {"offload": L.offload_file(cfg["experiment"], "json")}
 
 
 registry.report_figure(

@@ -211,14 +211,14 @@ def _register():
     gap = dict(empty="_(no rows: no DSE checkpoint analysed yet, or config `analysis:` does not run this analysis)_")
     registry.paper_table(
         "logitlens", "LogitLens (DSE paper Sec. 6, Fig. 3a): mean KL(final || layer) over held-out tokens per layer, "
-        "DSE and its baseline", inputs=AR.table_inputs("logitlens"), **gap)(logitlens_long)
+        "DSE and its baseline" + AR.SEED0, inputs=AR.table_inputs("logitlens"), **gap)(logitlens_long)
     registry.paper_table(
         "cka", "CKA layer alignment (DSE paper Sec. 6, Fig. 3b-c): S[baseline layer i, DSE layer j] and the soft "
-        "alignment a_j (Eq. 9)", inputs=AR.table_inputs("cka"), **gap)(cka_long)
+        "alignment a_j (Eq. 9)" + AR.SEED0, inputs=AR.table_inputs("cka"), **gap)(cka_long)
     registry.paper_table(
         "dse_disabled", "DSE module ablation (DSE paper App. G, Figs 9-10): accuracy with the DSE gate forced to 0 "
-        "(disabled) or 1 (forced), and the retained % of the full model", labels={"full_accuracy": "full model",
-                                                                                 "retained": "retained %"},
+        "(disabled) or 1 (forced), and the retained % of the full model" + AR.SEED0,
+        labels={"full_accuracy": "full model", "retained": "retained %"},
         inputs=AR.table_inputs("dse_disabled"), **gap)(disabled_long)
     registry.report_figure(
         "dse_logitlens", "DSE paper Fig. 3a: LogitLens KL(final || layer) per layer for each DSE model (solid) and "

@@ -35,29 +35,40 @@ def _manifests(p: dict) -> str | None:
     return _short(hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(m.items())).encode()).hexdigest())
 
 
+def _files(cfg: dict, res):
+    """(scale, variant, stage, what, path, JSON) of every training summary and evaluation JSON that exists."""
+    suites = ((cfg.get("eval") or {}).get("stages") or {})
+    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
+        d = res.stage_dir(scale, variant, stage)
+        yield scale, variant, stage, "summary", d / "summary.json", res.summary(scale, variant, stage)
+        for s in suites.get(stage, []):
+            yield scale, variant, stage, f"eval {s}", d / f"eval/{s}.json", res.eval(scale, variant, stage, s)
+
+
 def rows(cfg: dict, res) -> list[dict]:
     """One row per result file that exists: what its ``provenance`` entry says (None where it has none)."""
-    suites = ((cfg.get("eval") or {}).get("stages") or {})
-    out = []
-    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
-        summary = res.summary(scale, variant, stage)
-        train_hash = ((summary or {}).get("provenance") or {}).get("spec_sha256")
-        files = [("summary", summary)] + [(f"eval {s}", res.eval(scale, variant, stage, s)) for s in suites.get(stage, [])]
-        for what, data in files:
-            if data is None:
-                continue
-            p = data.get("provenance") or {}
-            v = p.get("versions") or {}
-            same = None
-            if what != "summary" and p.get("train_spec_sha256") and train_hash:
-                same = "yes" if p["train_spec_sha256"] == train_hash else "NO"
-            out.append({"scale": scale, "variant": variant, "stage": stage, "what": what,
-                        "path": str(res.stage_dir(scale, variant, stage) / ("summary.json" if what == "summary"
-                                                                             else f"eval/{what[5:]}.json")),
-                        "commit": commit_label(p), "torch": v.get("torch"), "lm_eval": v.get("lm_eval"),
-                        "snakemake": v.get("snakemake"), "transformers": v.get("transformers"),
-                        "spec": _short(p.get("spec_sha256")), "manifests": _manifests(p), "same_spec": same})
+    out, train_hash = [], None
+    for scale, variant, stage, what, path, data in _files(cfg, res):
+        if what == "summary":
+            train_hash = ((data or {}).get("provenance") or {}).get("spec_sha256")
+        if data is None:
+            continue
+        p = data.get("provenance") or {}
+        v = p.get("versions") or {}
+        same = None
+        if what != "summary" and p.get("train_spec_sha256") and train_hash:
+            same = "yes" if p["train_spec_sha256"] == train_hash else "NO"
+        out.append({"scale": scale, "variant": variant, "stage": stage, "what": what, "path": str(path),
+                    "commit": commit_label(p), "torch": v.get("torch"), "lm_eval": v.get("lm_eval"),
+                    "snakemake": v.get("snakemake"), "transformers": v.get("transformers"),
+                    "spec": _short(p.get("spec_sha256")), "manifests": _manifests(p), "same_spec": same})
     return out
+
+
+def dirty(cfg: dict, res) -> list[tuple[str, list[str]]]:
+    """(path, the tracked files changed then) of every result file written from a dirty tree."""
+    return [(str(path), (data["provenance"].get("dirty_files") or []))
+            for *_, path, data in _files(cfg, res) if ((data or {}).get("provenance") or {}).get("dirty")]
 
 
 def provenance_long(cfg: dict, res) -> pd.DataFrame:

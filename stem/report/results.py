@@ -187,7 +187,7 @@ def _entries(path, d: dict, where: str, lo: float, hi: float):
 
 def check_eval(path, d: dict, identity: dict):
     """An eval JSON (stem.eval.run.evaluate): identity, per-task scores in percent (perplexities for ``unit:
-    perplexity`` entries), LongBench rows by length, NIAH cells."""
+    perplexity`` entries), LongBench rows by length, NIAH cells, truncation counts."""
     _identity(path, d, identity)
     if not isinstance(d.get("tasks"), dict):
         _fail(path, "tasks", "an object {task: {value, stderr, ...}}", d.get("tasks"))
@@ -206,6 +206,15 @@ def check_eval(path, d: dict, identity: dict):
                 _fail(path, f"by_length.{table}[{i}].groups", "an object {group: score}", groups)
             for g in groups:
                 _number(path, groups, g, 0, 100, nullable=True, name=f"by_length.{table}[{i}].groups.{g}")
+    cut = d.get("truncation", {})   # absent in eval JSONs written before the counts (stem.report.truncation)
+    if not isinstance(cut, dict) or not isinstance(cut.get("tasks", {}), dict):
+        _fail(path, "truncation", "an object {policy, context, tasks: {task: {requests, truncated, tokens_dropped}}}",
+              cut)
+    for task, n in cut.get("tasks", {}).items():
+        if not isinstance(n, dict):
+            _fail(path, f"truncation.tasks.{task}", "an object {requests, truncated, tokens_dropped}", n)
+        for key in ("requests", "truncated", "tokens_dropped"):
+            _number(path, n, key, 0, math.inf, integer=True, name=f"truncation.tasks.{task}.{key}")
     cells = d.get("cells", [])
     if not isinstance(cells, list):
         _fail(path, "cells", "a list of {length, depth, accuracy}", cells)

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from stem import provenance
 from stem.report.results import ResultError, Results
 from stem.report.tables import experiment_label
 from stem.sweeps import CLAIMS, TOLERANCE, _stage, points
@@ -48,7 +49,7 @@ def collect(cfg: dict, kind: str, results_root="results") -> dict:
         rows.append(row)
     out = {"experiment": cfg["experiment"], "label": experiment_label(cfg), "kind": kind, "scale": scale,
            "stage": stage, "base": sw[kind]["base"], "memory": sw[kind]["memory"], "train": _stage(cfg),
-           "claim": CLAIMS[kind], "points": rows}
+           "claim": CLAIMS[kind], "points": rows, "provenance": provenance.record(cfg)}
     losses = [r["val_loss"] for r in rows]
     if any(x is None or not math.isfinite(x) for x in losses):
         raise ResultError(f"sweep {kind}: a point has no validation loss ({[r['variant'] for r in rows]}: {losses})")

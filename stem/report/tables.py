@@ -29,9 +29,13 @@ PAPER_ROW = {"table6": {"dense": "Base"},  # Table 6 calls the baseline "Base"
 COMMONSENSE_LABELS = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "boolq": "BoolQ", "piqa": "PIQA",
                       "social_iqa": "SIQA", "hellaswag": "HSwag", "openbookqa": "OBQA", "winogrande": "Wino",
                       "avg": "Avg"}
+# the columns beside a cell with several seeds (stem.seeds; its accuracies and val loss are the seeds' means)
+SEED_LABELS = {"seeds": "seeds", "avg_sd": "Avg sd (seeds)", "avg_min": "Avg min (seeds)",
+               "avg_max": "Avg max (seeds)", "val_loss_sd": "val loss sd (seeds)"}
+SEED_COLUMNS = tuple(SEED_LABELS)
 UNITS = {"p_tot_b": "B params", "p_act_b": "B params", "dse_params_b": "B params", "total_params_b": "B params",
          "total_params_exact_b": "B params", "active_params_b": "B params", "gflops_per_token": "GFLOPs/token",
-         "roi": "x (vs same-scale baseline)", "val_loss": "nats", "seeds": "count"}
+         "roi": "x (vs same-scale baseline)", "val_loss": "nats", "val_loss_sd": "nats", "seeds": "count"}
 INF = math.inf
 LONGBENCH = {  # column -> (group, lo, hi) in thousands of tokens
     "lb_multi_lt4k": ("multi", 0, 4), "lb_multi_4_8k": ("multi", 4, 8), "lb_multi_ge8k": ("multi", 8, INF),
@@ -212,6 +216,35 @@ def seed_scores(cfg: dict, res: Results, scale, variant, stages, suites) -> tupl
     return mean, "; ".join(src for _, src in per if src != "missing") or "missing", avgs
 
 
+def seed_spread(cfg: dict, scale, variant, avgs) -> list[tuple]:
+    """The columns beside a cell with several seeds (its Avg is their mean): how many seeds have a complete Avg,
+    their sd, lowest and highest. None for a cell with one seed."""
+    if len(seeds.seeds_of(cfg, scale, variant)) == 1:
+        return []
+    return [("seeds", len(avgs), "seeds with a complete Avg (stem.seeds)"),
+            ("avg_sd", float(np.std(avgs, ddof=1)) if len(avgs) > 1 else None, "sd of the seeds' Avg"),
+            ("avg_min", min(avgs) if avgs else None, "lowest seed's Avg"),
+            ("avg_max", max(avgs) if avgs else None, "highest seed's Avg")]
+
+
+def seed_val_loss(cfg: dict, res: Results, scale, variant, stage) -> tuple[list[float], str]:
+    """Each seed's final validation loss (training summaries of ``stage`` that have one) and their sources."""
+    vids = [seeds.seed_id(variant, k) for k in seeds.seeds_of(cfg, scale, variant)]
+    got = [(v, (res.summary(scale, v, stage) or {}).get("final_val_loss")) for v in vids]
+    got = [(v, x) for v, x in got if x is not None]
+    return [x for _, x in got], "; ".join(f"{scale}/{v}/{stage}/summary.json" for v, _ in got) or "missing"
+
+
+def val_loss_cells(cfg: dict, res: Results, scale, variant, stage) -> list[tuple]:
+    """(column, value, source) of a cell's validation loss: the mean over its seeds, and with several seeds
+    their sd (``val_loss_sd``)."""
+    loss, src = seed_val_loss(cfg, res, scale, variant, stage)
+    if len(seeds.seeds_of(cfg, scale, variant)) == 1:
+        return [("val_loss", loss[0] if loss else None, src)]
+    return [("val_loss", float(np.mean(loss)) if loss else None, f"mean over seeds: {src}"),
+            ("val_loss_sd", float(np.std(loss, ddof=1)) if len(loss) > 1 else None, "sd of the seeds' val loss")]
+
+
 def table3(cfg: dict, res: Results) -> pd.DataFrame:
     stages = settings(cfg).stages["table3"]
     rows, spread = [], {}
@@ -223,28 +256,21 @@ def table3(cfg: dict, res: Results) -> pd.DataFrame:
             scores, src, spread[scale, v] = seed_scores(cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
             rows.append((scale, v, scores, trained_accounting(cfg, res, scale, v, stages), src))
 
-    def val_loss(scale, variant):
-        s = res.summary(scale, variant, stages[0]) or {}
-        out = [("val_loss", s.get("final_val_loss"), f"{scale}/{variant}/{stages[0]}/summary.json")]
-        if len(seeds.seeds_of(cfg, scale, variant)) > 1:   # Avg is the mean over seeds; its spread beside it
-            a = spread[scale, variant]
-            out += [("seeds", len(a), "seeds with a complete Avg (stem.seeds)"),
-                    ("avg_sd", float(np.std(a, ddof=1)) if len(a) > 1 else None, "sd of the seeds' Avg"),
-                    ("avg_min", min(a) if a else None, "lowest seed's Avg"),
-                    ("avg_max", max(a) if a else None, "highest seed's Avg")]
-        return out
+    def val_loss(scale, variant):   # Avg and val loss are means over seeds; their spread beside them
+        return (val_loss_cells(cfg, res, scale, variant, stages[0])
+                + seed_spread(cfg, scale, variant, spread[scale, variant]))
     return accuracy_table("table3", rows, val_loss)
 
 
 def table4(cfg: dict, res: Results) -> pd.DataFrame:
     stages = settings(cfg).stages["table4"]
-    rows = []
+    rows, spread = [], {}
     for scale in scales_with(cfg, stages[0]):
         for v in ordered_variants(cfg["matrix"][scale]["variants"]):
-            scores, src = _scores(res, scale, v, stages,
-                                  {"commonsense": P.COMMONSENSE_TASKS, "gsm8k": ["gsm8k"], "mmlu": ["mmlu"]})
+            scores, src, spread[scale, v] = seed_scores(
+                cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS, "gsm8k": ["gsm8k"], "mmlu": ["mmlu"]})
             rows.append((scale, v, scores, None, src))
-    return accuracy_table("table4", rows)
+    return accuracy_table("table4", rows, lambda scale, v: seed_spread(cfg, scale, v, spread[scale, v]))
 
 
 def table5(cfg: dict, res: Results) -> pd.DataFrame:
@@ -332,12 +358,12 @@ def dse_table(cfg: dict, res: Results) -> pd.DataFrame:
                 cells.append(cell("dse", scale, v, column, acct[key] / 1e9 if key in acct else None, acct["source"]))
             cells.append(cell("dse", scale, v, "gflops_per_token", acct["gflops_per_token"],
                               "accounting: 2 x active params (embedding and head included, as Table 3)"))
-            s = res.summary(scale, v, stages[0]) or {}
-            cells.append(cell("dse", scale, v, "val_loss", s.get("final_val_loss"),
-                              f"{scale}/{v}/{stages[0]}/summary.json"))
-            scores, src = _scores(res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
+            loss = val_loss_cells(cfg, res, scale, v, stages[0])   # the seeds' mean (and sd) where there are seeds
+            scores, src, avgs = seed_scores(cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
+            cells.append(cell("dse", scale, v, *loss[0]))
             cells += [cell("dse", scale, v, task, scores.get(task), src) for task in P.COMMONSENSE_TASKS]
             cells.append(cell("dse", scale, v, "avg", average(scores), "mean of the 8 commonsense tasks"))
+            cells += [cell("dse", scale, v, *c) for c in loss[1:] + seed_spread(cfg, scale, v, avgs)]
     return frame(cells)
 
 
@@ -495,8 +521,8 @@ registry.paper_table(
 registry.paper_table(
     "table3", "Table 3: pretrained models, zero-shot commonsense accuracy (%), parameters, GFLOPs/token, ROI",
     csv="table3", stages=("pretrain",), compared=True, direction_checked=True, inputs=checkpoints_of("table3"),
-    undirected=("total_params_b", "total_params_exact_b", "active_params_b", "gflops_per_token", "val_loss", "seeds",
-                "avg_sd", "avg_min", "avg_max"),
+    undirected=("total_params_b", "total_params_exact_b", "active_params_b", "gflops_per_token", "val_loss",
+                *SEED_COLUMNS),
     notes={("350m", "total_params_b"):
            "Convention: #Total = dense total + n_STEM x V x d_ff (removed up-projections not subtracted), which "
            "reproduces the 1B row exactly; the paper's 350M #Total column (1.14/1.85/3.25, Hash-MoE 1.22) fits no "
@@ -506,11 +532,11 @@ registry.paper_table(
                         "#GFLOPs column."},
     labels={"total_params_b": "#Total Params (B)", "total_params_exact_b": "#Total exact (B)",
             "active_params_b": "#Active Params (B)", **COMMONSENSE_LABELS, "gflops_per_token": "#GFLOPs",
-            "roi": "ROI", "val_loss": "val loss", "seeds": "seeds", "avg_sd": "Avg sd (seeds)",
-            "avg_min": "Avg min (seeds)", "avg_max": "Avg max (seeds)"})(table3)
+            "roi": "ROI", "val_loss": "val loss", **SEED_LABELS})(table3)
 registry.paper_table(
     "table4", "Table 4: mid-trained models (%)", csv="table4", stages=("midtrain",), compared=True,
-    direction_checked=True, labels={**COMMONSENSE_LABELS, "gsm8k": "GSM8K", "mmlu": "MMLU"})(table4)
+    direction_checked=True, undirected=SEED_COLUMNS,
+    labels={**COMMONSENSE_LABELS, "gsm8k": "GSM8K", "mmlu": "MMLU", **SEED_LABELS})(table4)
 registry.paper_table(
     "table5", "Table 5: contextual reasoning (BBH, MuSR, LongBench multi-hop / code by context length)",
     csv="table5", stages=("extend", "midtrain"), compared=True, direction_checked=True,
@@ -531,7 +557,7 @@ registry.paper_table(
     "scale, parameters in the DSE paper's convention, GFLOPs/token, validation loss, zero-shot commonsense "
     "accuracy (%)", csv="dse_paper/table1", stages=("pretrain",), direction_checked=True,
     inputs=checkpoints_of("dse"), paper_directions=dse_paper_directions, lower_better=("val_loss",),
-    undirected=("p_tot_b", "p_act_b", "dse_params_b", "gflops_per_token"),
+    undirected=("p_tot_b", "p_act_b", "dse_params_b", "gflops_per_token", *SEED_COLUMNS),
     notes={("", "p_tot_b"): "Parameters as the DSE paper counts them (its Sec. 3.1): P_tot = trainable parameters "
                             "without the vocabulary embedding and LM head; P_act = those used per token (they set "
                             "the FLOPs); DSE params = the hashed N-gram tables (Table 1's '# DSE Parameters'). "
@@ -545,5 +571,5 @@ registry.paper_table(
                              "ARC-E, ARC-C, HellaSwag, PIQA, WinoGrande and the validation loss (the paper has no "
                              "BoolQ, SIQA, OBQA or our 8-task Avg)."},
     labels={"p_tot_b": "P_tot (B)", "p_act_b": "P_act (B)", "dse_params_b": "DSE params (B)",
-            "gflops_per_token": "GFLOPs/token", "val_loss": "val loss", **COMMONSENSE_LABELS},
+            "gflops_per_token": "GFLOPs/token", "val_loss": "val loss", **COMMONSENSE_LABELS, **SEED_LABELS},
 )(dse_table)

@@ -6,7 +6,7 @@ models) and gives the mean difference b - a with a percentile interval; ``classi
 sign the paper reports: the interval above zero (or below) is a direction, one that contains zero is
 *inconclusive* (the tiny fixtures cannot tell). ``grouped_bootstrap`` is the same for a mean of per-group
 means (the commonsense average: each task resampled within itself); ``seeded_bootstrap`` folds several
-seeds of a matrix cell in (stem.seeds: seeds resampled, then items within each seed).
+seeds of a matrix cell in (stem.seeds; two levels: seeds resampled, then each picked seed's items afresh).
 
 ``table_directions`` applies it to the diff's accuracy directions (Tables 3 and 4, per task and the average)
 from the per-item lm-eval samples; ``loss_directions`` to the held-out loss (analysis ``heldout``).
@@ -36,7 +36,14 @@ def paired_bootstrap(a, b, n_boot: int = N_BOOT, seed: int = 0, level: float = L
 
 def grouped_bootstrap(groups, n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL) -> dict:
     """Mean over groups of (mean b - mean a) within each group; every group resampled on its own items."""
-    rng = np.random.default_rng(seed)
+    delta, boots, n = _resample_groups(groups, np.random.default_rng(seed), n_boot)
+    lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
+    return {"delta": delta, "lo": float(lo), "hi": float(hi), "n": n, "level": level, "boots": boots}
+
+
+def _resample_groups(groups, rng, n_boot: int):
+    """(point estimate, ``n_boot`` independent item resamples of it, items): the statistic is the mean over
+    groups of (mean b - mean a), each group's items drawn with replacement on their own."""
     deltas, boots, n = [], np.zeros(n_boot), 0
     for a, b in groups:
         d = np.asarray(b, float) - np.asarray(a, float)
@@ -46,10 +53,7 @@ def grouped_bootstrap(groups, n_boot: int = N_BOOT, seed: int = 0, level: float 
         deltas.append(d.mean())
         boots += d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
         n += d.size
-    boots /= len(groups)
-    lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
-    return {"delta": float(np.mean(deltas)), "lo": float(lo), "hi": float(hi), "n": n, "level": level,
-            "boots": boots}
+    return float(np.mean(deltas)), boots / len(groups), n
 
 
 # Every verdict is one of these (a verdict string such as "missing (the full model scores 0 ...)" or
@@ -76,21 +80,21 @@ def count(categories) -> dict:
 
 def seeded_bootstrap(per_seed, n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL) -> dict:
     """``grouped_bootstrap`` folded over seeds (stem.seeds): ``per_seed`` = one list of (a, b) groups per seed
-    (the dense and the variant model of the same seed index). Each draw resamples the seeds with replacement
-    and, within each seed, every group's items; the statistic is the mean over the drawn seeds. One seed: the
-    plain ``grouped_bootstrap``."""
+    (the dense and the variant model of the same seed index). A two-level bootstrap: each draw picks as many
+    seeds as there are, with replacement, and every pick (a seed picked twice included) gets its own resample
+    of every group's items; the statistic is the mean over the picks. One seed: the plain
+    ``grouped_bootstrap``."""
     if len(per_seed) == 1:
         return grouped_bootstrap(per_seed[0], n_boot, seed, level)
     rng = np.random.default_rng(seed)
-    point, draws, n = [], [], 0
-    for groups in per_seed:
-        b = grouped_bootstrap(groups, n_boot, int(rng.integers(2**31)), level)
-        point.append(b["delta"])
-        draws.append(b.pop("boots"))
-        n += b["n"]
-    draws = np.asarray(draws)                                    # (seeds, n_boot)
     pick = rng.integers(0, len(per_seed), size=(n_boot, len(per_seed)))
-    boots = draws[pick, np.arange(n_boot)[:, None]].mean(axis=1)
+    stats, point, n = np.empty(pick.shape), [], 0
+    for s, groups in enumerate(per_seed):
+        where = pick == s
+        delta, stats[where], n_s = _resample_groups(groups, rng, int(where.sum()))
+        point.append(delta)
+        n += n_s
+    boots = stats.mean(axis=1)
     lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
     return {"delta": float(np.mean(point)), "lo": float(lo), "hi": float(hi), "n": n, "level": level,
             "seeds": len(per_seed)}

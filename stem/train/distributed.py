@@ -17,7 +17,8 @@ Sharding (``parallelize``, as the plan says):
   replicated with one gradient all-reduce per step (``strategy="ddp"``, for small models);
 - row-sparse tables (``optim.table_update: sparse``, the plan's ``row_sparse``): replicated on every rank,
   outside FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead;
-- STEM tables, DSE tables, Hash-MoE experts and the routed MoE's experts: each such module gets its own ``fully_shard`` unit on the
+- STEM tables and DSE tables (under ``train.tables: fsdp``, the default), Hash-MoE experts and the routed MoE's
+  experts: each such module gets its own ``fully_shard`` unit on the
   world mesh *before* the backbone is wrapped, so they are sharded over all ranks (dim 0: table rows /
   experts) whatever the backbone strategy. FSDP reduce-scatters their gradients over the whole world,
   i.e. across every data-parallel replica on every node (the official code leaves replicas of its
@@ -25,6 +26,9 @@ Sharding (``parallelize``, as the plan says):
   all-gather of looked-up rows because it is exact, reuses FSDP's tested gradient path and needs no
   model change; the cost is that a table's forward all-gathers the whole table of one layer (prefetched
   one unit ahead) instead of only the looked-up rows.
+- row-sharded tables (``train.tables: rows``, the plan's ``row_sharded``; ``stem.train.tables``): DTensors
+  sharded by rows outside FSDP; a micro-batch moves only the rows it reads (all-to-all), and their gradients,
+  their clipping, optimizer step and checkpoints are those of any other sharded parameter.
 - gradients are reduce-scattered after every micro-batch, so they stay sharded (fp32, params / world).
   Skipping the reduction until a step's last micro-batch (``set_requires_gradient_sync(False)``) would
   save communication but hold every unit's *unsharded* fp32 gradients between micro-batches: for the
@@ -55,6 +59,7 @@ from safetensors.torch import load_file
 
 from stem import checkpoint as ck
 from stem.io import atomic_write_json, replace_dir
+from stem.train import tables
 from stem.train.plan import ParallelPlan
 
 # torch.distributed's FSDP, DTensor, DCP and device-mesh modules are imported where they are used: 1.5 s of
@@ -134,10 +139,13 @@ def parallelize(model, ctx: DistContext, plan: ParallelPlan, mixed_precision: bo
         mixed_precision = ctx.device.type == "cuda"
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if mixed_precision else MixedPrecisionPolicy())
+    ignored = set(plan.row_sparse_params(model))   # replicated (row-sparse) or row-sharded tables: outside FSDP
+    if plan.row_sharded:
+        ignored |= set(tables.shard_rows(model, plan.row_sharded, ctx.mesh, mixed_precision))
+    ignored = ignored or None
     for m in plan.shard_units(model):
-        fully_shard(m, mesh=ctx.mesh, mp_policy=mp)
+        fully_shard(m, mesh=ctx.mesh, mp_policy=mp, ignored_params=ignored)
     if plan.strategy == "fsdp":
-        ignored = set(plan.row_sparse_params(model)) or None
         for block in model.layers:
             fully_shard(block, mesh=ctx.mesh, mp_policy=mp, ignored_params=ignored)
         fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)

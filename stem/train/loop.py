@@ -47,6 +47,7 @@ from stem.models.model import build_model
 from stem.optim.adamw import use_row_sparse
 from stem.specs import SpecError, TrainSpec
 from stem import checkpoint as ck
+from stem.train import comms
 from stem.train import distributed
 from stem.train import lifecycle
 from stem.train import memory
@@ -54,6 +55,7 @@ from stem.train import throughput, torchfloor
 from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
 from stem.train.plan import ParallelPlan
 from stem.train.schedule import get_lr
+from stem.train.tables import row_shardable, to_host
 from stem.train.step import TrainingError, make_optimizer, train_step
 
 
@@ -98,6 +100,7 @@ class Run:
     accounting: dict            # the model's parameter / FLOP accounting (saved with the checkpoint)
     t0: float                   # when this process started the job
     meter: throughput.Meter     # tokens/s per GPU and MFU
+    comms: dict                 # the modelled communication of a step (stem.train.comms.model_step)
     step: int = 0
     wall_before: float = 0.0    # wall time of the attempts before a resume
     val_loss: float = float("nan")
@@ -161,19 +164,27 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     model.set_training_options(activation_checkpointing=tc.activation_checkpointing,
                                flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
     # the job's layout, decided once: micro-batches, strategy, the tables optim.table_update: sparse trains row-sparse
-    plan = ParallelPlan.of(tc, ctx.world, row_sparse=spec.optim.row_sparse_tables(model))
+    sparse = spec.optim.row_sparse_tables(model)
+    try:
+        plan = ParallelPlan.of(tc, ctx.world, row_sparse=sparse, tables=row_shardable(model, sparse))
+    except ValueError as e:   # a batch that does not split over the ranks, host tables on several
+        raise TrainingError(f"[{spec.out_dir}] {e}") from None
     use_row_sparse(model, plan.row_sparse)
+    to_host(model, plan.host_tables)   # train.tables: host
     if tc.compile:   # torchtitan's order: activation checkpointing (set above), compile each block, then FSDP
         compile_blocks(model)
+    # before sharding: the model's full shapes; this process's node has local_world of the job's GPUs
+    comm = comms.model_step(model, plan, tc.seq_len, ctx.local_world, ctx.device.type == "cuda", acct=accounting)
     if ctx.is_main:
         print(f"[{spec.out_dir}] " + memory.describe(memory.estimate(model, plan)), file=sys.stderr)
+        print(f"[{spec.out_dir}] " + comms.describe(comm), file=sys.stderr)
     distributed.parallelize(model, ctx, plan)
 
     loader, val = _data(spec, plan.micro_batch)
     opt = make_optimizer(model, spec, plan, fused=ctx.device.type == "cuda")
     meter = throughput.Meter(flops_per_token(accounting, spec.model, tc.seq_len), ctx.world,
                              *throughput.device_peak(ctx.device, tc.peak_tflops))
-    return Run(spec, ctx, model, opt, loader, val, mixed_precision(ctx.device), plan, accounting, t0, meter)
+    return Run(spec, ctx, model, opt, loader, val, mixed_precision(ctx.device), plan, accounting, t0, meter, comm)
 
 
 def _data(spec: TrainSpec, micro: int) -> tuple[MixtureLoader, list]:
@@ -276,7 +287,7 @@ def finish(run: Run) -> dict:
         "final_val_ppl": math.exp(min(run.val_loss, 50)) if math.isfinite(run.val_loss) else None,
         "steps": run.step, "tokens": tokens, "train_flops": training_flops(run.accounting["active_params"], tokens),
         "wall_seconds": run.wall_seconds(), "device": str(ctx.device), "world_size": ctx.world,
-        "tokens_by_source": run.loader.tokens_by_source, **run.accounting,
+        "tokens_by_source": run.loader.tokens_by_source, **run.accounting, "comms": run.comms,
     }
     full = distributed.full_model_view(run.model, ctx)   # gathers the full weights to rank 0's CPU when sharded
     optim_dir = None
@@ -291,7 +302,8 @@ def finish(run: Run) -> dict:
         summary["final_train_loss"] = _final_train_loss(run.metrics_path)
         summary.update(run.meter.summary(_rows(run.metrics_path), spec.train.tokens_per_step))
         spec_dict = spec.to_dict()   # provenance goes into the summary only, never into the job spec
-        summary["provenance"] = provenance.record(spec_dict, provenance.manifests_of(spec_dict))
+        summary["provenance"] = provenance.record(spec_dict, provenance.manifests_of(spec_dict),
+                                                  tokenizer=spec.tokenizer)
         ck.save_checkpoint(out_dir / layout.CHECKPOINT, full, spec_dict, spec.tokenizer, run.accounting,
                            optim_dir)
         atomic_write_text(out_dir / layout.METRICS, run.metrics_path.read_text())

@@ -46,13 +46,15 @@ def estimate(model, plan: ParallelPlan) -> dict:
     of ``model`` laid out as ``plan``."""
     cfg, tokens = model.cfg, plan.micro_batch * plan.seq_len
     world, strategy, act_ckpt = plan.world, plan.strategy, plan.activation_checkpointing
-    leaf = {id(p) for m in plan.shard_units(model) for p in m.parameters()}
+    # sharded over all ranks whatever the strategy: the shard units' parameters and the row-sharded tables
+    leaf = {id(p) for m in plan.shard_units(model) for p in m.parameters()} | {id(p) for p in plan.row_sharded_params(model)}
     # row-sparse tables (optim.table_update: sparse) are replicated on every rank; their gradient holds at most
     # V rows (all of them, at a large batch), counted here as a full replica too
     rep = {id(p) for p in plan.row_sparse_params(model)}
+    host = {id(p) for p in plan.host_params(model)}   # train.tables: host: weights, gradients, moments off the GPU
     n_leaf = sum(p.numel() for p in model.parameters() if id(p) in leaf)
     n_rep = sum(p.numel() for p in model.parameters() if id(p) in rep)
-    n_back = sum(p.numel() for p in model.parameters() if id(p) not in leaf and id(p) not in rep)
+    n_back = sum(p.numel() for p in model.parameters() if id(p) not in leaf | rep | host)
     params = n_leaf / world + n_back / (world if strategy == "fsdp" else 1) + n_rep
     n_root = sum(p.numel() for m in (model.tok_emb, model.norm, model.lm_head) for p in m.parameters())
     blocks = [_block_bytes_per_token(cfg, i) for i in range(cfg.n_layers)]
@@ -63,8 +65,8 @@ def estimate(model, plan: ParallelPlan) -> dict:
            "gathered_bf16_gib": (2 * n_root if world > 1 and strategy == "fsdp" else 0) / GIB,
            "activations_gib": acts * tokens / GIB, "logits_gib": head * tokens / GIB,
            "world": world, "strategy": strategy, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
-           "activation_checkpointing": act_ckpt, "total_params": n_leaf + n_back + n_rep,
-           "sharded_table_params": n_leaf, "replicated_table_params": n_rep}
+           "activation_checkpointing": act_ckpt, "total_params": sum(p.numel() for p in model.parameters()),
+           "sharded_table_params": n_leaf, "replicated_table_params": n_rep, "host_table_params": sum(p.numel() for p in model.parameters() if id(p) in host)}
     out["total_gib"] = sum(out[k] for k in ("params_gib", "grads_gib", "optimizer_gib", "gathered_bf16_gib",
                                             "activations_gib", "logits_gib"))
     return out

@@ -46,6 +46,7 @@ from stem.specs import TrainSpec
 from stem.train import distributed
 from stem.train.plan import ParallelPlan
 from stem.train import step
+from stem.train.tables import row_shardable, to_host
 
 GIB = 1024 ** 3
 STEM_DIR = Path(__file__).resolve().parents[1]
@@ -53,10 +54,11 @@ STEM_DIR = Path(__file__).resolve().parents[1]
 
 def job(spec: TrainSpec | dict, world: int, strategy: str | None = None) -> tuple[TrainSpec, ParallelPlan]:
     """A job to trace: its TrainSpec (parsed here, once, from the workflow's JSON) and its plan at ``world``
-    ranks (``strategy`` overrides the spec's), the row-sparse tables read from a meta-device model."""
+    ranks (``strategy`` overrides the spec's), the row-sparse and row-shardable tables read from a meta-device model."""
     spec = TrainSpec.coerce(spec)
-    tables = spec.optim.row_sparse_tables(build_model(spec.model, "meta")) if spec.optim.sparse_tables else ()
-    return spec, ParallelPlan.of(spec.train, world, strategy, tables)
+    model = build_model(spec.model, "meta")
+    sparse = spec.optim.row_sparse_tables(model) if spec.optim.sparse_tables else ()
+    return spec, ParallelPlan.of(spec.train, world, strategy, sparse, row_shardable(model, sparse))
 
 
 @contextmanager
@@ -118,9 +120,12 @@ def trace(spec: TrainSpec, plan: ParallelPlan, mixed_precision: bool = True) -> 
         model = build_model(cfg, device)       # as the loop does: build, then shard
         model.set_training_options(activation_checkpointing=plan.activation_checkpointing)
         tables = use_row_sparse(model, plan.row_sparse)   # sparse: replicated, outside FSDP
+        host = to_host(model, plan.host_tables)           # host: off the GPU (subtracted below)
         distributed.parallelize(model, ctx, plan, mixed_precision=mixed_precision)
         for m in tables:   # traced with a dense V x d_ff gradient, the sparse one's upper bound (a fake tensor
             m.row_sparse = False   # cannot run the lookup's torch.unique: its output shape depends on the data)
+        for name in plan.row_sharded + plan.host_tables:   # likewise: each micro-batch's ids all distinct (the
+            model.get_submodule(name).trace_bound = True    # bound), evenly owned
         opt = step.make_optimizer(model, spec, plan, fused=mixed_precision)
         x = torch.randint(0, cfg.vocab_size, (plan.micro_batch, plan.seq_len), device=device)
         y = torch.randint(0, cfg.vocab_size, (plan.micro_batch, plan.seq_len), device=device)
@@ -153,6 +158,14 @@ def trace(spec: TrainSpec, plan: ParallelPlan, mixed_precision: bool = True) -> 
     if untracked:
         parts["Replicated table grad"] = untracked
         parts["Total"] += untracked
+    # host tables: the trace runs on one (CPU) device, where their weights, gradients and two moments (fp32) are
+    # tracked like the rest; they are off the GPU
+    off = 16 * sum(p.numel() for p in host)
+    if off:
+        parts["Host tables (off the GPU)"] = -off
+        parts["Total"] -= off
+    # the row-sharded tables (outside FSDP) it does see: their shards through the lookup's to_local() (as "Temp",
+    # from their first forward on), their gradients (made in backward) and their moments (the optimizer's)
     return {"peak_gib": parts.pop("Total") / GIB, "parts_gib": {k: v / GIB for k, v in parts.items() if v},
             "world": plan.world, "strategy": plan.strategy, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
             "micro_batches_traced": n_micro, "activation_checkpointing": model.activation_checkpointing}

@@ -43,10 +43,12 @@ def local_micro_batch(batch_size: int, micro_batch: int, world: int) -> tuple[in
 class ParallelPlan:
     """One training job's layout: ``world`` ranks, the backbone's ``strategy`` (fsdp | ddp), ``micro_batch``
     sequences of ``seq_len`` per rank per forward, ``accum`` global micro-batches per step (rank r runs r,
-    r + world, ...), activation checkpointing, and ``row_sparse``: the names of the table modules trained
-    row-sparse (``optim.table_update: sparse``), replicated on every rank outside FSDP. Every other module
-    declaring ``shard_unit`` (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts) is its own FSDP unit over
-    all ranks whatever the strategy."""
+    r + world, ...), activation checkpointing, ``row_sparse``: the names of the table modules trained
+    row-sparse (``optim.table_update: sparse``), replicated on every rank outside FSDP, ``row_sharded``: the
+    lookup tables sharded by rows outside FSDP (``train.tables: rows``, ``stem.train.tables``), and
+    ``host_tables``: those kept in host memory (``train.tables: host``, one rank only). Every other
+    module declaring ``shard_unit`` (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts) with a parameter left
+    is its own FSDP unit over all ranks whatever the strategy."""
     world: int
     strategy: str
     micro_batch: int
@@ -54,23 +56,45 @@ class ParallelPlan:
     seq_len: int
     activation_checkpointing: bool = False
     row_sparse: tuple[str, ...] = ()
+    row_sharded: tuple[str, ...] = ()
+    host_tables: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"parallel strategy {self.strategy!r}: expected one of {STRATEGIES}")
 
     @classmethod
-    def of(cls, train, world: int, strategy: str | None = None, row_sparse: tuple[str, ...] = ()) -> "ParallelPlan":
+    def of(cls, train, world: int, strategy: str | None = None, row_sparse: tuple[str, ...] = (),
+           tables: tuple[str, ...] = ()) -> "ParallelPlan":
         """The plan of a job with ``train`` settings (a TrainSettings) at ``world`` ranks; ``strategy`` overrides
-        the spec's ``train.parallel``; ``row_sparse``: ``OptimSpec.row_sparse_tables`` of the job's model."""
+        the spec's ``train.parallel``; ``row_sparse``: ``OptimSpec.row_sparse_tables`` of the job's model;
+        ``tables``: its lookup tables (``stem.train.tables.row_shardable``), row-sharded if ``train.tables`` is
+        ``rows``, in host memory if it is ``host``."""
         micro, accum = local_micro_batch(train.batch_size, train.micro_batch, world)
+        if train.tables == "host" and world > 1:
+            raise ValueError(f"train.tables: host keeps the whole tables in one host's memory, for a job of one GPU; "
+                             f"this one has {world} (use rows)")
         return cls(world, strategy or train.parallel, micro, accum, train.seq_len, train.activation_checkpointing,
-                   tuple(row_sparse))
+                   tuple(row_sparse), tuple(tables) if train.tables == "rows" else (),
+                   tuple(tables) if train.tables == "host" else ())
 
     def shard_units(self, model) -> list:
         """Modules sharded over all ranks independently of the backbone: those declaring ``shard_unit``, except
-        the row-sparse tables."""
-        return [m for n, m in model.named_modules() if getattr(m, "shard_unit", False) and n not in self.row_sparse]
+        the row-sparse tables and those with nothing left but row-sharded or host tables."""
+        return [m for n, m in model.named_modules() if getattr(m, "shard_unit", False) and n not in self.row_sparse
+                and any(not self.outside_fsdp(f"{n}.{p}") for p, _ in m.named_parameters())]
+
+    def outside_fsdp(self, param_name: str) -> bool:
+        """A parameter of a row-sharded or host table (outside FSDP either way)."""
+        return param_name.rpartition(".")[0] in self.row_sharded + self.host_tables
+
+    def host_params(self, model) -> list:
+        """The host tables' weights, in module order."""
+        return [model.get_submodule(n).weight for n in self.host_tables]
+
+    def row_sharded_params(self, model) -> list:
+        """The row-sharded tables' weights, in module order."""
+        return [model.get_submodule(n).weight for n in self.row_sharded]
 
     def row_sparse_params(self, model) -> list:
         """Parameters of the row-sparse tables, in module order (the same on every rank)."""

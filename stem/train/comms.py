@@ -1,0 +1,333 @@
+"""The communication of one training step, modelled from the job's ``ParallelPlan`` and checked by counting.
+
+``collectives`` lists every collective one rank takes part in during one optimizer step
+(``stem.train.step.train_step``) of a model laid out by ``stem.train.distributed.parallelize``: what it is
+(``op``: all_gather, reduce_scatter, all_reduce), what it carries (``kind``, below), its payload (the bytes
+of the whole tensor: the gathered output, the scattered input, the reduced tensor) and how often it runs.
+Counted from the code, per FSDP2 unit:
+- a unit's parameters travel as one flat buffer of the shards, dim 0 of each parameter padded to a multiple
+  of the world size (``ceil(dim0 / W) x W`` rows); bf16 under mixed precision (CUDA), else fp32. Gradients
+  are reduce-scattered in fp32 after every micro-batch (never accumulated unsharded).
+- a unit is all-gathered twice a micro-batch (forward, then again in backward: ``reshard_after_forward``),
+  except a root unit (the model under ``strategy: fsdp``; every table / expert unit under ``ddp``, where no
+  wrapped module is above it), which stays gathered from its forward to its backward: once.
+- ``strategy: ddp``: the replicated backbone's fp32 gradients, one flat all-reduce a step.
+- row-sharded tables (``train.tables: rows``, ``stem.train.tables``): four all-to-alls per table a micro-batch
+  (the counts asked of each owner, int64; the ids asked of this rank, int64; the rows this rank reads, bf16
+  under mixed precision; the gradients of the rows asked of it, fp32); data-dependent (``lookups``: counted
+  from the batch in tests, estimated for the paper, ``expected_lookups``); with activation checkpointing the
+  forward's three run again when backward recomputes the block (an FSDP unit is not gathered again: counted).
+- row-sparse tables (``optim.table_update: sparse``): three all-gathers per table a step (each rank's count
+  of unique rows, int64; the ids, int64; the fp32 rows), padded to the rank with most unique rows
+  (``unique_rows``; data-dependent: counted from the batch in tests, estimated for the paper, ``zipf_unique``).
+- scalars: the step's loss mean (float64; one more for a model with auxiliary losses) and the gradient norm's
+  sum over shards (fp32). The loop adds one stop-flag all-reduce a step (4 B), not modelled.
+``count_collectives`` counts what really crosses a process group (a dispatch mode over the c10d ops); the
+test (tests/test_comms.py) checks ``collectives`` against it, collective by collective, on gloo (an all-to-all's
+payload: its output).
+
+Bytes on the wire per GPU (``per_gpu``) are the ring algorithm's: an all-gather or reduce-scatter moves
+(W-1)/W of its payload through every GPU, an all-reduce twice that. Time is those bytes over the slowest link
+a ring crosses: the inter-node bandwidth when the job spans nodes, else the intra-node one (stated defaults
+below, overridable); no overlap with compute is assumed in the ratio (it is comm time / compute time). Compute
+is the step's FLOPs per GPU (``stem.models.accounting.flops_per_token``) at a stated MFU of a stated peak.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import socket
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from stem.models.accounting import accounting, flops_per_token
+from stem.models.registry import param_roles
+from stem.train.plan import ParallelPlan
+
+# Stated link bandwidths per GPU, GB/s (1e9 B/s), one direction: NVLink 4 (H100 SXM datasheet: 900 GB/s
+# bidirectional per GPU) within a node; one 400 Gb/s NDR InfiniBand NIC per GPU between nodes (DGX H100).
+INTRA_NODE_GBS = 450.0
+INTER_NODE_GBS = 50.0
+MFU = 0.40                 # the compute side of the ratio (the paper config's cost note uses the same)
+PEAK_TFLOPS = 989.0        # H100 SXM dense bf16 (stem.train.throughput.PEAK_BF16_TFLOPS)
+
+KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
+         "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "scalars")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str       # one of KINDS
+    op: str         # all_gather | reduce_scatter | all_reduce
+    payload: int    # bytes of the whole tensor
+    count: int      # times per optimizer step on each rank
+
+    def wire_bytes(self, world: int) -> float:
+        """Bytes through each GPU per step (ring algorithm)."""
+        share = (world - 1) / world * (2 if self.op == "all_reduce" else 1)   # all-to-all: the others' share
+        return self.payload * share * self.count
+
+
+def _padded(params, world: int) -> int:
+    """Elements of FSDP2's flat buffer of ``params`` gathered over ``world`` ranks (dim 0 padded)."""
+    return sum(math.ceil(p.shape[0] / world) * world * (p.numel() // max(p.shape[0], 1)) for p in params)
+
+
+def units(model, plan: ParallelPlan) -> list[tuple[str, list, bool]]:
+    """The FSDP2 units ``parallelize`` makes, in its order: (kind, parameters, is a root unit), kind ``table``
+    for the ``shard_unit`` modules (tables, experts) and ``backbone`` for the blocks and the model's own."""
+    out, taken = [], {id(p) for p in plan.row_sharded_params(model)}   # row-sharded tables: outside FSDP
+    for m in plan.shard_units(model):
+        ps = [p for p in m.parameters() if id(p) not in taken]
+        taken |= {id(p) for p in ps}
+        out.append(("table", ps, plan.strategy == "ddp"))
+    if plan.strategy == "fsdp":
+        taken |= {id(p) for p in plan.row_sparse_params(model)}
+        for block in model.layers:
+            ps = [p for p in block.parameters() if id(p) not in taken]
+            taken |= {id(p) for p in ps}
+            out.append(("backbone", ps, False))
+        out.append(("backbone", [p for p in model.parameters() if id(p) not in taken], True))
+    return out
+
+
+def collectives(model, plan: ParallelPlan, mixed_precision: bool, unique_rows: int = 0,
+                lookups: list[tuple[int, int, int]] | None = None) -> list[Collective]:
+    """Every collective of one optimizer step on one rank (module docstring); ``model`` may be on the meta
+    device; ``unique_rows``: the most unique ids a rank's step reads (row-sparse tables only); ``lookups``: one
+    (table width, unique ids read, ids asked of this rank) per micro-batch and row-sharded table (default:
+    estimated, ``expected_lookups``)."""
+    w = plan.world
+    if w == 1:
+        return []
+    micro = plan.accum // w      # micro-batches per rank per step
+    gather_b = 2 if mixed_precision else 4
+    out = []
+    for kind, ps, root in units(model, plan):
+        if not ps:
+            continue
+        n = _padded(ps, w)
+        out.append(Collective(f"{kind}_all_gather", "all_gather", n * gather_b, micro * (1 if root else 2)))
+        out.append(Collective(f"{kind}_reduce_scatter", "reduce_scatter", n * 4, micro))
+    if plan.strategy == "ddp":
+        sharded = {id(p) for _, ps, _ in units(model, plan) for p in ps}
+        sharded |= {id(p) for p in plan.row_sparse_params(model) + plan.row_sharded_params(model)}
+        rest = sum(p.numel() for p in model.parameters() if id(p) not in sharded)
+        if rest:
+            out.append(Collective("dp_all_reduce", "all_reduce", 4 * rest, 1))
+    if plan.row_sharded:
+        wire = 2 if mixed_precision else 4
+        fwd = 2 if plan.activation_checkpointing else 1   # a checkpointed block's forward runs again in backward
+        for d, uniq, asked in (expected_lookups(model, plan) if lookups is None else lookups):
+            out += [Collective("row_sharded_lookup", "all_to_all", 8 * w, fwd),        # ids asked of each owner
+                    Collective("row_sharded_lookup", "all_to_all", 8 * asked, fwd),     # the ids asked of this rank
+                    Collective("row_sharded_lookup", "all_to_all", wire * uniq * d, fwd),   # the rows it reads
+                    Collective("row_sharded_lookup", "all_to_all", 4 * asked * d, 1)]     # its rows' gradients
+    for p in plan.row_sparse_params(model):
+        out += [Collective("row_sparse_gather", "all_gather", 8 * w, 1),
+                Collective("row_sparse_gather", "all_gather", 8 * w * unique_rows, 1),
+                Collective("row_sparse_gather", "all_gather", 4 * w * unique_rows * p.shape[1], 1)]
+    out.append(Collective("scalars", "all_reduce", 8, 1 + bool(getattr(model, "aux_modules", None))))
+    out.append(Collective("scalars", "all_reduce", 4, 1))
+    return out
+
+
+def as_counter(cs: list[Collective]) -> Counter:
+    """(op, payload) -> times a step, the form ``count_collectives`` records."""
+    c = Counter()
+    for x in cs:
+        c[(x.op, x.payload)] += x.count
+    return c
+
+
+def expected_lookups(model, plan: ParallelPlan) -> list[tuple[int, int, int]]:
+    """(width, unique ids, ids asked of this rank) of each row-sharded lookup of a step on one rank, estimated:
+    a micro-batch's unique ids of a token-indexed table (STEM) by ``zipf_unique``, of a hashed one (DSE) as
+    uniform draws over its rows; each owner asked as many ids as it reads (balanced: a table's blocks of rows
+    equally popular, which a vocabulary ordered by frequency makes optimistic for the first blocks)."""
+    roles, n = param_roles(model), plan.micro_batch * plan.seq_len
+    out = []
+    for name in plan.row_sharded:
+        weight = model.get_submodule(name).weight
+        rows, d = weight.shape
+        hashed = getattr(roles.get(id(weight)), "group", None) == "dse_table"
+        u = round(rows * -math.expm1(n * math.log1p(-1 / rows))) if hashed else zipf_unique(n, rows)
+        out += [(d, u, u)] * (plan.accum // plan.world)
+    return out
+
+
+def zipf_unique(tokens: int, vocab: int) -> int:
+    """Expected distinct ids among ``tokens`` draws of a Zipf(1) law over ``vocab`` ids (natural text's rank-
+    frequency law): sum over ids of 1 - (1 - p_i)^tokens. An estimate, used where no batch is at hand."""
+    p = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    p /= p.sum()
+    return int(round(float((1 - (1 - p) ** tokens).sum())))
+
+
+def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixed_precision: bool = True,
+               unique_rows: int | None = None, intra_gbs: float = INTRA_NODE_GBS, inter_gbs: float = INTER_NODE_GBS,
+               mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, acct: dict | None = None) -> dict:
+    """One step of ``model`` laid out as ``plan``: bytes per GPU by kind, the comm time at the link bandwidth the
+    job's ring crosses, the compute time at ``mfu`` of ``peak_tflops``, and their ratio. ``unique_rows``
+    (row-sparse tables): default ``zipf_unique`` of a rank's tokens a step; ``acct``: the model's accounting,
+    if already at hand."""
+    w = plan.world
+    if unique_rows is None and plan.row_sparse:
+        unique_rows = zipf_unique(plan.accum // w * plan.micro_batch * seq_len, model.cfg.vocab_size)
+    cs = collectives(model, plan, mixed_precision, unique_rows or 0)
+    by_kind = {k: 0.0 for k in KINDS}
+    for c in cs:
+        by_kind[c.kind] += c.wire_bytes(w)
+    nodes = max(1, math.ceil(w / max(gpus_per_node, 1)))
+    gbs = inter_gbs if nodes > 1 else intra_gbs
+    total = sum(by_kind.values())
+    tokens_per_gpu = plan.accum * plan.micro_batch * seq_len / w
+    compute_s = flops_per_token(acct or accounting(model), model.cfg, seq_len) * tokens_per_gpu / (mfu * peak_tflops * 1e12)
+    comm_s = total / (gbs * 1e9)
+    return {"world": w, "nodes": nodes, "strategy": plan.strategy, "bytes_per_gpu": by_kind, "total_bytes": total,
+            "table_bytes": sum(by_kind[k] for k in ("table_all_gather", "table_reduce_scatter", "row_sharded_lookup",
+                                                    "row_sparse_gather")),
+            "unique_rows": unique_rows if plan.row_sparse else None, "link_gbs": gbs if w > 1 else None,
+            "comm_s": comm_s, "compute_s": compute_s, "mfu": mfu, "peak_tflops": peak_tflops,
+            "intra_gbs": intra_gbs, "inter_gbs": inter_gbs,
+            "comm_compute_ratio": comm_s / compute_s}
+
+
+def describe(r: dict) -> str:
+    """One line: the step's bytes per GPU by kind, times and ratio."""
+    if r["world"] == 1:
+        return f"communication per step: none (world 1); compute {r['compute_s']:.3g} s at {r['mfu']:.0%} MFU"
+    kinds = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in r["bytes_per_gpu"].items() if v)
+    return (f"communication per GPU per step at world {r['world']} ({r['nodes']} node(s), {r['strategy']}): "
+            f"{r['total_bytes'] / 1e9:.3g} GB ({kinds} GB) = {r['comm_s']:.3g} s at {r['link_gbs']:g} GB/s vs "
+            f"compute {r['compute_s']:.3g} s at {r['mfu']:.0%} MFU of {r['peak_tflops']:g} TFLOPS: "
+            f"comm/compute {r['comm_compute_ratio']:.2f}")
+
+
+# ----------------------------------------------------------------------------- counting
+
+_OPS = {"_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+        "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+        "reduce_scatter_": "reduce_scatter", "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+        "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "broadcast_": "broadcast"}
+
+
+def _bytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(_bytes(y) for y in x) if isinstance(x, (list, tuple)) else 0
+
+
+class _Counter(TorchDispatchMode):
+    """Records (op, payload bytes) of every c10d collective dispatched: the gathered output of an all-gather,
+    the input of a reduce-scatter, the tensor(s) of an all-reduce, the output of an all-to-all."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__ if func.namespace == "c10d" else None
+        if name in _OPS:
+            op = _OPS[name]
+            tensor = args[1] if op == "reduce_scatter" else args[0]   # the scattered input; else the whole tensor
+            self.seen[(op, _bytes(tensor))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def count_collectives():
+    """``with count_collectives() as seen:`` ``seen`` (a Counter of (op, payload bytes)) receives every
+    collective this process runs in the block."""
+    mode = _Counter()
+    with mode:
+        yield mode.seen
+
+
+# ----------------------------------------------------------------------------- jobs of an experiment
+
+def experiment(cfg: dict, jobs, gpus: int | None = None, strategy: str | None = None, tables: str | None = None,
+               **link) -> list[dict]:
+    """``model_step`` of each training job (scale, variant, stage) of ``cfg`` at its ``cluster.train`` layout
+    (``gpus``: another world size; ``strategy``: another backbone strategy; ``tables``: another table layout,
+    ``cluster.tables``), with the job's steps, its GPU-hours
+    at the stated MFU (compute only, and with the communication not overlapped: an upper bound) and, for every
+    job whose scale and stage have a dense job, the ratio of its communication and step time to dense's.
+    ``link``: ``model_step``'s bandwidth / MFU / peak overrides."""
+    from stem import config as C
+    from stem.models.model import build_model
+    from stem.train.memtrace import job as traced_job
+    from stem.train.plan import job_layout
+    strategy = strategy or (cfg.get("cluster") or {}).get("strategy", "fsdp")
+    if tables:
+        cfg = {**cfg, "cluster": {**(cfg.get("cluster") or {}), "tables": tables}}
+    rows = []
+    for scale, variant, stage in jobs:
+        world, per_node = job_layout(cfg, scale)
+        world = gpus or world
+        spec, plan = traced_job(C.train_spec(cfg, scale, variant, stage), world, strategy)
+        model = build_model(spec.model, "meta")
+        r = model_step(model, plan, spec.train.seq_len, per_node or world, cfg["device"] == "cuda", **link)
+        steps = spec.train.steps
+        r.update(job=f"{scale}/{variant}/{stage}", scale=scale, variant=variant, stage=stage, steps=steps,
+                 gpu_hours=steps * world * r["compute_s"] / 3600,
+                 gpu_hours_no_overlap=steps * world * (r["compute_s"] + r["comm_s"]) / 3600)
+        rows.append(r)
+    dense = {(r["scale"], r["stage"]): r for r in rows if r["variant"] == "dense"}
+    for r in rows:
+        d = dense.get((r["scale"], r["stage"]))
+        if d is not None and d["total_bytes"]:
+            r["comm_vs_dense"] = r["total_bytes"] / d["total_bytes"]
+            r["step_vs_dense"] = (r["compute_s"] + r["comm_s"]) / (d["compute_s"] + d["comm_s"])
+    return rows
+
+
+def render(rows: list[dict], title: str) -> str:
+    """The experiment's table (GB per GPU per step by kind; seconds), then the whole DAG's GPU-hours."""
+    head = ("job", "world", "backbone AG", "backbone RS", "table AG", "table RS", "row lookups", "row-sparse", "DP AR",
+            "total GB",
+            "comm s", "compute s", "comm/compute", "comm vs dense", "step vs dense")
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        b = r["bytes_per_gpu"]
+        cells = [r["job"], f"{r['world']} ({r['nodes']} node{'s' if r['nodes'] > 1 else ''})"]
+        cells += [f"{b[k] / 1e9:.3g}" for k in KINDS[:-1]]
+        cells += [f"{r['total_bytes'] / 1e9:.3g}", f"{r['comm_s']:.3g}", f"{r['compute_s']:.3g}",
+                  f"{r['comm_compute_ratio']:.2f}"]
+        cells += [f"{r[k]:.2f}x" if k in r else "-" for k in ("comm_vs_dense", "step_vs_dense")]
+        lines.append("| " + " | ".join(cells) + " |")
+    if rows:
+        r = rows[0]
+        gh, gn = sum(r["gpu_hours"] for r in rows), sum(r["gpu_hours_no_overlap"] for r in rows)
+        lines += ["", f"GPU-hours of these {len(rows)} training jobs at {r['mfu']:.0%} MFU of {r['peak_tflops']:g} "
+                      f"TFLOPS: {gh:,.0f} (compute only), {gn:,.0f} with the communication not overlapped "
+                      f"(links: {r['intra_gbs']:g} GB/s within a node, {r['inter_gbs']:g} GB/s between nodes)"]
+    return "\n".join(lines)
+
+
+def fork_ranks(target, world: int, *args, timeout: float = 300) -> list[int]:
+    """Run ``target(*args)`` in ``world`` processes forked from this one (torch already imported: no torchrun start-
+    up), each rank of one local gloo group (``stem.train.distributed.setup`` reads the environment set here);
+    returns their exit codes. For tests and benchmarks on the CPU."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def rank(r):
+        os.environ.update(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world))
+        torch.set_num_threads(1)
+        target(*args)
+
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=rank, args=(r,)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    return [p.exitcode for p in procs]

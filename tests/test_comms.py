@@ -1,0 +1,114 @@
+"""The communication model (stem.train.comms) against the bytes that really cross a gloo process group: W
+forked processes run one training step (``stem.train.step.train_step``, as the loop calls it) of tiny models
+of every table/expert kind under both backbone strategies and count each collective (op, payload bytes); the
+model must list exactly the same ones. Forked from this process (torch already imported): no torchrun start-up."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported before the ranks fork: FSDP2 would import it in each of them)
+import torch.distributed.fsdp  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stem import config as C  # noqa: E402
+from stem.models.model import build_model  # noqa: E402
+from stem.optim.adamw import use_row_sparse  # noqa: E402
+from stem.train import comms, distributed, step  # noqa: E402
+from stem.train.plan import ParallelPlan  # noqa: E402
+from stem.train.tables import row_shardable  # noqa: E402
+
+# every table / expert kind; each backbone strategy with plain, row-sparse and padded (DSE's prime rows) units;
+# (variant, backbone strategy, table layout [+ activation checkpointing])
+CASES = [("stem", "fsdp", "fsdp"), ("stem", "ddp", "fsdp"), ("stem_sparse", "fsdp", "fsdp"), ("stem_sparse", "ddp", "fsdp"),
+         ("hashmoe", "fsdp", "fsdp"), ("moe", "ddp", "fsdp"), ("dse", "fsdp", "fsdp"), ("dse", "ddp", "fsdp"),
+         ("stem", "fsdp", "rows"), ("stem", "ddp", "rows"), ("stem", "fsdp", "fsdp+ckpt"), ("stem", "fsdp", "rows+ckpt")]
+V, T = 96, 8
+
+
+def _cfg(layout: str = "fsdp") -> dict:
+    tables, _, ckpt = layout.partition("+")
+    cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
+    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16)
+    cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 8},
+                                "dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
+    cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T, activation_checkpointing=bool(ckpt))
+    cfg["cluster"] = {"tables": tables}
+    return cfg
+
+
+def _lookups(model, plan, batches, world: int) -> list:
+    """(width, unique ids, ids asked of rank 0) of rank 0's row-sharded lookups (STEM: token ids) of a step."""
+    block, out = -(-model.cfg.vocab_size // world), []
+    for i in range(0, len(batches), world):   # rank 0's micro-batches; rank r's i-th is batches[i + r]
+        asked = sum(int((batches[i + r][0].unique() < block).sum()) for r in range(world))
+        out += [(model.cfg.d_ff, batches[i][0].unique().numel(), asked)] * len(plan.row_sharded)
+    return out
+
+
+def _rank(world: int, specs: list, out: str):
+    ctx = distributed.setup(torch.device("cpu"))
+    rows = []
+    for (variant, strategy, _), spec in zip(CASES, specs):
+        torch.manual_seed(0)
+        model = build_model(spec.model, ctx.device)
+        model.set_training_options(activation_checkpointing=spec.train.activation_checkpointing)
+        sparse = spec.optim.row_sparse_tables(model)
+        plan = ParallelPlan.of(spec.train, world, strategy, sparse, row_shardable(model, sparse))
+        use_row_sparse(model, plan.row_sparse)
+        distributed.parallelize(model, ctx, plan)
+        opt = step.make_optimizer(model, spec, plan, fused=False)
+        g = torch.Generator().manual_seed(1)
+        batches = [(x, x, None) for x in (torch.randint(0, V, (plan.micro_batch, T), generator=g)
+                                          for _ in range(plan.accum))]
+        uniq = max(torch.cat([b[0].flatten() for b in batches[r::world]]).unique().numel() for r in range(world))
+        with comms.count_collectives() as seen:
+            step.train_step(model, opt, batches, ctx, torch.autocast("cpu", enabled=False), 1e-3, 1.0, metrics={})
+        meta = build_model(spec.model, "meta")
+        modelled = comms.collectives(meta, plan, mixed_precision=False, unique_rows=uniq,
+                                     lookups=_lookups(meta, plan, batches, world) if plan.row_sharded else None)
+        ckpt = "+ckpt" if spec.train.activation_checkpointing else ""
+        rows.append({"case": f"{variant}/{strategy}/{spec.train.tables}{ckpt}", "counted": sorted(map(list, seen.items())),
+                     "modelled": sorted(map(list, comms.as_counter(modelled).items()))})
+    if ctx.is_main:
+        Path(out).write_text(json.dumps(rows))
+    distributed.teardown(ctx)
+
+
+def test_modelled_collectives_equal_counted(tmp_path, world=2):
+    out = tmp_path / "out.json"
+    specs = [C.train_job(_cfg(tables), "350m", v, "pretrain") for v, _, tables in CASES]
+    assert comms.fork_ranks(_rank, world, world, specs, str(out)) == [0] * world
+    rows = json.loads(out.read_text())
+    assert [row["case"] for row in rows] == ["/".join(c) for c in CASES]
+    for row in rows:
+        assert row["counted"] == row["modelled"], row["case"]
+        assert any(op != "all_reduce" or n > 8 for (op, n), _ in row["counted"]), row["case"]   # not only scalars
+
+
+def test_paper_table_traffic_is_the_hand_count():
+    """1b/stem/pretrain at world 32 (4 nodes), bf16 gathers, tables as FSDP units: each of the 5 tables (V x d_ff,
+    V = 128,256 rows padded to a multiple of 32) is gathered twice and reduce-scattered once a micro-batch, 4
+    micro-batches per GPU, (W-1)/W of each payload through every GPU. Row-sharded (config/paper.yaml's
+    ``cluster.tables: rows``): at least 20x fewer table bytes, total comm within 1.15x of dense's (issue 29)."""
+    from stem.__main__ import main
+    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
+    jobs = [("1b", "dense", "pretrain"), ("1b", "stem", "pretrain")]
+    rows = {r["job"]: r for r in comms.experiment(cfg, jobs)}
+    units = {r["job"]: r for r in comms.experiment(cfg, jobs, tables="fsdp")}
+    stem, dense, rows = units["1b/stem/pretrain"], units["1b/dense/pretrain"], rows["1b/stem/pretrain"]
+    table = 128256 * 8192
+    assert (stem["world"], stem["nodes"], stem["link_gbs"]) == (32, 4, comms.INTER_NODE_GBS)
+    assert stem["bytes_per_gpu"]["table_all_gather"] == pytest.approx(5 * table * 2 * 2 * 4 * 31 / 32, rel=1e-12)
+    assert stem["bytes_per_gpu"]["table_reduce_scatter"] == pytest.approx(5 * table * 4 * 4 * 31 / 32, rel=1e-12)
+    assert dense["table_bytes"] == 0 and stem["comm_vs_dense"] == pytest.approx(stem["total_bytes"] / dense["total_bytes"])
+    assert stem["comm_compute_ratio"] == pytest.approx(stem["comm_s"] / stem["compute_s"])
+    assert rows["bytes_per_gpu"]["table_all_gather"] == 0 and rows["bytes_per_gpu"]["row_sharded_lookup"] > 0
+    assert stem["table_bytes"] / rows["table_bytes"] >= 20 and rows["comm_vs_dense"] <= 1.15
+    with pytest.raises(SystemExit):
+        main(["comms", "--mfu", "1.5"])
