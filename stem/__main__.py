@@ -330,7 +330,7 @@ def main(argv=None):
                    "(default: stem.train.comms.INTRA_NODE_GBS)")
     c.add_argument("--inter-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth between nodes "
                    "(default: stem.train.comms.INTER_NODE_GBS)")
-    c.add_argument("--mfu", type=A.number(1e-9, "MFU (a fraction)"), help="compute's MFU (default: 0.40)")
+    c.add_argument("--mfu", type=A.fraction("MFU"), help="compute's MFU (default: 0.40)")
     c.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="dense bf16 peak (default: H100 SXM)")
     c.add_argument("--json", action="store_true", help="every job's figures as JSON")
     c.set_defaults(fn=cmd_comms)
@@ -354,7 +354,7 @@ def main(argv=None):
     g.add_argument("--out", default=L.GPUCHECK_DIR, help="folder of gpucheck.json and gpucheck.md")
     g.add_argument("--budget", type=A.number(1, "seconds"), help="the allocation's seconds: the items run in order of "
                    "value and one whose predicted cost exceeds the time left is skipped (default: all run)")
-    g.add_argument("--require-mfu", type=A.number(0, "a fraction of the peak"),
+    g.add_argument("--require-mfu", type=A.fraction("dense 1B MFU"),
                    help="item e fails when dense 1B MFU is below this fraction (or STEM trails it by > 5 points)")
     g.set_defaults(fn=cmd_gpucheck)
     r = sub.add_parser("rehearsal-data", help="write the one-node rehearsal's offline inputs (config/rehearsal.yaml): "

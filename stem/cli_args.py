@@ -51,6 +51,20 @@ def number(minimum: float, what: str):
     return parse
 
 
+def fraction(what: str):
+    """A float in (0, 1]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{text}: expected a fraction in (0, 1] ({what})")
+        return value
+    parse.__name__ = "fraction"
+    return parse
+
+
 def one_of(names, what: str):
     """One of ``names`` (the message names them all)."""
     def parse(text: str) -> str:

@@ -98,6 +98,11 @@ def test_memory_scale_outside_the_matrix_is_one_line(tmp_path, capsys):
      "train: argument --stage: stage 'final': expected one of pretrain, midtrain, extend"),
     (["diff", "--gate-tolerance", "-1"], "diff: argument --gate-tolerance: -1: expected a number >= 0"),
     (["eval", "--checkpoint", "c", "--cache-rows", "-1"], "eval: argument --cache-rows: -1: expected a whole number >= 0"),
+    # the surfaces of issues 29 and 31: the communication model, the GPU acceptance run's budget and MFU floor
+    (["comms", "--mfu", "40"], "comms: argument --mfu: 40: expected a fraction in (0, 1] (MFU)"),
+    (["comms", "--inter-gbs", "0"], "comms: argument --inter-gbs: 0: expected a number >= 1e-09 (GB/s)"),
+    (["gpucheck", "--budget", "-5"], "gpucheck: argument --budget: -5: expected a number >= 1 (seconds)"),
+    (["gpucheck", "--require-mfu", "2"], "gpucheck: argument --require-mfu: 2: expected a fraction in (0, 1] (dense 1B MFU)"),
 ])
 def test_every_subcommands_arguments_are_typed(capsys, argv, message):
     code, line = _cli(argv, capsys)
