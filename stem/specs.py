@@ -235,14 +235,14 @@ class TrainSpec(_Spec):
     init_stage: str | None   # ... and that stage's name
     out_dir: str             # the stage folder (stem.layout.stage_dir)
     # mid-training insertion (stem.models.insert): {"from": the dense variant init_from belongs to, "init":
-    # projected | xavier}; only in the insertion stage's spec
+    # projected | raw | xavier}; only in the insertion stage's spec
     insert: dict | None = field(default=None, metadata=OPTIONAL)
     plugins: tuple[str, ...] = field(default=(), metadata=OPTIONAL)   # the config's plugin modules (stem.plugins)
 
     def __post_init__(self):
         _check(self.insert is None or (set(self.insert) == {"from", "init"}
-                                       and self.insert["init"] in ("projected", "xavier")),
-               "insert", "null or {from: <variant>, init: projected | xavier}", self.insert)
+                                       and self.insert["init"] in ("projected", "raw", "xavier")),
+               "insert", "null or {from: <variant>, init: projected | raw | xavier}", self.insert)
         _check(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
         _check(len(self.data) > 0, "data", "at least one source", self.data)
 

@@ -33,6 +33,7 @@ from stem.hf.keys import from_hf
 from stem.models.config import ModelConfig, RopeScaling
 from stem.models.model import build_model, loaded_state
 from stem.checkpoint import save_checkpoint
+from stem.config import GGUF_SEP
 from stem.resources import resource_path
 
 
@@ -181,10 +182,25 @@ def check_arch(imported: ModelConfig, want: ModelConfig, where) -> None:
             raise ValueError(f"{where}: key {key}={a!r}: the stage's architecture has {field}={b!r}")
 
 
+def split_source(source: str) -> tuple[str, str | None]:
+    """A job spec's hf source "FOLDER" or "FOLDER#gguf=NAME" (stem.config.GGUF_SEP) -> (FOLDER, NAME or None)."""
+    folder, sep, name = source.partition(GGUF_SEP)
+    return folder, (name if sep else None)
+
+
 def load_for_stage(source: str, want: ModelConfig, log=print) -> dict:
-    """The pipeline state dict a stage with ``init_from: {hf: source}`` starts from (its own model config ``want``:
-    the shapes must match; the stage's RoPE / context and FFN kinds are its own)."""
+    """The pipeline state dict a stage with ``init_from: {hf: source}`` (or ``{hf: FOLDER, gguf_file: NAME}``,
+    ``source`` then "FOLDER#gguf=NAME") starts from (its own model config ``want``: the shapes must match; the
+    stage's RoPE / context and FFN kinds are its own)."""
+    source, gguf_file = split_source(source)
     folder = resolve(source)
+    if gguf_file:
+        where = check_gguf(folder, gguf_file)
+        hf_model, _ = load_gguf(folder, gguf_file, where)
+        hf_cfg = {k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"}
+        imported, tied = model_config(folder, hf_cfg, where)
+        check_arch(imported, want, where)
+        return pipeline_state(folder, tied, log, keep_tied=want.tie_embeddings, weights=hf_model.state_dict())
     imported, tied = model_config(folder)
     check_arch(imported, want, folder / "config.json")
     return pipeline_state(folder, tied, log, keep_tied=want.tie_embeddings)
