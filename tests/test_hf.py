@@ -201,6 +201,12 @@ def test_import_random_llama(tied, rope, tok_file, tmp_path, capsys):
         torch.testing.assert_close(model.eval()(ids), hf(ids).logits, atol=ATOL, rtol=RTOL)
     assert model.cfg.tie_embeddings is tied
     assert (model.lm_head.weight is model.tok_emb.weight) is tied
+    if tied and rope == "default":   # and out again: export-hf writes a tied stock Llama, no lm_head.weight
+        export_hf(tmp_path / "ckpt", tmp_path / "out")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+        assert back.config.tie_word_embeddings and back.lm_head.weight is back.model.embed_tokens.weight
+        with torch.no_grad():
+            torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=ATOL, rtol=RTOL)
 
 
 def test_import_refuses_what_the_model_does_not_compute(tmp_path):

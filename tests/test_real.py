@@ -164,3 +164,19 @@ def test_stage_init_from_a_gguf_file_in_the_job_spec():
     bad = {"stages": {"midtrain": {"1b": {"init_from": {"hf": SMOL, "gguf_file": "../x.gguf"}}}}}
     with pytest.raises(C.ConfigError, match="gguf_file"):
         C.validate_experiment(deep_merge(copy.deepcopy(tiny), bad))
+
+
+def test_new_config_keys_are_checked():
+    """tie_embeddings (an arch key) and sources.<name>.val_fraction: a wrong value is one line naming the key."""
+    import copy
+    from stem import config as C
+    from stem.io import deep_merge
+    tiny = C.read_yaml(REPO / "config" / "tiny.yaml")
+    cfg = C.validate_experiment(deep_merge(copy.deepcopy(tiny), {"archs": {"1b": {"tie_embeddings": True}}}))
+    assert C.train_job(cfg, "1b", "dense", "pretrain").model.tie_embeddings
+    src = next(iter(tiny["sources"]))
+    for block, key in [({"archs": {"1b": {"tie_embeddings": "yes"}}}, "tie_embeddings"),
+                       ({"sources": {src: {"val_fraction": 1.0}}}, "val_fraction")]:
+        with pytest.raises(C.ConfigError, match=key) as e:
+            C.validate_experiment(deep_merge(copy.deepcopy(tiny), block))
+        assert len(str(e.value).splitlines()) == 1
