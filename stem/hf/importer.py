@@ -222,19 +222,19 @@ def import_hf(source, out, log=print, gguf_file: str | None = None, parity_text:
         tok = folder / "tokenizer.json"
         if not tok.is_file():
             raise ValueError(f"{tok}: missing (the pipeline reads the tokenizer as a tokenizers tokenizer.json)")
-        tok_text, where, hf_model, weights = tok.read_text(), folder, None, None
+        tok_text, where, hf_model, weights = tok.read_text(encoding="utf-8"), folder, None, None
     check_tokenizer(tok_text, cfg, where)
     cfg = dataclasses.replace(cfg, tie_embeddings=tied)
     model = build_model(cfg, "cpu")
     load_into(model, pipeline_state(folder, tied, log, keep_tied=True, weights=weights), where)
     parity = None
     if parity_text is not None:
-        parity = logit_parity(model, hf_model, folder, gguf_file, tok_text, parity_text)
+        parity = logit_parity(model, hf_model, folder, tok_text, parity_text)
     spec = {"experiment": None, "scale": None, "variant": None, "stage": None, "model": cfg.to_dict(),
-            "hf_source": str(source) + (f"#gguf={gguf_file}" if gguf_file else "")}
-    with tempfile.TemporaryDirectory() as tmp:
+            "hf_source": str(source) + (GGUF_SEP + gguf_file if gguf_file else "")}
+    with tempfile.TemporaryDirectory() as tmp:   # the folder's tokenizer.json as it is, or the GGUF's converted one
         tok_file = Path(tmp) / "tokenizer.json"
-        tok_file.write_text(tok_text)
+        tok_file.write_text(tok_text, encoding="utf-8")
         save_checkpoint(out, model, spec, tok_file, {})
     return {"out": str(out), "source": str(source), "gguf_file": gguf_file, "tied": tied,
             "rope_scaling": cfg.rope_scaling.kind, "vocab_size": cfg.vocab_size,
@@ -250,7 +250,7 @@ def check_tokenizer(tok_text: str, cfg: ModelConfig, where) -> None:
 
 
 @torch.no_grad()
-def logit_parity(model, hf_model, folder: Path, gguf_file: str | None, tok_text: str, text: str,
+def logit_parity(model, hf_model, folder: Path, tok_text: str, text: str,
                  max_tokens: int = 256) -> dict:
     """max |logit difference| of ``model`` against transformers' forward of the same weights (``hf_model``, or the
     folder loaded by transformers) on the first ``max_tokens`` tokens of ``text`` (fp32)."""
