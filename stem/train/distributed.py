@@ -13,7 +13,8 @@ micro-batch is ``min(micro_batch, batch_size // W)`` (the config's micro_batch i
 ``stem.train.plan.local_micro_batch``).
 
 Sharding (``parallelize``, as the plan says):
-- the backbone: ``fully_shard`` per transformer block plus the root (FSDP2, ``strategy="fsdp"``), or
+- the backbone: ``fully_shard`` per transformer block plus the root (FSDP2, ``strategy="fsdp"``; the token
+  embedding and the LM head are the root's, so a tied pair, ``tie_embeddings``, is one unit), or
   replicated with one gradient all-reduce per step (``strategy="ddp"``, for small models);
 - row-sparse tables (``optim.table_update: sparse``, the plan's ``row_sparse``): replicated on every rank,
   outside FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead;
@@ -135,7 +136,12 @@ def parallelize(model, ctx: DistContext, plan: ParallelPlan, mixed_precision: bo
         mixed_precision = ctx.device.type == "cuda"
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if mixed_precision else MixedPrecisionPolicy())
-    for m in plan.shard_units(model):
+    units = plan.shard_units(model)
+    if model.cfg.tie_embeddings and any(p is model.tok_emb.weight for m in units for p in m.parameters()):
+        # torch >= 2.13 refuses a parameter shared by two fully_shard units: a tied embedding and head stay together
+        raise ValueError("tie_embeddings: the tied embedding / LM head must stay in one FSDP unit (the root's), "
+                         "not in a table shard unit")
+    for m in units:
         fully_shard(m, mesh=ctx.mesh, mp_policy=mp)
     if plan.strategy == "fsdp":
         ignored = set(plan.row_sparse_params(model)) or None
