@@ -180,3 +180,25 @@ def test_new_config_keys_are_checked():
         with pytest.raises(C.ConfigError, match=key) as e:
             C.validate_experiment(deep_merge(copy.deepcopy(tiny), block))
         assert len(str(e.value).splitlines()) == 1
+
+
+def test_niah_items_with_the_original_needle_in_the_essays(smol):
+    """The NIAH suite's items (stem.eval.niah, the paper suites' code) with ``needle: original`` and the essays
+    as haystack: the needle at the depth, the question and the answer's start last, the cell filled to within
+    a sentence of its length."""
+    from stem.data.sources import iter_documents
+    from stem.eval import niah
+    tok = smol[3]
+    docs = list(iter_documents(ESSAY_SOURCE))
+    items = niah.make_items(tok, docs, [1024, 2048], [0, 50, 100], 1, needle="original")
+    assert len(items) == 6
+    for it in items:
+        prompt = it["prompt"]
+        assert prompt.count(niah.ORIGINAL["text"]) == 1 and it["value"] == "sandwich"
+        assert prompt.endswith("\n\nWhat is the best thing to do in San Francisco? The best thing to do in San "
+                               "Francisco is")
+        assert it["length"] - 100 < it["prompt_tokens"] <= it["length"] - 12
+        at = prompt.index(niah.ORIGINAL["text"]) / len(prompt)
+        assert abs(at - it["depth"] / 100) < 0.05
+    with pytest.raises(ValueError, match="niah: needle"):
+        niah.make_items(tok, docs, [1024], [0], 1, needle={"text": "x"})
