@@ -47,5 +47,12 @@ class TableInit(StrEnum):
     NORMAL = "normal"
 
 
+class InsertInit(StrEnum):
+    """A mid-training insertion's table init (stem.models.insert)."""
+    PROJECTED = "projected"
+    RAW = "raw"
+    XAVIER = "xavier"
+
+
 def values(option: type[StrEnum]) -> tuple[str, ...]:
     return tuple(m.value for m in option)

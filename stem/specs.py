@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from stem.fields import OPTIONAL, FieldError as _FieldError, check as _check, is_number as _is_number
 from stem.models.config import ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
-from stem.options import Schedule, Strategy, values
+from stem.options import InsertInit, Schedule, Strategy, values
 from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
@@ -241,7 +241,7 @@ class TrainSpec(_Spec):
 
     def __post_init__(self):
         _check(self.insert is None or (set(self.insert) == {"from", "init"}
-                                       and self.insert["init"] in ("projected", "raw", "xavier")),
+                                       and self.insert["init"] in values(InsertInit)),
                "insert", "null or {from: <variant>, init: projected | raw | xavier}", self.insert)
         _check(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
         _check(len(self.data) > 0, "data", "at least one source", self.data)

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from stem.models.model import loaded_state
+from stem.options import InsertInit, values
 
-INSERT_INITS = ("projected", "raw", "xavier")
+INSERT_INITS = values(InsertInit)
 
 
 def projected_table(emb: torch.Tensor, norm_weight: torch.Tensor, w_up: torch.Tensor, eps: float) -> torch.Tensor:
