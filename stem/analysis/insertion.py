@@ -39,6 +39,16 @@ def step0(ckpt_dir, manifest, seq_len: int = 256, windows: int = 8, placements=(
           inits=INSERT_INITS, seed: int = 0) -> dict:
     """{"rows": [{placement, init, stem_layers, mean_loss, delta_vs_dense, window_loss}], ...}; the first row is the
     dense model. ``placements``: names of ``PLACEMENTS`` or {name: placement spec}."""
+    dense, _, _ = load(ckpt_dir, "cpu")
+    starts, x = val_windows(manifest, min(seq_len, dense.cfg.max_seq_len) + 1, windows)
+    return {"checkpoint": str(ckpt_dir), "manifest": str(manifest), "seq_len": int(x.shape[1] - 1),
+            "windows": len(starts), "starts": starts.tolist(), "seed": seed,
+            "rows": step0_rows(dense, x, placements, inits, seed, str(ckpt_dir))}
+
+
+def step0_rows(dense, x: torch.Tensor, placements=("1/3", "1/2"), inits=INSERT_INITS, seed: int = 0,
+               where: str = "dense model") -> list[dict]:
+    """The rows of ``step0`` for a loaded dense model (eval mode) and held-out windows ``x`` (B, T + 1)."""
     bad = [i for i in inits if i not in INSERT_INITS]
     if bad:
         raise ValueError(f"insertion init {bad[0]!r}: expected one of {', '.join(INSERT_INITS)}")
@@ -47,10 +57,7 @@ def step0(ckpt_dir, manifest, seq_len: int = 256, windows: int = 8, placements=(
         if p not in PLACEMENTS:
             raise ValueError(f"placement {p!r}: expected one of {', '.join(PLACEMENTS)}")
         named[p] = PLACEMENTS[p]
-    dense, _, _ = load(ckpt_dir, "cpu")
-    starts, x = val_windows(manifest, min(seq_len, dense.cfg.max_seq_len) + 1, windows)
-    base = window_losses(dense, x)
-    rows = [{"placement": "dense", "init": None, "stem_layers": [], "window_loss": base}]
+    rows = [{"placement": "dense", "init": None, "stem_layers": [], "window_loss": window_losses(dense, x)}]
     state = dense.state_dict()
     for name, spec in named.items():
         layers = resolve_placement(spec, dense.cfg.n_layers)
@@ -59,11 +66,10 @@ def step0(ckpt_dir, manifest, seq_len: int = 256, windows: int = 8, placements=(
         for init in inits:
             torch.manual_seed(seed)   # xavier: the tables' own init, from the seed
             model = build_model(cfg, "cpu").eval()
-            insert_stem(model, state, init, str(ckpt_dir))
+            insert_stem(model, state, init, where)
             rows.append({"placement": name, "init": init, "stem_layers": layers, "window_loss": window_losses(model, x)})
             del model
     for r in rows:
         r["mean_loss"] = sum(r["window_loss"]) / len(r["window_loss"])
         r["delta_vs_dense"] = r["mean_loss"] - rows[0]["mean_loss"]
-    return {"checkpoint": str(ckpt_dir), "manifest": str(manifest), "seq_len": int(x.shape[1] - 1),
-            "windows": len(starts), "starts": starts.tolist(), "seed": seed, "rows": rows}
+    return rows
