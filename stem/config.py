@@ -22,6 +22,7 @@ from stem.sweeps import is_sweep_id
 
 SCHEMA = REPO / "config" / "schema.yaml"
 HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
+GGUF_SEP = "#gguf="   # ... "hf:<folder>#gguf=<file name>": a GGUF file in that folder
 SCALES = values(Scale)
 STAGES = values(Stage)
 TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
@@ -287,7 +288,7 @@ def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = No
 
 # ---- paths: stem.layout ------------------------------------------------------------------------
 # Keys of a source that steer its tokenize jobs rather than describe its documents.
-TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample")
+TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample", "val_fraction")
 
 
 def source_of(cfg: dict, source: str) -> dict:
@@ -396,7 +397,8 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
         "train": train,
         "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
         "tokenizer": tokenizer_path(exp, scale),
-        "init_from": (HF_PREFIX + init["hf"] if isinstance(init, dict)   # a transformers checkpoint (stem.hf)
+        "init_from": (HF_PREFIX + init["hf"] + (GGUF_SEP + init["gguf_file"] if init.get("gguf_file") else "")
+                      if isinstance(init, dict)   # a transformers checkpoint (stem.hf), or a GGUF file in it
                       else checkpoint(exp, scale, ins["from"] if ins else variant, init) if init else None),
         "init_stage": None if isinstance(init, dict) else init,
         "out_dir": stage_dir(exp, scale, variant, stage),
@@ -453,4 +455,7 @@ def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -
     return {"documents": documents_spec(cfg, source), "seed": cfg["seed"],
             "max_tokens": None if max_tokens is None else -(-int(max_tokens) // n),
             "vocab_size": cfg["archs"][scale]["vocab_size"], "part": [k, n],
-            "doc_keys": src.get("doc_keys", "index"), "sample": sample}
+            "doc_keys": src.get("doc_keys", "index"), "sample": sample,
+            # the held-out share of documents (stem.data.shards.val_mask; only where the source sets it, so the
+            # other experiments' job specs stay as they were)
+            **({"val_fraction": src["val_fraction"]} if "val_fraction" in src else {})}

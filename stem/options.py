@@ -65,8 +65,10 @@ class Truncation(StrEnum):
 
 
 class InsertInit(StrEnum):
-    """A mid-training insertion's table init (stem.models.insert): U = RMSNorm(E) W_up^T, or the table's own."""
+    """A mid-training insertion's table init (stem.models.insert): U = RMSNorm(E) W_up^T, E W_up^T (the
+    official script before RMSNorm), or the table's own."""
     PROJECTED = "projected"
+    RAW = "raw"
     XAVIER = "xavier"
 
 

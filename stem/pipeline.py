@@ -61,6 +61,7 @@ def tokenize(spec: dict, tokenizer_path, out_dir, workers: int = 2, log=None) ->
     m = tokenize_to_shards(iter_documents(docs, part if part[1] > 1 else None), tok, out_dir,
                            seed=spec["seed"], num_workers=workers, max_tokens=max_tokens, source=docs,
                            doc_keys=spec.get("doc_keys", "index"), sample=spec.get("sample"),
+                           **({"val_fraction": spec["val_fraction"]} if "val_fraction" in spec else {}),
                            allow_empty=part[1] > 1, progress=progress, extra={"part": list(part)})
     tokens = sum(s["tokens"] for s in m["splits"].values())
     progress({"documents": m["documents_seen"], "tokens": tokens, "seconds": time.perf_counter() - t0}, final=True)

@@ -239,7 +239,7 @@ class TrainSpec(_Spec):
     init_stage: str | None   # ... and that stage's name
     out_dir: str             # the stage folder (stem.layout.stage_dir)
     # mid-training insertion (stem.models.insert): {"from": the dense variant init_from belongs to, "init":
-    # projected | xavier}; only in the insertion stage's spec
+    # projected | raw | xavier}; only in the insertion stage's spec
     insert: dict | None = field(default=None, metadata=OPTIONAL)
     plugins: tuple[str, ...] = field(default=(), metadata=OPTIONAL)   # the config's plugin modules (stem.plugins)
 

@@ -55,6 +55,11 @@ def test_every_builtin_kind_declares_its_facts():
         assert None not in (facts.table, facts.lookup, facts.params), kind
         mc = ModelConfig.from_dict({**cfg.to_dict(), "ffn": [kind, kind]})
         assert param_count(mc) == accounting(build_model(mc, "meta"))["total_params"], kind
+        # tie_embeddings: the embedding and the head are one V x d parameter, counted once
+        tied = ModelConfig.from_dict({**mc.to_dict(), "tie_embeddings": True})
+        a, b = accounting(build_model(mc, "meta")), accounting(build_model(tied, "meta"))
+        assert param_count(tied) == b["total_params"] == a["total_params"] - 96 * 16, kind
+        assert b["p_tot"] == a["p_tot"] and b["active_params"] == a["active_params"] - 96 * 16, kind
 
 
 def test_a_wrong_declaration_is_a_one_line_error():

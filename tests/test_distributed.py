@@ -55,6 +55,9 @@ def _spec(variant, tok, manifest, out_dir, steps=6):
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 32}}
     cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=8, seq_len=32, steps=steps, lr=3e-3)
     cfg["train"].update(log_interval=100, eval_interval=3, eval_batches=2, checkpoint_interval=3)
+    if variant == "dense_tied":   # the LM head is the embedding (tie_embeddings): both in the root FSDP unit
+        cfg["archs"]["350m"]["tie_embeddings"] = True
+        variant = "dense"
     if variant == "moe":   # the balance loss is per forward call: both world sizes run micro-batches of 4 rows
         cfg["stages"]["pretrain"]["350m"]["micro_batch"] = 4
     spec = C.train_spec(cfg, "350m", variant, "pretrain")
@@ -92,7 +95,8 @@ def _losses(out_dir):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     tok, manifest = _make_data(tmp / "data")
-    variants = ["dense", "stem", "hashmoe", "stem_sparse", "moe"]   # stem_sparse: optim.table_update sparse
+    # stem_sparse: optim.table_update sparse; dense_tied: tie_embeddings (one parameter across the embedding and head)
+    variants = ["dense", "stem", "hashmoe", "stem_sparse", "moe", "dense_tied"]
     one = [{"spec": _spec(v, tok, manifest, tmp / "w1" / v)} for v in variants]
     two = [{"spec": _spec(v, tok, manifest, tmp / "w2" / v)} for v in variants]
     for job in one + two:   # STEM also saves its final optimizer state (for reset_optimizer: false)
@@ -115,7 +119,7 @@ def runs(tmp_path_factory):
     return tmp
 
 
-@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe", "stem_sparse", "moe"])
+@pytest.mark.parametrize("variant", ["dense", "stem", "hashmoe", "stem_sparse", "moe", "dense_tied"])
 def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
     (l1, v1), (l2, v2) = _losses(runs / "w1" / variant), _losses(runs / "w2" / variant)
     assert len(l1) == len(l2) == 6 and len(v1) == len(v2) == 2
@@ -155,12 +159,13 @@ def test_packed_rows_two_ranks_small_micro_batches_follow_one_big_batch(runs):
     assert l2 == pytest.approx(l1, rel=2e-6, abs=1e-6)   # mean-of-micro-batch-means drifts by ~1e-4 here
 
 
-@pytest.mark.parametrize("variant", ["stem", "stem_sparse", "moe"])
+@pytest.mark.parametrize("variant", ["stem", "stem_sparse", "moe", "dense_tied"])
 def test_final_checkpoints_match_across_world_sizes(runs, variant):
     from safetensors.torch import load_file
     a = load_file(str(runs / "w1" / variant / "checkpoint" / "model.safetensors"))
     b = load_file(str(runs / "w2" / variant / "checkpoint" / "model.safetensors"))
     assert a.keys() == b.keys()
+    assert ("lm_head.weight" in a) == (variant != "dense_tied")   # a tied head is saved once, as the embedding
     for k in a:
         assert a[k].shape == b[k].shape
         assert (a[k] - b[k]).abs().max().item() < 1e-4, k

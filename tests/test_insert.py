@@ -37,17 +37,19 @@ def insert_spec(spec_factory, out, ckpt, init="projected", **train):
     return spec
 
 
-def test_tables_are_the_projection_and_the_rest_is_copied(spec_factory, dense_ckpt, tmp_path):
+@pytest.mark.parametrize("init", ["projected", "raw"])
+def test_tables_are_the_projection_and_the_rest_is_copied(init, spec_factory, dense_ckpt, tmp_path):
     ckpt, dense = dense_ckpt
-    model = setup(TrainSpec.coerce(insert_spec(spec_factory, tmp_path / "ins", ckpt))).model
+    model = setup(TrainSpec.coerce(insert_spec(spec_factory, tmp_path / "ins", ckpt, init=init))).model
     cfg, state = model.cfg, model.state_dict()
     layers = [i for i, k in enumerate(cfg.ffn) if k == "stem"]
     assert layers == [2]
     e = dense["tok_emb.weight"].double().numpy()
-    for i in layers:   # U_i[t] = (E[t] / sqrt(mean(E[t]^2) + eps) * g_i) W_up,i^T, written out in numpy
+    for i in layers:   # U_i[t] = (E[t] / sqrt(mean(E[t]^2) + eps) * g_i) W_up,i^T (raw: E[t] W_up,i^T), in numpy
         g = dense[f"layers.{i}.ffn_norm.weight"].double().numpy()
         w_up = dense[f"layers.{i}.ffn.w_up.weight"].double().numpy()
-        want = (e / np.sqrt((e ** 2).mean(axis=1, keepdims=True) + cfg.norm_eps) * g) @ w_up.T
+        normed = e / np.sqrt((e ** 2).mean(axis=1, keepdims=True) + cfg.norm_eps) * g
+        want = (normed if init == "projected" else e) @ w_up.T
         got = state[f"layers.{i}.ffn.table.weight"].double().numpy()
         assert got.shape == (cfg.vocab_size, cfg.d_ff)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

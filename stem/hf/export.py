@@ -29,6 +29,7 @@ from stem.hf.keys import to_hf
 from stem.hf.remote.configuration_stem import StemLlamaConfig
 from stem.io import atomic_dir
 from stem.models.config import ModelConfig
+from stem.models.model import saved_state
 from stem.checkpoint import load_checkpoint
 
 REMOTE = Path(__file__).parent / "remote"
@@ -81,7 +82,7 @@ def hf_config(cfg: ModelConfig, eos_id: int, dse: dict | None = None):
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
                   head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                  rope_parameters=rope, tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos_id,
+                  rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=eos_id,
                   pad_token_id=None, initializer_range=cfg.init_std, dtype="float32")
     if not needs_remote_code(cfg):
         return LlamaConfig(**common, architectures=["LlamaForCausalLM"])
@@ -97,7 +98,7 @@ def hf_config(cfg: ModelConfig, eos_id: int, dse: dict | None = None):
 def hf_state_dict(model) -> dict:
     """The model's saved tensors under transformers' names (fp32, contiguous, on the CPU)."""
     state = {}
-    for name, t in model.state_dict().items():
+    for name, t in saved_state(model.state_dict(), model.cfg).items():
         if name == "dse_compress" and model.cfg.dse is None:
             continue   # a buffer saved only for DSE models
         state[to_hf(name)] = t.detach().float().contiguous().cpu() if t.is_floating_point() else t.contiguous().cpu()

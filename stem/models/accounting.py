@@ -2,7 +2,8 @@
 
 Which parameters are tables or experts comes from the modules' declared roles (``stem.models.registry``).
 
-- ``total_params``: exact count of the model as built.
+- ``total_params``: exact count of the model as built (a tied embedding and head, ``tie_embeddings``, is one
+  parameter: counted once, as ``model.parameters()`` and the official tied configs count it).
 - ``paper_total_params``: the paper's Table 3 convention, dense total + the parameters whose role is
   ``paper_table`` (n_table_layers * V * d_ff for STEM: the removed up-projections are not subtracted);
   without such parameters (Hash-MoE, DSE) the exact count.
@@ -46,7 +47,7 @@ def accounting(model: nn.Module) -> dict:
     active = total - lookups - inactive_experts
     paper_tables = _numel(p for p in model.parameters() if id(p) in roles and roles[id(p)].paper_table)
     paper_total = dense_total_params(cfg) + paper_tables if paper_tables else total
-    emb_head = model.tok_emb.weight.numel() + model.lm_head.weight.numel()
+    emb_head = _numel({id(p): p for p in (model.tok_emb.weight, model.lm_head.weight)}.values())   # once if tied
     dse_tables = _numel(p for p in model.parameters() if id(p) in roles and roles[id(p)].group == "dse_table")
     sparse = [i for i, block in enumerate(model.layers) if any(id(p) in roles for p in block.ffn.parameters())]
     return {

@@ -151,6 +151,9 @@ class ModelConfig:
     moe_top_k: int = field(default=2, metadata=OPTIONAL)
     moe_d_ff: int = field(default=0, metadata=OPTIONAL)
     moe_aux_coef: float = field(default=0.01, metadata=OPTIONAL)
+    # The LM head is the token embedding (one V x d parameter), as SmolLM2, Llama-3.2-1B and the official STEM
+    # configs have it; the paper's models are untied (Sec. 4.1). Counted once (stem.models.accounting).
+    tie_embeddings: bool = field(default=False, metadata=OPTIONAL)
 
     def __post_init__(self):
         ffn = tuple(self.ffn) or ("dense",) * self.n_layers
@@ -218,7 +221,7 @@ class ModelConfig:
 def param_count(cfg: ModelConfig) -> int | None:
     """The parameters of the model as built (``stem.models.accounting``'s ``total_params``, which stays the
     truth; tests/test_models.py checks the two agree), in closed form, without torch: the token embedding and the
-    untied LM head (V d each); per layer attention (q and o d x d, k and v d x kv) and two RMSNorms (d each); each
+    untied LM head (V d each; once when tied); per layer attention (q and o d x d, k and v d x kv) and two RMSNorms (d each); each
     layer's FFN (its kind's declared ``params``, stem.models.registry.FFNFacts); each DSE memory (its tables,
     the first primes >= rows_per_head rows, d_mem / (orders x heads) wide; key and value d_mem x d; the depthwise
     convolution d x kernel; three RMSNorms); the final norm. None when an FFN kind declares no ``params``."""
@@ -227,7 +230,7 @@ def param_count(cfg: ModelConfig) -> int | None:
     if any(f is None for f in ffn):
         return None
     kv = cfg.n_kv_heads * cfg.head_dim
-    total = 2 * v * d + cfg.n_layers * (2 * d * d + 2 * d * kv + 2 * d) + d + sum(f(cfg) for f in ffn)
+    total = (1 if cfg.tie_embeddings else 2) * v * d + cfg.n_layers * (2 * d * d + 2 * d * kv + 2 * d) + d + sum(f(cfg) for f in ffn)
     if cfg.dse is not None:
         dc = cfg.dse
         n_tables = len(dc.orders) * dc.heads

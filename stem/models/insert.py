@@ -4,6 +4,8 @@ STEM layer i the up-projection W_up,i is dropped and the layer's table becomes
 
     ``projected``:  U_i = RMSNorm_i(E) W_up,i^T      (E the token embedding, V x d; RMSNorm with layer i's FFN-norm
                                                        weight and the model's eps; W_up,i the d_ff x d up-projection)
+    ``raw``:        U_i = E W_up,i^T                 (no norm: the official insertion script at the commit of the
+                                                       official 1B config, 128c276; RMSNorm_i arrived later)
     ``xavier``:     U_i = the STEM model's own table initialisation (xavier-normal on V x d_ff)
 
 so with ``projected`` a STEM layer first sees, for token t, the dense layer's up-projection of t's own normalised
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stem.models.model import loaded_state
 from stem.options import InsertInit, values
 
 INSERT_INITS = values(InsertInit)
@@ -37,6 +40,7 @@ def insert_stem(model, dense_state: dict, init: str = "projected", where: str = 
     if bad:
         raise ValueError(f"{where}: insertion builds ffn kind 'stem' from a dense up-projection; the model has {bad}")
     layers = [i for i, k in enumerate(cfg.ffn) if k == "stem"]
+    dense_state = loaded_state(dense_state, cfg)
     own = model.state_dict()
     for i in layers:   # what the insertion removes and creates
         for k in (f"layers.{i}.ffn.w_up.weight", f"layers.{i}.ffn_norm.weight", "tok_emb.weight"):
@@ -55,10 +59,11 @@ def insert_stem(model, dense_state: dict, init: str = "projected", where: str = 
     missing = [k for k in own if k not in dense_state and k not in tables and k != "dse_compress"]
     if missing:
         raise ValueError(f"{where}: tensor {missing[0]} missing from the dense checkpoint")
-    if init == "projected":
+    if init in ("projected", "raw"):
         emb = dense_state["tok_emb.weight"]
         for i in layers:
-            u = projected_table(emb, dense_state[f"layers.{i}.ffn_norm.weight"],
-                                dense_state[f"layers.{i}.ffn.w_up.weight"], cfg.norm_eps)
+            w_up = dense_state[f"layers.{i}.ffn.w_up.weight"]
+            u = (projected_table(emb, dense_state[f"layers.{i}.ffn_norm.weight"], w_up, cfg.norm_eps)
+                 if init == "projected" else F.linear(emb.float(), w_up.float()))
             own[f"layers.{i}.ffn.table.weight"].copy_(u)
     return layers

@@ -104,6 +104,22 @@ def meta_model(model_json: str) -> "Transformer":
     return build_model(ModelConfig.from_dict(json.loads(model_json)), "meta")
 
 
+TIED_HEAD = "lm_head.weight"   # with tie_embeddings it is tok_emb.weight: saved once, under the embedding's name
+
+
+def saved_state(state: dict, cfg: ModelConfig) -> dict:
+    """A state dict as written to disk: a tied model's head left out (it is the embedding; safetensors refuses two
+    names for one tensor)."""
+    return {k: v for k, v in state.items() if not (cfg.tie_embeddings and k == TIED_HEAD)}
+
+
+def loaded_state(state: dict, cfg: ModelConfig) -> dict:
+    """A state dict read from disk, for a model built from ``cfg``: a tied model's head is its embedding."""
+    if cfg.tie_embeddings and TIED_HEAD not in state and "tok_emb.weight" in state:
+        return {**state, TIED_HEAD: state["tok_emb.weight"]}
+    return state
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -111,7 +127,9 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied (Sec. 4.1)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied (Sec. 4.1) unless tie_embeddings
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
         inv_freq, self.rope_mscale = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # DSE vocabulary compression (identity until set from the tokenizer; saved with the weights).

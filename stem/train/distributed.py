@@ -13,7 +13,8 @@ micro-batch is ``min(micro_batch, batch_size // W)`` (the config's micro_batch i
 ``stem.train.plan.local_micro_batch``).
 
 Sharding (``parallelize``, as the plan says):
-- the backbone: ``fully_shard`` per transformer block plus the root (FSDP2, ``strategy="fsdp"``), or
+- the backbone: ``fully_shard`` per transformer block plus the root (FSDP2, ``strategy="fsdp"``; the token
+  embedding and the LM head are the root's, so a tied pair, ``tie_embeddings``, is one unit), or
   replicated with one gradient all-reduce per step (``strategy="ddp"``, for small models);
 - row-sparse tables (``optim.table_update: sparse``, the plan's ``row_sparse``): replicated on every rank,
   outside FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead;
@@ -59,6 +60,7 @@ from safetensors.torch import load_file
 
 from stem import checkpoint as ck
 from stem.io import atomic_write_json, replace_dir
+from stem.models.model import loaded_state
 from stem.train import tables
 from stem.train.plan import ParallelPlan
 
@@ -143,7 +145,12 @@ def parallelize(model, ctx: DistContext, plan: ParallelPlan, mixed_precision: bo
     if plan.row_sharded:
         ignored |= set(tables.shard_rows(model, plan.row_sharded, ctx.mesh, mixed_precision))
     ignored = ignored or None
-    for m in plan.shard_units(model):
+    units = plan.shard_units(model)
+    if model.cfg.tie_embeddings and any(p is model.tok_emb.weight for m in units for p in m.parameters()):
+        # torch >= 2.13 refuses a parameter shared by two fully_shard units: a tied embedding and head stay together
+        raise ValueError("tie_embeddings: the tied embedding / LM head must stay in one FSDP unit (the root's), "
+                         "not in a table shard unit")
+    for m in units:
         fully_shard(m, mesh=ctx.mesh, mp_policy=mp, ignored_params=ignored)
     if plan.strategy == "fsdp":
         for block in model.layers:
@@ -313,7 +320,7 @@ def _load_state_folder(folder: Path, model, opt, ctx: DistContext) -> dict:
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:  # a single-process state resumed on several ranks: full tensors, each rank keeps its shard
-        full = load_file(str(folder / "model.safetensors"))
+        full = loaded_state(load_file(str(folder / "model.safetensors")), model.cfg)
         osd = _fqn_optimizer_state(torch.load(folder / "optim.pt", weights_only=True, map_location="cpu"), model)
         set_state_dict(model, opt, model_state_dict=full, optim_state_dict=osd,
                        options=StateDictOptions(full_state_dict=True))

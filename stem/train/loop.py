@@ -393,9 +393,13 @@ def check_init_from(spec: TrainSpec):
     architecture; else one TrainingError line naming its config.json and the mismatch. A transformers checkpoint
     (``hf:``) has the stage's shapes (stem.hf.importer.check_arch)."""
     if spec.init_from.startswith(HF_PREFIX):
-        try:
-            folder = hf_import.resolve(spec.init_from[len(HF_PREFIX):])
-            hf_import.check_arch(hf_import.model_config(folder)[0], spec.model, folder / "config.json")
+        try:   # a GGUF file's shapes are checked when it is read (load_for_stage): reading it is the cost
+            source, gguf_file = hf_import.split_source(spec.init_from[len(HF_PREFIX):])
+            folder = hf_import.resolve(source)
+            if gguf_file:
+                hf_import.check_gguf(folder, gguf_file)
+            else:
+                hf_import.check_arch(hf_import.model_config(folder)[0], spec.model, folder / "config.json")
         except ValueError as e:
             raise TrainingError(f"init_from {spec.init_from}: {e}") from None
         return

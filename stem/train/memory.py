@@ -56,7 +56,8 @@ def estimate(model, plan: ParallelPlan) -> dict:
     n_rep = sum(p.numel() for p in model.parameters() if id(p) in rep)
     n_back = sum(p.numel() for p in model.parameters() if id(p) not in leaf | rep | host)
     params = n_leaf / world + n_back / (world if strategy == "fsdp" else 1) + n_rep
-    n_root = sum(p.numel() for m in (model.tok_emb, model.norm, model.lm_head) for p in m.parameters())
+    n_root = sum(p.numel() for p in {id(p): p for m in (model.tok_emb, model.norm, model.lm_head)
+                                     for p in m.parameters()}.values())   # a tied embedding and head once
     blocks = [_block_bytes_per_token(cfg, i) for i in range(cfg.n_layers)]
     head = 6 * cfg.d_model + 12 * cfg.vocab_size
     # checkpointing: the block inputs, then either the loss's backward or one block's recomputation on top
