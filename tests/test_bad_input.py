@@ -379,7 +379,7 @@ def test_niah_run_refuses_a_cell_longer_than_the_context(short_lm):
     ({"from": "stem"}, "key 'insert.from': 'stem' has ffn 'stem'; expected a dense variant (the insertion builds the "
                        "STEM tables from its dense up-projections)"),
     ({"from": "dse"}, "key 'insert.from': 'dse' has a DSE memory; expected a dense variant"),
-    ({"init": "zeros"}, "key 'insert.init': 'zeros'; expected one of projected, xavier"),
+    ({"init": "zeros"}, "key 'insert.init': 'zeros'; expected one of projected, raw, xavier"),
 ])
 def test_insertion_from_a_non_dense_variant_or_with_a_bad_init_is_refused_by_the_config_check(tmp_path, capsys,
                                                                                                 insert, message):
