@@ -19,13 +19,15 @@ the workflow's pre-flight check (``check``: every GPU training job's traced peak
   (2 d) is kept, plus one block's set while it is recomputed.
 - the loss: the peak is at the start of backward, when every activation is still alive and
   cross-entropy's backward holds the fp32 log-softmax output, its incoming gradient and its result:
-  3 x 4 B x V per token (12 V), after the final norm's 6 d.
+  3 x 4 B x V per token (12 V), after the final norm's 6 d; with activation checkpointing the loss is
+  computed and recomputed ``LOSS_CHUNK`` tokens at a time, so only one chunk's.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 from stem import config as C
+from stem.models.config import LOSS_CHUNK
 from stem.train.plan import ParallelPlan, job_layout
 
 GIB = 1024 ** 3
@@ -60,12 +62,14 @@ def estimate(model, plan: ParallelPlan) -> dict:
     params = n_leaf / world + n_back / (world if strategy == "fsdp" else 1) + n_rep
     n_root = sum(p.numel() for m in (model.tok_emb, model.norm, model.lm_head) for p in m.parameters())
     blocks = [_block_bytes_per_token(cfg, i) for i in range(cfg.n_layers)]
-    head = 6 * cfg.d_model + 12 * cfg.vocab_size
+    # the loss: checkpointed, one chunk of LOSS_CHUNK tokens at a time (stem.models.model._chunked_loss)
+    head = (6 * cfg.d_model + 12 * cfg.vocab_size) * (min(tokens, LOSS_CHUNK) if act_ckpt else tokens)
     # checkpointing: the block inputs, then either the loss's backward or one block's recomputation on top
-    acts = 2 * cfg.d_model * cfg.n_layers + max(0, max(blocks) - head) if act_ckpt else sum(blocks)
+    acts = (2 * cfg.d_model * cfg.n_layers * tokens + max(0, max(blocks) * tokens - head) if act_ckpt
+            else sum(blocks) * tokens)
     out = {"params_gib": 4 * params / GIB, "grads_gib": 4 * params / GIB, "optimizer_gib": 8 * params / GIB,
            "gathered_bf16_gib": (2 * n_root if world > 1 and strategy == "fsdp" else 0) / GIB,
-           "activations_gib": acts * tokens / GIB, "logits_gib": head * tokens / GIB,
+           "activations_gib": acts / GIB, "logits_gib": head / GIB,
            "world": world, "strategy": strategy, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
            "activation_checkpointing": act_ckpt, "total_params": sum(p.numel() for p in model.parameters()),
            "sharded_table_params": n_leaf, "replicated_table_params": n_rep, "host_table_params": sum(p.numel() for p in model.parameters() if id(p) in host)}
