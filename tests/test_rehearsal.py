@@ -66,7 +66,7 @@ def test_rehearsal_dag_dry_runs(tmp_path):
     assert counts["report_html"] == 1 and "tiny.yaml" not in r.stdout + r.stderr
 
 
-def test_smallest_job_one_step_at_the_350m_widths(tiny_data, tmp_path):
+def test_smallest_job_one_step_at_the_350m_widths(tiny_data, tmp_path, capsys):
     spec = C.train_spec(CFG, "350m", "dense", "pretrain")
     assert spec["model"]["d_model"] == 960 and spec["model"]["n_layers"] == 32 and spec["train"]["compile"] is True
     # the CPU: the job cut to one step of one 128-token row, eager, 2 of its 32 layers (every width, head and
@@ -75,9 +75,14 @@ def test_smallest_job_one_step_at_the_350m_widths(tiny_data, tmp_path):
     spec["model"].update(n_layers=2, ffn=spec["model"]["ffn"][:2])
     spec.update(device="cpu", out_dir=str(tmp_path / "run"), tokenizer=tiny_data["tokenizer"],
                 data={"web": {"weight": 1.0, "manifest": tiny_data["manifests"]["web"]}})
-    spec["train"].update(batch_size=1, micro_batch=1, seq_len=128, steps=1, compile=False, eval_batches=1,
-                         tensorboard=False)
+    # a limit no layout meets: the job runs the leanest, micro-batches of 1 with activation checkpointing, and
+    # says so (cluster.fit_memory; the workflow's gate would have refused it)
+    spec["train"].update(batch_size=2, micro_batch=2, seq_len=128, steps=1, compile=False, eval_batches=1,
+                         tensorboard=False, fit_gib=1e-3)
     out = train(spec, threads=2)
+    assert ("memory fit (train.fit_gib): micro-batch 2 -> 1 per GPU, activation checkpointing on; the same global "
+            "batch of 2 sequences an optimizer step, its gradients accumulated over 2 micro-batches instead of 1"
+            in capsys.readouterr().err)
     layer = 2 * 960 * 960 + 2 * 960 * 320 + 3 * 960 * 2560 + 2 * 960   # wq, wo; wk, wv (5 KV heads); SwiGLU; norms
     assert out["steps"] == 1 and np.isfinite(out["final_train_loss"])
     assert out["total_params"] == 2 * 32000 * 960 + 2 * layer + 960
