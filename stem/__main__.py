@@ -155,7 +155,7 @@ def cmd_memory(args):
     for job in jobs:   # before tracing: a world the batch does not split over
         world = args.gpus or job_layout(cfg, job[0])[0]
         try:
-            specs.append(memtrace.job(C.train_spec(cfg, *job), world, strategy))
+            specs.append(memtrace.job(C.train_spec(cfg, *job), world, strategy, fitted=not args.as_written))
         except ValueError as e:
             raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'} {world}: training job "
                                 f"{'/'.join(job)}: {e}") from None
@@ -170,7 +170,8 @@ def cmd_memory(args):
         fits = "" if limit is None else ("  fits" if r["peak_gib"] <= limit else "  EXCEEDS THE LIMIT")
         over += limit is not None and r["peak_gib"] > limit
         print(f"{scale}/{variant}/{stage}: world {plan.world}, micro-batch {r['micro_batch']} x {r['seq_len']}"
-              f"{', act. ckpt' if r['activation_checkpointing'] else ''}: traced {r['peak_gib']:5.1f} GiB, "
+              f"{', act. ckpt' if r['activation_checkpointing'] else ''}{', host tables' if plan.host_tables else ''}"
+              f"{'' if args.as_written or not spec.train.fit_gib else ' (fitted)'}: traced {r['peak_gib']:5.1f} GiB, "
               f"closed form {closed}, limit {'-' if limit is None else f'{limit} GiB'}{fits}")
     if over:
         print(f"{over} job(s) exceed cluster.gpu_mem_gib = {limit} GiB", file=sys.stderr)
@@ -337,6 +338,8 @@ def main(argv=None):
     m.add_argument("--strategy", choices=values(Strategy))
     m.add_argument("--cache", default=L.MEMORY_TRACES, help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
+    m.add_argument("--as-written", action="store_true", help="trace each job's layout as its spec writes it, not the one "
+                   "cluster.fit_memory fits to cluster.gpu_mem_gib (stem.train.memory.fit)")
     m.set_defaults(fn=cmd_memory)
     c = sub.add_parser("comms", help="modelled communication of every training job: bytes per GPU per step by kind, "
                                      "time at stated link bandwidths vs compute at a stated MFU, GPU-hours")

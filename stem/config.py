@@ -226,6 +226,10 @@ def _cross_check(cfg: dict, origin: str):
                                   f"archs.{scale}.vocab_size {cfg['archs'][scale]['vocab_size']}")
         elif "path" not in tok:
             raise ConfigError(f"{origin}: key 'tokenizer.{scale}.path' missing (needed by kind pretrained)")
+    cluster = cfg.get("cluster") or {}
+    if cluster.get("fit_memory") and cluster.get("gpu_mem_gib") is None:
+        raise ConfigError(f"{origin}: key 'cluster.fit_memory': true fits each training job to cluster.gpu_mem_gib; "
+                          "expected cluster.gpu_mem_gib set (GiB per GPU)")
     if cfg.get("sweeps"):   # the DSE paper's Sec. 3 sweeps: every point builds, within tolerance
         sweeps.validate(cfg, origin)
 
@@ -385,6 +389,8 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
                                                 for s in cfg["matrix"][scale]["stages"])
     train["parallel"] = (cfg.get("cluster") or {}).get("strategy", "fsdp")   # the backbone's, under torchrun
     train["tables"] = (cfg.get("cluster") or {}).get("tables", "fsdp")       # the lookup tables', likewise
+    if (cfg.get("cluster") or {}).get("fit_memory"):   # the plan picks a micro-batch / checkpointing / host tables that fit
+        train["fit_gib"] = cfg["cluster"]["gpu_mem_gib"]
     optim = _deep_merge(cfg["optim"], vspec.get("optim", {}))   # a variant may set e.g. table_update
     if table_group:
         optim = _deep_merge(optim, {"groups": {"table": table_group}})

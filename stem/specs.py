@@ -7,7 +7,7 @@ the jobs whose spec changed). The job builds the dataclass with ``from_dict`` on
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
 
 Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
-``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``fit_gib``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
 JSON of the jobs that do not use it unchanged.
 """
 from __future__ import annotations
@@ -192,6 +192,7 @@ class TrainSettings:
     peak_tflops: float | None = field(default=None, metadata=OPTIONAL)   # MFU's peak (stem.train.throughput)
     wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
     compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)
+    fit_gib: float | None = field(default=None, metadata=OPTIONAL)   # per-GPU GiB the plan fits the layout to (stem.train.memory.fit)
 
     def __post_init__(self):
         _check(self.schedule in SCHEDULES, "schedule", f"one of {', '.join(SCHEDULES)}", self.schedule)
@@ -208,6 +209,7 @@ class TrainSettings:
                self.schedule_steps)
         _check(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops", "a number > 0 or null",
                self.peak_tflops)
+        _check(self.fit_gib is None or self.fit_gib > 0, "fit_gib", "a number > 0 or null", self.fit_gib)
         _check(self.wandb is None or bool(self.wandb.strip()), "wandb", "a project name or null", self.wandb)
 
     def lr_schedule(self) -> dict:

@@ -146,6 +146,15 @@ def test_dse_heads_and_width_checked_too():
             C.validate_experiment(copy.deepcopy(bad), origin="bad.yaml")
 
 
+def test_fit_memory_without_a_gpu_memory_limit_is_one_line():
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    bad = {**cfg, "cluster": {**cfg["cluster"], "fit_memory": True}}
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_experiment(copy.deepcopy(bad), origin="bad.yaml")
+    assert str(e.value) == ("bad.yaml: key 'cluster.fit_memory': true fits each training job to cluster.gpu_mem_gib; "
+                            "expected cluster.gpu_mem_gib set (GiB per GPU)")
+
+
 # ---- a target of an undefined source (what the data rules' input functions call) -----------------------------
 def test_undefined_source_in_a_target_is_one_line_naming_the_defined_ones():
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")

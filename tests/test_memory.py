@@ -3,6 +3,7 @@ against a hand count, the closed form against the trace, and the workflow refusi
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -95,7 +96,8 @@ def test_check_names_the_job_peak_and_limit(traces):
     cfg = traces[3]["cfg"]
     (line,) = memory.check(cfg, traces["cache"])       # cached: no second trace
     assert line == (f"training job 1b/stem/pretrain: traced peak {traces[3]['peak_gib']:.1f} GiB per GPU exceeds "
-                    f"cluster.gpu_mem_gib = 1.0 GiB (world 8, micro-batch 4 x 4096)")
+                    f"cluster.gpu_mem_gib = 1.0 GiB (world 8, micro-batch 4 x 4096); no smaller micro-batch, activation "
+                    "checkpointing or host tables fit it: give it more GPUs (cluster.train.1b)")
     assert memory.check({**cfg, "cluster": {**cfg["cluster"], "gpu_mem_gib": 72}}, traces["cache"]) == []
     assert memory.check({**cfg, "device": "cpu"}, traces["cache"]) == []      # CPU jobs: nothing to check
 
@@ -208,3 +210,35 @@ def test_the_trace_cache_is_keyed_on_the_code_the_trace_imports():
     key = memtrace._trace_key(spec, plan, "code")
     assert memtrace._trace_key(spec, plan, "edited code") != key
     assert memtrace._trace_key(spec, ParallelPlan.of(spec.train, WORLD, "ddp"), "code") != key
+
+
+def test_the_gate_fits_a_job_by_its_plan_and_names_the_option_that_fits(tmp_path):
+    """cluster.fit_memory (issue 29, item 4): the plan picks a per-GPU micro-batch that fits the limit (the same
+    global batch), the workflow's gate (memory.check) traces that one and passes; without it the gate refuses
+    the job in one line naming its traced peak and the option that fits; with a limit nothing fits, the line
+    says so. A tiny 3-layer STEM job on one GPU, traced for real (config/rehearsal.yaml's own jobs take minutes
+    a trace: their fitted plans' closed forms are in tests/test_rehearsal.py)."""
+    cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
+    cfg = {**cfg, "device": "cuda", "matrix": {"350m": {"variants": ["stem"], "stages": ["pretrain"]}},
+           "archs": {"350m": {**cfg["archs"]["350m"], "n_layers": 3}},   # one STEM layer (layer 2)
+           "cluster": {**cfg["cluster"], "train": {"350m": {"nodes": 1, "gpus_per_node": 1, "runtime": 30}}}}
+    model = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
+    spec, plan = memtrace.job(C.train_spec(cfg, "350m", "stem", "pretrain"), 1)
+    by_micro = {m: memory.estimate(model, replace(plan, micro_batch=m, accum=16 // m))["total_gib"] for m in (16, 4)}
+    limit = by_micro[4] * memory.FIT_MARGIN * 1.01          # micro-batch 4 fits, 8 and 16 do not
+    assert by_micro[16] > limit and memory.estimate(model, replace(plan, micro_batch=8, accum=2))["total_gib"] * memory.FIT_MARGIN > limit
+    fitted = {**cfg, "cluster": {**cfg["cluster"], "gpu_mem_gib": limit, "fit_memory": True}}
+    spec_fit, run = memtrace.job(C.train_spec(fitted, "350m", "stem", "pretrain"), 1)
+    assert (run.micro_batch, run.accum, spec_fit.train.batch_size, spec_fit.train.fit_gib) == (4, 4, 16, limit)
+    assert "the same global batch of 16 sequences" in memory.describe_fit(plan, run, 16)
+    cache = tmp_path / "traces"   # traced in this process (one rank): no worker's start-up
+    assert memory.check(fitted, cache, workers=0) == []
+    (t4,) = memtrace.traced([(spec_fit, run)], cache, workers=0)
+    (line,) = memory.check({**fitted, "cluster": {**fitted["cluster"], "fit_memory": False}}, cache, workers=0)
+    (t16,) = memtrace.traced([(spec, plan)], cache, workers=0)
+    assert line == (f"training job 350m/stem/pretrain: traced peak {t16['peak_gib']:.1f} GiB per GPU exceeds "
+                    f"cluster.gpu_mem_gib = {limit} GiB (world 1, micro-batch 16 x 128); it fits with "
+                    f"stages.pretrain.350m.micro_batch: 4 ({t4['peak_gib']:.1f} GiB traced)")
+    (line,) = memory.check({**fitted, "cluster": {**fitted["cluster"], "gpu_mem_gib": 1e-3}}, cache, workers=0)
+    assert line.endswith("no smaller micro-batch, activation checkpointing or host tables fit it: give it more GPUs "
+                         "(cluster.train.350m)")

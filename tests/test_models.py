@@ -339,6 +339,28 @@ def test_moe_activation_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(a, b)
 
 
+def test_checkpointed_loss_in_chunks_is_the_token_mean_of_the_whole_micro_batch(monkeypatch):
+    """Activation checkpointing computes the loss LOSS_CHUNK tokens at a time (issue 29, item 4: 1B's 32k extend on
+    one GPU): over more than one chunk, with ignored targets, the same loss and gradients as in one piece."""
+    import stem.models.model as M
+    monkeypatch.setattr(M, "LOSS_CHUNK", 50)   # 4,096 in use: the same code over fewer tokens
+    torch.manual_seed(0)
+    model = build_model(_cfg(n_layers=2, ffn=("dense", "stem")))
+    ids = torch.randint(0, 97, (3, 41))      # 120 tokens: chunks of 50, 50 and 20
+    targets = ids[:, 1:].clone()
+    targets[1, :25] = -1
+    out = []
+    for ckpt in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.set_training_options(activation_checkpointing=ckpt)
+        loss = model(ids[:, :-1], targets)
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-6, atol=0)
+    for a, b in zip(out[0][1], out[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_moe_config_errors_are_one_line():
     for kw, msg in (({"moe_top_k": 9}, r"moe_top_k=9: expected 1 <= moe_top_k <= moe_experts \(8\)"),
                     ({"moe_top_k": 0}, "moe_top_k=0"), ({"moe_experts": 0}, "moe_experts=0: expected >= 1"),

@@ -14,6 +14,8 @@ from functools import lru_cache
 from stem.models.registry import check_ffn_kind, ffn_facts
 from stem.options import TableInit, values
 
+LOSS_CHUNK = 4096   # tokens a chunk of the loss under activation checkpointing (stem.models.model: _chunked_loss)
+
 TABLE_INITS = values(TableInit)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from stem.models.attention import flex_document_mask
-from stem.models.config import ModelConfig
+from stem.models.config import LOSS_CHUNK, ModelConfig
 from stem.models.dse import DSE_MODES, DSEMemory, token_compression
 from stem.models.ffn import build_ffn
 from stem.models.registry import OPTIM_GROUPS, check_facts, param_roles
@@ -218,14 +218,30 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length += t
         aux = self._take_aux_losses()
-        logits = self.lm_head(self.norm(x))
         if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            return self.lm_head(self.norm(x))
+        if self.activation_checkpointing and self.training and cache is None:
+            loss = self._chunked_loss(x, targets)
+        else:
+            logits = self.lm_head(self.norm(x))
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         if aux is None:
             return loss
         self.aux_loss = aux.detach()
         return loss + aux
+
+    def _chunked_loss(self, x, targets):
+        """Activation checkpointing's loss: the final norm, the head and the cross-entropy of ``LOSS_CHUNK`` tokens
+        at a time, each recomputed in backward, so one chunk's fp32 logits are alive rather than the
+        micro-batch's (12 B x vocabulary a token: 47 GiB for 32,768 tokens of a 128,256-token vocabulary); the
+        same token mean."""
+        x, y = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+        total = sum(torch.utils.checkpoint.checkpoint(self._loss_sum, x[i:i + LOSS_CHUNK], y[i:i + LOSS_CHUNK],
+                                                      use_reentrant=False) for i in range(0, y.numel(), LOSS_CHUNK))
+        return total / (y != -1).sum()
+
+    def _loss_sum(self, x, y):
+        return F.cross_entropy(self.lm_head(self.norm(x)).float(), y, ignore_index=-1, reduction="sum")
 
     def _take_aux_losses(self):
         """The sum of the auxiliary losses this forward's modules set (``aux_loss``, stem.models.registry: the

@@ -161,14 +161,19 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     if spec.init_from:
         load_init(model, spec)
     accounting = model_accounting(model)
-    model.set_training_options(activation_checkpointing=tc.activation_checkpointing,
-                               flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
     # the job's layout, decided once: micro-batches, strategy, the tables optim.table_update: sparse trains row-sparse
     sparse = spec.optim.row_sparse_tables(model)
+    tables = row_shardable(model, sparse)
     try:
-        plan = ParallelPlan.of(tc, ctx.world, row_sparse=sparse, tables=row_shardable(model, sparse))
+        plan = ParallelPlan.of(tc, ctx.world, row_sparse=sparse, tables=tables)
     except ValueError as e:   # a batch that does not split over the ranks, host tables on several
         raise TrainingError(f"[{spec.out_dir}] {e}") from None
+    if tc.fit_gib:   # the layout that fits the GPU (the workflow's gate traced this one): the same maths
+        planned, plan = plan, memory.fit(model, plan, tc.batch_size, tc.fit_gib, tables)
+        if ctx.is_main and (note := memory.describe_fit(planned, plan, tc.batch_size)):
+            print(f"[{spec.out_dir}] {note}", file=sys.stderr)
+    model.set_training_options(activation_checkpointing=plan.activation_checkpointing,
+                               flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
     use_row_sparse(model, plan.row_sparse)
     to_host(model, plan.host_tables)   # train.tables: host
     if tc.compile:   # torchtitan's order: activation checkpointing (set above), compile each block, then FSDP

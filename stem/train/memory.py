@@ -19,11 +19,15 @@ the workflow's pre-flight check (``check``: every GPU training job's traced peak
   (2 d) is kept, plus one block's set while it is recomputed.
 - the loss: the peak is at the start of backward, when every activation is still alive and
   cross-entropy's backward holds the fp32 log-softmax output, its incoming gradient and its result:
-  3 x 4 B x V per token (12 V), after the final norm's 6 d.
+  3 x 4 B x V per token (12 V), after the final norm's 6 d; with activation checkpointing the loss is
+  computed and recomputed ``LOSS_CHUNK`` tokens at a time, so only one chunk's.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from stem import config as C
+from stem.models.config import LOSS_CHUNK
 from stem.train.plan import ParallelPlan, job_layout
 
 GIB = 1024 ** 3
@@ -59,12 +63,14 @@ def estimate(model, plan: ParallelPlan) -> dict:
     n_root = sum(p.numel() for p in {id(p): p for m in (model.tok_emb, model.norm, model.lm_head)
                                      for p in m.parameters()}.values())   # a tied embedding and head once
     blocks = [_block_bytes_per_token(cfg, i) for i in range(cfg.n_layers)]
-    head = 6 * cfg.d_model + 12 * cfg.vocab_size
+    # the loss: checkpointed, one chunk of LOSS_CHUNK tokens at a time (stem.models.model._chunked_loss)
+    head = (6 * cfg.d_model + 12 * cfg.vocab_size) * (min(tokens, LOSS_CHUNK) if act_ckpt else tokens)
     # checkpointing: the block inputs, then either the loss's backward or one block's recomputation on top
-    acts = 2 * cfg.d_model * cfg.n_layers + max(0, max(blocks) - head) if act_ckpt else sum(blocks)
+    acts = (2 * cfg.d_model * cfg.n_layers * tokens + max(0, max(blocks) * tokens - head) if act_ckpt
+            else sum(blocks) * tokens)
     out = {"params_gib": 4 * params / GIB, "grads_gib": 4 * params / GIB, "optimizer_gib": 8 * params / GIB,
            "gathered_bf16_gib": (2 * n_root if world > 1 and strategy == "fsdp" else 0) / GIB,
-           "activations_gib": acts * tokens / GIB, "logits_gib": head * tokens / GIB,
+           "activations_gib": acts / GIB, "logits_gib": head / GIB,
            "world": world, "strategy": strategy, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
            "activation_checkpointing": act_ckpt, "total_params": sum(p.numel() for p in model.parameters()),
            "sharded_table_params": n_leaf, "replicated_table_params": n_rep, "host_table_params": sum(p.numel() for p in model.parameters() if id(p) in host)}
@@ -79,6 +85,52 @@ def describe(e: dict) -> str:
             f"params {e['params_gib']:.2f} + grads {e['grads_gib']:.2f} + optimizer {e['optimizer_gib']:.2f} + "
             f"gathered bf16 {e['gathered_bf16_gib']:.2f} + activations {e['activations_gib']:.2f} + "
             f"loss {e['logits_gib']:.2f}")
+
+
+# ----------------------------------------------------------------------------- fitting a job to its GPU
+
+def candidates(plan: ParallelPlan, batch_size: int, tables: tuple[str, ...] = ()) -> list[ParallelPlan]:
+    """The layouts a job may run with instead of ``plan`` without changing its maths (the same global batch of
+    ``batch_size`` sequences an optimizer step, the loss the token mean over all of it), least change first:
+    ``plan``, then smaller per-GPU micro-batches (more of them accumulated), then the same with activation
+    checkpointing, then (one GPU, lookup ``tables`` resident) all of these with the tables in host memory."""
+    micros = [m for m in range(plan.micro_batch, 0, -1) if batch_size % (m * plan.world) == 0]
+    ckpts = (True,) if plan.activation_checkpointing else (False, True)
+    hosts = [plan] + ([replace(plan, row_sharded=(), host_tables=tuple(tables))]
+                      if plan.world == 1 and tables and not plan.host_tables else [])
+    return [replace(p, micro_batch=m, accum=batch_size // m, activation_checkpointing=c)
+            for p in hosts for c in ckpts for m in micros]
+
+
+FIT_MARGIN = 1.1   # the closed form's tolerance against the trace (python -m stem memory keeps it within 10 %)
+
+
+def fit(model, plan: ParallelPlan, batch_size: int, limit_gib: float, tables: tuple[str, ...] = ()) -> ParallelPlan:
+    """The first of ``candidates`` whose closed-form peak (``estimate``) is within ``limit_gib`` (the spec's
+    ``train.fit_gib``) less the closed form's tolerance, else the leanest of them: the workflow's gate traces
+    the one chosen against ``limit_gib`` and refuses the job if even that one does not fit."""
+    peaks = [(estimate(model, p)["total_gib"], p) for p in candidates(plan, batch_size, tables)]
+    return next((p for gib, p in peaks if gib * FIT_MARGIN <= limit_gib), min(peaks, key=lambda t: t[0])[1])
+
+
+def describe_fit(old: ParallelPlan, new: ParallelPlan, batch_size: int) -> str | None:
+    """The log line of a layout ``fit`` changed (None if it did not)."""
+    if new == old:
+        return None
+    change = [f"micro-batch {old.micro_batch} -> {new.micro_batch} per GPU"] if new.micro_batch != old.micro_batch else []
+    change += ["activation checkpointing on"] if new.activation_checkpointing != old.activation_checkpointing else []
+    change += ["tables in host memory"] if new.host_tables != old.host_tables else []
+    return (f"memory fit (train.fit_gib): {', '.join(change)}; the same global batch of {batch_size} sequences an "
+            f"optimizer step, its gradients accumulated over {new.accum} micro-batches instead of {old.accum} (the "
+            f"loss is the token mean over the whole batch either way): the maths is unchanged")
+
+
+def option(spec_plan: ParallelPlan, p: ParallelPlan, scale: str, stage: str) -> str:
+    """How a config asks for layout ``p`` of a job planned as ``spec_plan`` (the refusal's advice)."""
+    keys = [f"stages.{stage}.{scale}.micro_batch: {p.micro_batch}"] if p.micro_batch != spec_plan.micro_batch else []
+    keys += [f"stages.{stage}.{scale}.activation_checkpointing: true"] if p.activation_checkpointing != spec_plan.activation_checkpointing else []
+    keys += ["cluster.tables: host"] if p.host_tables != spec_plan.host_tables else []
+    return " + ".join(keys) or "no change"
 
 
 # ----------------------------------------------------------------------------- jobs of an experiment
@@ -101,10 +153,26 @@ def check(cfg: dict, cache_dir, workers: int = 1, only=None) -> list[str]:
         return []
     # torch-level, imported only when there is something to trace: the workflow's onstart imports this module
     # on every run (the tiny DAG has no GPU job)
+    from stem.models.model import build_model
     from stem.train import memtrace
     strategy = cluster.get("strategy", "fsdp")
-    traces = memtrace.traced([memtrace.job(C.train_spec(cfg, *j), job_layout(cfg, j[0])[0], strategy) for j in jobs],
-                             cache_dir, workers)
-    return [f"training job {'/'.join(j)}: traced peak {r['peak_gib']:.1f} GiB per GPU exceeds "
-            f"cluster.gpu_mem_gib = {limit} GiB (world {r['world']}, micro-batch {r['micro_batch']} x {r['seq_len']})"
-            for j, r in zip(jobs, traces) if r["peak_gib"] > limit]
+    opts = [memtrace.options(C.train_spec(cfg, *j), job_layout(cfg, j[0])[0], strategy) for j in jobs]
+    traces = memtrace.traced([(spec, run) for spec, (_, run), _ in opts], cache_dir, workers)
+    out = []
+    for (scale, variant, stage), (spec, (plan, run), cands), r in zip(jobs, opts, traces):
+        if r["peak_gib"] <= limit:
+            continue
+        # the first later layout whose trace fits, traced one at a time for a job that does not fit, and only
+        # where the closed form leaves it a chance
+        model = build_model(spec.model, "meta")
+        rest = [p for p in (cands[cands.index(run) + 1:] if run in cands else cands)
+                if estimate(model, p)["total_gib"] <= limit * FIT_MARGIN]
+        fits = next(((p, t) for p in rest for t in memtrace.traced([(spec, p)], cache_dir, workers) if t["peak_gib"] <= limit), None)
+        advice = (f"it fits with {option(plan, fits[0], scale, stage)} ({fits[1]['peak_gib']:.1f} GiB traced)" if fits else
+                  f"no smaller micro-batch, activation checkpointing or host tables fit it: give it more GPUs "
+                  f"(cluster.train.{scale})")
+        out.append(f"training job {scale}/{variant}/{stage}: traced peak {r['peak_gib']:.1f} GiB per GPU exceeds "
+                   f"cluster.gpu_mem_gib = {limit} GiB (world {r['world']}, micro-batch {r['micro_batch']} x "
+                   f"{r['seq_len']}{', act. ckpt' if r['activation_checkpointing'] else ''}"
+                   f"{', host tables' if run.host_tables else ''}); {advice}")
+    return out

@@ -43,7 +43,7 @@ from stem.io import atomic_write_json
 from stem.models.model import build_model
 from stem.optim.adamw import use_row_sparse
 from stem.specs import TrainSpec
-from stem.train import distributed
+from stem.train import distributed, memory
 from stem.train.plan import ParallelPlan
 from stem.train import step
 from stem.train.tables import row_shardable, to_host
@@ -52,13 +52,23 @@ GIB = 1024 ** 3
 STEM_DIR = Path(__file__).resolve().parents[1]
 
 
-def job(spec: TrainSpec | dict, world: int, strategy: str | None = None) -> tuple[TrainSpec, ParallelPlan]:
+def job(spec: TrainSpec | dict, world: int, strategy: str | None = None, fitted: bool = True) -> tuple[TrainSpec, ParallelPlan]:
     """A job to trace: its TrainSpec (parsed here, once, from the workflow's JSON) and its plan at ``world``
-    ranks (``strategy`` overrides the spec's), the row-sparse and row-shardable tables read from a meta-device model."""
+    ranks (``strategy`` overrides the spec's), the row-sparse and row-shardable tables read from a meta-device
+    model; with ``train.fit_gib`` set (and ``fitted``), the layout ``memory.fit`` chooses, as the job does."""
+    spec, plan, _ = options(spec, world, strategy)
+    return spec, plan[fitted]
+
+
+def options(spec: TrainSpec | dict, world: int, strategy: str | None = None):
+    """(spec, (its plan as written, the plan the job runs), the layouts ``memory.candidates`` allows it)."""
     spec = TrainSpec.coerce(spec)
     model = build_model(spec.model, "meta")
     sparse = spec.optim.row_sparse_tables(model) if spec.optim.sparse_tables else ()
-    return spec, ParallelPlan.of(spec.train, world, strategy, sparse, row_shardable(model, sparse))
+    tables = row_shardable(model, sparse)
+    plan = ParallelPlan.of(spec.train, world, strategy, sparse, tables)
+    run = memory.fit(model, plan, spec.train.batch_size, spec.train.fit_gib, tables) if spec.train.fit_gib else plan
+    return spec, (plan, run), memory.candidates(plan, spec.train.batch_size, tables)
 
 
 @contextmanager
@@ -233,11 +243,18 @@ def _trace_job(args):
 
 def traced(jobs: list[tuple[TrainSpec, ParallelPlan]], cache_dir, workers: int = 1) -> list[dict]:
     """``trace`` of each (spec, plan) (``job``), cached in ``cache_dir`` (see the module docstring), so a job
-    is traced once."""
+    is traced once; each in a fresh process, ``workers`` at once, or with ``workers=0`` in this one (jobs of
+    one rank only: they join no process group)."""
     cache_dir, code = Path(cache_dir), _code_hash()
     paths = [cache_dir / f"{_trace_key(*j, code)}.json" for j in jobs]
     todo = sorted({str(p): j for p, j in zip(paths, jobs) if not p.is_file()}.items())
-    if todo:
+    if todo and workers == 0:
+        if any(plan.world > 1 for _, (_, plan) in todo):
+            raise ValueError("memory trace in this process (workers=0): jobs of one rank only")
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        for path, j in todo:
+            atomic_write_json(Path(path), _trace_job(j))
+    elif todo:
         cache_dir.mkdir(parents=True, exist_ok=True)
         # a fresh process per job: each trace joins (and leaves) its own fake process group
         with ProcessPoolExecutor(max(1, min(workers, len(todo))), mp_context=get_context("spawn"),
