@@ -230,6 +230,12 @@ def _cross_check(cfg: dict, origin: str):
     if cluster.get("fit_memory") and cluster.get("gpu_mem_gib") is None:
         raise ConfigError(f"{origin}: key 'cluster.fit_memory': true fits each training job to cluster.gpu_mem_gib; "
                           "expected cluster.gpu_mem_gib set (GiB per GPU)")
+    if cluster.get("tables") == "host":   # one host's memory holds the tables: jobs of one GPU (ParallelPlan.of)
+        for scale, t in (cluster.get("train") or {}).items():
+            if t.get("nodes", 1) * t.get("gpus_per_node", 1) > 1:
+                raise ConfigError(f"{origin}: key 'cluster.tables': host keeps the tables in one host's memory, for "
+                                  f"jobs of one GPU; cluster.train.{scale} gives {t.get('nodes', 1)} x "
+                                  f"{t.get('gpus_per_node', 1)} GPUs (expected rows or fsdp)")
     if cfg.get("sweeps"):   # the DSE paper's Sec. 3 sweeps: every point builds, within tolerance
         sweeps.validate(cfg, origin)
 

@@ -449,3 +449,14 @@ def test_import_hf_refuses_a_tokenizer_larger_than_the_embedding(stem_ckpt, tmp_
             assert (f"{src / 'tokenizer.json'}: 512 token ids for an embedding of 600 rows (a padded vocabulary: "
                     "rows 512..599 are never looked up)") in capsys.readouterr().err
             assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+
+
+def test_host_tables_on_several_gpus_are_refused_by_the_config_check():
+    """Host tables (issue 29) live in one host's memory: a config giving a job several GPUs is refused at the
+    config check (the dry run), not when the job starts."""
+    cfg = C.read_yaml(C.REPO / "config" / "paper.yaml")
+    cfg["cluster"]["tables"] = "host"
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_experiment(copy.deepcopy(cfg), origin="bad.yaml")
+    assert str(e.value) == ("bad.yaml: key 'cluster.tables': host keeps the tables in one host's memory, for jobs of "
+                            "one GPU; cluster.train.350m gives 1 x 8 GPUs (expected rows or fsdp)")
