@@ -65,15 +65,15 @@ use rule train as train_multinode with:
 
 
 # Before anything is submitted (not in a dry run): refuse a GPU training job of the DAG whose per-GPU peak,
-# traced from one real training step at its world size (stem.train.memory.check; the trace, stem.train.memtrace,
+# traced from one real training step at its world size (stem.train.gate.check; the trace, stem.train.memtrace,
 # is cached per job in results/memory_traces), exceeds cluster.gpu_mem_gib. Jobs without GPUs (the tiny DAG) are not traced.
 onstart:
     import os
 
-    from stem.train import memory
+    from stem.train import gate
 
     _train_jobs = {(j.wildcards.scale, j.wildcards.variant, j.wildcards.stage)
                    for j in workflow.dag.jobs if j.rule.name in ("train", "train_multinode")}
-    _too_big = memory.check(config, L.MEMORY_TRACES, workers=min(os.cpu_count() or 1, 8), only=_train_jobs)
+    _too_big = gate.check(config, L.MEMORY_TRACES, workers=min(os.cpu_count() or 1, 8), only=_train_jobs)
     if _too_big:
         raise WorkflowError("\n".join(_too_big))

@@ -36,7 +36,7 @@ from stem.models.offload import dse_tables, offload, token_tables
 
 
 def _state_dict_for_save(model) -> dict:
-    return {k: v.detach().contiguous().cpu() for k, v in saved_state(model.state_dict(), model.cfg).items()}
+    return {k: v.detach().contiguous().cpu() for k, v in saved_state(model.state_dict(), getattr(model, "cfg", None)).items()}
 
 
 def save_weights(model, path):
@@ -59,7 +59,7 @@ def read_weights(path) -> dict:
 
 def load_weights(model, path, strict: bool = True):
     """Load a safetensors file into ``model``; any problem is one ValueError line naming the file."""
-    state = loaded_state(read_weights(path), model.cfg)
+    state = loaded_state(read_weights(path), getattr(model, "cfg", None))
     own = model.state_dict()
     bad = [f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
            if k in own and v.shape != own[k].shape]

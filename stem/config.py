@@ -13,7 +13,7 @@ from stem import plugins, seeds, sweeps
 from stem.io import ConfigError, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
 from stem.io import deep_merge as _deep_merge
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
-from stem.layout import checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
+from stem.layout import GGUF_SEP, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.models.config import DSEConfig, model_config
 from stem.options import InsertInit, Scale, Stage, Truncation, values
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS  # names only: entries load on use
@@ -22,7 +22,6 @@ from stem.sweeps import is_sweep_id
 
 SCHEMA = REPO / "config" / "schema.yaml"
 HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
-GGUF_SEP = "#gguf="   # ... "hf:<folder>#gguf=<file name>": a GGUF file in that folder
 SCALES = values(Scale)
 STAGES = values(Stage)
 TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,

@@ -35,6 +35,7 @@ IDENTITY = ("experiment", "scale", "variant", "stage")
 STAGE = tuple("{" + k + "}" for k in IDENTITY)   # wildcards: stage_dir(*STAGE) is the rules' pattern
 # what a training job writes in its stage folder (a train spec's ``out_dir``)
 SUMMARY, METRICS, CHECKPOINT, STATE, TENSORBOARD = "summary.json", "metrics.jsonl", "checkpoint", "_state", "tensorboard"
+GGUF_SEP = "#gguf="   # a job spec's init_from "hf:<folder>#gguf=<file name>": a GGUF file in that folder (stem.hf.importer)
 
 
 # ---- data ------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # bottom -> top; a unit may import its own layer's units and every layer below
 LAYERS = [
-    ("base", "stem stem.options stem.fields stem.plugins stem.registry stem.layout stem.io stem.provenance stem.seeds"),
+    ("base", "stem stem.options stem.fields stem.plugins stem.registry stem.layout stem.io stem.provenance stem.seeds "
+             "stem.resources"),
     ("models", "stem.models"),
     ("optim", "stem.optim"),
     ("checkpoint", "stem.checkpoint"),

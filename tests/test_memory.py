@@ -11,7 +11,7 @@ import yaml
 
 from stem import config as C
 from stem.models.model import build_model
-from stem.train import memory, memtrace
+from stem.train import gate, memory, memtrace
 from stem.train.plan import ParallelPlan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,12 +94,12 @@ def test_closed_form_within_ten_percent_of_the_trace(traces, n):
 
 def test_check_names_the_job_peak_and_limit(traces):
     cfg = traces[3]["cfg"]
-    (line,) = memory.check(cfg, traces["cache"])       # cached: no second trace
+    (line,) = gate.check(cfg, traces["cache"])       # cached: no second trace
     assert line == (f"training job 1b/stem/pretrain: traced peak {traces[3]['peak_gib']:.1f} GiB per GPU exceeds "
                     f"cluster.gpu_mem_gib = 1.0 GiB (world 8, micro-batch 4 x 4096); no smaller micro-batch, activation "
                     "checkpointing or host tables fit it: give it more GPUs (cluster.train.1b)")
-    assert memory.check({**cfg, "cluster": {**cfg["cluster"], "gpu_mem_gib": 72}}, traces["cache"]) == []
-    assert memory.check({**cfg, "device": "cpu"}, traces["cache"]) == []      # CPU jobs: nothing to check
+    assert gate.check({**cfg, "cluster": {**cfg["cluster"], "gpu_mem_gib": 72}}, traces["cache"]) == []
+    assert gate.check({**cfg, "device": "cpu"}, traces["cache"]) == []      # CPU jobs: nothing to check
 
 
 def test_workflow_refuses_an_oversize_job_before_running_anything(traces):
@@ -193,8 +193,8 @@ def test_the_pre_run_check_covers_the_dags_sweep_points():
     not only the experiment's matrix."""
     cfg = C.load_experiment(REPO / "config" / "paper.yaml")
     point = ("350m", "rho_0p9", "pretrain")
-    assert memory.gpu_jobs(cfg, {point, ("1b", "stem", "pretrain")}) == [("1b", "stem", "pretrain"), point]
-    assert point not in memory.gpu_jobs(cfg)                        # the matrix alone
+    assert gate.gpu_jobs(cfg, {point, ("1b", "stem", "pretrain")}) == [("1b", "stem", "pretrain"), point]
+    assert point not in gate.gpu_jobs(cfg)                        # the matrix alone
     assert C.train_spec(cfg, *point)["model"]["dse"]["rows_per_head"] > 0   # a job spec the tracer takes
 
 
@@ -232,13 +232,13 @@ def test_the_gate_fits_a_job_by_its_plan_and_names_the_option_that_fits(tmp_path
     assert (run.micro_batch, run.accum, spec_fit.train.batch_size, spec_fit.train.fit_gib) == (4, 4, 16, limit)
     assert "the same global batch of 16 sequences" in memory.describe_fit(plan, run, 16)
     cache = tmp_path / "traces"   # traced in this process (one rank): no worker's start-up
-    assert memory.check(fitted, cache, workers=0) == []
+    assert gate.check(fitted, cache, workers=0) == []
     (t4,) = memtrace.traced([(spec_fit, run)], cache, workers=0)
-    (line,) = memory.check({**fitted, "cluster": {**fitted["cluster"], "fit_memory": False}}, cache, workers=0)
+    (line,) = gate.check({**fitted, "cluster": {**fitted["cluster"], "fit_memory": False}}, cache, workers=0)
     (t16,) = memtrace.traced([(spec, plan)], cache, workers=0)
     assert line == (f"training job 350m/stem/pretrain: traced peak {t16['peak_gib']:.1f} GiB per GPU exceeds "
                     f"cluster.gpu_mem_gib = {limit} GiB (world 1, micro-batch 16 x 128); it fits with "
                     f"stages.pretrain.350m.micro_batch: 4 ({t4['peak_gib']:.1f} GiB traced)")
-    (line,) = memory.check({**fitted, "cluster": {**fitted["cluster"], "gpu_mem_gib": 1e-3}}, cache, workers=0)
+    (line,) = gate.check({**fitted, "cluster": {**fitted["cluster"], "gpu_mem_gib": 1e-3}}, cache, workers=0)
     assert line.endswith("no smaller micro-batch, activation checkpointing or host tables fit it: give it more GPUs "
                          "(cluster.train.350m)")

@@ -35,7 +35,7 @@ from stem.hf.keys import from_hf
 from stem.models.config import ModelConfig, RopeScaling
 from stem.models.model import build_model, loaded_state
 from stem.checkpoint import save_checkpoint
-from stem.config import GGUF_SEP
+from stem.layout import GGUF_SEP
 from stem.resources import resource_path
 
 
@@ -185,7 +185,7 @@ def check_arch(imported: ModelConfig, want: ModelConfig, where) -> None:
 
 
 def split_source(source: str) -> tuple[str, str | None]:
-    """A job spec's hf source "FOLDER" or "FOLDER#gguf=NAME" (stem.config.GGUF_SEP) -> (FOLDER, NAME or None)."""
+    """A job spec's hf source "FOLDER" or "FOLDER#gguf=NAME" (stem.layout.GGUF_SEP) -> (FOLDER, NAME or None)."""
     folder, sep, name = source.partition(GGUF_SEP)
     return folder, (name if sep else None)
 

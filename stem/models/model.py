@@ -107,15 +107,16 @@ def meta_model(model_json: str) -> "Transformer":
 TIED_HEAD = "lm_head.weight"   # with tie_embeddings it is tok_emb.weight: saved once, under the embedding's name
 
 
-def saved_state(state: dict, cfg: ModelConfig) -> dict:
+def saved_state(state: dict, cfg: ModelConfig | None) -> dict:
     """A state dict as written to disk: a tied model's head left out (it is the embedding; safetensors refuses two
-    names for one tensor)."""
-    return {k: v for k, v in state.items() if not (cfg.tie_embeddings and k == TIED_HEAD)}
+    names for one tensor). ``cfg`` None: a module that is not a Transformer (saved as it is)."""
+    return {k: v for k, v in state.items() if not (cfg is not None and cfg.tie_embeddings and k == TIED_HEAD)}
 
 
-def loaded_state(state: dict, cfg: ModelConfig) -> dict:
-    """A state dict read from disk, for a model built from ``cfg``: a tied model's head is its embedding."""
-    if cfg.tie_embeddings and TIED_HEAD not in state and "tok_emb.weight" in state:
+def loaded_state(state: dict, cfg: ModelConfig | None) -> dict:
+    """A state dict read from disk, for a model built from ``cfg`` (None: not a Transformer, read as it is): a tied
+    model's head is its embedding."""
+    if cfg is not None and cfg.tie_embeddings and TIED_HEAD not in state and "tok_emb.weight" in state:
         return {**state, TIED_HEAD: state["tok_emb.weight"]}
     return state
 

@@ -1,5 +1,5 @@
 """Per-GPU peak memory of a training job, traced from the real training step (``trace``), and a cache of
-traces (``traced``: ``python -m stem memory`` and the workflow's pre-flight check, ``stem.train.memory.check``).
+traces (``traced``: ``python -m stem memory`` and the workflow's pre-flight check, ``stem.train.gate.check``).
 
 ``trace`` runs one real training step of the job (this project's model, FSDP2
 wrapping, AdamW groups, micro-batch accumulation, gradient clipping) for rank 0 of a *fake* process group
