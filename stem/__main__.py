@@ -240,6 +240,17 @@ def cmd_rehearsal_data(args):
     rehearsal.prepare(args.root, args.mds_rows)
 
 
+def _training_jobs_arguments(p) -> None:
+    """The paper's training jobs, or those of --scale / --variant, at the config's or a given layout (memory,
+    comms; ``_matching_jobs``)."""
+    A.add_experiment(p, "paper")
+    p.add_argument("--scale", type=A.scale)
+    p.add_argument("--variant")
+    p.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
+                   help="world size (default: the config's cluster.train nodes x gpus_per_node)")
+    p.add_argument("--strategy", choices=values(Strategy))
+
+
 def main(argv=None):
     p = A.OneLineParser(prog="python -m stem", description=__doc__)   # typed arguments: stem.cli_args
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -330,12 +341,7 @@ def main(argv=None):
     k.set_defaults(fn=cmd_compare)
     m = sub.add_parser("memory", help="per-GPU peak memory of every training job at the configured parallelism "
                                       "(traced; exit 2 if one exceeds cluster.gpu_mem_gib)")
-    A.add_experiment(m, "paper")
-    m.add_argument("--scale", type=A.scale)
-    m.add_argument("--variant")
-    m.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
-                   help="world size (default: the config's cluster.train nodes x gpus_per_node)")
-    m.add_argument("--strategy", choices=values(Strategy))
+    _training_jobs_arguments(m)
     m.add_argument("--cache", default=L.MEMORY_TRACES, help="folder of cached traces (one file per job spec)")
     m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
     m.add_argument("--as-written", action="store_true", help="trace each job's layout as its spec writes it, not the one "
@@ -343,12 +349,7 @@ def main(argv=None):
     m.set_defaults(fn=cmd_memory)
     c = sub.add_parser("comms", help="modelled communication of every training job: bytes per GPU per step by kind, "
                                      "time at stated link bandwidths vs compute at a stated MFU, GPU-hours")
-    A.add_experiment(c, "paper")
-    c.add_argument("--scale", type=A.scale)
-    c.add_argument("--variant")
-    c.add_argument("--gpus", type=A.whole(1, "GPUs: the world size"),
-                   help="world size (default: the config's cluster.train nodes x gpus_per_node)")
-    c.add_argument("--strategy", choices=values(Strategy))
+    _training_jobs_arguments(c)
     c.add_argument("--tables", choices=values(TableLayout), help="the table layout (default: the config's cluster.tables)")
     c.add_argument("--intra-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth within a node "
                    "(default: stem.train.comms.INTRA_NODE_GBS)")
