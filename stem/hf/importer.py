@@ -197,10 +197,7 @@ def load_for_stage(source: str, want: ModelConfig, log=print) -> dict:
     source, gguf_file = split_source(source)
     folder = resolve(source)
     if gguf_file:
-        where = check_gguf(folder, gguf_file)
-        hf_model, _ = load_gguf(folder, gguf_file, where)
-        hf_cfg = {k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"}
-        imported, tied = model_config(folder, hf_cfg, where)
+        where, hf_model, _, imported, tied = read_gguf(folder, gguf_file)
         check_arch(imported, want, where)
         return pipeline_state(folder, tied, log, keep_tied=want.tie_embeddings, weights=hf_model.state_dict())
     imported, tied = model_config(folder)
@@ -214,18 +211,15 @@ def import_hf(source, out, log=print, gguf_file: str | None = None, parity_text:
     |logit difference| of the imported model against transformers' own forward on it is in the summary."""
     folder = resolve(source)
     if gguf_file:
-        where = check_gguf(folder, gguf_file)
-        hf_model, tok_text = load_gguf(folder, gguf_file, where)
-        hf_cfg = {k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"}
-        cfg, tied = model_config(folder, hf_cfg, where)
-        weights = hf_model.state_dict()
+        where, hf_model, tok_text, cfg, tied = read_gguf(folder, gguf_file)
+        weights, tok_where = hf_model.state_dict(), where
     else:
         cfg, tied = model_config(folder)
-        tok = folder / "tokenizer.json"
-        if not tok.is_file():
-            raise ValueError(f"{tok}: missing (the pipeline reads the tokenizer as a tokenizers tokenizer.json)")
-        tok_text, where, hf_model, weights = tok.read_text(encoding="utf-8"), folder, None, None
-    check_tokenizer(tok_text, cfg.vocab_size, where if gguf_file else tok, log)
+        tok_where = folder / "tokenizer.json"
+        if not tok_where.is_file():
+            raise ValueError(f"{tok_where}: missing (the pipeline reads the tokenizer as a tokenizers tokenizer.json)")
+        tok_text, where, hf_model, weights = tok_where.read_text(encoding="utf-8"), folder, None, None
+    check_tokenizer(tok_text, cfg.vocab_size, tok_where, log)
     cfg = dataclasses.replace(cfg, tie_embeddings=tied)
     model = build_model(cfg, "cpu")
     load_into(model, pipeline_state(folder, tied, log, keep_tied=True, weights=weights), where)
@@ -314,6 +308,15 @@ def check_gguf(folder: Path, name: str) -> Path:
     if arch != "llama":
         raise ValueError(f"{path}: general.architecture={arch!r}: expected 'llama' (a Llama-architecture model)")
     return path
+
+
+def read_gguf(folder: Path, name: str):
+    """(the GGUF file's path, transformers' model of it, its tokenizer.json text, the pipeline's ModelConfig, tied?)
+    of the checked Llama GGUF file ``folder/name``."""
+    where = check_gguf(folder, name)
+    hf_model, tok_text = load_gguf(folder, name, where)
+    hf_cfg = {k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"}
+    return (where, hf_model, tok_text, *model_config(folder, hf_cfg, where))
 
 
 def load_gguf(folder: Path, name: str, where: Path):
