@@ -2,18 +2,15 @@ import json
 import math
 import sys
 
-from snakemake.utils import validate
-
 sys.path.insert(0, workflow.basedir)
 from stem import config as C  # noqa: E402
 from stem import layout as L  # noqa: E402  (every path of the workflow)
 from stem.train.plan import cluster_train  # noqa: E402  (torch-free: a training job's nodes and GPUs)
 
-try:  # one clear line naming the key first; then Snakemake's own schema validation (same schema)
+try:  # the typed tree (stem.experiment): types, ranges, cross-references; one line naming the key
     C.validate_experiment(config, origin="workflow config")
 except C.ConfigError as e:
     raise WorkflowError(str(e))
-validate(config, schema="../config/schema.yaml")
 
 EXP = config["experiment"]
 ENV = "../environment.yml"

@@ -1,4 +1,4 @@
-"""Experiment configs: load, validate (schema + cross-references), and resolve into job specs.
+"""Experiment configs: load, validate (the typed tree of stem.experiment), and resolve into job specs.
 
 A *job spec* is everything one workflow job needs, fully resolved (model config, optimisation,
 data paths), so that entry points never read config files themselves and Snakemake can rerun exactly
@@ -6,26 +6,22 @@ the jobs whose spec changed (it is passed as a rule parameter).
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
-from stem import plugins, seeds, sweeps
+from stem import experiment, plugins, seeds, sweeps
 from stem.io import ConfigError, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
 from stem.io import deep_merge as _deep_merge
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import GGUF_SEP, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
-from stem.models.config import DSEConfig, model_config
-from stem.options import InsertInit, Scale, Stage, Truncation, values
-from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS  # names only: entries load on use
+from stem.experiment import Train
+from stem.models.config import model_config
+from stem.options import Scale, Stage, values
 from stem.specs import TrainSpec
 from stem.sweeps import is_sweep_id
 
-SCHEMA = REPO / "config" / "schema.yaml"
 HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
 SCALES = values(Scale)
 STAGES = values(Stage)
-TRAIN_DEFAULTS = {"log_interval": 10, "eval_interval": 100, "eval_batches": 4, "checkpoint_interval": 100,
-                  "tensorboard": False}
 
 
 def load_experiment(path) -> dict:
@@ -33,210 +29,10 @@ def load_experiment(path) -> dict:
 
 
 def validate_experiment(cfg: dict, origin: str = "config") -> dict:
-    import jsonschema   # only when a config is checked (every job imports stem.config, none checks one)
-
-    schema = read_yaml(SCHEMA)
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(cfg), key=lambda e: list(e.path))
-    if errors:
-        e = errors[0]
-        key = ".".join(str(p) for p in e.path) or "<top level>"
-        raise ConfigError(f"{origin}: key '{key}': {e.message}")
-    try:   # a config's own plugin modules register their kinds, tables, analyses before anything is looked up
-        plugins.load(cfg.get("plugins"), origin=f"{origin}: key 'plugins'")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _cross_check(cfg, origin)
-    seeds.check(cfg, origin)
+    """The config mapping, checked whole (stem.experiment.parse: types, ranges, cross-references; one line
+    naming the file and the key otherwise)."""
+    experiment.parse(cfg, origin)
     return cfg
-
-
-def _check_sources(cfg: dict, origin: str):
-    """Every source name a mixture, a tokenizer or an eval suite the matrix runs uses is one of ``sources``."""
-    known = sorted(cfg["sources"])
-    uses = [(f"stages.{stage}.{scale}.data", list((spec or {}).get("data") or {}))
-            for stage, by_scale in cfg["stages"].items() for scale, spec in (by_scale or {}).items()]
-    uses += [(f"tokenizer.{scale}.sources", tok.get("sources") or []) for scale, tok in cfg["tokenizer"].items()]
-    ev = cfg.get("eval") or {}
-    run = {suite for m in cfg["matrix"].values() for stage in m["stages"]
-           for suite in (ev.get("stages") or {}).get(stage) or []}
-    for name, suite in (ev.get("suites") or {}).items():
-        uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
-                 if name in run and isinstance(suite, dict) and key in suite]
-    uses += [(f"analysis.{name}.source", [a["source"]]) for name, a in (cfg.get("analysis") or {}).items()
-             if isinstance(a, dict) and "source" in a]
-    for key, names in uses:
-        unknown = [s for s in names if s not in cfg["sources"]]
-        if unknown:
-            raise ConfigError(f"{origin}: key '{key}': unknown source {unknown[0]!r}; expected one of {known}")
-
-
-def _check_suite_kinds(cfg: dict, origin: str):
-    """Every eval suite's kind (default lm_eval) is a registered one (stem.registry.SUITE_KINDS); its
-    ``truncation`` one of the policies (NIAH: error only, its prompts are never cut)."""
-    for name, suite in ((cfg.get("eval") or {}).get("suites") or {}).items():
-        kind = suite.get("kind", "lm_eval") if isinstance(suite, dict) else None
-        if kind not in SUITE_KINDS:
-            raise ConfigError(f"{origin}: key 'eval.suites.{name}.kind': unknown suite kind {kind!r}; "
-                              f"expected one of {sorted(SUITE_KINDS)}")
-        allowed = ("error",) if kind == "niah" else values(Truncation)
-        if suite.get("truncation", allowed[0]) not in allowed:
-            raise ConfigError(f"{origin}: key 'eval.suites.{name}.truncation': {suite['truncation']!r}; expected "
-                              + ("error (NIAH prompts are built to fit their cells, never cut)" if kind == "niah"
-                                 else f"one of {', '.join(allowed)}"))
-
-
-def _check_registered(cfg: dict, origin: str):
-    """The analyses and synthetic generators the config names are registered ones (stem.registry)."""
-    for name in cfg.get("analysis") or {}:
-        if name != "stages" and name not in ANALYSES:
-            raise ConfigError(f"{origin}: key 'analysis.{name}': unknown analysis; expected stages or one of "
-                              f"{', '.join(ANALYSES)}")
-    for name, src in cfg["sources"].items():
-        if src.get("kind") == "synth" and "generator" in src and src["generator"] not in GENERATORS:
-            raise ConfigError(f"{origin}: key 'sources.{name}.generator': unknown generator "
-                              f"{src.get('generator')!r}; expected one of {', '.join(GENERATORS)}")
-
-
-def _check_variant_optim(cfg: dict, name: str, optim, origin: str):
-    import jsonschema   # likewise: only when a config is checked
-    schema = read_yaml(SCHEMA)["properties"]["optim"]
-    merged = _deep_merge(cfg["optim"], optim) if isinstance(optim, dict) else optim
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(merged), key=lambda e: list(e.path))
-    if errors:
-        key = ".".join(["optim", *map(str, errors[0].path)])
-        raise ConfigError(f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides): key '{key}': "
-                          f"{errors[0].message}")
-
-
-def _check_variant_dse(name: str, dse, origin: str):
-    where = f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides)"
-    if not isinstance(dse, dict):
-        raise ConfigError(f"{where}: key 'dse': {dse!r}; expected a mapping (placement, orders, heads, ...)")
-    fields = {k: tuple(v) if k == "orders" and isinstance(v, list) else v for k, v in dse.items() if k != "placement"}
-    unknown = sorted(set(fields) - set(DSEConfig.__dataclass_fields__) - {"layers"})
-    if unknown:
-        raise ConfigError(f"{where}: key 'dse.{unknown[0]}': unknown; expected placement or one of "
-                          f"{', '.join(f for f in DSEConfig.__dataclass_fields__ if f != 'layers')}")
-    try:
-        DSEConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: key {str(e).split('=')[0]!r}: {e}") from None
-
-
-def _check_variant_insert(cfg: dict, name: str, spec: dict, origin: str):
-    """A mid-training insertion (stem.models.insert) builds STEM tables from a dense model's up-projections: its
-    ``insert.from`` is a dense variant (no other FFN kind, no DSE memory), its ``init`` a known one, its own FFN
-    kind ``stem``; found here, not when the insertion job starts."""
-    where = f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides)"
-    ins = spec["insert"]
-    if not isinstance(ins, dict) or not {"from", "stage"} <= set(ins):
-        raise ConfigError(f"{where}: key 'insert': {ins!r}; expected {{from: <dense variant>, stage: <stage>, "
-                          f"init: {' | '.join(values(InsertInit))}}}")
-    if ins.get("init", InsertInit.PROJECTED) not in values(InsertInit):
-        raise ConfigError(f"{where}: key 'insert.init': {ins['init']!r}; expected one of "
-                          f"{', '.join(values(InsertInit))}")
-    if spec.get("ffn", "dense") != "stem":
-        raise ConfigError(f"{where}: key 'ffn': {spec.get('ffn', 'dense')!r}; an insertion builds ffn kind 'stem'")
-    src = variant(cfg, ins["from"])
-    if src is None:
-        raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} is not a variant of config/variants.yaml; "
-                          f"expected a dense one")
-    if src.get("ffn", "dense") != "dense" or src.get("dse") is not None:
-        what = f"ffn {src['ffn']!r}" if src.get("ffn", "dense") != "dense" else "a DSE memory"
-        raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} has {what}; expected a dense variant "
-                          "(the insertion builds the STEM tables from its dense up-projections)")
-
-
-def _check_variant_names(cfg: dict, origin: str):
-    """Every variant the config names is one of config/variants.yaml (the schema checks only their spelling)."""
-    known = variants(cfg)
-    named = [(f"matrix.{s}.variants", v) for s, m in cfg["matrix"].items() for v in m["variants"]]
-    named += [(f"variant_overrides.{v}", v) for v in cfg.get("variant_overrides") or {}]
-    named += [(f"analysis.{a}.baseline", spec["baseline"]) for a, spec in (cfg.get("analysis") or {}).items()
-              if isinstance(spec, dict) and "baseline" in spec]
-    for key, v in named:
-        if v not in known:
-            raise ConfigError(f"{origin}: key '{key}': {v!r} is not a variant of config/variants.yaml; expected one "
-                              f"of {', '.join(known)}")
-
-
-def _cross_check(cfg: dict, origin: str):
-    _check_variant_names(cfg, origin)
-    _check_sources(cfg, origin)
-    _check_suite_kinds(cfg, origin)
-    _check_registered(cfg, origin)
-    for name, spec in variants(cfg).items():
-        if "optim" in spec:   # a variant's optim keys are merged over the experiment's: the same schema
-            _check_variant_optim(cfg, name, spec["optim"], origin)
-        if spec.get("dse") is not None:   # DSE orders, heads, widths: checked here, not when a job builds it
-            _check_variant_dse(name, spec["dse"], origin)
-        if spec.get("insert") is not None:   # likewise a mid-training insertion's source and init
-            _check_variant_insert(cfg, name, spec, origin)
-        kind = spec.get("ffn", "dense")
-        if kind not in FFN_KINDS:
-            raise ConfigError(f"{origin}: variant '{name}' (config/variants.yaml + variant_overrides): key 'ffn': "
-                              f"{kind!r} is not a registered FFN kind; expected one of {', '.join(FFN_KINDS)}")
-    for scale, m in cfg["matrix"].items():
-        for what in ("archs", "tokenizer"):
-            if scale not in cfg[what]:
-                raise ConfigError(f"{origin}: key '{what}.{scale}' missing (scale {scale} is in the matrix)")
-        for stage in m["stages"]:
-            spec = cfg["stages"].get(stage, {}).get(scale)
-            if spec is None:
-                raise ConfigError(f"{origin}: key 'stages.{stage}.{scale}' missing (listed in matrix.{scale}.stages)")
-            where = f"stages.{stage}.{scale}"
-            total = sum(spec["data"].values())
-            if not math.isclose(total, 1.0, abs_tol=1e-6):
-                raise ConfigError(f"{origin}: key '{where}.data': mixture weights sum to {total:g}, expected 1")
-            if spec["batch_size"] % spec["micro_batch"]:
-                raise ConfigError(f"{origin}: key '{where}.micro_batch': {spec['micro_batch']} does not divide "
-                                  f"batch_size {spec['batch_size']}")
-            init = spec.get("init_from")
-            if isinstance(init, dict) and spec.get("reset_optimizer") is False:
-                raise ConfigError(f"{origin}: key '{where}.reset_optimizer': false needs a stage's optimizer state; "
-                                  f"init_from {init} is a transformers checkpoint (it has none)")
-            if isinstance(init, dict):
-                pass   # {hf: ...}: a transformers checkpoint, checked against the arch when the job starts
-            elif init is not None and (init not in m["stages"] or m["stages"].index(init) >= m["stages"].index(stage)):
-                raise ConfigError(f"{origin}: key '{where}.init_from': {init!r} must be an earlier stage of "
-                                  f"matrix.{scale}.stages {m['stages']}")
-            if init is None and spec.get("reset_optimizer") is False:
-                raise ConfigError(f"{origin}: key '{where}.reset_optimizer': false needs an init_from stage "
-                                  "whose optimizer state it carries")
-            max_len = spec.get("max_seq_len", cfg["archs"][scale]["max_seq_len"])
-            for v in m["variants"]:   # a mid-training insertion starts from a matrix variant's earlier stage
-                vspec = variant(cfg, v) or {}
-                ins, v_init = vspec.get("insert"), {**spec, **(vspec.get("stage") or {})}.get("init_from")
-                if ins and ins["stage"] == stage and (not v_init or (not isinstance(v_init, dict)
-                                                                      and ins["from"] not in m["variants"])):
-                    raise ConfigError(f"{origin}: key 'matrix.{scale}.variants': {v} is inserted into "
-                                      f"{ins['from']!r} at {stage}; expected {ins['from']!r} in the matrix and "
-                                      f"stages.{stage}.{scale}.init_from an earlier stage (or {{hf: ...}})")
-            if spec["seq_len"] > max_len:
-                raise ConfigError(f"{origin}: key '{where}.seq_len': {spec['seq_len']} exceeds the model's "
-                                  f"max_seq_len {max_len} (set max_seq_len and a rope_scaling for the stage)")
-        tok = cfg["tokenizer"][scale]
-        if tok["kind"] == "train_bpe":
-            for key in ("sources", "vocab_size"):
-                if key not in tok:
-                    raise ConfigError(f"{origin}: key 'tokenizer.{scale}.{key}' missing (needed by kind train_bpe)")
-            if tok["vocab_size"] > cfg["archs"][scale]["vocab_size"]:
-                raise ConfigError(f"{origin}: key 'tokenizer.{scale}.vocab_size': {tok['vocab_size']} exceeds "
-                                  f"archs.{scale}.vocab_size {cfg['archs'][scale]['vocab_size']}")
-        elif "path" not in tok:
-            raise ConfigError(f"{origin}: key 'tokenizer.{scale}.path' missing (needed by kind pretrained)")
-    cluster = cfg.get("cluster") or {}
-    if cluster.get("fit_memory") and cluster.get("gpu_mem_gib") is None:
-        raise ConfigError(f"{origin}: key 'cluster.fit_memory': true fits each training job to cluster.gpu_mem_gib; "
-                          "expected cluster.gpu_mem_gib set (GiB per GPU)")
-    if cluster.get("tables") == "host":   # one host's memory holds the tables: jobs of one GPU (ParallelPlan.of)
-        for scale, t in (cluster.get("train") or {}).items():
-            if t.get("nodes", 1) * t.get("gpus_per_node", 1) > 1:
-                raise ConfigError(f"{origin}: key 'cluster.tables': host keeps the tables in one host's memory, for "
-                                  f"jobs of one GPU; cluster.train.{scale} gives {t.get('nodes', 1)} x "
-                                  f"{t.get('gpus_per_node', 1)} GPUs (expected rows or fsdp)")
-    if cfg.get("sweeps"):   # the DSE paper's Sec. 3 sweeps: every point builds, within tolerance
-        sweeps.validate(cfg, origin)
 
 
 # ---- variants and models -------------------------------------------------------------------------
@@ -385,7 +181,7 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
                           "earlier stage of the dense variant, or {hf: ...}) and a fresh optimizer (reset_optimizer: true)")
     for key in ("max_seq_len", "rope_scaling"):
         st.pop(key, None)
-    train = {**TRAIN_DEFAULTS, **cfg.get("train", {}), **st}
+    train = {**experiment.node(Train, cfg.get("train", {}), "train").settings(), **st}
     # reset_optimizer (default true): false carries the optimizer state of init_from's stage, which then
     # saves it in its checkpoint (checkpoint/optimizer/)
     train["reset_optimizer"] = bool(st.get("reset_optimizer", True)) if init else True

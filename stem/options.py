@@ -1,6 +1,6 @@
 """The project's option lists, each defined once (``StrEnum``: a member is its string, so specs, JSON and
-comparisons with plain strings are unchanged). ``config/schema.yaml`` repeats them for the workflow's schema
-validation; ``tests/test_options.py`` checks every such enum against the one here."""
+comparisons with plain strings are unchanged). The experiment config's typed tree (``stem.experiment``) types its
+fields with them; ``tests/test_options.py`` checks that no option list is written as a literal there."""
 from __future__ import annotations
 
 from enum import StrEnum
@@ -70,6 +70,67 @@ class InsertInit(StrEnum):
     PROJECTED = "projected"
     RAW = "raw"
     XAVIER = "xavier"
+
+
+class Device(StrEnum):
+    """Where a job runs (a config's ``device:``): the GPU if there is one, or the named one."""
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class RopeKind(StrEnum):
+    """A stage's ``rope_scaling.kind`` (stem.models.rope)."""
+    NONE = "none"
+    THETA = "theta"
+    LINEAR = "linear"
+    YARN = "yarn"
+    LLAMA3 = "llama3"
+
+
+class RopeRamp(StrEnum):
+    """What YaRN's ramp is measured in (``rope_scaling.ramp``)."""
+    ROTATIONS = "rotations"
+    DIMS = "dims"
+
+
+class DocKeys(StrEnum):
+    """What a source's validation split and sampling hash (``sources.<name>.doc_keys``): a document's position
+    or its content."""
+    INDEX = "index"
+    CONTENT = "content"
+
+
+class SourceKind(StrEnum):
+    SYNTH = "synth"
+    FILES = "files"
+    HF = "hf"
+    MDS = "mds"
+
+
+class TokenizerKind(StrEnum):
+    TRAIN_BPE = "train_bpe"
+    PRETRAINED = "pretrained"
+
+
+class OptimGroup(StrEnum):
+    """The optimizer groups a config's ``optim.groups`` may set lr_mult / weight_decay of."""
+    TABLE = "table"
+    DSE_TABLE = "dse_table"
+    MATRIX = "matrix"
+    NORM = "norm"
+
+
+class DSEMode(StrEnum):
+    """The DSE-disabled analysis's modes (``analysis.dse_disabled.modes``): the memory switched off or forced."""
+    DISABLED = "disabled"
+    FORCED = "forced"
+
+
+class CKATokens(StrEnum):
+    """Which tokens the CKA analysis compares (``analysis.cka.tokens``)."""
+    ENTITIES = "entities"
+    ALL = "all"
 
 
 def values(option: type[StrEnum]) -> tuple[str, ...]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import re
 
-from stem.io import ConfigError
-
 ID = re.compile(r"^(?P<base>[a-z][a-z0-9_]*?)_seed(?P<k>[1-9][0-9]*)$")
 
 
@@ -38,12 +36,3 @@ def seeds_of(cfg: dict, scale: str, variant: str) -> list[int]:
         return [0]
     return sorted({0, *(int(k) for k in s)})
 
-
-def check(cfg: dict, origin: str):
-    """A per-variant ``seeds`` entry names variants of its matrix entry only."""
-    for scale, m in (cfg.get("matrix") or {}).items():
-        s = m.get("seeds")
-        for v in s if isinstance(s, dict) else []:
-            if v not in m["variants"]:
-                raise ConfigError(f"{origin}: key 'matrix.{scale}.seeds.{v}': {v!r} is not one of "
-                                  f"matrix.{scale}.variants ({', '.join(m['variants'])})")

@@ -29,7 +29,7 @@ LAYERS = [
     ("hf", "stem.hf"),
     ("specs", "stem.specs"),
     ("sweep points", "stem.sweeps"),
-    ("config", "stem.config"),
+    ("config", "stem.experiment stem.config"),
     ("train", "stem.train"),
     ("eval", "stem.eval"),
     ("analysis", "stem.analysis"),

@@ -192,12 +192,12 @@ def test_train_spec_of_a_sweep_point():
                                                        "'pretrain'; expected a stage trained from scratch"),
     (lambda s: s["slots"].update(rows_per_head=[256, 64]), "key 'sweeps.slots.rows_per_head': [256, 64]: expected "
                                                            "strictly increasing values"),
-    (lambda s: s["slots"].update(rows_per_head=[1, 64]), "key 'sweeps.slots.rows_per_head.0': 1 is less than"),
+    (lambda s: s["slots"].update(rows_per_head=[1, 64]), "key 'sweeps.slots.rows_per_head': [1, 64]; expected at least 2 integers >= 2"),
     (lambda s: s["slots"].update(base="dse"), "key 'sweeps.slots.base': variant 'dse' already has a DSE memory"),
     (lambda s: s["slots"].update(memory="stem"), "key 'sweeps.slots.memory': variant 'stem' has no dse: section"),
     (lambda s: s["slots"].update(dse={"d_mem": 30}), "key 'sweeps.slots.dse': d_mem 30 (memory 'dse' with "
                                                              "sweeps.slots.dse over it) must divide evenly over its 8"),
-    (lambda s: s.update(train={"stepz": 5}), "key 'sweeps.train': Additional properties are not allowed"),
+    (lambda s: s.update(train={"stepz": 5}), "key 'sweeps.train.stepz': unknown; expected one of steps, eval_batches"),
 ])
 def test_bad_slots_section_is_a_one_line_error(edit, message):
     cfg = tiny_cfg(slots=copy.deepcopy(SLOTS))

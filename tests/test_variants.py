@@ -52,7 +52,7 @@ def test_labels_and_colours_are_the_reports_of_before():
 
 def test_no_python_file_lists_the_variants_labels_or_colours():
     """No {variant: label} or {variant: colour} table in Python, no label as a string (the plain-word labels
-    STEM, MoE aside), no variant named in the schema."""
+    STEM, MoE aside), no variant named in the config's typed tree."""
     variants = yaml.safe_load((REPO / "config" / "variants.yaml").read_text())
     for py in (REPO / "stem").rglob("*.py"):
         text = py.read_text()
@@ -61,8 +61,8 @@ def test_no_python_file_lists_the_variants_labels_or_colours():
             assert not re.search(rf"[\"']{name}[\"']\s*:\s*[\"']({values})[\"']", text), f"{py.relative_to(REPO)}: {name}"
             if len(spec["label"]) > 4:
                 assert not re.search(rf"[\"']{re.escape(spec['label'])}[\"']", text), f"{py.relative_to(REPO)}: {name}"
-    schema = (REPO / "config" / "schema.yaml").read_text()
-    for line in schema.splitlines():   # a list of the variants (an enum, a pattern) would name several on a line
+    tree = (REPO / "stem" / "experiment.py").read_text()
+    for line in tree.splitlines():   # a list of the variants (an enum, a pattern) would name several on a line
         assert len([n for n in variants if re.search(rf"\b{n}\b", line)]) < 3, line
 
 

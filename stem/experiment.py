@@ -1,0 +1,765 @@
+"""The experiment config as one typed tree: each key's type, default and range written once, here.
+
+``parse(mapping, origin)`` reads a config (config/tiny.yaml, paper.yaml, ...) into frozen dataclasses whose
+fields are typed with the option lists of ``stem.options``; mappings keyed by scale, stage, source or variant
+stay dicts of typed nodes. A wrong key, type or value is one ``ConfigError`` line naming the file, the key,
+the value and what is expected. A node checks what it knows in ``__post_init__`` (a stage's mixture sums to 1,
+a tokenizer of kind train_bpe has sources); ``Experiment.__post_init__`` checks what crosses sections (the
+variants and sources a section names exist, a stage's ``init_from`` is an earlier stage of the matrix, ...).
+
+Adding a key is one field on its node: its type, its default (``None``: not set), its range as
+``metadata=expect(...)``. Sections a plugin or a suite kind defines its own keys for (``eval``, ``report``,
+another analysis, a source kind's reader keys) stay untyped mappings handed on as they are.
+Torch-free (the workflow's DAG build parses the config).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from stem import plugins, sweeps
+from stem.fields import FieldError, is_number
+from stem.io import ConfigError, deep_merge, read_yaml, variant, variants
+from stem.models.config import DSEConfig
+from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, OptimGroup,
+                          RopeKind, RopeRamp, Scale, Schedule, SourceKind, Stage, Strategy, TableInit, TableLayout,
+                          TableUpdate, TokenizerKind, Truncation, values)
+from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS   # names only: entries load on use
+from stem.specs import TrainSettings
+
+NAME = re.compile(r"^[a-z][a-z0-9_]*$")                                  # a variant's name
+MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")   # a plugin module
+
+
+# ---- ranges: a field's metadata ------------------------------------------------------------------------
+def expect(ok, expected: str, **meta) -> dict:
+    """Field metadata: ``ok(value)`` must hold for a set value (``expected`` says what is expected)."""
+    return {"ok": ok, "expected": expected, **meta}
+
+
+def at_least(n, what: str = "an integer") -> dict:
+    return expect(lambda v: v >= n, f"{what} >= {n}")
+
+
+def above(n) -> dict:
+    return expect(lambda v: v > n, f"a number > {n}")
+
+
+def within(lo, hi, open_hi: bool = False) -> dict:
+    return expect(lambda v: lo <= v < hi if open_hi else lo <= v <= hi,
+                  f"a number in [{lo}, {hi}{')' if open_hi else ']'}")
+
+
+def items(n: int, what: str = "items") -> dict:
+    return expect(lambda v: len(v) >= n, f"at least {n} {what}")
+
+
+def matches(pattern: re.Pattern, what: str) -> dict:
+    return expect(lambda v: all(pattern.match(x) for x in ([v] if isinstance(v, str) else v)), what)
+
+
+POSITIVE = at_least(1)
+
+
+# ---- the parser: a mapping into a node, each key checked against its field's type ----------------------
+def describe(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "null"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe(a) for a in args)
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
+        return f"one of {', '.join(values(tp))}"
+    if origin is tuple:
+        return f"a list of {len(args)} numbers" if args[-1] is not Ellipsis else f"a list ({describe(args[0])} each)"
+    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def convert(tp, value, key: str):
+    """``value`` as type ``tp`` (numbers kept as written: an integer stays one where a number is expected);
+    ConfigError ``key 'a.b': ...`` otherwise."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        nodes = [a for a in args if dataclasses.is_dataclass(a)]
+        if nodes and isinstance(value, dict):   # a mapping where a node may stand: that node's own errors
+            return convert(nodes[0], value, key)
+        for a in args:
+            if a is not type(None):
+                try:
+                    return convert(a, value, key)
+                except ConfigError:
+                    pass
+        raise ConfigError(f"key '{key}': {value!r}; expected {describe(tp)}")
+    if dataclasses.is_dataclass(tp):
+        return node(tp, value, key)
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
+        if value not in values(tp):
+            raise ConfigError(f"key '{key}': {value!r}; expected {describe(tp)}")
+        return tp(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"key '{key}': {value!r}; expected a mapping")
+        return {convert(args[0], k, f"{key}.{k}"): convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"key '{key}': {value!r}; expected a mapping")
+        return value
+    if origin is tuple:
+        n = None if args[-1] is Ellipsis else len(args)
+        if not isinstance(value, (list, tuple)) or (n is not None and len(value) != n):
+            raise ConfigError(f"key '{key}': {value!r}; expected {describe(tp)}")
+        return tuple(convert(args[0] if n is None else args[i], v, f"{key}.{i}") for i, v in enumerate(value))
+    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
+          float: is_number(value), str: isinstance(value, str), typing.Any: True}.get(tp)
+    if not ok:
+        raise ConfigError(f"key '{key}': {value!r}; expected {describe(tp)}")
+    return value
+
+
+def node(cls, d, key: str = ""):
+    """Build node ``cls`` from mapping ``d`` found at ``key``: unknown and missing keys, types, ranges
+    (``expect`` metadata), then the node's own checks (``__post_init__``; a ``FieldError`` names its key)."""
+    where = key or "<top level>"
+    if not isinstance(d, dict):
+        raise ConfigError(f"key '{where}': {d!r}; expected a mapping")
+    prefix = f"{key}." if key else ""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    extra = getattr(cls, "EXTRA", None)   # the field that keeps the keys the node does not type
+    unknown = sorted(k for k in d if k not in fields or k == extra)
+    if unknown and not extra:
+        raise ConfigError(f"key '{prefix}{unknown[0]}': unknown; expected one of {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    kw = {extra: {k: d[k] for k in d if k in unknown}} if extra else {}
+    for name, f in fields.items():
+        if name == extra:
+            continue
+        if name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"key '{prefix}{name}' missing (expected {describe(hints[name])})")
+            continue
+        value = convert(hints[name], d[name], prefix + name)
+        if "ok" in f.metadata and value is not None and not f.metadata["ok"](value):
+            raise ConfigError(f"key '{prefix}{name}': {d[name]!r}; expected {f.metadata['expected']}")
+        kw[name] = value
+    try:
+        return cls(**kw)
+    except FieldError as e:
+        sep = " " if str(e).startswith("missing") else ": "
+        raise ConfigError(f"key '{prefix}{e.field}'{sep}{e}") from None
+
+
+def fail(ok: bool, key: str, problem: str):
+    """A node's own check: ``FieldError`` naming ``key`` (under the node's own key) unless ``ok``."""
+    if not ok:
+        raise FieldError(key, problem)
+
+
+# ---- the nodes, leaves first ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Arch:
+    """``archs.<scale>``: the backbone (stem.models.config.ModelConfig's architecture keys)."""
+    vocab_size: int = field(metadata=at_least(2))
+    d_model: int = field(metadata=POSITIVE)
+    n_layers: int = field(metadata=POSITIVE)
+    n_heads: int = field(metadata=POSITIVE)
+    n_kv_heads: int = field(metadata=POSITIVE)
+    d_ff: int = field(metadata=POSITIVE)
+    max_seq_len: int = field(metadata=POSITIVE)
+    rope_theta: float | None = field(default=None, metadata=above(0))
+    norm_eps: float | None = None
+    init_std: float | None = None
+    table_init: TableInit | None = None
+    table_init_std: float | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A stage's ``rope_scaling`` (stem.models.rope): a longer context than pre-training's."""
+    kind: RopeKind
+    theta: float | None = None
+    low_freq_factor: float | None = None    # llama3
+    high_freq_factor: float | None = None   # llama3
+    factor: float | None = field(default=None, metadata=at_least(1, "a number"))
+    original_max_seq_len: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    ramp: RopeRamp | None = None
+
+
+@dataclass(frozen=True)
+class Group:
+    """An optimizer group's settings over the registry's defaults (stem.optim.adamw)."""
+    lr_mult: float | None = field(default=None, metadata=at_least(0, "a number"))
+    weight_decay: float | None = field(default=None, metadata=at_least(0, "a number"))
+
+
+@dataclass(frozen=True)
+class HFInit:
+    """A stage's ``init_from: {hf: <hub id or folder>, gguf_file: <file in it>}``: a transformers checkpoint
+    (stem.hf.importer; the folder may be a package resource pkg:NAME), a GGUF file in it dequantised."""
+    hf: str
+    gguf_file: str | None = field(default=None, metadata=matches(re.compile(r"^[^/#]+$"), "a file name"))
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """``stages.<stage>.<scale>``: one stage's data mixture, schedule and batch layout."""
+    data: dict[str, float] = field(metadata=expect(lambda d: len(d) >= 1 and all(w > 0 for w in d.values()),
+                                                   "a mapping of at least one source to a weight > 0"))
+    lr: float = field(metadata=above(0))
+    schedule: Schedule
+    warmup: float = field(metadata=within(0, 1))
+    min_lr_ratio: float = field(metadata=within(0, 1))
+    batch_size: int = field(metadata=POSITIVE)
+    micro_batch: int = field(metadata=POSITIVE)
+    seq_len: int = field(metadata=at_least(2))
+    steps: int = field(metadata=POSITIVE)
+    # a stage name, or {hf: ...}: a transformers checkpoint (HFInit)
+    init_from: Stage | HFInit | None = None
+    # true (default): a fresh AdamW; false: init_from's optimizer state (saved in that checkpoint's optimizer/)
+    reset_optimizer: bool | None = None
+    # this stage's table-group optimizer settings over optim.groups.table (stem.optim.adamw)
+    table_group: Group | None = None
+    schedule_steps: int | None = field(default=None, metadata=POSITIVE)
+    cross_doc_mask: bool | None = None
+    activation_checkpointing: bool | None = None
+    max_seq_len: int | None = field(default=None, metadata=POSITIVE)
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self):
+        total = sum(self.data.values())
+        fail(math.isclose(total, 1.0, abs_tol=1e-6), "data", f"mixture weights sum to {total:g}, expected 1")
+        fail(self.batch_size % self.micro_batch == 0, "micro_batch",
+             f"{self.micro_batch} does not divide batch_size {self.batch_size}")
+        fail(not (isinstance(self.init_from, HFInit) and self.reset_optimizer is False), "reset_optimizer",
+             f"false needs a stage's optimizer state; init_from {self.init_from_mapping} is a transformers checkpoint "
+             "(it has none)")
+        fail(not (self.init_from is None and self.reset_optimizer is False), "reset_optimizer",
+             "false needs an init_from stage whose optimizer state it carries")
+
+    @property
+    def init_from_mapping(self) -> dict | None:
+        """``init_from`` as the config writes it, for messages."""
+        i = self.init_from
+        return {k: v for k, v in dataclasses.asdict(i).items() if v is not None} if isinstance(i, HFInit) else i
+
+
+SEED_LIST = expect(lambda s: len(s) >= 1 and len(set(s)) == len(s) and all(k >= 0 for k in s),
+                   "a non-empty list of distinct seed indices >= 0")
+
+
+@dataclass(frozen=True)
+class MatrixEntry:
+    """``matrix.<scale>``: the variants trained at a scale, their stages, and their seeds (stem.seeds)."""
+    variants: tuple[str, ...] = field(metadata=expect(lambda v: len(v) >= 1 and all(NAME.match(x) for x in v),
+                                                      "a non-empty list of variant names"))
+    stages: tuple[Stage, ...] = field(metadata=items(1, "stages"))
+    seeds: tuple[int, ...] | dict[str, tuple[int, ...]] | None = field(default=None, metadata=expect(
+        lambda s: all(SEED_LIST["ok"](x) for x in (s.values() if isinstance(s, dict) else [s])),
+        f"{SEED_LIST['expected']} (or a mapping of variants to one)"))
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """``tokenizer.<scale>``: a BPE trained on some sources, or a pretrained one's file."""
+    kind: TokenizerKind
+    path: str | None = None
+    sources: tuple[str, ...] | None = field(default=None, metadata=items(1, "sources"))
+    vocab_size: int | None = field(default=None, metadata=at_least(260))
+
+    def __post_init__(self):
+        for key in ("sources", "vocab_size") if self.kind == TokenizerKind.TRAIN_BPE else ("path",):
+            fail(getattr(self, key) is not None, key, f"missing (needed by kind {self.kind})")
+
+
+@dataclass(frozen=True)
+class World:
+    """``world``: the synthetic world's size and seed (stem.data.synth)."""
+    seed: int | None = None
+    n_countries: int | None = field(default=None, metadata=POSITIVE)
+    n_people: int | None = field(default=None, metadata=POSITIVE)
+    n_filler: int | None = field(default=None, metadata=POSITIVE)
+
+
+SAMPLE_RANGE = expect(lambda r: all(0 <= x <= 1 for lo_hi in (r.values() if isinstance(r, dict) else [r])
+                                    for x in lo_hi), "a [lo, hi) range within [0, 1] (or a mapping of scales to one)")
+
+
+@dataclass(frozen=True)
+class Source:
+    """``sources.<name>``: a source of documents. The keys of its kind's reader (paths, format, a generator's
+    own sizes, ...) stay in ``reader``, handed on as written (stem.data.sources)."""
+    EXTRA: typing.ClassVar[str] = "reader"
+    kind: SourceKind
+    generator: str | None = None      # kind synth: a registered generator (stem.registry.GENERATORS)
+    bytes: float | None = field(default=None, metadata=at_least(1, "a number"))
+    max_tokens: float | None = field(default=None, metadata=at_least(1, "a number"))
+    parts: int | None = field(default=None, metadata=POSITIVE)          # scattered tokenize jobs
+    doc_keys: DocKeys | None = None                                     # what the val split and sampling hash
+    val_fraction: float | None = field(default=None, metadata=within(0, 1, open_hi=True))   # held-out share
+    # keep documents whose uniform is in [lo, hi) (per scale)
+    sample: tuple[float, float] | dict[Scale, tuple[float, float]] | None = field(default=None, metadata=SAMPLE_RANGE)
+    reader: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        fail(self.generator is None or self.kind != SourceKind.SYNTH or self.generator in GENERATORS, "generator",
+             f"unknown generator {self.generator!r}; expected one of {', '.join(GENERATORS)}")
+
+
+@dataclass(frozen=True)
+class Optim:
+    """``optim``: AdamW's settings (stem.optim.OptimSpec); a variant's ``optim:`` is merged over them."""
+    betas: tuple[float, float]
+    weight_decay: float = field(metadata=at_least(0, "a number"))
+    eps: float = field(metadata=above(0))
+    grad_clip: float = field(metadata=at_least(0, "a number"))
+    # the STEM tables' update: dense (the paper: AdamW on every row) or sparse (the batch's rows only)
+    table_update: TableUpdate | None = None
+    groups: dict[OptimGroup, Group] = field(default_factory=dict)
+
+
+def _default(name: str):
+    """A training setting's default: the job spec's (stem.specs.TrainSettings), written there once."""
+    return next(f.default for f in dataclasses.fields(TrainSettings) if f.name == name)
+
+
+@dataclass(frozen=True)
+class Train:
+    """``train``: logging, evaluation and checkpoint intervals of every training job."""
+    log_interval: int = field(default=_default("log_interval"), metadata=POSITIVE)
+    eval_interval: int = field(default=_default("eval_interval"), metadata=POSITIVE)
+    eval_batches: int = field(default=_default("eval_batches"), metadata=POSITIVE)
+    checkpoint_interval: int = field(default=_default("checkpoint_interval"), metadata=POSITIVE)
+    tensorboard: bool = _default("tensorboard")   # also log metrics.jsonl's scalars to {stage dir}/tensorboard
+    peak_tflops: float | None = field(default=None, metadata=above(0))   # the GPU's bf16 peak for MFU
+    wandb: str | None = field(default=None, metadata=expect(bool, "a project name"))   # a W&B project
+    compile: bool | None = None   # torch.compile each block (stem.train.compile)
+
+    def settings(self) -> dict:
+        """What a job's TrainSettings takes from here: the intervals always, the others where set."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """``cluster.train.<scale>``: a training job's Slurm size."""
+    nodes: int = field(metadata=POSITIVE)
+    gpus_per_node: int = field(metadata=at_least(0))
+    runtime: int = field(metadata=POSITIVE)
+    cpus_per_gpu: int | None = field(default=None, metadata=POSITIVE)
+    mem_mb_per_gpu: int | None = field(default=None, metadata=POSITIVE)
+    cpus: int | None = field(default=None, metadata=POSITIVE)
+    mem_mb: int | None = field(default=None, metadata=POSITIVE)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Job:
+    """``cluster.eval`` / ``cluster.cpu`` / ``cluster.tokenize``: the Slurm size of one job of that kind."""
+    runtime: int | None = field(default=None, metadata=POSITIVE)
+    gpus: int | None = field(default=None, metadata=at_least(0))
+    cpus: int | None = field(default=None, metadata=POSITIVE)
+    mem_mb: int | None = field(default=None, metadata=POSITIVE)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``cluster``: Slurm resources per job kind (rules/common.smk) and the training jobs' parallel layout."""
+    partition: str | None = None
+    account: str | None = None
+    constraint: str | None = None
+    strategy: Strategy = TrainSettings.parallel    # the backbone's, under torchrun (the job spec's default)
+    tables: TableLayout = TrainSettings.tables     # lookup tables: own FSDP units, row-sharded, host memory
+    gpu_mem_gib: float | None = field(default=None, metadata=above(0))   # per-GPU budget for a job's traced peak
+    fit_memory: bool = False   # true: each job's plan picks the micro-batch, checkpointing, host tables that fit
+    state_write_mb_s: float | None = field(default=None, metadata=above(0))   # MB/s one node writes a checkpoint
+    stop_margin_s: int | None = field(default=None, metadata=at_least(0))    # seconds on top of the write
+    train: dict[Scale, TrainJob] = field(default_factory=dict)
+    eval: Job | None = None
+    cpu: Job | None = None
+    tokenize: Job | None = None
+
+    def __post_init__(self):
+        fail(not self.fit_memory or self.gpu_mem_gib is not None, "fit_memory",
+             "true fits each training job to cluster.gpu_mem_gib; expected cluster.gpu_mem_gib set (GiB per GPU)")
+        for scale, t in self.train.items():   # host tables: one host's memory, jobs of one GPU (ParallelPlan.of)
+            fail(self.tables != TableLayout.HOST or t.gpus <= 1, "tables",
+                 f"host keeps the tables in one host's memory, for jobs of one GPU; cluster.train.{scale} gives "
+                 f"{t.nodes} x {t.gpus_per_node} GPUs (expected rows or fsdp)")
+        for key in ("eval", "cpu"):
+            fail(getattr(self, key) is None or getattr(self, key).runtime is not None, f"{key}.runtime",
+                 "missing (expected an integer)")
+
+
+# ---- analyses (rules/analyze.smk, stem/analysis) --------------------------------------------------------
+@dataclass(frozen=True)
+class Editing:
+    relations: dict[str, tuple[str, ...]]
+    pairs_per_case: int = field(metadata=at_least(0))
+    collateral: int = field(metadata=at_least(0))
+    known_entities: int = field(metadata=POSITIVE)
+    topk: int = field(metadata=POSITIVE)
+    seed: int
+    facts: str | None = None
+    example: dict | None = None
+
+
+@dataclass(frozen=True)
+class Heaps:
+    source: str
+    lengths: tuple[int, ...] = field(metadata=expect(lambda v: len(v) >= 2 and min(v) >= 1,
+                                                     "at least 2 lengths >= 1"))
+    windows: int = field(metadata=POSITIVE)
+
+
+@dataclass(frozen=True)
+class Spread:
+    source: str
+    n_tokens: int = field(metadata=at_least(2))
+    window: int | None = field(default=None, metadata=at_least(2))
+
+
+@dataclass(frozen=True)
+class Capacity:
+    source: str
+    countries: int = field(metadata=POSITIVE)
+    people: int = field(metadata=POSITIVE)
+    choices: int = field(metadata=at_least(2))
+    seed: int
+
+
+@dataclass(frozen=True)
+class Windows:
+    """``analysis.heldout`` / ``analysis.logitlens``: windows of a source's held-out documents."""
+    source: str
+    windows: int = field(metadata=POSITIVE)
+    seq_len: int = field(metadata=POSITIVE)
+    batch: int | None = field(default=None, metadata=POSITIVE)
+    baseline: str | None = field(default=None, metadata=matches(NAME, "a variant name"))
+
+
+@dataclass(frozen=True)
+class CKA:
+    source: str
+    windows: int = field(metadata=POSITIVE)
+    seq_len: int = field(metadata=POSITIVE)
+    tokens: CKATokens
+    n_tokens: int = field(metadata=at_least(4))
+    batch: int = field(metadata=at_least(4))
+    topk: int = field(metadata=POSITIVE)
+    baseline: str | None = field(default=None, metadata=matches(NAME, "a variant name"))
+
+
+@dataclass(frozen=True)
+class WorldProbe:
+    items: int = field(metadata=POSITIVE)
+    choices: int = field(metadata=at_least(2))
+    seed: int
+
+
+@dataclass(frozen=True)
+class DSEDisabled:
+    suite: str
+    categories: dict[str, tuple[str, ...]] = field(metadata=expect(
+        lambda c: len(c) >= 1 and all(len(t) >= 1 for t in c.values()), "a mapping of categories to task lists"))
+    modes: tuple[DSEMode, ...] = field(metadata=items(1, "modes"))
+    limit: int | None = field(default=None, metadata=POSITIVE)
+    world_probe: WorldProbe | None = None
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """``analysis``: the checkpoints' stages and each built-in analysis's settings; a plugin's analysis keeps
+    its section as written (``plugins``: name -> mapping, handed to the analysis)."""
+    EXTRA: typing.ClassVar[str] = "plugins"
+    stages: dict[Scale, tuple[Stage, ...]] = field(default_factory=dict)
+    editing: Editing | None = None
+    heaps: Heaps | None = None
+    spread: Spread | None = None
+    capacity: Capacity | None = None
+    heldout: Windows | None = None
+    logitlens: Windows | None = None
+    cka: CKA | None = None
+    dse_disabled: DSEDisabled | None = None
+    plugins: dict = field(default_factory=dict)
+
+    def sections(self) -> dict:
+        """{analysis name: its settings node (or a plugin's mapping)} for the analyses the config sets."""
+        built = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("stages", "plugins")}
+        return {**{k: v for k, v in built.items() if v is not None}, **self.plugins}
+
+
+# ---- the sweeps (stem.sweeps) ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tolerance:
+    p_tot: float | None = field(default=None, metadata=at_least(0, "a number"))
+    p_act: float | None = field(default=None, metadata=at_least(0, "a number"))
+
+
+@dataclass(frozen=True)
+class SweepTrain:
+    """``sweeps.train``: the stage's settings every sweep point overrides."""
+    steps: int | None = field(default=None, metadata=POSITIVE)
+    eval_batches: int | None = field(default=None, metadata=POSITIVE)
+
+
+VARIANT = matches(NAME, "a variant name")
+
+
+@dataclass(frozen=True)
+class RhoSweep:
+    base: str = field(metadata=VARIANT)       # the rho = 1 pure MoE model (ffn moe)
+    memory: str = field(metadata=VARIANT)     # whose dse: section the hybrids get
+    values: tuple[float, ...] = field(metadata=expect(lambda v: len(v) >= 2 and all(0 <= x <= 1 for x in v),
+                                                      "at least 2 numbers in [0, 1]"))
+    base_overrides: dict | None = None        # merged over the base (e.g. moe_experts), for the sweep only
+    dse: dict | None = None                   # merged over the memory's dse: section
+    tolerance: Tolerance | None = None        # |relative deviation| from the rho = 1 model's
+
+
+@dataclass(frozen=True)
+class SlotsSweep:
+    base: str = field(metadata=VARIANT)       # the fixed backbone (no dse: section)
+    memory: str = field(metadata=VARIANT)
+    rows_per_head: tuple[int, ...] = field(metadata=expect(lambda v: len(v) >= 2 and min(v) >= 2,
+                                                           "at least 2 integers >= 2"))
+    base_overrides: dict | None = None
+    dse: dict | None = None
+
+
+@dataclass(frozen=True)
+class Sweeps:
+    """``sweeps``: the DSE paper's Sec. 3 sweeps (stem/sweeps.py, rules/sweep.smk)."""
+    scale: Scale
+    stage: Stage
+    in_all: bool = False    # true: `rule all` and the report's figures include both sweeps
+    train: SweepTrain | None = None
+    rho: RhoSweep | None = None
+    slots: SlotsSweep | None = None
+
+
+# ---- the root ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Experiment:
+    """An experiment config (config/{tiny,paper,rehearsal}.yaml)."""
+    experiment: ExperimentName
+    seed: int
+    device: Device
+    archs: dict[Scale, Arch] = field(metadata=items(1, "scales"))
+    matrix: dict[Scale, MatrixEntry]
+    tokenizer: dict[Scale, Tokenizer]
+    sources: dict[str, Source] = field(metadata=items(1, "sources"))
+    optim: Optim
+    stages: dict[Stage, dict[Scale, StageSettings]]
+    train: Train
+    seeds: tuple[int, ...] | None = field(default=None, metadata=SEED_LIST)   # every matrix cell (stem.seeds)
+    # variants of config/variants.yaml: keys merged over theirs (a variant's model keys, checked below)
+    variant_overrides: dict[str, dict] = field(default_factory=dict, metadata=matches(NAME, "variant names"))
+    world: World | None = None
+    cluster: Cluster = field(default_factory=Cluster)
+    analysis: Analysis | None = None
+    eval: dict | None = None       # suites of registered kinds, each with its kind's own keys (stem.eval.spec)
+    report: dict | None = None     # the aggregate stage's settings (stem.specs.ReportSpec.from_config checks them)
+    # the config's own plugin modules (stem.plugins): imported before anything is looked up
+    plugins: tuple[str, ...] = field(default=(), metadata=matches(MODULE, "importable module names"))
+    sweeps: Sweeps | None = None
+
+    def __post_init__(self):
+        self._check_variant_names()
+        self._check_sources()
+        self._check_suites()
+        for name, spec in self.analysis.plugins.items() if self.analysis else ():   # a plugin's analysis
+            fail(name in ANALYSES, f"analysis.{name}", f"unknown analysis; expected stages or one of "
+                 f"{', '.join(ANALYSES)}")
+            fail(isinstance(spec, dict), f"analysis.{name}", f"{spec!r}; expected a mapping")
+        for name, spec in variants(self.raw_overrides()).items():
+            self._check_variant(name, spec)
+        for scale, m in self.matrix.items():
+            self._check_cell(scale, m)
+        for scale, tok in self.tokenizer.items():
+            if scale in self.matrix and tok.kind == TokenizerKind.TRAIN_BPE:
+                fail(tok.vocab_size <= self.archs[scale].vocab_size, f"tokenizer.{scale}.vocab_size",
+                     f"{tok.vocab_size} exceeds archs.{scale}.vocab_size {self.archs[scale].vocab_size}")
+
+    def raw_overrides(self) -> dict:
+        """The mapping stem.io.variants reads the overrides from."""
+        return {"variant_overrides": self.variant_overrides}
+
+    def _check_variant_names(self):
+        """Every variant the config names is one of config/variants.yaml."""
+        known = variants(self.raw_overrides())
+        named = [(f"matrix.{s}.variants", v) for s, m in self.matrix.items() for v in m.variants]
+        named += [(f"variant_overrides.{v}", v) for v in self.variant_overrides]
+        named += [(f"analysis.{a}.baseline", spec.baseline) for a, spec in self.analyses().items()
+                  if getattr(spec, "baseline", None) is not None]
+        named += [(f"analysis.{a}.baseline", spec["baseline"]) for a, spec in self.analyses().items()
+                  if isinstance(spec, dict) and "baseline" in spec]
+        for key, v in named:
+            fail(v in known, key, f"{v!r} is not a variant of config/variants.yaml; expected one of {', '.join(known)}")
+
+    def analyses(self) -> dict:
+        return self.analysis.sections() if self.analysis else {}
+
+    def _check_sources(self):
+        """Every source a mixture, a tokenizer, an eval suite the matrix runs or an analysis uses is defined."""
+        uses = [(f"stages.{stage}.{scale}.data", list(spec.data))
+                for stage, by_scale in self.stages.items() for scale, spec in by_scale.items()]
+        uses += [(f"tokenizer.{scale}.sources", tok.sources or []) for scale, tok in self.tokenizer.items()]
+        ev = self.eval or {}
+        run = {suite for m in self.matrix.values() for stage in m.stages
+               for suite in (ev.get("stages") or {}).get(stage) or []}
+        for name, suite in (ev.get("suites") or {}).items():
+            uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
+                     if name in run and isinstance(suite, dict) and key in suite]
+        uses += [(f"analysis.{name}.source", [a["source"] if isinstance(a, dict) else a.source])
+                 for name, a in self.analyses().items()
+                 if (isinstance(a, dict) and "source" in a) or getattr(a, "source", None) is not None]
+        for key, names in uses:
+            unknown = [s for s in names if s not in self.sources]
+            fail(not unknown, key, f"unknown source {unknown[0]!r}; expected one of {sorted(self.sources)}"
+                 if unknown else "")
+
+    def _check_suites(self):
+        """Every eval suite's kind (default lm_eval) is a registered one (stem.registry.SUITE_KINDS); its
+        ``truncation`` one of the policies (NIAH: error only, its prompts are never cut)."""
+        fail(isinstance(self.eval or {}, dict), "eval", f"{self.eval!r}; expected a mapping")
+        for name, suite in ((self.eval or {}).get("suites") or {}).items():
+            kind = suite.get("kind", "lm_eval") if isinstance(suite, dict) else None
+            fail(kind in SUITE_KINDS, f"eval.suites.{name}.kind",
+                 f"unknown suite kind {kind!r}; expected one of {sorted(SUITE_KINDS)}")
+            allowed = ("error",) if kind == "niah" else values(Truncation)
+            fail(suite.get("truncation", allowed[0]) in allowed, f"eval.suites.{name}.truncation",
+                 f"{suite.get('truncation')!r}; expected " + (
+                     "error (NIAH prompts are built to fit their cells, never cut)" if kind == "niah"
+                     else f"one of {', '.join(allowed)}"))
+
+    def _check_variant(self, name: str, spec: dict):
+        """A variant (config/variants.yaml with variant_overrides): its optim keys merged over the config's,
+        its DSE memory, its insertion, its FFN kind; found here, not when a job builds it."""
+        where = f"variant '{name}' (config/variants.yaml + variant_overrides)"
+        if "optim" in spec:
+            try:
+                node(Optim, deep_merge(dataclass_mapping(self.optim), spec["optim"])
+                     if isinstance(spec["optim"], dict) else spec["optim"], "optim")
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+        if spec.get("dse") is not None:
+            _check_dse(where, spec["dse"])
+        if spec.get("insert") is not None:
+            self._check_insert(where, spec)
+        kind = spec.get("ffn", "dense")
+        if kind not in FFN_KINDS:
+            raise ConfigError(f"{where}: key 'ffn': {kind!r} is not a registered FFN kind; expected one of "
+                              f"{', '.join(FFN_KINDS)}")
+
+    def _check_insert(self, where: str, spec: dict):
+        """A mid-training insertion (stem.models.insert) builds STEM tables from a dense model's up-projections:
+        its ``insert.from`` is a dense variant (no other FFN kind, no DSE memory), its ``init`` a known one, its
+        own FFN kind ``stem``."""
+        ins = spec["insert"]
+        inits = values(InsertInit)
+        if not isinstance(ins, dict) or not {"from", "stage"} <= set(ins):
+            raise ConfigError(f"{where}: key 'insert': {ins!r}; expected {{from: <dense variant>, stage: <stage>, "
+                              f"init: {' | '.join(inits)}}}")
+        if ins.get("init", InsertInit.PROJECTED) not in inits:
+            raise ConfigError(f"{where}: key 'insert.init': {ins['init']!r}; expected one of {', '.join(inits)}")
+        if spec.get("ffn", "dense") != "stem":
+            raise ConfigError(f"{where}: key 'ffn': {spec.get('ffn', 'dense')!r}; an insertion builds ffn kind 'stem'")
+        src = variant(self.raw_overrides(), ins["from"])
+        if src is None:
+            raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} is not a variant of config/variants.yaml; "
+                              f"expected a dense one")
+        if src.get("ffn", "dense") != "dense" or src.get("dse") is not None:
+            what = f"ffn {src['ffn']!r}" if src.get("ffn", "dense") != "dense" else "a DSE memory"
+            raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} has {what}; expected a dense variant "
+                              "(the insertion builds the STEM tables from its dense up-projections)")
+
+    def _check_cell(self, scale: Scale, m: MatrixEntry):
+        """A matrix entry's scale has an arch and a tokenizer; each of its stages is defined, starts from an
+        earlier one, fits the model's context; an inserted variant's source is in the matrix."""
+        for what in ("archs", "tokenizer"):
+            fail(scale in getattr(self, what), f"{what}.{scale}", f"missing (scale {scale} is in the matrix)")
+        for v in m.seeds if isinstance(m.seeds, dict) else ():
+            fail(v in m.variants, f"matrix.{scale}.seeds.{v}",
+                 f"{v!r} is not one of matrix.{scale}.variants ({', '.join(m.variants)})")
+        for stage in m.stages:
+            spec = self.stages.get(stage, {}).get(scale)
+            where = f"stages.{stage}.{scale}"
+            fail(spec is not None, where, f"missing (listed in matrix.{scale}.stages)")
+            init = spec.init_from
+            fail(init is None or isinstance(init, HFInit) or (init in m.stages and m.stages.index(init) <
+                                                              m.stages.index(stage)),
+                 f"{where}.init_from", f"{init!r} must be an earlier stage of matrix.{scale}.stages {list(m.stages)}")
+            for v in m.variants:   # a mid-training insertion starts from a matrix variant's earlier stage
+                vspec = variant(self.raw_overrides(), v) or {}
+                ins, v_init = vspec.get("insert"), (vspec.get("stage") or {}).get("init_from", init)
+                fail(not (ins and ins["stage"] == stage and (not v_init or (not isinstance(v_init, (dict, HFInit))
+                                                                            and ins["from"] not in m.variants))),
+                     f"matrix.{scale}.variants", f"{v} is inserted into {ins and ins['from']!r} at {stage}; expected "
+                     f"{ins and ins['from']!r} in the matrix and stages.{stage}.{scale}.init_from an earlier stage "
+                     "(or {hf: ...})")
+            max_len = spec.max_seq_len or self.archs[scale].max_seq_len
+            fail(spec.seq_len <= max_len, f"{where}.seq_len", f"{spec.seq_len} exceeds the model's max_seq_len "
+                 f"{max_len} (set max_seq_len and a rope_scaling for the stage)")
+
+
+def _check_dse(where: str, dse):
+    if not isinstance(dse, dict):
+        raise ConfigError(f"{where}: key 'dse': {dse!r}; expected a mapping (placement, orders, heads, ...)")
+    fields = {k: tuple(v) if k == "orders" and isinstance(v, list) else v for k, v in dse.items() if k != "placement"}
+    known = [f for f in DSEConfig.__dataclass_fields__ if f != "layers"]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: key 'dse.{unknown[0]}': unknown; expected placement or one of {', '.join(known)}")
+    try:
+        DSEConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: key {str(e).split('=')[0]!r}: {e}") from None
+
+
+def dataclass_mapping(obj) -> dict:
+    """A node as the mapping the config writes (unset keys left out)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: dataclass_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if getattr(obj, f.name) is not None}
+    if isinstance(obj, dict):
+        return {k: dataclass_mapping(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return [dataclass_mapping(v) for v in obj]
+    return obj
+
+
+# ---- reading a config ----------------------------------------------------------------------------------
+def parse(cfg: dict, origin: str = "config") -> Experiment:
+    """The typed tree of an experiment config mapping; one ``ConfigError`` line ``{origin}: key '...': ...``
+    for the first problem. The config's plugin modules are imported first (they register the FFN kinds,
+    suite kinds, analyses and generators the config may name)."""
+    try:
+        mods = convert(tuple[str, ...], cfg.get("plugins") or (), "plugins") if isinstance(cfg, dict) else ()
+        try:
+            plugins.load(mods, origin=f"{origin}: key 'plugins'")
+        except ValueError as e:
+            raise ConfigError(str(e).removeprefix(f"{origin}: ")) from None
+        tree = node(Experiment, cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{origin}: {e}") from None
+    if tree.sweeps is not None:   # the DSE paper's Sec. 3 sweeps: every point builds (stem.sweeps reads the mapping)
+        sweeps.validate(cfg, origin)
+    return tree
+
+
+def load(path) -> Experiment:
+    return parse(read_yaml(path), origin=str(path))
