@@ -14,7 +14,7 @@ rule bench_offload:
     input:
         checkpoint=L.checkpoint("{experiment}", "350m", "stem", "pretrain"),
         tokens=lambda w: [L.tokens_manifest(w.experiment, "350m", src)
-                          for src in C.train_spec(config, "350m", "stem", "pretrain")["data"]],
+                          for src in C.train_spec(EXPERIMENT, "350m", "stem", "pretrain")["data"]],
     output:
         json=L.offload_file("{experiment}", "json"),
         md=L.offload_file("{experiment}", "md"),
@@ -34,7 +34,7 @@ rule bench_offload_variant:
     input:
         checkpoint=L.checkpoint("{experiment}", "350m", "{variant}", "pretrain"),
         tokens=lambda w: [L.tokens_manifest(w.experiment, "350m", src)
-                          for src in C.train_spec(config, "350m", w.variant, "pretrain")["data"]],
+                          for src in C.train_spec(EXPERIMENT, "350m", w.variant, "pretrain")["data"]],
     output:
         json=L.offload_file("{experiment}", "json", "{variant}"),
         md=L.offload_file("{experiment}", "md", "{variant}"),

@@ -7,12 +7,12 @@ from stem import config as C  # noqa: E402
 from stem import layout as L  # noqa: E402  (every path of the workflow)
 from stem.train.plan import cluster_train  # noqa: E402  (torch-free: a training job's nodes and GPUs)
 
-try:  # the typed tree (stem.experiment): types, ranges, cross-references; one line naming the key
-    C.validate_experiment(config, origin="workflow config")
+try:  # the typed tree (stem.experiment), built once: types, ranges, cross-references; one line naming the key
+    EXPERIMENT = C.experiment.parse(config, origin="workflow config")
 except C.ConfigError as e:
     raise WorkflowError(str(e))
 
-EXP = config["experiment"]
+EXP = EXPERIMENT.experiment
 ENV = "../environment.yml"
 
 
@@ -30,7 +30,7 @@ def as_json(obj):
 
 
 def train_outputs():
-    return [L.summary(EXP, s, v, st) for s, v, st in C.train_targets(config) + C.seed_targets(config)]
+    return [L.summary(EXP, s, v, st) for s, v, st in C.train_targets(EXPERIMENT) + C.seed_targets(EXPERIMENT)]
 
 
 def params_tables():
@@ -39,7 +39,7 @@ def params_tables():
 
 def train_inputs(w):
     """Tokenizer, token shards of the stage's mixture, and the previous stage's checkpoint (if any)."""
-    spec = C.train_spec(config, w.scale, w.variant, w.stage)
+    spec = C.train_spec(EXPERIMENT, w.scale, w.variant, w.stage)
     inputs = {"tokenizer": spec["tokenizer"]}
     inputs.update({f"tokens_{src}": L.tokens_manifest(EXP, w.scale, src) for src in spec["data"]})
     if spec["init_from"] and not spec["init_from"].startswith(C.HF_PREFIX):   # hf: read when the job starts
@@ -78,7 +78,7 @@ def state_bytes(scale, variant, stage):
     (stem.checkpoint / distributed.save_state; DCP writes the same total, shared over the ranks)."""
     from stem.models.config import ModelConfig, param_count   # torch-free: the closed form
 
-    model = C.train_spec(config, scale, variant, stage)["model"]
+    model = C.train_spec(EXPERIMENT, scale, variant, stage)["model"]
     n = param_count(ModelConfig.from_dict(model))
     if n is None:  # an FFN kind registered without its `params` (stem.models.registry.FFNFacts): build it
         from stem.models.model import meta_model

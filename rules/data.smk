@@ -5,7 +5,7 @@ rule corpus:
     output:
         L.corpus_path("{experiment}", "{source}"),
     params:
-        spec=lambda w: as_json(C.corpus_spec(config, w.source)),
+        spec=lambda w: as_json(C.corpus_spec(EXPERIMENT, w.source)),
     log:
         L.corpus_log("{experiment}", "{source}"),
     conda:
@@ -16,11 +16,11 @@ rule corpus:
 
 rule tokenizer:
     input:
-        lambda w: [p for s in config["tokenizer"][w.scale].get("sources", []) for p in C.source_inputs(config, s)],
+        lambda w: [p for s in EXPERIMENT.tokenizer[w.scale].sources or [] for p in C.source_inputs(EXPERIMENT, s)],
     output:
         L.tokenizer_path("{experiment}", "{scale}"),
     params:
-        spec=lambda w: as_json(C.tokenizer_spec(config, w.scale)),
+        spec=lambda w: as_json(C.tokenizer_spec(EXPERIMENT, w.scale)),
     log:
         L.tokenizer_log("{experiment}", "{scale}"),
     conda:
@@ -36,14 +36,14 @@ rule tokenizer:
 rule tokenize_part:
     input:
         tokenizer=L.tokenizer_path("{experiment}", "{scale}"),
-        documents=lambda w: C.source_inputs(config, w.source),
+        documents=lambda w: C.source_inputs(EXPERIMENT, w.source),
     output:
         directory(L.tokens_part_dir("{experiment}", "{scale}", "{source}", "{part}")),
     params:
-        spec=lambda w: as_json(C.tokenize_spec(config, w.scale, w.source, w.part)),
-    threads: ((config.get("cluster") or {}).get("tokenize") or {}).get("cpus", 2)
+        spec=lambda w: as_json(C.tokenize_spec(EXPERIMENT, w.scale, w.source, w.part)),
+    threads: EXPERIMENT.cluster.job("tokenize").cpus or 2
     resources:
-        **{k: v for k, v in ((config.get("cluster") or {}).get("tokenize") or {}).items() if k in ("mem_mb", "runtime")},
+        **EXPERIMENT.cluster.job("tokenize").size(),
     log:
         L.tokenize_log("{experiment}", "{scale}", "{source}", "{part}"),
     conda:
@@ -55,7 +55,7 @@ rule tokenize_part:
 
 rule tokenize_gather:
     input:
-        lambda w: [L.tokens_part_dir(EXP, w.scale, w.source, p) for p in C.part_names(config, w.source)],
+        lambda w: [L.tokens_part_dir(EXP, w.scale, w.source, p) for p in C.part_names(EXPERIMENT, w.source)],
     output:
         L.tokens_manifest("{experiment}", "{scale}", "{source}"),
     params:

@@ -30,7 +30,7 @@ rule train:
     wildcard_constraints:
         scale=_scales_regex(multinode=False),
     params:
-        spec=lambda w: as_json(C.train_spec(config, w.scale, w.variant, w.stage)),
+        spec=lambda w: as_json(C.train_spec(EXPERIMENT, w.scale, w.variant, w.stage)),
         gpus_per_node=lambda w: cluster_resources("train", w.scale).get("gpu", 0),
         stop_grace=lambda w: stop_warning_seconds(w.scale, w.variant, w.stage),
     threads: lambda w: cluster_resources("train", w.scale)["cpus_per_task"]
@@ -54,7 +54,7 @@ use rule train as train_multinode with:
     wildcard_constraints:
         scale=_scales_regex(multinode=True),
     params:
-        spec=lambda w: as_json(C.train_spec(config, w.scale, w.variant, w.stage)),
+        spec=lambda w: as_json(C.train_spec(EXPERIMENT, w.scale, w.variant, w.stage)),
         gpus_per_node=lambda w: _train_setting(w.scale, "gpus_per_node"),
         stop_grace=lambda w: stop_warning_seconds(w.scale, w.variant, w.stage),
     resources:

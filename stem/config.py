@@ -9,13 +9,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 from stem import experiment, plugins, seeds, sweeps
+from stem.experiment import Experiment, Source
+from stem.experiment import dataclass_mapping as mapping
 from stem.io import ConfigError, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
-from stem.io import deep_merge as _deep_merge
+from stem.io import deep_merge
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import GGUF_SEP, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
-from stem.experiment import Train
 from stem.models.config import model_config
-from stem.options import Scale, Stage, values
+from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
 from stem.specs import TrainSpec
 from stem.sweeps import is_sweep_id
 
@@ -35,19 +36,25 @@ def validate_experiment(cfg: dict, origin: str = "config") -> dict:
     return cfg
 
 
+# The resolvers below take the typed tree (stem.experiment.Experiment) or, from the modules not yet handed
+# the tree, its mapping (stem.experiment.of: parsed once per mapping).
+Config = Experiment | dict
+
+
 # ---- variants and models -------------------------------------------------------------------------
-def variant_spec(cfg: dict, variant: str) -> dict:
+def variant_spec(cfg: Config, variant: str) -> dict:
     """A variant's spec: one of config/variants.yaml (with variant_overrides), or a point of the config's
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
     it overrides)."""
-    all_variants = variants(cfg)
+    exp = experiment.of(cfg)
+    all_variants = exp.variants()
     base, k = seeds.split(variant)   # a seed of a matrix cell (stem.seeds): the variant's own spec
     if k and base in all_variants:
         return all_variants[base]
     if variant in all_variants:
         return all_variants[variant]
-    if cfg.get("sweeps") and sweeps.is_sweep_id(variant):
-        points = sweeps.variant_specs(cfg)
+    if exp.sweeps and sweeps.is_sweep_id(variant):
+        points = sweeps.variant_specs(exp.mapping)
         if variant in points:
             return points[variant]
         raise ConfigError(f"variant {variant!r}: not a point of the config's sweeps: section (expected one of "
@@ -80,14 +87,13 @@ def variant_colors(cfg: dict | None = None) -> dict[str, str]:
     return {name: color for name, color in _presentation(cfg, "color").items() if color}
 
 
-def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):
-    arch = dict(cfg["archs"][scale])
-    if stage is not None:
-        spec = cfg["stages"][stage][scale]
-        for key in ("max_seq_len", "rope_scaling"):
-            if key in spec:
-                arch[key] = spec[key]
-    spec = {k: v for k, v in variant_spec(cfg, variant).items() if k != "stage"}
+def model_config_for(cfg: Config, scale: str, variant: str, stage: str | None = None):
+    exp = experiment.of(cfg)
+    arch = mapping(exp.archs[scale])
+    if stage is not None:   # a stage's longer context
+        st = exp.stages[stage][scale]
+        arch.update({k: mapping(getattr(st, k)) for k in ("max_seq_len", "rope_scaling") if getattr(st, k) is not None})
+    spec = {k: v for k, v in variant_spec(exp, variant).items() if k != "stage"}
     return model_config(arch, spec)
 
 
@@ -96,21 +102,27 @@ def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = No
 TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample", "val_fraction")
 
 
-def source_of(cfg: dict, source: str) -> dict:
+def source_of(cfg: Config, source: str) -> Source:
     """The config's ``sources.<source>``; a source it does not define (e.g. a target path naming one) is one line
     naming it and the defined ones."""
-    if source not in cfg["sources"]:
-        raise ConfigError(f"source {source!r}: not defined in the {cfg['experiment']} config's sources; expected one "
-                          f"of {sorted(cfg['sources'])}")
-    return cfg["sources"][source]
+    exp = experiment.of(cfg)
+    if source not in exp.sources:
+        raise ConfigError(f"source {source!r}: not defined in the {exp.experiment} config's sources; expected one "
+                          f"of {sorted(exp.sources)}")
+    return exp.sources[source]
 
 
-def source_parts(cfg: dict, source: str) -> int:
+def source_mapping(src: Source) -> dict:
+    """A source as the config writes it (its reader's keys beside the typed ones)."""
+    return {k: v for k, v in {**mapping(src), **src.reader}.items() if k != "reader"}
+
+
+def source_parts(cfg: Config, source: str) -> int:
     """How many scattered tokenize jobs a source is split into (`parts`, default 1)."""
-    return int(source_of(cfg, source).get("parts", 1))
+    return int(source_of(cfg, source).parts or 1)
 
 
-def part_names(cfg: dict, source: str) -> list[str]:
+def part_names(cfg: Config, source: str) -> list[str]:
     return list(_part_names(source_parts(cfg, source)))
 
 
@@ -119,7 +131,7 @@ def _part_names(n: int) -> tuple[str, ...]:
     return tuple(f"part{k:05d}-of-{n:05d}" for k in range(n))
 
 
-def part_index(cfg: dict, source: str, part: str) -> tuple[int, int]:
+def part_index(cfg: Config, source: str, part: str) -> tuple[int, int]:
     """(k, n) of a part name of a source; a one-line error for a name that is not one of its parts."""
     n = source_parts(cfg, source)
     k = int(part[4:9]) if len(part) == 18 and part.startswith("part") else -1
@@ -129,51 +141,70 @@ def part_index(cfg: dict, source: str, part: str) -> tuple[int, int]:
 
 
 # ---- job specs -----------------------------------------------------------------------------------
-def variant_stages(cfg: dict, name: str, stages: list[str]) -> list[str]:
+def variant_stages(cfg: Config, name: str, stages) -> list[str]:
     """The stages a variant trains: all, except for a mid-training insertion (``insert:``), which starts at
     ``insert.stage`` (from another variant's checkpoint of the stage before)."""
-    ins = (variant(cfg, name) or {}).get("insert")
+    ins = (experiment.of(cfg).variant(name) or {}).get("insert")
     return list(stages[stages.index(ins["stage"]):]) if ins and ins["stage"] in stages else list(stages)
 
 
-def train_targets(cfg: dict) -> list[tuple[str, str, str]]:
-    return [(scale, v, stage) for scale, m in cfg["matrix"].items() for v in m["variants"]
-            for stage in variant_stages(cfg, v, m["stages"])]
+def train_targets(cfg: Config) -> list[tuple[str, str, str]]:
+    exp = experiment.of(cfg)
+    return [(scale, v, stage) for scale, m in exp.matrix.items() for v in m.variants
+            for stage in variant_stages(exp, v, m.stages)]
 
 
-def seed_targets(cfg: dict) -> list[tuple[str, str, str]]:
+def seed_targets(cfg: Config) -> list[tuple[str, str, str]]:
     """The training jobs of seeds beyond the matrix's own (stem.seeds): (scale, '{variant}_seed{k}', stage)."""
-    return [(scale, seeds.seed_id(v, k), stage) for scale, m in cfg["matrix"].items() for v in m["variants"]
-            for k in seeds.seeds_of(cfg, scale, v) if k for stage in variant_stages(cfg, v, m["stages"])]
+    exp = experiment.of(cfg)
+    return [(scale, seeds.seed_id(v, k), stage) for scale, m in exp.matrix.items() for v in m.variants
+            for k in exp.seeds_of(scale, v) if k for stage in variant_stages(exp, v, m.stages)]
 
 
-def train_job(cfg: dict, scale: str, variant: str, stage: str):
-    """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
+def _seed_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpec:
+    """Seed k of a matrix cell (stem.seeds): the cell's spec, its own seed and folder."""
     base, k = seeds.split(variant)
-    if k:   # seed k of a matrix cell (stem.seeds): the cell's spec, its own seed and folder
-        if k not in seeds.seeds_of(cfg, scale, base):
-            raise ConfigError(f"variant {variant!r}: seed {k} of {base!r} at {scale} is not asked for by the "
-                              f"{cfg['experiment']} config (seeds: {seeds.seeds_of(cfg, scale, base)})")
-        d = train_job(cfg, scale, base, stage).to_dict()
-        init = d.get("init_stage")
-        return TrainSpec.from_dict({**d, "variant": variant, "seed": cfg["seed"] + k,
-                                    "out_dir": stage_dir(cfg["experiment"], scale, variant, stage),
-                                    "init_from": checkpoint(cfg["experiment"], scale, variant, init) if init else None})
-    exp = cfg["experiment"]
-    point = is_sweep_id(variant)   # a sweep point: trained at sweeps.scale / sweeps.stage, matrix or not
-    if not point and (scale not in cfg["matrix"] or stage not in cfg["matrix"][scale]["stages"]):
-        raise ConfigError(f"stage {stage!r} at scale {scale!r} is not in the {exp} experiment's matrix")
-    if not point and stage not in variant_stages(cfg, variant, cfg["matrix"][scale]["stages"]):
-        raise ConfigError(f"variant {variant!r}: inserted at stage {variant_spec(cfg, variant)['insert']['stage']!r}; "
+    if k not in exp.seeds_of(scale, base):
+        raise ConfigError(f"variant {variant!r}: seed {k} of {base!r} at {scale} is not asked for by the "
+                          f"{exp.experiment} config (seeds: {exp.seeds_of(scale, base)})")
+    d = train_job(exp, scale, base, stage).to_dict()
+    init = d.get("init_stage")
+    return TrainSpec.from_dict({**d, "variant": variant, "seed": exp.seed + k,
+                                "out_dir": stage_dir(exp.experiment, scale, variant, stage),
+                                "init_from": checkpoint(exp.experiment, scale, variant, init) if init else None})
+
+
+def _check_job(exp: Experiment, scale: str, variant: str, stage: str):
+    """The job is one of the matrix (a variant's own stages) or a point of the sweeps (at its scale and stage)."""
+    m, sw = exp.matrix.get(scale), exp.sweeps
+    if is_sweep_id(variant):
+        if (scale, stage) != (sw and sw.scale, sw and sw.stage):
+            raise ConfigError(f"variant {variant!r}: a sweep point, trained at sweeps.scale / sweeps.stage "
+                              f"({sw and sw.scale} / {sw and sw.stage}), not at {scale} / {stage}")
+    elif m is None or stage not in m.stages:
+        raise ConfigError(f"stage {stage!r} at scale {scale!r} is not in the {exp.experiment} experiment's matrix")
+    elif stage not in variant_stages(exp, variant, m.stages):
+        raise ConfigError(f"variant {variant!r}: inserted at stage {variant_spec(exp, variant)['insert']['stage']!r}; "
                           f"it has no {stage!r} stage of its own")
-    sw = cfg.get("sweeps") or {}
-    if point and (scale, stage) != (sw.get("scale"), sw.get("stage")):
-        raise ConfigError(f"variant {variant!r}: a sweep point, trained at sweeps.scale / sweeps.stage "
-                          f"({sw.get('scale')} / {sw.get('stage')}), not at {scale} / {stage}")
-    vspec = variant_spec(cfg, variant)
-    st = {**cfg["stages"][stage][scale], **vspec.get("stage", {})}   # a sweep point's settings (sweeps.train)
-    init = st.pop("init_from", None)
-    data = st.pop("data")
+
+
+def _init_from(exp: Experiment, scale: str, variant: str, init, ins) -> str | None:
+    """The job spec's init_from: a transformers checkpoint (stem.hf; a GGUF file in it), the checkpoint of an
+    earlier stage (of the dense variant an insertion starts from), or None."""
+    if isinstance(init, dict):
+        return HF_PREFIX + init["hf"] + (GGUF_SEP + init["gguf_file"] if init.get("gguf_file") else "")
+    return checkpoint(exp.experiment, scale, ins["from"] if ins else variant, init) if init else None
+
+
+def train_job(cfg: Config, scale: str, variant: str, stage: str) -> TrainSpec:
+    """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
+    exp = experiment.of(cfg)
+    if seeds.split(variant)[1]:
+        return _seed_job(exp, scale, variant, stage)
+    _check_job(exp, scale, variant, stage)
+    point, vspec = is_sweep_id(variant), variant_spec(exp, variant)
+    st = {**mapping(exp.stages[stage][scale]), **vspec.get("stage", {})}   # a sweep point's (sweeps.train)
+    init, data = st.pop("init_from", None), st.pop("data")
     table_group = st.pop("table_group", None)   # this stage's table-group LR multiplier / weight decay
     ins = vspec.get("insert") if not point and stage == (vspec.get("insert") or {}).get("stage") else None
     if ins is not None and (not init or st.get("reset_optimizer") is False):
@@ -181,88 +212,85 @@ def train_job(cfg: dict, scale: str, variant: str, stage: str):
                           "earlier stage of the dense variant, or {hf: ...}) and a fresh optimizer (reset_optimizer: true)")
     for key in ("max_seq_len", "rope_scaling"):
         st.pop(key, None)
-    train = {**experiment.node(Train, cfg.get("train", {}), "train").settings(), **st}
+    train = {**exp.train.settings(), **st}
     # reset_optimizer (default true): false carries the optimizer state of init_from's stage, which then
     # saves it in its checkpoint (checkpoint/optimizer/)
     train["reset_optimizer"] = bool(st.get("reset_optimizer", True)) if init else True
-    train["save_optimizer"] = not point and any(cfg["stages"][s][scale].get("init_from") == stage
-                                                and not cfg["stages"][s][scale].get("reset_optimizer", True)
-                                                for s in cfg["matrix"][scale]["stages"])
-    train["parallel"] = (cfg.get("cluster") or {}).get("strategy", "fsdp")   # the backbone's, under torchrun
-    train["tables"] = (cfg.get("cluster") or {}).get("tables", "fsdp")       # the lookup tables', likewise
-    if (cfg.get("cluster") or {}).get("fit_memory"):   # the plan picks a micro-batch / checkpointing / host tables that fit
-        train["fit_gib"] = cfg["cluster"]["gpu_mem_gib"]
-    optim = _deep_merge(cfg["optim"], vspec.get("optim", {}))   # a variant may set e.g. table_update
+    train["save_optimizer"] = not point and any(
+        exp.stages[s][scale].init_from == stage and exp.stages[s][scale].reset_optimizer is False
+        for s in exp.matrix[scale].stages)
+    train["parallel"], train["tables"] = exp.cluster.strategy, exp.cluster.tables   # backbone's, tables' (torchrun)
+    if exp.cluster.fit_memory:   # the plan picks a micro-batch / checkpointing / host tables that fit
+        train["fit_gib"] = exp.cluster.gpu_mem_gib
+    optim = deep_merge(mapping(exp.optim), vspec.get("optim", {}))   # a variant may set e.g. table_update
     if table_group:
-        optim = _deep_merge(optim, {"groups": {"table": table_group}})
-    extra = {} if ins is None else {"insert": {"from": ins["from"], "init": ins.get("init", "projected")}}
+        optim = deep_merge(optim, {"groups": {"table": table_group}})
+    extra = {} if ins is None else {"insert": {"from": ins["from"], "init": ins.get("init", InsertInit.PROJECTED)}}
     return TrainSpec.from_dict({**extra,
-        "experiment": exp, "scale": scale, "variant": variant, "stage": stage,
-        "seed": cfg["seed"], "device": cfg["device"],
-        "model": model_config_for(cfg, scale, variant, stage).to_dict(),
-        "optim": optim,
-        "train": train,
-        "data": {src: {"weight": w, "manifest": tokens_manifest(exp, scale, src)} for src, w in data.items()},
-        "tokenizer": tokenizer_path(exp, scale),
-        "init_from": (HF_PREFIX + init["hf"] + (GGUF_SEP + init["gguf_file"] if init.get("gguf_file") else "")
-                      if isinstance(init, dict)   # a transformers checkpoint (stem.hf), or a GGUF file in it
-                      else checkpoint(exp, scale, ins["from"] if ins else variant, init) if init else None),
+        "experiment": exp.experiment, "scale": scale, "variant": variant, "stage": stage,
+        "seed": exp.seed, "device": exp.device,
+        "model": model_config_for(exp, scale, variant, stage).to_dict(),
+        "optim": optim, "train": train,
+        "data": {src: {"weight": w, "manifest": tokens_manifest(exp.experiment, scale, src)} for src, w in data.items()},
+        "tokenizer": tokenizer_path(exp.experiment, scale),
+        "init_from": _init_from(exp, scale, variant, init, ins),
         "init_stage": None if isinstance(init, dict) else init,
-        "out_dir": stage_dir(exp, scale, variant, stage),
-        **plugins.spec_key(cfg),
+        "out_dir": stage_dir(exp.experiment, scale, variant, stage),
+        **plugins.spec_key(exp),
     })
 
 
-def train_spec(cfg: dict, scale: str, variant: str, stage: str) -> dict:
+def train_spec(cfg: Config, scale: str, variant: str, stage: str) -> dict:
     """The JSON form of ``train_job``: what the train rule passes to its job (``--spec``)."""
     return train_job(cfg, scale, variant, stage).to_dict()
 
 
-def corpus_spec(cfg: dict, source: str) -> dict:
-    src = source_of(cfg, source)
-    if src["kind"] != "synth":
+def corpus_spec(cfg: Config, source: str) -> dict:
+    exp, src = experiment.of(cfg), source_of(cfg, source)
+    if src.kind != SourceKind.SYNTH:
         raise ConfigError(f"source {source!r}: no corpus to generate (only kind 'synth' sources have one)")
-    return {"source": source, "world": cfg.get("world", {}), "seed": cfg["seed"], **src, **plugins.spec_key(cfg)}
+    return {"source": source, "world": mapping(exp.world) if exp.world else {}, "seed": exp.seed,
+            **source_mapping(src), **plugins.spec_key(exp)}
 
 
-def documents_spec(cfg: dict, source: str) -> dict:
+def documents_spec(cfg: Config, source: str) -> dict:
     """The reader spec of a source's documents (a synth source is read back from its corpus file)."""
     src = source_of(cfg, source)
-    if src["kind"] == "synth":
-        return {"kind": "files", "paths": [corpus_path(cfg["experiment"], source)], "format": "jsonl"}
-    return {k: v for k, v in src.items() if k not in TOKENIZE_KEYS}
+    if src.kind == SourceKind.SYNTH:
+        return {"kind": "files", "paths": [corpus_path(experiment.of(cfg).experiment, source)], "format": "jsonl"}
+    return {k: v for k, v in source_mapping(src).items() if k not in TOKENIZE_KEYS}
 
 
-def source_inputs(cfg: dict, source: str) -> list[str]:
-    return [corpus_path(cfg["experiment"], source)] if source_of(cfg, source)["kind"] == "synth" else []
+def source_inputs(cfg: Config, source: str) -> list[str]:
+    synth = source_of(cfg, source).kind == SourceKind.SYNTH
+    return [corpus_path(experiment.of(cfg).experiment, source)] if synth else []
 
 
-def tokenizer_spec(cfg: dict, scale: str) -> dict:
-    tok = dict(cfg["tokenizer"][scale])
-    if tok["kind"] == "train_bpe":
+def tokenizer_spec(cfg: Config, scale: str) -> dict:
+    tok = mapping(experiment.of(cfg).tokenizer[scale])
+    if tok["kind"] == TokenizerKind.TRAIN_BPE:
         tok["documents"] = [documents_spec(cfg, s) for s in tok["sources"]]
     return tok
 
 
-def tokenize_spec(cfg: dict, scale: str, source: str, part: str | None = None) -> dict:
+def tokenize_spec(cfg: Config, scale: str, source: str, part: str | None = None) -> dict:
     """Spec of one tokenize job: part k of n of a source (``part`` as named by ``part_names``).
     ``max_tokens`` is split evenly over the parts; ``sample`` is a [lo, hi) range of the per-document
     uniform (or a mapping scale -> range), see stem.data.shards.tokenize_to_shards."""
-    src = source_of(cfg, source)
-    k, n = part_index(cfg, source, part or _part_names(source_parts(cfg, source))[0])
-    sample = src.get("sample")
+    exp, src = experiment.of(cfg), source_of(cfg, source)
+    k, n = part_index(exp, source, part or _part_names(source_parts(exp, source))[0])
+    sample = src.sample
     if isinstance(sample, dict):
         if scale not in sample:
             raise ConfigError(f"key 'sources.{source}.sample': no range for scale {scale!r} (have {sorted(sample)})")
         sample = sample[scale]
-    if sample is not None and src.get("doc_keys", "index") != "content":
+    if sample is not None and src.doc_keys != DocKeys.CONTENT:
         raise ConfigError(f"key 'sources.{source}.sample' needs doc_keys: content (a document's position "
                           "depends on how the source is split into parts)")
-    max_tokens = src.get("max_tokens")
-    return {"documents": documents_spec(cfg, source), "seed": cfg["seed"],
-            "max_tokens": None if max_tokens is None else -(-int(max_tokens) // n),
-            "vocab_size": cfg["archs"][scale]["vocab_size"], "part": [k, n],
-            "doc_keys": src.get("doc_keys", "index"), "sample": sample,
+    return {"documents": documents_spec(exp, source), "seed": exp.seed,
+            "max_tokens": None if src.max_tokens is None else -(-int(src.max_tokens) // n),
+            "vocab_size": exp.archs[scale].vocab_size, "part": [k, n],
+            "doc_keys": src.doc_keys or DocKeys.INDEX, "sample": None if sample is None else list(sample),
             # the held-out share of documents (stem.data.shards.val_mask; only where the source sets it, so the
             # other experiments' job specs stay as they were)
-            **({"val_fraction": src["val_fraction"]} if "val_fraction" in src else {})}
+            **({"val_fraction": src.val_fraction} if src.val_fraction is not None else {})}

@@ -14,6 +14,7 @@ Torch-free (the workflow's DAG build parses the config).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -374,6 +375,10 @@ class Job:
     cpus: int | None = field(default=None, metadata=POSITIVE)
     mem_mb: int | None = field(default=None, metadata=POSITIVE)
 
+    def size(self) -> dict:
+        """The Slurm resources it sets of ``mem_mb`` and ``runtime``."""
+        return {k: getattr(self, k) for k in ("mem_mb", "runtime") if getattr(self, k) is not None}
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -402,6 +407,10 @@ class Cluster:
         for key in ("eval", "cpu"):
             fail(getattr(self, key) is None or getattr(self, key).runtime is not None, f"{key}.runtime",
                  "missing (expected an integer)")
+
+    def job(self, kind: str) -> Job:
+        """The size of a job kind (eval, cpu, tokenize); an unset one is empty."""
+        return getattr(self, kind) or Job()
 
 
 # ---- analyses (rules/analyze.smk, stem/analysis) --------------------------------------------------------
@@ -576,6 +585,8 @@ class Experiment:
     # the config's own plugin modules (stem.plugins): imported before anything is looked up
     plugins: tuple[str, ...] = field(default=(), metadata=matches(MODULE, "importable module names"))
     sweeps: Sweeps | None = None
+    # the mapping it was parsed from, for the modules that still read one (stem.sweeps' points)
+    mapping: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._check_variant_names()
@@ -593,6 +604,24 @@ class Experiment:
             if scale in self.matrix and tok.kind == TokenizerKind.TRAIN_BPE:
                 fail(tok.vocab_size <= self.archs[scale].vocab_size, f"tokenizer.{scale}.vocab_size",
                      f"{tok.vocab_size} exceeds archs.{scale}.vocab_size {self.archs[scale].vocab_size}")
+
+    def variants(self) -> dict[str, dict]:
+        """config/variants.yaml with this config's variant_overrides (copies)."""
+        return variants(self.raw_overrides())
+
+    def variant(self, name: str) -> dict | None:
+        """One variant (None for a name config/variants.yaml does not define)."""
+        return variant(self.raw_overrides(), name)
+
+    def seeds_of(self, scale: str, name: str) -> list[int]:
+        """The seed indices run for one matrix cell (always 0, the matrix's own job; stem.seeds)."""
+        m = self.matrix.get(scale)
+        s = self.seeds if m is None or m.seeds is None else m.seeds
+        s = s.get(name) if isinstance(s, dict) else s
+        return [0] if not s or name not in m.variants else sorted({0, *s})
+
+    def stage(self, stage: str, scale: str) -> StageSettings | None:
+        return self.stages.get(stage, {}).get(scale)
 
     def raw_overrides(self) -> dict:
         """The mapping stem.io.variants reads the overrides from."""
@@ -758,7 +787,25 @@ def parse(cfg: dict, origin: str = "config") -> Experiment:
         raise ConfigError(f"{origin}: {e}") from None
     if tree.sweeps is not None:   # the DSE paper's Sec. 3 sweeps: every point builds (stem.sweeps reads the mapping)
         sweeps.validate(cfg, origin)
+    object.__setattr__(tree, "mapping", cfg)
     return tree
+
+
+_parsed: dict[int, tuple[dict, Experiment]] = {}
+
+
+def of(cfg) -> Experiment:
+    """The tree of a config given as itself or as its mapping (the modules not yet handed the tree pass the
+    mapping): parsed once per mapping, reused while the mapping is unchanged (compared with a snapshot)."""
+    if isinstance(cfg, Experiment):
+        return cfg
+    hit = _parsed.get(id(cfg))
+    if hit is None or hit[0] != cfg:
+        snapshot = copy.deepcopy(cfg)
+        hit = _parsed[id(cfg)] = (snapshot, parse(snapshot))
+        while len(_parsed) > 8:
+            del _parsed[next(iter(_parsed))]
+    return hit[1]
 
 
 def load(path) -> Experiment:

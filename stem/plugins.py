@@ -48,7 +48,8 @@ def load(modules=(), origin: str = "plugins"):
                               "importable from the repository root or PYTHONPATH") from None
 
 
-def spec_key(cfg: dict) -> dict:
-    """What a job spec carries of the config's plugins: ``{"plugins": [...]}``, nothing without any (so the
-    specs of a config without plugins are unchanged)."""
-    return {"plugins": list(cfg["plugins"])} if cfg.get("plugins") else {}
+def spec_key(cfg) -> dict:
+    """What a job spec carries of the config's plugins (``cfg``: the config's typed tree or its mapping):
+    ``{"plugins": [...]}``, nothing without any (so the specs of a config without plugins are unchanged)."""
+    mods = cfg.get("plugins") if isinstance(cfg, dict) else cfg.plugins
+    return {"plugins": list(mods)} if mods else {}

@@ -40,6 +40,7 @@ def make_spec(tiny_data, out_dir, variant="stem", stage="pretrain", data=None, *
     cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
     cfg["archs"]["350m"].update(vocab_size=512, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=48,
                                 max_seq_len=256)
+    cfg["tokenizer"]["350m"]["vocab_size"] = 512
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 24}, "dse": {"dse": {"rows_per_head": 101, "d_mem": 16, "heads": 2}}}
     spec = C.train_spec(cfg, "350m", variant, "pretrain")
     spec["stage"] = stage
