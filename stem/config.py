@@ -46,15 +46,15 @@ def variant_spec(cfg: Config, variant: str) -> dict:
     """A variant's spec: one of config/variants.yaml (with variant_overrides), or a point of the config's
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
     it overrides)."""
-    exp = experiment.of(cfg)
-    all_variants = exp.variants()
+    cfg = cfg.mapping if isinstance(cfg, Experiment) else cfg   # a job's part of a config (the report's) too
+    all_variants = variants(cfg)
     base, k = seeds.split(variant)   # a seed of a matrix cell (stem.seeds): the variant's own spec
     if k and base in all_variants:
         return all_variants[base]
     if variant in all_variants:
         return all_variants[variant]
-    if exp.sweeps and sweeps.is_sweep_id(variant):
-        points = sweeps.variant_specs(exp.mapping)
+    if cfg.get("sweeps") and sweeps.is_sweep_id(variant):
+        points = sweeps.variant_specs(cfg)
         if variant in points:
             return points[variant]
         raise ConfigError(f"variant {variant!r}: not a point of the config's sweeps: section (expected one of "
@@ -88,12 +88,14 @@ def variant_colors(cfg: dict | None = None) -> dict[str, str]:
 
 
 def model_config_for(cfg: Config, scale: str, variant: str, stage: str | None = None):
-    exp = experiment.of(cfg)
-    arch = mapping(exp.archs[scale])
-    if stage is not None:   # a stage's longer context
-        st = exp.stages[stage][scale]
-        arch.update({k: mapping(getattr(st, k)) for k in ("max_seq_len", "rope_scaling") if getattr(st, k) is not None})
-    spec = {k: v for k, v in variant_spec(exp, variant).items() if k != "stage"}
+    """The ModelConfig of a variant at a scale (and a stage's context); ``cfg`` may be a job's part of a
+    config mapping (the report's: experiment, archs, variant_overrides)."""
+    cfg = cfg.mapping if isinstance(cfg, Experiment) else cfg
+    arch = dict(cfg["archs"][scale])
+    if stage is not None:
+        spec = cfg["stages"][stage][scale]
+        arch.update({key: spec[key] for key in ("max_seq_len", "rope_scaling") if key in spec})
+    spec = {k: v for k, v in variant_spec(cfg, variant).items() if k != "stage"}
     return model_config(arch, spec)
 
 
