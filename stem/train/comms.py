@@ -263,7 +263,7 @@ def experiment(cfg: dict, jobs, gpus: int | None = None, strategy: str | None = 
     from stem.models.model import build_model
     from stem.train.memtrace import job as traced_job
     from stem.train.plan import job_layout
-    strategy = strategy or (cfg.get("cluster") or {}).get("strategy", "fsdp")
+    strategy = strategy or C.experiment.of(cfg).cluster.strategy
     if tables:
         cfg = {**cfg, "cluster": {**(cfg.get("cluster") or {}), "tables": tables}}
     rows = []

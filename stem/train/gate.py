@@ -23,15 +23,15 @@ def gpu_jobs(cfg: dict, only=None) -> list[tuple[str, str, str]]:
 def check(cfg: dict, cache_dir, workers: int = 1, only=None) -> list[str]:
     """One line per GPU training job (of ``only``, a set of (scale, variant, stage), if given) whose traced
     peak exceeds ``cluster.gpu_mem_gib``; none if that is unset."""
-    cluster = cfg.get("cluster") or {}
-    limit, jobs = cluster.get("gpu_mem_gib"), gpu_jobs(cfg, only)
+    cluster = C.experiment.of(cfg).cluster
+    limit, jobs = cluster.gpu_mem_gib, gpu_jobs(cfg, only)
     if limit is None or not jobs:
         return []
     # torch-level, imported only when there is something to trace: the workflow's onstart imports this module
     # on every run (the tiny DAG has no GPU job)
     from stem.models.model import build_model
     from stem.train import memtrace
-    strategy = cluster.get("strategy", "fsdp")
+    strategy = cluster.strategy
     opts = [memtrace.options(C.train_spec(cfg, *j), job_layout(cfg, j[0])[0], strategy) for j in jobs]
     traces = memtrace.traced([(spec, run) for spec, (_, run), _ in opts], cache_dir, workers)
     out = []
