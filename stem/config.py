@@ -160,15 +160,15 @@ def seed_targets(cfg: Config) -> list[tuple[str, str, str]]:
     """The training jobs of seeds beyond the matrix's own (stem.seeds): (scale, '{variant}_seed{k}', stage)."""
     exp = experiment.of(cfg)
     return [(scale, seeds.seed_id(v, k), stage) for scale, m in exp.matrix.items() for v in m.variants
-            for k in exp.seeds_of(scale, v) if k for stage in variant_stages(exp, v, m.stages)]
+            for k in seeds.seeds_of(exp.mapping, scale, v) if k for stage in variant_stages(exp, v, m.stages)]
 
 
 def _seed_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpec:
     """Seed k of a matrix cell (stem.seeds): the cell's spec, its own seed and folder."""
     base, k = seeds.split(variant)
-    if k not in exp.seeds_of(scale, base):
+    if k not in seeds.seeds_of(exp.mapping, scale, base):
         raise ConfigError(f"variant {variant!r}: seed {k} of {base!r} at {scale} is not asked for by the "
-                          f"{exp.experiment} config (seeds: {exp.seeds_of(scale, base)})")
+                          f"{exp.experiment} config (seeds: {seeds.seeds_of(exp.mapping, scale, base)})")
     d = train_job(exp, scale, base, stage).to_dict()
     init = d.get("init_stage")
     return TrainSpec.from_dict({**d, "variant": variant, "seed": exp.seed + k,

@@ -599,7 +599,7 @@ class Experiment:
             fail(name in ANALYSES, f"analysis.{name}", f"unknown analysis; expected stages or one of "
                  f"{', '.join(ANALYSES)}")
             fail(isinstance(spec, dict), f"analysis.{name}", f"{spec!r}; expected a mapping")
-        for name, spec in variants(self.raw_overrides()).items():
+        for name, spec in self.variants().items():
             self._check_variant(name, spec)
         for scale, m in self.matrix.items():
             self._check_cell(scale, m)
@@ -610,29 +610,15 @@ class Experiment:
 
     def variants(self) -> dict[str, dict]:
         """config/variants.yaml with this config's variant_overrides (copies)."""
-        return variants(self.raw_overrides())
+        return variants({"variant_overrides": self.variant_overrides})
 
     def variant(self, name: str) -> dict | None:
         """One variant (None for a name config/variants.yaml does not define)."""
-        return variant(self.raw_overrides(), name)
-
-    def seeds_of(self, scale: str, name: str) -> list[int]:
-        """The seed indices run for one matrix cell (always 0, the matrix's own job; stem.seeds)."""
-        m = self.matrix.get(scale)
-        s = self.seeds if m is None or m.seeds is None else m.seeds
-        s = s.get(name) if isinstance(s, dict) else s
-        return [0] if not s or name not in m.variants else sorted({0, *s})
-
-    def stage(self, stage: str, scale: str) -> StageSettings | None:
-        return self.stages.get(stage, {}).get(scale)
-
-    def raw_overrides(self) -> dict:
-        """The mapping stem.io.variants reads the overrides from."""
-        return {"variant_overrides": self.variant_overrides}
+        return variant({"variant_overrides": self.variant_overrides}, name)
 
     def _check_variant_names(self):
         """Every variant the config names is one of config/variants.yaml."""
-        known = variants(self.raw_overrides())
+        known = self.variants()
         named = [(f"matrix.{s}.variants", v) for s, m in self.matrix.items() for v in m.variants]
         named += [(f"variant_overrides.{v}", v) for v in self.variant_overrides]
         named += [(f"analysis.{a}.baseline", spec.baseline) for a, spec in self.analyses().items()
@@ -710,7 +696,7 @@ class Experiment:
             raise ConfigError(f"{where}: key 'insert.init': {ins['init']!r}; expected one of {', '.join(inits)}")
         if spec.get("ffn", "dense") != "stem":
             raise ConfigError(f"{where}: key 'ffn': {spec.get('ffn', 'dense')!r}; an insertion builds ffn kind 'stem'")
-        src = variant(self.raw_overrides(), ins["from"])
+        src = self.variant(ins["from"])
         if src is None:
             raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} is not a variant of config/variants.yaml; "
                               f"expected a dense one")
@@ -736,7 +722,7 @@ class Experiment:
                                                               m.stages.index(stage)),
                  f"{where}.init_from", f"{init!r} must be an earlier stage of matrix.{scale}.stages {list(m.stages)}")
             for v in m.variants:   # a mid-training insertion starts from a matrix variant's earlier stage
-                vspec = variant(self.raw_overrides(), v) or {}
+                vspec = self.variant(v) or {}
                 ins, v_init = vspec.get("insert"), (vspec.get("stage") or {}).get("init_from", init)
                 fail(not (ins and ins["stage"] == stage and (not v_init or (not isinstance(v_init, (dict, HFInit))
                                                                             and ins["from"] not in m.variants))),
