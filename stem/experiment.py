@@ -26,7 +26,7 @@ from enum import StrEnum
 
 from stem import plugins, sweeps
 from stem.fields import FieldError, is_number
-from stem.io import ConfigError, deep_merge, read_yaml, variant, variants
+from stem.io import ConfigError, deep_merge, variant, variants
 from stem.models.config import DSEConfig
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, OptimGroup,
                           RopeKind, RopeRamp, Scale, Schedule, SourceKind, Stage, Strategy, TableInit, TableLayout,
@@ -805,7 +805,3 @@ def of(cfg) -> Experiment:
         while len(_parsed) > 8:
             del _parsed[next(iter(_parsed))]
     return hit[1]
-
-
-def load(path) -> Experiment:
-    return parse(read_yaml(path), origin=str(path))
