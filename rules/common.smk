@@ -91,10 +91,10 @@ def stop_warning_seconds(scale, variant, stage):
     """N of `sbatch --signal=URG@N`: the time to write the state (state bytes / (nodes x the config's
     cluster.state_write_mb_s per node)) plus cluster.stop_margin_s (the step in flight, Slurm's 30 s KillWait
     is not counted on). Slurm sends the warning up to ~60 s early, never late."""
-    cl = config.get("cluster") or {}
+    cl = EXPERIMENT.cluster
     nodes = cluster_resources("train", scale)["nodes"]
-    write = state_bytes(scale, variant, stage) / (nodes * cl.get("state_write_mb_s", 500) * 1e6)
-    n = math.ceil(write) + cl.get("stop_margin_s", 120)
+    write = state_bytes(scale, variant, stage) / (nodes * cl.state_write_mb_s * 1e6)
+    n = math.ceil(write) + cl.stop_margin_s
     runtime_s = 60 * cluster_resources("train", scale)["runtime"]
     if n >= runtime_s:
         raise WorkflowError(f"cluster.train.{scale}.runtime: {runtime_s // 60} min leaves no time to train before "
@@ -103,12 +103,9 @@ def stop_warning_seconds(scale, variant, stage):
     return n
 
 
-def _train_setting(scale, key):
-    return (((config.get("cluster") or {}).get("train") or {}).get(scale) or {}).get(key)
-
-
 def _scales_regex(multinode):
-    scales = [s for s in C.SCALES if ((_train_setting(s, "nodes") or 1) > 1) == multinode]
+    train = EXPERIMENT.cluster.train
+    scales = [s for s in C.SCALES if (s in train and train[s].nodes > 1) == multinode]
     return "|".join(scales) or "(?!)"  # "(?!)" matches nothing
 
 

@@ -55,7 +55,7 @@ use rule train as train_multinode with:
         scale=_scales_regex(multinode=True),
     params:
         spec=lambda w: as_json(C.train_spec(EXPERIMENT, w.scale, w.variant, w.stage)),
-        gpus_per_node=lambda w: _train_setting(w.scale, "gpus_per_node"),
+        gpus_per_node=lambda w: EXPERIMENT.cluster.train[w.scale].gpus_per_node,
         stop_grace=lambda w: stop_warning_seconds(w.scale, w.variant, w.stage),
     resources:
         **{k: _train_res(k) for k in ("nodes", "runtime", "cpus_per_task", "mem_mb", "gres", "tasks", "tasks_per_gpu")},

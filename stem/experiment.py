@@ -391,8 +391,8 @@ class Cluster:
     tables: TableLayout = TrainSettings.tables     # lookup tables: own FSDP units, row-sharded, host memory
     gpu_mem_gib: float | None = field(default=None, metadata=above(0))   # per-GPU budget for a job's traced peak
     fit_memory: bool = False   # true: each job's plan picks the micro-batch, checkpointing, host tables that fit
-    state_write_mb_s: float | None = field(default=None, metadata=above(0))   # MB/s one node writes a checkpoint
-    stop_margin_s: int | None = field(default=None, metadata=at_least(0))    # seconds on top of the write
+    state_write_mb_s: float = field(default=500, metadata=above(0))   # MB/s one node writes a checkpoint at
+    stop_margin_s: int = field(default=120, metadata=at_least(0))      # seconds on top of the write (stop warning)
     train: dict[Scale, TrainJob] = field(default_factory=dict)
     eval: Job | None = None
     cpu: Job | None = None
