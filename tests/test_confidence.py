@@ -249,7 +249,11 @@ def test_the_environment_is_pinned():
     else:   # the machine's torch (make TORCH=system): any release with the GPU path's features (docs/gpu.md)
         from stem.train import torchfloor
         assert torchfloor.missing() == []
-    assert "- -c constraints.txt" in (C.REPO / "environment.yml").read_text()
+    env = (C.REPO / "environment.yml").read_text()
+    assert "- -c constraints.txt" in env
+    floor = re.search(r'"(torch>=[0-9.]+)"', (C.REPO / "pyproject.toml").read_text()).group(1)
+    assert re.findall(r"(?:pytorch|torch)\b[^\n]*", env.split("dependencies:")[1]) == [floor], \
+        "environment.yml asks for another torch than pyproject.toml's floor"
 
 
 def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
