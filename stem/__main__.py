@@ -111,9 +111,9 @@ def cmd_diff(args):
             out[2], args.accept, args.reason, accepted))}
         print(f"accepted {', '.join(args.accept)} in {accepted}", file=sys.stderr)
     if args.write:
-        write_diff(L.diff_dir(cfg["experiment"]), *out)
+        write_diff(cfg, L.diff_dir(cfg["experiment"]), *out)
     from stem.report.diff import render
-    print(json.dumps(out[0], indent=2, default=float) if args.json else render(*out))
+    print(json.dumps(out[0], indent=2, default=float) if args.json else render(cfg, *out))
     prov = out[0]["provenance"]["results"]
     if len(prov["commits"]) > 1 or prov["spec_mismatch"]:
         print(f"warning: the compared results come from {len(prov['commits'])} commits "

@@ -260,7 +260,7 @@ def variant_spec(cfg: dict, variant: str) -> dict:
 
 
 def _presentation(cfg: dict | None, key: str) -> dict:
-    """{variant: its ``key`` (label, figure_label, color) or None}, variant_overrides over config/variants.yaml,
+    """{variant: its ``key`` (label, figure_label, color, baseline) or None}, variant_overrides over config/variants.yaml,
     in that file's order; read without copying the variants (the report asks per label)."""
     over = (cfg or {}).get("variant_overrides") or {}
     return {name: (over.get(name) or {}).get(key, spec.get(key)) for name, spec in variants_file().items()}
@@ -282,6 +282,16 @@ def variant_colors(cfg: dict | None = None) -> dict[str, str]:
     """{variant: its figures' colour} for the variants whose config/variants.yaml entry sets ``color:`` (the
     others are drawn in matplotlib's colour cycle)."""
     return {name: color for name, color in _presentation(cfg, "color").items() if color}
+
+
+def baseline_variant(cfg: dict | None = None) -> str:
+    """The variant every other is compared with (the diff's and the verdicts' directions, ROI, the analyses'
+    deltas): the one config/variants.yaml marks ``baseline: true`` (with ``cfg``'s variant_overrides)."""
+    marked = [name for name, flag in _presentation(cfg, "baseline").items() if flag]
+    if len(marked) != 1:
+        raise ConfigError(f"{VARIANTS}: expected exactly one variant with baseline: true (the report's baseline), "
+                          f"found {', '.join(marked) or 'none'}")
+    return marked[0]
 
 
 def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):

@@ -56,6 +56,11 @@ class Registry(Mapping):
             return obj
         return deco
 
+    def registered(self, name: str):
+        """The entry registered under ``name`` so far, or None; imports no built-in module (for a module that
+        reads, while it is imported, an entry of a module it imports itself: stem.report.figures, a table's title)."""
+        return resolve(self._entries[name]) if name in self._entries else None
+
     def remove(self, name: str):
         """Unregister ``name`` (a test's toy entry); returns its entry."""
         return self._entries.pop(name)

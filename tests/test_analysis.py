@@ -158,11 +158,11 @@ def test_bootstrap_verdicts_on_constructed_inputs():
 def test_loss_directions_lower_is_better():
     base = {"window_loss": [3.0, 3.2, 3.1, 3.3] * 5}
     stem = {"window_loss": [2.9, 3.0, 3.0, 3.1] * 5}
-    rows = V.loss_directions({("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
+    rows = V.loss_directions({}, {("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
     assert len(rows) == 1 and rows[0]["verdict"] == "agree" and rows[0]["ours_delta"] == pytest.approx(-0.15)
     # dse: the DSE paper's claim (Table 1: DSE-27B 1.622 < Dense-4B 1.768), here a higher loss: disagree
     worse = {"window_loss": [x + 0.2 for x in base["window_loss"]]}
-    rows = V.loss_directions({("1b", "dense", "extend"): base, ("1b", "dse", "extend"): worse})
+    rows = V.loss_directions({}, {("1b", "dense", "extend"): base, ("1b", "dse", "extend"): worse})
     assert len(rows) == 1 and rows[0]["paper_delta"] == pytest.approx(1.622 - 1.768)
     assert rows[0]["verdict"] == "disagree" and "DSE paper Table 1" in rows[0]["source"]
 

@@ -107,7 +107,7 @@ def bench_attention(seq_len: int = 1024, micro_batch: int = 4, repeats: int = 5,
         return _median_seconds(lambda: attn(x, cos, sin, mask).sum().backward(), repeats) * model.cfg.n_layers
 
     mask_build = time.perf_counter()
-    mask = model._document_mask(document_ids(positions))
+    mask = model.document_mask(document_ids(positions))
     mask_build = time.perf_counter() - mask_build
     return {"seq_len": seq_len, "micro_batch": micro_batch, "n_layers": model.cfg.n_layers,
             "causal_s": run(None), "document_mask_s": run(mask), "mask_build_s": mask_build}
