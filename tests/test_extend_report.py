@@ -54,7 +54,7 @@ def toy_table(cfg: dict, res: Results) -> pd.DataFrame:
     stages = T.settings(cfg).stages[TABLE]
     cells = []
     for scale in T.scales_with(cfg, stages[0]):
-        for v in T.ordered_variants(cfg["matrix"][scale]["variants"]):
+        for v in T.ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
             ev, stage = res.first_eval(scale, v, stages, SUITE)
             acct, _ = res.first_accounting(scale, v, stages)
             cells += [T.cell(TABLE, scale, v, "nll", task_score(ev, SUITE), f"{stage}/eval/toy.json", unit="nats"),
