@@ -14,6 +14,8 @@ import importlib
 
 BUILTIN: dict[str, tuple[str, ...]] = {
     "ffn kind": ("stem.models.registry",),
+    "ffn facts": ("stem.models.registry",),
+    "optimizer group": ("stem.models.registry",),
     "suite kind": ("stem.eval.spec",),
     "report table": ("stem.report.tables", "stem.report.figures", "stem.report.analyses",
                      "stem.report.mechanism", "stem.report.sweep_figures", "stem.report.provenance",

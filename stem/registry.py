@@ -1,6 +1,8 @@
 """The one registration mechanism: every extension point of the project is a ``Registry`` (name -> entry).
 
     FFN_KINDS       FFN module classes, built as ``cls(cfg, layer)``           (stem.models.registry)
+    FFN_FACTS       an FFN kind's torch-free facts (``FFNFacts``)                (stem.models.registry)
+    OPTIM_GROUPS    optimizer groups: (LR multiplier, weight decay or None)     (stem.models.registry)
     SUITE_KINDS     eval suite runners (``SuiteKind``)                           (stem.eval.spec)
     REPORT_TABLES   report tables (``PaperTable``)                               (stem.report.registry)
     REPORT_FIGURES  report figures (``Figure``)                                  (stem.report.registry)
@@ -101,6 +103,8 @@ def resolve(target):
 
 
 FFN_KINDS = Registry("ffn kind")
+FFN_FACTS = Registry("ffn facts")
+OPTIM_GROUPS = Registry("optimizer group")
 SUITE_KINDS = Registry("suite kind")
 REPORT_TABLES = Registry("report table")
 REPORT_FIGURES = Registry("report figure")

@@ -72,7 +72,7 @@ def test_toy_kind_accounting_groups_init(toy):
 
 
 def test_unregistered_group_is_an_error(toy):
-    registry.OPTIM_GROUPS.pop(toy_ffn.GROUP)
+    registry.OPTIM_GROUPS.remove(toy_ffn.GROUP)
     with pytest.raises(ValueError, match="ToyBiasTable.param_roles\\['weight'\\]: group 'toy_bias' is not registered"):
         build_model(_cfg(), "cpu").param_groups()
 
