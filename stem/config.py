@@ -260,8 +260,8 @@ def variant_spec(cfg: dict, variant: str) -> dict:
 
 
 def _presentation(cfg: dict | None, key: str) -> dict:
-    """{variant: its ``key`` (label, figure_label, color, baseline) or None}, variant_overrides over config/variants.yaml,
-    in that file's order; read without copying the variants (the report asks per label)."""
+    """{variant: its ``key`` (label, figure_label, color, baseline) or None}, variant_overrides over
+    config/variants.yaml, in that file's order; read without copying the variants (the report asks per label)."""
     over = (cfg or {}).get("variant_overrides") or {}
     return {name: (over.get(name) or {}).get(key, spec.get(key)) for name, spec in variants_file().items()}
 

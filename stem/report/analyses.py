@@ -1,6 +1,7 @@
 """Tables and figures of the analyze stage, from the per-checkpoint analysis JSONs, registered with the
 report's registry (stem.report.registry; report-only tables, no paper CSV, not compared) at the end of this
-module (when it is imported), so they land in ``reports/{experiment}/tables/`` and ``figures/``, the report's README and HTML:
+module, when it is imported, so they land in ``reports/{experiment}/tables/`` and ``figures/``, the report's
+README and HTML:
 
 - table ``editing``: per scale/stage/variant, site (``stem`` tables or the ``embedding``) and scheme: edit
   success (the target's answer ranks first), flip (target answer above the source's), top-k overlap with

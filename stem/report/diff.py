@@ -573,7 +573,8 @@ def render(cfg: dict, s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consiste
            gate_failures: pd.DataFrame | None = None) -> str:
     """diff.md; its rows labelled as the experiment ``cfg`` labels its variants (stem.config.variant_labels)."""
     head = f"# Paper diff — {s['label']}\n\n"
-    md = [markdown(summary_blocks(s, dirs, C.variant_labels(cfg), None if gate_failures is None else len(gate_failures)))]
+    failed = None if gate_failures is None else len(gate_failures)
+    md = [markdown(summary_blocks(s, dirs, C.variant_labels(cfg), failed))]
     md += ["## Side by side (ours / paper (ours − paper); ⚠ beyond tolerance; — no result yet)", ""]
     for table in registry.compared():
         body = side_by_side(cells, table, T.row_labels(cfg, table))
