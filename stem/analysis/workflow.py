@@ -117,8 +117,9 @@ def targets(cfg: dict) -> list[str]:
 
 
 def baseline(cfg: dict, name: str) -> str:
-    """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default dense)."""
-    return (cfg["analysis"].get(name) or {}).get("baseline", "dense")
+    """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default the experiment's
+    baseline, stem.config.baseline_variant)."""
+    return (cfg["analysis"].get(name) or {}).get("baseline") or C.baseline_variant(cfg)
 
 
 def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
