@@ -175,7 +175,8 @@ def test_tiny_analysis_targets_for_dse():
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
     names = {t.rsplit("/", 1)[1][:-5] for t in AW.targets(cfg) if "/350m/dse/" in t}
     assert names == {"editing", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled"}
-    assert AW.model_kind(cfg, "350m", "dse") == {"tables": False, "lookups": True, "dse": True, "variant": "dse"}
+    assert AW.model_kind(cfg, "350m", "dse") == {"tables": False, "lookups": True, "dse": True, "variant": "dse",
+                                                   "baseline": False}
     assert AW.model_kind(cfg, "350m", "hashmoe")["lookups"] is False
 
 

@@ -80,8 +80,10 @@ def has_tables(cfg: dict, scale: str, variant: str) -> bool:
 
 def model_kind(cfg: dict, scale: str, variant: str) -> dict:
     """{tables: a STEM table (token-indexed rows), lookups: any lookup-role parameter (STEM or DSE tables),
-    dse: a DSE memory, variant}: what decides the default analyses of a checkpoint."""
-    return {**_kind(_model_json(cfg, scale, variant)), "variant": variant}
+    dse: a DSE memory, variant, baseline: the experiment's baseline variant (stem.config.baseline_variant)}: what
+    decides the default analyses of a checkpoint."""
+    return {**_kind(_model_json(cfg, scale, variant)), "variant": variant,
+            "baseline": variant == C.baseline_variant(cfg)}
 
 
 @lru_cache(maxsize=None)
@@ -181,7 +183,7 @@ ANALYSES.add("heaps", Analysis("stem.analysis.heaps:run", only_for=lambda kind: 
 ANALYSES.add("spread", Analysis("stem.analysis.spread:run"))
 ANALYSES.add("capacity", Analysis("stem.analysis.capacity:run", needs_world=True, resolve=_capacity_corpus))
 ANALYSES.add("heldout", Analysis("stem.analysis.heldout:run",
-                                 only_for=lambda kind: kind["lookups"] or kind["variant"] == "dense"))
+                                 only_for=lambda kind: kind["lookups"] or kind["baseline"]))
 ANALYSES.add("logitlens", Analysis("stem.analysis.logitlens:run", baseline=True, only_for=_has_dse))
 ANALYSES.add("cka", Analysis("stem.analysis.cka:run", uses_world=True, baseline=True, only_for=_has_dse))
 ANALYSES.add("dse_disabled", Analysis("stem.analysis.dse_disabled:run", uses_world=True, only_for=_has_dse,
