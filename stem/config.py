@@ -260,7 +260,7 @@ def variant_spec(cfg: dict, variant: str) -> dict:
 
 
 def _presentation(cfg: dict | None, key: str) -> dict:
-    """{variant: its ``key`` (label, figure_label, color, baseline) or None}, variant_overrides over
+    """{variant: its ``key`` (label, figure_label, color, baseline, figures) or None}, variant_overrides over
     config/variants.yaml, in that file's order; read without copying the variants (the report asks per label)."""
     over = (cfg or {}).get("variant_overrides") or {}
     return {name: (over.get(name) or {}).get(key, spec.get(key)) for name, spec in variants_file().items()}
@@ -292,6 +292,12 @@ def baseline_variant(cfg: dict | None = None) -> str:
         raise ConfigError(f"{VARIANTS}: expected exactly one variant with baseline: true (the report's baseline), "
                           f"found {', '.join(marked) or 'none'}")
     return marked[0]
+
+
+def figure_variants(cfg: dict | None, figure: str) -> tuple[str, ...]:
+    """The variants report figure ``figure`` draws: those whose ``figures:`` name it (config/variants.yaml with
+    ``cfg``'s variant_overrides), in that file's order."""
+    return tuple(name for name, figures in _presentation(cfg, "figures").items() if figure in (figures or ()))
 
 
 def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):

@@ -87,7 +87,7 @@ def _variants(cfg, scale, wanted):
 
 def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, ylabel: str, title: str,
                   stage: str, mark_spikes=False, logy=False):
-    scale, wanted = registry.figure(name).scale, registry.figure(name).variants
+    scale, wanted = registry.figure(name).scale, C.figure_variants(cfg, name)
     sp = T.settings(cfg).spikes
     fig, ax = pyplot().subplots(figsize=(7, 4.5), layout="constrained")
     drawn = 0
@@ -114,7 +114,8 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
         if x == "train_flops":
             ax.set_xscale("log")
     else:
-        mark_missing(ax, f"no {stage} metrics yet for {', '.join(legend_label(cfg, v) for v in wanted)} at scale {scale}")
+        names = ", ".join(legend_label(cfg, v) for v in wanted)
+        mark_missing(ax, f"no {stage} metrics yet for {names} at scale {scale}")
     if mark_spikes and drawn:
         ax.text(0.99, 0.98, f"spike: loss > trailing median + {sp.k:g} x 1.4826 x MAD (window {sp.window} steps)",
                 transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.3")
@@ -147,7 +148,7 @@ def table_update_loss(cfg, res, ours=None, files=None):
     fig = _curve_figure(cfg, res, "table_update_loss", "tokens", "loss", "training tokens",
                         "training loss (nats/token)", "STEM: dense vs sparse table update, 350M", stage)
     entry = registry.figure("table_update_loss")
-    scale, (dense, sparse) = entry.scale, entry.variants
+    scale, (dense, sparse) = entry.scale, C.figure_variants(cfg, "table_update_loss")
     ax = fig.axes[0]
     for line in ax.get_lines():   # the dense update drawn wider, underneath: the curves nearly coincide
         if line.get_label() == legend_label(cfg, dense):
@@ -164,7 +165,7 @@ def table_update_loss(cfg, res, ours=None, files=None):
 
 
 def fig1b_niah(cfg, res, ours=None, files=None):
-    scale, wanted = registry.figure("fig1b_niah").scale, registry.figure("fig1b_niah").variants
+    scale, wanted = registry.figure("fig1b_niah").scale, C.figure_variants(cfg, "fig1b_niah")
     stages = T.settings(cfg).stages["figure1b"]
     variants = _variants(cfg, scale, wanted)
     data = {v: niah_cells(res.first_eval(scale, v, stages, "niah")[0]) for v in variants}
@@ -211,7 +212,7 @@ def roi_by_scale(cfg, res, ours, files=None):
     t3 = ours.get("table3", T.frame([]))
     paper = P.load_table("table3")
     scales = list(dict.fromkeys(list(t3["scale"]) or ["350m", "1b"]))
-    per_scale = {s: T.ordered_variants(cfg, set(t3[t3["scale"] == s]["variant"]) | set(paper[paper["scale"] == s]["variant"]))
+    per_scale = {s: T.ordered_variants(cfg, {*t3[t3["scale"] == s]["variant"], *paper[paper["scale"] == s]["variant"]})
                  for s in scales}
     widths = [max(2, len(v)) for v in per_scale.values()]
     fig, axes = pyplot().subplots(1, len(scales), figsize=(2 + 1.1 * sum(widths), 4.8), layout="constrained",
@@ -254,8 +255,8 @@ def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
     fig, ax = pyplot().subplots(figsize=(6, 5.5), layout="constrained")
     if len(have):
         for v, g in have.groupby("variant", sort=False):
-            ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=color(cfg, v), label=legend_label(cfg, v),
-                       s=28, alpha=0.85)
+            ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=color(cfg, v),
+                       label=legend_label(cfg, v), s=28, alpha=0.85)
         lo = min(have["paper"].astype(float).min(), have["ours"].astype(float).min(), 0)
         hi = max(have["paper"].astype(float).max(), have["ours"].astype(float).max()) * 1.05
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="ours = paper")
@@ -297,32 +298,34 @@ def pretrain_metrics(cfg: dict, evals: list[str], scale: str, variants) -> dict:
                         if s == scale and v in variants and st == stage]}
 
 
-def _curves(scale, variants):
-    return {"scale": scale, "variants": variants,
-            "inputs": lambda cfg, evals: pretrain_metrics(cfg, evals, scale, variants)}
+def _curves(name: str, scale: str) -> dict:
+    """A curve figure's scale and inputs (its variants: stem.config.figure_variants, config/variants.yaml's
+    ``figures:``)."""
+    return {"scale": scale,
+            "inputs": lambda cfg, evals: pretrain_metrics(cfg, evals, scale, C.figure_variants(cfg, name))}
 
 
 registry.report_figure(
     "fig5a_loss_vs_tokens", "Figure 5a: training loss vs training tokens at the 350M scale for the dense baseline, "
     "Hash-MoE and STEM. Crosses mark loss spikes (loss above the trailing median by more than k robust standard "
-    "deviations, 1.4826 x MAD).", **_curves("350m", ("dense", "hashmoe", "stem")))(fig5a_loss_vs_tokens)
+    "deviations, 1.4826 x MAD).", **_curves("fig5a_loss_vs_tokens", "350m"))(fig5a_loss_vs_tokens)
 registry.report_figure(
     "fig5b_loss_vs_flops", "Figure 5b: training loss vs training FLOPs for STEM replacing 1/3, 1/2 and all-but-one "
-    "FFN up-projections (350M scale).", **_curves("350m", ("stem", "stem_half", "stem_full")))(fig5b_loss_vs_flops)
+    "FFN up-projections (350M scale).", **_curves("fig5b_loss_vs_flops", "350m"))(fig5b_loss_vs_flops)
 registry.report_figure(
     "fig1a_val_ppl_vs_tokens", "Figure 1a: validation perplexity vs training tokens at the 1B scale (pretraining).",
-    **_curves("1b", ("dense", "stem")))(fig1a_val_ppl_vs_tokens)
+    **_curves("fig1a_val_ppl_vs_tokens", "1b"))(fig1a_val_ppl_vs_tokens)
 registry.report_figure(
     "fig1b_niah", "Figure 1b: Needle-in-a-Haystack accuracy per context length (mean over needle depths) after "
-    "context extension, and the per-cell accuracy as a length x depth heatmap.", scale="1b", variants=("dense", "stem"),
+    "context extension, and the per-cell accuracy as a length x depth heatmap.", scale="1b",
     inputs=lambda cfg, evals: {"niah": [p for p in evals if p.endswith("eval/niah.json")]})(fig1b_niah)
 registry.report_figure(
     "roi_by_scale", "Training ROI per scale ((Avg/GFLOPs) / (Avg_base/GFLOPs_base), Table 3): this experiment's "
     "models next to the paper's.")(roi_by_scale)
 for _t in ("table3", "table4", "table5", "table6"):
     registry.report_figure(
-        f"paper_vs_ours_{_t}", f"{registry.TABLES.registered(_t).title}: every published cell, the paper's value (x) against this "
-        "experiment's (y); on the diagonal = reproduced exactly.")(partial(paper_vs_ours, table=_t))
+        f"paper_vs_ours_{_t}", f"{registry.TABLES.registered(_t).title}: every published cell, the paper's value (x) "
+        "against this experiment's (y); on the diagonal = reproduced exactly.")(partial(paper_vs_ours, table=_t))
 
 
 def hit_rate_figure(r: dict):
@@ -378,7 +381,8 @@ registry.report_figure(
 def _table_update_inputs(cfg, evals) -> dict:
     """The two pretraining runs' metrics.jsonl (curves) and summary.json (the final-loss gap)."""
     stage = T.settings(cfg).stages["table3"][0]
-    runs = [(s, v) for s, v, st in C.train_targets(cfg) if s == "350m" and v in ("stem", "stem_sparse") and st == stage]
+    scale, variants = registry.figure("table_update_loss").scale, C.figure_variants(cfg, "table_update_loss")
+    runs = [(s, v) for s, v, st in C.train_targets(cfg) if s == scale and v in variants and st == stage]
     return {"metrics": [L.metrics(cfg["experiment"], s, v, stage) for s, v in runs],
             "summaries": [L.summary(cfg["experiment"], s, v, stage) for s, v in runs]}
 
@@ -387,5 +391,5 @@ registry.report_figure(
     "table_update_loss", "STEM trained with the paper's dense table update (AdamW on every row) and with "
     "optim.table_update: sparse (row-wise AdamW on the rows each batch touches; untouched rows do not move), same "
     "data and seed: training loss vs tokens and the final-loss gap (mean of the last 10 steps, and validation "
-    "loss). Not a paper figure (issue 13, item 5).", scale="350m", variants=("stem", "stem_sparse"),
+    "loss). Not a paper figure (issue 13, item 5).", scale="350m",
     inputs=_table_update_inputs)(table_update_loss)
