@@ -158,6 +158,10 @@ def _check_variant_names(cfg: dict, origin: str):
         if v not in known:
             raise ConfigError(f"{origin}: key '{key}': {v!r} is not a variant of config/variants.yaml; expected one "
                               f"of {', '.join(known)}")
+    try:
+        baseline_variant(cfg)   # exactly one, the overrides included
+    except ConfigError as e:
+        raise ConfigError(f"{origin}: {e}") from None
 
 
 def _cross_check(cfg: dict, origin: str):
@@ -289,8 +293,8 @@ def baseline_variant(cfg: dict | None = None) -> str:
     deltas): the one config/variants.yaml marks ``baseline: true`` (with ``cfg``'s variant_overrides)."""
     marked = [name for name, flag in _presentation(cfg, "baseline").items() if flag]
     if len(marked) != 1:
-        raise ConfigError(f"{VARIANTS}: expected exactly one variant with baseline: true (the report's baseline), "
-                          f"found {', '.join(marked) or 'none'}")
+        raise ConfigError(f"key 'baseline': expected exactly one variant with baseline: true in config/variants.yaml "
+                          f"and variant_overrides (the report's baseline), found {', '.join(marked) or 'none'}")
     return marked[0]
 
 

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,3 +102,16 @@ def test_a_variant_overrides_label_and_colour_reach_the_report(tmp_path):
     fig = F.draw("fig1a_val_ppl_vs_tokens", cfg, res, ours)
     assert "STEM 1/3, overridden" in fig.axes[0].texts[0].get_text()
     assert F.color(cfg, "stem") == "#010203" and F.color(None, "stem") == "#1f77b4"
+
+
+def test_one_baseline():
+    """The baseline is named once (variants.yaml's ``baseline: true``); a config whose overrides make two is one line."""
+    cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
+    assert C.baseline_variant(cfg) == "dense"
+    cfg["variant_overrides"] = {"stem": {"baseline": True}}
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_experiment(cfg, origin="tiny.yaml")
+    assert str(e.value) == ("tiny.yaml: key 'baseline': expected exactly one variant with baseline: true in "
+                            "config/variants.yaml and variant_overrides (the report's baseline), found dense, stem")
+    cfg["variant_overrides"] = {"stem": {"baseline": True}, "dense": {"baseline": False}}
+    assert C.baseline_variant(cfg) == "stem"
