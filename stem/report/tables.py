@@ -90,8 +90,9 @@ def labelled(df: pd.DataFrame, cfg: dict) -> pd.DataFrame:
     if not missing.any():
         return df
     labels = {t: row_labels(cfg, t) for t in df.loc[missing, "table"].unique()}
-    rows = [labels[t].get(v, v) for t, v in zip(df.loc[missing, "table"], df.loc[missing, "variant"])]
-    return df.assign(row=df["row"].where(~missing, pd.Series(rows, index=df.index[missing], dtype=object)))
+    out = df.copy()
+    out.loc[missing, "row"] = [labels[t].get(v, v) for t, v in zip(df.loc[missing, "table"], df.loc[missing, "variant"])]
+    return out
 
 
 def experiment_label(cfg_or_name) -> str:
