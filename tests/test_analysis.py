@@ -240,7 +240,7 @@ def test_analysis_directions_constructed():
            ("350m", "stem", "pretrain"): {"items": items([1] * 30)}}
     heaps = {("350m", "stem", "pretrain"): {"n_stem_layers": 2, "fit": {"beta": 0.7}, "lengths": [1, 2, 3],
                                             "activated_stem_params": [10, 20, 30]}}
-    rows = {r["table"]: r for r in analysis_directions({"spread": spread, "capacity": cap, "heaps": heaps})}
+    rows = {r["table"]: r for r in analysis_directions({"spread": spread, "capacity": cap, "heaps": heaps}, "dense")}
     assert rows["spread"]["ours_delta"] == pytest.approx(0.3)   # dense 0.4 at the STEM layer 1, STEM 0.1
     assert rows["spread"]["verdict"].startswith("agree")
     assert rows["capacity"]["verdict"] == "agree" and rows["capacity"]["ours_delta"] == 1.0
