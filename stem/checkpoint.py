@@ -43,7 +43,7 @@ def save_weights(model, path):
     save_file(_state_dict_for_save(model), str(path))
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
@@ -54,7 +54,7 @@ def read_weights(path) -> dict:
     try:
         return load_file(str(path))
     except Exception as e:  # SafetensorError on a truncated or foreign file, OSError
-        raise ValueError(f"{path}: unreadable safetensors file ({type(e).__name__}: {_first_line(e)})") from None
+        raise ValueError(f"{path}: unreadable safetensors file ({type(e).__name__}: {first_line(e)})") from None
 
 
 def load_weights(model, path, strict: bool = True):
@@ -93,7 +93,7 @@ def verify_state(folder) -> str | None:
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError, TypeError) as e:
-        return f"{manifest}: unreadable ({_first_line(e)})"
+        return f"{manifest}: unreadable ({first_line(e)})"
     for name, size in files.items():
         f = folder / name
         if not f.is_file():
@@ -163,7 +163,7 @@ def read_checkpoint_spec(ckpt_dir) -> dict:
     try:
         spec = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({_first_line(e)})") from None
+        raise ValueError(f"{path}: not valid JSON ({first_line(e)})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
         raise ValueError(f"{path}: not a checkpoint config (expected a JSON object with a 'model' object)")
     return spec
@@ -192,7 +192,7 @@ def load_checkpoint(ckpt_dir, device="cpu"):
     try:
         model = build_model(ModelConfig.from_dict(spec["model"]), device)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{ckpt_dir / 'config.json'}: bad model config ({_first_line(e)})") from None
+        raise ValueError(f"{ckpt_dir / 'config.json'}: bad model config ({first_line(e)})") from None
     load_weights(model, ckpt_dir / "model.safetensors")
     return model, spec
 
@@ -269,7 +269,7 @@ def load_optimizer(folder, model, opt):
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(folder))
     except Exception as e:
-        raise ValueError(f"{folder}: unreadable optimizer state ({type(e).__name__}: {_first_line(e)})") from None
+        raise ValueError(f"{folder}: unreadable optimizer state ({type(e).__name__}: {first_line(e)})") from None
     set_optimizer_state_dict(model, opt, state["optim"])
     for g, h in zip(opt.param_groups, hyper):
         g.update(h)

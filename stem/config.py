@@ -158,6 +158,10 @@ def _check_variant_names(cfg: dict, origin: str):
         if v not in known:
             raise ConfigError(f"{origin}: key '{key}': {v!r} is not a variant of config/variants.yaml; expected one "
                               f"of {', '.join(known)}")
+    try:
+        baseline_variant(cfg)   # exactly one, the overrides included
+    except ConfigError as e:
+        raise ConfigError(f"{origin}: {e}") from None
 
 
 def _cross_check(cfg: dict, origin: str):
@@ -260,8 +264,8 @@ def variant_spec(cfg: dict, variant: str) -> dict:
 
 
 def _presentation(cfg: dict | None, key: str) -> dict:
-    """{variant: its ``key`` (label, figure_label, color) or None}, variant_overrides over config/variants.yaml,
-    in that file's order; read without copying the variants (the report asks per label)."""
+    """{variant: its ``key`` (label, figure_label, color, baseline, figures) or None}, variant_overrides over
+    config/variants.yaml, in that file's order; read without copying the variants (the report asks per label)."""
     over = (cfg or {}).get("variant_overrides") or {}
     return {name: (over.get(name) or {}).get(key, spec.get(key)) for name, spec in variants_file().items()}
 
@@ -282,6 +286,22 @@ def variant_colors(cfg: dict | None = None) -> dict[str, str]:
     """{variant: its figures' colour} for the variants whose config/variants.yaml entry sets ``color:`` (the
     others are drawn in matplotlib's colour cycle)."""
     return {name: color for name, color in _presentation(cfg, "color").items() if color}
+
+
+def baseline_variant(cfg: dict | None = None) -> str:
+    """The variant every other is compared with (the diff's and the verdicts' directions, ROI, the analyses'
+    deltas): the one config/variants.yaml marks ``baseline: true`` (with ``cfg``'s variant_overrides)."""
+    marked = [name for name, flag in _presentation(cfg, "baseline").items() if flag]
+    if len(marked) != 1:
+        raise ConfigError(f"key 'baseline': expected exactly one variant with baseline: true in config/variants.yaml "
+                          f"and variant_overrides (the report's baseline), found {', '.join(marked) or 'none'}")
+    return marked[0]
+
+
+def figure_variants(cfg: dict | None, figure: str) -> tuple[str, ...]:
+    """The variants report figure ``figure`` draws: those whose ``figures:`` name it (config/variants.yaml with
+    ``cfg``'s variant_overrides), in that file's order."""
+    return tuple(name for name, figures in _presentation(cfg, "figures").items() if figure in (figures or ()))
 
 
 def model_config_for(cfg: dict, scale: str, variant: str, stage: str | None = None):

@@ -158,11 +158,11 @@ def test_bootstrap_verdicts_on_constructed_inputs():
 def test_loss_directions_lower_is_better():
     base = {"window_loss": [3.0, 3.2, 3.1, 3.3] * 5}
     stem = {"window_loss": [2.9, 3.0, 3.0, 3.1] * 5}
-    rows = V.loss_directions({("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
+    rows = V.loss_directions({}, {("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
     assert len(rows) == 1 and rows[0]["verdict"] == "agree" and rows[0]["ours_delta"] == pytest.approx(-0.15)
     # dse: the DSE paper's claim (Table 1: DSE-27B 1.622 < Dense-4B 1.768), here a higher loss: disagree
     worse = {"window_loss": [x + 0.2 for x in base["window_loss"]]}
-    rows = V.loss_directions({("1b", "dense", "extend"): base, ("1b", "dse", "extend"): worse})
+    rows = V.loss_directions({}, {("1b", "dense", "extend"): base, ("1b", "dse", "extend"): worse})
     assert len(rows) == 1 and rows[0]["paper_delta"] == pytest.approx(1.622 - 1.768)
     assert rows[0]["verdict"] == "disagree" and "DSE paper Table 1" in rows[0]["source"]
 
@@ -175,7 +175,8 @@ def test_tiny_analysis_targets_for_dse():
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
     names = {t.rsplit("/", 1)[1][:-5] for t in AW.targets(cfg) if "/350m/dse/" in t}
     assert names == {"editing", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled"}
-    assert AW.model_kind(cfg, "350m", "dse") == {"tables": False, "lookups": True, "dse": True, "variant": "dse"}
+    assert AW.model_kind(cfg, "350m", "dse") == {"tables": False, "lookups": True, "dse": True, "variant": "dse",
+                                                   "baseline": False}
     assert AW.model_kind(cfg, "350m", "hashmoe")["lookups"] is False
 
 
@@ -239,7 +240,7 @@ def test_analysis_directions_constructed():
            ("350m", "stem", "pretrain"): {"items": items([1] * 30)}}
     heaps = {("350m", "stem", "pretrain"): {"n_stem_layers": 2, "fit": {"beta": 0.7}, "lengths": [1, 2, 3],
                                             "activated_stem_params": [10, 20, 30]}}
-    rows = {r["table"]: r for r in analysis_directions({"spread": spread, "capacity": cap, "heaps": heaps})}
+    rows = {r["table"]: r for r in analysis_directions({"spread": spread, "capacity": cap, "heaps": heaps}, "dense")}
     assert rows["spread"]["ours_delta"] == pytest.approx(0.3)   # dense 0.4 at the STEM layer 1, STEM 0.1
     assert rows["spread"]["verdict"].startswith("agree")
     assert rows["capacity"]["verdict"] == "agree" and rows["capacity"]["ours_delta"] == 1.0

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import yaml
 
 from stem.analysis.common import encode, find_span, load, score_many, state_digest, table_sites, world_of
-from stem.data.synth import _a
+from stem.data.synth import article
 from stem.eval.generate import greedy_generate
 
 SCHEMES = ("swap", "pad_left", "pad_right", "copy", "subset", "average")
@@ -125,7 +125,7 @@ def world_facts(world, spec: dict) -> dict:
                     "entities": {c.name: {"capital": " " + c.capital, "language": " " + c.language}
                                  for c in world.countries}},
         "person": {"templates": {"profession": "By profession, {e} was", "city": "The city of {e} was"},
-                   "entities": {p.name: {"profession": " " + _a(p.profession), "city": " " + p.city}
+                   "entities": {p.name: {"profession": " " + article(p.profession), "city": " " + p.city}
                                 for p in world.people}},
     }
 

@@ -80,8 +80,10 @@ def has_tables(cfg: dict, scale: str, variant: str) -> bool:
 
 def model_kind(cfg: dict, scale: str, variant: str) -> dict:
     """{tables: a STEM table (token-indexed rows), lookups: any lookup-role parameter (STEM or DSE tables),
-    dse: a DSE memory, variant}: what decides the default analyses of a checkpoint."""
-    return {**_kind(_model_json(cfg, scale, variant)), "variant": variant}
+    dse: a DSE memory, variant, baseline: the experiment's baseline variant (stem.config.baseline_variant)}: what
+    decides the default analyses of a checkpoint."""
+    return {**_kind(_model_json(cfg, scale, variant)), "variant": variant,
+            "baseline": variant == C.baseline_variant(cfg)}
 
 
 @lru_cache(maxsize=None)
@@ -117,8 +119,9 @@ def targets(cfg: dict) -> list[str]:
 
 
 def baseline(cfg: dict, name: str) -> str:
-    """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default dense)."""
-    return (cfg["analysis"].get(name) or {}).get("baseline", "dense")
+    """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default the experiment's
+    baseline, stem.config.baseline_variant)."""
+    return (cfg["analysis"].get(name) or {}).get("baseline") or C.baseline_variant(cfg)
 
 
 def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
@@ -180,7 +183,7 @@ ANALYSES.add("heaps", Analysis("stem.analysis.heaps:run", only_for=lambda kind: 
 ANALYSES.add("spread", Analysis("stem.analysis.spread:run"))
 ANALYSES.add("capacity", Analysis("stem.analysis.capacity:run", needs_world=True, resolve=_capacity_corpus))
 ANALYSES.add("heldout", Analysis("stem.analysis.heldout:run",
-                                 only_for=lambda kind: kind["lookups"] or kind["variant"] == "dense"))
+                                 only_for=lambda kind: kind["lookups"] or kind["baseline"]))
 ANALYSES.add("logitlens", Analysis("stem.analysis.logitlens:run", baseline=True, only_for=_has_dse))
 ANALYSES.add("cka", Analysis("stem.analysis.cka:run", uses_world=True, baseline=True, only_for=_has_dse))
 ANALYSES.add("dse_disabled", Analysis("stem.analysis.dse_disabled:run", uses_world=True, only_for=_has_dse,

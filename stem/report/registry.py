@@ -82,14 +82,14 @@ class Figure:
     caption: under the figure in the README and the HTML report.
     inputs(cfg, evals) -> {name: path or [paths]} the figure reads besides the reproduced tables; ``evals``
         lists the experiment's eval JSONs.
-    scale, variants: what a curve figure plots (None / () for figures that choose for themselves).
+    scale: the scale a figure plots (None for figures that choose for themselves); the variants it draws are the
+        experiment's (config/variants.yaml's ``figures:``, stem.config.figure_variants).
     """
     name: str
     draw: Callable
     caption: str
     inputs: Callable | None = None
     scale: str | None = None
-    variants: tuple = ()
 
     def __post_init__(self):
         _check_name("figure", self.name)

@@ -298,7 +298,7 @@ def load_state(state_dir, model, opt, ctx: DistContext) -> dict | None:
             try:
                 return _load_state_folder(folder, model, opt, ctx)
             except Exception as e:  # a state written before manifests, damaged in a way sizes do not show
-                problem = f"{folder}: unreadable ({type(e).__name__}: {ck._first_line(e)})"
+                problem = f"{folder}: unreadable ({type(e).__name__}: {ck.first_line(e)})"
         bad.append(problem)
         if ctx.is_main:
             print(f"warning: {problem}; falling back to the previous state", file=sys.stderr)
