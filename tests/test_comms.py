@@ -59,7 +59,7 @@ def _rank(world: int, specs: list, out: str):
         model = build_model(spec.model, ctx.device)
         model.set_training_options(activation_checkpointing=spec.train.activation_checkpointing)
         sparse = spec.optim.row_sparse_tables(model)
-        plan = ParallelPlan.of(spec.train, world, strategy, sparse, row_shardable(model, sparse))
+        plan = ParallelPlan.of(spec.train, world, strategy, sparse, row_shardable(model))
         use_row_sparse(model, plan.row_sparse)
         distributed.parallelize(model, ctx, plan)
         opt = step.make_optimizer(model, spec, plan, fused=False)
