@@ -24,29 +24,34 @@ from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.train.tables import row_shardable  # noqa: E402
 
 # every table / expert kind; each backbone strategy with plain, row-sparse and padded (DSE's prime rows) units;
-# (variant, backbone strategy, table layout [+ activation checkpointing])
-CASES = [("stem", "fsdp", "fsdp"), ("stem", "ddp", "fsdp"), ("stem_sparse", "fsdp", "fsdp"), ("stem_sparse", "ddp", "fsdp"),
-         ("hashmoe", "fsdp", "fsdp"), ("moe", "ddp", "fsdp"), ("dse", "fsdp", "fsdp"), ("dse", "ddp", "fsdp"),
-         ("stem", "fsdp", "rows"), ("stem", "ddp", "rows"), ("stem", "fsdp", "fsdp+ckpt"), ("stem", "fsdp", "rows+ckpt")]
+# (variant, backbone strategy, table layout [+ activation checkpointing] [+ tied embedding and head])
+ROWS = [("stem", "fsdp", "rows"), ("stem", "ddp", "rows"), ("stem_sparse", "fsdp", "rows"), ("hashmoe", "fsdp", "rows"),
+        ("stem", "fsdp", "rows+ckpt"), ("stem", "fsdp", "rows+tied")]
+CASES = {2: [("stem", "fsdp", "fsdp"), ("stem", "ddp", "fsdp"), ("stem_sparse", "fsdp", "fsdp"),
+             ("stem_sparse", "ddp", "fsdp"), ("hashmoe", "fsdp", "fsdp"), ("moe", "ddp", "fsdp"), ("dse", "fsdp", "fsdp"),
+             ("dse", "ddp", "fsdp"), ("stem", "fsdp", "fsdp+ckpt"), ("stem", "fsdp", "fsdp+tied")] + ROWS,
+         4: [("stem", "fsdp", "fsdp"), ("stem_sparse", "ddp", "fsdp"), ("dse", "fsdp", "fsdp")] + ROWS}
 V, T = 96, 8
 
 
 def _cfg(layout: str = "fsdp") -> dict:
-    tables, _, ckpt = layout.partition("+")
+    tables, *extra = layout.split("+")
     cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
-    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16)
+    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16,
+                                tie_embeddings="tied" in extra)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 8},
                                 "dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
-    cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T, activation_checkpointing=bool(ckpt))
+    cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T, activation_checkpointing="ckpt" in extra)
     cfg["cluster"] = {"tables": tables}
     return cfg
 
 
 def _lookups(model, plan, batches, world: int) -> list:
-    """(width, unique ids, ids asked of rank 0) of rank 0's row-sharded lookups (STEM: token ids) of a step."""
-    block, out = -(-model.cfg.vocab_size // world), []
+    """(width, unique ids, ids asked of rank 0) of rank 0's row-sharded lookups (STEM: token ids) of a step (rank
+    0 owns the ids 0, W, 2W, ...: stem.train.tables.storage_ids)."""
+    out = []
     for i in range(0, len(batches), world):   # rank 0's micro-batches; rank r's i-th is batches[i + r]
-        asked = sum(int((batches[i + r][0].unique() < block).sum()) for r in range(world))
+        asked = sum(int((batches[i + r][0].unique() % world == 0).sum()) for r in range(world))
         out += [(model.cfg.d_ff, batches[i][0].unique().numel(), asked)] * len(plan.row_sharded)
     return out
 
@@ -54,7 +59,7 @@ def _lookups(model, plan, batches, world: int) -> list:
 def _rank(world: int, specs: list, out: str):
     ctx = distributed.setup(torch.device("cpu"))
     rows = []
-    for (variant, strategy, _), spec in zip(CASES, specs):
+    for (variant, strategy, layout), spec in zip(CASES[world], specs):
         torch.manual_seed(0)
         model = build_model(spec.model, ctx.device)
         model.set_training_options(activation_checkpointing=spec.train.activation_checkpointing)
@@ -72,23 +77,26 @@ def _rank(world: int, specs: list, out: str):
         meta = build_model(spec.model, "meta")
         modelled = comms.collectives(meta, plan, mixed_precision=False, unique_rows=uniq,
                                      lookups=_lookups(meta, plan, batches, world) if plan.row_sharded else None)
-        ckpt = "+ckpt" if spec.train.activation_checkpointing else ""
-        rows.append({"case": f"{variant}/{strategy}/{spec.train.tables}{ckpt}", "counted": sorted(map(list, seen.items())),
+        rows.append({"case": f"{variant}/{strategy}/{layout}", "sharded": len(plan.row_sharded),
+                     "counted": sorted(map(list, seen.items())),
                      "modelled": sorted(map(list, comms.as_counter(modelled).items()))})
     if ctx.is_main:
         Path(out).write_text(json.dumps(rows))
     distributed.teardown(ctx)
 
 
-def test_modelled_collectives_equal_counted(tmp_path, world=2):
+@pytest.mark.parametrize("world", [2, 4])
+def test_modelled_collectives_equal_counted(tmp_path, world):
     out = tmp_path / "out.json"
-    specs = [C.train_job(_cfg(tables), "350m", v, "pretrain") for v, _, tables in CASES]
+    specs = [C.train_job(_cfg(tables), "350m", v, "pretrain") for v, _, tables in CASES[world]]
     assert comms.fork_ranks(_rank, world, world, specs, str(out)) == [0] * world
     rows = json.loads(out.read_text())
-    assert [row["case"] for row in rows] == ["/".join(c) for c in CASES]
+    assert [row["case"] for row in rows] == ["/".join(c) for c in CASES[world]]
     for row in rows:
         assert row["counted"] == row["modelled"], row["case"]
         assert any(op != "all_reduce" or n > 8 for (op, n), _ in row["counted"]), row["case"]   # not only scalars
+        # row-sharded: STEM's tables, the row-sparse ones too; Hash-MoE has none (its experts stay FSDP units)
+        assert bool(row["sharded"]) == ("/rows" in row["case"] and "hashmoe" not in row["case"]), row["case"]
 
 
 def test_paper_table_traffic_is_the_hand_count():
