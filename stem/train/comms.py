@@ -15,7 +15,7 @@ Counted from the code, per FSDP2 unit:
 - row-sharded tables (``train.tables: rows``, ``stem.train.tables``): four all-to-alls per table a micro-batch
   (the counts asked of each owner, int64; the ids asked of this rank, int64; the rows this rank reads, bf16
   under mixed precision; the gradients of the rows asked of it, fp32); data-dependent (``lookups``: counted
-  from the batch in tests, estimated for the paper, ``expected_lookups``); with activation checkpointing the
+  from the batch in tests, estimated for the paper's busiest rank, ``expected_lookups``); with activation checkpointing the
   forward's three run again when backward recomputes the block (an FSDP unit is not gathered again: counted).
 - row-sparse tables (``optim.table_update: sparse``): three all-gathers per table a step (each rank's count
   of unique rows, int64; the ids, int64; the fp32 rows), padded to the rank with most unique rows
@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from stem.models.accounting import accounting, flops_per_token
 from stem.models.registry import param_roles
 from stem.train.plan import ParallelPlan
+from stem.train.tables import owner_load
 
 # Stated link bandwidths per GPU, GB/s (1e9 B/s), one direction: NVLink 4 (H100 SXM datasheet: 900 GB/s
 # bidirectional per GPU) within a node; one 400 Gb/s NDR InfiniBand NIC per GPU between nodes (DGX H100).
@@ -146,27 +147,60 @@ def as_counter(cs: list[Collective]) -> Counter:
 
 
 def expected_lookups(model, plan: ParallelPlan) -> list[tuple[int, int, int]]:
-    """(width, unique ids, ids asked of this rank) of each row-sharded lookup of a step on one rank, estimated:
-    a micro-batch's unique ids of a token-indexed table (STEM) by ``zipf_unique``, of a hashed one (DSE) as
-    uniform draws over its rows; each owner asked as many ids as it reads (balanced: a table's blocks of rows
-    equally popular, which a vocabulary ordered by frequency makes optimistic for the first blocks)."""
-    roles, n = param_roles(model), plan.micro_batch * plan.seq_len
+    """(width, unique ids, ids asked of this rank) of each row-sharded lookup of a step on the busiest rank,
+    estimated: a micro-batch's unique ids of a token-indexed table (STEM) by ``zipf_seen``, of a hashed one (DSE)
+    as uniform draws over its rows; the ids asked of the busiest owner (``stem.train.tables``: ids interleaved
+    over the ranks, so a vocabulary ordered by frequency spreads its frequent ids over all of them) the world's
+    micro-batches' unique ids it owns (rank 0's, with the most frequent id; ``owner_imbalance`` measures it)."""
+    roles, n, w = param_roles(model), plan.micro_batch * plan.seq_len, plan.world
     out = []
     for name in plan.row_sharded:
         weight = model.get_submodule(name).weight
         rows, d = weight.shape
-        hashed = getattr(roles.get(id(weight)), "group", None) == "dse_table"
-        u = round(rows * -math.expm1(n * math.log1p(-1 / rows))) if hashed else zipf_unique(n, rows)
-        out += [(d, u, u)] * (plan.accum // plan.world)
+        if getattr(roles.get(id(weight)), "group", None) == "dse_table":
+            u = round(rows * -math.expm1(n * math.log1p(-1 / rows)))
+            asked = u
+        else:
+            seen = zipf_seen(n, rows)
+            u = int(round(float(seen.sum())))
+            asked = int(round(w * float(seen[::w].sum())))
+        out += [(d, u, asked)] * (plan.accum // plan.world)
     return out
 
 
-def zipf_unique(tokens: int, vocab: int) -> int:
-    """Expected distinct ids among ``tokens`` draws of a Zipf(1) law over ``vocab`` ids (natural text's rank-
-    frequency law): sum over ids of 1 - (1 - p_i)^tokens. An estimate, used where no batch is at hand."""
+def zipf_seen(tokens: int, vocab: int) -> torch.Tensor:
+    """The probability that each of ``vocab`` ids occurs among ``tokens`` draws of a Zipf(1) law (natural text's
+    rank-frequency law, id i the (i+1)-th most frequent): 1 - (1 - p_i)^tokens. An estimate, used where no
+    batch is at hand."""
     p = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     p /= p.sum()
-    return int(round(float((1 - (1 - p) ** tokens).sum())))
+    return 1 - (1 - p) ** tokens
+
+
+def zipf_unique(tokens: int, vocab: int) -> int:
+    """Expected distinct ids among ``tokens`` draws of a Zipf(1) law over ``vocab`` ids (``zipf_seen``)."""
+    return int(round(float(zipf_seen(tokens, vocab).sum())))
+
+
+def owner_imbalance(tokens, rows: int, world: int, micro_tokens: int) -> dict:
+    """Measured on a token stream (1-D): the rows the busiest owner of a row-sharded token-indexed table of
+    ``rows`` ids is asked for in a step, over the mean owner's, for contiguous blocks of ids and for the
+    interleaved map (``stem.train.tables``). A step: ``world`` consecutive micro-batches of ``micro_tokens``, one
+    a rank; an owner is asked, summed over the ranks, each micro-batch's unique ids it owns. Mean over the
+    stream's whole steps (``steps``)."""
+    t = torch.as_tensor(tokens).long()
+    steps = len(t) // (micro_tokens * world)
+    if steps == 0:
+        raise ValueError(f"owner_imbalance: {len(t)} tokens hold no step of {world} x {micro_tokens}")
+    out = {"steps": steps}
+    for name, interleaved in (("blocks", False), ("interleaved", True)):
+        ratios = []
+        for s in range(steps):
+            load = sum(owner_load(t[(s * world + r) * micro_tokens:(s * world + r + 1) * micro_tokens], rows, world,
+                                  interleaved) for r in range(world))
+            ratios.append(float(load.max() / load.double().mean()))
+        out[name] = sum(ratios) / steps
+    return out
 
 
 def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixed_precision: bool = True,
