@@ -78,6 +78,7 @@ def _train(spec, strategy, ctx, state_dir=None, kill=False, resume=False) -> dic
     opt = step.make_optimizer(model, spec, plan, fused=False)
     off = torch.autocast("cpu", enabled=False)
     losses, norms, saved, start = [], [], None, 0
+    host = [model.get_submodule(n) for n in plan.host_tables]
     if resume:
         start = distributed.load_state(state_dir, model, opt, ctx)["step"]
         saved = _snapshot(model, opt, ctx)
@@ -94,7 +95,7 @@ def _train(spec, strategy, ctx, state_dir=None, kill=False, resume=False) -> dic
             if state_dir is not None and ctx.is_main:   # what was saved, whole, to check the resumed against
                 torch.save(saved, f"{state_dir}.pt")
     full = {k: v.clone() for k, v in distributed.full_model_view(model, ctx).state_dict().items()}
-    return {"losses": losses, "norms": norms, "params": full, "saved": saved, "plan": plan}
+    return {"losses": losses, "norms": norms, "params": full, "saved": saved, "plan": plan, "host": host}
 
 
 def _snapshot(model, opt, ctx) -> dict:
@@ -202,6 +203,8 @@ def test_host_tables_equal_resident_tables(tmp_path, variant="stem"):
     ref = _train(C.train_job(_cfg_tables("fsdp"), "350m", variant, "pretrain"), "fsdp", distributed.DistContext())
     got = _train(spec, "fsdp", distributed.DistContext(), tmp_path / "state")
     assert got["plan"].host_tables and all("table" in n for n in got["plan"].host_tables)
+    # every micro-batch but a step's first used the rows fetched ahead during the previous one's backward
+    assert [m.prefetched for m in got["host"]] == [STEPS * (2 * WORLD - 1)] * len(got["host"])
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6) and got["norms"] == pytest.approx(ref["norms"], rel=1e-6)
     for k in ref["params"]:
         _close(ref["params"][k], got["params"][k], k)

@@ -199,25 +199,33 @@ def logical_full(model, msd: dict | None = None, osd: dict | None = None, invers
 
 # ----------------------------------------------------------------------------- host tables
 
+def _fetch(weight, ids, bound: bool = False) -> tuple:
+    """(inverse, host ids, rows on ``ids``' device) of a host table's lookup of ``ids``: the unique ids' rows
+    gathered on the host and copied to the device (pinned, non-blocking on CUDA: queued on the current stream,
+    so the host's gather of the next micro-batch overlaps the device's work on this one)."""
+    if bound:   # the memory trace (as RowShardedLookup's): every id distinct
+        uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
+    else:
+        uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+    host_ids = uniq.to(weight.device)
+    rows = weight.detach().index_select(0, host_ids)
+    if ids.device.type == "cuda":
+        rows = rows.pin_memory()
+    return inverse, host_ids, rows.to(ids.device, non_blocking=True)
+
+
 class HostLookup(torch.autograd.Function):
     """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
-    to the device (from pinned memory on CUDA); backward adds each unique row's summed gradient, copied back,
-    into the table's host gradient (made here: the dense gradient AdamW expects, never a V x d_ff one on the
-    device), and gives autograd none."""
+    to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward adds each
+    unique row's summed gradient, copied back, into the table's host gradient (made here: the dense gradient
+    AdamW expects, never a V x d_ff one on the device), and gives autograd none."""
 
     @staticmethod
-    def forward(ctx, weight, ids, bound: bool = False):
-        if bound:   # the memory trace (as RowShardedLookup's): every id distinct
-            uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
-        else:
-            uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
-        host_ids = uniq.to(weight.device)
-        rows = weight.index_select(0, host_ids)
-        if ids.device.type == "cuda":
-            rows = rows.pin_memory()
+    def forward(ctx, weight, ids, bound: bool = False, fetched=None):
+        inverse, host_ids, rows = fetched or _fetch(weight, ids, bound)
         ctx.save_for_backward(inverse, host_ids)
-        ctx.weight, ctx.n_uniq = weight, uniq.numel()
-        return rows.to(ids.device, non_blocking=True).index_select(0, inverse).reshape(*ids.shape, weight.shape[1])
+        ctx.weight, ctx.n_uniq = weight, host_ids.numel()
+        return rows.index_select(0, inverse).reshape(*ids.shape, weight.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -227,23 +235,43 @@ class HostLookup(torch.autograd.Function):
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         weight.grad.index_add_(0, host_ids, rows.to(weight.device))
-        return None, None, None
+        return None, None, None, None
 
 
 class _Host:
-    """The forward put on top of a host table's own class (``to_host``); ``trace_bound`` as ``_RowSharded``'s."""
+    """The forward put on top of a host table's own class (``to_host``); ``trace_bound`` as ``_RowSharded``'s;
+    ``ahead``: (ids, fetched) from ``prefetch``, used by the forward whose ids are those very ids (a recomputed
+    forward, under activation checkpointing, fetches its own); ``prefetched``: how many forwards used one."""
     trace_bound = False
+    ahead = None
+    prefetched = 0
 
     def forward(self, ids):
-        return HostLookup.apply(self.weight, ids, self.trace_bound)
+        fetched = None
+        if self.ahead is not None and self.ahead[0] is ids:
+            fetched, self.ahead = self.ahead[1], None
+            self.prefetched += 1
+        return HostLookup.apply(self.weight, ids, self.trace_bound, fetched)
+
+
+def prefetch(model, ids: torch.Tensor):
+    """Fetch ahead, for the micro-batch of token ids ``ids`` (on the device), the rows of the host tables looked up
+    by token id (STEM's; a DSE table's ids are hashed in the forward): called between one micro-batch's forward
+    and its backward (``stem.train.step``), so the host gathers the next one's rows while the device computes.
+    The weights do not change within a step, so the rows are those its forward would fetch. The memory trace
+    (``trace_bound``) holds the bound's rows ahead likewise."""
+    for m in model.modules():
+        if isinstance(m, _Host) and m.token_ids:
+            m.ahead = (ids, _fetch(m.weight, ids, m.trace_bound))
 
 
 def to_host(model, names) -> list:
     """Move the tables ``names`` (``row_shardable``) of ``model`` to host memory (pinned when CUDA is there) with
     the ``HostLookup`` forward; their AdamW moments follow their weights there. Returns their weights."""
-    out = []
+    roles, out = param_roles(model), []
     for name in names:
         m = model.get_submodule(name)
+        m.token_ids = getattr(roles.get(id(m.weight)), "group", None) != "dse_table"   # looked up by token id
         cls = type(m)
         m.__class__ = type(f"Host{cls.__name__}", (_Host, cls), {})
         w = m.weight.detach().cpu()
