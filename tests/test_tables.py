@@ -1,10 +1,10 @@
 """Lookup tables outside FSDP (stem.train.tables). Row-sharded (``train.tables: rows``) on gloo: 4 forked ranks
 train 3 steps of 2 micro-batches each a rank (packed rows: document starts, untrained targets) and must give the
 single-process, unsharded model's losses, gradient norms (clipping active) and parameters (fp32, relative
-1e-6), for every table variant, ``table_update: sparse`` included (row-sharded, not replicated). Some of the
-variants are run again, saved after 2 steps and SIGKILLed in the middle of step 3; 2 ranks resume that DCP
-state with the same weights and AdamW moments and finish step 3 as the unsharded model did, and so does one
-process. Host tables (``train.tables: host``): the same against resident tables in one process, and out of the
+1e-6), for every table variant, ``table_update: sparse`` included (row-sharded, not replicated). Three of them
+save their state after 2 steps (stem_sparse's run again and SIGKILLed in the middle of step 3); 2 ranks resume
+each DCP state with the same weights and AdamW moments and finish step 3 as the unsharded model did; one
+process restores them too. Host tables (``train.tables: host``): the same against resident tables in one process, and out of the
 traced peak."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from stem.train.tables import row_shardable, to_host  # noqa: E402
 
 CASES = [("stem", "fsdp"), ("stem_half", "fsdp"), ("stem_gate", "ddp"), ("stem_dagger", "fsdp"), ("dse", "ddp"),
          ("stem_sparse", "fsdp")]
-RESUMED = (0, 4, 5)   # the cases killed after their state at step SAVE_AT, resumed at RESUME_WORLD
+RESUMED = (0, 4, 5)   # the cases whose state at step SAVE_AT resumes at RESUME_WORLD; the last one's ranks are killed
 V, T, STEPS, SAVE_AT, CLIP, WORLD, RESUME_WORLD = 96, 8, 3, 2, 0.05, 4, 2
 GIB = 1024 ** 3
 
@@ -111,15 +111,16 @@ def _snapshot(model, opt, ctx) -> dict:
 
 
 def _rank(specs: list, out: Path):
-    """WORLD ranks: every case for 3 steps, then the RESUMED ones saved and killed (this process dies)."""
+    """WORLD ranks: every case for 3 steps (the RESUMED ones but the last saving their state), then the last
+    RESUMED one again, saved and killed in step 3 (this process dies)."""
     ctx = distributed.setup(torch.device("cpu"))
     for i, (spec, (_, strategy)) in enumerate(zip(specs, CASES)):
-        r = _train(spec, strategy, ctx)
+        r = _train(spec, strategy, ctx, out / f"state{i}" if i in RESUMED[:-1] else None)
         if ctx.is_main:
             torch.save({k: r[k] for k in ("losses", "norms", "params")}, out / f"case{i}.pt")
             (out / f"plan{i}.json").write_text(json.dumps([r["plan"].row_sharded, r["plan"].sparse_rows]))
-    for i in RESUMED:
-        _train(specs[i], CASES[i][1], ctx, out / f"state{i}", kill=i == RESUMED[-1])
+    killed = RESUMED[-1]
+    _train(specs[killed], CASES[killed][1], ctx, out / f"state{killed}", kill=True)
 
 
 def _resume(specs: list, out: Path):
@@ -172,7 +173,7 @@ def test_row_sharded_tables_equal_unsharded_model(runs, case):
 
 @pytest.mark.parametrize("case", RESUMED, ids=[CASES[i][0] for i in RESUMED])
 def test_row_sharded_state_killed_at_four_ranks_resumes_at_two_and_one(runs, case):
-    """The DCP state 4 ranks saved after SAVE_AT steps (then SIGKILLed mid-step): 2 ranks restore its weights and
+    """The DCP state 4 ranks saved after SAVE_AT steps (stem_sparse's then SIGKILLed mid-step): 2 ranks restore its weights and
     AdamW moments exactly (the row-sharded tables' rows at their new owners) and finish step 3 as the unsharded
     model; one process restores them exactly too."""
     out, specs, refs = runs
