@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
+from stem.models.offload import dse_row_ids  # noqa: E402
 from stem.optim.adamw import use_row_sparse  # noqa: E402
 from stem.train import comms, distributed, step  # noqa: E402
 from stem.train.plan import ParallelPlan  # noqa: E402
@@ -26,11 +27,11 @@ from stem.train.tables import row_shardable  # noqa: E402
 # every table / expert kind; each backbone strategy with plain, row-sparse and padded (DSE's prime rows) units;
 # (variant, backbone strategy, table layout [+ activation checkpointing] [+ tied embedding and head])
 ROWS = [("stem", "fsdp", "rows"), ("stem", "ddp", "rows"), ("stem_sparse", "fsdp", "rows"), ("hashmoe", "fsdp", "rows"),
-        ("stem", "fsdp", "rows+ckpt"), ("stem", "fsdp", "rows+tied")]
+        ("dse", "ddp", "rows"), ("stem", "fsdp", "rows+ckpt"), ("stem", "fsdp", "rows+tied")]
 CASES = {2: [("stem", "fsdp", "fsdp"), ("stem", "ddp", "fsdp"), ("stem_sparse", "fsdp", "fsdp"),
              ("stem_sparse", "ddp", "fsdp"), ("hashmoe", "fsdp", "fsdp"), ("moe", "ddp", "fsdp"), ("dse", "fsdp", "fsdp"),
              ("dse", "ddp", "fsdp"), ("stem", "fsdp", "fsdp+ckpt"), ("stem", "fsdp", "fsdp+tied")] + ROWS,
-         4: [("stem", "fsdp", "fsdp"), ("stem_sparse", "ddp", "fsdp"), ("dse", "fsdp", "fsdp")] + ROWS}
+         4: [("stem", "fsdp", "fsdp"), ("stem_sparse", "ddp", "fsdp")] + ROWS}
 V, T = 96, 8
 
 
@@ -47,12 +48,18 @@ def _cfg(layout: str = "fsdp") -> dict:
 
 
 def _lookups(model, plan, batches, world: int) -> list:
-    """(width, unique ids, ids asked of rank 0) of rank 0's row-sharded lookups (STEM: token ids) of a step (rank
-    0 owns the ids 0, W, 2W, ...: stem.train.tables.storage_ids)."""
+    """(width, unique ids, ids asked of rank 0) of rank 0's row-sharded lookups of a step (rank 0 owns the ids 0,
+    W, 2W, ...: stem.train.tables.storage_ids): a STEM table reads the token ids, a DSE table its hashed ids
+    (``dse_row_ids``, computed by the unsharded ``model``)."""
+    def ids(x):   # each row-sharded table's ids for the token ids x, in the plan's (module) order
+        hashed = iter(dse_row_ids(model, x) if model.cfg.dse is not None else [])
+        return [next(hashed) if ".dse." in name else x for name in plan.row_sharded]
+    widths = [model.get_submodule(name).weight.shape[1] for name in plan.row_sharded]
     out = []
     for i in range(0, len(batches), world):   # rank 0's micro-batches; rank r's i-th is batches[i + r]
-        asked = sum(int((batches[i + r][0].unique() % world == 0).sum()) for r in range(world))
-        out += [(model.cfg.d_ff, batches[i][0].unique().numel(), asked)] * len(plan.row_sharded)
+        per_rank = [[t.unique() for t in ids(batches[i + r][0])] for r in range(world)]
+        for k, d in enumerate(widths):
+            out.append((d, per_rank[0][k].numel(), sum(int((u[k] % world == 0).sum()) for u in per_rank)))
     return out
 
 
@@ -65,18 +72,18 @@ def _rank(world: int, specs: list, out: str):
         model.set_training_options(activation_checkpointing=spec.train.activation_checkpointing)
         sparse = spec.optim.row_sparse_tables(model)
         plan = ParallelPlan.of(spec.train, world, strategy, sparse, row_shardable(model))
-        use_row_sparse(model, plan.row_sparse)
-        distributed.parallelize(model, ctx, plan)
-        opt = step.make_optimizer(model, spec, plan, fused=False)
         g = torch.Generator().manual_seed(1)
         batches = [(x, x, None) for x in (torch.randint(0, V, (plan.micro_batch, T), generator=g)
                                           for _ in range(plan.accum))]
         uniq = max(torch.cat([b[0].flatten() for b in batches[r::world]]).unique().numel() for r in range(world))
+        lookups = _lookups(model, plan, batches, world) if plan.row_sharded else None
+        use_row_sparse(model, plan.row_sparse)
+        distributed.parallelize(model, ctx, plan)
+        opt = step.make_optimizer(model, spec, plan, fused=False)
         with comms.count_collectives() as seen:
             step.train_step(model, opt, batches, ctx, torch.autocast("cpu", enabled=False), 1e-3, 1.0, metrics={})
-        meta = build_model(spec.model, "meta")
-        modelled = comms.collectives(meta, plan, mixed_precision=False, unique_rows=uniq,
-                                     lookups=_lookups(meta, plan, batches, world) if plan.row_sharded else None)
+        modelled = comms.collectives(build_model(spec.model, "meta"), plan, mixed_precision=False, unique_rows=uniq,
+                                     lookups=lookups)
         rows.append({"case": f"{variant}/{strategy}/{layout}", "sharded": len(plan.row_sharded),
                      "counted": sorted(map(list, seen.items())),
                      "modelled": sorted(map(list, comms.as_counter(modelled).items()))})
@@ -95,7 +102,7 @@ def test_modelled_collectives_equal_counted(tmp_path, world):
     for row in rows:
         assert row["counted"] == row["modelled"], row["case"]
         assert any(op != "all_reduce" or n > 8 for (op, n), _ in row["counted"]), row["case"]   # not only scalars
-        # row-sharded: STEM's tables, the row-sparse ones too; Hash-MoE has none (its experts stay FSDP units)
+        # row-sharded: STEM's and DSE's tables, the row-sparse ones too; Hash-MoE has none (its experts: FSDP units)
         assert bool(row["sharded"]) == ("/rows" in row["case"] and "hashmoe" not in row["case"]), row["case"]
 
 
