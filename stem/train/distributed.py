@@ -16,8 +16,9 @@ Sharding (``parallelize``, as the plan says):
 - the backbone: ``fully_shard`` per transformer block plus the root (FSDP2, ``strategy="fsdp"``; the token
   embedding and the LM head are the root's, so a tied pair, ``tie_embeddings``, is one unit), or
   replicated with one gradient all-reduce per step (``strategy="ddp"``, for small models);
-- row-sparse tables (``optim.table_update: sparse``, the plan's ``row_sparse``): replicated on every rank,
-  outside FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead;
+- row-sparse tables (``optim.table_update: sparse``, the plan's ``row_sparse``; under ``train.tables: rows``
+  they are row-sharded instead, below): replicated on every rank, outside FSDP (FSDP cannot carry sparse
+  gradients); their (ids, rows) gradients are all-gathered instead;
 - STEM tables and DSE tables (under ``train.tables: fsdp``, the default), Hash-MoE experts and the routed MoE's
   experts: each such module gets its own ``fully_shard`` unit on the
   world mesh *before* the backbone is wrapped, so they are sharded over all ranks (dim 0: table rows /
