@@ -42,7 +42,8 @@ def _cfg(layout: str = "fsdp") -> dict:
                                 tie_embeddings="tied" in extra)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 8},
                                 "dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
-    cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T, activation_checkpointing="ckpt" in extra)
+    cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T,
+                                             activation_checkpointing="ckpt" in extra)
     cfg["cluster"] = {"tables": tables}
     return cfg
 

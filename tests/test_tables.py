@@ -4,8 +4,8 @@ single-process, unsharded model's losses, gradient norms (clipping active) and p
 1e-6), for every table variant, ``table_update: sparse`` included (row-sharded, not replicated). Three of them
 save their state after 2 steps (stem_sparse's run again and SIGKILLed in the middle of step 3); 2 ranks resume
 each DCP state with the same weights and AdamW moments and finish step 3 as the unsharded model did; one
-process restores them too. Host tables (``train.tables: host``): the same against resident tables in one process, and out of the
-traced peak."""
+process restores them too. Host tables (``train.tables: host``): the same against resident tables in one
+process, and out of the traced peak."""
 from __future__ import annotations
 
 import json
@@ -173,9 +173,9 @@ def test_row_sharded_tables_equal_unsharded_model(runs, case):
 
 @pytest.mark.parametrize("case", RESUMED, ids=[CASES[i][0] for i in RESUMED])
 def test_row_sharded_state_killed_at_four_ranks_resumes_at_two_and_one(runs, case):
-    """The DCP state 4 ranks saved after SAVE_AT steps (stem_sparse's then SIGKILLed mid-step): 2 ranks restore its weights and
-    AdamW moments exactly (the row-sharded tables' rows at their new owners) and finish step 3 as the unsharded
-    model; one process restores them exactly too."""
+    """The DCP state 4 ranks saved after SAVE_AT steps (stem_sparse's then SIGKILLed mid-step): 2 ranks restore
+    its weights and AdamW moments exactly (the row-sharded tables' rows at their new owners) and finish step 3
+    as the unsharded model; one process restores them exactly too."""
     out, specs, refs = runs
     ref, got = refs[case], torch.load(out / f"resumed{case}.pt", weights_only=True)
     saved = torch.load(out / f"state{case}.pt", weights_only=True)

@@ -15,8 +15,9 @@ Counted from the code, per FSDP2 unit:
 - row-sharded tables (``train.tables: rows``, ``stem.train.tables``): four all-to-alls per table a micro-batch
   (the counts asked of each owner, int64; the ids asked of this rank, int64; the rows this rank reads, bf16
   under mixed precision; the gradients of the rows asked of it, fp32); data-dependent (``lookups``: counted
-  from the batch in tests, estimated for the paper's busiest rank, ``expected_lookups``); with activation checkpointing the
-  forward's three run again when backward recomputes the block (an FSDP unit is not gathered again: counted).
+  from the batch in tests, estimated for the paper's busiest rank, ``expected_lookups``); with activation
+  checkpointing the forward's three run again when backward recomputes the block (an FSDP unit is not gathered
+  again: counted).
 - row-sparse tables (``optim.table_update: sparse``): three all-gathers per table a step (each rank's count
   of unique rows, int64; the ids, int64; the fp32 rows), padded to the rank with most unique rows
   (``unique_rows``; data-dependent: counted from the batch in tests, estimated for the paper, ``zipf_unique``).
