@@ -22,6 +22,7 @@ import torch.distributed.fsdp  # noqa: F401
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from stem import checkpoint as ck  # noqa: E402
 from stem import config as C  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 from stem.train import comms, distributed, memory, memtrace, step, tables  # noqa: E402
@@ -95,7 +96,8 @@ def _train(spec, strategy, ctx, state_dir=None, kill=False, resume=False) -> dic
             if state_dir is not None and ctx.is_main:   # what was saved, whole, to check the resumed against
                 torch.save(saved, f"{state_dir}.pt")
     full = {k: v.clone() for k, v in distributed.full_model_view(model, ctx).state_dict().items()}
-    return {"losses": losses, "norms": norms, "params": full, "saved": saved, "plan": plan, "host": host}
+    return {"losses": losses, "norms": norms, "params": full, "saved": saved, "plan": plan, "host": host,
+            "model": model, "opt": opt}
 
 
 def _snapshot(model, opt, ctx) -> dict:
@@ -124,12 +126,15 @@ def _rank(specs: list, out: Path):
 
 
 def _resume(specs: list, out: Path):
-    """RESUME_WORLD ranks: the RESUMED cases' states, their step 3."""
+    """RESUME_WORLD ranks: the RESUMED cases' states, their step 3, then the optimizer state a later stage carries
+    (``save_optimizer``) beside the moments it must hold."""
     ctx = distributed.setup(torch.device("cpu"))
     for i in RESUMED:
         r = _train(specs[i], CASES[i][1], ctx, out / f"state{i}", resume=True)
+        ck.save_optimizer(out / f"optim{i}", r["model"], r["opt"])
+        final = _snapshot(r["model"], r["opt"], ctx)
         if ctx.is_main:
-            torch.save({k: r[k] for k in ("losses", "params", "saved")}, out / f"resumed{i}.pt")
+            torch.save({k: r[k] for k in ("losses", "params", "saved")} | {"final": final}, out / f"resumed{i}.pt")
     distributed.teardown(ctx)
 
 
@@ -195,6 +200,11 @@ def test_row_sharded_state_killed_at_four_ranks_resumes_at_two_and_one(runs, cas
     for n, tensors in saved.items():
         for a, b, what in zip(tensors, loaded[n], ("weight", "exp_avg", "exp_avg_sq")):
             assert torch.equal(a, b), f"{n} {what} in one process"
+    # the optimizer state the 2 ranks saved for a later stage (reset_optimizer: false) loads in one process
+    ck.load_optimizer(out / f"optim{case}", model, opt)
+    loaded = _snapshot(model, opt, ctx)
+    for n, (_, m, v) in got["final"].items():
+        assert torch.equal(m, loaded[n][1]) and torch.equal(v, loaded[n][2]), f"{n} carried moments"
 
 
 def test_host_tables_equal_resident_tables(tmp_path, variant="stem"):
