@@ -33,6 +33,7 @@ from stem.layout import IDENTITY, checkpoint_identity
 from stem.models.config import ModelConfig
 from stem.models.model import build_model, loaded_state, saved_state
 from stem.models.offload import dse_tables, offload, token_tables
+from stem.train.tables import logical_state
 
 
 def _state_dict_for_save(model) -> dict:
@@ -249,8 +250,10 @@ def save_optimizer(folder, model, opt):
     # torch.distributed.checkpoint: a heavy import, only when optimizer state is saved or loaded
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict   # likewise
+    osd = get_optimizer_state_dict(model, opt)
+    logical_state(model, osd=osd)   # row-sharded tables' moments in id order (stem.train.tables)
     with _single_process_quiet():
-        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(folder))
+        dcp.save({"optim": osd}, checkpoint_id=str(folder))
 
 
 def load_optimizer(folder, model, opt):
@@ -265,11 +268,13 @@ def load_optimizer(folder, model, opt):
                          "the next stage sets reset_optimizer: false; rerun it, or set reset_optimizer: true)")
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     state = {"optim": get_optimizer_state_dict(model, opt)}
+    logical_state(model, osd=state["optim"])
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(folder))
     except Exception as e:
         raise ValueError(f"{folder}: unreadable optimizer state ({type(e).__name__}: {first_line(e)})") from None
+    logical_state(model, osd=state["optim"], inverse=True)
     set_optimizer_state_dict(model, opt, state["optim"])
     for g, h in zip(opt.param_groups, hyper):
         g.update(h)

@@ -163,7 +163,7 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     accounting = model_accounting(model)
     # the job's layout, decided once: micro-batches, strategy, the tables optim.table_update: sparse trains row-sparse
     sparse = spec.optim.row_sparse_tables(model)
-    tables = row_shardable(model, sparse)
+    tables = row_shardable(model)
     try:
         plan = ParallelPlan.of(tc, ctx.world, row_sparse=sparse, tables=tables)
     except ValueError as e:   # a batch that does not split over the ranks, host tables on several
