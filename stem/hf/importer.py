@@ -331,5 +331,19 @@ def load_gguf(folder: Path, name: str, where: Path):
     return model, tok.backend_tokenizer.to_str()
 
 
+def gguf_tokenizer(source: str, name: str) -> str:
+    """The tokenizer.json text of the checked Llama GGUF file ``name`` in ``source`` (a folder or ``pkg:`` resource),
+    as transformers converts it (the weights are not read): an experiment's ``tokenizer: {kind: pretrained, path:
+    FOLDER, gguf_file: NAME}``, the tokenizer of the stage that imports that file."""
+    folder = resolve(source)
+    where = check_gguf(folder, name)
+    from transformers import AutoTokenizer   # heavy: only for a GGUF tokenizer
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name).backend_tokenizer.to_str()
+    except Exception as e:
+        raise ValueError(f"{where}: transformers cannot read its tokenizer ({type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0]})") from None
+
+
 def log_stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
