@@ -203,3 +203,25 @@ def test_niah_items_with_the_original_needle_in_the_essays(smol):
             assert 0.2 < at / len(prompt) < 0.8   # at the middle sentence (the essays' sentences vary in length)
     with pytest.raises(ValueError, match="niah: needle"):
         niah.make_items(tok, docs, [1024], [0], 1, needle={"text": "x"})
+
+
+def test_real_experiment_dag(tmp_path):
+    """``make real``'s workflow (config/real.yaml) builds on the same rules as tiny and paper: the import stage, dense
+    and the inserted STEM model continued, their ppl and NIAH evaluations, the step-0 analysis of the import, and
+    the report with its own tables and figure; in a dry run, from a folder with nothing in it."""
+    from conftest import job_counts
+    import subprocess
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--profile",
+                        str(REPO / "profiles" / "local"), "--configfile", str(REPO / "config" / "real.yaml"),
+                        "-d", str(tmp_path), "-n"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = job_counts(r.stdout)
+    assert (counts["tokenizer"], counts["train"], counts["eval"], counts["analyze"]) == (1, 3, 4, 1)
+    for path in ("results/real/350m/dense/pretrain/summary.json", "results/real/350m/stem_insert/midtrain/summary.json",
+                 "results/real/350m/stem_insert/midtrain/eval/niah.json",
+                 "results/real/350m/dense/pretrain/analysis/insertion_step0.json",
+                 "reports/real/tables/real_step0.md", "reports/real/figures/real_loss_curves.png"):
+        assert path in r.stdout, path
+    assert "results/real/350m/stem_insert/pretrain" not in r.stdout   # inserted at midtrain: no pretraining

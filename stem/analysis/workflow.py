@@ -181,6 +181,8 @@ ANALYSES.add("spread", Analysis("stem.analysis.spread:run"))
 ANALYSES.add("capacity", Analysis("stem.analysis.capacity:run", needs_world=True, resolve=_capacity_corpus))
 ANALYSES.add("heldout", Analysis("stem.analysis.heldout:run",
                                  only_for=lambda kind: kind["lookups"] or kind["variant"] == "dense"))
+# the held-out loss of STEM inserted into a dense checkpoint at step 0 (placement x init; config/real.yaml)
+ANALYSES.add("insertion_step0", Analysis("stem.analysis.insertion:run", only_for=lambda kind: kind["variant"] == "dense"))
 ANALYSES.add("logitlens", Analysis("stem.analysis.logitlens:run", baseline=True, only_for=_has_dse))
 ANALYSES.add("cka", Analysis("stem.analysis.cka:run", uses_world=True, baseline=True, only_for=_has_dse))
 ANALYSES.add("dse_disabled", Analysis("stem.analysis.dse_disabled:run", uses_world=True, only_for=_has_dse,

@@ -83,6 +83,7 @@ class Figure:
     inputs(cfg, evals) -> {name: path or [paths]} the figure reads besides the reproduced tables; ``evals``
         lists the experiment's eval JSONs.
     scale, variants: what a curve figure plots (None / () for figures that choose for themselves).
+    experiments: the experiments it is drawn for (() = every one), e.g. a figure of one experiment's own results.
     """
     name: str
     draw: Callable
@@ -90,6 +91,7 @@ class Figure:
     inputs: Callable | None = None
     scale: str | None = None
     variants: tuple = ()
+    experiments: tuple = ()
 
     def __post_init__(self):
         _check_name("figure", self.name)
@@ -110,8 +112,11 @@ def tables():
     return TABLES
 
 
-def figures():
-    return FIGURES
+def figures(experiment: str | None = None):
+    """Every registered figure (a read-only mapping name -> figure), or those drawn for ``experiment``."""
+    if experiment is None:
+        return FIGURES
+    return {n: f for n, f in FIGURES.items() if not f.experiments or experiment in f.experiments}
 
 
 def table(name: str) -> PaperTable:
