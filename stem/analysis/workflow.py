@@ -2,7 +2,8 @@
 
     analysis:
       stages: {350m: [pretrain], 1b: [extend]}     # which trained checkpoints are analysed
-      editing:  {...}                               # one key per analysis (absent = not run)
+      editing:  {...}                               # one key per analysis (absent = not run); its own
+                                                    #   stages: {...} replaces `stages` for it
       heaps:    {source: web, lengths: [...], windows: 8}
       spread:   {source: web, n_tokens: 256}
       capacity: {source: web, countries: 40, people: 60, choices: 10, seed: 0}   # needs the synthetic world
@@ -63,9 +64,17 @@ def analyses(cfg: dict) -> list[str]:
     return [n for n in ANALYSES if a.get(n) is not None and (not ANALYSES[n].needs_world or cfg.get("world"))]
 
 
+def stages(cfg: dict, name: str | None = None) -> dict:
+    """{scale: [stage]} whose checkpoints analysis ``name`` reads: its own ``analysis.{name}.stages``, else
+    ``analysis.stages``."""
+    a = cfg.get("analysis") or {}
+    return ((a.get(name) or {}).get("stages") if name else None) or a.get("stages") or {}
+
+
 def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
-    stages = (cfg.get("analysis") or {}).get("stages") or {}
-    return [(s, v, st) for s, v, st in C.train_targets(cfg) if st in (stages.get(s) or [])]
+    """The trained checkpoints some analysis reads."""
+    by_name = [stages(cfg)] + [stages(cfg, n) for n in analyses(cfg)]
+    return [(s, v, st) for s, v, st in C.train_targets(cfg) if any(st in (b.get(s) or []) for b in by_name)]
 
 
 def _model_json(cfg: dict, scale: str, variant: str) -> str:
@@ -111,7 +120,7 @@ def targets(cfg: dict) -> list[str]:
     for s, v, st in checkpoints(cfg):
         kind = model_kind(cfg, s, v)
         out += [L.analysis_json(cfg["experiment"], s, v, st, name) for name in analyses(cfg)
-                if (ANALYSES[name].only_for or (lambda m: True))(kind)
+                if st in (stages(cfg, name).get(s) or []) and (ANALYSES[name].only_for or (lambda m: True))(kind)
                 and (not ANALYSES[name].baseline or (s, baseline(cfg, name), st) in trained)]
     return out
 
@@ -126,7 +135,8 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
         raise ValueError(f"analysis {name!r}: not configured for experiment {cfg['experiment']!r} "
                          f"(config key 'analysis.{name}'); expected one of {analyses(cfg)}")
     entry = ANALYSES[name]
-    spec = {**cfg["analysis"][name], "analysis": name, "device": cfg.get("device", "cpu"),
+    own = {k: x for k, x in cfg["analysis"][name].items() if k != "stages"}   # stages: which jobs, not what they do
+    spec = {**own, "analysis": name, "device": cfg.get("device", "cpu"),
             "job": {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}}
     if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
         spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
