@@ -285,6 +285,52 @@ def test_embedding_swap_on_dense_model_equals_control_prompt(tiny_data, one_thre
         assert e["kl_control"] == pytest.approx(0.0, abs=1e-9) and e["topk_overlap"] == 1.0
 
 
+def test_real_prompt_set_mode_every_source_first_token_moves(tiny_data, one_thread):
+    """The mode config/real.yaml runs (every_source, first_token) on a tiny random dense model: every country a
+    source once, its target the next one with another capital; a candidate's score is the next-token log-prob of its
+    first token; the embedding swap of equal-length names is the control prompt's computation, so the edited top-k,
+    ``moves`` and ``p_target`` are the control's; the prompts' logits are restored bit for bit (and would show an
+    edit left in place)."""
+    from stem.data.synth import make_world
+    from stem.data.tokenizer import load_tokenizer
+    tok = load_tokenizer(tiny_data["tokenizer"])
+    cfg = ModelConfig(vocab_size=512, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=64)
+    torch.manual_seed(2)
+    model = build_model(cfg).eval()
+    country = E.world_facts(make_world(7, 20, 60, 500), {})["country"]
+    firsts, ents = set(), {}
+    for name, a in country["entities"].items():   # capitals with distinct first tokens (what first_token needs)
+        if E.encode(tok, a["capital"])[0] not in firsts:
+            firsts.add(E.encode(tok, a["capital"])[0])
+            ents[name] = a
+    facts = {"country": {"templates": {"capital": country["templates"]["capital"]}, "entities": ents}}
+    pairs = E.every_source(tok, facts, set())
+    names = list(ents)
+    assert len(ents) >= 4 and [p["source"] for p in pairs] == names
+    assert [p["target"] for p in pairs] == names[1:] + names[:1]   # capitals all differ: the next one
+    assert E.every_source(tok, facts, {("country", names[0])})[0]["source"] == names[1]
+    r = E.measure(model, tok, facts, pairs, {"topk": 3, "collateral": 1, "known_entities": len(ents), "seed": 0,
+                                             "first_token": True})
+    assert r["restored_bit_identical"] and r["restored_logits_bit_identical"] and r["restored_logits_prompts"] == len(ents)
+    probe = E._Probe(model, tok, facts, first_token=True)
+    full = E._Probe(model, tok, facts).predict("country", "capital", names[:2])
+    for n, (pred, sc, nxt) in probe.predict("country", "capital", names[:2]).items():
+        first = [c[0] for c in probe.candidates("country", "capital")[1]]
+        assert torch.equal(sc, nxt[first]) and torch.allclose(nxt, full[n][2], atol=1e-5)   # (batch round-off)
+    swaps = [e for e in r["edits"] if e["scheme"] == "swap"]
+    assert swaps and len(r["edits"]) >= len(pairs)
+    for e in swaps:
+        ctrl = E.score_many(model, [(E.encode(tok, f"The capital of {e['target']} is"), [[0]])])[0][1]
+        t_first = E.encode(tok, e["target_answer"])[0]
+        assert e["moves"] == (int(ctrl.argmax()) == t_first)
+        assert e["p_target"] == pytest.approx(float(ctrl[t_first].exp()), abs=1e-6)
+        assert [t for t, _ in e["top_after"]] == [t for t, _ in E.top_tokens(tok, ctrl, 3)]
+    logits = E._prompt_logits(model, tok, facts, pairs[:1])
+    src, tgt = E.encode(tok, " " + names[0]), E.encode(tok, " " + names[1])
+    with E.edited([model.tok_emb.weight], src, E.plan("average", len(src), tgt)):
+        assert not torch.equal(E._prompt_logits(model, tok, facts, pairs[:1])[0], logits[0])
+
+
 def test_analysis_tables_and_figures_through_the_registry(tmp_path):
     """The registered report-only tables and figures from hand-made analysis JSONs: cells copied from the JSONs
     (long format), the directions with confidence, a wrong JSON named; no analysis configured: empty tables

@@ -159,7 +159,7 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
 def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
     spec = job_spec(cfg, scale, variant, stage, name)
     inputs = {"checkpoint": L.checkpoint(cfg["experiment"], scale, variant, stage)}
-    inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts") if spec.get(k)})
+    inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts", "hf_export") if spec.get(k)})
     if spec.get("baseline_checkpoint"):
         inputs["baseline"] = spec["baseline_checkpoint"]
     if (spec.get("eval") or {}).get("fixtures"):
@@ -185,6 +185,12 @@ def _capacity_corpus(cfg: dict, spec: dict):
     spec["corpus"] = L.corpus_path(cfg["experiment"], spec["source"])
 
 
+def _hf_export(cfg: dict, spec: dict):
+    """The checkpoint's export-hf folder (rules/hf.smk), which hf_parity scores under lm-eval's stock hf model."""
+    j = spec["job"]
+    spec["hf_export"] = L.hf_export(j["experiment"], j["scale"], j["variant"], j["stage"])
+
+
 ANALYSES.add("editing", Analysis("stem.analysis.editing:run", uses_world=True))
 ANALYSES.add("heaps", Analysis("stem.analysis.heaps:run", only_for=lambda kind: kind["tables"]))
 ANALYSES.add("spread", Analysis("stem.analysis.spread:run"))
@@ -192,6 +198,7 @@ ANALYSES.add("capacity", Analysis("stem.analysis.capacity:run", needs_world=True
 ANALYSES.add("heldout", Analysis("stem.analysis.heldout:run",
                                  only_for=lambda kind: kind["lookups"] or kind["variant"] == "dense"))
 # the held-out loss of STEM inserted into a dense checkpoint at step 0 (placement x init; config/real.yaml)
+ANALYSES.add("hf_parity", Analysis("stem.analysis.hf_parity:run", resolve=_hf_export))
 ANALYSES.add("insertion_step0", Analysis("stem.analysis.insertion:run", only_for=lambda kind: kind["variant"] == "dense"))
 ANALYSES.add("logitlens", Analysis("stem.analysis.logitlens:run", baseline=True, only_for=_has_dse))
 ANALYSES.add("cka", Analysis("stem.analysis.cka:run", uses_world=True, baseline=True, only_for=_has_dse))
