@@ -325,6 +325,13 @@ def test_real_prompt_set_mode_every_source_first_token_moves(tiny_data, one_thre
         assert e["moves"] == (int(ctrl.argmax()) == t_first)
         assert e["p_target"] == pytest.approx(float(ctrl[t_first].exp()), abs=1e-6)
         assert [t for t, _ in e["top_after"]] == [t for t, _ in E.top_tokens(tok, ctrl, 3)]
+    from stem.eval.generate import greedy_generate   # completes: greedy decoding read off one teacher-forced pass
+    items = [(f"The capital of {n} is", a) for n in names for a in (ents[n]["capital"], " the capital")]
+    for (prompt, answer), (ok, wrote) in zip(items, E.completes(model, tok, items)):
+        want = E.encode(tok, answer)
+        g = greedy_generate(model, E.encode(tok, prompt), len(want))
+        cut = next((j + 1 for j, (x, y) in enumerate(zip(g, want)) if x != y), len(g))
+        assert ok == (g == want) and wrote == tok.decode(g[:cut])
     logits = E._prompt_logits(model, tok, facts, pairs[:1])
     src, tgt = E.encode(tok, " " + names[0]), E.encode(tok, " " + names[1])
     with E.edited([model.tok_emb.weight], src, E.plan("average", len(src), tgt)):

@@ -294,3 +294,25 @@ def test_cli_errors_are_one_line_and_write_nothing(tok_file, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert e.value.code == 1 and message in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / "out").exists()
+
+
+def test_hf_parity_analysis_on_a_facts_task(tok_file, tmp_path):
+    """The hf_parity analysis (config/real.yaml): a STEM checkpoint and its export-hf folder score a local lm-eval
+    task made from a prompt-set file the same under lm-eval's stock ``hf`` model and the ``stem`` model; the JSON
+    holds both metrics and the per-request loglikelihoods; a folder that is not the checkpoint's export is one line."""
+    from stem.__main__ import main as stem_main
+    from stem.analysis.hf_parity import check, compare
+    facts = tmp_path / "facts.yaml"
+    facts.write_text("kinds:\n  place:\n    templates: {capital: 'The capital of {e} is'}\n    entities:\n"
+                     "      Spain: {capital: ' Madrid'}\n      Germany: {capital: ' Berlin'}\n"
+                     "      France: {capital: ' Paris'}\n")
+    ckpt, _ = make_ckpt(tmp_path / "stem", tok_file, "stem", seed=4)
+    stem_main(["export-hf", str(ckpt), str(tmp_path / "hf")])
+    r = compare(ckpt, tmp_path / "hf", facts, tolerance=1e-4, batch_size=2)
+    assert r["documents"] == 3 and len(r["loglik"]["hf"]) == 3 and r["within_tolerance"]
+    assert r["max_abs_loglik_diff"] <= 1e-4 and r["hf"]["acc"] == r["stem"]["acc"]
+    assert r["hf"]["perplexity"] == pytest.approx(r["stem"]["perplexity"], rel=1e-4)
+    off = [x + 2e-4 * (i == 1) for i, x in enumerate(r["loglik"]["stem"])]   # one request 2e-4 away, one missing
+    for stem_ll, hf_ll in ((off, r["loglik"]["hf"]), (r["loglik"]["stem"], r["loglik"]["hf"][:2])):
+        with pytest.raises(ValueError, match=r"hf_parity X: max \|loglikelihood difference\|.* expected <= 0.0001"):
+            check(stem_ll, hf_ll, 3, 1e-4, "X")

@@ -95,6 +95,34 @@ def test_projected_insertion_step0_loss_on_real_weights(smol, essay_tokens):
         step0_rows(dense, x, placements=["1/4"])
 
 
+def test_real_facts_are_what_the_dense_import_completes(smol):
+    """reference/real/facts.yaml (the editing prompt set of config/real.yaml) keeps exactly the capitals the dense
+    import completes by greedy decoding, and its ``dropped`` list what it wrote instead; Fig. 7's edit through the
+    editing analysis' code on the token embedding (the dense reference): Spain's row replaced by Germany's, the
+    completion moves to " Berlin", and undoing restores the logits bit for bit."""
+    import yaml
+    from stem.analysis import editing as E
+    _, _, model, tok = smol
+    path = REPO / "reference" / "real" / "facts.yaml"
+    kinds, pairs = E.read_facts(path)
+    dropped = yaml.safe_load(path.read_text(encoding="utf-8"))["dropped"]
+    place = kinds["place"]
+    assert (len(place["entities"]), len(dropped)) == (26, 16) and pairs[0] == {"kind": "place", "source": "Spain",
+                                                                                 "target": "Germany"}
+    template = place["templates"]["capital"]
+    items = [*place["entities"].items(), *dropped.items()]
+    done = E.completes(model, tok, [(template.format(e=name), answers["capital"]) for name, answers in items])
+    for (name, _), (ok, wrote) in zip(items, done):
+        assert ok == (name in place["entities"]) and (ok or dropped[name]["wrote"].startswith(wrote)), (name, wrote)
+    ids = torch.tensor([E.encode(tok, template.format(e="Spain"))])
+    with torch.no_grad():
+        before = model(ids)
+        with E.edited([model.tok_emb.weight], E.encode(tok, " Spain"), [tuple(E.encode(tok, " Germany"))]):
+            after = model(ids)
+        assert tok.decode([int(after[0, -1].argmax())]) == " Berlin" != tok.decode([int(before[0, -1].argmax())])
+        assert torch.equal(model(ids), before)
+
+
 def _gguf_header(path: Path, arch: str) -> None:
     """A GGUF v3 header with one string key, general.architecture (what the importer reads first)."""
     key, value = b"general.architecture", arch.encode()

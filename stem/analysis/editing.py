@@ -246,11 +246,25 @@ def _prompt_logits(model, tok, facts: dict, pairs: list[dict]) -> list[torch.Ten
             for p in pairs for t in facts[p["kind"]]["templates"].values()]
 
 
-def completes(model, tok, prompt: str, answer: str) -> tuple[bool, str]:
-    """(whether greedy decoding after ``prompt`` writes exactly ``answer``'s tokens first, what it wrote)."""
-    want = encode(tok, answer)
-    got = greedy_generate(model, encode(tok, prompt), len(want), tok.eos_id)
-    return got == want, tok.decode(got)
+@torch.no_grad()
+def completes(model, tok, items: list[tuple[str, str]]) -> list[tuple[bool, str]]:
+    """Per (prompt, answer): (whether greedy decoding after the prompt writes exactly the answer's tokens first, what
+    it wrote up to the first token that differs). One batched forward of prompt + answer: greedy decoding follows
+    the answer as long as each position's argmax is the answer's next token, so it is read off that one pass."""
+    rows = [(encode(tok, p), encode(tok, a)) for p, a in items]
+    x = torch.zeros(len(rows), max(len(p) + len(a) for p, a in rows), dtype=torch.long)
+    for i, (p, a) in enumerate(rows):
+        x[i, :len(p) + len(a)] = torch.tensor(p + a)
+    top = model(x.to(model.tok_emb.weight.device)).argmax(-1).cpu()
+    out = []
+    for i, (p, a) in enumerate(rows):
+        wrote = []
+        for j, want in enumerate(a):
+            wrote.append(int(top[i, len(p) - 1 + j]))
+            if wrote[-1] != want:
+                break
+        out.append((wrote == a, tok.decode(wrote)))
+    return out
 
 
 def top_tokens(tok, logp: torch.Tensor, k: int) -> list[list]:
@@ -303,8 +317,8 @@ def _known(probe: _Probe, spec: dict) -> dict:
         for relation in f["templates"]:
             preds = probe.predict(kind, relation, sample)
             hits = [preds[n][0] == f["entities"][n][relation] for n in sample]
-            done = {n: completes(probe.model, probe.tok, f["templates"][relation].format(e=n),
-                                 f["entities"][n][relation]) for n in sample}
+            done = dict(zip(sample, completes(probe.model, probe.tok, [
+                (f["templates"][relation].format(e=n), f["entities"][n][relation]) for n in sample])))
             known[f"{kind}/{relation}"] = {"accuracy": sum(hits) / len(hits), "n": len(hits),
                                            "chance": 1 / len(probe.candidates(kind, relation)[0]),
                                            "completed": sum(ok for ok, _ in done.values()) / len(hits),

@@ -15,7 +15,7 @@ instantiates, with ``pretrained=EXPORT,dtype=float32,trust_remote_code=True``; t
 
 The result holds both models' metrics, every request's loglikelihood under each, their max |difference| and whether it
 is within ``tolerance`` (nats; fp32: transformers computes RoPE in fp32, the pipeline in fp64). A difference above it
-fails the job (one line), after the JSON's numbers are known, so nothing is written.
+fails the job in one line (a gate: the export does not compute the model), and nothing is written.
 """
 from __future__ import annotations
 
@@ -70,17 +70,23 @@ def compare(ckpt_dir, export_dir, facts_path, tolerance: float, device: str = "c
                                             batch_size))
         hf_m, hf_ll = _scores(_evaluate("hf", {"pretrained": str(export_dir), "dtype": "float32",
                                                "trust_remote_code": True}, tm, batch_size))
-    diff = max(abs(a - b) for a, b in zip(stem_ll, hf_ll))
-    out = {"analysis": "hf_parity", "task": TASK, "documents": n, "facts": str(facts_path), "export": str(export_dir),
+    diff = check(stem_ll, hf_ll, n, tolerance, export_dir)
+    return {"analysis": "hf_parity", "task": TASK, "documents": n, "facts": str(facts_path), "export": str(export_dir),
            "stem": stem_m, "hf": hf_m, "metric_difference": {k: hf_m[k] - stem_m[k] for k in stem_m},
            "max_abs_loglik_diff": diff, "tolerance": tolerance, "within_tolerance": diff <= tolerance,
            "loglik": {"stem": stem_ll, "hf": hf_ll},
            "command": f"lm_eval --model hf --model_args pretrained={export_dir},dtype=float32,trust_remote_code=True "
                       f"--tasks {TASK} --include_path TASK_DIR --device cpu"}
-    if len(stem_ll) != n or len(hf_ll) != n or not out["within_tolerance"]:
-        raise ValueError(f"hf_parity {export_dir}: max |loglikelihood difference| {diff:.3g} over {len(hf_ll)} of {n} "
+
+
+def check(stem_ll: list[float], hf_ll: list[float], n: int, tolerance: float, where) -> float:
+    """The max |loglikelihood difference| of the two models' ``n`` requests; one line when it is above
+    ``tolerance`` or a request is missing."""
+    diff = max((abs(a - b) for a, b in zip(stem_ll, hf_ll)), default=float("inf"))
+    if len(stem_ll) != n or len(hf_ll) != n or not diff <= tolerance:
+        raise ValueError(f"hf_parity {where}: max |loglikelihood difference| {diff:.3g} over {len(hf_ll)} of {n} "
                          f"requests; expected <= {tolerance} on all (the export does not compute the checkpoint's model)")
-    return out
+    return diff
 
 
 def run(ckpt_dir, spec: dict) -> dict:

@@ -8,6 +8,11 @@ not compared), empty for an experiment that has no such results; the figure is d
 - table ``real_heldout``: per continued model, the held-out loss before and after, the tokens trained, the held-out
   perplexity (suite kind ``ppl``, ``split: val``);
 - table ``real_niah``: needle-in-a-haystack on the essays per model, length and depth (suite kind ``niah``);
+- table ``real_editing``: knowledge editing over the prompt set (analysis ``editing``, reference/real/facts.yaml) per
+  model, site (the STEM tables or the token embedding) and scheme: how often the completion moved to the other
+  country's capital, the two answers' first-token probabilities before and after, the unedited completions;
+- table ``real_hf_parity``: the export-hf folder under lm-eval's stock ``hf`` model vs the ``stem`` model (analysis
+  ``hf_parity``);
 - figure ``real_loss_curves``: held-out and training loss vs tokens of the continued models.
 """
 from __future__ import annotations
@@ -90,6 +95,35 @@ def niah_long(cfg: dict, res):
     return T.frame(cells)
 
 
+def _analysis_cells(cfg: dict, res, table: str, name: str, rows) -> list:
+    """Cells of ``table`` from every ``name`` analysis JSON: ``rows(result) -> [(row, {column: value})]``."""
+    cells = []
+    for (scale, variant, stage), r in sorted(load_all(cfg, results=res.root).get(name, {}).items()):
+        path = L.analysis_json(cfg["experiment"], scale, variant, stage, name)
+        cells += [T.cell(table, scale, variant, c, x, path, row=f"{variant} {stage}{row}", unit="")
+                  for row, vals in rows(r) for c, x in vals.items()]
+    return cells
+
+
+def editing_long(cfg: dict, res):
+    def rows(r):
+        completed = {rel: k["completed"] for rel, k in r["known"].items()}
+        return [(f": {s['site']} {s['scheme']}", {
+            "edits": s["n"], "moved": s["moves"], "moved_before": s["moves_before"], "p_target_before": s["p_target_before"],
+            "p_target": s["p_target"], "p_source_before": s["p_source_before"], "p_source": s["p_source"],
+            "unedited_completed": min(completed.values()),
+            "restored_bitwise": r["restored_bit_identical"] and r["restored_logits_bit_identical"]})
+            for s in r["summary"] if s["case"] == "all"]
+    return T.frame(_analysis_cells(cfg, res, "real_editing", "editing", rows))
+
+
+def hf_parity_long(cfg: dict, res):
+    return T.frame(_analysis_cells(cfg, res, "real_hf_parity", "hf_parity", lambda r: [("", {
+        "documents": r["documents"], "stem_acc": r["stem"]["acc"], "hf_acc": r["hf"]["acc"],
+        "stem_perplexity": r["stem"]["perplexity"], "hf_perplexity": r["hf"]["perplexity"],
+        "max_abs_loglik_diff": r["max_abs_loglik_diff"], "tolerance": r["tolerance"]})]))
+
+
 def loss_curves(cfg, res, ours=None, files=None):
     """Held-out loss (left) and training loss (right) vs tokens of every continued model; the imported model's
     held-out loss on the same windows at 0 tokens."""
@@ -133,6 +167,16 @@ def _register():
                          f"and held-out perplexity of the continued models ({WHAT})", **gap)(heldout_long)
     registry.paper_table("real_niah", "Needle in a haystack on the essays (the original test's needle and question): "
                          f"accuracy per context length and needle depth ({WHAT})", **gap)(niah_long)
+    registry.paper_table("real_editing", "Knowledge editing over the prompt set (Fig. 7 on real weights): a country's "
+                         "rows replaced by the next country's at every STEM layer (or in the token embedding): share "
+                         "of prompts whose next token became the other capital's first token, the two capitals' "
+                         f"first-token probabilities, undo bit for bit ({WHAT})",
+                         inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/editing.json")],
+                         **gap)(editing_long)
+    registry.paper_table("real_hf_parity", "The export-hf folder under lm-eval's stock `hf` model vs the `stem` model "
+                         f"on the prompt set as a loglikelihood task ({WHAT})",
+                         inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/hf_parity.json")],
+                         **gap)(hf_parity_long)
     registry.report_figure("real_loss_curves", "Held-out and training loss of the continued models vs tokens "
                            f"({WHAT}); the dense curve starts at the imported model's held-out loss.",
                            experiments=("real",))(loss_curves)
