@@ -246,8 +246,13 @@ def test_real_experiment_dag(tmp_path):
                        timeout=120, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     counts = job_counts(r.stdout)
-    assert (counts["tokenizer"], counts["train"], counts["eval"], counts["analyze"]) == (1, 3, 4, 1)
-    for path in ("results/real/350m/dense/pretrain/summary.json", "results/real/350m/stem_insert/midtrain/summary.json",
+    # analyze: insertion_step0 of the import, editing of the import and the 2 continued models, hf_parity of those 2
+    assert (counts["tokenizer"], counts["train"], counts["eval"], counts["analyze"], counts["export_hf"]) == (1, 3, 4, 6, 2)
+    for path in ("results/real/350m/stem_insert/midtrain/analysis/editing.json",
+                 "results/real/350m/dense/pretrain/analysis/editing.json",
+                 "results/real/350m/stem_insert/midtrain/analysis/hf_parity.json", "results/real/350m/stem_insert/midtrain/hf",
+                 "reports/real/tables/real_editing.md", "reports/real/tables/real_hf_parity.md",
+                 "results/real/350m/dense/pretrain/summary.json", "results/real/350m/stem_insert/midtrain/summary.json",
                  "results/real/350m/stem_insert/midtrain/eval/niah.json",
                  "results/real/350m/dense/pretrain/analysis/insertion_step0.json",
                  "reports/real/tables/real_step0.md", "reports/real/figures/real_loss_curves.png"):
