@@ -249,6 +249,20 @@ def test_stage_init_from_hf(spec_factory, tmp_path):
     ids = torch.randint(0, m["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(run.model.eval()(ids), hf(ids).logits, atol=ATOL, rtol=RTOL)
+    # the import's parity against transformers' forward, on the stage's first held-out window
+    assert run.import_parity["tokens"] > 1 and run.import_parity["max_abs_logit_diff"] < 1e-4
+    # a stage that only imports (steps: 0, config/real.yaml's pretrain): no step; the summary has the parity and the
+    # imported model's held-out loss, and passes the report's check
+    from stem.report.results import check_summary
+    from stem.train.loop import train
+    imp = spec_factory(tmp_path / "imp", variant="dense")
+    imp.update(init_from=f"hf:{tmp_path / 'hf'}", init_stage=None)
+    imp["train"]["steps"] = 0
+    out = train(imp)
+    assert (out["steps"], out["tokens"], out["final_train_loss"]) == (0, 0, None) and 0 < out["final_val_loss"] < 20
+    assert out["import_parity"]["max_abs_logit_diff"] < 1e-4
+    check_summary("summary.json", json.loads((tmp_path / "imp" / "summary.json").read_text()),
+                  {k: imp[k] for k in ("experiment", "scale", "variant", "stage")})
     # the official insertion path: the published dense model straight into a STEM variant (tied head untied)
     ins = spec_factory(tmp_path / "ins", variant="stem", stage="midtrain")
     ins.update(init_from=f"hf:{tmp_path / 'hf'}", init_stage=None, insert={"from": "dense", "init": "projected"})

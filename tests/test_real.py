@@ -170,6 +170,9 @@ def test_essays_folder_source_split_by_document_with_the_imported_tokenizer(smol
     want = sum(len(ids) + 1 for ids, h in zip(tok.encode_batch(texts), held) if h)   # + the EOS separator
     assert m["splits"]["val"]["tokens"] == want
     assert json.loads((folder / "manifest.json").read_text())["val_fraction"] == 0.2
+    from stem.eval.run import documents   # a ppl suite's split: val reads the same held-out essays
+    assert documents({"documents": ESSAY_SOURCE, "held_out": {"fraction": 0.2, "seed": 0}}, n_docs=49) == \
+        [t for t, h in zip(texts, held) if h]
     with pytest.raises(ValueError, match="package 'no_such_package_xyz' is not installed"):
         list(iter_documents({**ESSAY_SOURCE, "paths": ["pkg:no_such_package_xyz/*.txt"]}))
 
@@ -201,10 +204,25 @@ def test_new_config_keys_are_checked():
     assert C.train_job(cfg, "1b", "dense", "pretrain").model.tie_embeddings
     src = next(iter(tiny["sources"]))
     for block, key in [({"archs": {"1b": {"tie_embeddings": "yes"}}}, "tie_embeddings"),
-                       ({"sources": {src: {"val_fraction": 1.0}}}, "val_fraction")]:
+                       ({"sources": {src: {"val_fraction": 1.0}}}, "val_fraction"),
+                       ({"stages": {"pretrain": {"350m": {"steps": 0}}}},   # steps 0: only an import stage
+                        "stages.pretrain.350m.steps': 0 is a stage that only imports"),
+                       ({"tokenizer": {"350m": {"gguf_file": 3}}}, "gguf_file"),
+                       ({"analysis": {"insertion_step0": {"source": "web", "windows": 2, "seq_len": 64,
+                                                          "placements": {"1/3": {"every": 3}}, "inits": ["nope"]}}},
+                        "insertion_step0")]:
         with pytest.raises(C.ConfigError, match=key) as e:
             C.validate_experiment(deep_merge(copy.deepcopy(tiny), block))
         assert len(str(e.value).splitlines()) == 1
+    # config/real.yaml's held-out perplexity: split val only of a source with a content-keyed val_fraction
+    from stem.eval.spec import suite_spec
+    real = C.load_experiment(REPO / "config" / "real.yaml")
+    assert suite_spec(real, "ppl")["held_out"] == {"fraction": 0.2, "seed": real["seed"]}
+    bad = deep_merge(copy.deepcopy(real), {"sources": {"essays": {"doc_keys": "index"}}})
+    with pytest.raises(ValueError, match="eval suite 'ppl': key 'split': 'val'; expected val, of a source with "
+                                         "doc_keys: content") as e:
+        suite_spec(bad, "ppl")
+    assert len(str(e.value).splitlines()) == 1
 
 
 def test_niah_items_with_the_original_needle_in_the_essays(smol):

@@ -4,7 +4,8 @@ not compared), empty for an experiment that has no such results; the figure is d
 
 - table ``real_import``: the import stage's parity against transformers' forward (the train job's summary,
   ``import_parity``) and the imported model's held-out loss;
-- table ``real_step0``: the held-out loss at step 0 of each placement x init (analysis ``insertion_step0``);
+- table ``real_step0``: the held-out loss at step 0 of each placement x init (analysis ``insertion_step0``), its
+  difference from the dense model with a 95 % paired bootstrap interval over the windows;
 - table ``real_heldout``: per continued model, the held-out loss before and after, the tokens trained, the held-out
   perplexity (suite kind ``ppl``, ``split: val``);
 - table ``real_niah``: needle-in-a-haystack on the essays per model, length and depth (suite kind ``niah``);
@@ -24,6 +25,7 @@ from stem.report import registry
 from stem.report import tables as T
 from stem.report.analyses import load_all
 from stem.report.results import niah_cells
+from stem.report.verdict import paired_bootstrap
 
 IMPORT_STAGE, CONTINUED_STAGE = "pretrain", "midtrain"   # config/real.yaml's stages
 WHAT = ("`real`: SmolLM2-135M-Instruct (4-bit Q4_1 weights dequantised to fp32) on the Paul Graham essays; "
@@ -54,10 +56,13 @@ def step0_long(cfg: dict, res):
     cells = []
     for (scale, variant, stage), r in sorted(load_all(cfg, results=res.root).get("insertion_step0", {}).items()):
         path = L.analysis_json(cfg["experiment"], scale, variant, stage, "insertion_step0")
+        dense = r["rows"][0]["window_loss"]
         for row in r["rows"]:
             name = "dense (no insertion)" if row["init"] is None else f"{row['placement']} x {row['init']}"
+            ci = paired_bootstrap(dense, row["window_loss"])   # over the windows: coarse with a few of them
             vals = {"stem_layers": len(row["stem_layers"]), "layers": " ".join(map(str, row["stem_layers"])) or "-",
                     "heldout_loss": row["mean_loss"], "vs_dense": row["delta_vs_dense"],
+                    "vs_dense_lo": ci["lo"], "vs_dense_hi": ci["hi"], "windows": len(row["window_loss"]),
                     "window_min": min(row["window_loss"]), "window_max": max(row["window_loss"])}
             cells += [T.cell("real_step0", scale, variant, c, x, path, row=name, unit="") for c, x in vals.items()]
     return T.frame(cells)
@@ -92,6 +97,9 @@ def niah_long(cfg: dict, res):
         for (length, depth), acc in df.groupby(["length", "depth"])["accuracy"].mean().items():
             cells.append(T.cell("real_niah", scale, variant, f"depth {depth:g}", acc, src,
                                 row=f"{variant} {CONTINUED_STAGE}: {length} tokens", unit="%"))
+        if len(df):   # every cell: the accuracy and how many cells it is over
+            cells += [T.cell("real_niah", scale, variant, c, x, src, row=f"{variant} {CONTINUED_STAGE}: all cells",
+                             unit=u) for c, x, u in (("accuracy", df["accuracy"].mean(), "%"), ("cells", len(df), ""))]
     return T.frame(cells)
 
 
