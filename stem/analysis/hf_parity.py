@@ -52,7 +52,7 @@ def write_task(facts_path, out_dir) -> int:
 
 def _evaluate(model, model_args, tm: TaskManager, batch_size: int) -> dict:
     return simple_evaluate(model=model, model_args=model_args, tasks=[TASK], task_manager=tm, device="cpu",
-                           batch_size=batch_size, num_fewshot=0, log_samples=True, random_seed=0)
+                           batch_size=batch_size, num_fewshot=0, log_samples=True, random_seed=0, bootstrap_iters=0)
 
 
 def _scores(res: dict) -> tuple[dict, list[float]]:
