@@ -262,6 +262,15 @@ def test_config_checks_analysis_source_and_facts(tmp_path):
         read_facts(bad)
     _, pairs = read_facts(C.REPO / "reference/analysis/edit_facts.yaml")
     assert {"source": "United States", "target": "California", "kind": "place"} in pairs
+    real = C.load_experiment(C.REPO / "config" / "real.yaml")   # the keys of the real prompt set and of hf_parity
+    for name, key, value in [("editing", "every_source", "yes"), ("editing", "first_token", 1),
+                             ("editing", "stages", {"350m": ["posttrain"]}), ("hf_parity", "tolerance", 0),
+                             ("hf_parity", "facts", None)]:
+        bad = copy.deepcopy(real)
+        bad["analysis"][name][key] = value
+        with pytest.raises(C.ConfigError, match=f"key 'analysis.{name}.{key}") as e:
+            C.validate_experiment(bad)
+        assert len(str(e.value).splitlines()) == 1
 
 
 def test_embedding_swap_on_dense_model_equals_control_prompt(tiny_data, one_thread):
