@@ -15,9 +15,10 @@ the target tokens whose vectors are averaged into it (Sec. 3.3, Fig. 4):
 
 A source token id that occurs twice in the span with different plans gets the mean of its positions'
 vectors (a table row is one vector per token id). ``edited`` writes the rows and restores the saved originals
-on exit, bit for bit (checked on the parameters' digest and on the prompts' logits). The same plans applied to the token embedding (``tok_emb``) are the intervention a
-dense model admits at the same place (a token-indexed parameter, the input side): the reference for dense
-and Hash-MoE, and a comparison for the STEM variants.
+on exit, bit for bit (checked on the parameters' digest and on the prompts' logits). The same plans applied
+to the token embedding (``tok_emb``) are the intervention a dense model admits at the same place (a
+token-indexed parameter, the input side): the reference for dense and Hash-MoE, and a comparison for the STEM
+variants.
 """
 from __future__ import annotations
 
@@ -352,8 +353,10 @@ def _pair_edits(probe: _Probe, pair: dict, sites: dict, pad_id: int, rng, n_coll
                 edits.append({"kind": kind, "relation": relation, "source": s, "target": t, "case": pair["case"],
                               "n_s": len(src), "n_t": len(tgt), "scheme": scheme, "site": site,
                               "plan": [list(p) for p in positions],
-                              "top_before": top_tokens(tok, before[s][2], k), "top_after": top_tokens(tok, after[s][2], k),
-                              **_effect(before, after, s, t, coll, answers, index, k), **_moves(before[s][2], after[s][2], first)})
+                              "top_before": top_tokens(tok, before[s][2], k),
+                              "top_after": top_tokens(tok, after[s][2], k),
+                              **_effect(before, after, s, t, coll, answers, index, k),
+                              **_moves(before[s][2], after[s][2], first)})
     return edits
 
 

@@ -85,7 +85,8 @@ def check(stem_ll: list[float], hf_ll: list[float], n: int, tolerance: float, wh
     diff = max((abs(a - b) for a, b in zip(stem_ll, hf_ll)), default=float("inf"))
     if len(stem_ll) != n or len(hf_ll) != n or not diff <= tolerance:
         raise ValueError(f"hf_parity {where}: max |loglikelihood difference| {diff:.3g} over {len(hf_ll)} of {n} "
-                         f"requests; expected <= {tolerance} on all (the export does not compute the checkpoint's model)")
+                         f"requests; expected <= {tolerance} on all (the export does not compute the checkpoint's "
+                         "model)")
     return diff
 
 
