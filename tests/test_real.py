@@ -265,10 +265,12 @@ def test_real_experiment_dag(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     counts = job_counts(r.stdout)
     # analyze: insertion_step0 of the import, editing of the import and the 2 continued models, hf_parity of those 2
-    assert (counts["tokenizer"], counts["train"], counts["eval"], counts["analyze"], counts["export_hf"]) == (1, 3, 4, 6, 2)
+    assert (counts["tokenizer"], counts["train"], counts["eval"], counts["analyze"], counts["export_hf"]) == \
+        (1, 3, 4, 6, 2)
     for path in ("results/real/350m/stem_insert/midtrain/analysis/editing.json",
                  "results/real/350m/dense/pretrain/analysis/editing.json",
-                 "results/real/350m/stem_insert/midtrain/analysis/hf_parity.json", "results/real/350m/stem_insert/midtrain/hf",
+                 "results/real/350m/stem_insert/midtrain/analysis/hf_parity.json",
+                 "results/real/350m/stem_insert/midtrain/hf",
                  "reports/real/tables/real_editing.md", "reports/real/tables/real_hf_parity.md",
                  "results/real/350m/dense/pretrain/summary.json", "results/real/350m/stem_insert/midtrain/summary.json",
                  "results/real/350m/stem_insert/midtrain/eval/niah.json",

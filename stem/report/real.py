@@ -117,8 +117,9 @@ def editing_long(cfg: dict, res):
     def rows(r):
         completed = {rel: k["completed"] for rel, k in r["known"].items()}
         return [(f": {s['site']} {s['scheme']}", {
-            "edits": s["n"], "moved": s["moves"], "moved_before": s["moves_before"], "p_target_before": s["p_target_before"],
-            "p_target": s["p_target"], "p_source_before": s["p_source_before"], "p_source": s["p_source"],
+            "edits": s["n"], "moved": s["moves"], "moved_before": s["moves_before"],
+            "p_target_before": s["p_target_before"], "p_target": s["p_target"],
+            "p_source_before": s["p_source_before"], "p_source": s["p_source"],
             "unedited_completed": min(completed.values()),
             "restored_bitwise": r["restored_bit_identical"] and r["restored_logits_bit_identical"]})
             for s in r["summary"] if s["case"] == "all"]
