@@ -348,6 +348,33 @@ def test_real_prompt_set_mode_every_source_first_token_moves(tiny_data, one_thre
         assert not torch.equal(E._prompt_logits(model, tok, facts, pairs[:1])[0], logits[0])
 
 
+def test_real_editing_and_hf_parity_tables(tmp_path):
+    """config/real.yaml's report tables real_editing and real_hf_parity: cells copied from the analysis JSONs."""
+    from stem import config as C
+    from stem import layout as L
+    from stem.report import registry
+    from stem.report.results import Results
+    cfg = C.load_experiment(C.REPO / "config" / "real.yaml")
+    ident = {"experiment": "real", "scale": "350m", "variant": "stem_insert", "stage": "midtrain"}
+    summary = {"site": "stem", "scheme": "swap", "case": "all", "n": 26, "moves": 0.5, "moves_before": 0.0,
+               "p_target_before": 0.01, "p_target": 0.3, "p_source_before": 0.4, "p_source": 0.02}
+    results = {"editing": {**ident, "analysis": "editing", "known": {"place/capital": {"completed": 0.9}},
+                           "summary": [summary, {**summary, "case": "equal"}], "restored_bit_identical": True,
+                           "restored_logits_bit_identical": True},
+               "hf_parity": {**ident, "analysis": "hf_parity", "documents": 26, "stem": {"acc": 0.5, "perplexity": 9.0},
+                             "hf": {"acc": 0.5, "perplexity": 9.1}, "max_abs_loglik_diff": 2e-5, "tolerance": 1e-3}}
+    for name, r in results.items():
+        p = tmp_path / L.analysis_json("real", "350m", "stem_insert", "midtrain", name)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(r))
+    res = Results("real", tmp_path / "results")
+    ed = registry.table("real_editing").build(cfg, res).set_index("column")["value"]
+    assert (ed["edits"], ed["moved"], ed["p_target"], ed["unedited_completed"], ed["restored_bitwise"]) == \
+        (26, 0.5, 0.3, 0.9, True)
+    hp = registry.table("real_hf_parity").build(cfg, res).set_index("column")["value"]
+    assert (hp["hf_perplexity"], hp["max_abs_loglik_diff"], hp["tolerance"]) == (9.1, 2e-5, 1e-3)
+
+
 def test_analysis_tables_and_figures_through_the_registry(tmp_path):
     """The registered report-only tables and figures from hand-made analysis JSONs: cells copied from the JSONs
     (long format), the directions with confidence, a wrong JSON named; no analysis configured: empty tables
