@@ -313,6 +313,10 @@ def test_real_prompt_set_mode_every_source_first_token_moves(tiny_data, one_thre
             firsts.add(E.encode(tok, a["capital"])[0])
             ents[name] = a
     facts = {"country": {"templates": {"capital": country["templates"]["capital"]}, "entities": ents}}
+    assert len(ents) < len(country["entities"])   # some capitals share a first token here: first_token refuses them
+    with pytest.raises(ValueError, match="editing first_token: answers of country/capital share a first token"):
+        E._Probe(model, tok, {"country": {**facts["country"], "entities": country["entities"]}},
+                 first_token=True).candidates("country", "capital")
     pairs = E.every_source(tok, facts, set())
     names = list(ents)
     assert len(ents) >= 4 and [p["source"] for p in pairs] == names
