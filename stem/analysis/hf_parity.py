@@ -50,8 +50,8 @@ def write_task(facts_path, out_dir) -> int:
     return len(docs)
 
 
-def _evaluate(model, model_args, tm: TaskManager, batch_size: int) -> dict:
-    return simple_evaluate(model=model, model_args=model_args, tasks=[TASK], task_manager=tm, device="cpu",
+def _evaluate(model, model_args, tm: TaskManager, batch_size: int, device: str) -> dict:
+    return simple_evaluate(model=model, model_args=model_args, tasks=[TASK], task_manager=tm, device=device,
                            batch_size=batch_size, num_fewshot=0, log_samples=True, random_seed=0, bootstrap_iters=0)
 
 
@@ -66,10 +66,12 @@ def compare(ckpt_dir, export_dir, facts_path, tolerance: float, device: str = "c
     with tempfile.TemporaryDirectory(prefix="hf_parity_") as tmp:
         n = write_task(facts_path, tmp)
         tm = TaskManager(include_path=tmp, include_defaults=False)
-        stem_m, stem_ll = _scores(_evaluate(StemLM(str(ckpt_dir), device=device, batch_size=batch_size), None, tm,
-                                            batch_size))
+        lm = StemLM(str(ckpt_dir), device=device, batch_size=batch_size)
+        device = str(lm.device)   # CPU where the requested CUDA is absent, for both models
+        stem_m, stem_ll = _scores(_evaluate(lm, None, tm, batch_size, device))
+        del lm   # one model in memory at a time
         hf_m, hf_ll = _scores(_evaluate("hf", {"pretrained": str(export_dir), "dtype": "float32",
-                                               "trust_remote_code": True}, tm, batch_size))
+                                               "trust_remote_code": True}, tm, batch_size, device))
     diff = check(stem_ll, hf_ll, n, tolerance, export_dir)
     return {"analysis": "hf_parity", "task": TASK, "documents": n, "facts": str(facts_path), "export": str(export_dir),
            "stem": stem_m, "hf": hf_m, "metric_difference": {k: hf_m[k] - stem_m[k] for k in stem_m},
