@@ -199,6 +199,9 @@ def _cross_check(cfg: dict, origin: str):
             if isinstance(init, dict) and spec.get("reset_optimizer") is False:
                 raise ConfigError(f"{origin}: key '{where}.reset_optimizer': false needs a stage's optimizer state; "
                                   f"init_from {init} is a transformers checkpoint (it has none)")
+            if spec["steps"] == 0 and not isinstance(init, dict):
+                raise ConfigError(f"{origin}: key '{where}.steps': 0 is a stage that only imports a transformers "
+                                  f"checkpoint; expected init_from: {{hf: ...}} (it is {init!r}) or steps >= 1")
             if isinstance(init, dict):
                 pass   # {hf: ...}: a transformers checkpoint, checked against the arch when the job starts
             elif init is not None and (init not in m["stages"] or m["stages"].index(init) >= m["stages"].index(stage)):

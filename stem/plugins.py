@@ -19,7 +19,7 @@ BUILTIN: dict[str, tuple[str, ...]] = {
     "suite kind": ("stem.eval.spec",),
     "report table": ("stem.report.tables", "stem.report.figures", "stem.report.analyses",
                      "stem.report.mechanism", "stem.report.sweep_figures", "stem.report.provenance",
-                     "stem.report.truncation"),
+                     "stem.report.truncation", "stem.report.real"),
     "analysis": ("stem.analysis.workflow",),
     "generator": ("stem.data.synth",),
 }

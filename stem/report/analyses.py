@@ -291,8 +291,8 @@ def directions_long(cfg: dict, res) -> pd.DataFrame:
 
 def edit_example_long(cfg: dict, res) -> pd.DataFrame:
     ed = load_results(cfg, res).get("editing", {})
-    k, ex = next(((k, r["example"]) for k, r in sorted(ed.items()) if r.get("example") and k[1] == "stem"),
-                 (None, None))  # "1b" sorts first
+    k, ex = next(((k, r["example"]) for k, r in sorted(ed.items())
+                  if (r.get("example") or {}).get("site") == "stem"), (None, None))  # "1b", then "stem", sort first
     if ex is None:
         return T.frame([])
     row0 = f"{ex['source']} -> {ex['target']} ({ex['scheme']} of the {ex['site']} vectors)"

@@ -152,7 +152,7 @@ def report_page(cfg: dict, report_dir, figures: list[str] | None = None) -> list
     """The page's blocks from the report's data files: reproduced.csv, diff/summary.json, diff/directions.csv."""
     rd = Path(report_dir)
     s = json.loads((rd / "diff" / "summary.json").read_text())
-    figures = list(registry.figures()) if figures is None else figures
+    figures = list(registry.figures(cfg["experiment"])) if figures is None else figures
     return page_blocks(cfg, load_reproduced(rd / "tables" / "reproduced.csv"), s,
                        load_directions(rd / "diff" / "directions.csv"), figures)
 

@@ -101,6 +101,8 @@ def experiment_label(cfg_or_name) -> str:
         return "experiment: paper (paper scale)"
     if name == "tiny":
         return "experiment: tiny (embedded default, not paper scale)"
+    if name == "real":   # config/real.yaml, docs/real.md
+        return "experiment: real (SmolLM2-135M-Instruct, 4-bit Q4_1 weights dequantised; not paper scale)"
     return f"experiment: {name} (not paper scale)"
 
 
