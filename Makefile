@@ -39,7 +39,7 @@ define venv_and_torch
 	else $(PY) -m pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX); fi))
 endef
 
-.PHONY: smoke test lint dryrun-paper clean-tiny gpu-check constraints wheelhouse
+.PHONY: smoke test real lint dryrun-paper clean-tiny clean-real gpu-check constraints wheelhouse
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(venv_and_torch)
@@ -66,6 +66,15 @@ smoke: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --profile profiles/local --cores $(CORES) && \
 	echo "smoke: workflow finished in $$(( $$(date +%s) - start )) s; results in results/tiny;" \
 	     "report: reports/tiny/README.md and reports/tiny/report.html"
+
+# The experiment `real` (config/real.yaml, docs/real.md): the packaged SmolLM2-135M-Instruct imported, STEM inserted
+# into it and continued on the Paul Graham essays, evaluated, reported in reports/real. Offline (the two packages the
+# venv installs; HF_HUB_OFFLINE: nothing is fetched), <= 25 min on a 2-core CPU. Not part of `make smoke`.
+real: $(STAMP)
+	@start=$$(date +%s); \
+	PATH=$(abspath $(VENV))/bin:$$PATH HF_HUB_OFFLINE=1 snakemake --profile profiles/local --configfile config/real.yaml \
+	  --cores $(CORES) && \
+	echo "real: workflow finished in $$(( $$(date +%s) - start )) s; report: reports/real/README.md and reports/real/report.html"
 
 test: $(STAMP)
 	@# Two pytest runs side by side (docs/environment.md): the real-Slurm tests (marker `slurm`: they mostly wait
@@ -103,3 +112,6 @@ constraints: $(STAMP)
 
 clean-tiny:
 	rm -rf results/tiny data/tiny reports/tiny logs/tiny
+
+clean-real:
+	rm -rf results/real data/real reports/real logs/real

@@ -132,7 +132,7 @@ rule report_readme:
     params:
         spec=lambda w: as_json(config),
         label=lambda w: experiment_label(w.experiment),
-        figures=" ".join(REPORT_FIGURES),
+        figures=lambda w: " ".join(report_registry.figures(w.experiment)),
         out=lambda w: L.report_dir(w.experiment),
     log:
         L.experiment_log("{experiment}", "report_readme"),
@@ -153,7 +153,7 @@ rule report_html:
         L.report_html("{experiment}"),
     params:
         spec=lambda w: as_json(config),
-        figures=" ".join(REPORT_FIGURES),
+        figures=lambda w: " ".join(report_registry.figures(w.experiment)),
         out=lambda w: L.report_dir(w.experiment),
     log:
         L.experiment_log("{experiment}", "report_html"),

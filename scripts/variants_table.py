@@ -18,7 +18,7 @@ DOC = L.REPO / "docs" / "variants.md"
 BEGIN = "<!-- generated from config/variants.yaml by scripts/variants_table.py: edit that file, then run this -->"
 END = "<!-- end of the generated variant table -->"
 COLUMNS = ("label", "ffn", "placement")      # their own columns; the figures' keys are left out
-PRESENTATION = ("color", "figure_label")
+PRESENTATION = ("color", "figure_label", "figures")
 ORDINAL = {1: "", 2: "second ", 3: "third "}
 
 

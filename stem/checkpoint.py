@@ -33,6 +33,7 @@ from stem.layout import IDENTITY, checkpoint_identity
 from stem.models.config import ModelConfig
 from stem.models.model import build_model, loaded_state, saved_state
 from stem.models.offload import dse_tables, offload, token_tables
+from stem.train.tables import logical_state
 
 
 def _state_dict_for_save(model) -> dict:
@@ -43,7 +44,7 @@ def save_weights(model, path):
     save_file(_state_dict_for_save(model), str(path))
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
@@ -54,7 +55,7 @@ def read_weights(path) -> dict:
     try:
         return load_file(str(path))
     except Exception as e:  # SafetensorError on a truncated or foreign file, OSError
-        raise ValueError(f"{path}: unreadable safetensors file ({type(e).__name__}: {_first_line(e)})") from None
+        raise ValueError(f"{path}: unreadable safetensors file ({type(e).__name__}: {first_line(e)})") from None
 
 
 def load_weights(model, path, strict: bool = True):
@@ -93,7 +94,7 @@ def verify_state(folder) -> str | None:
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError, TypeError) as e:
-        return f"{manifest}: unreadable ({_first_line(e)})"
+        return f"{manifest}: unreadable ({first_line(e)})"
     for name, size in files.items():
         f = folder / name
         if not f.is_file():
@@ -163,7 +164,7 @@ def read_checkpoint_spec(ckpt_dir) -> dict:
     try:
         spec = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({_first_line(e)})") from None
+        raise ValueError(f"{path}: not valid JSON ({first_line(e)})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
         raise ValueError(f"{path}: not a checkpoint config (expected a JSON object with a 'model' object)")
     return spec
@@ -192,7 +193,7 @@ def load_checkpoint(ckpt_dir, device="cpu"):
     try:
         model = build_model(ModelConfig.from_dict(spec["model"]), device)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{ckpt_dir / 'config.json'}: bad model config ({_first_line(e)})") from None
+        raise ValueError(f"{ckpt_dir / 'config.json'}: bad model config ({first_line(e)})") from None
     load_weights(model, ckpt_dir / "model.safetensors")
     return model, spec
 
@@ -249,8 +250,10 @@ def save_optimizer(folder, model, opt):
     # torch.distributed.checkpoint: a heavy import, only when optimizer state is saved or loaded
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict   # likewise
+    osd = get_optimizer_state_dict(model, opt)
+    logical_state(model, osd=osd)   # row-sharded tables' moments in id order (stem.train.tables)
     with _single_process_quiet():
-        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(folder))
+        dcp.save({"optim": osd}, checkpoint_id=str(folder))
 
 
 def load_optimizer(folder, model, opt):
@@ -265,11 +268,13 @@ def load_optimizer(folder, model, opt):
                          "the next stage sets reset_optimizer: false; rerun it, or set reset_optimizer: true)")
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     state = {"optim": get_optimizer_state_dict(model, opt)}
+    logical_state(model, osd=state["optim"])
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(folder))
     except Exception as e:
-        raise ValueError(f"{folder}: unreadable optimizer state ({type(e).__name__}: {_first_line(e)})") from None
+        raise ValueError(f"{folder}: unreadable optimizer state ({type(e).__name__}: {first_line(e)})") from None
+    logical_state(model, osd=state["optim"], inverse=True)
     set_optimizer_state_dict(model, opt, state["optim"])
     for g, h in zip(opt.param_groups, hyper):
         g.update(h)

@@ -63,8 +63,8 @@ def variant_spec(cfg: Config, variant: str) -> dict:
 
 
 def _presentation(cfg: dict | None, key: str) -> dict:
-    """{variant: its ``key`` (label, figure_label, color) or None}, variant_overrides over config/variants.yaml,
-    in that file's order; read without copying the variants (the report asks per label)."""
+    """{variant: its ``key`` (label, figure_label, color, baseline, figures) or None}, variant_overrides over
+    config/variants.yaml, in that file's order; read without copying the variants (the report asks per label)."""
     over = (cfg or {}).get("variant_overrides") or {}
     return {name: (over.get(name) or {}).get(key, spec.get(key)) for name, spec in variants_file().items()}
 
@@ -85,6 +85,18 @@ def variant_colors(cfg: dict | None = None) -> dict[str, str]:
     """{variant: its figures' colour} for the variants whose config/variants.yaml entry sets ``color:`` (the
     others are drawn in matplotlib's colour cycle)."""
     return {name: color for name, color in _presentation(cfg, "color").items() if color}
+
+
+def baseline_variant(cfg: dict | None = None) -> str:
+    """The variant every other is compared with (the diff's and the verdicts' directions, ROI, the analyses'
+    deltas): the one config/variants.yaml marks ``baseline: true`` (with ``cfg``'s variant_overrides)."""
+    return experiment.baseline_variant((cfg or {}).get("variant_overrides") or {})
+
+
+def figure_variants(cfg: dict | None, figure: str) -> tuple[str, ...]:
+    """The variants report figure ``figure`` draws: those whose ``figures:`` name it (config/variants.yaml with
+    ``cfg``'s variant_overrides), in that file's order."""
+    return tuple(name for name, figures in _presentation(cfg, "figures").items() if figure in (figures or ()))
 
 
 def model_config_for(cfg: Config, scale: str, variant: str, stage: str | None = None):

@@ -26,7 +26,7 @@ from enum import StrEnum
 
 from stem import plugins, sweeps
 from stem.fields import FieldError, is_number
-from stem.io import ConfigError, deep_merge, variant, variants
+from stem.io import ConfigError, deep_merge, variant, variants, variants_file
 from stem.models.config import DSEConfig
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, OptimGroup,
                           RopeKind, RopeRamp, Scale, Schedule, SourceKind, Stage, Strategy, TableInit, TableLayout,
@@ -153,10 +153,12 @@ def node(cls, d, key: str = ""):
             raise ConfigError(f"key '{prefix}{name}': {d[name]!r}; expected {f.metadata['expected']}")
         kw[name] = value
     try:
-        return cls(**kw)
+        out = cls(**kw)
     except FieldError as e:
         sep = " " if str(e).startswith("missing") else ": "
         raise ConfigError(f"key '{prefix}{e.field}'{sep}{e}") from None
+    object.__setattr__(out, "_written", frozenset(kw))   # the keys the config writes (a null one too)
+    return out
 
 
 def fail(ok: bool, key: str, problem: str):
@@ -225,7 +227,7 @@ class StageSettings:
     batch_size: int = field(metadata=POSITIVE)
     micro_batch: int = field(metadata=POSITIVE)
     seq_len: int = field(metadata=at_least(2))
-    steps: int = field(metadata=POSITIVE)
+    steps: int = field(metadata=at_least(0))   # 0: a stage that only imports its init_from {hf: ...}
     # a stage name, or {hf: ...}: a transformers checkpoint (HFInit)
     init_from: Stage | HFInit | None = None
     # true (default): a fresh AdamW; false: init_from's optimizer state (saved in that checkpoint's optimizer/)
@@ -248,12 +250,14 @@ class StageSettings:
              "(it has none)")
         fail(not (self.init_from is None and self.reset_optimizer is False), "reset_optimizer",
              "false needs an init_from stage whose optimizer state it carries")
+        fail(self.steps > 0 or isinstance(self.init_from, HFInit), "steps", "0 is a stage that only imports a "
+             f"transformers checkpoint; expected init_from: {{hf: ...}} (it is {self.init_from_mapping!r}) or steps >= 1")
 
     @property
     def init_from_mapping(self) -> dict | None:
         """``init_from`` as the config writes it, for messages."""
         i = self.init_from
-        return {k: v for k, v in dataclasses.asdict(i).items() if v is not None} if isinstance(i, HFInit) else i
+        return dataclass_mapping(i) if isinstance(i, HFInit) else None if i is None else str(i)
 
 
 SEED_LIST = expect(lambda s: len(s) >= 1 and len(set(s)) == len(s) and all(k >= 0 for k in s),
@@ -276,6 +280,7 @@ class Tokenizer:
     """``tokenizer.<scale>``: a BPE trained on some sources, or a pretrained one's file."""
     kind: TokenizerKind
     path: str | None = None
+    gguf_file: str | None = None   # kind pretrained: the tokenizer of this GGUF file in the folder ``path``
     sources: tuple[str, ...] | None = field(default=None, metadata=items(1, "sources"))
     vocab_size: int | None = field(default=None, metadata=at_least(260))
 
@@ -415,6 +420,9 @@ class Cluster:
 
 
 # ---- analyses (rules/analyze.smk, stem/analysis) --------------------------------------------------------
+AnalysisStages = dict[Scale, tuple[Stage, ...]]   # {scale: [stage]}: the checkpoints an analysis reads
+
+
 @dataclass(frozen=True)
 class Editing:
     relations: dict[str, tuple[str, ...]]
@@ -424,7 +432,29 @@ class Editing:
     topk: int = field(metadata=POSITIVE)
     seed: int
     facts: str | None = None
+    stages: AnalysisStages | None = None   # this analysis's checkpoints (default analysis.stages)
+    every_source: bool | None = None       # one edit per entity of the facts (besides pairs_per_case's draw)
+    first_token: bool | None = None        # candidates scored by their first token (one forward per prompt)
     example: dict | None = None
+
+
+@dataclass(frozen=True)
+class HFParity:
+    """stem/analysis/hf_parity.py: the export-hf folder under lm-eval's stock hf model."""
+    facts: str                                              # the prompt set the lm-eval task is made from
+    tolerance: float = field(metadata=above(0))             # max |loglikelihood difference| (nats) accepted
+    stages: AnalysisStages | None = None
+
+
+@dataclass(frozen=True)
+class InsertionStep0:
+    """stem/analysis/insertion.py: STEM inserted into a dense checkpoint, at step 0."""
+    source: str
+    windows: int = field(metadata=POSITIVE)
+    seq_len: int = field(metadata=at_least(2))
+    placements: dict = field(metadata=items(1, "placements"))   # name -> a placement ({every, offset}, {start}, a list)
+    inits: tuple[InsertInit, ...] = field(metadata=items(1, "inits"))
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -495,11 +525,13 @@ class Analysis:
     """``analysis``: the checkpoints' stages and each built-in analysis's settings; a plugin's analysis keeps
     its section as written (``plugins``: name -> mapping, handed to the analysis)."""
     EXTRA: typing.ClassVar[str] = "plugins"
-    stages: dict[Scale, tuple[Stage, ...]] = field(default_factory=dict)
+    stages: AnalysisStages = field(default_factory=dict)
     editing: Editing | None = None
     heaps: Heaps | None = None
     spread: Spread | None = None
     capacity: Capacity | None = None
+    hf_parity: HFParity | None = None
+    insertion_step0: InsertionStep0 | None = None
     heldout: Windows | None = None
     logitlens: Windows | None = None
     cka: CKA | None = None
@@ -627,6 +659,7 @@ class Experiment:
                   if isinstance(spec, dict) and "baseline" in spec]
         for key, v in named:
             fail(v in known, key, f"{v!r} is not a variant of config/variants.yaml; expected one of {', '.join(known)}")
+        baseline_variant(self.variant_overrides)   # exactly one, the overrides included
 
     def analyses(self) -> dict:
         return self.analysis.sections() if self.analysis else {}
@@ -720,7 +753,8 @@ class Experiment:
             init = spec.init_from
             fail(init is None or isinstance(init, HFInit) or (init in m.stages and m.stages.index(init) <
                                                               m.stages.index(stage)),
-                 f"{where}.init_from", f"{init!r} must be an earlier stage of matrix.{scale}.stages {list(m.stages)}")
+                 f"{where}.init_from", f"{spec.init_from_mapping!r} must be an earlier stage of matrix.{scale}.stages "
+                 f"{list(map(str, m.stages))}")
             for v in m.variants:   # a mid-training insertion starts from a matrix variant's earlier stage
                 vspec = self.variant(v) or {}
                 ins, v_init = vspec.get("insert"), (vspec.get("stage") or {}).get("init_from", init)
@@ -732,6 +766,17 @@ class Experiment:
             max_len = spec.max_seq_len or self.archs[scale].max_seq_len
             fail(spec.seq_len <= max_len, f"{where}.seq_len", f"{spec.seq_len} exceeds the model's max_seq_len "
                  f"{max_len} (set max_seq_len and a rope_scaling for the stage)")
+
+
+def baseline_variant(overrides: dict) -> str:
+    """The variant every other is compared with: the one config/variants.yaml marks ``baseline: true`` (with
+    ``overrides``, a config's variant_overrides)."""
+    marked = [name for name, spec in variants_file().items() if (overrides.get(name) or {}).get("baseline",
+                                                                                                 spec.get("baseline"))]
+    if len(marked) != 1:
+        raise ConfigError(f"key 'baseline': expected exactly one variant with baseline: true in config/variants.yaml "
+                          f"and variant_overrides (the report's baseline), found {', '.join(marked) or 'none'}")
+    return marked[0]
 
 
 def _check_dse(where: str, dse):
@@ -749,10 +794,11 @@ def _check_dse(where: str, dse):
 
 
 def dataclass_mapping(obj) -> dict:
-    """A node as the mapping the config writes (unset keys left out)."""
+    """A node as the mapping the config writes (unset keys left out, a key written null kept)."""
     if dataclasses.is_dataclass(obj):
+        written = getattr(obj, "_written", ())
         return {f.name: dataclass_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if getattr(obj, f.name) is not None}
+                if getattr(obj, f.name) is not None or f.name in written}
     if isinstance(obj, dict):
         return {k: dataclass_mapping(v) for k, v in obj.items()}
     if isinstance(obj, tuple):

@@ -66,7 +66,10 @@ from stem.train.compile import compile_blocks
 from stem.train.plan import ParallelPlan
 from stem.train.step import accumulate_gradients, make_optimizer, train_step
 
-VARIANTS = ("dense", "hashmoe", "stem", "stem_gate", "stem_dagger", "stem_half", "stem_full", "dse", "moe")
+# Item a's variants: every variant of config/variants.yaml that is a model of its own, trained from scratch (not a
+# mid-training insertion, not another optimizer setting of a listed model); the dense comparisons use the baseline.
+VARIANTS = tuple(name for name, spec in C.variants_file().items() if not spec.get("insert") and not spec.get("optim"))
+BASELINE = C.baseline_variant()
 ITEMS = "abcdefg"
 VALUE_ORDER = "aebdfgc"   # --budget: training of every variant, throughput, masks, memory, offload, eval, resume
 A_STEPS = {"paper": 20, "tiny": 5}                 # item a's steps
@@ -219,7 +222,7 @@ def item_b(ctx: Ctx) -> dict:
     cfg = experiment(ctx.tiny)
     tol = 0.1 if ctx.cuda else 1e-4         # bf16 logits (~8 bits of mantissa) vs fp32 on the CPU
     torch.manual_seed(0)
-    mcfg = model_cfg(cfg, "350m", "dense")
+    mcfg = model_cfg(cfg, "350m", BASELINE)
     model = build_model(mcfg, ctx.device)
     diffs = _doc_mask_diffs(ctx, model, mcfg.vocab_size, min(cfg["stages"]["pretrain"]["350m"]["seq_len"], 2048))
     del model
@@ -227,7 +230,7 @@ def item_b(ctx: Ctx) -> dict:
     st = cfg["stages"]["extend"]["1b"]
     # dense: the 1B STEM model's fp32 tables and their gradients (~42 GB) with the 32k row's fp32 logits (~34 GB)
     # do not fit one 80 GB GPU unsharded (the paper's extend stage shards them over 32 GPUs)
-    mcfg = model_cfg(cfg, "1b", "dense", "extend")
+    mcfg = model_cfg(cfg, "1b", BASELINE, "extend")
     model = build_model(mcfg, ctx.device)
     model.set_training_options(activation_checkpointing=True, flex_attention=ctx.cuda)
     t = st["seq_len"]
@@ -446,7 +449,7 @@ def item_e(ctx: Ctx) -> dict:
     peak, source = throughput.device_peak(ctx.device, ctx.peak_tflops)
     modes = (False, True) if ctx.compile else (False,)
     points = [throughput_point(ctx, cfg, s, v, c, peak)
-              for s in ("350m", "1b") for c in modes for v in ("dense", "stem")]
+              for s in ("350m", "1b") for c in modes for v in (BASELINE, "stem")]
     parts, ok = [], all("error" not in p for p in points)
     for i in range(0, len(points), 2):
         d, s = points[i], points[i + 1]
@@ -634,8 +637,8 @@ def predict(ctx: Ctx, key: str) -> Cost:
             c.train(mc("350m", v), st["seq_len"], min(st["micro_batch"], 4), A_STEPS[ctx.shapes],
                     bool(st.get("activation_checkpointing")))
     elif key == "b":
-        c.forward(mc("350m", "dense"), min(st["seq_len"], 2048), 1, passes=3 if ctx.cuda else 2, models=1)
-        c.train(mc("1b", "dense", "extend"), cfg["stages"]["extend"]["1b"]["seq_len"], 1, 1, checkpointing=True)
+        c.forward(mc("350m", BASELINE), min(st["seq_len"], 2048), 1, passes=3 if ctx.cuda else 2, models=1)
+        c.train(mc("1b", BASELINE, "extend"), cfg["stages"]["extend"]["1b"]["seq_len"], 1, 1, checkpointing=True)
         c.compiled += ctx.cuda      # flex attention's kernel
     elif key == "c":
         world = max(1, torch.cuda.device_count()) if ctx.cuda else 1
@@ -649,7 +652,7 @@ def predict(ctx: Ctx, key: str) -> Cost:
     elif key == "e":
         for scale in ("350m", "1b"):
             for compiled in (False, True) if ctx.compile else (False,):
-                for v in ("dense", "stem"):
+                for v in (BASELINE, "stem"):
                     m = mc(scale, v)
                     if not _state_fits(ctx, _state_gib(accounting(build_model(m, "meta")))):
                         continue

@@ -11,6 +11,7 @@ class Experiment(StrEnum):
     TINY = "tiny"
     PAPER = "paper"
     REHEARSAL = "rehearsal"
+    REAL = "real"
 
 
 class Scale(StrEnum):

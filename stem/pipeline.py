@@ -27,6 +27,9 @@ def make_tokenizer(spec: dict, out_path) -> dict:
     if spec["kind"] == "train_bpe":
         docs = chain.from_iterable(iter_documents(d) for d in spec["documents"])
         train_bpe(docs, spec["vocab_size"], out_path)
+    elif spec.get("gguf_file"):  # the tokenizer of a GGUF file (the stage importing it reads the same file)
+        from stem.hf.importer import gguf_tokenizer   # torch and transformers: only for a GGUF tokenizer
+        atomic_write_text(out_path, gguf_tokenizer(spec["path"], spec["gguf_file"]))
     else:  # a tokenizer.json, a folder holding one, or a hub id
         atomic_write_text(out_path, load_tokenizer(spec["path"]).to_str())
     tok = load_tokenizer(out_path)

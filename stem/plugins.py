@@ -14,10 +14,12 @@ import importlib
 
 BUILTIN: dict[str, tuple[str, ...]] = {
     "ffn kind": ("stem.models.registry",),
+    "ffn facts": ("stem.models.registry",),
+    "optimizer group": ("stem.models.registry",),
     "suite kind": ("stem.eval.spec",),
     "report table": ("stem.report.tables", "stem.report.figures", "stem.report.analyses",
                      "stem.report.mechanism", "stem.report.sweep_figures", "stem.report.provenance",
-                     "stem.report.truncation"),
+                     "stem.report.truncation", "stem.report.real"),
     "analysis": ("stem.analysis.workflow",),
     "generator": ("stem.data.synth",),
 }
@@ -27,14 +29,13 @@ _done: set[str] = set()
 
 
 def load_builtin(what: str):
-    """Import the built-in modules of one registry, all of them on every call until each has finished
-    importing (a lookup made while one of them is being imported, e.g. stem.report.figures naming a table,
-    imports the rest first: the registration order is the list's, whichever module is imported first)."""
+    """Import the built-in modules of one registry, in the list's order (the registration order: no built-in
+    module looks an entry up while it is imported), once."""
     if what in _done:
         return
-    modules = [importlib.import_module(m) for m in BUILTIN.get(what, ())]
-    if not any(getattr(m.__spec__, "_initializing", False) for m in modules):
-        _done.add(what)
+    for module in BUILTIN.get(what, ()):
+        importlib.import_module(module)
+    _done.add(what)
 
 
 def load(modules=(), origin: str = "plugins"):

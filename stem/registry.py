@@ -1,6 +1,8 @@
 """The one registration mechanism: every extension point of the project is a ``Registry`` (name -> entry).
 
     FFN_KINDS       FFN module classes, built as ``cls(cfg, layer)``           (stem.models.registry)
+    FFN_FACTS       an FFN kind's torch-free facts (``FFNFacts``)                (stem.models.registry)
+    OPTIM_GROUPS    optimizer groups: (LR multiplier, weight decay or None)     (stem.models.registry)
     SUITE_KINDS     eval suite runners (``SuiteKind``)                           (stem.eval.spec)
     REPORT_TABLES   report tables (``PaperTable``)                               (stem.report.registry)
     REPORT_FIGURES  report figures (``Figure``)                                  (stem.report.registry)
@@ -56,6 +58,11 @@ class Registry(Mapping):
             return obj
         return deco
 
+    def registered(self, name: str):
+        """The entry registered under ``name`` so far, or None; imports no built-in module (for a module that
+        reads, while it is imported, an entry of a module it imports itself: stem.report.figures, a table's title)."""
+        return resolve(self._entries[name]) if name in self._entries else None
+
     def remove(self, name: str):
         """Unregister ``name`` (a test's toy entry); returns its entry."""
         return self._entries.pop(name)
@@ -96,6 +103,8 @@ def resolve(target):
 
 
 FFN_KINDS = Registry("ffn kind")
+FFN_FACTS = Registry("ffn facts")
+OPTIM_GROUPS = Registry("optimizer group")
 SUITE_KINDS = Registry("suite kind")
 REPORT_TABLES = Registry("report table")
 REPORT_FIGURES = Registry("report figure")

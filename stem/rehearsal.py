@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from stem import layout as L
-from stem.data.sources import _streaming_format
+from stem.data.sources import streaming_format
 from stem.data.synth import GENERATORS, make_world
 from stem.data.tokenizer import load_tokenizer, train_bpe
 from stem.io import atomic_dir, atomic_write_text
@@ -50,7 +50,7 @@ def padded_tokenizer(docs, vocab_size: int, out_path: Path) -> None:
 
 def write_mds(folder: Path, tok, docs, rows: int, domain: str) -> None:
     """``rows`` rows of ROW packed ids (documents cut at the row's end) with their (start, end) pairs."""
-    fmt = _streaming_format()
+    fmt = streaming_format()
     with atomic_dir(folder, prefix=".tmp_mds_") as tmp:
         with fmt.MDSWriter(out=str(tmp), columns=MDS_COLUMNS, size_limit=1 << 24) as w:
             for _ in range(rows):

@@ -201,9 +201,9 @@ class TrainSettings:
         _check(self.lr > 0, "lr", "a number > 0", self.lr)
         for key in ("warmup", "min_lr_ratio"):
             _check(0 <= getattr(self, key) <= 1, key, "a number in [0, 1]", getattr(self, key))
-        for key in ("batch_size", "micro_batch", "seq_len", "steps", "log_interval", "eval_interval",
-                    "checkpoint_interval"):
+        for key in ("batch_size", "micro_batch", "seq_len", "log_interval", "eval_interval", "checkpoint_interval"):
             _check(getattr(self, key) >= 1, key, "an integer >= 1", getattr(self, key))
+        _check(self.steps >= 0, "steps", "an integer >= 0 (0: a stage that only imports)", self.steps)
         _check(self.eval_batches >= 0, "eval_batches", "an integer >= 0", self.eval_batches)
         _check(self.schedule_steps is None or self.schedule_steps >= 1, "schedule_steps", "an integer >= 1 or null",
                self.schedule_steps)

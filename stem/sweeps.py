@@ -192,7 +192,8 @@ def _base(cfg: dict, kind: str) -> dict:
     return base
 
 
-def _stage(cfg: dict) -> dict:
+def train_settings(cfg: dict) -> dict:
+    """The sweep points' training settings over their stage's (``sweeps.train``)."""
     return dict((cfg.get("sweeps") or {}).get("train") or {})
 
 
@@ -310,7 +311,7 @@ def variant_specs(cfg: dict, strict: bool = True) -> dict[str, dict]:
     for kind in KINDS:
         if kind in (cfg.get("sweeps") or {}):
             for p in points(cfg, kind, strict):
-                out[p["variant"]] = {**p["spec"], "stage": _stage(cfg)}
+                out[p["variant"]] = {**p["spec"], "stage": train_settings(cfg)}
     return out
 
 

@@ -158,11 +158,11 @@ def test_bootstrap_verdicts_on_constructed_inputs():
 def test_loss_directions_lower_is_better():
     base = {"window_loss": [3.0, 3.2, 3.1, 3.3] * 5}
     stem = {"window_loss": [2.9, 3.0, 3.0, 3.1] * 5}
-    rows = V.loss_directions({("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
+    rows = V.loss_directions({}, {("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
     assert len(rows) == 1 and rows[0]["verdict"] == "agree" and rows[0]["ours_delta"] == pytest.approx(-0.15)
     # dse: the DSE paper's claim (Table 1: DSE-27B 1.622 < Dense-4B 1.768), here a higher loss: disagree
     worse = {"window_loss": [x + 0.2 for x in base["window_loss"]]}
-    rows = V.loss_directions({("1b", "dense", "extend"): base, ("1b", "dse", "extend"): worse})
+    rows = V.loss_directions({}, {("1b", "dense", "extend"): base, ("1b", "dse", "extend"): worse})
     assert len(rows) == 1 and rows[0]["paper_delta"] == pytest.approx(1.622 - 1.768)
     assert rows[0]["verdict"] == "disagree" and "DSE paper Table 1" in rows[0]["source"]
 
@@ -175,7 +175,8 @@ def test_tiny_analysis_targets_for_dse():
     cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
     names = {t.rsplit("/", 1)[1][:-5] for t in AW.targets(cfg) if "/350m/dse/" in t}
     assert names == {"editing", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled"}
-    assert AW.model_kind(cfg, "350m", "dse") == {"tables": False, "lookups": True, "dse": True, "variant": "dse"}
+    assert AW.model_kind(cfg, "350m", "dse") == {"tables": False, "lookups": True, "dse": True, "variant": "dse",
+                                                   "baseline": False}
     assert AW.model_kind(cfg, "350m", "hashmoe")["lookups"] is False
 
 
@@ -239,7 +240,7 @@ def test_analysis_directions_constructed():
            ("350m", "stem", "pretrain"): {"items": items([1] * 30)}}
     heaps = {("350m", "stem", "pretrain"): {"n_stem_layers": 2, "fit": {"beta": 0.7}, "lengths": [1, 2, 3],
                                             "activated_stem_params": [10, 20, 30]}}
-    rows = {r["table"]: r for r in analysis_directions({"spread": spread, "capacity": cap, "heaps": heaps})}
+    rows = {r["table"]: r for r in analysis_directions({"spread": spread, "capacity": cap, "heaps": heaps}, "dense")}
     assert rows["spread"]["ours_delta"] == pytest.approx(0.3)   # dense 0.4 at the STEM layer 1, STEM 0.1
     assert rows["spread"]["verdict"].startswith("agree")
     assert rows["capacity"]["verdict"] == "agree" and rows["capacity"]["ours_delta"] == 1.0
@@ -262,6 +263,15 @@ def test_config_checks_analysis_source_and_facts(tmp_path):
         read_facts(bad)
     _, pairs = read_facts(C.REPO / "reference/analysis/edit_facts.yaml")
     assert {"source": "United States", "target": "California", "kind": "place"} in pairs
+    real = C.load_experiment(C.REPO / "config" / "real.yaml")   # the keys of the real prompt set and of hf_parity
+    for name, key, value in [("editing", "every_source", "yes"), ("editing", "first_token", 1),
+                             ("editing", "stages", {"350m": ["posttrain"]}), ("hf_parity", "tolerance", 0),
+                             ("hf_parity", "facts", None)]:
+        bad = copy.deepcopy(real)
+        bad["analysis"][name][key] = value
+        with pytest.raises(C.ConfigError, match=f"key 'analysis.{name}.{key}") as e:
+            C.validate_experiment(bad)
+        assert len(str(e.value).splitlines()) == 1
 
 
 def test_embedding_swap_on_dense_model_equals_control_prompt(tiny_data, one_thread):
@@ -283,6 +293,91 @@ def test_embedding_swap_on_dense_model_equals_control_prompt(tiny_data, one_thre
     assert swaps and r["sites"] == ["embedding"] and r["restored_bit_identical"]
     for e in swaps:
         assert e["kl_control"] == pytest.approx(0.0, abs=1e-9) and e["topk_overlap"] == 1.0
+
+
+def test_real_prompt_set_mode_every_source_first_token_moves(tiny_data, one_thread):
+    """The mode config/real.yaml runs (every_source, first_token) on a tiny random dense model: every country a
+    source once, its target the next one with another capital; a candidate's score is the next-token log-prob of its
+    first token; the embedding swap of equal-length names is the control prompt's computation, so the edited top-k,
+    ``moves`` and ``p_target`` are the control's; the prompts' logits are restored bit for bit (and would show an
+    edit left in place)."""
+    from stem.data.synth import make_world
+    from stem.data.tokenizer import load_tokenizer
+    tok = load_tokenizer(tiny_data["tokenizer"])
+    cfg = ModelConfig(vocab_size=512, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=64)
+    torch.manual_seed(2)
+    model = build_model(cfg).eval()
+    country = E.world_facts(make_world(7, 20, 60, 500), {})["country"]
+    firsts, ents = set(), {}
+    for name, a in country["entities"].items():   # capitals with distinct first tokens (what first_token needs)
+        if E.encode(tok, a["capital"])[0] not in firsts:
+            firsts.add(E.encode(tok, a["capital"])[0])
+            ents[name] = a
+    facts = {"country": {"templates": {"capital": country["templates"]["capital"]}, "entities": ents}}
+    assert len(ents) < len(country["entities"])   # some capitals share a first token here: first_token refuses them
+    with pytest.raises(ValueError, match="editing first_token: answers of country/capital share a first token"):
+        E._Probe(model, tok, {"country": {**facts["country"], "entities": country["entities"]}},
+                 first_token=True).candidates("country", "capital")
+    pairs = E.every_source(tok, facts, set())
+    names = list(ents)
+    assert len(ents) >= 4 and [p["source"] for p in pairs] == names
+    assert [p["target"] for p in pairs] == names[1:] + names[:1]   # capitals all differ: the next one
+    assert E.every_source(tok, facts, {("country", names[0])})[0]["source"] == names[1]
+    r = E.measure(model, tok, facts, pairs, {"topk": 3, "collateral": 1, "known_entities": len(ents), "seed": 0,
+                                             "first_token": True})
+    assert r["restored_bit_identical"] and r["restored_logits_bit_identical"]
+    assert r["restored_logits_prompts"] == len(ents)
+    probe = E._Probe(model, tok, facts, first_token=True)
+    full = E._Probe(model, tok, facts).predict("country", "capital", names[:2])
+    for n, (pred, sc, nxt) in probe.predict("country", "capital", names[:2]).items():
+        first = [c[0] for c in probe.candidates("country", "capital")[1]]
+        assert torch.equal(sc, nxt[first]) and torch.allclose(nxt, full[n][2], atol=1e-5)   # (batch round-off)
+    swaps = [e for e in r["edits"] if e["scheme"] == "swap"]
+    assert swaps and len(r["edits"]) >= len(pairs)
+    for e in swaps:
+        ctrl = E.score_many(model, [(E.encode(tok, f"The capital of {e['target']} is"), [[0]])])[0][1]
+        t_first = E.encode(tok, e["target_answer"])[0]
+        assert e["moves"] == (int(ctrl.argmax()) == t_first)
+        assert e["p_target"] == pytest.approx(float(ctrl[t_first].exp()), abs=1e-6)
+        assert [t for t, _ in e["top_after"]] == [t for t, _ in E.top_tokens(tok, ctrl, 3)]
+    from stem.eval.generate import greedy_generate   # completes: greedy decoding read off one teacher-forced pass
+    items = [(f"The capital of {n} is", a) for n in names for a in (ents[n]["capital"], " the capital")]
+    for (prompt, answer), (ok, wrote) in zip(items, E.completes(model, tok, items)):
+        want = E.encode(tok, answer)
+        g = greedy_generate(model, E.encode(tok, prompt), len(want))
+        cut = next((j + 1 for j, (x, y) in enumerate(zip(g, want)) if x != y), len(g))
+        assert ok == (g == want) and wrote == tok.decode(g[:cut])
+    logits = E._prompt_logits(model, tok, facts, pairs[:1])
+    src, tgt = E.encode(tok, " " + names[0]), E.encode(tok, " " + names[1])
+    with E.edited([model.tok_emb.weight], src, E.plan("average", len(src), tgt)):
+        assert not torch.equal(E._prompt_logits(model, tok, facts, pairs[:1])[0], logits[0])
+
+
+def test_real_editing_and_hf_parity_tables(tmp_path):
+    """config/real.yaml's report tables real_editing and real_hf_parity: cells copied from the analysis JSONs."""
+    from stem import config as C
+    from stem import layout as L
+    from stem.report import registry
+    from stem.report.results import Results
+    cfg = C.load_experiment(C.REPO / "config" / "real.yaml")
+    ident = {"experiment": "real", "scale": "350m", "variant": "stem_insert", "stage": "midtrain"}
+    summary = {"site": "stem", "scheme": "swap", "case": "all", "n": 26, "moves": 0.5, "moves_before": 0.0,
+               "p_target_before": 0.01, "p_target": 0.3, "p_source_before": 0.4, "p_source": 0.02}
+    results = {"editing": {**ident, "analysis": "editing", "known": {"place/capital": {"completed": 0.9}},
+                           "summary": [summary, {**summary, "case": "equal"}], "restored_bit_identical": True,
+                           "restored_logits_bit_identical": True},
+               "hf_parity": {**ident, "analysis": "hf_parity", "documents": 26, "stem": {"acc": 0.5, "perplexity": 9.0},
+                             "hf": {"acc": 0.5, "perplexity": 9.1}, "max_abs_loglik_diff": 2e-5, "tolerance": 1e-3}}
+    for name, r in results.items():
+        p = tmp_path / L.analysis_json("real", "350m", "stem_insert", "midtrain", name)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(r))
+    res = Results("real", tmp_path / "results")
+    ed = registry.table("real_editing").build(cfg, res).set_index("column")["value"]
+    assert (ed["edits"], ed["moved"], ed["p_target"], ed["unedited_completed"], ed["restored_bitwise"]) == \
+        (26, 0.5, 0.3, 0.9, True)
+    hp = registry.table("real_hf_parity").build(cfg, res).set_index("column")["value"]
+    assert (hp["hf_perplexity"], hp["max_abs_loglik_diff"], hp["tolerance"]) == (9.1, 2e-5, 1e-3)
 
 
 def test_analysis_tables_and_figures_through_the_registry(tmp_path):

@@ -169,8 +169,8 @@ def test_undefined_source_in_a_target_is_one_line_naming_the_defined_ones():
 
 # ---- MDS: a corrupt and a truncated shard name the folder, the shard and the row --------------------------------
 def _mds_folder(root):
-    from stem.data.sources import _streaming_format
-    fmt = _streaming_format()
+    from stem.data.sources import streaming_format
+    fmt = streaming_format()
     columns = {"input_ids": "ndarray:uint32", "indices": "ndarray:uint32"}
     with fmt.MDSWriter(out=str(root), columns=columns, size_limit=1 << 20) as w:
         for r in range(3):

@@ -56,7 +56,7 @@ def report(tmp_path_factory, cfg):
     rd = root / "reports" / "tiny"
     B.write_tables(cfg, Results("tiny", root / "results"), rd / "tables")
     out = B.run_diff(cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))
-    B.write_diff(rd / "diff", *out)
+    B.write_diff(cfg, rd / "diff", *out)
     return root, rd, out
 
 
@@ -103,8 +103,8 @@ def test_readme_html_and_diff_say_the_same_counts(report, cfg):
     assert line in readme and line in md
     assert line.replace("**", "") in html.replace("<strong>", "").replace("</strong>", "")
     assert "agree **42**" not in readme and "Cells agreeing" not in readme   # the old point-estimate count is gone
-    row = diff.direction_table(B.load_directions(rd / "diff" / "directions.csv"))
-    stem = row[(row["Table"] == "table3") & (row["Scale"] == "350m") & (row["Variant"] == P.VARIANT_LABELS["stem"])]
+    row = diff.direction_table(B.load_directions(rd / "diff" / "directions.csv"), C.variant_labels(cfg))
+    stem = row[(row["Table"] == "table3") & (row["Scale"] == "350m") & (row["Variant"] == C.variant_labels(cfg)["stem"])]
     assert "agree 1" in stem["Verdicts"].iloc[0] and "disagree 1" in stem["Verdicts"].iloc[0]
     # read back from diff/directions.csv: the same verdicts as in memory
     back = B.load_directions(rd / "diff" / "directions.csv")
@@ -157,7 +157,7 @@ def test_accepted_disagreements(report, tmp_path, cfg):
                      B.load_reproduced(rd / "tables" / "reproduced.csv"))
     cell = out[0]["accepted"]["cells"][0]
     assert cell["now"] == "disagree" and cell["now_interval"] == pytest.approx(entry["interval"])
-    md = diff.render(*out[:4])
+    md = diff.render(cfg, *out[:4])
     assert f"Accepted disagreements (`{path}`" in md and "`table3/350m/stem/arc_challenge` (pretrain): accepted " \
         "disagree [" in md and "now **disagree** [" in md and entry["reason"] in md
     for edit, message in [({"verdict": "agree"}, "entry 1: key 'verdict': 'agree'; expected disagree"),
@@ -249,7 +249,11 @@ def test_the_environment_is_pinned():
     else:   # the machine's torch (make TORCH=system): any release with the GPU path's features (docs/gpu.md)
         from stem.train import torchfloor
         assert torchfloor.missing() == []
-    assert "- -c constraints.txt" in (C.REPO / "environment.yml").read_text()
+    env = (C.REPO / "environment.yml").read_text()
+    assert "- -c constraints.txt" in env
+    floor = re.search(r'"(torch>=[0-9.]+)"', (C.REPO / "pyproject.toml").read_text()).group(1)
+    assert re.findall(r"(?:pytorch|torch)\b[^\n]*", env.split("dependencies:")[1]) == [floor], \
+        "environment.yml asks for another torch than pyproject.toml's floor"
 
 
 def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):

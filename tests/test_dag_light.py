@@ -75,7 +75,7 @@ def test_a_wrong_declaration_is_a_one_line_error():
                "False), params=1 (the module: 288)" in str(e.value)
     finally:
         registry.FFN_KINDS.remove("toy_wrong")
-        registry.FFN_FACTS.pop("toy_wrong")
+        registry.FFN_FACTS.remove("toy_wrong")
 
 
 def test_a_kind_declaring_nothing_is_built_to_find_out():

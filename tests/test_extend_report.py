@@ -54,7 +54,7 @@ def toy_table(cfg: dict, res: Results) -> pd.DataFrame:
     stages = T.settings(cfg).stages[TABLE]
     cells = []
     for scale in T.scales_with(cfg, stages[0]):
-        for v in T.ordered_variants(cfg["matrix"][scale]["variants"]):
+        for v in T.ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
             ev, stage = res.first_eval(scale, v, stages, SUITE)
             acct, _ = res.first_accounting(scale, v, stages)
             cells += [T.cell(TABLE, scale, v, "nll", task_score(ev, SUITE), f"{stage}/eval/toy.json", unit="nats"),
@@ -198,7 +198,7 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
     assert "Toy: continuation NLL" in Path("reports/tiny/tables/toy_lookup.md").read_text()
     s, cells, dirs, cons, _ = B.run_diff(cfg, B.load_reproduced("reports/tiny/tables/reproduced.csv"))
     assert TABLE not in set(cells["table"]) and s["cells"] > 0
-    B.write_diff("reports/tiny/diff", s, cells, dirs, cons)
+    B.write_diff(cfg, "reports/tiny/diff", s, cells, dirs, cons)
     files = RW.figure_inputs(cfg, evals, FIGURE)
     assert files == {"tables": "reports/tiny/tables/reproduced.csv", "toy_evals": evals}
     figures.save(figures.draw(FIGURE, cfg, None, ours, files), "reports/tiny/figures/toy_nll.png")

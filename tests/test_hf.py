@@ -249,6 +249,20 @@ def test_stage_init_from_hf(spec_factory, tmp_path):
     ids = torch.randint(0, m["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(run.model.eval()(ids), hf(ids).logits, atol=ATOL, rtol=RTOL)
+    # the import's parity against transformers' forward, on the stage's first held-out window
+    assert run.import_parity["tokens"] > 1 and run.import_parity["max_abs_logit_diff"] < 1e-4
+    # a stage that only imports (steps: 0, config/real.yaml's pretrain): no step; the summary has the parity and the
+    # imported model's held-out loss, and passes the report's check
+    from stem.report.results import check_summary
+    from stem.train.loop import train
+    imp = spec_factory(tmp_path / "imp", variant="dense")
+    imp.update(init_from=f"hf:{tmp_path / 'hf'}", init_stage=None)
+    imp["train"]["steps"] = 0
+    out = train(imp)
+    assert (out["steps"], out["tokens"], out["final_train_loss"]) == (0, 0, None) and 0 < out["final_val_loss"] < 20
+    assert out["import_parity"]["max_abs_logit_diff"] < 1e-4
+    check_summary("summary.json", json.loads((tmp_path / "imp" / "summary.json").read_text()),
+                  {k: imp[k] for k in ("experiment", "scale", "variant", "stage")})
     # the official insertion path: the published dense model straight into a STEM variant (tied head untied)
     ins = spec_factory(tmp_path / "ins", variant="stem", stage="midtrain")
     ins.update(init_from=f"hf:{tmp_path / 'hf'}", init_stage=None, insert={"from": "dense", "init": "projected"})
@@ -294,3 +308,25 @@ def test_cli_errors_are_one_line_and_write_nothing(tok_file, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert e.value.code == 1 and message in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / "out").exists()
+
+
+def test_hf_parity_analysis_on_a_facts_task(tok_file, tmp_path):
+    """The hf_parity analysis (config/real.yaml): a STEM checkpoint and its export-hf folder score a local lm-eval
+    task made from a prompt-set file the same under lm-eval's stock ``hf`` model and the ``stem`` model; the JSON
+    holds both metrics and the per-request loglikelihoods; a folder that is not the checkpoint's export is one line."""
+    from stem.__main__ import main as stem_main
+    from stem.analysis.hf_parity import check, compare
+    facts = tmp_path / "facts.yaml"
+    facts.write_text("kinds:\n  place:\n    templates: {capital: 'The capital of {e} is'}\n    entities:\n"
+                     "      Spain: {capital: ' Madrid'}\n      Germany: {capital: ' Berlin'}\n"
+                     "      France: {capital: ' Paris'}\n")
+    ckpt, _ = make_ckpt(tmp_path / "stem", tok_file, "stem", seed=4)
+    stem_main(["export-hf", str(ckpt), str(tmp_path / "hf")])
+    r = compare(ckpt, tmp_path / "hf", facts, tolerance=1e-4, batch_size=2)
+    assert r["documents"] == 3 and len(r["loglik"]["hf"]) == 3 and r["within_tolerance"]
+    assert r["max_abs_loglik_diff"] <= 1e-4 and r["hf"]["acc"] == r["stem"]["acc"]
+    assert r["hf"]["perplexity"] == pytest.approx(r["stem"]["perplexity"], rel=1e-4)
+    off = [x + 2e-4 * (i == 1) for i, x in enumerate(r["loglik"]["stem"])]   # one request 2e-4 away, one missing
+    for stem_ll, hf_ll in ((off, r["loglik"]["hf"]), (r["loglik"]["stem"], r["loglik"]["hf"][:2])):
+        with pytest.raises(ValueError, match=r"hf_parity X: max \|loglikelihood difference\|.* expected <= 0.0001"):
+            check(stem_ll, hf_ll, 3, 1e-4, "X")

@@ -158,3 +158,31 @@ def test_official_blocks_in_the_docs():
     assert [i for i, k in enumerate(job.model.ffn) if k == "stem"] == list(range(2, 27, 2))   # 13 layers
     assert (job.train.seq_len, job.model.max_seq_len, job.train.steps) == (4096, 4096, 400000)
     assert (job.train.warmup, job.train.min_lr_ratio) == (0.005, 0.1)   # 2000 of 400k steps
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_step0_rows_model_gives_the_whole_tables_logits(tied):
+    """The insertion-step0 analysis builds only the table rows its windows read (stem.analysis.insertion.
+    inserted_rows): its logits equal those of the whole inserted model (projected, raw), every other weight is the
+    dense model's, and a token it was not built for is refused."""
+    import dataclasses
+    from stem.analysis.insertion import inserted_rows
+    from stem.models.config import ModelConfig
+    from stem.models.insert import insert_stem
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64,
+                      tie_embeddings=tied)
+    torch.manual_seed(3)
+    dense = build_model(cfg).eval()
+    stem_cfg = dataclasses.replace(cfg, ffn=("dense", "stem", "dense", "stem"))
+    x = torch.randint(0, 60, (2, 24))
+    for init in ("projected", "raw"):
+        whole = build_model(stem_cfg).eval()
+        insert_stem(whole, dense.state_dict(), init)
+        rows = inserted_rows(stem_cfg, dense.state_dict(), init, x.unique())
+        assert (rows.lm_head.weight is rows.tok_emb.weight) == tied
+        with torch.no_grad():
+            torch.testing.assert_close(rows(x), whole(x), rtol=1e-5, atol=1e-5)
+        with pytest.raises(IndexError):
+            rows(torch.tensor([[96]]))
+    xav = inserted_rows(stem_cfg, dense.state_dict(), "xavier", x.unique())
+    assert xav.layers[1].ffn.table.rows.std().item() == pytest.approx((2 / (97 + 48)) ** 0.5, rel=0.2)

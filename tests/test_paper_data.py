@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from stem.config import variant_labels
 from stem.report import paper_data as pdata
 
 PAPER_TXT = Path(__file__).resolve().parents[2] / "shared" / "seeds" / "stem-paper.txt"
@@ -152,7 +153,7 @@ def test_table1_formulas_match_paper(paper):
 def test_variant_ids_and_labels():
     for t in ["table3", "table4", "table5"]:
         df = pdata.load_table(t)
-        assert (df["row"] == df["variant"].map(pdata.VARIANT_LABELS)).all(), t
+        assert (df["row"] == df["variant"].map(variant_labels())).all(), t
     for t, tasks in pdata.TASKS.items():
         assert set(tasks) <= set(pdata.load_table(t)["column"]), t
 

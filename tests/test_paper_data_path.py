@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from stem.data.shards import ShardSet, content_keys, doc_uniform, SAMPLE_SALT, tokenize_to_shards
-from stem.data.sources import _streaming_format, iter_documents
+from stem.data.sources import streaming_format, iter_documents
 from stem.data.tokenizer import load_tokenizer, train_bpe
 
 pytest.importorskip("datasets")
@@ -75,7 +75,7 @@ def write_prolong(root: Path, tok, domains, rows_per_domain=3, row_len=256, seed
     """ProLong-shaped MDS folders (domain/procNN-64/) written by mosaicml-streaming's MDSWriter: rows of
     row_len packed token ids with the documents' (start, end) pairs."""
     rng = random.Random(seed)
-    fmt = _streaming_format()
+    fmt = streaming_format()
     for d in domains:
         with fmt.MDSWriter(out=str(root / d / "proc00-64"), columns=MDS_COLUMNS, size_limit=1 << 11) as w:
             for _ in range(rows_per_domain):
@@ -160,7 +160,7 @@ def test_prolong_mds_keeps_its_ids_and_document_boundaries(world, tmp_path):
     assert (spec["kind"], spec["ids_field"], spec["indices_field"], spec["vocab_size"]) == ("mds", "input_ids", "indices", 128256)
     spec = _local_sources(world, world["tok"].vocab_size)["prolong_long"]
     # reference: the rows as the streaming library's own reader returns them, cut at `indices`
-    fmt, expect = _streaming_format(), []
+    fmt, expect = streaming_format(), []
     for d in prolong_domains(PAPER["sources"]["prolong_long"]):
         folder = world["root"] / "prolong-data-64K" / d / "proc00-64"
         index = json.loads((folder / "index.json").read_text())

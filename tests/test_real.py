@@ -95,6 +95,34 @@ def test_projected_insertion_step0_loss_on_real_weights(smol, essay_tokens):
         step0_rows(dense, x, placements=["1/4"])
 
 
+def test_real_facts_are_what_the_dense_import_completes(smol):
+    """reference/real/facts.yaml (the editing prompt set of config/real.yaml) keeps exactly the capitals the dense
+    import completes by greedy decoding, and its ``dropped`` list what it wrote instead; Fig. 7's edit through the
+    editing analysis' code on the token embedding (the dense reference): Spain's row replaced by Germany's, the
+    completion moves to " Berlin", and undoing restores the logits bit for bit."""
+    import yaml
+    from stem.analysis import editing as E
+    _, _, model, tok = smol
+    path = REPO / "reference" / "real" / "facts.yaml"
+    kinds, pairs = E.read_facts(path)
+    dropped = yaml.safe_load(path.read_text(encoding="utf-8"))["dropped"]
+    place = kinds["place"]
+    assert (len(place["entities"]), len(dropped)) == (26, 16) and pairs[0] == {"kind": "place", "source": "Spain",
+                                                                                 "target": "Germany"}
+    template = place["templates"]["capital"]
+    items = [*place["entities"].items(), *dropped.items()]
+    done = E.completes(model, tok, [(template.format(e=name), answers["capital"]) for name, answers in items])
+    for (name, _), (ok, wrote) in zip(items, done):
+        assert ok == (name in place["entities"]) and (ok or dropped[name]["wrote"].startswith(wrote)), (name, wrote)
+    ids = torch.tensor([E.encode(tok, template.format(e="Spain"))])
+    with torch.no_grad():
+        before = model(ids)
+        with E.edited([model.tok_emb.weight], E.encode(tok, " Spain"), [tuple(E.encode(tok, " Germany"))]):
+            after = model(ids)
+        assert tok.decode([int(after[0, -1].argmax())]) == " Berlin" != tok.decode([int(before[0, -1].argmax())])
+        assert torch.equal(model(ids), before)
+
+
 def _gguf_header(path: Path, arch: str) -> None:
     """A GGUF v3 header with one string key, general.architecture (what the importer reads first)."""
     key, value = b"general.architecture", arch.encode()
@@ -142,6 +170,9 @@ def test_essays_folder_source_split_by_document_with_the_imported_tokenizer(smol
     want = sum(len(ids) + 1 for ids, h in zip(tok.encode_batch(texts), held) if h)   # + the EOS separator
     assert m["splits"]["val"]["tokens"] == want
     assert json.loads((folder / "manifest.json").read_text())["val_fraction"] == 0.2
+    from stem.eval.run import documents   # a ppl suite's split: val reads the same held-out essays
+    assert documents({"documents": ESSAY_SOURCE, "held_out": {"fraction": 0.2, "seed": 0}}, n_docs=49) == \
+        [t for t, h in zip(texts, held) if h]
     with pytest.raises(ValueError, match="package 'no_such_package_xyz' is not installed"):
         list(iter_documents({**ESSAY_SOURCE, "paths": ["pkg:no_such_package_xyz/*.txt"]}))
 
@@ -173,10 +204,25 @@ def test_new_config_keys_are_checked():
     assert C.train_job(cfg, "1b", "dense", "pretrain").model.tie_embeddings
     src = next(iter(tiny["sources"]))
     for block, key in [({"archs": {"1b": {"tie_embeddings": "yes"}}}, "tie_embeddings"),
-                       ({"sources": {src: {"val_fraction": 1.0}}}, "val_fraction")]:
+                       ({"sources": {src: {"val_fraction": 1.0}}}, "val_fraction"),
+                       ({"stages": {"pretrain": {"350m": {"steps": 0}}}},   # steps 0: only an import stage
+                        "stages.pretrain.350m.steps': 0 is a stage that only imports"),
+                       ({"tokenizer": {"350m": {"gguf_file": 3}}}, "gguf_file"),
+                       ({"analysis": {"insertion_step0": {"source": "web", "windows": 2, "seq_len": 64,
+                                                          "placements": {"1/3": {"every": 3}}, "inits": ["nope"]}}},
+                        "insertion_step0")]:
         with pytest.raises(C.ConfigError, match=key) as e:
             C.validate_experiment(deep_merge(copy.deepcopy(tiny), block))
         assert len(str(e.value).splitlines()) == 1
+    # config/real.yaml's held-out perplexity: split val only of a source with a content-keyed val_fraction
+    from stem.eval.spec import suite_spec
+    real = C.load_experiment(REPO / "config" / "real.yaml")
+    assert suite_spec(real, "ppl")["held_out"] == {"fraction": 0.2, "seed": real["seed"]}
+    bad = deep_merge(copy.deepcopy(real), {"sources": {"essays": {"doc_keys": "index"}}})
+    with pytest.raises(ValueError, match="eval suite 'ppl': key 'split': 'val'; expected val, of a source with "
+                                         "doc_keys: content") as e:
+        suite_spec(bad, "ppl")
+    assert len(str(e.value).splitlines()) == 1
 
 
 def test_niah_items_with_the_original_needle_in_the_essays(smol):
@@ -203,3 +249,32 @@ def test_niah_items_with_the_original_needle_in_the_essays(smol):
             assert 0.2 < at / len(prompt) < 0.8   # at the middle sentence (the essays' sentences vary in length)
     with pytest.raises(ValueError, match="niah: needle"):
         niah.make_items(tok, docs, [1024], [0], 1, needle={"text": "x"})
+
+
+def test_real_experiment_dag(tmp_path):
+    """``make real``'s workflow (config/real.yaml) builds on the same rules as tiny and paper: the import stage, dense
+    and the inserted STEM model continued, their ppl and NIAH evaluations, the step-0 analysis of the import, and
+    the report with its own tables and figure; in a dry run, from a folder with nothing in it."""
+    from conftest import job_counts
+    import subprocess
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--profile",
+                        str(REPO / "profiles" / "local"), "--configfile", str(REPO / "config" / "real.yaml"),
+                        "-d", str(tmp_path), "-n"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = job_counts(r.stdout)
+    # analyze: insertion_step0 of the import, editing of the import and the 2 continued models, hf_parity of those 2
+    assert (counts["tokenizer"], counts["train"], counts["eval"], counts["analyze"], counts["export_hf"]) == \
+        (1, 3, 4, 6, 2)
+    for path in ("results/real/350m/stem_insert/midtrain/analysis/editing.json",
+                 "results/real/350m/dense/pretrain/analysis/editing.json",
+                 "results/real/350m/stem_insert/midtrain/analysis/hf_parity.json",
+                 "results/real/350m/stem_insert/midtrain/hf",
+                 "reports/real/tables/real_editing.md", "reports/real/tables/real_hf_parity.md",
+                 "results/real/350m/dense/pretrain/summary.json", "results/real/350m/stem_insert/midtrain/summary.json",
+                 "results/real/350m/stem_insert/midtrain/eval/niah.json",
+                 "results/real/350m/dense/pretrain/analysis/insertion_step0.json",
+                 "reports/real/tables/real_step0.md", "reports/real/figures/real_loss_curves.png"):
+        assert path in r.stdout, path
+    assert "results/real/350m/stem_insert/pretrain" not in r.stdout   # inserted at midtrain: no pretraining

@@ -72,7 +72,7 @@ def test_toy_kind_accounting_groups_init(toy):
 
 
 def test_unregistered_group_is_an_error(toy):
-    registry.OPTIM_GROUPS.pop(toy_ffn.GROUP)
+    registry.OPTIM_GROUPS.remove(toy_ffn.GROUP)
     with pytest.raises(ValueError, match="ToyBiasTable.param_roles\\['weight'\\]: group 'toy_bias' is not registered"):
         build_model(_cfg(), "cpu").param_groups()
 
@@ -163,3 +163,23 @@ def test_toy_kind_sharded_on_two_gloo_ranks(toy, tmp_path):
     assert got["losses"] == pytest.approx(losses, rel=1e-5)
     bias_sum = model.layers[1].ffn.bias.weight.abs().sum().item()
     assert bias_sum > 0 and got["bias_abs_sum"] == pytest.approx(bias_sum, rel=1e-4)
+
+
+def test_the_memory_estimate_counts_what_each_kind_declares():
+    """Issue 28 item 4: an FFN kind's activations are declared with its facts (a FFN_FACTS entry), and the closed-form
+    memory estimate reads them: stem.train.memory names no kind."""
+    from stem.train import memory
+    registry.declare_ffn("toy_acts", "stem.models.ffn:DenseFFN", table=False, lookup=False,
+                         activations=lambda c: 8 * c.d_ff + 1000)
+    try:
+        mc = ModelConfig(vocab_size=32, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=12, max_seq_len=16,
+                         ffn=("dense", "toy_acts"))
+        assert memory._block_bytes_per_token(mc, 1) - memory._block_bytes_per_token(mc, 0) == 1000
+        assert registry.FFN_FACTS["toy_acts"].activations(mc) == 1096
+    finally:
+        registry.FFN_KINDS.remove("toy_acts")
+        registry.FFN_FACTS.remove("toy_acts")
+    text = (REPO / "stem" / "train" / "memory.py").read_text()
+    assert not [k for k in registry.FFN_KINDS if f'"{k}"' in text]
+    with pytest.raises(ValueError, match="optimizer group 'norm': already registered"):
+        registry.register_group("norm", 2.0)

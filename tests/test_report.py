@@ -224,7 +224,7 @@ def test_diff_flags_changed_and_missing_cells(tiny_cfg):
     assert cells.loc[("table3", "1b", "stem", "boolq"), "status"] == "missing"
     others = cells.drop([("table3", "350m", "stem", "arc_easy"), ("table3", "1b", "stem", "boolq")])
     assert (others.loc[["table3", "table4", "table5", "table6", "figure1b"], "status"] == "ok").all()
-    s = diff.summary("paper", cells.reset_index(), diff.directions(ours), diff.paper_consistency())
+    s = diff.summary("paper", cells.reset_index(), diff.directions(ours, "dense"), diff.paper_consistency())
     assert s["largest_gaps"][0]["cell"] == "table3/350m/stem/arc_easy" and s["missing"] == 1
     failures = diff.gate(cells.reset_index(), ["table3/*/stem/arc_*", "table3/1b/stem/boolq"])
     assert {f"{r.variant}/{r.column}" for r in failures.itertuples()} == {"stem/arc_easy", "stem/boolq"}
@@ -235,7 +235,7 @@ def test_directions():
     ours = paper_as_ours()
     t3 = ours["table3"]
     t3.loc[(t3["scale"] == "350m") & (t3["variant"] == "stem") & (t3["column"] == "avg"), "value"] = 40.0
-    dirs = diff.point_directions(ours).set_index(["table", "scale", "variant", "column"])
+    dirs = diff.point_directions(ours, "dense").set_index(["table", "scale", "variant", "column"])
     assert not dirs.loc[("table3", "350m", "stem", "avg"), "agree"]
     assert dirs.loc[("table3", "350m", "stem_gate", "avg"), "agree"]  # the paper: gate-proj trails baseline
     assert dirs.drop(("table3", "350m", "stem", "avg"))["agree"].all()
@@ -288,7 +288,7 @@ def test_report_builds(tmp_path, tiny_cfg, tiny_results):
     reread = B.load_reproduced(rd / "tables" / "reproduced.csv")
     assert value(reread["table3"], "350m", "stem", "avg") == pytest.approx(value(ours["table3"], "350m", "stem", "avg"))
     assert value(reread["table2"], "350m", "pretrain", "lr_schedule") == "cosine"
-    B.write_diff(rd / "diff", *B.run_diff(tiny_cfg, reread, ["table3/*/*/avg"]))
+    B.write_diff(tiny_cfg, rd / "diff", *B.run_diff(tiny_cfg, reread, ["table3/*/*/avg"]))
     summary = json.loads((rd / "diff" / "summary.json").read_text())
     assert summary["label"] == "experiment: tiny (embedded default, not paper scale)" and not summary["paper_scale"]
     assert summary["directions"]["point_only"]["point estimate: agree"] > 0 and summary["gate"]["failed"]
@@ -312,14 +312,14 @@ def test_readme_and_html_are_built_from_data_not_from_written_markdown(tmp_path,
     rd = tmp_path / "reports" / "tiny"
     ours = B.write_tables(tiny_cfg, tiny_results, rd / "tables")
     s, cells, dirs, cons, _ = B.run_diff(tiny_cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))
-    B.write_diff(rd / "diff", s, cells, dirs, cons)
+    B.write_diff(tiny_cfg, rd / "diff", s, cells, dirs, cons)
     F.save(F.draw("roi_by_scale", tiny_cfg, tiny_results, ours), rd / "figures" / "roi_by_scale.png")
     readme, html = B.readme(tiny_cfg, rd, ["roi_by_scale"]), B.html_report(tiny_cfg, rd, ["roi_by_scale"])
     for p in [*(rd / "tables").glob("*.md"), rd / "diff" / "diff.md"]:
         p.write_text("# overwritten\n## Side by side\n")
     assert B.readme(tiny_cfg, rd, ["roi_by_scale"]) == readme and B.html_report(tiny_cfg, rd, ["roi_by_scale"]) == html
     # the diff summary in the README is diff.md's, one heading level down, from directions.csv read back
-    assert page.markdown(diff.summary_blocks(s, dirs, level=3)) in readme
+    assert page.markdown(diff.summary_blocks(s, dirs, C.variant_labels(tiny_cfg), level=3)) in readme
     assert B.load_directions(rd / "diff" / "directions.csv")["verdict"].tolist() == dirs["verdict"].tolist()
     for name in B.TABLES:   # every row of every table's CSV, in both pages
         for r in pd.read_csv(rd / "tables" / f"{name}.csv", dtype=str, keep_default_na=False).itertuples(index=False):
@@ -482,11 +482,12 @@ def test_every_file_the_report_writes_is_requested(tmp_path, tiny_cfg, tiny_resu
     from stem.report.workflow import report_outputs
     B.write_tables(tiny_cfg, tiny_results, tmp_path / "reports/tiny/tables")
     ours = B.load_reproduced(tmp_path / "reports/tiny/tables/reproduced.csv")
-    B.write_diff(tmp_path / "reports/tiny/diff", *B.run_diff(tiny_cfg, ours))
+    B.write_diff(tiny_cfg, tmp_path / "reports/tiny/diff", *B.run_diff(tiny_cfg, ours))
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     wanted = set(report_outputs("tiny"))
     assert written <= wanted
-    figures = {f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf")}
+    figures = {f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES if not F.FIGURES[f].experiments
+               or "tiny" in F.FIGURES[f].experiments for ext in ("png", "pdf")}   # real_loss_curves: real's only
     assert wanted == written | figures | {"reports/tiny/README.md", "reports/tiny/report.html"}
 
 
@@ -617,7 +618,7 @@ def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
         assert value(t, scale, "dse", "arc_easy") == pytest.approx(value(t, scale, "dense", "arc_easy") + 1)
     assert "DSE (Cheng et al.)" in T.wide(t)["Model"].tolist()
     assert "dse" not in registry.compared()
-    dirs = diff.point_directions(tiny_tables)
+    dirs = diff.point_directions(tiny_tables, "dense")
     dirs = dirs[dirs["table"] == "dse"].set_index(["scale", "variant", "column"])
     assert set(dirs.index) == {(s, "dse", c) for s in ("350m", "1b")
                                for c in ("val_loss", "arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande")}
@@ -630,7 +631,7 @@ def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
         dse = ours["dse"]
         base = value(t, "1b", "dense", "val_loss")
         dse.loc[(dse["scale"] == "1b") & (dse["variant"] == "dse") & (dse["column"] == "val_loss"), "value"] = base + shift
-        row = diff.point_directions(ours).set_index(["table", "scale", "variant", "column"]).loc[("dse", "1b", "dse", "val_loss")]
+        row = diff.point_directions(ours, "dense").set_index(["table", "scale", "variant", "column"]).loc[("dse", "1b", "dse", "val_loss")]
         assert row["agree"] == agree and row["ours"] == ("beats baseline" if agree else "trails baseline")
 
 

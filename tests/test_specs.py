@@ -70,7 +70,7 @@ def _bad(path: str, value):
 @pytest.mark.parametrize("path, value, message", [
     ("train.schedule", "cosin", "key 'train.schedule': expected one of cosine, linear, constant, got 'cosin'"),
     ("train.batch_size", "16", "key 'train.batch_size': expected an integer, got '16'"),
-    ("train.steps", 0, "key 'train.steps': expected an integer >= 1, got 0"),
+    ("train.steps", -1, "key 'train.steps': expected an integer >= 0 (0: a stage that only imports), got -1"),
     ("train.lr", KeyError, "key 'train.lr' missing (expected a number)"),
     ("train.parallel", "tp", "key 'train.parallel': expected one of fsdp, ddp, got 'tp'"),
     ("train.tables", "cols", "key 'train.tables': expected one of fsdp, rows, host, got 'cols'"),

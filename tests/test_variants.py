@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -15,9 +16,11 @@ sys.path.insert(0, str(REPO))
 from stem import config as C  # noqa: E402
 from stem import io as stem_io  # noqa: E402
 from stem.registry import FFN_KINDS  # noqa: E402
+from stem.report import build as B  # noqa: E402
+from stem.report import diff  # noqa: E402
 from stem.report import figures as F  # noqa: E402
-from stem.report import paper_data as P  # noqa: E402
 from stem.report import tables as T  # noqa: E402
+from stem.report.results import Results  # noqa: E402
 
 NEW = "stem_quarter:  {label: STEM-1/4, ffn: stem, placement: {every: 4, offset: 3}, color: \"#123456\"}\n"
 
@@ -31,23 +34,25 @@ def test_a_new_variant_in_variants_yaml_is_labelled_and_coloured_everywhere(tmp_
     C.validate_experiment(cfg, origin="tiny.yaml")              # the schema and the config check accept it
     assert ("350m", "stem_quarter", "pretrain") in C.train_targets(cfg)
     assert C.model_config_for(cfg, "350m", "stem_quarter").ffn[3] == "stem"
-    assert C.variant_labels()["stem_quarter"] == P.VARIANT_LABELS["stem_quarter"] == "STEM-1/4"
-    assert T.cell("table3", "350m", "stem_quarter", "avg", 1.0)["row"] == "STEM-1/4"
-    assert (F._label("stem_quarter"), F._color("stem_quarter")) == ("STEM-1/4", "#123456")
-    assert F.COLORS["stem_quarter"] == "#123456" and F.LABELS["stem_quarter"] == "STEM-1/4"
+    assert C.variant_labels(cfg)["stem_quarter"] == T.row_labels(cfg, "table3")["stem_quarter"] == "STEM-1/4"
+    one = T.frame([T.cell("table3", "350m", "stem_quarter", "avg", 1.0)])
+    assert T.labelled(one, cfg)["row"].tolist() == ["STEM-1/4"]
+    assert (F.legend_label(cfg, "stem_quarter"), F.color(cfg, "stem_quarter")) == ("STEM-1/4", "#123456")
+    assert T.ordered_variants(cfg, ["stem_quarter", "moe", "dense"]) == ["dense", "moe", "stem_quarter"]
 
 
 def test_labels_and_colours_are_the_reports_of_before():
     """The report's labels and colours, as the Python modules listed them before they moved to variants.yaml."""
-    assert P.VARIANT_LABELS == {
+    assert C.variant_labels() == {
         "dense": "Baseline", "hashmoe": "Hash-MoE", "stem": "STEM", "stem_gate": "STEM (gate-proj)",
         "stem_dagger": "STEM†", "stem_half": "STEM-1/2", "stem_full": "STEM-full",
         "stem_sparse": "STEM (sparse update)", "stem_insert": "STEM (mid-training insertion)", "moe": "MoE",
         "dse": "DSE (Cheng et al.)"}
-    assert F.COLORS == {"dense": "#4d4d4d", "hashmoe": "#d62728", "stem": "#1f77b4", "stem_gate": "#9467bd",
+    assert C.variant_colors() == {"dense": "#4d4d4d", "hashmoe": "#d62728", "stem": "#1f77b4", "stem_gate": "#9467bd",
                         "stem_dagger": "#8c564b", "stem_half": "#2ca02c", "stem_full": "#ff7f0e",
                         "stem_sparse": "#e377c2", "dse": "#17becf"}
-    assert F.LABELS == {**P.VARIANT_LABELS, "stem": "STEM (1/3)"}
+    assert C.variant_figure_labels() == {**C.variant_labels(), "stem": "STEM (1/3)"}
+    assert C.baseline_variant() == "dense"
 
 
 def test_no_python_file_lists_the_variants_labels_or_colours():
@@ -80,3 +85,33 @@ def test_the_docs_variant_table_is_variants_yaml():
     kinds_table = doc.split("| FFN kind | FFN of a layer |")[1].split("\n\n")[0]
     kinds = set(re.findall(r"^\| `(\w+)` \|", kinds_table, re.M))
     assert set(FFN_KINDS) | {v["ffn"] for v in variants.values()} <= kinds, sorted(kinds)
+
+
+def test_a_variant_overrides_label_and_colour_reach_the_report(tmp_path):
+    """A config's ``variant_overrides`` label, figure label and colour are what its report prints (tables, diff,
+    figures), not config/variants.yaml's (issue 28 item 2: the report read the file's, frozen at import)."""
+    cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
+    cfg["matrix"] = {"1b": {"variants": ["dense", "stem"], "stages": ["midtrain"]}}   # Table 4's rows, no Table 3
+    cfg["variant_overrides"] = {"stem": {"label": "STEM, overridden", "figure_label": "STEM 1/3, overridden",
+                                         "color": "#010203"}}
+    res = Results(cfg["experiment"], tmp_path)   # no results yet: every cell a gap, every row still labelled
+    ours = T.build_all(cfg, res)
+    assert T.wide(ours["table4"])["Model"].tolist() == ["Baseline", "STEM, overridden"]
+    md = diff.render(cfg, *B.run_diff(cfg, ours)[:4])
+    assert "| 1b | STEM, overridden |" in md and "| STEM |" not in md
+    fig = F.draw("fig1a_val_ppl_vs_tokens", cfg, res, ours)
+    assert "STEM 1/3, overridden" in fig.axes[0].texts[0].get_text()
+    assert F.color(cfg, "stem") == "#010203" and F.color(None, "stem") == "#1f77b4"
+
+
+def test_one_baseline():
+    """The baseline is named once (variants.yaml's ``baseline: true``); a config whose overrides make two is one line."""
+    cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
+    assert C.baseline_variant(cfg) == "dense"
+    cfg["variant_overrides"] = {"stem": {"baseline": True}}
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_experiment(cfg, origin="tiny.yaml")
+    assert str(e.value) == ("tiny.yaml: key 'baseline': expected exactly one variant with baseline: true in "
+                            "config/variants.yaml and variant_overrides (the report's baseline), found dense, stem")
+    cfg["variant_overrides"] = {"stem": {"baseline": True}, "dense": {"baseline": False}}
+    assert C.baseline_variant(cfg) == "stem"

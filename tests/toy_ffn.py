@@ -37,4 +37,5 @@ def register():
 def unregister():
     if KIND in registry.FFN_KINDS:
         registry.FFN_KINDS.remove(KIND)
-    registry.OPTIM_GROUPS.pop(GROUP, None)
+    if GROUP in registry.OPTIM_GROUPS:
+        registry.OPTIM_GROUPS.remove(GROUP)

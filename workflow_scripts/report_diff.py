@@ -12,7 +12,7 @@ def main():
     args = p.parse_args()
     from stem.report.build import load_reproduced, paper_accounting, run_diff, write_diff
     cfg = spec_of(args)
-    write_diff(args.out_dir, *run_diff(cfg, load_reproduced(args.reproduced), paper_acct=paper_accounting()))
+    write_diff(cfg, args.out_dir, *run_diff(cfg, load_reproduced(args.reproduced), paper_acct=paper_accounting()))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import json
 import random
 
 from stem.analysis.common import encode, load, score_many, world_of
-from stem.data.synth import _a
+from stem.data.synth import article
 
 BUCKETS = ("rare", "mid", "frequent")
 
@@ -27,7 +27,7 @@ def world_items(world) -> list[dict]:
                                  ("language", f"The people of {c.name} speak", c.language)):
             items.append({"relation": rel, "entity": c.name, "prompt": prompt, "answer": " " + ans})
     for p in world.people:
-        for rel, prompt, ans in (("profession", f"By profession, {p.name} was", _a(p.profession)),
+        for rel, prompt, ans in (("profession", f"By profession, {p.name} was", article(p.profession)),
                                  ("birth_year", f"{p.name} was born in the year", str(p.birth_year)),
                                  ("city", f"{p.name} lived in the city of", p.city)):
             items.append({"relation": rel, "entity": p.name, "prompt": prompt, "answer": " " + ans})

@@ -15,9 +15,10 @@ the target tokens whose vectors are averaged into it (Sec. 3.3, Fig. 4):
 
 A source token id that occurs twice in the span with different plans gets the mean of its positions'
 vectors (a table row is one vector per token id). ``edited`` writes the rows and restores the saved originals
-on exit, bit for bit. The same plans applied to the token embedding (``tok_emb``) are the intervention a
-dense model admits at the same place (a token-indexed parameter, the input side): the reference for dense
-and Hash-MoE, and a comparison for the STEM variants.
+on exit, bit for bit (checked on the parameters' digest and on the prompts' logits). The same plans applied
+to the token embedding (``tok_emb``) are the intervention a dense model admits at the same place (a
+token-indexed parameter, the input side): the reference for dense and Hash-MoE, and a comparison for the STEM
+variants.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 import yaml
 
 from stem.analysis.common import encode, find_span, load, score_many, state_digest, table_sites, world_of
-from stem.data.synth import _a
+from stem.data.synth import article
 from stem.eval.generate import greedy_generate
 
 SCHEMES = ("swap", "pad_left", "pad_right", "copy", "subset", "average")
@@ -125,7 +126,7 @@ def world_facts(world, spec: dict) -> dict:
                     "entities": {c.name: {"capital": " " + c.capital, "language": " " + c.language}
                                  for c in world.countries}},
         "person": {"templates": {"profession": "By profession, {e} was", "city": "The city of {e} was"},
-                   "entities": {p.name: {"profession": " " + _a(p.profession), "city": " " + p.city}
+                   "entities": {p.name: {"profession": " " + article(p.profession), "city": " " + p.city}
                                 for p in world.people}},
     }
 
@@ -168,11 +169,28 @@ def run(ckpt_dir, spec: dict) -> dict:
     for p in explicit:
         p["case"] = case_of(len(encode(tok, " " + p["source"])), len(encode(tok, " " + p["target"])))
     pairs = explicit + choose_pairs(tok, facts, spec["pairs_per_case"], spec["seed"])
+    if spec.get("every_source"):
+        pairs += every_source(tok, facts, {(p["kind"], p["source"]) for p in pairs})
     out = measure(model, tok, facts, [p for p in pairs if p["kind"] in facts], spec)
     if not spec.get("facts"):
         out["transfer"] = ("country -> state transfer (Sec. 3.3): not run; the synthetic world has no "
                            "sub-national entity with a capital (only countries, their cities and people)")
     return out
+
+
+def every_source(tok, facts: dict, done: set) -> list[dict]:
+    """One pair per entity not yet a source (``done``: (kind, name)), so the whole prompt set is edited: its target
+    the next entity in the file's order (cyclically) whose answers all differ from its own."""
+    pairs = []
+    for kind, f in facts.items():
+        names, ents = list(f["entities"]), f["entities"]
+        for i, s in enumerate(names):
+            t = next((t for t in names[i + 1:] + names[:i]
+                      if all(ents[s][r] != ents[t][r] for r in f["templates"])), None)
+            if (kind, s) not in done and t is not None:
+                pairs.append({"kind": kind, "source": s, "target": t,
+                              "case": case_of(len(encode(tok, " " + s)), len(encode(tok, " " + t)))})
+    return pairs
 
 
 def read_facts(path) -> tuple[dict, list[dict]]:
@@ -202,45 +220,97 @@ def measure(model, tok, facts: dict, pairs: list[dict], spec: dict) -> dict:
     sites = ({"stem": stem_w} if stem_w else {}) | {"embedding": [model.tok_emb.weight]}
     digest = state_digest(model)
     rng = random.Random(f"edit-collateral:{spec['seed']}")
-    probe = _Probe(model, tok, facts)
+    probe = _Probe(model, tok, facts, spec.get("first_token", False))
     known = _known(probe, spec)
+    logits = _prompt_logits(model, tok, facts, pairs)
     edits = [e for pair in pairs for e in _pair_edits(probe, pair, sites, pad_id, rng, n_coll, k)]
     restored = state_digest(model) == digest
     if not restored:
         raise RuntimeError("an edit was not undone bit for bit (model state digest changed)")
+    if not all(torch.equal(a, b) for a, b in zip(_prompt_logits(model, tok, facts, pairs), logits)):
+        raise RuntimeError("an edit was not undone bit for bit (the source prompts' logits changed)")
     out = {"analysis": "editing", "topk": k, "collateral_entities": n_coll, "pad_token": pad_name,
            "sites": sorted(sites), "known": known, "summary": summarize(edits), "edits": edits,
-           "restored_bit_identical": restored, "state_sha256": digest,
+           "restored_bit_identical": restored, "restored_logits_bit_identical": True,
+           "restored_logits_prompts": len(logits), "state_sha256": digest,
            "subset_rule": "most letters, then highest BPE id (latest merge), target order kept"}
     if spec.get("example"):
         out["example"] = example(model, tok, facts, edits, sites, pad_id, spec["example"])
     return out
 
 
+@torch.no_grad()
+def _prompt_logits(model, tok, facts: dict, pairs: list[dict]) -> list[torch.Tensor]:
+    """Every source prompt's logits (all positions), one forward each: compared bit for bit after the edits."""
+    dev = model.tok_emb.weight.device
+    return [model(torch.tensor([encode(tok, t.format(e=p["source"]))], device=dev))[0].cpu()
+            for p in pairs for t in facts[p["kind"]]["templates"].values()]
+
+
+@torch.no_grad()
+def completes(model, tok, items: list[tuple[str, str]]) -> list[tuple[bool, str]]:
+    """Per (prompt, answer): (whether greedy decoding after the prompt writes exactly the answer's tokens first, what
+    it wrote up to the first token that differs). One batched forward of prompt + answer: greedy decoding follows
+    the answer as long as each position's argmax is the answer's next token, so it is read off that one pass."""
+    rows = [(encode(tok, p), encode(tok, a)) for p, a in items]
+    x = torch.zeros(len(rows), max(len(p) + len(a) for p, a in rows), dtype=torch.long)
+    for i, (p, a) in enumerate(rows):
+        x[i, :len(p) + len(a)] = torch.tensor(p + a)
+    top = model(x.to(model.tok_emb.weight.device)).argmax(-1).cpu()
+    out = []
+    for i, (p, a) in enumerate(rows):
+        wrote = []
+        for j, want in enumerate(a):
+            wrote.append(int(top[i, len(p) - 1 + j]))
+            if wrote[-1] != want:
+                break
+        out.append((wrote == a, tok.decode(wrote)))
+    return out
+
+
+def top_tokens(tok, logp: torch.Tensor, k: int) -> list[list]:
+    """The ``k`` most likely next tokens as [piece, probability]."""
+    top = logp.topk(k)
+    return [[tok.decode([int(i)]), round(float(q.exp()), 4)] for q, i in zip(top.values, top.indices)]
+
+
 class _Probe:
     """A relation's answer for entities: each candidate value scored after the relation's template (one batched
-    forward per call), the candidates (every value of the relation among the kind's entities) encoded once."""
+    forward per call), the candidates (every value of the relation among the kind's entities) encoded once.
+    ``first_token``: a candidate's score is its first token's next-token log-probability, so one row per prompt
+    rather than one per (prompt, candidate) (exact ranking for one-token answers; a real model's vocabulary makes
+    each row costly); the candidates' first tokens must then differ."""
 
-    def __init__(self, model, tok, facts: dict):
-        self.model, self.tok, self.facts = model, tok, facts
+    def __init__(self, model, tok, facts: dict, first_token: bool = False):
+        self.model, self.tok, self.facts, self.first_token = model, tok, facts, first_token
         self._candidates: dict = {}
 
     def candidates(self, kind, relation):
         if (kind, relation) not in self._candidates:
             values = sorted({e[relation] for e in self.facts[kind]["entities"].values()})
-            self._candidates[kind, relation] = values, [encode(self.tok, v) for v in values]
+            cands = [encode(self.tok, v) for v in values]
+            firsts = [c[0] for c in cands]
+            if self.first_token and len(set(firsts)) < len(firsts):
+                dup = next(v for v, f in zip(values, firsts) if firsts.count(f) > 1)
+                raise ValueError(f"editing first_token: answers of {kind}/{relation} share a first token "
+                                 f"({dup!r} and another); expected distinct first tokens")
+            self._candidates[kind, relation] = values, cands
         return self._candidates[kind, relation]
 
     def predict(self, kind, relation, names):
         """{name: (predicted answer, candidate scores, next-token log-probs)}, one batched forward."""
         values, cands = self.candidates(kind, relation)
         template = self.facts[kind]["templates"][relation]
-        res = score_many(self.model, [(encode(self.tok, template.format(e=n)), cands) for n in names])
+        scored = [cands[0][:1]] if self.first_token else cands   # first_token: one row, for its next-token log-probs
+        res = score_many(self.model, [(encode(self.tok, template.format(e=n)), scored) for n in names])
+        if self.first_token:
+            res = [(nxt[[c[0] for c in cands]], nxt) for _, nxt in res]
         return {n: (values[int(sc.argmax())], sc, nxt) for n, (sc, nxt) in zip(names, res)}
 
 
 def _known(probe: _Probe, spec: dict) -> dict:
-    """Unedited accuracy per (kind, relation) on a sample: how much of each relation the model knows at all."""
+    """Unedited accuracy per (kind, relation) on a sample: how much of each relation the model knows at all, by the
+    candidates' scores (``accuracy``) and by greedy completion (``completed``; ``missed``: what it wrote instead)."""
     known = {}
     for kind, f in probe.facts.items():
         sample = random.Random(f"known:{spec['seed']}").sample(list(f["entities"]),
@@ -248,8 +318,12 @@ def _known(probe: _Probe, spec: dict) -> dict:
         for relation in f["templates"]:
             preds = probe.predict(kind, relation, sample)
             hits = [preds[n][0] == f["entities"][n][relation] for n in sample]
+            done = dict(zip(sample, completes(probe.model, probe.tok, [
+                (f["templates"][relation].format(e=n), f["entities"][n][relation]) for n in sample])))
             known[f"{kind}/{relation}"] = {"accuracy": sum(hits) / len(hits), "n": len(hits),
-                                           "chance": 1 / len(probe.candidates(kind, relation)[0])}
+                                           "chance": 1 / len(probe.candidates(kind, relation)[0]),
+                                           "completed": sum(ok for ok, _ in done.values()) / len(hits),
+                                           "missed": {n: text for n, (ok, text) in done.items() if not ok}}
     return known
 
 
@@ -269,6 +343,7 @@ def _pair_edits(probe: _Probe, pair: dict, sites: dict, pad_id: int, rng, n_coll
         values = probe.candidates(kind, relation)[0]
         answers = ents[s][relation], ents[t][relation]
         index = values.index(answers[0]), values.index(answers[1])
+        first = encode(tok, answers[0])[0], encode(tok, answers[1])[0]   # the answers' first tokens
         before = probe.predict(kind, relation, [s, t] + coll)
         for scheme in schemes_for(len(src), len(tgt)):
             positions = plan(scheme, len(src), tgt, pad_id, pieces)
@@ -278,7 +353,10 @@ def _pair_edits(probe: _Probe, pair: dict, sites: dict, pad_id: int, rng, n_coll
                 edits.append({"kind": kind, "relation": relation, "source": s, "target": t, "case": pair["case"],
                               "n_s": len(src), "n_t": len(tgt), "scheme": scheme, "site": site,
                               "plan": [list(p) for p in positions],
-                              **_effect(before, after, s, t, coll, answers, index, k)})
+                              "top_before": top_tokens(tok, before[s][2], k),
+                              "top_after": top_tokens(tok, after[s][2], k),
+                              **_effect(before, after, s, t, coll, answers, index, k),
+                              **_moves(before[s][2], after[s][2], first)})
     return edits
 
 
@@ -297,6 +375,15 @@ def _effect(before: dict, after: dict, s: str, t: str, coll: list, answers: tupl
             "collateral_kl": sum(kl(before[n][2], after[n][2]) for n in coll) / max(1, len(coll))}
 
 
+def _moves(nxt0: torch.Tensor, nxt1: torch.Tensor, first: tuple[int, int]) -> dict:
+    """The source prompt's next token before and after: whether it is the target answer's first token (the
+    completion moved to the other entity), and the probabilities of the two answers' first tokens."""
+    i_s, i_t = first
+    return {"moves": int(nxt1.argmax()) == i_t, "moves_before": int(nxt0.argmax()) == i_t,
+            "p_target": float(nxt1[i_t].exp()), "p_target_before": float(nxt0[i_t].exp()),
+            "p_source": float(nxt1[i_s].exp()), "p_source_before": float(nxt0[i_s].exp())}
+
+
 def summarize(edits: list[dict]) -> list[dict]:
     """Means per (site, scheme) and per (site, scheme, case)."""
     groups: dict[tuple, list[dict]] = {}
@@ -304,7 +391,8 @@ def summarize(edits: list[dict]) -> list[dict]:
         groups.setdefault((e["site"], e["scheme"], "all"), []).append(e)
         groups.setdefault((e["site"], e["scheme"], e["case"]), []).append(e)
     keys = ("success", "flip", "flip_before", "margin_gain", "topk_overlap", "topk_overlap_before", "kl_control",
-            "kl_control_before", "collateral_changed", "collateral_kl")
+            "kl_control_before", "collateral_changed", "collateral_kl", "moves", "moves_before", "p_target",
+            "p_target_before", "p_source", "p_source_before")
     return [{"site": site, "scheme": scheme, "case": case, "n": len(es),
              **{key: sum(float(e[key]) for e in es) / len(es) for key in keys}}
             for (site, scheme, case), es in sorted(groups.items())]
@@ -326,9 +414,8 @@ def example(model, tok, facts, edits, sites, pad_id, ex: dict) -> dict:
 
     @torch.no_grad()
     def show(ids):
-        p = F.softmax(model(torch.tensor([ids], device=model.tok_emb.weight.device))[0, -1].float(), dim=-1)
-        top = p.topk(k)
-        return {"topk": [[tok.decode([int(i)]), round(float(q), 4)] for q, i in zip(top.values, top.indices)],
+        logp = F.log_softmax(model(torch.tensor([ids], device=model.tok_emb.weight.device))[0, -1].float(), dim=-1)
+        return {"topk": top_tokens(tok, logp, k),
                 "greedy": tok.decode(greedy_generate(model, ids, n, tok.eos_id))}
     original, control = show(src_ids), show(ctrl_ids)
     with edited(sites[site], src, plan(scheme, len(src), tgt, pad_id, [tok.decode([i]) for i in tgt])):

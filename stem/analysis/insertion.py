@@ -5,19 +5,29 @@ validation split, as the ``heldout`` analysis reads them).
 
     python -m stem insertion-step0 CHECKPOINT MANIFEST OUT.json [--placements 1/3,1/2 --inits projected,raw,xavier]
 
-Memory: one inserted model at a time; its tables are n_stem x V x d_ff fp32 (SmolLM2 at 1/3: 10 x 49,152 x
-1,536 = 3.0 GB; full: 8.7 GB).
+Memory: one inserted model at a time, and of each table only the rows the windows read (their distinct tokens): a
+forward reads no other row, so the losses are those of the whole tables (``projected`` / ``raw`` exactly; ``xavier``'s
+rows are drawn from the table's own distribution, std sqrt(2 / (V + d_ff)), not the same numbers as a full table
+drawn from the seed). Whole tables would be n_stem x V x d_ff fp32: SmolLM2 at 1/3, 10 x 49,152 x 1,536 = 3.0 GB;
+full, 8.7 GB; the rows of 4 windows of 256 tokens: ~600 of them, ~3.7 MB a layer.
+
+The workflow's analysis ``insertion_step0`` (config ``analysis.insertion_step0``: source, windows, seq_len,
+placements, inits) runs it on a dense checkpoint (config/real.yaml: the imported SmolLM2).
 """
 from __future__ import annotations
 
 import dataclasses
 
+import math
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from stem.analysis.common import load, val_windows
 from stem.models.config import resolve_placement
-from stem.models.insert import INSERT_INITS, insert_stem
+from stem.models.insert import INSERT_INITS, insert_stem, projected_table
+from stem.models.offload import token_tables
 from stem.models.model import build_model
 
 # the paper's placements (config/variants.yaml: stem, stem_half, stem_full)
@@ -46,6 +56,13 @@ def step0(ckpt_dir, manifest, seq_len: int = 256, windows: int = 8, placements=(
             "rows": step0_rows(dense, x, placements, inits, seed, str(ckpt_dir))}
 
 
+def run(ckpt_dir, spec: dict) -> dict:
+    """The workflow's analysis ``insertion_step0`` of a dense checkpoint (config ``analysis.insertion_step0``)."""
+    out = step0(ckpt_dir, spec["manifest"], spec["seq_len"], spec["windows"], spec["placements"], spec["inits"],
+                spec.get("seed", 0))
+    return {"analysis": "insertion_step0", "source": spec["source"], **out}
+
+
 def step0_rows(dense, x: torch.Tensor, placements=("1/3", "1/2"), inits=INSERT_INITS, seed: int = 0,
                where: str = "dense model") -> list[dict]:
     """The rows of ``step0`` for a loaded dense model (eval mode) and held-out windows ``x`` (B, T + 1)."""
@@ -64,12 +81,52 @@ def step0_rows(dense, x: torch.Tensor, placements=("1/3", "1/2"), inits=INSERT_I
         cfg = dataclasses.replace(dense.cfg, ffn=tuple("stem" if i in layers else "dense"
                                                        for i in range(dense.cfg.n_layers)))
         for init in inits:
-            torch.manual_seed(seed)   # xavier: the tables' own init, from the seed
-            model = build_model(cfg, "cpu").eval()
-            insert_stem(model, state, init, where)
+            model = inserted_rows(cfg, state, init, x.unique(), seed, where)
             rows.append({"placement": name, "init": init, "stem_layers": layers, "window_loss": window_losses(model, x)})
             del model
     for r in rows:
         r["mean_loss"] = sum(r["window_loss"]) / len(r["window_loss"])
         r["delta_vs_dense"] = r["mean_loss"] - rows[0]["mean_loss"]
     return rows
+
+
+class TableRows(nn.Module):
+    """A STEM table that holds only the rows of ``ids``: looking up id ``ids[k]`` gives ``rows[k]``; any other id is
+    an IndexError (a forward on other tokens than those the rows were built for)."""
+
+    def __init__(self, ids: torch.Tensor, rows: torch.Tensor, vocab_size: int):
+        super().__init__()
+        index = torch.full((vocab_size,), len(ids), dtype=torch.long)   # past the end: not built
+        index[ids] = torch.arange(len(ids))
+        self.register_buffer("index", index, persistent=False)
+        self.register_buffer("rows", rows, persistent=False)
+
+    def forward(self, ids):
+        return self.rows[self.index[ids]]
+
+
+@torch.no_grad()
+def inserted_rows(cfg, dense_state: dict, init: str, ids: torch.Tensor, seed: int = 0, where: str = "dense model"):
+    """The STEM model ``cfg`` inserted into ``dense_state`` by ``init`` (stem.models.insert), its tables holding only
+    the rows of token ids ``ids`` (eval mode, CPU): every other weight is the dense model's, bit for bit."""
+    model = build_model(cfg, "meta")
+    found = token_tables(model)
+    for parent, attr, _ in found:
+        setattr(parent, attr, nn.Identity())   # placeholders: the rows come after the copy below
+    model.to_empty(device="cpu")
+    if cfg.tie_embeddings:   # to_empty gives each of the two names its own tensor: one parameter again
+        model.lm_head.weight = model.tok_emb.weight
+    model.init_weights()   # the buffers not in a state dict (RoPE frequencies)
+    layers = insert_stem(model, dense_state, "xavier", where)   # every weight but the tables (xavier: none set)
+    emb = dense_state["tok_emb.weight"][ids]
+    gen = torch.Generator().manual_seed(seed)
+    for (parent, attr, _), i in zip(found, layers):
+        w_up = dense_state[f"layers.{i}.ffn.w_up.weight"]
+        if init == "projected":
+            u = projected_table(emb, dense_state[f"layers.{i}.ffn_norm.weight"], w_up, cfg.norm_eps)
+        elif init == "raw":
+            u = F.linear(emb.float(), w_up.float())
+        else:   # xavier-normal on the V x d_ff table (StemTable's init): these rows of it
+            u = torch.randn(len(ids), cfg.d_ff, generator=gen) * math.sqrt(2.0 / (cfg.vocab_size + cfg.d_ff))
+        setattr(parent, attr, TableRows(ids, u, cfg.vocab_size))
+    return model.eval()

@@ -2,7 +2,8 @@
 
     analysis:
       stages: {350m: [pretrain], 1b: [extend]}     # which trained checkpoints are analysed
-      editing:  {...}                               # one key per analysis (absent = not run)
+      editing:  {...}                               # one key per analysis (absent = not run); its own
+                                                    #   stages: {...} replaces `stages` for it
       heaps:    {source: web, lengths: [...], windows: 8}
       spread:   {source: web, n_tokens: 256}
       capacity: {source: web, countries: 40, people: 60, choices: 10, seed: 0}   # needs the synthetic world
@@ -63,9 +64,17 @@ def analyses(cfg: dict) -> list[str]:
     return [n for n in ANALYSES if a.get(n) is not None and (not ANALYSES[n].needs_world or cfg.get("world"))]
 
 
+def stages(cfg: dict, name: str | None = None) -> dict:
+    """{scale: [stage]} whose checkpoints analysis ``name`` reads: its own ``analysis.{name}.stages``, else
+    ``analysis.stages``."""
+    a = cfg.get("analysis") or {}
+    return ((a.get(name) or {}).get("stages") if name else None) or a.get("stages") or {}
+
+
 def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
-    stages = (cfg.get("analysis") or {}).get("stages") or {}
-    return [(s, v, st) for s, v, st in C.train_targets(cfg) if st in (stages.get(s) or [])]
+    """The trained checkpoints some analysis reads."""
+    by_name = [stages(cfg)] + [stages(cfg, n) for n in analyses(cfg)]
+    return [(s, v, st) for s, v, st in C.train_targets(cfg) if any(st in (b.get(s) or []) for b in by_name)]
 
 
 def _model_json(cfg: dict, scale: str, variant: str) -> str:
@@ -80,8 +89,10 @@ def has_tables(cfg: dict, scale: str, variant: str) -> bool:
 
 def model_kind(cfg: dict, scale: str, variant: str) -> dict:
     """{tables: a STEM table (token-indexed rows), lookups: any lookup-role parameter (STEM or DSE tables),
-    dse: a DSE memory, variant}: what decides the default analyses of a checkpoint."""
-    return {**_kind(_model_json(cfg, scale, variant)), "variant": variant}
+    dse: a DSE memory, variant, baseline: the experiment's baseline variant (stem.config.baseline_variant)}: what
+    decides the default analyses of a checkpoint."""
+    return {**_kind(_model_json(cfg, scale, variant)), "variant": variant,
+            "baseline": variant == C.baseline_variant(cfg)}
 
 
 @lru_cache(maxsize=None)
@@ -111,14 +122,15 @@ def targets(cfg: dict) -> list[str]:
     for s, v, st in checkpoints(cfg):
         kind = model_kind(cfg, s, v)
         out += [L.analysis_json(cfg["experiment"], s, v, st, name) for name in analyses(cfg)
-                if (ANALYSES[name].only_for or (lambda m: True))(kind)
+                if st in (stages(cfg, name).get(s) or []) and (ANALYSES[name].only_for or (lambda m: True))(kind)
                 and (not ANALYSES[name].baseline or (s, baseline(cfg, name), st) in trained)]
     return out
 
 
 def baseline(cfg: dict, name: str) -> str:
-    """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default dense)."""
-    return (cfg["analysis"].get(name) or {}).get("baseline", "dense")
+    """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default the experiment's
+    baseline, stem.config.baseline_variant)."""
+    return (cfg["analysis"].get(name) or {}).get("baseline") or C.baseline_variant(cfg)
 
 
 def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
@@ -126,7 +138,8 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
         raise ValueError(f"analysis {name!r}: not configured for experiment {cfg['experiment']!r} "
                          f"(config key 'analysis.{name}'); expected one of {analyses(cfg)}")
     entry = ANALYSES[name]
-    spec = {**cfg["analysis"][name], "analysis": name, "device": cfg.get("device", "cpu"),
+    own = {k: x for k, x in cfg["analysis"][name].items() if k != "stages"}   # stages: which jobs, not what they do
+    spec = {**own, "analysis": name, "device": cfg.get("device", "cpu"),
             "job": {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}}
     if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
         spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
@@ -149,7 +162,7 @@ def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict
 def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
     spec = job_spec(cfg, scale, variant, stage, name)
     inputs = {"checkpoint": L.checkpoint(cfg["experiment"], scale, variant, stage)}
-    inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts") if spec.get(k)})
+    inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts", "hf_export") if spec.get(k)})
     if spec.get("baseline_checkpoint"):
         inputs["baseline"] = spec["baseline_checkpoint"]
     if (spec.get("eval") or {}).get("fixtures"):
@@ -175,12 +188,21 @@ def _capacity_corpus(cfg: dict, spec: dict):
     spec["corpus"] = L.corpus_path(cfg["experiment"], spec["source"])
 
 
+def _hf_export(cfg: dict, spec: dict):
+    """The checkpoint's export-hf folder (rules/hf.smk), which hf_parity scores under lm-eval's stock hf model."""
+    j = spec["job"]
+    spec["hf_export"] = L.hf_export(j["experiment"], j["scale"], j["variant"], j["stage"])
+
+
 ANALYSES.add("editing", Analysis("stem.analysis.editing:run", uses_world=True))
 ANALYSES.add("heaps", Analysis("stem.analysis.heaps:run", only_for=lambda kind: kind["tables"]))
 ANALYSES.add("spread", Analysis("stem.analysis.spread:run"))
 ANALYSES.add("capacity", Analysis("stem.analysis.capacity:run", needs_world=True, resolve=_capacity_corpus))
 ANALYSES.add("heldout", Analysis("stem.analysis.heldout:run",
-                                 only_for=lambda kind: kind["lookups"] or kind["variant"] == "dense"))
+                                 only_for=lambda kind: kind["lookups"] or kind["baseline"]))
+# the held-out loss of STEM inserted into a dense checkpoint at step 0 (placement x init; config/real.yaml)
+ANALYSES.add("hf_parity", Analysis("stem.analysis.hf_parity:run", resolve=_hf_export))
+ANALYSES.add("insertion_step0", Analysis("stem.analysis.insertion:run", only_for=lambda kind: kind["baseline"]))
 ANALYSES.add("logitlens", Analysis("stem.analysis.logitlens:run", baseline=True, only_for=_has_dse))
 ANALYSES.add("cka", Analysis("stem.analysis.cka:run", uses_world=True, baseline=True, only_for=_has_dse))
 ANALYSES.add("dse_disabled", Analysis("stem.analysis.dse_disabled:run", uses_world=True, only_for=_has_dse,

@@ -5,7 +5,10 @@ model with its tables as FSDP units and one with row-sharded tables train the sa
 interleaved repeat by repeat: the bytes one step puts through the process group (counted on rank 0,
 ``count_collectives``: the payload of every collective) and the step's wall time (rank 0, between barriers),
 each as the ratio rows / FSDP units, with the spread (min-max) of the per-repeat time ratios. Host tables
-(one process: no collectives) against resident tables, step time only, interleaved likewise.
+(one process: no collectives) against resident tables, step time only, interleaved likewise. Then the owner
+load of row-sharded tables (``stem.train.comms.owner_imbalance``: the busiest owner's rows over the mean
+owner's) measured on the token shards of the tiny experiment's corpora, where built (``data/tiny/*/tokens``),
+for contiguous blocks of ids and the interleaved map, beside the Zipf(1) estimate at the paper's vocabulary.
 """
 from __future__ import annotations
 
@@ -23,11 +26,14 @@ from stem import config as C
 from stem.io import atomic_write_json
 from stem.models.model import build_model
 from stem.train import comms, distributed, step
+from stem.data.shards import ShardSet
 from stem.train.plan import ParallelPlan
 from stem.train.tables import row_shardable, to_host
 
 WIDTHS = {"tiny": {"vocab_size": 96, "d_ff": 24}, "350m-width": {"vocab_size": 32000, "d_ff": 2560}}
 SEQ, MICRO = 64, 2
+BALANCE = [(8, 4096), (32, 4096), (8, 16384)]   # (world, tokens a micro-batch) of the owner-load measurement
+PAPER_VOCAB = 128256
 
 
 def _spec(width: str, tables: str, world: int):
@@ -109,6 +115,34 @@ def main(args):
         lo, hi = r["time_ratio_range"]
         print(f"| {r['world']} | {r['width']} | {' vs '.join(r['layouts'])} | {b} | {br} | "
               f"{' / '.join(f'{s:.3g}' for s in r['step_s'])} | {r['time_ratio']:.2f} [{lo:.2f}, {hi:.2f}] |")
+    balance = owner_balance()
+    print("\nOwner load of row-sharded tables: the busiest owner's rows a step over the mean owner's (1 = balanced), "
+          "contiguous id blocks vs interleaved ids (stem.train.tables).")
+    print("| tokens | vocabulary | world | tokens a micro-batch | steps | blocks | interleaved |")
+    print("|---|---|---|---|---|---|---|")
+    for b in balance:
+        print(f"| {b['tokens']} | {b['vocab']:,} | {b['world']} | {b['micro_tokens']:,} | {b['steps']} | "
+              f"{b['blocks']:.2f} | {b['interleaved']:.2f} |")
     if args.json:
-        atomic_write_json(Path(args.json), rows)
+        atomic_write_json(Path(args.json), {"layouts": rows, "owner_load": balance})
     return rows
+
+
+def owner_balance() -> list[dict]:
+    """``owner_imbalance`` on the tiny corpora's training tokens (where built) at ``BALANCE``, and the Zipf(1)
+    estimate (``comms.zipf_seen``: expected unique ids owned, busiest over mean) at the paper's vocabulary."""
+    out = []
+    for manifest in sorted((C.REPO / "data" / "tiny").glob("*/tokens/*/manifest.json")):
+        shards = ShardSet(manifest.parent)
+        tokens = shards.get(0, len(shards))
+        for world, micro in (b for b in BALANCE if b[0] * b[1] <= len(tokens)):   # a whole step at least
+            out.append({"tokens": f"{manifest.parent.relative_to(C.REPO)} (measured)", "vocab": shards.vocab_size,
+                        "world": world, "micro_tokens": micro,
+                        **comms.owner_imbalance(tokens, shards.vocab_size, world, micro)})
+    for world, micro in ((8, 16384), (32, 16384)):
+        seen = comms.zipf_seen(micro, PAPER_VOCAB)
+        mean = float(seen.sum()) / world
+        out.append({"tokens": "Zipf(1) (estimate)", "vocab": PAPER_VOCAB, "world": world, "micro_tokens": micro,
+                    "steps": "-", "blocks": float(seen[:-(-PAPER_VOCAB // world)].sum()) / mean,
+                    "interleaved": float(seen[::world].sum()) / mean})
+    return out

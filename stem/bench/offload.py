@@ -356,9 +356,14 @@ def _uniq_train_batches(resident, spec: dict, train: np.ndarray, n_stem: int) ->
 
 # ---- output ----------------------------------------------------------------------------------------------
 def render(r: dict) -> str:
-    s, w, mem, acc = r["shapes"], r["workload"], r["memory"], r["access"]
-    mib = 2 ** 20
-    dse = not s["stem_layers"]
+    """The benchmark's figures as text (`bench offload`'s output, offload/offload.md): decode throughput and hit
+    rates, then the memory and bytes read of the STEM tables (or the DSE tables)."""
+    dse = not r["shapes"]["stem_layers"]
+    return "\n".join(_decode_lines(r, dse) + (_dse_memory_lines(r) if dse else _stem_memory_lines(r)))
+
+
+def _decode_lines(r: dict, dse: bool) -> list[str]:
+    s, w, mem = r["shapes"], r["workload"], r["memory"]
     what = (f"{mem['dse_layers']} DSE layers of {mem['dse_tables'] // max(mem['dse_layers'], 1)} hashed tables" if dse
             else f"{s['stem_layers']} STEM")
     lines = [f"Offloaded {'DSE' if dse else 'STEM'} tables, {r['checkpoint']} (experiment {r['experiment']}: "
@@ -383,21 +388,28 @@ def render(r: dict) -> str:
         lines.append(f"  {x['cache_rows']:7d} rows ({x['fraction_of_vocab']:6.1%} of {'a table' if dse else 'V'}): "
                      f"cold {x['hit_rate']:6.1%}, warm {x['hit_rate_warm']:6.1%}{mark}")
     lines.append(f"paper: {PAPER['hit_rate']}")
-    if dse:
-        lines.append(f"parameters on the device: dense model {mem['dense_param_bytes'] / mib:.2f} MiB, DSE resident "
-                     f"{mem['resident_param_bytes'] / mib:.2f} MiB, DSE offloaded {mem['offloaded_param_bytes'] / mib:.2f} "
-                     f"MiB ({mem['table_bytes_offloaded'] / mib:.2f} MiB of DSE tables moved off)")
-        dn, ds = acc["dense"], acc["dse"]
-        lines.append(f"parameter bytes read per decoded token (batch 1, context {acc['context_length']}): dense "
-                     f"{dn['total']:,}, DSE {ds['total']:,} (DSE gating/norms {ds['dse']:,} + table rows "
-                     f"{ds['table_rows']:,}); whole model {ds['total'] / dn['total']:.3f}x dense")
-        return "\n".join(lines)
-    lines.append(f"FFN parameters on the device: dense {mem['dense_ffn_bytes'] / mib:.2f} MiB, STEM resident "
-                 f"{mem['stem_resident_ffn_bytes'] / mib:.2f} MiB, STEM offloaded {mem['stem_offloaded_ffn_bytes'] / mib:.2f} "
-                 f"MiB ({mem['table_bytes_offloaded'] / mib:.2f} MiB of tables moved off); freed vs dense: "
-                 f"{mem['freed_vs_dense_per_stem_layer']:.1%} of a STEM layer's FFN, "
-                 f"{mem['freed_vs_dense_model']:.1%} of the model's FFN memory ({mem['stem_layers']}/{mem['layers']} "
-                 "layers STEM)")
+    return lines
+
+
+def _dse_memory_lines(r: dict) -> list[str]:
+    mem, acc, mib = r["memory"], r["access"], 2 ** 20
+    dn, ds = acc["dense"], acc["dse"]
+    return [f"parameters on the device: dense model {mem['dense_param_bytes'] / mib:.2f} MiB, DSE resident "
+            f"{mem['resident_param_bytes'] / mib:.2f} MiB, DSE offloaded {mem['offloaded_param_bytes'] / mib:.2f} "
+            f"MiB ({mem['table_bytes_offloaded'] / mib:.2f} MiB of DSE tables moved off)",
+            f"parameter bytes read per decoded token (batch 1, context {acc['context_length']}): dense "
+            f"{dn['total']:,}, DSE {ds['total']:,} (DSE gating/norms {ds['dse']:,} + table rows "
+            f"{ds['table_rows']:,}); whole model {ds['total'] / dn['total']:.3f}x dense"]
+
+
+def _stem_memory_lines(r: dict) -> list[str]:
+    mem, acc, mib = r["memory"], r["access"], 2 ** 20
+    lines = [f"FFN parameters on the device: dense {mem['dense_ffn_bytes'] / mib:.2f} MiB, STEM resident "
+             f"{mem['stem_resident_ffn_bytes'] / mib:.2f} MiB, STEM offloaded {mem['stem_offloaded_ffn_bytes'] / mib:.2f} "
+             f"MiB ({mem['table_bytes_offloaded'] / mib:.2f} MiB of tables moved off); freed vs dense: "
+             f"{mem['freed_vs_dense_per_stem_layer']:.1%} of a STEM layer's FFN, "
+             f"{mem['freed_vs_dense_model']:.1%} of the model's FFN memory ({mem['stem_layers']}/{mem['layers']} "
+             "layers STEM)"]
     for x in r["paper_shapes"]:
         lines.append(f"  paper shapes {x['scale']} ({x['dtype']}): dense FFN {x['dense_ffn_bytes'] / 2 ** 30:.2f} GiB, STEM "
                      f"offloaded {x['stem_offloaded_ffn_bytes'] / 2 ** 30:.2f} GiB ({x['freed_vs_dense_model']:.1%} freed; "
@@ -417,7 +429,7 @@ def render(r: dict) -> str:
         lines.append(f"  B={x['batch']:3d} x L={x['seq_len']}: uniq {x['uniq_mean']:7.1f} of {x['tokens']} tokens "
                      f"({x['uniq_mean'] / x['tokens']:.3f}; {x['uniq_fraction_of_vocab']:.1%} of V) -> "
                      f"{x['comm_bytes_per_step'] / mib:.3f} MiB of rows per step (all STEM layers)")
-    return "\n".join(lines)
+    return lines
 
 
 def main(args):

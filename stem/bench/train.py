@@ -54,7 +54,7 @@ def _time_fwd_bwd(ffn, x, ids, repeats: int, device) -> float:
 
 
 def bench_ffn(scale: str = "350m", tokens: int = 2048, repeats: int = 5, device: str = "cpu") -> list[dict]:
-    cfg = C.model_config_for(C.load_experiment(C.REPO / "config" / "paper.yaml"), scale, "dense")
+    cfg = C.model_config_for(C.load_experiment(C.REPO / "config" / "paper.yaml"), scale, C.baseline_variant())
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def bench_attention(seq_len: int = 1024, micro_batch: int = 4, repeats: int = 5,
     """Attention fwd+bwd time of all layers of one micro-batch: document mask vs plain causal."""
 
     cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
-    model = build_model(C.model_config_for(cfg, scale, "dense", stage))
+    model = build_model(C.model_config_for(cfg, scale, C.baseline_variant(cfg), stage))
     attn = model.layers[0].attn
     torch.manual_seed(0)
     x = torch.randn(micro_batch, seq_len, model.cfg.d_model, requires_grad=True)
@@ -107,7 +107,7 @@ def bench_attention(seq_len: int = 1024, micro_batch: int = 4, repeats: int = 5,
         return _median_seconds(lambda: attn(x, cos, sin, mask).sum().backward(), repeats) * model.cfg.n_layers
 
     mask_build = time.perf_counter()
-    mask = model._document_mask(document_ids(positions))
+    mask = model.document_mask(document_ids(positions))
     mask_build = time.perf_counter() - mask_build
     return {"seq_len": seq_len, "micro_batch": micro_batch, "n_layers": model.cfg.n_layers,
             "causal_s": run(None), "document_mask_s": run(mask), "mask_build_s": mask_build}
@@ -125,7 +125,8 @@ def main_attention(args):
 
 
 # ---- the whole training step ----------------------------------------------------------------------
-TRAIN_PATHS = (("dense", "dense", "dense"), ("stem", "stem", "dense"), ("stem_sparse", "stem", "sparse"))
+# (path, its variant: None for the baseline, stem.config.baseline_variant; its table update)
+TRAIN_PATHS = (("dense", None, "dense"), ("stem", "stem", "dense"), ("stem_sparse", "stem", "sparse"))
 
 
 def _train_models(scale: str, n_layers: int, dev):
@@ -135,7 +136,7 @@ def _train_models(scale: str, n_layers: int, dev):
     out = {}
     for name, variant, update in TRAIN_PATHS:
         torch.manual_seed(0)
-        model = build_model(model_config(arch, variants[variant]), dev)
+        model = build_model(model_config(arch, variants[variant or C.baseline_variant(exp)]), dev)
         optim = {**exp["optim"], "table_update": update}
         configure_table_update(model, optim)
         out[name] = (model, build_optimizer(model, optim, 1e-4, fused=dev.type == "cuda"), optim)

@@ -299,7 +299,7 @@ def _gen_hf(spec: dict, part=None) -> Iterator[str]:
 # ----------------------------------------------------------------------------- MDS (mosaicml-streaming)
 
 
-def _streaming_format():
+def streaming_format():
     """mosaicml-streaming's shard format module (MDSReader, MDSWriter, reader_from_json)."""
     if importlib.util.find_spec("streaming") is None:
         raise ValueError("source spec (kind='mds') needs mosaicml-streaming: pip install mosaicml-streaming")
@@ -350,7 +350,7 @@ def _iter_mds(spec: dict, part=None) -> Iterator[np.ndarray]:
 
 
 def _gen_mds(units, ids_field, idx_field, vocab) -> Iterator[np.ndarray]:
-    fmt = _streaming_format()
+    fmt = streaming_format()
     for d, sh in units:
         raw = os.path.join(d, sh["raw_data"]["basename"])
         if not os.path.isfile(raw):

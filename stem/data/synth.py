@@ -296,7 +296,7 @@ _RESERVED_WORDS = frozenset(w.lower() for w in re.findall(r"[A-Za-z]+", " ".join
     _ALL_TEMPLATES + PROFESSIONS + FUNCTION_WORDS + ("large", "small", "mid", "sized", "an"))))
 
 
-def _a(word: str) -> str:
+def article(word: str) -> str:
     return ("an " if word[0] in "aeiou" else "a ") + word
 
 
@@ -309,10 +309,10 @@ def _country_vars(rng: random.Random, c: Country) -> dict[str, object]:
 
 def _person_vars(p: Person) -> dict[str, object]:
     return {"name": p.name, "year": p.birth_year, "city": p.city, "country": p.country,
-            "prof": p.profession, "a_prof": _a(p.profession)}
+            "prof": p.profession, "a_prof": article(p.profession)}
 
 
-def _country_sentences(rng: random.Random, c: Country) -> list[str]:
+def country_sentences(rng: random.Random, c: Country) -> list[str]:
     v = _country_vars(rng, c)
     groups = [CAPITAL_T, POPULATION_T] + ([CONT_LANG_T] if rng.random() < 0.3 else [CONTINENT_T, LANGUAGE_T])
     if len(c.cities) > 1:
@@ -321,7 +321,7 @@ def _country_sentences(rng: random.Random, c: Country) -> list[str]:
     return [rng.choice(g).format(**v) for g in groups[:rng.randint(2, len(groups))]]
 
 
-def _bio_sentences(rng: random.Random, p: Person) -> list[str]:
+def bio_sentences(rng: random.Random, p: Person) -> list[str]:
     v = _person_vars(p)
     groups = [BIO_T] if rng.random() < 0.3 else [BIRTH_T, HOME_T, PROFESSION_T]
     rng.shuffle(groups)
@@ -361,21 +361,21 @@ def _web_document(rng: random.Random, world: World) -> str:
     fr = rng.choice((0.0, 0.15, 0.3))
     if kind == "country":
         c = rng.choice(world.countries)
-        paras = [_paragraph(rng, world, _country_sentences(rng, c), fr)]
+        paras = [_paragraph(rng, world, country_sentences(rng, c), fr)]
         for p in rng.sample(world.people_in(c.name), min(rng.randint(0, 2), len(world.people_in(c.name)))):
-            paras.append(_paragraph(rng, world, _bio_sentences(rng, p), fr))
+            paras.append(_paragraph(rng, world, bio_sentences(rng, p), fr))
     elif kind == "bio":
         p = rng.choice(world.people)
-        paras = [_paragraph(rng, world, _bio_sentences(rng, p), fr)]
+        paras = [_paragraph(rng, world, bio_sentences(rng, p), fr)]
         if rng.random() < 0.6:
-            paras.append(_paragraph(rng, world, _country_sentences(rng, world.country(p.country)), fr))
+            paras.append(_paragraph(rng, world, country_sentences(rng, world.country(p.country)), fr))
     elif kind == "continent":
         cont = rng.choice(world.continents)
         cs = rng.sample(world.countries_in(cont), min(rng.randint(2, 4), len(world.countries_in(cont))))
         names = [c.name for c in cs]
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         paras = [f"Countries in {cont} include {listed}."]
-        paras += [_paragraph(rng, world, _country_sentences(rng, c), fr) for c in cs]
+        paras += [_paragraph(rng, world, country_sentences(rng, c), fr) for c in cs]
     elif kind == "quiz":
         lines = []
         for _ in range(rng.randint(3, 8)):
@@ -394,7 +394,7 @@ def _web_document(rng: random.Random, world: World) -> str:
             sents = [_filler_sentence(rng, world) for _ in range(rng.randint(2, 6))]
             if rng.random() < 0.5:
                 sents.insert(rng.randint(0, len(sents)),
-                             rng.choice(_country_sentences(rng, rng.choice(world.countries))))
+                             rng.choice(country_sentences(rng, rng.choice(world.countries))))
             paras.append(" ".join(sents))
     return "\n\n".join(paras)
 
@@ -415,7 +415,7 @@ _OPS: dict[str, tuple[str, Callable[[int, int], int]]] = {
     "+": ("plus", lambda a, b: a + b), "-": ("minus", lambda a, b: a - b),
     "*": ("times", lambda a, b: a * b), "/": ("divided by", lambda a, b: a // b),
 }
-_GOODS = ("apples", "books", "pencils", "loaves of bread", "jars of honey", "lanterns", "baskets of fish")
+GOODS = ("apples", "books", "pencils", "loaves of bread", "jars of honey", "lanterns", "baskets of fish")
 
 
 def _eq(a: int, op: str, b: int) -> tuple[str, int]:
@@ -438,12 +438,12 @@ def _drill(rng: random.Random) -> str:
     return "\n".join(lines)
 
 
-def _word_problem(rng: random.Random, world: World) -> tuple[str, list[str], int]:
+def word_problem(rng: random.Random, world: World) -> tuple[str, list[str], int]:
     p = rng.choice(world.people)
     first, v = p.name.split()[0], _person_vars(p)
     kind = rng.randrange(7)
     if kind == 0:
-        n, price, goods = rng.randint(2, 9), rng.randint(2, 20), rng.choice(_GOODS)
+        n, price, goods = rng.randint(2, 9), rng.randint(2, 20), rng.choice(GOODS)
         s1, total = _eq(n, "*", price)
         bill = (total // 10 + rng.randint(1, 5)) * 10
         s2, change = _eq(bill, "-", total)
@@ -508,7 +508,7 @@ def math_documents(world: World, seed: int = 0) -> Iterator[str]:
         if rng.random() < 0.35:
             yield _drill(rng)
         else:
-            q, steps, ans = _word_problem(rng, world)
+            q, steps, ans = word_problem(rng, world)
             yield f"Question: {q}\nAnswer: " + "\n".join(steps) + f"\n#### {ans}"
 
 
@@ -617,9 +617,9 @@ def long_documents(world: World, seed: int = 0, min_chars: int = 4000,
             if not pool:
                 pool = list(world.countries)
             c = pool.pop(rng.randrange(len(pool)))
-            section = [f"## {c.name}", _paragraph(rng, world, _country_sentences(rng, c), 0.3)]
+            section = [f"## {c.name}", _paragraph(rng, world, country_sentences(rng, c), 0.3)]
             for p in rng.sample(world.people_in(c.name), min(3, len(world.people_in(c.name)))):
-                section.append(_paragraph(rng, world, _bio_sentences(rng, p), 0.2))
+                section.append(_paragraph(rng, world, bio_sentences(rng, p), 0.2))
             section.append(" ".join(_filler_sentence(rng, world) for _ in range(rng.randint(1, 4))))
             for s in section:
                 parts.append(s)

@@ -75,7 +75,7 @@ def _fact_once(rng: random.Random, w: World, hard: bool):
             return f"In what year was {p.name} born?", str(p.birth_year), [str(y) for y in years]
         if kind == 1:
             wrong = rng.sample([x for x in synth.PROFESSIONS if x != p.profession], 3)
-            return f"What was the profession of {p.name}?", synth._a(p.profession), [synth._a(x) for x in wrong]
+            return f"What was the profession of {p.name}?", synth.article(p.profession), [synth.article(x) for x in wrong]
         others = [c for c in w.countries if c.name != p.country]
         return f"In which country did {p.name} live?", p.country, [c.name for c in rng.sample(others, 3)]
     c = rng.choice(w.countries)
@@ -125,7 +125,7 @@ def openbookqa(rng, w, i, task):
 
 def boolq(rng, w, i, task):
     c, other = rng.sample(w.countries, 2)
-    passage = " ".join(synth._country_sentences(rng, c))
+    passage = " ".join(synth.country_sentences(rng, c))
     kind, truth = rng.randrange(3), rng.random() < 0.5
     cap, cont, lang = ((c.capital, c.continent, c.language) if truth else (other.capital, other.continent, other.language))
     if kind == 0 or (not truth and cont == c.continent and lang == c.language):
@@ -148,7 +148,7 @@ def piqa(rng, w, i, task):
 
 def social_iqa(rng, w, i, task):
     p = rng.choice(w.people)
-    opts, k = _options(rng, synth._a(p.profession), [synth._a(x) for x in rng.sample(synth.PROFESSIONS, 4)], 3)
+    opts, k = _options(rng, synth.article(p.profession), [synth.article(x) for x in rng.sample(synth.PROFESSIONS, 4)], 3)
     return {"context": f"{p.name} lived in {p.city}.", "question": f"What was the profession of {p.name}?",
             "answerA": opts[0], "answerB": opts[1], "answerC": opts[2], "label": str(k + 1)}
 
@@ -182,7 +182,7 @@ def mmlu(rng, w, i, task):
 
 
 def gsm8k(rng, w, i, task):
-    q, steps, ans = synth._word_problem(rng, w)
+    q, steps, ans = synth.word_problem(rng, w)
     return {"question": q, "answer": "\n".join(steps) + f"\n#### {ans}"}
 
 
@@ -205,7 +205,7 @@ def bbh(rng, w, i, task):
         e = f"(({t[0]} {ops[0]} {t[1]} {ops[1]} {t[2]} {ops[0]} {t[3]}) {ops[2]} ({t[4]} {ops[1]} {t[5]} {ops[0]} {t[6]} {ops[1]} {t[7]}))"
         return {"input": f"{e} =", "target": str(eval(e))}  # noqa: S307
     if sub == "object_counting":
-        goods = rng.sample(synth._GOODS, rng.randint(2, 4))
+        goods = rng.sample(synth.GOODS, rng.randint(2, 4))
         counts = [rng.randint(1, 4) for _ in goods]
         items = ", ".join(f"{n} {g}" for n, g in zip(counts, goods))
         return {"input": f"I have {items}. How many items do I have?", "target": str(sum(counts))}
@@ -228,13 +228,13 @@ def musr(rng, w, i, task):
         raise ValueError(f"fixture {task}: the world has fewer than 3 people with distinct {attr}s")
     people = rng.sample(others, 2) + [p]
     rng.shuffle(people)
-    narrative = "\n\n".join(" ".join(synth._bio_sentences(rng, x)) for x in people)
+    narrative = "\n\n".join(" ".join(synth.bio_sentences(rng, x)) for x in people)
     if sub == "object_placements":
         q = f"Which city would {p.name} most likely be found in?"
         capitals = [c.capital for c in w.countries if c.capital not in {x.city for x in people}]
         choices, k = _options(rng, p.city, [x.city for x in people if x is not p] + rng.sample(capitals, min(1, len(capitals))), 3)
     else:
-        what = "was born in " + str(p.birth_year) if sub == "murder_mysteries" else "worked as " + synth._a(p.profession)
+        what = "was born in " + str(p.birth_year) if sub == "murder_mysteries" else "worked as " + synth.article(p.profession)
         q = f"Who {what}?"
         choices, k = [x.name for x in people], people.index(p)
     return {"narrative": narrative, "question": q, "choices": repr(choices), "answer_index": k,

@@ -32,6 +32,7 @@ from pathlib import Path
 from lm_eval.utils import handle_non_serializable
 
 from stem import layout, provenance
+from stem.data.shards import content_keys, val_mask
 from stem.data.sources import iter_documents
 from stem.eval.lm import StemLM
 from stem.eval.spec import kind_of
@@ -70,10 +71,13 @@ def check_job(checkpoint, saved: dict, expected: dict | None, out_json=None) -> 
 
 def documents(spec: dict, n_chars: int | None = None, n_docs: int | None = None, tok=None) -> list[str]:
     """The first documents of the suite's source (``spec["documents"]``, a reader spec), up to n_chars characters
-    or n_docs documents (a tokenized source, e.g. ProLong's MDS, is decoded with ``tok``)."""
-    docs, total = [], 0
+    or n_docs documents (a tokenized source, e.g. ProLong's MDS, is decoded with ``tok``); with ``held_out``
+    ({fraction, seed}: a ppl suite's ``split: val``) only its held-out documents."""
+    docs, total, held = [], 0, spec.get("held_out")
     for d in iter_documents(spec["documents"]):
         d = d if isinstance(d, str) else tok.decode(d.tolist())
+        if held and not val_mask(content_keys([d]), held["fraction"], held["seed"])[0]:
+            continue   # a training document (the split of the tokenize rules: stem.data.shards, doc_keys content)
         docs.append(d)
         total += len(d)
         if (n_chars and total >= n_chars) or (n_docs and len(docs) >= n_docs):

@@ -129,6 +129,13 @@ def _resolve_documents(cfg: dict, spec: dict) -> None:
 def _resolve_ppl(cfg: dict, spec: dict) -> None:
     spec["n_documents"] = spec.get("documents", 100)  # `documents` (a count) is replaced by the reader spec
     _resolve_documents(cfg, spec)
+    if spec.get("split") is not None:   # `split: val`: only the documents the tokenize rules hold out of training
+        src = C.source_of(cfg, spec["source"])
+        if spec["split"] != "val" or src.doc_keys != "content" or not src.val_fraction:
+            raise ValueError(f"eval suite {spec['suite']!r}: key 'split': {spec['split']!r}; expected val, of a source "
+                             f"with doc_keys: content and a val_fraction (sources.{spec['source']}: "
+                             f"{C.source_mapping(src)})")
+        spec["held_out"] = {"fraction": src.val_fraction, "seed": cfg["seed"]}
 
 
 def _documents_inputs(cfg: dict, spec: dict) -> dict:

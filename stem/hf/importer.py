@@ -190,19 +190,24 @@ def split_source(source: str) -> tuple[str, str | None]:
     return folder, (name if sep else None)
 
 
-def load_for_stage(source: str, want: ModelConfig, log=print) -> dict:
-    """The pipeline state dict a stage with ``init_from: {hf: source}`` (or ``{hf: FOLDER, gguf_file: NAME}``,
-    ``source`` then "FOLDER#gguf=NAME") starts from (its own model config ``want``: the shapes must match; the
-    stage's RoPE / context and FFN kinds are its own)."""
+def load_for_stage(source: str, want: ModelConfig, log=print, keep_hf: bool = False) -> tuple[dict, object]:
+    """(the pipeline state dict, transformers' model or None) a stage with ``init_from: {hf: source}`` (or
+    ``{hf: FOLDER, gguf_file: NAME}``, ``source`` then "FOLDER#gguf=NAME") starts from (its own model config
+    ``want``: the shapes must match; the stage's RoPE / context and FFN kinds are its own). ``keep_hf``: return
+    transformers' model of the source too (the stage's import parity; a GGUF file's is read anyway)."""
     source, gguf_file = split_source(source)
     folder = resolve(source)
     if gguf_file:
         where, hf_model, _, imported, tied = read_gguf(folder, gguf_file)
         check_arch(imported, want, where)
-        return pipeline_state(folder, tied, log, keep_tied=want.tie_embeddings, weights=hf_model.state_dict())
+        state = pipeline_state(folder, tied, log, keep_tied=want.tie_embeddings, weights=hf_model.state_dict())
+        return state, (hf_model if keep_hf else None)
     imported, tied = model_config(folder)
     check_arch(imported, want, folder / "config.json")
-    return pipeline_state(folder, tied, log, keep_tied=want.tie_embeddings)
+    if keep_hf:
+        from transformers import AutoModelForCausalLM   # heavy: only when the parity is asked for
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return pipeline_state(folder, tied, log, keep_tied=want.tie_embeddings), (hf_model if keep_hf else None)
 
 
 def import_hf(source, out, log=print, gguf_file: str | None = None, parity_text: str | None = None) -> dict:
@@ -263,7 +268,13 @@ def logit_parity(model, hf_model, folder: Path, tok_text: str, text: str,
     if hf_model is None:
         from transformers import AutoModelForCausalLM   # heavy: only when parity is asked for
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    ids = torch.tensor([Tokenizer.from_str(tok_text).encode(text).ids[:max_tokens]])
+    return ids_parity(model, hf_model, torch.tensor([Tokenizer.from_str(tok_text).encode(text).ids[:max_tokens]]))
+
+
+@torch.no_grad()
+def ids_parity(model, hf_model, ids: torch.Tensor) -> dict:
+    """max |logit difference| of ``model`` against transformers' ``hf_model`` on token ids ``ids`` (1, T), fp32; both
+    are left in eval mode."""
     model.eval()
     hf_model.eval()
     ours, theirs = model(ids).float(), hf_model(ids).logits.float()
@@ -329,6 +340,20 @@ def load_gguf(folder: Path, name: str, where: Path):
         raise ValueError(f"{where}: transformers cannot read it ({type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0]})") from None
     return model, tok.backend_tokenizer.to_str()
+
+
+def gguf_tokenizer(source: str, name: str) -> str:
+    """The tokenizer.json text of the checked Llama GGUF file ``name`` in ``source`` (a folder or ``pkg:`` resource),
+    as transformers converts it (the weights are not read): an experiment's ``tokenizer: {kind: pretrained, path:
+    FOLDER, gguf_file: NAME}``, the tokenizer of the stage that imports that file."""
+    folder = resolve(source)
+    where = check_gguf(folder, name)
+    from transformers import AutoTokenizer   # heavy: only for a GGUF tokenizer
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name).backend_tokenizer.to_str()
+    except Exception as e:
+        raise ValueError(f"{where}: transformers cannot read its tokenizer ({type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0]})") from None
 
 
 def log_stderr(msg: str) -> None:

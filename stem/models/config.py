@@ -268,8 +268,9 @@ def resolve_placement(spec, n_layers: int) -> list[int]:
 
 
 # A variant's keys that are not ModelConfig fields: its FFN kind and placement, DSE memory, optimizer and insertion
-# settings, and its presentation (the report's label, figure label and colour; stem.config.variant_labels).
-VARIANT_KEYS = ("ffn", "placement", "label", "figure_label", "color", "dse", "optim", "insert")
+# settings, its presentation (the report's label, figure label, colour and figures; stem.config.variant_labels) and
+# its role as the report's baseline (stem.config.baseline_variant).
+VARIANT_KEYS = ("ffn", "placement", "label", "figure_label", "color", "baseline", "figures", "dse", "optim", "insert")
 
 
 def model_config(arch: dict, variant: dict) -> ModelConfig:

@@ -206,7 +206,7 @@ class Transformer(nn.Module):
             mask = None if offset == 0 else self._cache_mask(t, offset, ids.device)
         else:
             doc_ids = document_ids(positions)
-            mask = self._document_mask(doc_ids)
+            mask = self.document_mask(doc_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_mscale)
         cids = self.dse_compress[ids] if self.cfg.dse is not None else None
         x = self.tok_emb(ids)
@@ -256,7 +256,7 @@ class Transformer(nn.Module):
             m.aux_loss = None
         return torch.stack(taken).sum() if taken else None
 
-    def _document_mask(self, doc_ids):
+    def document_mask(self, doc_ids):
         if self.flex_mask_fn is not None and doc_ids.is_cuda:
             return self.flex_mask_fn(doc_ids)
         t = doc_ids.shape[1]

@@ -3,8 +3,9 @@
 An FFN kind is a module class registered by name in ``stem.registry.FFN_KINDS`` (the built-in ones below as
 "module:Class" with ``declare_ffn``, another with ``@register_ffn("name", ...)``, ``declare_ffn`` or
 ``FFN_KINDS.add``) and built as ``cls(cfg, layer)``. Its registration may carry torch-free facts
-(``FFNFacts``: a token-indexed table, lookup parameters, its parameter count in closed form) that let the
-workflow build its DAG without torch; every model build checks them against the module.
+(``FFNFacts``, registered in ``stem.registry.FFN_FACTS``: a token-indexed table, lookup parameters, its parameter
+count in closed form, its activations saved for backward) that let the workflow build its DAG and the memory
+estimate count a layer without torch or naming a kind; every model build checks them against the module.
 A module (an FFN, a table inside one, a DSE memory) declares what is special about its own parameters:
 
 - ``param_roles``: {parameter name relative to the module (``fnmatch`` pattern): Role}. A parameter
@@ -27,7 +28,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Callable
 
-from stem.registry import FFN_KINDS  # noqa: F401 (re-exported: the kinds' registry)
+from stem.registry import FFN_FACTS, FFN_KINDS, OPTIM_GROUPS  # noqa: F401 (re-exported: the registries)
 
 COUNTS = ("active", "lookup", "expert")
 INITS = ("normal", "module")
@@ -61,11 +62,6 @@ class Role:
             raise ValueError(f"Role.active_experts={self.active_experts}: expected >= 1")
 
 
-# Optimizer groups in the order the optimizer lists them: name -> (LR multiplier, weight decay or None for
-# the config's). Norms are not decayed; STEM tables are decayed like the backbone (the official code's
-# separate AdamW uses the same hyper-parameters); DSE tables follow the DSE paper (no decay, LR x5).
-OPTIM_GROUPS: dict[str, tuple[float, float | None]] = {
-    "matrix": (1.0, None), "norm": (1.0, 0.0), "table": (1.0, None), "dse_table": (5.0, 0.0)}
 
 @dataclass(frozen=True)
 class FFNFacts:
@@ -79,23 +75,20 @@ class FFNFacts:
     lookup: any ``lookup``-role parameter (a DSE memory is not an FFN: ``ModelConfig.dse`` says it).
     params: ``params(cfg) -> int``, the parameters of one layer's FFN in closed form (exact); the workflow's
         state bytes (stem.models.config.param_count).
+    activations: ``activations(cfg) -> int``, the bytes per token one layer's FFN saves for backward under bf16
+        autocast (stem.train.memory.estimate, the closed form; None: counted as a SwiGLU FFN's, ``swiglu_activations``).
     """
     table: bool | None = None
     lookup: bool | None = None
     params: Callable | None = None
-
-
-FFN_FACTS: dict[str, FFNFacts] = {}
+    activations: Callable | None = None
 
 
 def declare_ffn(name: str, entry, *, table: bool | None = None, lookup: bool | None = None,
-                params: Callable | None = None):
+                params: Callable | None = None, activations: Callable | None = None):
     """Register FFN kind ``name`` (a class or its ``"module:Class"``) with its torch-free facts (FFNFacts)."""
-    facts = FFNFacts(table, lookup, params)
-    if FFN_FACTS.get(name, facts) != facts and name in FFN_KINDS._entries:
-        raise ValueError(f"ffn kind {name!r}: already registered with other facts")
     FFN_KINDS.add(name, entry)
-    FFN_FACTS[name] = facts
+    FFN_FACTS.add(name, FFNFacts(table, lookup, params, activations))
     return entry
 
 
@@ -103,12 +96,35 @@ def _swiglu(d: int, f: int) -> int:
     return 3 * d * f
 
 
+def swiglu_activations(c) -> int:
+    """Bytes per token a SwiGLU-shaped FFN saves for backward (dense, STEM): gate, SiLU, up or table row, product,
+    2 d_ff each (bf16)."""
+    return 8 * c.d_ff
+
+
+def _routed_moe_activations(c) -> int:
+    """The routed MoE's (stem.models.moe): 8 f_e per shared expert and per routed assignment (k a token), the
+    router's fp32 input 4 d and scores 4 E, each assignment's gathered input and expert output 2 d + 2 d, and 26 per
+    assignment (its expert index from top-k, the gather and inverse-permutation indices, int64, its gate in bf16)."""
+    k = c.moe_top_k
+    return 8 * c.expert_d_ff * (c.moe_shared + k) + 4 * c.d_model + 4 * k * c.d_model + 4 * c.moe_experts + 26 * k
+
+
+# Optimizer groups in the order the optimizer lists them: name -> (LR multiplier, weight decay or None for
+# the config's). Norms are not decayed; STEM tables are decayed like the backbone (the official code's
+# separate AdamW uses the same hyper-parameters); DSE tables follow the DSE paper (no decay, LR x5).
+OPTIM_GROUPS.add("matrix", (1.0, None))
+OPTIM_GROUPS.add("norm", (1.0, 0.0))
+OPTIM_GROUPS.add("table", (1.0, None))
+OPTIM_GROUPS.add("dse_table", (5.0, 0.0))
+
+
 # The built-in kinds as "module:Class" (imported on first use, so a config is checked without importing torch,
 # e.g. while Snakemake builds the DAG) with their facts; another kind registers the same way from a plugin
 # module (stem.plugins): ``declare_ffn("name", "module:Class", ...)`` or ``@register_ffn("name", ...)``.
-_STEM = {"table": True, "lookup": True}
+_STEM = {"table": True, "lookup": True, "activations": swiglu_activations}
 declare_ffn("dense", "stem.models.ffn:DenseFFN", table=False, lookup=False,        # gate, up, down
-            params=lambda c: _swiglu(c.d_model, c.d_ff))
+            params=lambda c: _swiglu(c.d_model, c.d_ff), activations=swiglu_activations)
 declare_ffn("stem", "stem.models.ffn:StemFFN", **_STEM,                            # gate, V x d_ff table, down
             params=lambda c: 2 * c.d_model * c.d_ff + c.vocab_size * c.d_ff)
 declare_ffn("stem_gate", "stem.models.ffn:StemGateFFN", **_STEM,                   # table, up, down
@@ -116,10 +132,11 @@ declare_ffn("stem_gate", "stem.models.ffn:StemGateFFN", **_STEM,                
 declare_ffn("stem_dagger", "stem.models.ffn:StemDaggerFFN", **_STEM,               # gate, up, down, table
             params=lambda c: _swiglu(c.d_model, c.d_ff) + c.vocab_size * c.d_ff)
 declare_ffn("hashmoe", "stem.models.ffn:HashMoEFFN", table=False, lookup=False,    # E SwiGLU experts
-            params=lambda c: c.n_experts * _swiglu(c.d_model, c.d_ff))
+            params=lambda c: c.n_experts * _swiglu(c.d_model, c.d_ff),
+            activations=lambda c: swiglu_activations(c) + 2 * c.d_model)           # + the gathered inputs
 declare_ffn("moe", "stem.models.moe:RoutedMoEFFN", table=False, lookup=False,      # router, shared + routed
             params=lambda c: c.d_model * c.moe_experts
-            + (c.moe_shared + c.moe_experts) * _swiglu(c.d_model, c.expert_d_ff))
+            + (c.moe_shared + c.moe_experts) * _swiglu(c.d_model, c.expert_d_ff), activations=_routed_moe_activations)
 
 
 def register_ffn(name: str, **facts):
@@ -158,9 +175,7 @@ def check_facts(name: str, ffn, cfg, layer: int):
 
 def register_group(name: str, lr_mult: float = 1.0, weight_decay: float | None = None):
     """Add an optimizer group (listed after the existing ones)."""
-    if name in OPTIM_GROUPS and OPTIM_GROUPS[name] != (lr_mult, weight_decay):
-        raise ValueError(f"optimizer group {name!r} is already registered as {OPTIM_GROUPS[name]}")
-    OPTIM_GROUPS[name] = (lr_mult, weight_decay)
+    OPTIM_GROUPS.add(name, (lr_mult, weight_decay))
 
 
 def check_ffn_kind(name: str):

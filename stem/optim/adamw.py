@@ -74,7 +74,9 @@ class RowSparseAdamW(torch.optim.AdamW):
         p_i -= lr / (1 - b1^t) * m_i / (sqrt(v_i) / sqrt(1 - b2^t) + eps)
     (torch's AdamW formula); other rows and their moments are not touched. The state has AdamW's keys and
     shapes (step, exp_avg, exp_avg_sq), so checkpoints, DCP resharding and stage carry-over are unchanged.
-    Dense gradients go through torch's AdamW."""
+    A row-sharded table (``stem.train.tables``, several ranks) has a dense gradient on its shard and marks the
+    rows its step asked of this rank (``touched_rows``): those rows get the same update, on the shard.
+    Other dense gradients go through torch's AdamW."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -82,7 +84,8 @@ class RowSparseAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sparse = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None and p.grad.is_sparse]
+        sparse = [(g, p) for g in self.param_groups for p in g["params"]
+                  if p.grad is not None and (p.grad.is_sparse or hasattr(p, "touched_rows"))]
         held = [(p, p.grad) for _, p in sparse]
         for p, _ in held:
             p.grad = None               # torch's AdamW skips them
@@ -98,25 +101,33 @@ class RowSparseAdamW(torch.optim.AdamW):
     def _row_step(self, group: dict, p: torch.Tensor):
         if group.get("amsgrad") or group.get("maximize"):
             raise ValueError("RowSparseAdamW: amsgrad / maximize are not supported for sparse gradients")
-        grad = p.grad.coalesce()
-        rows, g = grad.indices()[0], grad.values()
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        local = [p, state["exp_avg"], state["exp_avg_sq"]]
+        if hasattr(p, "touched_rows"):   # a row-sharded table: this rank's shard and the rows asked of it
+            local = [x.to_local() for x in local]
+            rows = p.touched_rows.nonzero().squeeze(1)
+            g = p.grad.to_local().index_select(0, rows)
+            p.touched_rows.zero_()
+        else:
+            grad = p.grad.coalesce()
+            rows, g = grad.indices()[0], grad.values()
+        param, exp_avg, exp_avg_sq = local
         state["step"] += 1
         t = float(state["step"])
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         b1, b2 = group["betas"]
-        m = state["exp_avg"].index_select(0, rows).lerp_(g, 1 - b1)
-        v = state["exp_avg_sq"].index_select(0, rows).mul_(b2).addcmul_(g, g, value=1 - b2)
-        w = p.index_select(0, rows).mul_(1 - lr * wd)
+        m = exp_avg.index_select(0, rows).lerp_(g, 1 - b1)
+        v = exp_avg_sq.index_select(0, rows).mul_(b2).addcmul_(g, g, value=1 - b2)
+        w = param.index_select(0, rows).mul_(1 - lr * wd)
         denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
         w.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
-        state["exp_avg"].index_copy_(0, rows, m)
-        state["exp_avg_sq"].index_copy_(0, rows, v)
-        p.index_copy_(0, rows, w)
+        exp_avg.index_copy_(0, rows, m)
+        exp_avg_sq.index_copy_(0, rows, v)
+        param.index_copy_(0, rows, w)
 
 
 def build_optimizer(model, optim, lr: float, fused: bool = False) -> torch.optim.AdamW:

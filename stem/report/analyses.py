@@ -1,6 +1,7 @@
 """Tables and figures of the analyze stage, from the per-checkpoint analysis JSONs, registered with the
 report's registry (stem.report.registry; report-only tables, no paper CSV, not compared) at the end of this
-module, so they land in ``reports/{experiment}/tables/`` and ``figures/``, the report's README and HTML:
+module, when it is imported, so they land in ``reports/{experiment}/tables/`` and ``figures/``, the report's
+README and HTML:
 
 - table ``editing``: per scale/stage/variant, site (``stem`` tables or the ``embedding``) and scheme: edit
   success (the target's answer ranks first), flip (target answer above the source's), top-k overlap with
@@ -24,8 +25,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from stem import config as C
 from stem import layout as L
 from stem.analysis.workflow import analyses, checkpoints, targets
+from stem.report import figures as F
 from stem.report import registry
 from stem.report import tables as T
 from stem.report import verdict as V
@@ -62,19 +65,20 @@ def load_all(cfg: dict, root=".", results=None) -> dict[str, dict]:
     return out
 
 
-def analysis_directions(all_res: dict) -> list[dict]:
-    """One direction per analysis and STEM variant, each with its confidence where items allow one."""
+def analysis_directions(all_res: dict, baseline: str) -> list[dict]:
+    """One direction per analysis and STEM variant against ``baseline`` (stem.config.baseline_variant), each with
+    its confidence where items allow one."""
     rows = []
     cap = all_res.get("capacity", {})
     for (s, v, st), r in sorted(cap.items()):
-        base = cap.get((s, "dense", st))
-        if v == "dense" or base is None:
+        base = cap.get((s, baseline, st))
+        if v == baseline or base is None:
             continue
         a = {(i["relation"], i["entity"]): float(i["hit"]) for i in base["items"]}
         b = {(i["relation"], i["entity"]): float(i["hit"]) for i in r["items"]}
-        ci = V.paired_bootstrap(*V._paired(a, b))
+        ci = V.paired_bootstrap(*V.paired(a, b))
         rows.append({"table": "capacity", "scale": s, "variant": v, "column": "recall", "stage": st,
-                     "paper_delta": 1.0, **V._ci_cols(ci, 1.0),
+                     "paper_delta": 1.0, **V.ci_cols(ci, 1.0),
                      "source": CLAIMS["capacity_dse" if v == "dse" else "capacity"]})
     for (s, v, st), r in sorted(all_res.get("editing", {}).items()):
         es = [e for e in r["edits"] if e["site"] == "stem"]
@@ -82,10 +86,10 @@ def analysis_directions(all_res: dict) -> list[dict]:
             continue  # no STEM tables: the embedding swap is the reference, not a STEM claim
         ci = V.paired_bootstrap([e["kl_control"] for e in es], [e["kl_control_before"] for e in es])
         rows.append({"table": "editing", "scale": s, "variant": v, "column": "KL(control||edited) reduction",
-                     "stage": st, "paper_delta": 1.0, **V._ci_cols(ci, 1.0), "source": CLAIMS["editing"]})
+                     "stage": st, "paper_delta": 1.0, **V.ci_cols(ci, 1.0), "source": CLAIMS["editing"]})
     sp = all_res.get("spread", {})
     for (s, v, st), r in sorted(sp.items()):
-        base = sp.get((s, "dense", st))
+        base = sp.get((s, baseline, st))
         tables = [layer for layer in r["layers"] if "table" in layer]
         if base is None or not tables:
             continue
@@ -121,15 +125,15 @@ SEED0 = ("; seed 0 of each matrix cell (the analyze stage runs on the matrix's o
 EXTRA_DIRECTIONS: list = []
 
 
-def _legend(ax):
+def legend(ax):
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
 
 
-def fig6(res: dict, label: str):
+def fig6(cfg: dict, res: dict, label: str):
     import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
 
-    from stem.report.figures import COLORS  # not at the top: see _register
+    base = C.baseline_variant(cfg)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     titles = ("(a) STEM table vectors, per STEM layer", "(b) dense up-projection outputs vs STEM vectors",
               "(c) down-projection inputs after gating")
@@ -147,20 +151,20 @@ def fig6(res: dict, label: str):
             tag = f"{s} {v} L{layer['layer']}"
             if "table" in layer and v == "stem":
                 axes[0].plot(mid, dens(layer["table"]["hist"]), label=tag)
-                axes[1].plot(mid, dens(layer["table"]["hist"]), color=COLORS.get("stem"), alpha=0.7,
+                axes[1].plot(mid, dens(layer["table"]["hist"]), color=F.color(cfg, "stem"), alpha=0.7,
                              label=f"{s} STEM tables" if layer is next(x for x in r["layers"] if "table" in x) else None)
-            if v in ("dense", "stem") and "down_input" in layer:
-                axes[2].plot(mid, dens(layer["down_input"]["hist"]), color=COLORS.get(v), alpha=0.5,
+            if v in (base, "stem") and "down_input" in layer:
+                axes[2].plot(mid, dens(layer["down_input"]["hist"]), color=F.color(cfg, v), alpha=0.5,
                              label=f"{s} {v}" if layer is r["layers"][0] else None)
         stem_layers = {layer["layer"] for (s2, v2, st2), r2 in res.items() if v2 == "stem" and s2 == s
                        for layer in r2["layers"] if "table" in layer}
-        if v == "dense":
+        if v == base:
             for layer in r["layers"]:
                 if layer["layer"] in stem_layers and "up_proj" in layer:
-                    axes[1].plot(mid, dens(layer["up_proj"]["hist"]), color=COLORS.get("dense"), alpha=0.7,
-                                 label=f"{s} dense up-proj" if layer["layer"] == min(stem_layers) else None)
+                    axes[1].plot(mid, dens(layer["up_proj"]["hist"]), color=F.color(cfg, base), alpha=0.7,
+                                 label=f"{s} {base} up-proj" if layer["layer"] == min(stem_layers) else None)
     for ax in axes:
-        _legend(ax)
+        legend(ax)
     fig.suptitle(f"Figure 6 (angular spread), {label}", fontsize=10)
     fig.tight_layout()
     return fig
@@ -170,7 +174,7 @@ def niah_curves(cfg: dict, results="results") -> dict[str, tuple[list, list]]:
     """{variant: (lengths, mean NIAH accuracy over depths)} of the 1B models at Fig. 1b's stage, where present."""
     out = {}
     stage = ((cfg.get("report") or {}).get("stages") or {}).get("figure1b", ["extend"])[0]
-    for v in ("dense", "stem"):
+    for v in (C.baseline_variant(cfg), "stem"):
         p = Path(results) / cfg["experiment"] / "1b" / v / stage / "eval" / "niah.json"
         if p.is_file():
             cells = niah_cells(json.loads(p.read_text()))
@@ -180,10 +184,9 @@ def niah_curves(cfg: dict, results="results") -> dict[str, tuple[list, list]]:
     return out
 
 
-def heaps_fig(res: dict, label: str, niah: dict | None = None):
+def heaps_fig(cfg: dict, res: dict, label: str, niah: dict | None = None):
     import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
 
-    from stem.report.figures import COLORS  # not at the top: see _register
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     for (s, v, st), r in sorted(res.items()):
         if v != "stem":  # the curve depends on the scale's tokenizer and held-out text only
@@ -192,17 +195,17 @@ def heaps_fig(res: dict, label: str, niah: dict | None = None):
         a.loglog(L, r["unique"], "o", label=f"{s}: held-out {r['source']}")
         a.loglog(L, f["K"] * L ** f["beta"], "-", label=f"{s}: K={f['K']:.3g}, beta={f['beta']:.3f}")
     for (s, v, st), r in sorted(res.items()):
-        b.loglog(r["lengths"], r["activated_stem_params"], "o-", color=COLORS.get(v), alpha=0.5 if s == "350m" else 1,
+        b.loglog(r["lengths"], r["activated_stem_params"], "o-", color=F.color(cfg, v), alpha=0.5 if s == "350m" else 1,
                  label=f"{s} {v}, |S|={r['n_stem_layers']}")
     a.set(xlabel="context length L (tokens)", ylabel="unique token ids L_uniq", title="Heaps fit L_uniq = K L^beta")
     b.set(xlabel="context length L (tokens)", ylabel="|S| d_ff L_uniq",
           title="activated STEM parameters per sequence")
     for v, (lengths, acc) in (niah or {}).items():
-        c.plot(lengths, acc, "o-", color=COLORS.get(v), label=f"1b {v}")
+        c.plot(lengths, acc, "o-", color=F.color(cfg, v), label=f"1b {v}")
     c.set(xscale="log", xlabel="context length (tokens)", ylabel="NIAH accuracy (%)", ylim=(-2, 102),
           title="beside it: Fig. 1b, NIAH accuracy vs length" + ("" if niah else " (no results)"))
     for ax in (a, b, c):
-        _legend(ax)
+        legend(ax)
     fig.suptitle(f"Sec. 3.2.5 context-length adaptive parameter usage, {label}", fontsize=10)
     fig.tight_layout()
     return fig
@@ -210,8 +213,8 @@ def heaps_fig(res: dict, label: str, niah: dict | None = None):
 
 def directions_frame(cfg: dict, results, res: dict) -> pd.DataFrame:
     """Every direction with its confidence: Tables 3/4 accuracy, held-out loss and one per analysis."""
-    dirs_df = pd.DataFrame(V.table_directions(cfg, results=results) + V.loss_directions(res.get("heldout", {}))
-                           + analysis_directions(res))
+    dirs_df = pd.DataFrame(V.table_directions(cfg, results=results) + V.loss_directions(cfg, res.get("heldout", {}))
+                           + analysis_directions(res, C.baseline_variant(cfg)))
     if len(dirs_df):
         # Tables 3/4 fold each cell's seeds; the held-out loss and the analyses read seed 0 (SEED0)
         accuracy = dirs_df["table"].isin(["table3", "table4"])
@@ -232,7 +235,8 @@ def example_rows(ex: dict) -> list[tuple[str, str, str, str]]:
 
 
 # ---- the registry's view (stem.report.registry): long tables in paper_data.COLUMNS, figures from the JSONs ----
-def _load(cfg: dict, res) -> dict:
+def load_results(cfg: dict, res) -> dict:
+    """``load_all`` of the results ``res`` (a stem.report.results.Results) reads."""
     return load_all(cfg, results=res.root)
 
 
@@ -240,7 +244,7 @@ def _json_path(cfg: dict, key: tuple, name: str) -> str:
     return L.analysis_json(cfg["experiment"], *key, name)
 
 
-def _long(table: str, cfg: dict, name: str, res: dict, rows) -> pd.DataFrame:
+def long_frame(table: str, cfg: dict, name: str, res: dict, rows) -> pd.DataFrame:
     """rows(key, JSON) -> [(row, column, value, unit)] per checkpoint; ``row`` names the model first."""
     return T.frame([T.cell(table, k[0], k[1], c, val, _json_path(cfg, k, name), row=row, unit=unit)
                     for k, r in sorted(res.items()) for row, c, val, unit in rows(k, r)])
@@ -248,13 +252,13 @@ def _long(table: str, cfg: dict, name: str, res: dict, rows) -> pd.DataFrame:
 
 def editing_long(cfg: dict, res) -> pd.DataFrame:
     skip = ("site", "scheme", "case")
-    return _long("editing", cfg, "editing", _load(cfg, res).get("editing", {}), lambda k, r: [
+    return long_frame("editing", cfg, "editing", load_results(cfg, res).get("editing", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {row['site']} {row['scheme']}", c, x, "") for row in r["summary"] if row["case"] == "all"
         for c, x in row.items() if c not in skip])
 
 
 def spread_long(cfg: dict, res) -> pd.DataFrame:
-    return _long("spread", cfg, "spread", _load(cfg, res).get("spread", {}), lambda k, r: [
+    return long_frame("spread", cfg, "spread", load_results(cfg, res).get("spread", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: L{layer['layer']} {layer['ffn']} {key}", c, x, "") for layer in r["layers"]
         for key in ("table", "up_proj", "down_input") if key in layer
         for c, x in (("pairs", layer[key]["pairs"]), ("mean_abs_cos", layer[key]["mean_abs"]),
@@ -262,19 +266,19 @@ def spread_long(cfg: dict, res) -> pd.DataFrame:
 
 
 def heaps_long(cfg: dict, res) -> pd.DataFrame:
-    return _long("heaps", cfg, "heaps", _load(cfg, res).get("heaps", {}), lambda k, r: [
+    return long_frame("heaps", cfg, "heaps", load_results(cfg, res).get("heaps", {}), lambda k, r: [
         (f"{k[1]} {k[2]}", c, x, "") for c, x in
         (("K", r["fit"]["K"]), ("beta", r["fit"]["beta"]), ("r2", r["fit"]["r2"]), ("n_stem_layers", r["n_stem_layers"]),
          ("L", r["lengths"][-1]), ("L_uniq", r["unique"][-1]), ("activated_stem_params", r["activated_stem_params"][-1]))])
 
 
 def capacity_long(cfg: dict, res) -> pd.DataFrame:
-    return _long("capacity", cfg, "capacity", _load(cfg, res).get("capacity", {}), lambda k, r: [
+    return long_frame("capacity", cfg, "capacity", load_results(cfg, res).get("capacity", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {rel}", c, x, "") for rel, row in r["table"].items() for c, x in row.items()])
 
 
 def directions_long(cfg: dict, res) -> pd.DataFrame:
-    df = directions_frame(cfg, res.root, _load(cfg, res))
+    df = directions_frame(cfg, res.root, load_results(cfg, res))
     # stage, check_table and check_column: the key the diff reads each verdict back by (stem.report.diff.directions)
     cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "seeds", "verdict", "paper_effect_resolvable", "stage",
             "check_table", "check_column")
@@ -286,9 +290,9 @@ def directions_long(cfg: dict, res) -> pd.DataFrame:
 
 
 def edit_example_long(cfg: dict, res) -> pd.DataFrame:
-    ed = _load(cfg, res).get("editing", {})
-    k, ex = next(((k, r["example"]) for k, r in sorted(ed.items()) if r.get("example") and k[1] == "stem"),
-                 (None, None))  # "1b" sorts first
+    ed = load_results(cfg, res).get("editing", {})
+    k, ex = next(((k, r["example"]) for k, r in sorted(ed.items())
+                  if (r.get("example") or {}).get("site") == "stem"), (None, None))  # "1b", then "stem", sort first
     if ex is None:
         return T.frame([])
     row0 = f"{ex['source']} -> {ex['target']} ({ex['scheme']} of the {ex['site']} vectors)"
@@ -305,7 +309,7 @@ def all_inputs(cfg: dict) -> list[str]:
     return targets(cfg)
 
 
-def _figure(name: str, draw_fn, what: str):
+def analysis_figure(name: str, draw_fn, what: str):
     """draw(cfg, res, ours, files): the analysis JSONs ``files["analysis"]`` (keyed by what each records)."""
     def draw(cfg, res, ours, files):
         got = {}
@@ -314,14 +318,13 @@ def _figure(name: str, draw_fn, what: str):
             got[r["scale"], r["variant"], r["stage"]] = r
         fig = draw_fn(cfg, res, got, T.experiment_label(cfg), files)
         if not got:
-            from stem.report.figures import _missing  # not at the top: see _register
-            _missing(fig.axes[0], f"no {what} results: this experiment's config has no analysis.{name}" if name not in
+            F.mark_missing(fig.axes[0], f"no {what} results: this experiment's config has no analysis.{name}" if name not in
                      analyses(cfg) else f"no {what} results yet")
         return fig
     return draw
 
 
-def _figure_inputs(name: str, niah=False):
+def analysis_inputs(name: str, niah=False):
     def inputs(cfg, evals):
         out = {"analysis": table_inputs(name)(cfg)}
         if niah:
@@ -335,43 +338,38 @@ def _niah(cfg: dict, res, files: dict) -> dict:
     return niah_curves(cfg, res.root) if files.get("niah") else {}
 
 
-def _register():
-    # stem.report.figures looks tables up while it is imported, which imports every built-in report module (this
-    # one, stem.report.mechanism reading this one's functions): it is imported here, once they are defined.
-    from stem.report import figures  # noqa: F401  (the paper's tables and figures register first)
-    gap = dict(empty="_(no rows: no analysis results for this table yet, or config `analysis:` does not run it)_")
-    label = {"pairs": "pairs", "mean_abs_cos": "mean |cos|", "mean_cos": "mean cos"}
-    registry.paper_table(
-        "editing", "Knowledge editing (Sec. 3.3, 5.2; Fig. 7): edit success, flip, top-k overlap and "
-        "KL(control || edited) beside their unedited values, per site and scheme (all cases)" + SEED0,
-        inputs=table_inputs("editing"), **gap)(editing_long)
-    registry.paper_table("edit_example", "Knowledge editing: one edit example (Fig. 7's columns)" + SEED0,
-                         labels={"topk": "top next tokens (probability)", "greedy": "greedy continuation"},
-                         inputs=table_inputs("editing"), **gap)(edit_example_long)
-    registry.paper_table(
-        "spread", "Angular spread (Sec. 5.1; Fig. 6): pairwise cosine statistics per layer and vector set" + SEED0,
-        labels=label, inputs=table_inputs("spread"), **gap)(spread_long)
-    registry.paper_table(
-        "heaps", "Heaps law and activated STEM parameters (Sec. 3.2.5) at the longest context length L" + SEED0,
-        labels={"activated_stem_params": "|S| d_ff L_uniq"}, inputs=table_inputs("heaps"), **gap)(heaps_long)
-    registry.paper_table("capacity", "Knowledge capacity probe: recall per relation (chance level beside it)" + SEED0,
-                         inputs=table_inputs("capacity"), **gap)(capacity_long)
-    registry.paper_table(
-        "directions", "Directions with confidence (paired bootstrap, 95%): Tables 3/4 accuracy, held-out loss and "
-        "each analysis against the paper's claim; Tables 3/4 fold each cell's seeds (two-level bootstrap, column "
-        "seeds), the held-out loss and the analyses read seed 0 (seeds 1: the analyze stage runs on the matrix's "
-        "own checkpoints, not on the extra seeds of stem.seeds)", inputs=all_inputs,
-        labels={"check_table": "table", "check_column": "column"}, **gap)(directions_long)
-    registry.report_figure(
-        "fig6_spread", "Figure 6a-c (angular spread): pairwise cosine similarity of (a) the STEM table vectors, "
-        "(b) the dense up-projection outputs beside the STEM vectors at the same layers, (c) the down-projection "
-        "inputs after gating.", inputs=_figure_inputs("spread"))(
-        _figure("spread", lambda cfg, res, got, label, files: fig6(got, label), "angular spread"))
-    registry.report_figure(
-        "heaps_law", "Sec. 3.2.5: unique tokens L_uniq vs context length L with the Heaps fit K L^beta, the "
-        "activated STEM parameters |S| d_ff L_uniq, and Fig. 1b's NIAH accuracy beside it.",
-        inputs=_figure_inputs("heaps", niah=True))(
-        _figure("heaps", lambda cfg, res, got, label, files: heaps_fig(got, label, _niah(cfg, res, files)), "Heaps-law"))
-
-
-_register()
+# ---- this module's tables and figures, after the paper's (stem.report.figures, imported above) ----------------
+GAP = dict(empty="_(no rows: no analysis results for this table yet, or config `analysis:` does not run it)_")
+SPREAD_LABELS = {"pairs": "pairs", "mean_abs_cos": "mean |cos|", "mean_cos": "mean cos"}
+registry.paper_table(
+    "editing", "Knowledge editing (Sec. 3.3, 5.2; Fig. 7): edit success, flip, top-k overlap and "
+    "KL(control || edited) beside their unedited values, per site and scheme (all cases)" + SEED0,
+    inputs=table_inputs("editing"), **GAP)(editing_long)
+registry.paper_table("edit_example", "Knowledge editing: one edit example (Fig. 7's columns)" + SEED0,
+                     labels={"topk": "top next tokens (probability)", "greedy": "greedy continuation"},
+                     inputs=table_inputs("editing"), **GAP)(edit_example_long)
+registry.paper_table(
+    "spread", "Angular spread (Sec. 5.1; Fig. 6): pairwise cosine statistics per layer and vector set" + SEED0,
+    labels=SPREAD_LABELS, inputs=table_inputs("spread"), **GAP)(spread_long)
+registry.paper_table(
+    "heaps", "Heaps law and activated STEM parameters (Sec. 3.2.5) at the longest context length L" + SEED0,
+    labels={"activated_stem_params": "|S| d_ff L_uniq"}, inputs=table_inputs("heaps"), **GAP)(heaps_long)
+registry.paper_table("capacity", "Knowledge capacity probe: recall per relation (chance level beside it)" + SEED0,
+                     inputs=table_inputs("capacity"), **GAP)(capacity_long)
+registry.paper_table(
+    "directions", "Directions with confidence (paired bootstrap, 95%): Tables 3/4 accuracy, held-out loss and "
+    "each analysis against the paper's claim; Tables 3/4 fold each cell's seeds (two-level bootstrap, column "
+    "seeds), the held-out loss and the analyses read seed 0 (seeds 1: the analyze stage runs on the matrix's "
+    "own checkpoints, not on the extra seeds of stem.seeds)", inputs=all_inputs,
+    labels={"check_table": "table", "check_column": "column"}, **GAP)(directions_long)
+registry.report_figure(
+    "fig6_spread", "Figure 6a-c (angular spread): pairwise cosine similarity of (a) the STEM table vectors, "
+    "(b) the dense up-projection outputs beside the STEM vectors at the same layers, (c) the down-projection "
+    "inputs after gating.", inputs=analysis_inputs("spread"))(
+    analysis_figure("spread", lambda cfg, res, got, label, files: fig6(cfg, got, label), "angular spread"))
+registry.report_figure(
+    "heaps_law", "Sec. 3.2.5: unique tokens L_uniq vs context length L with the Heaps fit K L^beta, the "
+    "activated STEM parameters |S| d_ff L_uniq, and Fig. 1b's NIAH accuracy beside it.",
+    inputs=analysis_inputs("heaps", niah=True))(
+    analysis_figure("heaps", lambda cfg, res, got, label, files: heaps_fig(cfg, got, label, _niah(cfg, res, files)),
+                    "Heaps-law"))

@@ -69,7 +69,7 @@ def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper
     repository); the summary's ``accepted`` lists its cells with their verdicts now."""
     rs = T.settings(cfg)
     tol = rs.tolerance
-    cells, dirs = diff.compare(ours, tol), diff.directions(ours)
+    cells, dirs = diff.compare(ours, tol), diff.directions(ours, C.baseline_variant(cfg))
     cons = diff.paper_consistency(paper_acct)
     s = diff.summary(cfg["experiment"], cells, dirs, cons, prov=ours.get("provenance"), cut=ours.get("truncation"))
     path = accepted if accepted is not None else (C.REPO / rs.accepted if rs.accepted else None)
@@ -83,9 +83,9 @@ def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper
     return s, cells, dirs, cons, failures
 
 
-def write_diff(out_dir, s, cells, dirs, cons, failures=None) -> str:
+def write_diff(cfg: dict, out_dir, s, cells, dirs, cons, failures=None) -> str:
     out = Path(out_dir)
-    md = diff.render(s, cells, dirs, cons, failures)
+    md = diff.render(cfg, s, cells, dirs, cons, failures)
     _write(out / "diff.md", md)
     _write(out / "cells.csv", _csv(cells))
     _write(out / "directions.csv", _csv(dirs))
@@ -114,7 +114,8 @@ def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: lis
                     "Tables as CSV / Markdown / LaTeX: [tables/](tables/). "
                     "Parameter accounting: [params.md](params.md)."),
           page.Heading(2, "Diff summary"),
-          *diff.summary_blocks(s, dirs, len(s["gate"]["failed"]) if "gate" in s else None, level=3),
+          *diff.summary_blocks(s, dirs, C.variant_labels(cfg), len(s["gate"]["failed"]) if "gate" in s else None,
+                               level=3),
           page.Heading(2, "Tables")]
     for name, table in registry.tables().items():
         b += [page.Heading(3, table.title), page.Table(T.wide(ours.get(name, T.frame([]))), *[table.empty] * bool(table.empty)),
@@ -151,7 +152,7 @@ def report_page(cfg: dict, report_dir, figures: list[str] | None = None) -> list
     """The page's blocks from the report's data files: reproduced.csv, diff/summary.json, diff/directions.csv."""
     rd = Path(report_dir)
     s = json.loads((rd / "diff" / "summary.json").read_text())
-    figures = list(registry.figures()) if figures is None else figures
+    figures = list(registry.figures(cfg["experiment"])) if figures is None else figures
     return page_blocks(cfg, load_reproduced(rd / "tables" / "reproduced.csv"), s,
                        load_directions(rd / "diff" / "directions.csv"), figures)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from stem import config as C
 from stem import provenance
 from stem.io import atomic_write_text
 from stem.report import page, registry
@@ -68,9 +69,9 @@ def compare(ours: dict[str, pd.DataFrame], tol: dict) -> pd.DataFrame:
             t = 0.05 * float(c.value)
         if isinstance(c.value, str) or isinstance(value, str):
             delta = math.nan
-            status = "missing" if T._isnan(value) else (
+            status = "missing" if T.isnan(value) else (
                 "ok" if str(value).lower() == str(c.value).lower() else "drift")
-        elif T._isnan(value):
+        elif T.isnan(value):
             delta, status = math.nan, "missing"
         else:
             delta = float(value) - float(c.value)
@@ -82,9 +83,9 @@ def compare(ours: dict[str, pd.DataFrame], tol: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=CELL_COLUMNS)
 
 
-def point_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
+def point_directions(ours: dict[str, pd.DataFrame], baseline: str) -> pd.DataFrame:
     """For every non-baseline cell of the direction-checked tables (Tables 3-6, ROI included): does the
-    variant beat the same scale's dense baseline in our results where the paper says it does? Point estimates
+    variant beat the same scale's ``baseline`` in our results where the paper says it does? Point estimates
     (the tables' numbers), no uncertainty: ``directions`` uses them only where the bootstrap table has no row."""
     rows = []
     for name in registry.direction_checked():
@@ -96,16 +97,16 @@ def point_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
         paper = paper.set_index(["scale", "variant", "column"])["value"]
         mine = ours.get(name, T.frame([])).set_index(["scale", "variant", "column"])["value"]
         for (scale, variant, column), pv in paper.items():
-            if variant == "dense" or column in undirected or (scale, "dense", column) not in paper.index:
+            if variant == baseline or column in undirected or (scale, baseline, column) not in paper.index:
                 continue
-            p_delta = pv - paper[(scale, "dense", column)]
-            o, o_base = mine.get((scale, variant, column), math.nan), mine.get((scale, "dense", column), math.nan)
-            o_delta = math.nan if T._isnan(o) or T._isnan(o_base) else float(o) - float(o_base)
+            p_delta = pv - paper[(scale, baseline, column)]
+            o, o_base = mine.get((scale, variant, column), math.nan), mine.get((scale, baseline, column), math.nan)
+            o_delta = math.nan if T.isnan(o) or T.isnan(o_base) else float(o) - float(o_base)
             rows.append({"table": name, "scale": scale, "variant": variant, "column": column,
                          "paper_delta": p_delta, "ours_delta": o_delta,
                          "paper_says": _verdict(p_delta, column in t.lower_better),
-                         "ours": "missing" if T._isnan(o_delta) else _verdict(o_delta, column in t.lower_better),
-                         "agree": None if T._isnan(o_delta) else bool(np.sign(p_delta) == np.sign(o_delta))})
+                         "ours": "missing" if T.isnan(o_delta) else _verdict(o_delta, column in t.lower_better),
+                         "agree": None if T.isnan(o_delta) else bool(np.sign(p_delta) == np.sign(o_delta))})
     return pd.DataFrame(rows, columns=["table", "scale", "variant", "column", "paper_delta", "ours_delta",
                                        "paper_says", "ours", "agree"])
 
@@ -118,7 +119,7 @@ KEY = ["table", "scale", "variant", "stage", "column"]
 
 
 def _bool(x):
-    return None if T._isnan(x) or x in ("", None) else str(x) == "True"
+    return None if T.isnan(x) or x in ("", None) else str(x) == "True"
 
 
 def bootstrap_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -133,9 +134,9 @@ def bootstrap_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
         if "check_table" not in v:
             raise ValueError(f"directions table row {scale}/{variant}/{g['row'].iloc[0]}: no check_table / check_column "
                              "(tables/reproduced.csv predates them: rebuild the tables, rule report_tables)")
-        num = lambda k: None if T._isnan(v.get(k, math.nan)) else float(v[k])  # noqa: E731
+        num = lambda k: None if T.isnan(v.get(k, math.nan)) else float(v[k])  # noqa: E731
         rows.append({"table": v["check_table"], "scale": scale, "variant": variant,
-                     "stage": "" if T._isnan(v.get("stage", math.nan)) else str(v["stage"]),
+                     "stage": "" if T.isnan(v.get("stage", math.nan)) else str(v["stage"]),
                      "column": str(v["check_column"]), "paper_delta": num("paper_delta"),
                      "ours_delta": num("ours_delta"), "lo": num("lo"), "hi": num("hi"),
                      "n": int(num("n") or 0), "verdict": str(v.get("verdict", "missing")),
@@ -145,24 +146,25 @@ def bootstrap_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=DIRECTION_COLUMNS)
 
 
-def directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
+def directions(ours: dict[str, pd.DataFrame], baseline: str) -> pd.DataFrame:
     """Every direction's verdict, from one source: the rows of the ``directions`` table (paired bootstrap over
     items / windows; stem.report.analyses) first, then the point-estimate direction cells of the direction-
     checked tables that it has no row for (Table 3's ROI, Tables 5-6, the DSE paper's Table 1: no per-item data),
-    verdict 'agree (point estimate)' / 'disagree (point estimate)' / 'missing'."""
+    verdict 'agree (point estimate)' / 'disagree (point estimate)' / 'missing'. ``baseline``: the variant each
+    is compared with (stem.config.baseline_variant)."""
     boot = bootstrap_directions(ours)
     have = set(zip(boot["table"], boot["scale"], boot["variant"], boot["column"]))
     rows = []
-    for r in point_directions(ours).itertuples():
+    for r in point_directions(ours, baseline).itertuples():
         if (r.table, r.scale, r.variant, r.column) in have:
             continue
-        verdict = "missing" if r.agree is None or T._isnan(r.ours_delta) else (
+        verdict = "missing" if r.agree is None or T.isnan(r.ours_delta) else (
             "inconclusive" if r.ours_delta == 0 else f"{'agree' if r.agree else 'disagree'} (point estimate)")
         rows.append({"table": r.table, "scale": r.scale, "variant": r.variant, "stage": "", "column": r.column,
-                     "paper_delta": r.paper_delta, "ours_delta": None if T._isnan(r.ours_delta) else r.ours_delta,
+                     "paper_delta": r.paper_delta, "ours_delta": None if T.isnan(r.ours_delta) else r.ours_delta,
                      "lo": None, "hi": None, "n": 0, "verdict": verdict, "category": V.category(verdict),
                      "paper_effect_resolvable": None, "origin": POINT,
-                     "source": f"{registry.table(r.table).title}: {r.variant} vs dense, {r.column}"})
+                     "source": f"{registry.table(r.table).title}: {r.variant} vs {baseline}, {r.column}"})
     point = pd.DataFrame(rows, columns=DIRECTION_COLUMNS)
     parts = [f for f in (boot, point) if len(f)]
     return pd.concat(parts, ignore_index=True) if parts else boot
@@ -185,7 +187,7 @@ def cell_name(r) -> str:
 
 
 def _ci(r) -> str:
-    return "" if r["lo"] is None or T._isnan(r["lo"]) else f" [{r['lo']:+.3g}, {r['hi']:+.3g}]"
+    return "" if r["lo"] is None or T.isnan(r["lo"]) else f" [{r['lo']:+.3g}, {r['hi']:+.3g}]"
 
 
 def gate_directions(dirs: pd.DataFrame, baseline: pd.DataFrame | None = None, accepted=()) -> list[str]:
@@ -287,7 +289,7 @@ def accepted_rows(dirs: pd.DataFrame, accepted) -> list[dict]:
     out = []
     for a in accepted:
         r = now.get(_accepted_key(a))
-        lo, hi = (None, None) if r is None or T._isnan(r["lo"]) else (float(r["lo"]), float(r["hi"]))
+        lo, hi = (None, None) if r is None or T.isnan(r["lo"]) else (float(r["lo"]), float(r["hi"]))
         out.append({"cell": a["cell"], "stage": a["stage"], "verdict": a["verdict"], "interval": a["interval"],
                     "reason": a["reason"], "now": "missing" if r is None else r["category"], "now_interval":
                     None if lo is None else [lo, hi]})
@@ -336,16 +338,16 @@ def paper_consistency(paper_acct: dict | None = None) -> pd.DataFrame:
         for (scale, variant), g in df.groupby(["scale", "variant"], sort=False):
             v = dict(zip(g["column"], g["value"]))
             add("Avg = mean of the 8 commonsense tasks", name, scale, variant, "avg", v["avg"], T.average(v), 0.005)
-    t3 = P.load_table("table3")
+    t3, base = P.load_table("table3"), C.baseline_variant()   # the paper's rows: config/variants.yaml's ids
     printed = {(r.scale, r.variant, r.column): r.value for r in t3.itertuples()}
     for (scale, variant, column), value in printed.items():
         if column != "roi":
             continue
         args = (printed[(scale, variant, "avg")], printed[(scale, variant, "gflops_per_token")],
-                printed[(scale, "dense", "avg")], printed[(scale, "dense", "gflops_per_token")])
+                printed[(scale, base, "avg")], printed[(scale, base, "gflops_per_token")])
         add("ROI from printed Avg and #GFLOPs", "table3", scale, variant, "roi", value, T.roi(*args), 0.005)
         if paper_acct and (scale, variant) in paper_acct:
-            g, gb = paper_acct[(scale, variant)]["gflops_per_token"], paper_acct[(scale, "dense")]["gflops_per_token"]
+            g, gb = paper_acct[(scale, variant)]["gflops_per_token"], paper_acct[(scale, base)]["gflops_per_token"]
             add("ROI from printed Avg and exact GFLOPs of the architecture", "table3", scale, variant, "roi", value,
                 T.roi(args[0], g, args[2], gb), 0.005, "rounding #GFLOPs to 2 decimals moves ROI")
     for (scale, variant, column), value in printed.items():
@@ -364,7 +366,7 @@ def paper_consistency(paper_acct: dict | None = None) -> pd.DataFrame:
                         variant, column, printed[(scale, variant, column)], ours, 0.005,
                         _note("table3", "350m", "total_params_b") if (scale, column) == ("350m", "total_params_b")
                         else "The paper prints 0.37B for the 376,075,200-parameter dense 350M model and 0.74 = 2 x 0.37 "
-                        "GFLOPs (exact: 0.752)" if scale == "350m" and variant in ("dense", "hashmoe", "stem_dagger")
+                        "GFLOPs (exact: 0.752)" if scale == "350m" and variant in (base, "hashmoe", "stem_dagger")
                         else "")
     t1 = T.table1({"experiment": "-", "archs": {}, "stages": {}})
     fr = t1[t1["column"] == "saving_fraction"].set_index("variant")["value"]
@@ -437,27 +439,28 @@ def _delta(d: float) -> str:
     return f"{d:+.2f}" if 0.01 <= abs(d) < 1e4 or d == 0 else f"{d:+.3g}"
 
 
-def side_by_side(cells: pd.DataFrame, table: str) -> str:
-    """One table in the paper's layout, each cell 'ours / paper (delta)'; ⚠ beyond tolerance."""
+def side_by_side(cells: pd.DataFrame, table: str, labels: dict) -> str:
+    """One table in the paper's layout, each cell 'ours / paper (delta)'; ⚠ beyond tolerance. ``labels``: the
+    experiment's row labels of ``table`` (stem.report.tables.row_labels)."""
     df = cells[cells["table"] == table]
     if df.empty:
         return ""
     out = []
     for (scale, variant), g in df.groupby(["scale", "variant"], sort=False):
-        label = T.PAPER_ROW.get(table, {}).get(variant) or P.VARIANT_LABELS.get(variant) or g["row"].iloc[0]
+        label = labels.get(variant) or g["row"].iloc[0]
         r = {"Scale": scale, "Model": label}
         for c in g.itertuples():
             s = f"{_num(c.ours, c.column, c.unit)} / {_num(c.paper, c.column, c.unit)}"
-            if not T._isnan(c.delta) and c.delta != 0:
+            if not T.isnan(c.delta) and c.delta != 0:
                 s += f" ({_delta(c.delta)})"
             r[T.column_label(c.column, table)] = s + (" ⚠" if c.status == "drift" else "")
         out.append(r)
     return T.to_markdown(pd.DataFrame(out).fillna(""))
 
 
-def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, level: int = 2) -> list:
+def summary_blocks(s: dict, dirs: pd.DataFrame, labels: dict, gate_failed: int | None = None, level: int = 2) -> list:
     """The diff's summary as page blocks (diff.md at ``level`` 2; the README and HTML report one level down):
-    counts, the largest gaps and the direction check."""
+    counts, the largest gaps and the direction check. ``labels``: {variant: label} (stem.config.variant_labels)."""
     blocks = []
     if not s["paper_scale"]:
         blocks.append(page.Quote(
@@ -492,7 +495,7 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, gate_failed: int | None = None, 
         "does not), or, where no per-item data exist, a point estimate (no interval, so never a resolved verdict). "
         "Resolvable: the interval's half-width is below the paper's |effect|."))
     if len(dirs):
-        blocks.append(page.Table(direction_table(dirs)))
+        blocks.append(page.Table(direction_table(dirs, labels)))
     if s.get("accepted"):
         blocks.append(page.Para(f"Accepted disagreements (`{s['accepted']['file']}`; the directions gate passes "
                                 "them while they still disagree):"))
@@ -545,8 +548,9 @@ def direction_lines(c: dict) -> list[str]:
             f"tied {p['inconclusive']}, missing **{p['missing']}** of {p['total']}"]
 
 
-def direction_table(dirs: pd.DataFrame) -> pd.DataFrame:
-    """One row per (table, scale, variant): the Avg direction (paper, ours with its interval) and the verdicts."""
+def direction_table(dirs: pd.DataFrame, labels: dict) -> pd.DataFrame:
+    """One row per (table, scale, variant): the Avg direction (paper, ours with its interval) and the verdicts;
+    each variant by its label (``labels``: {variant: label}, stem.config.variant_labels)."""
     rows = []
     for (table, scale, variant), d in dirs.groupby(["table", "scale", "variant"], sort=False):
         avg = d[d["column"] == "avg"]
@@ -554,24 +558,26 @@ def direction_table(dirs: pd.DataFrame) -> pd.DataFrame:
         oa = "n/a"
         if len(avg):
             a = avg.iloc[0]
-            oa = "—" if T._isnan(a["ours_delta"]) else f"{a['ours_delta']:+.2f}" + (
-                "" if T._isnan(a["lo"]) else f" [{a['lo']:+.2f}, {a['hi']:+.2f}]")
+            oa = "—" if T.isnan(a["ours_delta"]) else f"{a['ours_delta']:+.2f}" + (
+                "" if T.isnan(a["lo"]) else f" [{a['lo']:+.2f}, {a['hi']:+.2f}]")
         counts = V.count(d["category"])
         verdicts = " · ".join(f"{c} {counts[c]}" for c in V.CATEGORIES if counts[c])
         res = d["paper_effect_resolvable"].dropna()
-        rows.append((table, scale, P.VARIANT_LABELS.get(variant, variant), pa, oa, verdicts,
+        rows.append((table, scale, labels.get(variant, variant), pa, oa, verdicts,
                      f"{int(sum(bool(x) for x in res))}/{len(res)}" if len(res) else "—"))
     return pd.DataFrame(rows, columns=["Table", "Scale", "Variant", "Paper: Avg vs baseline",
                                        "Ours: Avg vs baseline [95% CI]", "Verdicts", "Paper's effect resolvable"])
 
 
-def render(s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
+def render(cfg: dict, s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
            gate_failures: pd.DataFrame | None = None) -> str:
+    """diff.md; its rows labelled as the experiment ``cfg`` labels its variants (stem.config.variant_labels)."""
     head = f"# Paper diff — {s['label']}\n\n"
-    md = [markdown(summary_blocks(s, dirs, None if gate_failures is None else len(gate_failures)))]
+    failed = None if gate_failures is None else len(gate_failures)
+    md = [markdown(summary_blocks(s, dirs, C.variant_labels(cfg), failed))]
     md += ["## Side by side (ours / paper (ours − paper); ⚠ beyond tolerance; — no result yet)", ""]
     for table in registry.compared():
-        body = side_by_side(cells, table)
+        body = side_by_side(cells, table, T.row_labels(cfg, table))
         if body:
             md += [f"### {registry.table(table).title}", "", body]
             notes = sorted({n for n in cells[cells["table"] == table]["note"] if n})

@@ -24,36 +24,25 @@ from stem.report.results import Results, niah_cells
 FIGURES = registry.FIGURES  # name -> registry.Figure; the entries are at the end of this module
 
 
-def _label(variant: str) -> str:
-    """A variant's legend label: config/variants.yaml's ``figure_label`` or ``label`` (the variant id for a sweep
-    point or an unknown name)."""
-    return C.variant_figure_labels().get(variant, variant)
+def legend_label(cfg: dict, variant: str) -> str:
+    """A variant's legend label: the experiment's ``figure_label`` or ``label`` (config/variants.yaml with its
+    variant_overrides; the variant id for a sweep point or an unknown name)."""
+    return C.variant_figure_labels(cfg).get(variant, variant)
 
 
-def _color(variant: str) -> str | None:
-    """A variant's colour: config/variants.yaml's ``color`` (None: matplotlib's colour cycle)."""
-    return C.variant_colors().get(variant)
+def color(cfg: dict, variant: str) -> str | None:
+    """A variant's colour: the experiment's ``color`` (config/variants.yaml with its variant_overrides; None:
+    matplotlib's colour cycle)."""
+    return C.variant_colors(cfg).get(variant)
 
 
-def _plt():
+def pyplot():
     """matplotlib.pyplot on the Agg backend, imported when a figure is drawn (lazy: a heavy optional import, ~1 s,
     that the workflow, which only lists the figures, does not need)."""
     import matplotlib   # heavy optional (~1 s): only when a figure is drawn (keeps the DAG build light)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt   # likewise
     return plt
-
-
-def __getattr__(name: str):
-    """``plt`` (imported then), ``COLORS`` and ``LABELS`` (config/variants.yaml's, read then) for the modules
-    that import them from here (stem.report.sweep_figures, stem.report.analyses, stem.report.mechanism)."""
-    if name == "plt":
-        return _plt()
-    if name == "COLORS":
-        return C.variant_colors()
-    if name == "LABELS":
-        return C.variant_figure_labels()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- loss spikes ---------------------------------------------------------------------------------
@@ -81,13 +70,13 @@ def _tokens(n) -> str:
     return f"{n / 1024:g}K" if n >= 1024 and n % 1024 == 0 else f"{n / 1000:g}k" if n >= 1000 else f"{n:g}"
 
 
-def _missing(ax, text: str):
+def mark_missing(ax, text: str):
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4", wrap=True, fontsize=10)
     ax.set_xticks([])
     ax.set_yticks([])
 
 
-def _title(fig, title: str, cfg: dict):
+def set_title(fig, title: str, cfg: dict):
     fig.suptitle(f"{title}\n{T.experiment_label(cfg)}", fontsize=11)
 
 
@@ -98,9 +87,9 @@ def _variants(cfg, scale, wanted):
 
 def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, ylabel: str, title: str,
                   stage: str, mark_spikes=False, logy=False):
-    scale, wanted = registry.figure(name).scale, registry.figure(name).variants
+    scale, wanted = registry.figure(name).scale, C.figure_variants(cfg, name)
     sp = T.settings(cfg).spikes
-    fig, ax = _plt().subplots(figsize=(7, 4.5), layout="constrained")
+    fig, ax = pyplot().subplots(figsize=(7, 4.5), layout="constrained")
     drawn = 0
     for v in _variants(cfg, scale, wanted):
         m = res.metrics(scale, v, stage)
@@ -108,12 +97,12 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
             continue
         m = m.dropna(subset=[y])
         xs, xl = _scaled(m[x].to_numpy(), xlabel)
-        label = _label(v)
+        label = legend_label(cfg, v)
         if mark_spikes:
             spikes = loss_spikes(m[y], sp.window, sp.k)
             label += f" ({int(spikes.sum())} spikes)"
-            ax.plot(xs[spikes], m[y].to_numpy()[spikes], "x", color=_color(v), ms=8, mew=2)
-        ax.plot(xs, m[y], color=_color(v), lw=1.2, label=label, alpha=0.9)
+            ax.plot(xs[spikes], m[y].to_numpy()[spikes], "x", color=color(cfg, v), ms=8, mew=2)
+        ax.plot(xs, m[y], color=color(cfg, v), lw=1.2, label=label, alpha=0.9)
         ax.set_xlabel(xl)
         drawn += 1
     if drawn:
@@ -125,11 +114,12 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
         if x == "train_flops":
             ax.set_xscale("log")
     else:
-        _missing(ax, f"no {stage} metrics yet for {', '.join(_label(v) for v in wanted)} at scale {scale}")
+        names = ", ".join(legend_label(cfg, v) for v in wanted)
+        mark_missing(ax, f"no {stage} metrics yet for {names} at scale {scale}")
     if mark_spikes and drawn:
         ax.text(0.99, 0.98, f"spike: loss > trailing median + {sp.k:g} x 1.4826 x MAD (window {sp.window} steps)",
                 transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.3")
-    _title(fig, title, cfg)
+    set_title(fig, title, cfg)
     return fig
 
 
@@ -158,10 +148,10 @@ def table_update_loss(cfg, res, ours=None, files=None):
     fig = _curve_figure(cfg, res, "table_update_loss", "tokens", "loss", "training tokens",
                         "training loss (nats/token)", "STEM: dense vs sparse table update, 350M", stage)
     entry = registry.figure("table_update_loss")
-    scale, (dense, sparse) = entry.scale, entry.variants
+    scale, (dense, sparse) = entry.scale, C.figure_variants(cfg, "table_update_loss")
     ax = fig.axes[0]
     for line in ax.get_lines():   # the dense update drawn wider, underneath: the curves nearly coincide
-        if line.get_label() == _label(dense):
+        if line.get_label() == legend_label(cfg, dense):
             line.set(label="STEM (dense update, the paper)", lw=3, alpha=0.6)
     if ax.get_legend() is not None:
         ax.legend(fontsize=9)
@@ -175,17 +165,17 @@ def table_update_loss(cfg, res, ours=None, files=None):
 
 
 def fig1b_niah(cfg, res, ours=None, files=None):
-    scale, wanted = registry.figure("fig1b_niah").scale, registry.figure("fig1b_niah").variants
+    scale, wanted = registry.figure("fig1b_niah").scale, C.figure_variants(cfg, "fig1b_niah")
     stages = T.settings(cfg).stages["figure1b"]
     variants = _variants(cfg, scale, wanted)
     data = {v: niah_cells(res.first_eval(scale, v, stages, "niah")[0]) for v in variants}
-    fig, axes = _plt().subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
+    fig, axes = pyplot().subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
                              layout="constrained")
     ax = axes[0]
     drawn = [v for v in variants if len(data[v])]
     for v in drawn:
         per_len = data[v].groupby("length")["accuracy"].mean()
-        ax.plot(per_len.index, per_len.values, "o-", color=_color(v), label=_label(v))
+        ax.plot(per_len.index, per_len.values, "o-", color=color(cfg, v), label=legend_label(cfg, v))
     if drawn:
         lengths = sorted({L for v in drawn for L in data[v]["length"]})
         ax.set_xscale("log", base=2)
@@ -197,11 +187,11 @@ def fig1b_niah(cfg, res, ours=None, files=None):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
     else:
-        _missing(ax, f"no NIAH results yet ({scale}, stage {'/'.join(stages)})")
+        mark_missing(ax, f"no NIAH results yet ({scale}, stage {'/'.join(stages)})")
     for hax, v in zip(axes[1:], variants or [None]):
         df = data.get(v, pd.DataFrame())
         if v is None or not len(df):
-            _missing(hax, f"no NIAH cells for {_label(v) if v else 'any variant'}")
+            mark_missing(hax, f"no NIAH cells for {legend_label(cfg, v) if v else 'any variant'}")
             continue
         grid = df.pivot_table(index="depth", columns="length", values="accuracy", aggfunc="mean")
         im = hax.imshow(grid.values, aspect="auto", origin="lower", vmin=0, vmax=100, cmap="RdYlGn")
@@ -212,9 +202,9 @@ def fig1b_niah(cfg, res, ours=None, files=None):
                 hax.text(j, i, f"{acc:.0f}", ha="center", va="center", fontsize=8)
         hax.set_xlabel("context length (tokens)")
         hax.set_ylabel("needle depth (% of context)")
-        hax.set_title(_label(v), fontsize=10)
+        hax.set_title(legend_label(cfg, v), fontsize=10)
         fig.colorbar(im, ax=hax, label="accuracy (%)")
-    _title(fig, "Fig. 1b: Needle-in-a-Haystack accuracy, 1B after context extension", cfg)
+    set_title(fig, "Fig. 1b: Needle-in-a-Haystack accuracy, 1B after context extension", cfg)
     return fig
 
 
@@ -222,10 +212,10 @@ def roi_by_scale(cfg, res, ours, files=None):
     t3 = ours.get("table3", T.frame([]))
     paper = P.load_table("table3")
     scales = list(dict.fromkeys(list(t3["scale"]) or ["350m", "1b"]))
-    per_scale = {s: T.ordered_variants(set(t3[t3["scale"] == s]["variant"]) | set(paper[paper["scale"] == s]["variant"]))
+    per_scale = {s: T.ordered_variants(cfg, {*t3[t3["scale"] == s]["variant"], *paper[paper["scale"] == s]["variant"]})
                  for s in scales}
     widths = [max(2, len(v)) for v in per_scale.values()]
-    fig, axes = _plt().subplots(1, len(scales), figsize=(2 + 1.1 * sum(widths), 4.8), layout="constrained",
+    fig, axes = pyplot().subplots(1, len(scales), figsize=(2 + 1.1 * sum(widths), 4.8), layout="constrained",
                              squeeze=False, gridspec_kw={"width_ratios": widths})
     for ax, scale in zip(axes[0], scales):
         mine = t3[(t3["scale"] == scale) & (t3["column"] == "roi")]
@@ -241,18 +231,18 @@ def roi_by_scale(cfg, res, ours, files=None):
             if not math.isnan(pv):
                 ax.text(xi + 0.2, pv + 0.01, f"{pv:.2f}", ha="center", va="bottom", fontsize=7, color="0.35")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_xticks(x, [_label(v) for v in variants], rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(x, [legend_label(cfg, v) for v in variants], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("training ROI (x, dense baseline = 1)")
         ax.set_title(f"scale {scale}", fontsize=10)
         ax.set_ylim(0, max(1.5, np.nanmax(np.r_[ours_v, paper_v, 1.0]) * 1.15))
         ax.legend(fontsize=8, loc="upper left")
-    _title(fig, "Training ROI per scale (Table 3)", cfg)
+    set_title(fig, "Training ROI per scale (Table 3)", cfg)
     return fig
 
 
 def _get(df, variant):
     s = df[df["variant"] == variant]["value"]
-    return float(s.iloc[0]) if len(s) and not T._isnan(s.iloc[0]) else math.nan
+    return float(s.iloc[0]) if len(s) and not T.isnan(s.iloc[0]) else math.nan
 
 
 def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
@@ -262,11 +252,11 @@ def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
     cells = compare(ours, T.settings(cfg).tolerance)
     cells = cells[(cells["table"] == table) & cells["unit"].isin(["%", "score"])]
     have = cells.dropna(subset=["delta"])
-    fig, ax = _plt().subplots(figsize=(6, 5.5), layout="constrained")
+    fig, ax = pyplot().subplots(figsize=(6, 5.5), layout="constrained")
     if len(have):
         for v, g in have.groupby("variant", sort=False):
-            ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=_color(v), label=_label(v),
-                       s=28, alpha=0.85)
+            ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=color(cfg, v),
+                       label=legend_label(cfg, v), s=28, alpha=0.85)
         lo = min(have["paper"].astype(float).min(), have["ours"].astype(float).min(), 0)
         hi = max(have["paper"].astype(float).max(), have["ours"].astype(float).max()) * 1.05
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="ours = paper")
@@ -277,11 +267,11 @@ def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     else:
-        _missing(ax, f"no reproduced cells yet for {table} ({len(cells)} published cells)")
+        mark_missing(ax, f"no reproduced cells yet for {table} ({len(cells)} published cells)")
     n_missing = int((cells["status"] == "missing").sum())
     ax.text(0.01, 0.99, f"{len(have)} cells compared, {n_missing} missing", transform=ax.transAxes, va="top",
             fontsize=8, color="0.3")
-    _title(fig, f"Paper vs reproduced: {table}", cfg)
+    set_title(fig, f"Paper vs reproduced: {table}", cfg)
     return fig
 
 
@@ -297,7 +287,7 @@ def save(fig, png, pdf=None):
             continue
         with atomic_path(path) as tmp:
             fig.savefig(tmp, format=fmt, dpi=130)
-    _plt().close(fig)
+    pyplot().close(fig)
 
 
 # ---- the report's figures, in its order (one entry each; stem.report.registry) --------------------------
@@ -308,32 +298,34 @@ def pretrain_metrics(cfg: dict, evals: list[str], scale: str, variants) -> dict:
                         if s == scale and v in variants and st == stage]}
 
 
-def _curves(scale, variants):
-    return {"scale": scale, "variants": variants,
-            "inputs": lambda cfg, evals: pretrain_metrics(cfg, evals, scale, variants)}
+def _curves(name: str, scale: str) -> dict:
+    """A curve figure's scale and inputs (its variants: stem.config.figure_variants, config/variants.yaml's
+    ``figures:``)."""
+    return {"scale": scale,
+            "inputs": lambda cfg, evals: pretrain_metrics(cfg, evals, scale, C.figure_variants(cfg, name))}
 
 
 registry.report_figure(
     "fig5a_loss_vs_tokens", "Figure 5a: training loss vs training tokens at the 350M scale for the dense baseline, "
     "Hash-MoE and STEM. Crosses mark loss spikes (loss above the trailing median by more than k robust standard "
-    "deviations, 1.4826 x MAD).", **_curves("350m", ("dense", "hashmoe", "stem")))(fig5a_loss_vs_tokens)
+    "deviations, 1.4826 x MAD).", **_curves("fig5a_loss_vs_tokens", "350m"))(fig5a_loss_vs_tokens)
 registry.report_figure(
     "fig5b_loss_vs_flops", "Figure 5b: training loss vs training FLOPs for STEM replacing 1/3, 1/2 and all-but-one "
-    "FFN up-projections (350M scale).", **_curves("350m", ("stem", "stem_half", "stem_full")))(fig5b_loss_vs_flops)
+    "FFN up-projections (350M scale).", **_curves("fig5b_loss_vs_flops", "350m"))(fig5b_loss_vs_flops)
 registry.report_figure(
     "fig1a_val_ppl_vs_tokens", "Figure 1a: validation perplexity vs training tokens at the 1B scale (pretraining).",
-    **_curves("1b", ("dense", "stem")))(fig1a_val_ppl_vs_tokens)
+    **_curves("fig1a_val_ppl_vs_tokens", "1b"))(fig1a_val_ppl_vs_tokens)
 registry.report_figure(
     "fig1b_niah", "Figure 1b: Needle-in-a-Haystack accuracy per context length (mean over needle depths) after "
-    "context extension, and the per-cell accuracy as a length x depth heatmap.", scale="1b", variants=("dense", "stem"),
+    "context extension, and the per-cell accuracy as a length x depth heatmap.", scale="1b",
     inputs=lambda cfg, evals: {"niah": [p for p in evals if p.endswith("eval/niah.json")]})(fig1b_niah)
 registry.report_figure(
     "roi_by_scale", "Training ROI per scale ((Avg/GFLOPs) / (Avg_base/GFLOPs_base), Table 3): this experiment's "
     "models next to the paper's.")(roi_by_scale)
 for _t in ("table3", "table4", "table5", "table6"):
     registry.report_figure(
-        f"paper_vs_ours_{_t}", f"{registry.table(_t).title}: every published cell, the paper's value (x) against this "
-        "experiment's (y); on the diagonal = reproduced exactly.")(partial(paper_vs_ours, table=_t))
+        f"paper_vs_ours_{_t}", f"{registry.TABLES.registered(_t).title}: every published cell, the paper's value (x) "
+        "against this experiment's (y); on the diagonal = reproduced exactly.")(partial(paper_vs_ours, table=_t))
 
 
 def hit_rate_figure(r: dict):
@@ -341,7 +333,7 @@ def hit_rate_figure(r: dict):
     the removed up-projection's memory marked: the report's offload_hit_rate and `bench offload --figure`."""
     xs = [x["cache_rows"] for x in r["hit_rate_curve"]]
     ys = [100 * x["hit_rate"] for x in r["hit_rate_curve"]]
-    fig, ax = _plt().subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     ax.plot(xs, ys, "o-", color="#1f77b4", label="LFU (LRU tie-break), held-out decode, cold start")
     ax.plot(xs, [100 * x["hit_rate_warm"] for x in r["hit_rate_curve"]], "s--", color="#2ca02c",
             label="same, counts warmed on the training split")
@@ -366,9 +358,9 @@ def offload_hit_rate(cfg, res, ours, files):
     """The offload benchmark's hit rate vs cache rows (rule bench_offload, stem.bench.offload); it runs on the
     350M STEM pretrain checkpoint, so an experiment without that run shows the gap."""
     if "offload" not in files:
-        fig, ax = _plt().subplots(figsize=(6, 4))
-        _missing(ax, "no 350m stem pretrain run in this experiment's matrix: nothing to benchmark")
-        _title(fig, "Offloaded STEM tables: hit rate vs cache size", cfg)
+        fig, ax = pyplot().subplots(figsize=(6, 4))
+        mark_missing(ax, "no 350m stem pretrain run in this experiment's matrix: nothing to benchmark")
+        set_title(fig, "Offloaded STEM tables: hit rate vs cache size", cfg)
         return fig
     return hit_rate_figure(json.loads(Path(files["offload"]).read_text()))
 
@@ -389,7 +381,8 @@ registry.report_figure(
 def _table_update_inputs(cfg, evals) -> dict:
     """The two pretraining runs' metrics.jsonl (curves) and summary.json (the final-loss gap)."""
     stage = T.settings(cfg).stages["table3"][0]
-    runs = [(s, v) for s, v, st in C.train_targets(cfg) if s == "350m" and v in ("stem", "stem_sparse") and st == stage]
+    scale, variants = registry.figure("table_update_loss").scale, C.figure_variants(cfg, "table_update_loss")
+    runs = [(s, v) for s, v, st in C.train_targets(cfg) if s == scale and v in variants and st == stage]
     return {"metrics": [L.metrics(cfg["experiment"], s, v, stage) for s, v in runs],
             "summaries": [L.summary(cfg["experiment"], s, v, stage) for s, v in runs]}
 
@@ -398,5 +391,5 @@ registry.report_figure(
     "table_update_loss", "STEM trained with the paper's dense table update (AdamW on every row) and with "
     "optim.table_update: sparse (row-wise AdamW on the rows each batch touches; untouched rows do not move), same "
     "data and seed: training loss vs tokens and the final-loss gap (mean of the last 10 steps, and validation "
-    "loss). Not a paper figure (issue 13, item 5).", scale="350m", variants=("stem", "stem_sparse"),
+    "loss). Not a paper figure (issue 13, item 5).", scale="350m",
     inputs=_table_update_inputs)(table_update_loss)

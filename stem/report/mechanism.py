@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from stem.report import analyses as AR
+from stem.report import figures as F
 from stem.report import registry
 from stem.report import verdict as V
 
@@ -76,7 +77,7 @@ def mechanism_directions(all_res: dict) -> list[dict]:
         ci = V.paired_bootstrap(a, b)
         rows.append({"table": "logitlens", "scale": s, "variant": v, "stage": st,
                      "column": f"mean KL(final||layer) over layers 0..L-2, minus {r['baseline']}'s",
-                     "paper_delta": -1.0, **V._ci_cols(ci, -1.0), "source": CLAIMS["logitlens"]})
+                     "paper_delta": -1.0, **V.ci_cols(ci, -1.0), "source": CLAIMS["logitlens"]})
     for (s, v, st), r in sorted(all_res.get("cka", {}).items()):
         shift = float(np.mean(r["shift"]))
         rows.append({"table": "cka", "scale": s, "variant": v, "stage": st,
@@ -103,26 +104,25 @@ def _cols(ci: dict, sign: float) -> dict:
     if ci["delta"] is None:
         return {"ours_delta": None, "lo": None, "hi": None, "n": ci["n"],
                 "verdict": "missing (the full model scores 0 on a category)"}
-    return V._ci_cols(ci, sign)
+    return V.ci_cols(ci, sign)
 
 
 # ---- figures ------------------------------------------------------------------------------------------------
-def logitlens_fig(res: dict, label: str):
+def logitlens_fig(cfg: dict, res: dict, label: str):
     import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
 
-    from stem.report.figures import COLORS  # not at the top: see stem.report.analyses._register
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for k, ((s, v, st), r) in enumerate(sorted(res.items())):
         for key, name, style in (("model", v, "o-"), ("baseline_model", r["baseline"], "s--")):
             d = r[key]
-            ax.plot(d["layers"][:-1], d["kl"][:-1], style, color=COLORS.get(name), alpha=1 - 0.35 * k,
+            ax.plot(d["layers"][:-1], d["kl"][:-1], style, color=F.color(cfg, name), alpha=1 - 0.35 * k,
                     label=f"{s} {st}: {name}")
     if res:
         ax.set_xticks(range(max(len(r["model"]["layers"]) for r in res.values()) - 1))   # the last: KL 0
     ax.set(xlabel="layer (0-based block output)", ylabel="KL(final || layer) (nats)", yscale="log",
            title="LogitLens: KL of each layer's early exit to the final distribution (last layer: 0)")
     ax.title.set_fontsize(9)
-    AR._legend(ax)
+    AR.legend(ax)
     fig.suptitle(f"DSE paper Fig. 3a (LogitLens), {label}", fontsize=10)
     fig.tight_layout()
     return fig
@@ -147,7 +147,7 @@ def cka_fig(res: dict, label: str):
                      + ("entity-final tokens" if r["tokens"] == "entities" else "held-out tokens"))
         ax.title.set_fontsize(9)
         fig.colorbar(im, ax=ax, fraction=0.046)
-        AR._legend(ax)
+        AR.legend(ax)
     fig.suptitle(f"DSE paper Fig. 3b-c (CKA, minibatch unbiased HSIC)\n{label}", fontsize=10)
     fig.tight_layout()
     return fig
@@ -184,14 +184,14 @@ def disabled_fig(res: dict, label: str):
 
 # ---- the registry's view: long tables from the JSONs --------------------------------------------------------
 def logitlens_long(cfg: dict, res) -> pd.DataFrame:
-    return AR._long("logitlens", cfg, "logitlens", AR._load(cfg, res).get("logitlens", {}), lambda k, r: [
+    return AR.long_frame("logitlens", cfg, "logitlens", AR.load_results(cfg, res).get("logitlens", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {name}", f"L{layer}", kl, "nats")
         for key, name in (("model", k[1]), ("baseline_model", r["baseline"]))
         for layer, kl in zip(r[key]["layers"], r[key]["kl"])])
 
 
 def cka_long(cfg: dict, res) -> pd.DataFrame:
-    return AR._long("cka", cfg, "cka", AR._load(cfg, res).get("cka", {}), lambda k, r: [
+    return AR.long_frame("cka", cfg, "cka", AR.load_results(cfg, res).get("cka", {}), lambda k, r: [
         *[(f"{k[1]} {k[2]}: {r['baseline']} L{i}", f"{k[1]} L{j}", x, "") for i, row in enumerate(r["S"])
           for j, x in enumerate(row)],
         *[(f"{k[1]} {k[2]}: soft alignment a_j (top-{r['topk']})", f"{k[1]} L{j}", a, "")
@@ -202,43 +202,39 @@ def cka_long(cfg: dict, res) -> pd.DataFrame:
 
 
 def disabled_long(cfg: dict, res) -> pd.DataFrame:
-    return AR._long("dse_disabled", cfg, "dse_disabled", AR._load(cfg, res).get("dse_disabled", {}), lambda k, r: [
+    return AR.long_frame("dse_disabled", cfg, "dse_disabled", AR.load_results(cfg, res).get("dse_disabled", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {row['mode']} {row['category']} {row['task']}", c, row[c], "%")
         for row in r["retained"] for c in ("accuracy", "full_accuracy", "retained")])
 
 
-def _register():
-    gap = dict(empty="_(no rows: no DSE checkpoint analysed yet, or config `analysis:` does not run this analysis)_")
-    registry.paper_table(
-        "logitlens", "LogitLens (DSE paper Sec. 6, Fig. 3a): mean KL(final || layer) over held-out tokens per layer, "
-        "DSE and its baseline" + AR.SEED0, inputs=AR.table_inputs("logitlens"), **gap)(logitlens_long)
-    registry.paper_table(
-        "cka", "CKA layer alignment (DSE paper Sec. 6, Fig. 3b-c): S[baseline layer i, DSE layer j] and the soft "
-        "alignment a_j (Eq. 9)" + AR.SEED0, inputs=AR.table_inputs("cka"), **gap)(cka_long)
-    registry.paper_table(
-        "dse_disabled", "DSE module ablation (DSE paper App. G, Figs 9-10): accuracy with the DSE gate forced to 0 "
-        "(disabled) or 1 (forced), and the retained % of the full model" + AR.SEED0,
-        labels={"full_accuracy": "full model", "retained": "retained %"},
-        inputs=AR.table_inputs("dse_disabled"), **gap)(disabled_long)
-    registry.report_figure(
-        "dse_logitlens", "DSE paper Fig. 3a: LogitLens KL(final || layer) per layer for each DSE model (solid) and "
-        "its baseline (dashed) on the same held-out tokens; lower is closer to the final prediction.",
-        inputs=AR._figure_inputs("logitlens"))(
-        AR._figure("logitlens", lambda cfg, res, got, label, files: logitlens_fig(got, label), "LogitLens"))
-    registry.report_figure(
-        "dse_cka", "DSE paper Fig. 3b-c: linear CKA (minibatch, unbiased HSIC) between baseline layer i and DSE "
-        "layer j on the last tokens of entity names, with the soft alignment a_j (dashed white) and the baseline's "
-        "own a_j^self (dotted: the diagonal as the top-k centroid sees it); above it: DSE layer j resembles a "
-        "deeper baseline layer.", inputs=AR._figure_inputs("cka"))(
-        AR._figure("cka", lambda cfg, res, got, label, files: cka_fig(got, label), "CKA"))
-    registry.report_figure(
-        "dse_ablation", "DSE paper Figs 9-10: retained performance (% of the full model's accuracy) per task and "
-        "category with the DSE gate forced to 0 (left) and 1 (right); factual = closed-book world-fact tasks, "
-        "context = passage-grounded tasks.", inputs=AR._figure_inputs("dse_disabled"))(
-        AR._figure("dse_disabled", lambda cfg, res, got, label, files: disabled_fig(got, label), "DSE ablation"))
-
-
-_register()
-
+# ---- this module's tables and figures (after stem.report.analyses', imported above) ---------------------------
+GAP = dict(empty="_(no rows: no DSE checkpoint analysed yet, or config `analysis:` does not run this analysis)_")
+registry.paper_table(
+    "logitlens", "LogitLens (DSE paper Sec. 6, Fig. 3a): mean KL(final || layer) over held-out tokens per layer, "
+    "DSE and its baseline" + AR.SEED0, inputs=AR.table_inputs("logitlens"), **GAP)(logitlens_long)
+registry.paper_table(
+    "cka", "CKA layer alignment (DSE paper Sec. 6, Fig. 3b-c): S[baseline layer i, DSE layer j] and the soft "
+    "alignment a_j (Eq. 9)" + AR.SEED0, inputs=AR.table_inputs("cka"), **GAP)(cka_long)
+registry.paper_table(
+    "dse_disabled", "DSE module ablation (DSE paper App. G, Figs 9-10): accuracy with the DSE gate forced to 0 "
+    "(disabled) or 1 (forced), and the retained % of the full model" + AR.SEED0,
+    labels={"full_accuracy": "full model", "retained": "retained %"},
+    inputs=AR.table_inputs("dse_disabled"), **GAP)(disabled_long)
+registry.report_figure(
+    "dse_logitlens", "DSE paper Fig. 3a: LogitLens KL(final || layer) per layer for each DSE model (solid) and "
+    "its baseline (dashed) on the same held-out tokens; lower is closer to the final prediction.",
+    inputs=AR.analysis_inputs("logitlens"))(
+    AR.analysis_figure("logitlens", lambda cfg, res, got, label, files: logitlens_fig(cfg, got, label), "LogitLens"))
+registry.report_figure(
+    "dse_cka", "DSE paper Fig. 3b-c: linear CKA (minibatch, unbiased HSIC) between baseline layer i and DSE "
+    "layer j on the last tokens of entity names, with the soft alignment a_j (dashed white) and the baseline's "
+    "own a_j^self (dotted: the diagonal as the top-k centroid sees it); above it: DSE layer j resembles a "
+    "deeper baseline layer.", inputs=AR.analysis_inputs("cka"))(
+    AR.analysis_figure("cka", lambda cfg, res, got, label, files: cka_fig(got, label), "CKA"))
+registry.report_figure(
+    "dse_ablation", "DSE paper Figs 9-10: retained performance (% of the full model's accuracy) per task and "
+    "category with the DSE gate forced to 0 (left) and 1 (right); factual = closed-book world-fact tasks, "
+    "context = passage-grounded tasks.", inputs=AR.analysis_inputs("dse_disabled"))(
+    AR.analysis_figure("dse_disabled", lambda cfg, res, got, label, files: disabled_fig(got, label), "DSE ablation"))
 
 AR.EXTRA_DIRECTIONS.append(mechanism_directions)   # the DSE paper's claims (Sec. 6, App. G) in the directions table

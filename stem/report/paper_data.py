@@ -1,9 +1,9 @@
 """The STEM paper's published numbers, transcribed into reference/paper/*.csv.
 
 Every CSV is long format with columns ``table,scale,variant,row,column,value,unit,source``:
-``scale`` is ``350m``/``1b`` (empty where not applicable), ``variant`` a stable id (see
-``VARIANT_LABELS``), ``row`` the paper's row label, ``column`` a stable metric id and ``source``
-the provenance (printed row/column header, or a verbatim quote of the paper text).
+``scale`` is ``350m``/``1b`` (empty where not applicable), ``variant`` a stable id (config/variants.yaml's),
+``row`` the paper's row label (that file's ``label:``), ``column`` a stable metric id and ``source`` the
+provenance (printed row/column header, or a verbatim quote of the paper text).
 
 Another paper's tables live in their own folder under ``reference/`` and are named ``folder/table``
 (``dse_paper/table1``: the DSE paper, Cheng et al., "Conditional Memory via Scalable Lookup"); ``available_tables``
@@ -16,19 +16,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from stem import config as C
-
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "reference"
 PAPER_DIR = REFERENCE_DIR / "paper"
 OTHER_PAPERS = ("dse_paper",)   # folders under reference/ holding another paper's tables
 COLUMNS = ["table", "scale", "variant", "row", "column", "value", "unit", "source"]
-
-def __getattr__(name: str):
-    """``VARIANT_LABELS``: {variant: the paper's row label}, read from config/variants.yaml (each variant's
-    ``label:``, stem.config.variant_labels) whenever it is asked for, in that file's order (the tables' row order)."""
-    if name == "VARIANT_LABELS":
-        return C.variant_labels()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 COMMONSENSE_TASKS = ["arc_easy", "arc_challenge", "boolq", "piqa", "social_iqa", "hellaswag",
                      "openbookqa", "winogrande"]

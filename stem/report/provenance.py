@@ -84,7 +84,7 @@ def results_summary(prov: pd.DataFrame | None) -> dict:
         return {"files": 0, "commits": {}, "versions": {}, "without": 0, "spec_mismatch": []}
     files = [(src, dict(zip(g["column"], g["value"])))
              for (_, _, _, src), g in prov.groupby(["scale", "variant", "row", "source"], sort=False)]
-    has = lambda v: v is not None and not T._isnan(v) and str(v) != ""  # noqa: E731
+    has = lambda v: v is not None and not T.isnan(v) and str(v) != ""  # noqa: E731
     commits = [str(f["commit"]) for _, f in files if has(f.get("commit"))]
     vers = [" ".join(f"{k} {f.get(k)}" for k in ("torch", "lm_eval", "snakemake", "transformers"))
             for _, f in files if has(f.get("torch"))]

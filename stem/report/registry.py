@@ -82,14 +82,16 @@ class Figure:
     caption: under the figure in the README and the HTML report.
     inputs(cfg, evals) -> {name: path or [paths]} the figure reads besides the reproduced tables; ``evals``
         lists the experiment's eval JSONs.
-    scale, variants: what a curve figure plots (None / () for figures that choose for themselves).
+    scale: the scale a figure plots (None for figures that choose for themselves); the variants it draws are the
+        experiment's (config/variants.yaml's ``figures:``, stem.config.figure_variants).
+    experiments: the experiments it is drawn for (() = every one), e.g. a figure of one experiment's own results.
     """
     name: str
     draw: Callable
     caption: str
     inputs: Callable | None = None
     scale: str | None = None
-    variants: tuple = ()
+    experiments: tuple = ()
 
     def __post_init__(self):
         _check_name("figure", self.name)
@@ -110,8 +112,11 @@ def tables():
     return TABLES
 
 
-def figures():
-    return FIGURES
+def figures(experiment: str | None = None):
+    """Every registered figure (a read-only mapping name -> figure), or those drawn for ``experiment``."""
+    if experiment is None:
+        return FIGURES
+    return {n: f for n, f in FIGURES.items() if not f.experiments or experiment in f.experiments}
 
 
 def table(name: str) -> PaperTable:

@@ -162,9 +162,10 @@ def check_summary(path, d: dict, identity: dict):
     """A training summary.json (stem.train.loop): identity, losses, steps and tokens."""
     _identity(path, d, identity)
     _number(path, d, "final_val_loss", 0, math.inf, nullable=True, allow_nan=True)  # NaN: no validation split
-    _number(path, d, "final_train_loss", 0, math.inf)
+    imported = d.get("steps") == 0   # a stage that only imports (steps: 0): no training loss, no tokens
+    _number(path, d, "final_train_loss", 0, math.inf, nullable=imported)
     for key in ("steps", "tokens"):
-        _number(path, d, key, 1, math.inf, integer=True)
+        _number(path, d, key, 0 if imported else 1, math.inf, integer=True)
 
 
 def check_accounting(path, d: dict):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from stem import layout as L
+from stem.report import figures as F
 from stem.report import registry
 from stem.report.sweeps import figure
 from stem.sweeps import in_all
@@ -25,13 +26,10 @@ def _report_draw(kind):
     def draw(cfg, res, ours, files):
         if "sweep" in files:
             return figure(json.loads(Path(files["sweep"]).read_text()))
-        # stem.report.figures looks tables up while it is imported, which imports every built-in report
-        # module (this one included): imported where a placeholder is drawn
-        from stem.report.figures import _missing, _title, plt
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        _missing(ax, f"the {kind} sweep is not part of this run (sweeps.in_all is false or sweeps.{kind} is "
+        fig, ax = F.pyplot().subplots(figsize=(6.5, 4.5))
+        F.mark_missing(ax, f"the {kind} sweep is not part of this run (sweeps.in_all is false or sweeps.{kind} is "
                      f"missing); run it with `snakemake sweep_{kind}`")
-        _title(fig, "DSE paper Fig. 2 " + ("left: loss vs rho" if kind == "rho" else "right: loss vs DSE slots"), cfg)
+        F.set_title(fig, "DSE paper Fig. 2 " + ("left: loss vs rho" if kind == "rho" else "right: loss vs DSE slots"), cfg)
         return fig
     return draw
 

@@ -11,7 +11,7 @@ import numpy as np
 from stem import provenance
 from stem.report.results import ResultError, Results
 from stem.report.tables import experiment_label
-from stem.sweeps import CLAIMS, TOLERANCE, _stage, points
+from stem.sweeps import CLAIMS, TOLERANCE, points, train_settings
 
 
 def fit_loglinear(x, y) -> dict:
@@ -48,7 +48,7 @@ def collect(cfg: dict, kind: str, results_root="results") -> dict:
                    tokens=s["tokens"], wall_seconds=s.get("wall_seconds"))
         rows.append(row)
     out = {"experiment": cfg["experiment"], "label": experiment_label(cfg), "kind": kind, "scale": scale,
-           "stage": stage, "base": sw[kind]["base"], "memory": sw[kind]["memory"], "train": _stage(cfg),
+           "stage": stage, "base": sw[kind]["base"], "memory": sw[kind]["memory"], "train": train_settings(cfg),
            "claim": CLAIMS[kind], "points": rows, "provenance": provenance.record(cfg)}
     losses = [r["val_loss"] for r in rows]
     if any(x is None or not math.isfinite(x) for x in losses):

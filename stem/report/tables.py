@@ -23,9 +23,9 @@ from stem.report.params import accounting_for
 from stem.report.results import Results, as_number, by_length, niah_cells, range_rows, task_score
 from stem.specs import ReportSpec
 
-VARIANT_ORDER = list(P.VARIANT_LABELS)
-PAPER_ROW = {"table6": {"dense": "Base"},  # Table 6 calls the baseline "Base"
-             "dse": {"dense": "Baseline (dense, iso-active)"}}
+# the baseline's row label where a table prints its own (Table 6 calls it "Base"); every other row is the
+# variant's label of the experiment's config (row_labels)
+BASELINE_ROW = {"table6": "Base", "dse": "Baseline (dense, iso-active)"}
 COMMONSENSE_LABELS = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "boolq": "BoolQ", "piqa": "PIQA",
                       "social_iqa": "SIQA", "hellaswag": "HSwag", "openbookqa": "OBQA", "winogrande": "Wino",
                       "avg": "Avg"}
@@ -74,12 +74,35 @@ def settings(cfg: dict):
     return ReportSpec.from_config(cfg)
 
 
+def row_labels(cfg: dict, table: str | None = None) -> dict[str, str]:
+    """{variant: its row label in ``table``}: the config's variant labels (stem.config.variant_labels, with its
+    variant_overrides), the baseline's as the table prints it (``BASELINE_ROW``)."""
+    labels = C.variant_labels(cfg)
+    if table in BASELINE_ROW:
+        labels[C.baseline_variant(cfg)] = BASELINE_ROW[table]
+    return labels
+
+
+def labelled(df: pd.DataFrame, cfg: dict) -> pd.DataFrame:
+    """``df`` with each cell that names no row of its own given its variant's row label (``row_labels``; the
+    variant id for a name the config does not label: a seed, a sweep point)."""
+    missing = df["row"].isna()
+    if not missing.any():
+        return df
+    labels = {t: row_labels(cfg, t) for t in df.loc[missing, "table"].unique()}
+    out = df.copy()
+    out.loc[missing, "row"] = [labels[t].get(v, v) for t, v in zip(df.loc[missing, "table"], df.loc[missing, "variant"])]
+    return out
+
+
 def experiment_label(cfg_or_name) -> str:
     name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name["experiment"]
     if name == "paper":
         return "experiment: paper (paper scale)"
     if name == "tiny":
         return "experiment: tiny (embedded default, not paper scale)"
+    if name == "real":   # config/real.yaml, docs/real.md
+        return "experiment: real (SmolLM2-135M-Instruct, 4-bit Q4_1 weights dequantised; not paper scale)"
     return f"experiment: {name} (not paper scale)"
 
 
@@ -87,13 +110,13 @@ def experiment_label(cfg_or_name) -> str:
 def average(scores: dict) -> float:
     """Avg as the paper defines it: the mean of the eight commonsense tasks (NaN if any is missing)."""
     vals = [scores.get(t) for t in P.COMMONSENSE_TASKS]
-    return float(np.mean(vals)) if all(v is not None and not _isnan(v) for v in vals) else math.nan
+    return float(np.mean(vals)) if all(v is not None and not isnan(v) for v in vals) else math.nan
 
 
 def roi(avg: float, gflops: float, avg_base: float, gflops_base: float) -> float:
     """Training ROI normalised to the same-scale dense baseline: (Avg/GFLOPs) / (Avg_base/GFLOPs_base).
     With equal training tokens this is accuracy per training FLOP relative to the baseline."""
-    if any(_isnan(x) for x in (avg, gflops, avg_base, gflops_base)) or gflops <= 0 or avg_base <= 0:
+    if any(isnan(x) for x in (avg, gflops, avg_base, gflops_base)) or gflops <= 0 or avg_base <= 0:
         return math.nan
     return (avg / gflops) / (avg_base / gflops_base)
 
@@ -103,15 +126,15 @@ def saving_fraction(d: float, d_ff: float, seq_len: float) -> float:
     return 100.0 * d_ff / (4 * d + 2 * seq_len + 3 * d_ff)
 
 
-def _isnan(x) -> bool:
+def isnan(x) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
 
 
 # ---- helpers -------------------------------------------------------------------------------------
 def cell(table, scale, variant, column, value, source="", row=None, unit=None) -> dict:
+    """One cell; ``row`` None: its variant's row label, given by ``labelled`` (build_all) from the config."""
     value = math.nan if value is None else value
-    return {"table": table, "scale": scale, "variant": variant,
-            "row": row or PAPER_ROW.get(table, {}).get(variant) or P.VARIANT_LABELS.get(variant, variant),
+    return {"table": table, "scale": scale, "variant": variant, "row": row or None,
             "column": column, "value": value, "unit": UNITS.get(column, "%") if unit is None else unit,
             "source": source}
 
@@ -120,8 +143,10 @@ def frame(cells: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(cells, columns=P.COLUMNS)
 
 
-def ordered_variants(variants) -> list[str]:
-    return sorted(variants, key=lambda v: VARIANT_ORDER.index(v) if v in VARIANT_ORDER else len(VARIANT_ORDER))
+def ordered_variants(cfg: dict, variants) -> list[str]:
+    """``variants`` in the config's variant order (config/variants.yaml's; the others after them)."""
+    order = list(C.variant_labels(cfg))
+    return sorted(variants, key=lambda v: order.index(v) if v in order else len(order))
 
 
 SCALE_ORDER = ("350m", "1b")
@@ -147,10 +172,12 @@ def accounting(cfg: dict, scale: str, variant: str) -> dict:
 
 
 # ---- Table 3 / 4: commonsense accuracy, parameters, FLOPs, ROI -----------------------------------
-def accuracy_table(table: str, rows: list[tuple], extra_columns=()) -> pd.DataFrame:
+def accuracy_table(table: str, rows: list[tuple], extra_columns=(), baseline: str | None = None) -> pd.DataFrame:
     """Pure aggregation behind Tables 3 and 4. ``rows``: (scale, variant, scores, acct, source) where
     scores is {task: percent} and acct {total_params, paper_total_params, active_params,
-    gflops_per_token} (or None). Adds Avg and, for Table 3, ROI against the same scale's dense row."""
+    gflops_per_token} (or None). Adds Avg and, for Table 3, ROI against the same scale's ``baseline`` row
+    (default: config/variants.yaml's, stem.config.baseline_variant)."""
+    baseline = baseline or C.baseline_variant()
     cells, avgs = [], {}
     for scale, variant, scores, acct, src in rows:
         avgs[(scale, variant)] = average(scores), (acct or {}).get("gflops_per_token", math.nan)
@@ -165,7 +192,7 @@ def accuracy_table(table: str, rows: list[tuple], extra_columns=()) -> pd.DataFr
         avg, gflops = avgs[(scale, variant)]
         cells.append(cell(table, scale, variant, "avg", avg, "mean of the 8 commonsense tasks"))
         if table == "table3":
-            base_avg, base_gflops = avgs.get((scale, "dense"), (math.nan, math.nan))
+            base_avg, base_gflops = avgs.get((scale, baseline), (math.nan, math.nan))
             cells += [cell(table, scale, variant, "gflops_per_token", gflops, "accounting: 2 x active params"),
                       cell(table, scale, variant, "roi", roi(avg, gflops, base_avg, base_gflops),
                            "(Avg/GFLOPs) / (Avg_base/GFLOPs_base), same scale")]
@@ -212,7 +239,7 @@ def seed_scores(cfg: dict, res: Results, scale, variant, stages, suites) -> tupl
            for k in seeds.seeds_of(cfg, scale, variant)]
     tasks = {t for sc, _ in per for t in sc}
     mean = {t: float(np.mean([sc[t] for sc, _ in per if t in sc])) for t in tasks}
-    avgs = [a for a in (average(sc) for sc, _ in per) if not _isnan(a)]
+    avgs = [a for a in (average(sc) for sc, _ in per) if not isnan(a)]
     return mean, "; ".join(src for _, src in per if src != "missing") or "missing", avgs
 
 
@@ -250,7 +277,7 @@ def table3(cfg: dict, res: Results) -> pd.DataFrame:
     rows, spread = [], {}
     trained = set(C.train_targets(cfg))
     for scale in scales_with(cfg, stages[0]):
-        for v in ordered_variants(cfg["matrix"][scale]["variants"]):
+        for v in ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
             if (scale, v, stages[0]) not in trained:
                 continue   # a mid-training insertion (stem_insert) has no pretraining of its own
             scores, src, spread[scale, v] = seed_scores(cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
@@ -259,18 +286,19 @@ def table3(cfg: dict, res: Results) -> pd.DataFrame:
     def val_loss(scale, variant):   # Avg and val loss are means over seeds; their spread beside them
         return (val_loss_cells(cfg, res, scale, variant, stages[0])
                 + seed_spread(cfg, scale, variant, spread[scale, variant]))
-    return accuracy_table("table3", rows, val_loss)
+    return accuracy_table("table3", rows, val_loss, C.baseline_variant(cfg))
 
 
 def table4(cfg: dict, res: Results) -> pd.DataFrame:
     stages = settings(cfg).stages["table4"]
     rows, spread = [], {}
     for scale in scales_with(cfg, stages[0]):
-        for v in ordered_variants(cfg["matrix"][scale]["variants"]):
+        for v in ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
             scores, src, spread[scale, v] = seed_scores(
                 cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS, "gsm8k": ["gsm8k"], "mmlu": ["mmlu"]})
             rows.append((scale, v, scores, None, src))
-    return accuracy_table("table4", rows, lambda scale, v: seed_spread(cfg, scale, v, spread[scale, v]))
+    return accuracy_table("table4", rows, lambda scale, v: seed_spread(cfg, scale, v, spread[scale, v]),
+                          C.baseline_variant(cfg))
 
 
 def table5(cfg: dict, res: Results) -> pd.DataFrame:
@@ -285,7 +313,7 @@ def longbench_table(table: str, cfg: dict, res: Results) -> pd.DataFrame:
     stages = settings(cfg).stages[table]
     cells = []
     for scale in scales_with(cfg, stages[0]):
-        for v in ordered_variants(cfg["matrix"][scale]["variants"]):
+        for v in ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
             lb, lb_stage = res.first_eval(scale, v, stages, "longbench")
             for col in P.TASKS[table]:
                 if col in LONGBENCH:
@@ -301,19 +329,19 @@ def longbench_table(table: str, cfg: dict, res: Results) -> pd.DataFrame:
 def figure1b(cfg: dict, res: Results) -> pd.DataFrame:
     """NIAH accuracy per context length (mean over depths) and STEM's gap over the baseline at the
     shortest and longest length (the numbers quoted in Sec. 1)."""
-    stages = settings(cfg).stages["figure1b"]
+    stages, baseline = settings(cfg).stages["figure1b"], C.baseline_variant(cfg)
     cells = []
     for scale in scales_with(cfg, stages[0]):
         per_len = {}
-        for v in ordered_variants(cfg["matrix"][scale]["variants"]):
+        for v in ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
             ev, stage = res.first_eval(scale, v, stages, "niah")
             df = niah_cells(ev)
             per_len[v] = df.groupby("length")["accuracy"].mean() if len(df) else pd.Series(dtype=float)
             for length, acc in per_len[v].items():
                 cells.append(cell("figure1b", scale, v, f"niah_{length}", acc, f"{scale}/{v}/{stage}/eval/niah.json"))
-        base = per_len.get("dense", pd.Series(dtype=float))
+        base = per_len.get(baseline, pd.Series(dtype=float))
         for v, s in per_len.items():
-            if v == "dense":
+            if v == baseline:
                 continue
             common = sorted(set(s.index) & set(base.index))
             gaps = [s[common[0]] - base[common[0]], s[common[-1]] - base[common[-1]]] if common else [None, None]
@@ -326,8 +354,8 @@ def figure1b(cfg: dict, res: Results) -> pd.DataFrame:
 DSE_PARAMS = {"p_tot_b": "p_tot", "p_act_b": "p_act", "dse_params_b": "dse_params"}   # column -> accounting key
 # Our rows and the DSE paper's models they stand for in the direction check: the iso-active dense baseline
 # (Dense-4B) and DSE (DSE-27B; its claim also holds against the iso-parameter MoE-27B, which has no tiny
-# counterpart here).
-DSE_PAPER_MODEL = {"dense": "dense_4b", "dse": "dse_27b"}
+# counterpart here): the baseline's model, then DSE's.
+DSE_PAPER_MODEL = ("dense_4b", "dse_27b")
 
 
 def dse_accounting(cfg: dict, res: Results, scale: str, variant: str, stages) -> dict:
@@ -347,12 +375,12 @@ def dse_table(cfg: dict, res: Results) -> pd.DataFrame:
     """Per scale with a ``dse`` model: the dense baseline and DSE, with the DSE paper's parameter convention
     (Sec. 3.1: P_tot, P_act without embedding and head; DSE params = the hashed tables), GFLOPs/token,
     the validation loss and the zero-shot commonsense accuracies (the pretrain eval JSONs, as Table 3)."""
-    stages = settings(cfg).stages["dse"]
+    stages, baseline = settings(cfg).stages["dse"], C.baseline_variant(cfg)
     cells = []
     for scale in scales_with(cfg, stages[0]):
         if "dse" not in cfg["matrix"][scale]["variants"]:
             continue
-        for v in [v for v in ("dense", "dse") if v in cfg["matrix"][scale]["variants"]]:
+        for v in [v for v in (baseline, "dse") if v in cfg["matrix"][scale]["variants"]]:
             acct = dse_accounting(cfg, res, scale, v, stages)
             for column, key in DSE_PARAMS.items():   # a gap where the accounting lacks the key
                 cells.append(cell("dse", scale, v, column, acct[key] / 1e9 if key in acct else None, acct["source"]))
@@ -369,10 +397,10 @@ def dse_table(cfg: dict, res: Results) -> pd.DataFrame:
 
 def dse_paper_directions(df: pd.DataFrame, scales) -> pd.DataFrame:
     """The DSE paper's Table 1 as the direction check reads it: at each of our ``scales``, Dense-4B as our
-    ``dense`` row and DSE-27B as our ``dse`` row (the sign of DSE-27B - Dense-4B is the claim checked), in the
-    columns both tables have (the validation loss and five commonsense tasks)."""
-    keep = df[df["variant"].isin(DSE_PAPER_MODEL.values()) & df["column"].isin(["val_loss", *P.COMMONSENSE_TASKS])]
-    back = {p: v for v, p in DSE_PAPER_MODEL.items()}
+    baseline row (stem.config.baseline_variant) and DSE-27B as our ``dse`` row (the sign of DSE-27B - Dense-4B is
+    the claim checked), in the columns both tables have (the validation loss and five commonsense tasks)."""
+    keep = df[df["variant"].isin(DSE_PAPER_MODEL) & df["column"].isin(["val_loss", *P.COMMONSENSE_TASKS])]
+    back = dict(zip(DSE_PAPER_MODEL, (C.baseline_variant(), "dse")))
     return pd.concat([keep.assign(scale=s, variant=keep["variant"].map(back)) for s in scales] or [keep.iloc[:0]],
                      ignore_index=True)
 
@@ -437,8 +465,8 @@ def table2_paper_cells(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_all(cfg: dict, res: Results) -> dict[str, pd.DataFrame]:
-    """Every registered table, in the registry's order."""
-    return {name: t.build(cfg, res) for name, t in registry.tables().items()}
+    """Every registered table, in the registry's order, each cell's row labelled from the config (``labelled``)."""
+    return {name: labelled(t.build(cfg, res), cfg) for name, t in registry.tables().items()}
 
 
 # ---- display -------------------------------------------------------------------------------------
@@ -446,7 +474,7 @@ def fmt(value, column: str, unit: str = "") -> str:
     """A cell as printed; a missing value is an em dash (a visible gap)."""
     if isinstance(value, str):
         return value
-    if _isnan(value):
+    if isnan(value):
         return "—"
     if column == "roi":
         return f"{value:.2f}x"

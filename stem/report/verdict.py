@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from stem import config as C
 from stem import seeds
+from stem.models.registry import ffn_facts
 from stem.report import paper_data as P
 
 LEVEL = 0.95
@@ -123,7 +125,7 @@ def item_scores(raw_json, task: str, metric: str) -> dict[int, float]:
     return out
 
 
-def _paired(a: dict, b: dict):
+def paired(a: dict, b: dict):
     keys = sorted(set(a) & set(b))
     return [a[k] for k in keys], [b[k] for k in keys]
 
@@ -144,7 +146,7 @@ def _task_items(results, exp, scale, variant, stage, suite, task, subtasks=None)
 
 
 def table_directions(cfg: dict, root=".", results=None) -> list[dict]:
-    """Each Table 3/4 accuracy direction (variant vs dense, per task and the commonsense average) with its
+    """Each Table 3/4 accuracy direction (variant vs the baseline, per task and the commonsense average) with its
     paired-bootstrap interval over items and a verdict against the paper's sign. ``results``: the results
     folder (default ``{root}/results``)."""
     results = Path(results) if results is not None else Path(root) / "results"
@@ -152,43 +154,43 @@ def table_directions(cfg: dict, root=".", results=None) -> list[dict]:
     stages = (cfg.get("report") or {}).get("stages") or {}
     groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
     suite_of = {t: "commonsense" for t in P.COMMONSENSE_TASKS} | {"mmlu": "mmlu", "gsm8k": "gsm8k"}
-    rows = []
+    rows, base = [], C.baseline_variant(cfg)
     for table in ("table3", "table4"):
         paper = P.load_table(table).set_index(["scale", "variant", "column"])["value"]
         for (scale, variant, column), pv in paper.items():
-            if variant == "dense" or (scale, "dense", column) not in paper.index:
+            if variant == base or (scale, base, column) not in paper.index:
                 continue
             if column not in suite_of and column != "avg":
                 continue
-            p_delta = float(pv - paper[(scale, "dense", column)])
+            p_delta = float(pv - paper[(scale, base, column)])
             stage = next((st for st in stages.get(table, []) if (results / exp / scale / variant / st
                                                                   / "eval").is_dir()), None)
             ci, per_seed = None, []
             if stage is not None:
                 tasks = P.COMMONSENSE_TASKS if column == "avg" else [column]
-                # every seed both models ran (stem.seeds; seed k of dense paired with seed k of the variant)
-                for k in sorted(set(seeds.seeds_of(cfg, scale, "dense")) & set(seeds.seeds_of(cfg, scale, variant))):
+                # every seed both models ran (stem.seeds; seed k of the baseline paired with seed k of the variant)
+                for k in sorted(set(seeds.seeds_of(cfg, scale, base)) & set(seeds.seeds_of(cfg, scale, variant))):
                     pairs = []
                     for t in tasks:
-                        a = _task_items(results, exp, scale, seeds.seed_id("dense", k), stage, suite_of[t], t,
+                        a = _task_items(results, exp, scale, seeds.seed_id(base, k), stage, suite_of[t], t,
                                         groups.get(t))
                         b = _task_items(results, exp, scale, seeds.seed_id(variant, k), stage, suite_of[t], t,
                                         groups.get(t))
                         if a is None or b is None:
                             pairs = []
                             break
-                        pairs.append(_paired(a, b))
+                        pairs.append(paired(a, b))
                     if pairs:
                         per_seed.append([(np.asarray(x) * 100, np.asarray(y) * 100) for x, y in pairs])
                 if per_seed:
                     ci = seeded_bootstrap(per_seed)
             rows.append({"table": table, "scale": scale, "variant": variant, "column": column, "stage": stage,
-                         "paper_delta": p_delta, **_ci_cols(ci, p_delta), "seeds": len(per_seed),
-                         "source": f"{table.capitalize()}, {scale}, {variant} vs dense, column {column}"})
+                         "paper_delta": p_delta, **ci_cols(ci, p_delta), "seeds": len(per_seed),
+                         "source": f"{table.capitalize()}, {scale}, {variant} vs {base}, column {column}"})
     return rows
 
 
-def _ci_cols(ci, sign) -> dict:
+def ci_cols(ci, sign) -> dict:
     if ci is None:
         return {"ours_delta": None, "lo": None, "hi": None, "n": 0, "verdict": "missing"}
     return {"ours_delta": ci["delta"], "lo": ci["lo"], "hi": ci["hi"], "n": ci["n"], "verdict": classify(ci, sign)}
@@ -209,16 +211,27 @@ def dse_loss_claim() -> tuple[float, str]:
                    "here vs the iso-active dense model")
 
 
-def loss_directions(analyses: dict) -> list[dict]:
-    """``analyses``: {(scale, variant, stage): heldout JSON}; each variant vs the dense model of its scale/stage
-    (STEM variants: the STEM paper's claim; dse: the DSE paper's)."""
-    rows = []
+def loss_claim(cfg: dict, variant: str) -> tuple[float, str] | None:
+    """(sign, source) of the paper's loss claim ``variant`` is read against: the DSE paper's for a variant with a
+    DSE memory, the STEM paper's for one whose FFN kind has a token-indexed table (its registered facts,
+    stem.models.registry); None for the others (no claim)."""
+    spec = C.variant_spec(cfg, variant)
+    if spec.get("dse"):
+        return dse_loss_claim()
+    return (-1.0, LOSS_SOURCE) if spec.get("ffn") and ffn_facts(spec["ffn"]).table else None
+
+
+def loss_directions(cfg: dict, analyses: dict) -> list[dict]:
+    """``analyses``: {(scale, variant, stage): heldout JSON}; each variant with a claim (``loss_claim``) vs the
+    experiment's baseline (stem.config.baseline_variant) of its scale/stage."""
+    rows, baseline = [], C.baseline_variant(cfg)
     for (scale, variant, stage), r in sorted(analyses.items()):
-        base = analyses.get((scale, "dense", stage))
-        if variant == "dense" or base is None or not (variant.startswith("stem") or variant == "dse"):
+        base = analyses.get((scale, baseline, stage))
+        claim = None if variant == baseline or base is None else loss_claim(cfg, variant)
+        if claim is None:
             continue
-        sign, source = dse_loss_claim() if variant == "dse" else (-1.0, LOSS_SOURCE)
+        sign, source = claim
         ci = paired_bootstrap(base["window_loss"], r["window_loss"])
         rows.append({"table": "heldout_loss", "scale": scale, "variant": variant, "column": "val_loss",
-                     "stage": stage, "paper_delta": sign, **_ci_cols(ci, sign), "source": source})
+                     "stage": stage, "paper_delta": sign, **ci_cols(ci, sign), "source": source})
     return rows

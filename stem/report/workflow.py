@@ -13,7 +13,8 @@ def report_files(experiment: str) -> list[str]:
     something asks for."""
     return ([L.table_file(experiment, t, ext) for t in registry.tables() for ext in L.TABLE_FILES]
             + [L.reproduced(experiment)] + [L.diff_file(experiment, name) for name in L.DIFF_FILES]
-            + [L.figure_file(experiment, f, ext) for f in registry.figures() for ext in L.FIGURE_FILES])
+            + [L.figure_file(experiment, f, ext) for f in registry.figures(experiment)
+               for ext in L.FIGURE_FILES])
 
 
 def report_outputs(experiment: str) -> list[str]:

@@ -15,8 +15,9 @@ Counted from the code, per FSDP2 unit:
 - row-sharded tables (``train.tables: rows``, ``stem.train.tables``): four all-to-alls per table a micro-batch
   (the counts asked of each owner, int64; the ids asked of this rank, int64; the rows this rank reads, bf16
   under mixed precision; the gradients of the rows asked of it, fp32); data-dependent (``lookups``: counted
-  from the batch in tests, estimated for the paper, ``expected_lookups``); with activation checkpointing the
-  forward's three run again when backward recomputes the block (an FSDP unit is not gathered again: counted).
+  from the batch in tests, estimated for the paper's busiest rank, ``expected_lookups``); with activation
+  checkpointing the forward's three run again when backward recomputes the block (an FSDP unit is not gathered
+  again: counted).
 - row-sparse tables (``optim.table_update: sparse``): three all-gathers per table a step (each rank's count
   of unique rows, int64; the ids, int64; the fp32 rows), padded to the rank with most unique rows
   (``unique_rows``; data-dependent: counted from the batch in tests, estimated for the paper, ``zipf_unique``).
@@ -29,7 +30,8 @@ payload: its output).
 Bytes on the wire per GPU (``per_gpu``) are the ring algorithm's: an all-gather or reduce-scatter moves
 (W-1)/W of its payload through every GPU, an all-reduce twice that. Time is those bytes over the slowest link
 a ring crosses: the inter-node bandwidth when the job spans nodes, else the intra-node one (stated defaults
-below, overridable); no overlap with compute is assumed in the ratio (it is comm time / compute time). Compute
+below, overridable); a host table's copies (``host_copy``: not a collective) cross PCIe at a stated bandwidth;
+no overlap with compute is assumed in the ratio (it is comm time / compute time). Compute
 is the step's FLOPs per GPU (``stem.models.accounting.flops_per_token``) at a stated MFU of a stated peak.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from stem.models.accounting import accounting, flops_per_token
 from stem.models.registry import param_roles
 from stem.train.plan import ParallelPlan
+from stem.train.tables import owner_load
 
 # Stated link bandwidths per GPU, GB/s (1e9 B/s), one direction: NVLink 4 (H100 SXM datasheet: 900 GB/s
 # bidirectional per GPU) within a node; one 400 Gb/s NDR InfiniBand NIC per GPU between nodes (DGX H100).
@@ -56,8 +59,9 @@ INTER_NODE_GBS = 50.0
 MFU = 0.40                 # the compute side of the ratio (the paper config's cost note uses the same)
 PEAK_TFLOPS = 989.0        # H100 SXM dense bf16 (stem.train.throughput.PEAK_BF16_TFLOPS)
 
+PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s nominal), what a copy achieves
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
-         "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "scalars")
+         "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
 
 
 @dataclass(frozen=True)
@@ -145,37 +149,81 @@ def as_counter(cs: list[Collective]) -> Counter:
     return c
 
 
-def expected_lookups(model, plan: ParallelPlan) -> list[tuple[int, int, int]]:
-    """(width, unique ids, ids asked of this rank) of each row-sharded lookup of a step on one rank, estimated:
-    a micro-batch's unique ids of a token-indexed table (STEM) by ``zipf_unique``, of a hashed one (DSE) as
-    uniform draws over its rows; each owner asked as many ids as it reads (balanced: a table's blocks of rows
-    equally popular, which a vocabulary ordered by frequency makes optimistic for the first blocks)."""
-    roles, n = param_roles(model), plan.micro_batch * plan.seq_len
+def expected_lookups(model, plan: ParallelPlan, names: tuple[str, ...] | None = None) -> list[tuple[int, int, int]]:
+    """(width, unique ids, ids asked of this rank) of each row-sharded lookup of a step on the busiest rank,
+    estimated: a micro-batch's unique ids of a token-indexed table (STEM) by ``zipf_seen``, of a hashed one (DSE)
+    as uniform draws over its rows; the ids asked of the busiest owner (``stem.train.tables``: ids interleaved
+    over the ranks, so a vocabulary ordered by frequency spreads its frequent ids over all of them) the world's
+    micro-batches' unique ids it owns (rank 0's, with the most frequent id; ``owner_imbalance`` measures it).
+    ``names``: other tables than the row-sharded ones (the host tables: ``host_copy_bytes``)."""
+    roles, n, w = param_roles(model), plan.micro_batch * plan.seq_len, plan.world
     out = []
-    for name in plan.row_sharded:
+    for name in plan.row_sharded if names is None else names:
         weight = model.get_submodule(name).weight
         rows, d = weight.shape
-        hashed = getattr(roles.get(id(weight)), "group", None) == "dse_table"
-        u = round(rows * -math.expm1(n * math.log1p(-1 / rows))) if hashed else zipf_unique(n, rows)
-        out += [(d, u, u)] * (plan.accum // plan.world)
+        if getattr(roles.get(id(weight)), "group", None) == "dse_table":
+            u = round(rows * -math.expm1(n * math.log1p(-1 / rows)))
+            asked = u
+        else:
+            seen = zipf_seen(n, rows)
+            u = int(round(float(seen.sum())))
+            asked = int(round(w * float(seen[::w].sum())))
+        out += [(d, u, asked)] * (plan.accum // plan.world)
     return out
 
 
-def zipf_unique(tokens: int, vocab: int) -> int:
-    """Expected distinct ids among ``tokens`` draws of a Zipf(1) law over ``vocab`` ids (natural text's rank-
-    frequency law): sum over ids of 1 - (1 - p_i)^tokens. An estimate, used where no batch is at hand."""
+def zipf_seen(tokens: int, vocab: int) -> torch.Tensor:
+    """The probability that each of ``vocab`` ids occurs among ``tokens`` draws of a Zipf(1) law (natural text's
+    rank-frequency law, id i the (i+1)-th most frequent): 1 - (1 - p_i)^tokens. An estimate, used where no
+    batch is at hand."""
     p = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     p /= p.sum()
-    return int(round(float((1 - (1 - p) ** tokens).sum())))
+    return 1 - (1 - p) ** tokens
+
+
+def zipf_unique(tokens: int, vocab: int) -> int:
+    """Expected distinct ids among ``tokens`` draws of a Zipf(1) law over ``vocab`` ids (``zipf_seen``)."""
+    return int(round(float(zipf_seen(tokens, vocab).sum())))
+
+
+def owner_imbalance(tokens, rows: int, world: int, micro_tokens: int) -> dict:
+    """Measured on a token stream (1-D): the rows the busiest owner of a row-sharded token-indexed table of
+    ``rows`` ids is asked for in a step, over the mean owner's, for contiguous blocks of ids and for the
+    interleaved map (``stem.train.tables``). A step: ``world`` consecutive micro-batches of ``micro_tokens``, one
+    a rank; an owner is asked, summed over the ranks, each micro-batch's unique ids it owns. Mean over the
+    stream's whole steps (``steps``)."""
+    t = torch.as_tensor(tokens).long()
+    steps = len(t) // (micro_tokens * world)
+    if steps == 0:
+        raise ValueError(f"owner_imbalance: {len(t)} tokens hold no step of {world} x {micro_tokens}")
+    out = {"steps": steps}
+    for name, interleaved in (("blocks", False), ("interleaved", True)):
+        ratios = []
+        for s in range(steps):
+            load = sum(owner_load(t[(s * world + r) * micro_tokens:(s * world + r + 1) * micro_tokens], rows, world,
+                                  interleaved) for r in range(world))
+            ratios.append(float(load.max() / load.double().mean()))
+        out[name] = sum(ratios) / steps
+    return out
+
+
+def host_copy_bytes(model, plan: ParallelPlan) -> float:
+    """Bytes a step of host tables (``train.tables: host``, ``stem.train.tables``) moves over PCIe: each
+    micro-batch's unique rows of every host table to the GPU (fp32, as the host keeps them; again when a
+    checkpointed block recomputes its forward) and their gradients back (fp32); unique rows estimated as
+    ``expected_lookups``'s. The prefetch (one micro-batch ahead) hides the copies' latency, not their bytes."""
+    fwd = 2 if plan.activation_checkpointing else 1
+    return float(sum(4 * uniq * d * (fwd + 1) for d, uniq, _ in expected_lookups(model, plan, plan.host_tables)))
 
 
 def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixed_precision: bool = True,
                unique_rows: int | None = None, intra_gbs: float = INTRA_NODE_GBS, inter_gbs: float = INTER_NODE_GBS,
-               mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, acct: dict | None = None) -> dict:
+               mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, acct: dict | None = None,
+               pcie_gbs: float = PCIE_GBS) -> dict:
     """One step of ``model`` laid out as ``plan``: bytes per GPU by kind, the comm time at the link bandwidth the
-    job's ring crosses, the compute time at ``mfu`` of ``peak_tflops``, and their ratio. ``unique_rows``
-    (row-sparse tables): default ``zipf_unique`` of a rank's tokens a step; ``acct``: the model's accounting,
-    if already at hand."""
+    job's ring crosses (the host tables' copies at ``pcie_gbs``), the compute time at ``mfu`` of
+    ``peak_tflops``, and their ratio. ``unique_rows`` (row-sparse tables): default ``zipf_unique`` of a rank's
+    tokens a step; ``acct``: the model's accounting, if already at hand."""
     w = plan.world
     if unique_rows is None and plan.row_sparse:
         unique_rows = zipf_unique(plan.accum // w * plan.micro_batch * seq_len, model.cfg.vocab_size)
@@ -183,25 +231,30 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     by_kind = {k: 0.0 for k in KINDS}
     for c in cs:
         by_kind[c.kind] += c.wire_bytes(w)
+    by_kind["host_copy"] = host_copy_bytes(model, plan)
     nodes = max(1, math.ceil(w / max(gpus_per_node, 1)))
     gbs = inter_gbs if nodes > 1 else intra_gbs
     total = sum(by_kind.values())
     tokens_per_gpu = plan.accum * plan.micro_batch * seq_len / w
     compute_s = flops_per_token(acct or accounting(model), model.cfg, seq_len) * tokens_per_gpu / (mfu * peak_tflops * 1e12)
-    comm_s = total / (gbs * 1e9)
+    comm_s = (total - by_kind["host_copy"]) / (gbs * 1e9) + by_kind["host_copy"] / (pcie_gbs * 1e9)
     return {"world": w, "nodes": nodes, "strategy": plan.strategy, "bytes_per_gpu": by_kind, "total_bytes": total,
             "table_bytes": sum(by_kind[k] for k in ("table_all_gather", "table_reduce_scatter", "row_sharded_lookup",
                                                     "row_sparse_gather")),
             "unique_rows": unique_rows if plan.row_sparse else None, "link_gbs": gbs if w > 1 else None,
             "comm_s": comm_s, "compute_s": compute_s, "mfu": mfu, "peak_tflops": peak_tflops,
-            "intra_gbs": intra_gbs, "inter_gbs": inter_gbs,
+            "intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "pcie_gbs": pcie_gbs,
             "comm_compute_ratio": comm_s / compute_s}
 
 
 def describe(r: dict) -> str:
     """One line: the step's bytes per GPU by kind, times and ratio."""
     if r["world"] == 1:
-        return f"communication per step: none (world 1); compute {r['compute_s']:.3g} s at {r['mfu']:.0%} MFU"
+        host = r["bytes_per_gpu"]["host_copy"]
+        copies = (f"host tables' copies {host / 1e9:.3g} GB = {r['comm_s']:.3g} s at {r['pcie_gbs']:g} GB/s (PCIe)"
+                  if host else "none")
+        return (f"communication per step: {copies} (world 1); compute {r['compute_s']:.3g} s at {r['mfu']:.0%} MFU: "
+                f"comm/compute {r['comm_compute_ratio']:.2f}")
     kinds = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in r["bytes_per_gpu"].items() if v)
     return (f"communication per GPU per step at world {r['world']} ({r['nodes']} node(s), {r['strategy']}): "
             f"{r['total_bytes'] / 1e9:.3g} GB ({kinds} GB) = {r['comm_s']:.3g} s at {r['link_gbs']:g} GB/s vs "
@@ -290,7 +343,7 @@ def experiment(cfg: dict, jobs, gpus: int | None = None, strategy: str | None = 
 def render(rows: list[dict], title: str) -> str:
     """The experiment's table (GB per GPU per step by kind; seconds), then the whole DAG's GPU-hours."""
     head = ("job", "world", "backbone AG", "backbone RS", "table AG", "table RS", "row lookups", "row-sparse", "DP AR",
-            "total GB",
+            "host copy", "total GB",
             "comm s", "compute s", "comm/compute", "comm vs dense", "step vs dense")
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

@@ -16,8 +16,9 @@ Sharding (``parallelize``, as the plan says):
 - the backbone: ``fully_shard`` per transformer block plus the root (FSDP2, ``strategy="fsdp"``; the token
   embedding and the LM head are the root's, so a tied pair, ``tie_embeddings``, is one unit), or
   replicated with one gradient all-reduce per step (``strategy="ddp"``, for small models);
-- row-sparse tables (``optim.table_update: sparse``, the plan's ``row_sparse``): replicated on every rank,
-  outside FSDP (FSDP cannot carry sparse gradients); their (ids, rows) gradients are all-gathered instead;
+- row-sparse tables (``optim.table_update: sparse``, the plan's ``row_sparse``; under ``train.tables: rows``
+  they are row-sharded instead, below): replicated on every rank, outside FSDP (FSDP cannot carry sparse
+  gradients); their (ids, rows) gradients are all-gathered instead;
 - STEM tables and DSE tables (under ``train.tables: fsdp``, the default), Hash-MoE experts and the routed MoE's
   experts: each such module gets its own ``fully_shard`` unit on the
   world mesh *before* the backbone is wrapped, so they are sharded over all ranks (dim 0: table rows /
@@ -143,7 +144,7 @@ def parallelize(model, ctx: DistContext, plan: ParallelPlan, mixed_precision: bo
           if mixed_precision else MixedPrecisionPolicy())
     ignored = set(plan.row_sparse_params(model))   # replicated (row-sparse) or row-sharded tables: outside FSDP
     if plan.row_sharded:
-        ignored |= set(tables.shard_rows(model, plan.row_sharded, ctx.mesh, mixed_precision))
+        ignored |= set(tables.shard_rows(model, plan.row_sharded, ctx.mesh, mixed_precision, plan.sparse_rows))
     ignored = ignored or None
     units = plan.shard_units(model)
     if model.cfg.tie_embeddings and any(p is model.tok_emb.weight for m in units for p in m.parameters()):
@@ -278,6 +279,7 @@ def save_state(state_dir, step: int, model, opt, extra: dict, ctx: DistContext, 
         tmp.mkdir(parents=True)
     dist.barrier()
     msd, osd = get_state_dict(model, opt)
+    tables.logical_state(model, msd, osd)   # row-sharded tables in id order: the same state at any world size
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
     if ctx.is_main:
         atomic_write_json(tmp / "extra.json", {"step": step, "world_size": ctx.world, **extra})
@@ -298,7 +300,7 @@ def load_state(state_dir, model, opt, ctx: DistContext) -> dict | None:
             try:
                 return _load_state_folder(folder, model, opt, ctx)
             except Exception as e:  # a state written before manifests, damaged in a way sizes do not show
-                problem = f"{folder}: unreadable ({type(e).__name__}: {ck._first_line(e)})"
+                problem = f"{folder}: unreadable ({type(e).__name__}: {ck.first_line(e)})"
         bad.append(problem)
         if ctx.is_main:
             print(f"warning: {problem}; falling back to the previous state", file=sys.stderr)
@@ -316,12 +318,15 @@ def _load_state_folder(folder: Path, model, opt, ctx: DistContext) -> dict:
     if (folder / "dcp").is_dir():
         import torch.distributed.checkpoint as dcp   # multi-rank only (see the note above DistContext)
         msd, osd = get_state_dict(model, opt)
+        tables.logical_state(model, msd, osd)   # what save_state wrote: row-sharded tables in id order
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        tables.logical_state(model, state["model"], state["optim"], inverse=True)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:  # a single-process state resumed on several ranks: full tensors, each rank keeps its shard
         full = loaded_state(load_file(str(folder / "model.safetensors")), model.cfg)
         osd = _fqn_optimizer_state(torch.load(folder / "optim.pt", weights_only=True, map_location="cpu"), model)
+        tables.logical_full(model, full, osd, inverse=True)   # row-sharded tables: to their interleaved storage
         set_state_dict(model, opt, model_state_dict=full, optim_state_dict=osd,
                        options=StateDictOptions(full_state_dict=True))
     return json.loads((folder / "extra.json").read_text())
@@ -342,6 +347,7 @@ def full_model_view(model, ctx: DistContext):
     # multi-rank only (see the note above DistContext)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    tables.logical_full(model, full)   # row-sharded tables in id order
 
     class _Full:
         cfg = model.cfg

@@ -101,6 +101,7 @@ class Run:
     t0: float                   # when this process started the job
     meter: throughput.Meter     # tokens/s per GPU and MFU
     comms: dict                 # the modelled communication of a step (stem.train.comms.model_step)
+    import_parity: dict | None = None   # a transformers checkpoint's logits vs ours (load_init); into the summary
     step: int = 0
     wall_before: float = 0.0    # wall time of the attempts before a resume
     val_loss: float = float("nan")
@@ -158,12 +159,11 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     model = build_model(spec.model, ctx.device)
     if spec.model.dse is not None:
         model.set_dse_vocabulary(load_tokenizer(spec.tokenizer))
-    if spec.init_from:
-        load_init(model, spec)
+    parity = load_init(model, spec, parity=ctx.is_main) if spec.init_from else None
     accounting = model_accounting(model)
     # the job's layout, decided once: micro-batches, strategy, the tables optim.table_update: sparse trains row-sparse
     sparse = spec.optim.row_sparse_tables(model)
-    tables = row_shardable(model, sparse)
+    tables = row_shardable(model)
     try:
         plan = ParallelPlan.of(tc, ctx.world, row_sparse=sparse, tables=tables)
     except ValueError as e:   # a batch that does not split over the ranks, host tables on several
@@ -189,7 +189,8 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     opt = make_optimizer(model, spec, plan, fused=ctx.device.type == "cuda")
     meter = throughput.Meter(flops_per_token(accounting, spec.model, tc.seq_len), ctx.world,
                              *throughput.device_peak(ctx.device, tc.peak_tflops))
-    return Run(spec, ctx, model, opt, loader, val, mixed_precision(ctx.device), plan, accounting, t0, meter, comm)
+    return Run(spec, ctx, model, opt, loader, val, mixed_precision(ctx.device), plan, accounting, t0, meter, comm,
+               import_parity=parity)
 
 
 def _data(spec: TrainSpec, micro: int) -> tuple[MixtureLoader, list]:
@@ -284,6 +285,8 @@ def finish(run: Run) -> dict:
     """The declared outputs: ``checkpoint/`` (weights, spec, tokenizer, accounting; the optimizer state when a
     later stage carries it), ``metrics.jsonl`` and ``summary.json``; returns the summary."""
     spec, ctx, out_dir = run.spec, run.ctx, run.out_dir
+    if run.step == 0 and run.val:   # a stage that only imports (steps: 0): the imported model's held-out loss
+        run.val_loss = evaluate(run.model, run.val, ctx.device, run.autocast)
     tokens = run.step * spec.train.tokens_per_step
     summary = {
         "experiment": spec.experiment, "scale": spec.scale, "variant": spec.variant, "stage": spec.stage,
@@ -294,6 +297,8 @@ def finish(run: Run) -> dict:
         "wall_seconds": run.wall_seconds(), "device": str(ctx.device), "world_size": ctx.world,
         "tokens_by_source": run.loader.tokens_by_source, **run.accounting, "comms": run.comms,
     }
+    if run.import_parity is not None:
+        summary["import_parity"] = run.import_parity
     full = distributed.full_model_view(run.model, ctx)   # gathers the full weights to rank 0's CPU when sharded
     optim_dir = None
     if spec.train.save_optimizer:          # a later stage carries this optimizer state (reset_optimizer: false)
@@ -366,12 +371,16 @@ _STAGE_FREE_MODEL_KEYS = ("max_seq_len", "rope_scaling")
 _INSERT_FREE_MODEL_KEYS = ("ffn", "table_init", "table_init_std")
 
 
-def load_init(model, spec: TrainSpec):
-    """The stage's initial weights: the previous stage's checkpoint, or a transformers checkpoint (``hf:``)."""
+def load_init(model, spec: TrainSpec, parity: bool = False) -> dict | None:
+    """The stage's initial weights: the previous stage's checkpoint, or a transformers checkpoint (``hf:``). With
+    ``parity`` (the main rank), a transformers checkpoint loaded as it is (no insertion) is checked: the returned
+    import parity is the max |logit difference| against transformers' own forward on the first held-out window
+    (up to 256 tokens) of the stage's data (``stem.hf.importer.ids_parity``); else None."""
     if spec.init_from.startswith(HF_PREFIX):
         src = spec.init_from[len(HF_PREFIX):]
+        ids = _parity_ids(spec) if parity and spec.insert is None else None
         try:
-            state = hf_import.load_for_stage(src, spec.model, hf_import.log_stderr)
+            state, hf_model = hf_import.load_for_stage(src, spec.model, hf_import.log_stderr, keep_hf=ids is not None)
             if spec.insert is not None:   # the official insertion path: a published dense model into STEM
                 layers = insert_stem(model, state, spec.insert["init"], src)
                 print(f"[{spec.out_dir}] STEM inserted into {src}: tables of layers {layers} initialised "
@@ -380,7 +389,14 @@ def load_init(model, spec: TrainSpec):
                 hf_import.load_into(model, state, src)
         except ValueError as e:
             raise TrainingError(f"init_from {spec.init_from}: {e}") from None
-        return
+        if ids is None:
+            return None
+        out = {"source": src, **hf_import.ids_parity(model, hf_model, ids)}
+        model.train()
+        print(f"[{spec.out_dir}] import parity vs transformers on {out['tokens']} held-out tokens: max |logit diff| "
+              f"{out['max_abs_logit_diff']:.2e} (max |logit| {out['max_abs_logit']:.1f}), argmax agreement "
+              f"{out['argmax_agreement']:.3f}", file=sys.stderr)
+        return out
     if spec.insert is not None:   # mid-training insertion: a dense checkpoint into this STEM model
         try:
             layers = insert_stem(model, ck.read_weights(Path(spec.init_from) / "model.safetensors"),
@@ -391,6 +407,16 @@ def load_init(model, spec: TrainSpec):
               f"{layers} initialised {spec.insert['init']}, their up-projections dropped", file=sys.stderr)
         return
     ck.load_weights(model, Path(spec.init_from) / "model.safetensors")
+    return None
+
+
+def _parity_ids(spec: TrainSpec) -> torch.Tensor | None:
+    """The first held-out window (up to 256 tokens) of the stage's first source, (1, T); None without one."""
+    manifest = Path(next(iter(spec.data.values())).manifest)
+    if not manifest.is_file():
+        return None
+    val = validation_batches({"first": ShardSet(manifest.parent, "val")}, min(256, spec.train.seq_len), 1, 1)
+    return val[0][0] if val else None
 
 
 def check_init_from(spec: TrainSpec):
@@ -494,10 +520,11 @@ def _rows(metrics_path: Path) -> list[dict]:
 
 
 def _final_train_loss(metrics_path: Path, last: int = 10) -> float:
-    """Mean training loss of the last ``last`` steps (one step's loss is noisy at small batch sizes)."""
+    """Mean training loss of the last ``last`` steps (one step's loss is noisy at small batch sizes); None
+    without a step."""
     rows = _rows(metrics_path)
     tail = [r["loss"] for r in rows[-last:]]
-    return sum(tail) / len(tail)
+    return sum(tail) / len(tail) if tail else None   # None: no step (a stage that only imports)
 
 
 def _truncate_metrics(path: Path, step: int):

@@ -12,12 +12,10 @@ the layouts a job may be fitted to (``candidates``, ``fit``). The trace itself, 
   input autocast keeps, 4 d, + the bf16 output the projections save, 2 d); attention 14 d + 4 kv (RoPE's
   fp32 q and k, 4 d + 4 kv; the rotated bf16 q, 2 d; keys and values expanded to all heads for the
   kernel, 4 d; the kernel's output, 2 d, and its re-laid-out copy that wo saves, 2 d; the kernel's fp32
-  log-sum-exp, 4 per head); the FFN 8 d_ff (SwiGLU / STEM: gate, SiLU, up or table row, product: 2 d_ff
-  each; Hash-MoE adds the gathered inputs, 2 d). The routed MoE (``moe``): 8 f_e per shared expert and per
-  routed assignment (k a token), the router's fp32 input 4 d and scores 4 E, each assignment's gathered
-  input and expert output 2 d + 2 d, and 26 per assignment (its expert index from top-k, the gather and
-  inverse-permutation indices, int64, and its gate in bf16). With activation checkpointing only each block's input
-  (2 d) is kept, plus one block's set while it is recomputed.
+  log-sum-exp, 4 per head); the FFN what its kind declares with its facts (``FFNFacts.activations``,
+  stem.models.registry: 8 d_ff for SwiGLU and STEM, the Hash-MoE's and the routed MoE's there; a kind that
+  declares none is counted as SwiGLU). With activation checkpointing only each block's input (2 d) is kept, plus
+  one block's set while it is recomputed.
 - the loss: the peak is at the start of backward, when every activation is still alive and
   cross-entropy's backward holds the fp32 log-softmax output, its incoming gradient and its result:
   3 x 4 B x V per token (12 V), after the final norm's 6 d; with activation checkpointing the loss is
@@ -28,20 +26,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from stem.models.config import LOSS_CHUNK
+from stem.models.registry import ffn_facts, swiglu_activations
 from stem.train.plan import ParallelPlan
 
 GIB = 1024 ** 3
 
 
 def _block_bytes_per_token(cfg, layer: int) -> int:
-    d, f = cfg.d_model, cfg.d_ff
+    d = cfg.d_model
     kv = cfg.n_kv_heads * cfg.head_dim
     attn = 6 * d + 4 * d + 4 * kv + 2 * d + 4 * d + 2 * d + 2 * d + 4 * cfg.n_heads + 4
-    if cfg.ffn[layer] == "moe":
-        fe, k, e = cfg.expert_d_ff, cfg.moe_top_k, cfg.moe_experts
-        body = 8 * fe * (cfg.moe_shared + k) + 4 * d + 4 * k * d + 4 * e + 26 * k
-    else:
-        body = 8 * f + (2 * d if cfg.ffn[layer] == "hashmoe" else 0)
+    body = (ffn_facts(cfg.ffn[layer]).activations or swiglu_activations)(cfg)   # the FFN's, declared with its kind
     return attn + 6 * d + body + 4
 
 
@@ -96,7 +91,7 @@ def candidates(plan: ParallelPlan, batch_size: int, tables: tuple[str, ...] = ()
     checkpointing, then (one GPU, lookup ``tables`` resident) all of these with the tables in host memory."""
     micros = [m for m in range(plan.micro_batch, 0, -1) if batch_size % (m * plan.world) == 0]
     ckpts = (True,) if plan.activation_checkpointing else (False, True)
-    hosts = [plan] + ([replace(plan, row_sharded=(), host_tables=tuple(tables))]
+    hosts = [plan] + ([replace(plan, row_sharded=(), host_tables=tuple(t for t in tables if t not in plan.row_sparse))]
                       if plan.world == 1 and tables and not plan.host_tables else [])
     return [replace(p, micro_batch=m, accum=batch_size // m, activation_checkpointing=c)
             for p in hosts for c in ckpts for m in micros]

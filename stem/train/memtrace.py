@@ -65,7 +65,7 @@ def options(spec: TrainSpec | dict, world: int, strategy: str | None = None):
     spec = TrainSpec.coerce(spec)
     model = build_model(spec.model, "meta")
     sparse = spec.optim.row_sparse_tables(model) if spec.optim.sparse_tables else ()
-    tables = row_shardable(model, sparse)
+    tables = row_shardable(model)
     plan = ParallelPlan.of(spec.train, world, strategy, sparse, tables)
     run = memory.fit(model, plan, spec.train.batch_size, spec.train.fit_gib, tables) if spec.train.fit_gib else plan
     return spec, (plan, run), memory.candidates(plan, spec.train.batch_size, tables)
@@ -136,6 +136,8 @@ def trace(spec: TrainSpec, plan: ParallelPlan, mixed_precision: bool = True) -> 
             m.row_sparse = False   # cannot run the lookup's torch.unique: its output shape depends on the data)
         for name in plan.row_sharded + plan.host_tables:   # likewise: each micro-batch's ids all distinct (the
             model.get_submodule(name).trace_bound = True    # bound), evenly owned
+        for name in plan.sparse_rows:   # and row-sharded row-sparse tables updated as dense ones (every row)
+            del model.get_submodule(name).weight.touched_rows
         opt = step.make_optimizer(model, spec, plan, fused=mixed_precision)
         x = torch.randint(0, cfg.vocab_size, (plan.micro_batch, plan.seq_len), device=device)
         y = torch.randint(0, cfg.vocab_size, (plan.micro_batch, plan.seq_len), device=device)

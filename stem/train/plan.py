@@ -45,7 +45,8 @@ class ParallelPlan:
     sequences of ``seq_len`` per rank per forward, ``accum`` global micro-batches per step (rank r runs r,
     r + world, ...), activation checkpointing, ``row_sparse``: the names of the table modules trained
     row-sparse (``optim.table_update: sparse``), replicated on every rank outside FSDP, ``row_sharded``: the
-    lookup tables sharded by rows outside FSDP (``train.tables: rows``, ``stem.train.tables``), and
+    lookup tables sharded by rows outside FSDP (``train.tables: rows``, ``stem.train.tables``; on several ranks
+    the row-sparse ones too, named in ``sparse_rows`` and not in ``row_sparse``: sharded, not replicated), and
     ``host_tables``: those kept in host memory (``train.tables: host``, one rank only). Every other
     module declaring ``shard_unit`` (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts) with a parameter left
     is its own FSDP unit over all ranks whatever the strategy."""
@@ -58,6 +59,7 @@ class ParallelPlan:
     row_sparse: tuple[str, ...] = ()
     row_sharded: tuple[str, ...] = ()
     host_tables: tuple[str, ...] = ()
+    sparse_rows: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -69,14 +71,18 @@ class ParallelPlan:
         """The plan of a job with ``train`` settings (a TrainSettings) at ``world`` ranks; ``strategy`` overrides
         the spec's ``train.parallel``; ``row_sparse``: ``OptimSpec.row_sparse_tables`` of the job's model;
         ``tables``: its lookup tables (``stem.train.tables.row_shardable``), row-sharded if ``train.tables`` is
-        ``rows``, in host memory if it is ``host``."""
+        ``rows`` (the row-sparse ones too on several ranks), in host memory if it is ``host`` (not the row-sparse
+        ones)."""
         micro, accum = local_micro_batch(train.batch_size, train.micro_batch, world)
         if train.tables == "host" and world > 1:
             raise ValueError(f"train.tables: host keeps the whole tables in one host's memory, for a job of one GPU; "
                              f"this one has {world} (use rows)")
+        sharded = train.tables == "rows" and world > 1
+        sparse_rows = tuple(t for t in tables if t in row_sparse) if sharded else ()
+        tables = tuple(t for t in tables if sharded or t not in row_sparse)
         return cls(world, strategy or train.parallel, micro, accum, train.seq_len, train.activation_checkpointing,
-                   tuple(row_sparse), tuple(tables) if train.tables == "rows" else (),
-                   tuple(tables) if train.tables == "host" else ())
+                   tuple(t for t in row_sparse if t not in sparse_rows), tables if train.tables == "rows" else (),
+                   tables if train.tables == "host" else (), sparse_rows)
 
     def shard_units(self, model) -> list:
         """Modules sharded over all ranks independently of the backbone: those declaring ``shard_unit``, except

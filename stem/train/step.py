@@ -8,6 +8,7 @@ import math
 from stem.optim.adamw import set_lr
 from stem.train import distributed
 from stem.train.plan import ParallelPlan
+from stem.train.tables import prefetch
 
 
 class TrainingError(RuntimeError):
@@ -34,23 +35,28 @@ def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, c
     the W ranks, hence the extra factor W. The count comes from the batches themselves, which every rank
     holds, so no collective is needed before backward (``counts`` gives them instead: the memory trace's
     fake tensors hold no values). Under FSDP every backward reduce-scatters its gradients, so they stay
-    sharded between micro-batches (stem.train.memtrace traces that peak). ``on_backward()`` runs after each
-    micro-batch's backward (the memory tracker's bookkeeping)."""
+    sharded between micro-batches (stem.train.memtrace traces that peak). Host tables fetch the next
+    micro-batch's rows between this one's forward and backward (``stem.train.tables.prefetch``).
+    ``on_backward()`` runs after each micro-batch's backward (the memory tracker's bookkeeping)."""
     counts = [int((y != -1).sum()) for _, y, _ in batches] if counts is None else counts
     total = sum(counts)
     if total == 0:
         raise TrainingError(f"step {step}: no trained targets in the whole batch (every target is padding)")
     loss_sum = aux_sum = 0.0
-    for i in range(ctx.rank, len(batches), ctx.world):
-        x, y, pos = batches[i]
-        x, y, pos = x.to(device), y.to(device), None if pos is None else pos.to(device)
+    mine = range(ctx.rank, len(batches), ctx.world)
+    ahead = _to(batches[mine[0]], device)
+    for k, i in enumerate(mine):
+        (x, y, pos), ahead = ahead, _to(batches[mine[k + 1]], device) if k + 1 < len(mine) else None
         if counts[i] == 0:  # nothing to learn here, but FSDP expects the same forward/backward on every rank
             with autocast:
-                (model(x, positions=pos).float().sum() * 0.0).backward()
+                out = model(x, positions=pos).float().sum() * 0.0
+            _prefetch(model, ahead)
+            out.backward()
         else:
             divisor = total / (counts[i] * ctx.world)  # == accum / W when every micro-batch has the same count
             with autocast:
                 loss = model(x, y, positions=pos)
+            _prefetch(model, ahead)
             (loss / divisor).backward()
             loss_sum += loss.item() / divisor
             aux = getattr(model, "aux_loss", None)   # the forward's auxiliary losses (stem.models.model)
@@ -61,6 +67,17 @@ def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, c
     if metrics is not None and getattr(model, "aux_modules", None):   # the model's structure: the same on every rank
         metrics["aux_loss"] = distributed.all_mean(ctx, aux_sum)
     return distributed.all_mean(ctx, loss_sum)
+
+
+def _to(batch, device) -> tuple:
+    x, y, pos = batch
+    return x.to(device), y.to(device), None if pos is None else pos.to(device)
+
+
+def _prefetch(model, ahead):
+    """Host tables (``train.tables: host``): the next micro-batch's rows, fetched while this one's backward runs."""
+    if ahead is not None:
+        prefetch(model, ahead[0])
 
 
 def train_step(model, opt, batches, ctx, autocast, lr: float, grad_clip: float | None, step: int = 0,

@@ -1,27 +1,33 @@
 """Where a job keeps its lookup tables (``train.tables``, from ``cluster.tables``) when not as FSDP units: ``rows``
-(each rank owns a contiguous block of rows of every lookup table and of its AdamW moments, and a micro-batch
-moves only the rows it reads) or ``host`` (one rank: the tables, their gradients and moments in host memory,
-``to_host`` below).
+(each rank owns every W-th row of every lookup table and of its AdamW moments, and a micro-batch moves only the
+rows it reads) or ``host`` (one rank: the tables, their gradients and moments in host memory, ``to_host``
+below).
 
 Which tables: every ``nn.Embedding`` whose weight has a ``lookup`` role (STEM's tables, DSE's hashed tables;
-not the input embedding), except the row-sparse ones (``optim.table_update: sparse``, replicated).
-``shard_rows`` replaces each such weight, before FSDP wraps the rest, by a DTensor sharded on dim 0 over the
-world mesh (``Shard(0)``: rank r owns rows [r B, (r + 1) B), B = ceil(V / W), the last blocks shorter), so
-gradient clipping (a DTensor: its local squares summed over ranks), the optimizer (local, on the shard: the
-moments are DTensors too), DCP checkpoints (resharded at another world size) and the gathered final
-checkpoint treat it like an FSDP shard, with no code of their own. The module keeps its class (its parameter
-roles, hence its optimizer group) with this forward on top (``RowShardedLookup``):
+not the input embedding). Under ``optim.table_update: sparse`` the STEM tables are row-sharded too (the plan's
+``sparse_rows``), not replicated: their owners apply the row-sparse update (``stem.optim.adamw``) to the rows a
+step asked of them. ``shard_rows`` replaces each such weight, before FSDP wraps the rest, by a DTensor sharded
+on dim 0 over the world mesh whose rows are stored interleaved: id i lives on rank i mod W, at local row
+i div W (``storage_ids``; B = ceil(V / W) local rows a rank, the last ones of some ranks padding, never read,
+zero). A vocabulary's frequent (low) ids thus spread over every rank instead of all landing on rank 0 (the
+imbalance ``owner_load`` measures). Gradient clipping (a DTensor: its local squares summed over ranks), the
+optimizer (local, on the shard: the moments are DTensors too) treat the shard like an FSDP shard with no code
+of their own; what leaves the job sees the tables in id order: ``logical_state`` (DCP states and the carried
+optimizer state, resharded at another world size) and ``logical_full`` (the gathered final checkpoint). The
+module keeps its class (its parameter roles, hence its optimizer group) with this forward on top
+(``RowShardedLookup``):
 
-- forward: the micro-batch's unique ids (sorted, so grouped by owner); an all-to-all of the counts per owner,
-  one of the ids, each owner gathers the asked rows from its shard (bf16 under mixed precision, as FSDP's
-  gathered parameters) and one all-to-all returns them; the output is those rows at the ids' positions.
+- forward: the micro-batch's unique ids as stored rows (sorted, so grouped by owner); an all-to-all of the
+  counts per owner, one of the ids, each owner gathers the asked rows from its shard (bf16 under mixed
+  precision, as FSDP's gathered parameters) and one all-to-all returns them; the output is those rows at the
+  ids' positions.
 - backward: the gradient of each unique row (summed over its positions) returns to its owner through one
   all-to-all (fp32) and is added into the shard's gradient, divided by the world size (FSDP's average: the
-  loss is scaled by W for it, ``stem.train.step``).
+  loss is scaled by W for it, ``stem.train.step``); a row-sparse table's owner marks the rows asked of it.
 
 Exact against the unsharded model (tests/test_tables.py: losses, gradient norms and parameters after 3 steps,
-fp32, gloo). Traffic per micro-batch and table: 8 B a unique id + its row twice, instead of the whole table
-gathered twice and its gradient reduce-scattered (``stem.train.comms``).
+fp32, gloo, 4 ranks). Traffic per micro-batch and table: 8 B a unique id + its row twice, instead of the whole
+table gathered twice and its gradient reduce-scattered (``stem.train.comms``).
 """
 from __future__ import annotations
 
@@ -34,20 +40,34 @@ import torch.nn as nn
 from stem.models.registry import param_roles
 
 
-def row_shardable(model, row_sparse=()) -> tuple[str, ...]:
+def row_shardable(model) -> tuple[str, ...]:
     """Names of the lookup tables ``train.tables: rows`` shards by rows (module docstring), in module order."""
     roles = param_roles(model)
     return tuple(n for n, m in model.named_modules()
-                 if isinstance(m, nn.Embedding) and n not in row_sparse
-                 and getattr(roles.get(id(m.weight)), "count", None) == "lookup")
+                 if isinstance(m, nn.Embedding) and getattr(roles.get(id(m.weight)), "count", None) == "lookup")
+
+
+def storage_ids(ids: torch.Tensor, world: int, block: int) -> torch.Tensor:
+    """The stored row of each id of a table interleaved over ``world`` ranks of ``block`` rows: rank id mod W,
+    local row id div W (module docstring)."""
+    return ids % world * block + ids // world
+
+
+def owner_load(ids: torch.Tensor, rows: int, world: int, interleaved: bool = True) -> torch.Tensor:
+    """How many of the unique ``ids`` (one micro-batch) each of ``world`` owners is asked for, under the
+    interleaved map (``storage_ids``) or contiguous blocks of ceil(rows / W) ids."""
+    uniq = ids.reshape(-1).unique()
+    owner = uniq % world if interleaved else uniq // math.ceil(rows / world)
+    return torch.bincount(owner, minlength=world)
 
 
 class RowShardedLookup(torch.autograd.Function):
-    """``weight[ids]`` of a table whose rows are spread over the ranks in blocks of ``block``; ``local`` is this
-    rank's block. Every rank calls it the same number of times in the same order (its all-to-alls pair up)."""
+    """``weight[ids]`` of a table whose rows are interleaved over the ranks (``storage_ids``) in shards of ``block``
+    rows; ``local`` is this rank's shard; ``touched`` (a row-sparse table's): this rank's rows asked, marked in
+    backward. Every rank calls it the same number of times in the same order (its all-to-alls pair up)."""
 
     @staticmethod
-    def forward(ctx, local, ids, block: int, wire_dtype, bound: bool = False):
+    def forward(ctx, local, ids, block: int, wire_dtype, bound: bool = False, touched=None):
         world, rank = dist.get_world_size(), dist.get_rank()
         if bound:   # the memory trace's upper bound: every id distinct, as many asked of each owner
             uniq, n = ids.reshape(-1), ids.numel()
@@ -55,18 +75,18 @@ class RowShardedLookup(torch.autograd.Function):
             split = [n // world + (i < n % world) for i in range(world)]
             send = torch.tensor(split, device=ids.device)
         else:
-            uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+            uniq, inverse = torch.unique(storage_ids(ids.reshape(-1), world, block), sorted=True, return_inverse=True)
             send = torch.bincount(uniq // block, minlength=world)   # ids asked of each owner
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send)
         send, recv = (split, split) if bound else (send.tolist(), recv.tolist())
         asked = uniq.new_empty(sum(recv))
         dist.all_to_all_single(asked, uniq, recv, send)
-        asked -= rank * block                                 # rows of this rank's block
+        asked -= rank * block                                 # rows of this rank's shard
         rows = local.new_empty(uniq.numel(), local.shape[1], dtype=wire_dtype)
         dist.all_to_all_single(rows, local.index_select(0, asked).to(wire_dtype), send, recv)
         ctx.save_for_backward(inverse, asked)
-        ctx.splits, ctx.sizes = (send, recv), (uniq.numel(), local.shape[0])
+        ctx.splits, ctx.sizes, ctx.touched = (send, recv), (uniq.numel(), local.shape[0]), touched
         return rows.index_select(0, inverse).reshape(*ids.shape, local.shape[1])
 
     @staticmethod
@@ -78,7 +98,9 @@ class RowShardedLookup(torch.autograd.Function):
         back = rows.new_empty(len(asked), d)
         dist.all_to_all_single(back, rows, recv, send)
         grad = rows.new_zeros(n_local, d).index_add_(0, asked, back)
-        return grad.div_(dist.get_world_size()), None, None, None, None
+        if ctx.touched is not None:
+            ctx.touched[asked] = True
+        return grad.div_(dist.get_world_size()), None, None, None, None, None
 
 
 class _RowSharded:
@@ -87,46 +109,123 @@ class _RowSharded:
     trace_bound = False
 
     def forward(self, ids):
-        return RowShardedLookup.apply(self.weight.to_local(), ids, self.row_block, self.wire_dtype, self.trace_bound)
+        return RowShardedLookup.apply(self.weight.to_local(), ids, self.row_block, self.wire_dtype, self.trace_bound,
+                                      getattr(self.weight, "touched_rows", None))
 
 
-def shard_rows(model, names, mesh, mixed_precision: bool) -> list:
-    """Shard the tables ``names`` (``row_shardable``) of ``model`` by rows over ``mesh`` (module docstring);
-    returns their new weights (DTensors), which FSDP must leave alone (``ignored_params``)."""
-    from torch.distributed.tensor import Shard, distribute_tensor   # multi-rank only (stem.train.distributed)
-    out = []
+def shard_rows(model, names, mesh, mixed_precision: bool, sparse=()) -> list:
+    """Shard the tables ``names`` (``row_shardable``) of ``model`` by rows over ``mesh``, interleaved (module
+    docstring); those in ``sparse`` (the plan's ``sparse_rows``) mark the rows a step asks of this rank
+    (``touched_rows``, read and cleared by ``stem.optim.adamw.RowSparseAdamW``). Returns their new weights
+    (DTensors), which FSDP must leave alone (``ignored_params``)."""
+    from torch.distributed.tensor import DTensor, Shard   # multi-rank only (stem.train.distributed)
+    world, rank, out = mesh.size(), mesh.get_local_rank(), []
     for name in names:
         m = model.get_submodule(name)
         cls = type(m)
         m.__class__ = type(f"RowSharded{cls.__name__}", (_RowSharded, cls), {})
-        m.row_block = math.ceil(m.weight.shape[0] / mesh.size())
+        (rows, d), w = m.weight.shape, m.weight.detach()
+        m.row_block, m.table_rows = math.ceil(rows / world), rows
         m.wire_dtype = torch.bfloat16 if mixed_precision else m.weight.dtype
-        m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(0)]))
+        local = w.new_zeros(m.row_block, d)
+        mine = w[rank::world]
+        local[:mine.shape[0]] = mine
+        m.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+        if name in sparse:
+            m.weight.touched_rows = torch.zeros(m.row_block, dtype=torch.bool, device=local.device)
         out.append(m.weight)
     return out
 
 
+# ----------------------------------------------------------------------------- the tables in id order
+
+def _sharded_tables(model) -> dict:
+    """State-dict key -> module of every row-sharded table of ``model``."""
+    return {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, _RowSharded)}
+
+
+def _to_blocks(x, m, inverse: bool):
+    """One row-sharded tensor (a table or a moment of it) from its interleaved storage to id order sharded in
+    contiguous blocks of B ids (a DTensor of V rows: what DCP saves and reshards), or back (``inverse``)."""
+    from torch.distributed.tensor import DTensor, Shard   # multi-rank only (stem.train.distributed)
+    world, rank, block, rows = dist.get_world_size(), dist.get_rank(), m.row_block, m.table_rows
+    local = x.to_local()
+    mine = torch.arange(rank, rows, world, device=local.device)             # ids stored here, in local order
+    lo = rank * block
+    theirs = torch.arange(lo, min(lo + block, rows), device=local.device)   # ids of this rank's block
+    theirs = torch.cat([theirs[theirs % world == r] for r in range(world)])  # as they arrive, by sender
+    send = torch.bincount(mine // block, minlength=world).tolist()
+    recv = torch.bincount(theirs % world, minlength=world).tolist()
+    if inverse:   # id order -> interleaved
+        out = local.new_zeros(block, local.shape[1])
+        got = local.new_empty(len(mine), local.shape[1])
+        dist.all_to_all_single(got, local.index_select(0, theirs - lo).contiguous(), send, recv)
+        out[:len(mine)] = got
+        return DTensor.from_local(out, x.device_mesh, [Shard(0)], run_check=False)
+    got = local.new_empty(len(theirs), local.shape[1])
+    dist.all_to_all_single(got, local[:len(mine)].contiguous(), recv, send)
+    out = torch.empty_like(got).index_copy_(0, theirs - lo, got)
+    return DTensor.from_local(out, x.device_mesh, [Shard(0)], run_check=False, shape=(rows, local.shape[1]),
+                              stride=(local.shape[1], 1))
+
+
+def _tensors(model, msd: dict | None, osd: dict | None):
+    """(dict, key, module) of every row-sharded table in a model state dict ``msd`` and of its two moments in an
+    optimizer state dict ``osd`` (``get_state_dict``'s, keyed by name)."""
+    for key, m in _sharded_tables(model).items():
+        if msd is not None and key in msd:
+            yield msd, key, m
+        if key in ((osd or {}).get("state") or {}):   # a copy: get_state_dict's inner dicts are the optimizer's own
+            state = osd["state"][key] = dict(osd["state"][key])
+            yield from ((state, k, m) for k in ("exp_avg", "exp_avg_sq") if k in state)
+
+
+def logical_state(model, msd: dict | None = None, osd: dict | None = None, inverse: bool = False):
+    """In place: the row-sharded tables of a sharded model state dict ``msd`` and their moments in ``osd`` from
+    interleaved storage to id order (DCP states are thus the same at any world size), or back (``inverse``).
+    Collective (every rank)."""
+    for d, k, m in list(_tensors(model, msd, osd)):
+        d[k] = _to_blocks(d[k], m, inverse)
+
+
+def logical_full(model, msd: dict | None = None, osd: dict | None = None, inverse: bool = False):
+    """``logical_state`` of full state dicts (whole tensors, e.g. gathered to rank 0): interleaved storage (W B
+    rows) to id order (V rows), or back (``inverse``: full tensors to load). Local."""
+    for d, k, m in list(_tensors(model, msd, osd)):
+        x, ids = d[k], storage_ids(torch.arange(m.table_rows), dist.get_world_size(), m.row_block).to(d[k].device)
+        d[k] = (x.new_zeros(dist.get_world_size() * m.row_block, x.shape[1]).index_copy_(0, ids, x) if inverse
+                else x.index_select(0, ids))
+
+
 # ----------------------------------------------------------------------------- host tables
+
+def _fetch(weight, ids, bound: bool = False) -> tuple:
+    """(inverse, host ids, rows on ``ids``' device) of a host table's lookup of ``ids``: the unique ids' rows
+    gathered on the host and copied to the device (pinned, non-blocking on CUDA: queued on the current stream,
+    so the host's gather of the next micro-batch overlaps the device's work on this one)."""
+    if bound:   # the memory trace (as RowShardedLookup's): every id distinct
+        uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
+    else:
+        uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+    host_ids = uniq.to(weight.device)
+    rows = weight.detach().index_select(0, host_ids)
+    if ids.device.type == "cuda":
+        rows = rows.pin_memory()
+    return inverse, host_ids, rows.to(ids.device, non_blocking=True)
+
 
 class HostLookup(torch.autograd.Function):
     """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
-    to the device (from pinned memory on CUDA); backward adds each unique row's summed gradient, copied back,
-    into the table's host gradient (made here: the dense gradient AdamW expects, never a V x d_ff one on the
-    device), and gives autograd none."""
+    to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward adds each
+    unique row's summed gradient, copied back, into the table's host gradient (made here: the dense gradient
+    AdamW expects, never a V x d_ff one on the device), and gives autograd none."""
 
     @staticmethod
-    def forward(ctx, weight, ids, bound: bool = False):
-        if bound:   # the memory trace (as RowShardedLookup's): every id distinct
-            uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
-        else:
-            uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
-        host_ids = uniq.to(weight.device)
-        rows = weight.index_select(0, host_ids)
-        if ids.device.type == "cuda":
-            rows = rows.pin_memory()
+    def forward(ctx, weight, ids, bound: bool = False, fetched=None):
+        inverse, host_ids, rows = fetched or _fetch(weight, ids, bound)
         ctx.save_for_backward(inverse, host_ids)
-        ctx.weight, ctx.n_uniq = weight, uniq.numel()
-        return rows.to(ids.device, non_blocking=True).index_select(0, inverse).reshape(*ids.shape, weight.shape[1])
+        ctx.weight, ctx.n_uniq = weight, host_ids.numel()
+        return rows.index_select(0, inverse).reshape(*ids.shape, weight.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -136,23 +235,43 @@ class HostLookup(torch.autograd.Function):
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         weight.grad.index_add_(0, host_ids, rows.to(weight.device))
-        return None, None, None
+        return None, None, None, None
 
 
 class _Host:
-    """The forward put on top of a host table's own class (``to_host``); ``trace_bound`` as ``_RowSharded``'s."""
+    """The forward put on top of a host table's own class (``to_host``); ``trace_bound`` as ``_RowSharded``'s;
+    ``ahead``: (ids, fetched) from ``prefetch``, used by the forward whose ids are those very ids (a recomputed
+    forward, under activation checkpointing, fetches its own); ``prefetched``: how many forwards used one."""
     trace_bound = False
+    ahead = None
+    prefetched = 0
 
     def forward(self, ids):
-        return HostLookup.apply(self.weight, ids, self.trace_bound)
+        fetched = None
+        if self.ahead is not None and self.ahead[0] is ids:
+            fetched, self.ahead = self.ahead[1], None
+            self.prefetched += 1
+        return HostLookup.apply(self.weight, ids, self.trace_bound, fetched)
+
+
+def prefetch(model, ids: torch.Tensor):
+    """Fetch ahead, for the micro-batch of token ids ``ids`` (on the device), the rows of the host tables looked up
+    by token id (STEM's; a DSE table's ids are hashed in the forward): called between one micro-batch's forward
+    and its backward (``stem.train.step``), so the host gathers the next one's rows while the device computes.
+    The weights do not change within a step, so the rows are those its forward would fetch. The memory trace
+    (``trace_bound``) holds the bound's rows ahead likewise."""
+    for m in model.modules():
+        if isinstance(m, _Host) and m.token_ids:
+            m.ahead = (ids, _fetch(m.weight, ids, m.trace_bound))
 
 
 def to_host(model, names) -> list:
     """Move the tables ``names`` (``row_shardable``) of ``model`` to host memory (pinned when CUDA is there) with
     the ``HostLookup`` forward; their AdamW moments follow their weights there. Returns their weights."""
-    out = []
+    roles, out = param_roles(model), []
     for name in names:
         m = model.get_submodule(name)
+        m.token_ids = getattr(roles.get(id(m.weight)), "group", None) != "dse_table"   # looked up by token id
         cls = type(m)
         m.__class__ = type(f"Host{cls.__name__}", (_Host, cls), {})
         w = m.weight.detach().cpu()

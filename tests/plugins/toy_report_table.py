@@ -12,7 +12,7 @@ def toy_lookup(cfg: dict, res):
     stages = T.settings(cfg).stages[NAME]
     cells = []
     for scale in T.scales_with(cfg, stages[0]):
-        for v in T.ordered_variants(cfg["matrix"][scale]["variants"]):
+        for v in T.ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
             acct, _ = res.first_accounting(scale, v, stages)
             cells.append(T.cell(NAME, scale, v, "lookup_params", acct and acct["total_params"] - acct["active_params"],
                                 "checkpoint accounting", unit=""))
