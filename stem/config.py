@@ -223,7 +223,8 @@ def train_job(cfg: Config, scale: str, variant: str, stage: str) -> TrainSpec:
     ins = vspec.get("insert") if not point and stage == (vspec.get("insert") or {}).get("stage") else None
     if ins is not None and (not init or st.get("reset_optimizer") is False):
         raise ConfigError(f"variant {variant!r}: insert.stage {stage!r} needs stages.{stage}.{scale}.init_from (an "
-                          "earlier stage of the dense variant, or {hf: ...}) and a fresh optimizer (reset_optimizer: true)")
+                          "earlier stage of the dense variant, or {hf: ...}) and a fresh optimizer "
+                          "(reset_optimizer: true)")
     for key in ("max_seq_len", "rope_scaling"):
         st.pop(key, None)
     train = {**exp.train.settings(), **st}
@@ -245,7 +246,8 @@ def train_job(cfg: Config, scale: str, variant: str, stage: str) -> TrainSpec:
         "seed": exp.seed, "device": exp.device,
         "model": model_config_for(exp, scale, variant, stage).to_dict(),
         "optim": optim, "train": train,
-        "data": {src: {"weight": w, "manifest": tokens_manifest(exp.experiment, scale, src)} for src, w in data.items()},
+        "data": {src: {"weight": w, "manifest": tokens_manifest(exp.experiment, scale, src)}
+                 for src, w in data.items()},
         "tokenizer": tokenizer_path(exp.experiment, scale),
         "init_from": _init_from(exp, scale, variant, init, ins),
         "init_stage": None if isinstance(init, dict) else init,

@@ -251,7 +251,8 @@ class StageSettings:
         fail(not (self.init_from is None and self.reset_optimizer is False), "reset_optimizer",
              "false needs an init_from stage whose optimizer state it carries")
         fail(self.steps > 0 or isinstance(self.init_from, HFInit), "steps", "0 is a stage that only imports a "
-             f"transformers checkpoint; expected init_from: {{hf: ...}} (it is {self.init_from_mapping!r}) or steps >= 1")
+             f"transformers checkpoint; expected init_from: {{hf: ...}} (it is {self.init_from_mapping!r}) "
+             "or steps >= 1")
 
     @property
     def init_from_mapping(self) -> dict | None:

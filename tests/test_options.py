@@ -30,7 +30,8 @@ def _option_fields(cls, seen=None):
 
 def test_the_tree_is_typed_with_the_option_lists():
     found = _option_fields(E.Experiment)
-    expected = {("Experiment", "experiment"): Experiment, ("Experiment", "archs"): Scale, ("Experiment", "stages"): Stage,
+    expected = {("Experiment", "experiment"): Experiment, ("Experiment", "archs"): Scale,
+                ("Experiment", "stages"): Stage,
                 ("Experiment", "device"): Device, ("Cluster", "strategy"): Strategy, ("Cluster", "tables"): TableLayout,
                 ("StageSettings", "schedule"): Schedule, ("Optim", "table_update"): TableUpdate,
                 ("Arch", "table_init"): TableInit, ("RopeScaling", "kind"): RopeKind, ("RopeScaling", "ramp"): RopeRamp,
