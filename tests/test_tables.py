@@ -22,10 +22,9 @@ import torch.distributed.fsdp  # noqa: F401
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stem import checkpoint as ck  # noqa: E402
 from stem import config as C  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
-from stem.train import comms, distributed, memory, memtrace, step, tables  # noqa: E402
+from stem.train import comms, distributed, memory, memtrace, optstate, step, tables  # noqa: E402
 from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.optim.adamw import use_row_sparse  # noqa: E402
 from stem.train.tables import row_shardable, to_host  # noqa: E402
@@ -131,7 +130,7 @@ def _resume(specs: list, out: Path):
     ctx = distributed.setup(torch.device("cpu"))
     for i in RESUMED:
         r = _train(specs[i], CASES[i][1], ctx, out / f"state{i}", resume=True)
-        ck.save_optimizer(out / f"optim{i}", r["model"], r["opt"])
+        optstate.save_optimizer(out / f"optim{i}", r["model"], r["opt"])
         final = _snapshot(r["model"], r["opt"], ctx)
         if ctx.is_main:
             torch.save({k: r[k] for k in ("losses", "params", "saved")} | {"final": final}, out / f"resumed{i}.pt")
@@ -201,7 +200,7 @@ def test_row_sharded_state_killed_at_four_ranks_resumes_at_two_and_one(runs, cas
         for a, b, what in zip(tensors, loaded[n], ("weight", "exp_avg", "exp_avg_sq")):
             assert torch.equal(a, b), f"{n} {what} in one process"
     # the optimizer state the 2 ranks saved for a later stage (reset_optimizer: false) loads in one process
-    ck.load_optimizer(out / f"optim{case}", model, opt)
+    optstate.load_optimizer(out / f"optim{case}", model, opt)
     loaded = _snapshot(model, opt, ctx)
     for n, (_, m, v) in got["final"].items():
         assert torch.equal(m, loaded[n][1]) and torch.equal(v, loaded[n][2]), f"{n} carried moments"

@@ -51,6 +51,7 @@ from stem.train import comms
 from stem.train import distributed
 from stem.train import lifecycle
 from stem.train import memory
+from stem.train import optstate
 from stem.train import throughput, torchfloor
 from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
 from stem.train.plan import ParallelPlan
@@ -216,7 +217,7 @@ def resume(run: Run):
     spec, ctx = run.spec, run.ctx
     extra = distributed.load_state(run.state_dir, run.model, run.opt, ctx)
     if extra is None and spec.init_from and not spec.train.reset_optimizer:
-        ck.load_optimizer(Path(spec.init_from) / "optimizer", run.model, run.opt)  # carry the previous stage's
+        optstate.load_optimizer(Path(spec.init_from) / "optimizer", run.model, run.opt)  # carry the previous stage's
     if extra is not None:
         run.step, run.wall_before, run.val_loss = extra["step"], extra["wall_seconds"], extra["val_loss"]
         run.loader.load_state_dict(extra["loader"])
@@ -307,7 +308,7 @@ def finish(run: Run) -> dict:
             shutil.rmtree(optim_dir, ignore_errors=True)   # left by an attempt cut short
         if ctx.world > 1:
             torch.distributed.barrier()
-        ck.save_optimizer(optim_dir, run.model, run.opt)
+        optstate.save_optimizer(optim_dir, run.model, run.opt)
     if ctx.is_main:
         summary["final_train_loss"] = _final_train_loss(run.metrics_path)
         summary.update(run.meter.summary(_rows(run.metrics_path), spec.train.tokens_per_step))
