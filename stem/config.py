@@ -62,6 +62,8 @@ def _check_sources(cfg: dict, origin: str):
     for name, suite in (ev.get("suites") or {}).items():
         uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
                  if name in run and isinstance(suite, dict) and key in suite]
+        if name in run and isinstance(suite, dict) and isinstance(suite.get("categories"), dict):   # longppl
+            uses.append((f"eval.suites.{name}.categories", list(suite["categories"].values())))
     uses += [(f"analysis.{name}.source", [a["source"]]) for name, a in (cfg.get("analysis") or {}).items()
              if isinstance(a, dict) and "source" in a]
     for key, names in uses:
@@ -83,6 +85,45 @@ def _check_suite_kinds(cfg: dict, origin: str):
             raise ConfigError(f"{origin}: key 'eval.suites.{name}.truncation': {suite['truncation']!r}; expected "
                               + ("error (NIAH prompts are built to fit their cells, never cut)" if kind == "niah"
                                  else f"one of {', '.join(allowed)}"))
+
+
+def _check_long_context(cfg: dict, origin: str):
+    """The long-context evaluation's keys (the DSE paper's Table 2): a suite's ``variants`` (only those variants'
+    checkpoints get it), a ``longppl`` suite's categories, sizes, thresholds and evaluator, and the fixtures'
+    RULER stand-in (``eval.fixtures.ruler``: the scale whose tokenizer sizes its items, lengths, generation room)."""
+    ev = cfg.get("eval") or {}
+    known = set(variants(cfg))
+    whole = lambda v, lo: isinstance(v, int) and not isinstance(v, bool) and v >= lo   # noqa: E731
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)        # noqa: E731
+
+    def bad(key, value, expected):
+        raise ConfigError(f"{origin}: key '{key}': {value!r}; expected {expected}")
+    for name, suite in (ev.get("suites") or {}).items():
+        where = f"eval.suites.{name}"
+        if "variants" in suite and not (isinstance(suite["variants"], list) and suite["variants"]
+                                        and set(suite["variants"]) <= known):
+            bad(f"{where}.variants", suite["variants"], "a non-empty list of variants of config/variants.yaml")
+        if suite.get("kind") != "longppl":
+            continue
+        if not isinstance(suite.get("categories"), dict) or not suite["categories"]:
+            bad(f"{where}.categories", suite.get("categories"), "a mapping {column: source} (e.g. {book: long})")
+        for key, lo in (("documents", 1), ("short", 1), ("window", 1), ("length", 2)):
+            if key in suite and not whole(suite[key], lo):
+                bad(f"{where}.{key}", suite[key], f"an integer >= {lo}")
+        for key in ("alpha", "beta"):
+            if key in suite and not number(suite[key]):
+                bad(f"{where}.{key}", suite[key], "a number (nats)")
+        if suite.get("evaluator", "dense") not in known | {"self"}:
+            bad(f"{where}.evaluator", suite["evaluator"], "self or a variant of config/variants.yaml")
+    ruler = (ev.get("fixtures") or {}).get("ruler")
+    if ruler is not None:
+        if not isinstance(ruler, dict) or ruler.get("scale") not in cfg["tokenizer"]:
+            bad("eval.fixtures.ruler.scale", (ruler or {}).get("scale") if isinstance(ruler, dict) else ruler,
+                f"a scale of the config's tokenizer section ({', '.join(cfg['tokenizer'])})")
+        if not (isinstance(ruler.get("lengths"), list) and ruler["lengths"] and all(whole(n, 2) for n in ruler["lengths"])):
+            bad("eval.fixtures.ruler.lengths", ruler.get("lengths"), "a non-empty list of token counts >= 2")
+        if not whole(ruler.get("max_gen_toks"), 1):
+            bad("eval.fixtures.ruler.max_gen_toks", ruler.get("max_gen_toks"), "an integer >= 1")
 
 
 def _check_registered(cfg: dict, origin: str):
@@ -164,6 +205,7 @@ def _cross_check(cfg: dict, origin: str):
     _check_variant_names(cfg, origin)
     _check_sources(cfg, origin)
     _check_suite_kinds(cfg, origin)
+    _check_long_context(cfg, origin)
     _check_registered(cfg, origin)
     for name, spec in variants(cfg).items():
         if "optim" in spec:   # a variant's optim keys are merged over the experiment's: the same schema

@@ -121,6 +121,18 @@ def check_out(out: Path, force: bool = False) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def save_tokenizer(tok_file, eos_token: str, max_length: int, out) -> None:
+    """A checkpoint's tokenizer.json as a transformers folder (``PreTrainedTokenizerFast`` files) in ``out``."""
+    out = Path(out)
+    PreTrainedTokenizerFast(tokenizer_file=str(tok_file), eos_token=eos_token,
+                            model_max_length=max_length).save_pretrained(out)
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    # transformers 5 writes its new class name (TokenizersBackend); PreTrainedTokenizerFast, which it also
+    # reads, is the name older transformers (and tools pinned to them) know
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+
+
 def export_hf(checkpoint, out, force: bool = False) -> dict:
     """Write the transformers folder ``out`` for the checkpoint folder ``checkpoint``; returns a summary.
     ``force``: replace whatever is at ``out`` (else only a previous export or an empty folder, ``check_out``)."""
@@ -138,13 +150,7 @@ def export_hf(checkpoint, out, force: bool = False) -> dict:
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         GenerationConfig(eos_token_id=tok.eos_id, bos_token_id=None, pad_token_id=None, do_sample=False,
                          use_cache=model.cfg.dse is None).save_pretrained(tmp)
-        PreTrainedTokenizerFast(tokenizer_file=str(tok_file), eos_token=tok.eos_token,
-                                model_max_length=model.cfg.max_seq_len).save_pretrained(tmp)
-        tok_cfg = json.loads((tmp / "tokenizer_config.json").read_text())
-        # transformers 5 writes its new class name (TokenizersBackend); PreTrainedTokenizerFast, which it also
-        # reads, is the name older transformers (and tools pinned to them) know
-        tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        save_tokenizer(tok_file, tok.eos_token, model.cfg.max_seq_len, tmp)
         for name in REMOTE_FILES if remote else ():
             shutil.copyfile(REMOTE / name, tmp / name)
         (tmp / SOURCE_FILE).write_text(json.dumps(
