@@ -10,8 +10,6 @@ from pathlib import Path
 from lm_eval import evaluator, simple_evaluate
 from lm_eval.tasks import TaskManager
 
-from stem.hf.export import save_tokenizer
-
 
 def task_manager(fixtures: str | None, meta: dict | None = None):
     """lm-eval's tasks (the fixtures' offline ones when given); ``meta`` reaches the tasks that generate their
@@ -29,6 +27,8 @@ def run_lm_eval(lm, spec: dict, limit=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         meta = spec.get("metadata")
         if meta is not None and "tokenizer" not in meta:
+            # here, not at the top: stem.hf.export imports transformers (~3 s of CPU), which no other suite needs
+            from stem.hf.export import save_tokenizer
             save_tokenizer(Path(lm.pretrained) / "tokenizer.json", lm.tok.eos_token, lm.max_length, tmp)
             meta = {**meta, "tokenizer": tmp}
         return _run_lm_eval(lm, spec, limit, task_manager(spec["fixtures"], meta))
