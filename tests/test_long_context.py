@@ -67,30 +67,30 @@ def test_longppl_key_tokens_are_the_packages(ckpt, tmp_path):
     from stem.eval.lm import StemLM
     lm = StemLM(str(ckpt), device="cpu")
     w = synth.make_world(**WORLD)
-    docs = [d for d, _ in zip(synth.long_documents(w, 0, 1500, 3000), range(3))]
+    docs = [d for d, _ in zip(synth.long_documents(w, 0, 1500, 3000), range(2))]
     ids = [x[:256] for x in lm.tok.encode_batch(docs)]
     assert all(len(x) == 256 for x in ids)
     short, window = 48, 40   # 256 - 48 is no multiple of 40: the last window shrinks, as in the package
-    for x in ids:
+    nll, keys = [], []
+    for k, x in enumerate(ids):
         lsd, lf = package_lsd(lm.model, x, short, window)
         long_nll = longppl.token_nll(lm.model, x, "cpu")
         ours_short = longppl.short_nll(lm.model, x, short, window, "cpu")
         assert torch.allclose(ours_short - long_nll[short - 1:], lsd, atol=1e-5)
-        for alpha, beta in ((-0.05, -6.0), (0.0, -5.5), (2.0, -2.0)):
+        for alpha, beta in ((0.0, -5.5), (2.0, -2.0), (-0.05, -6.0)):
             want = torch.nonzero((lsd > alpha) & (lf < -beta)).flatten() + short - 1
             assert torch.equal(longppl.key_tokens(long_nll, ours_short, short, alpha, beta), want)
+        nll.append(long_nll)
+        keys.append(want + k * 255)   # the last thresholds', in the documents' concatenated NLL
+    nll, keys = torch.cat(nll), torch.cat(keys)
     corpus = tmp_path / "long.jsonl"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    spec = {"suite": "longppl", "kind": "longppl", "batch_size": 4, "seed": 0, "evaluator": "self", "documents": 3,
+    spec = {"suite": "longppl", "kind": "longppl", "batch_size": 4, "seed": 0, "evaluator": "self", "documents": 2,
             "short": short, "window": window, "alpha": -0.05, "beta": -6.0, "categories": {"book": "long"},
             "category_documents": {"book": {"kind": "files", "paths": [str(corpus)], "format": "jsonl"}}}
     out = run.evaluate(ckpt, spec, tmp_path / "lp.json", tmp_path / "raw.json", lm=lm)
-    nll = torch.cat([longppl.token_nll(lm.model, x, "cpu") for x in ids])
-    keys = torch.cat([longppl.key_tokens(longppl.token_nll(lm.model, x, "cpu"),
-                                         longppl.short_nll(lm.model, x, short, window, "cpu"), short, -0.05, -6.0)
-                      + k * 255 for k, x in enumerate(ids)])
     entry = json.loads((tmp_path / "lp.json").read_text())["tasks"]["longppl_book"]
-    assert entry["all_metrics"]["key_tokens"] == len(keys) > 0 and entry["n"] == 3
+    assert entry["all_metrics"]["key_tokens"] == len(keys) > 0 and entry["n"] == 2
     assert entry["value"] == pytest.approx(math.exp(float(nll[keys].mean())), rel=1e-5)
     assert out["provenance"]["data"]["documents"].keys() == {str(corpus)}
 
@@ -120,7 +120,7 @@ def test_ruler_stand_in_items_fit_and_score_with_lm_evals_code(ckpt, tmp_path):
     words = fwe["input"].split("Find the three most frequently appeared coded words. ")[1].split("\n")[0].split()
     top = sorted({x for x in words if x != "..."}, key=words.count, reverse=True)[:3]
     assert sorted(top) == sorted(fwe["outputs"])
-    loaded = TaskManager(include_path=str(tmp_path / "fx"), include_defaults=False).load_task_or_group(tasks)
+    loaded = TaskManager(include_path=str(tmp_path / "fx"), include_defaults=False).load(tasks)["tasks"]
     assert {t.config.task for t in loaded.values()} == set(tasks)
     assert all(t.config.process_results.__module__.endswith("ruler.common_utils") for t in loaded.values())
 
@@ -177,3 +177,12 @@ def test_dse_long_table_and_its_directions(tmp_path):
     assert dirs.loc["longppl_book", "ours"] == "beats baseline" and dirs.loc["longppl_book", "agree"]
     assert dirs.loc["ruler_s", "paper_says"] == "trails baseline" and not dirs.loc["ruler_s", "agree"]
     assert dirs.loc["longppl_code", "ours"] == "missing"
+
+
+def test_ruler_items_are_sized_only_when_a_fixture_task_is_rulers():
+    """The eval_fixtures job waits for the tokenizer only when it generates RULER items (the reduced DAG of
+    tests/test_workflow.py keeps the `ruler` section with other tasks)."""
+    cfg = copy.deepcopy(TINY)
+    cfg["eval"]["fixtures"]["tasks"] = ["arc_easy"]
+    assert ES.fixture_inputs(cfg) == {} and "tokenizer" not in (ES.fixture_spec(cfg).get("ruler") or {})
+    assert all(t.startswith(ES.RULER_TASK_PREFIXES) for t in ruler_data.TASKS)

@@ -112,19 +112,24 @@ def eval_targets(cfg: dict) -> list[str]:
             for suite in suites_for(cfg, st, seeds.split(v)[0])]
 
 
+RULER_TASK_PREFIXES = ("niah_", "ruler_")   # lm-eval's RULER task names (stem.eval.ruler_data.TASKS)
+
+
 def fixture_spec(cfg: dict) -> dict:
     """The spec of the eval_fixtures job (stem.eval.fixtures.write_fixtures): the config's ``eval.fixtures``, the
     world, the seed and, for the RULER stand-in, the tokenizer of its ``scale`` (its items are sized in tokens)."""
     fx = cfg["eval"]["fixtures"]
     spec = {**fx, "world": cfg.get("world", {}), "seed": cfg["seed"]}
-    if "ruler" in fx:
+    if fixture_inputs(cfg):
         spec["ruler"] = {**fx["ruler"], **fixture_inputs(cfg)}
     return spec
 
 
 def fixture_inputs(cfg: dict) -> dict:
-    ruler = cfg["eval"]["fixtures"].get("ruler")
-    return {"tokenizer": layout.tokenizer_path(cfg["experiment"], ruler["scale"])} if ruler else {}
+    """The eval_fixtures job's inputs: the tokenizer that sizes the RULER stand-in, when a fixture task is RULER's."""
+    fx = cfg["eval"]["fixtures"]
+    ruler = fx.get("ruler") and any(t.startswith(RULER_TASK_PREFIXES) for t in fx.get("tasks", []))
+    return {"tokenizer": layout.tokenizer_path(cfg["experiment"], fx["ruler"]["scale"])} if ruler else {}
 
 
 def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
