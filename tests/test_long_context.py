@@ -120,6 +120,13 @@ def test_ruler_stand_in_items_fit_and_score_with_lm_evals_code(ckpt, tmp_path):
     words = fwe["input"].split("Find the three most frequently appeared coded words. ")[1].split("\n")[0].split()
     top = sorted({x for x in words if x != "..."}, key=words.count, reverse=True)[:3]
     assert sorted(top) == sorted(fwe["outputs"])
+    # the paper path: lm-eval's own generators size RULER's items with the checkpoint's tokenizer, written for them
+    # as a transformers folder (stem.eval.harness); it counts as the checkpoint's tokenizer does
+    from lm_eval.tasks.ruler.common_utils import get_tokenizer
+    from stem.hf.tokenizer import save_tokenizer
+    save_tokenizer(tok_path, tok.eos_token, 256, tmp_path / "hf_tok")
+    text = json.loads((tmp_path / "fx" / "niah_single_2" / "test.jsonl").read_text())["input"]
+    assert get_tokenizer(str(tmp_path / "hf_tok"))(text).input_ids == tok.encode_batch([text])[0]
     loaded = TaskManager(include_path=str(tmp_path / "fx"), include_defaults=False).load(tasks)["tasks"]
     assert {t.config.task for t in loaded.values()} == set(tasks)
     assert all(t.config.process_results.__module__.endswith("ruler.common_utils") for t in loaded.values())
@@ -133,6 +140,10 @@ def test_long_context_suites_run_for_dense_and_dse_only():
     assert inputs["evaluator"] == "results/tiny/1b/dense/extend/checkpoint"   # key tokens: the dense model's
     assert "evaluator" not in ES.rule_inputs(TINY, "tiny", "1b", "dense", "extend", "longppl")
     assert ES.fixture_inputs(TINY) == {"tokenizer": "data/tiny/1b/tokenizer/tokenizer.json"}
+    paper = C.load_experiment(C.REPO / "config" / "paper.yaml")   # lm-eval's RULER at 32k, no fixtures
+    spec = ES.job_spec(paper, "paper", "1b", "dense", "extend", "ruler")
+    assert spec["tasks"] == ["ruler"] and spec["fixtures"] is None and spec["truncation"] == "error"
+    assert spec["metadata"] == {"max_seq_lengths": [32768]} and spec["metric"] == ["32768,none"]
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -27,8 +27,8 @@ def run_lm_eval(lm, spec: dict, limit=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         meta = spec.get("metadata")
         if meta is not None and "tokenizer" not in meta:
-            # here, not at the top: stem.hf.export imports transformers (~3 s of CPU), which no other suite needs
-            from stem.hf.export import save_tokenizer
+            # here, not at the top: transformers (seconds of CPU), which no other suite needs
+            from stem.hf.tokenizer import save_tokenizer
             save_tokenizer(Path(lm.pretrained) / "tokenizer.json", lm.tok.eos_token, lm.max_length, tmp)
             meta = {**meta, "tokenizer": tmp}
         return _run_lm_eval(lm, spec, limit, task_manager(spec["fixtures"], meta))

@@ -22,11 +22,12 @@ import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+from transformers import GenerationConfig, LlamaConfig
 
 from stem.data.tokenizer import load_tokenizer
 from stem.hf.keys import to_hf
 from stem.hf.remote.configuration_stem import StemLlamaConfig
+from stem.hf.tokenizer import save_tokenizer
 from stem.io import atomic_dir
 from stem.models.config import ModelConfig
 from stem.models.model import saved_state
@@ -119,18 +120,6 @@ def check_out(out: Path, force: bool = False) -> None:
                              "export (--force replaces it, or remove it)")
     for stale in list(out.parent.glob(f".{out.name}.tmp-*")) + list(out.parent.glob(f".{out.name}.old-*")):
         shutil.rmtree(stale, ignore_errors=True)
-
-
-def save_tokenizer(tok_file, eos_token: str, max_length: int, out) -> None:
-    """A checkpoint's tokenizer.json as a transformers folder (``PreTrainedTokenizerFast`` files) in ``out``."""
-    out = Path(out)
-    PreTrainedTokenizerFast(tokenizer_file=str(tok_file), eos_token=eos_token,
-                            model_max_length=max_length).save_pretrained(out)
-    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
-    # transformers 5 writes its new class name (TokenizersBackend); PreTrainedTokenizerFast, which it also
-    # reads, is the name older transformers (and tools pinned to them) know
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
 
 def export_hf(checkpoint, out, force: bool = False) -> dict:
