@@ -103,6 +103,8 @@ def _check_long_context(cfg: dict, origin: str):
         if "variants" in suite and not (isinstance(suite["variants"], list) and suite["variants"]
                                         and set(suite["variants"]) <= known):
             bad(f"{where}.variants", suite["variants"], "a non-empty list of variants of config/variants.yaml")
+        if "metadata" in suite and not isinstance(suite["metadata"], dict):   # lm-eval's task metadata (RULER)
+            bad(f"{where}.metadata", suite["metadata"], "a mapping (e.g. {max_seq_lengths: [32768]})")
         if suite.get("kind") != "longppl":
             continue
         if not isinstance(suite.get("categories"), dict) or not suite["categories"]:

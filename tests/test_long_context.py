@@ -153,6 +153,7 @@ def test_long_context_suites_run_for_dense_and_dse_only():
      r"key 'eval.suites.longppl.categories': unknown source 'nowhere'"),
     (lambda c: c["eval"]["suites"]["longppl"].update(short=0), r"key 'eval.suites.longppl.short': 0; expected an integer"),
     (lambda c: c["eval"]["suites"]["longppl"].update(evaluator="gpt"), r"key 'eval.suites.longppl.evaluator': 'gpt'"),
+    (lambda c: c["eval"]["suites"]["ruler"].update(metadata=32768), r"key 'eval.suites.ruler.metadata': 32768"),
     (lambda c: c["eval"]["fixtures"]["ruler"].update(scale="7b"), r"key 'eval.fixtures.ruler.scale': '7b'"),
     (lambda c: c["eval"]["fixtures"]["ruler"].update(lengths=[]), r"key 'eval.fixtures.ruler.lengths': \[\]"),
 ])
