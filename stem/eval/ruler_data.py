@@ -60,7 +60,7 @@ def _value(rng: random.Random, w: World, kind: str) -> str:
     return "-".join(rng.sample(w.filler[50:], 2))   # words: RULER's adjective-noun pairs
 
 
-def _niah(rng: random.Random, w: World, task: str):
+def _niah(rng: random.Random, w: World, task: str, length: int):
     hay, kk, kv, n_k, n_v, n_q = NIAH[task]
     keys = [_value(rng, w, kk) for _ in range(n_k)]
     values = [[_value(rng, w, kv) for _ in range(n_v)] for _ in keys]
@@ -74,14 +74,14 @@ def _niah(rng: random.Random, w: World, task: str):
         kind = kv[:-1]
         template = template.replace("Some", "A").replace("are all", "is").replace("are", "is")
         prefix = "is"
-    if hay == "essay":
+    if hay == "essay":   # at least `length` words of prose: more than fits
         sents = synth.long_documents(w, rng.randrange(10**9), 2000, 8000)
-        pool = " ".join(next(sents) for _ in range(12)).replace("\n", " ").split(". ")
+        pool = " ".join(next(sents) for _ in range(max(12, length // 200))).replace("\n", " ").split(". ")
         unit = [s.strip() + "." for s in pool if s.strip()]
-    elif hay == "needle":
-        unit = [NEEDLE.format(type_needle_v=kv, key=_value(rng, w, kk), value=_value(rng, w, kv)) for _ in range(400)]
+    elif hay == "needle":   # every unit is at least a token: `length` of them is more than fits
+        unit = [NEEDLE.format(type_needle_v=kv, key=_value(rng, w, kk), value=_value(rng, w, kv)) for _ in range(length)]
     else:
-        unit = [REPEAT] * 400
+        unit = [REPEAT] * length
     sep = " " if hay == "essay" else "\n"
 
     def build(n: int):
@@ -94,7 +94,7 @@ def _niah(rng: random.Random, w: World, task: str):
     return build, len(unit)
 
 
-def _vt(rng: random.Random, w: World, task: str):
+def _vt(rng: random.Random, w: World, task: str, length: int):
     names = set()
     while len(names) < 5:
         names.add("".join(rng.choices(string.ascii_uppercase, k=5)))
@@ -109,11 +109,11 @@ def _vt(rng: random.Random, w: World, task: str):
             body.insert(round(d * len(body)), link)
         return VT_TEMPLATE.format(context="\n".join(body), query=value), names, \
             VT_PREFIX.format(num_v=len(names), query=value)
-    return build, 400
+    return build, length
 
 
-def _cwe(rng: random.Random, w: World, task: str):
-    words = rng.sample(w.filler[50:], min(400, len(w.filler) - 50))
+def _cwe(rng: random.Random, w: World, task: str, length: int):
+    words = rng.sample(w.filler[50:], len(w.filler) - 50)
 
     def build(n: int):   # RULER below 4k tokens: the 10 common words 6 times, the others once
         common, rare = words[:10], words[10:10 + n]
@@ -136,7 +136,7 @@ def _fwe(rng: random.Random, w: World, task: str, length: int):
     return build, 20 * length
 
 
-def _qa(rng: random.Random, w: World, task: str):
+def _qa(rng: random.Random, w: World, task: str, length: int):
     if task == "ruler_qa_squad":   # one gold passage: a country's facts
         c = rng.choice(w.countries)
         gold = [" ".join(synth._country_sentences(rng, c))]
@@ -150,6 +150,7 @@ def _qa(rng: random.Random, w: World, task: str):
         query, answer = f"In which country did {p.name} live?", c.name
         others = [x for x in w.countries if x is not c]
     distract = [" ".join(synth._country_sentences(rng, x)) for x in rng.sample(others, len(others))]
+    distract += [" ".join(synth._bio_sentences(rng, x)) for x in w.people if x.name not in query]
 
     def build(n: int):
         docs = gold + distract[:n]
@@ -161,14 +162,10 @@ def _qa(rng: random.Random, w: World, task: str):
 
 def make_doc(rng: random.Random, w: World, i: int, task: str, tok, length: int, gen: int) -> dict:
     """One item of ``task`` whose prompt (input, a newline and gen_prefix) plus ``gen`` generated tokens fits
-    ``length`` tokens of ``tok``, with as much haystack as fits (the most units, found by bisection)."""
-    if task in NIAH:
-        build, most = _niah(rng, w, task)
-    elif task == "ruler_fwe":
-        build, most = _fwe(rng, w, task, length)
-    else:
-        build, most = {"ruler_vt": _vt, "ruler_cwe": _cwe, "ruler_qa_squad": _qa, "ruler_qa_hotpot": _qa}[task](
-            rng, w, task)
+    ``length`` tokens of ``tok``, with as much haystack as fits (the most units, found by bisection; CWE and QA as
+    much as the world has: its filler words, its countries' and people's passages)."""
+    family = {"ruler_vt": _vt, "ruler_cwe": _cwe, "ruler_fwe": _fwe, "ruler_qa_squad": _qa, "ruler_qa_hotpot": _qa}
+    build, most = (_niah if task in NIAH else family[task])(rng, w, task, length)
 
     def size(n):
         text, _, prefix = build(n)
