@@ -11,10 +11,12 @@ eval_outputs = lambda: EV.eval_targets(config)  # noqa: E731
 
 
 rule eval_fixtures:
+    input:
+        unpack(lambda w: EV.fixture_inputs(config)),
     output:
         directory(L.fixtures_dir("{experiment}")),
     params:
-        spec=lambda w: as_json({**config["eval"]["fixtures"], "world": config.get("world", {}), "seed": config["seed"]}),
+        spec=lambda w: as_json(EV.fixture_spec(config)),
     log:
         L.fixtures_log("{experiment}"),
     conda:

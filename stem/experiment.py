@@ -628,6 +628,7 @@ class Experiment:
         self._check_variant_names()
         self._check_sources()
         self._check_suites()
+        self._check_long_context()
         for name, spec in self.analysis.plugins.items() if self.analysis else ():   # a plugin's analysis
             fail(name in ANALYSES, f"analysis.{name}", f"unknown analysis; expected stages or one of "
                  f"{', '.join(ANALYSES)}")
@@ -676,6 +677,8 @@ class Experiment:
         for name, suite in (ev.get("suites") or {}).items():
             uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
                      if name in run and isinstance(suite, dict) and key in suite]
+            if name in run and isinstance(suite, dict) and isinstance(suite.get("categories"), dict):   # longppl
+                uses.append((f"eval.suites.{name}.categories", list(suite["categories"].values())))
         uses += [(f"analysis.{name}.source", [a["source"] if isinstance(a, dict) else a.source])
                  for name, a in self.analyses().items()
                  if (isinstance(a, dict) and "source" in a) or getattr(a, "source", None) is not None]
@@ -697,6 +700,46 @@ class Experiment:
                  f"{suite.get('truncation')!r}; expected " + (
                      "error (NIAH prompts are built to fit their cells, never cut)" if kind == "niah"
                      else f"one of {', '.join(allowed)}"))
+
+    def _check_long_context(self):
+        """The long-context evaluation's keys (the DSE paper's Table 2): a suite's ``variants`` (only those variants'
+        checkpoints get it), a ``longppl`` suite's categories, sizes, thresholds and evaluator, and the fixtures'
+        RULER stand-in (``eval.fixtures.ruler``: the scale whose tokenizer sizes its items, lengths, generation
+        room)."""
+        ev, known = self.eval or {}, set(self.variants())
+        whole = lambda v, lo: isinstance(v, int) and not isinstance(v, bool) and v >= lo   # noqa: E731
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)        # noqa: E731
+        for name, suite in (ev.get("suites") or {}).items():
+            where = f"eval.suites.{name}"
+            fail("variants" not in suite or (isinstance(suite["variants"], list) and suite["variants"]
+                                             and set(suite["variants"]) <= known),
+                 f"{where}.variants", f"{suite.get('variants')!r}; expected a non-empty list of variants of "
+                 "config/variants.yaml")
+            fail("metadata" not in suite or isinstance(suite["metadata"], dict), f"{where}.metadata",
+                 f"{suite.get('metadata')!r}; expected a mapping (e.g. {{max_seq_lengths: [32768]}})")
+            if suite.get("kind") != "longppl":
+                continue
+            fail(isinstance(suite.get("categories"), dict) and bool(suite["categories"]), f"{where}.categories",
+                 f"{suite.get('categories')!r}; expected a mapping {{column: source}} (e.g. {{book: long}})")
+            for key, lo in (("documents", 1), ("short", 1), ("window", 1), ("length", 2)):
+                fail(key not in suite or whole(suite[key], lo), f"{where}.{key}",
+                     f"{suite.get(key)!r}; expected an integer >= {lo}")
+            for key in ("alpha", "beta"):
+                fail(key not in suite or number(suite[key]), f"{where}.{key}",
+                     f"{suite.get(key)!r}; expected a number (nats)")
+            fail(suite.get("evaluator", "dense") in known | {"self"}, f"{where}.evaluator",
+                 f"{suite.get('evaluator')!r}; expected self or a variant of config/variants.yaml")
+        ruler = (ev.get("fixtures") or {}).get("ruler")
+        if ruler is None:
+            return
+        scale = ruler.get("scale") if isinstance(ruler, dict) else ruler
+        fail(isinstance(ruler, dict) and scale in self.tokenizer, "eval.fixtures.ruler.scale",
+             f"{scale!r}; expected a scale of the config's tokenizer section ({', '.join(self.tokenizer)})")
+        lengths = ruler.get("lengths")
+        fail(isinstance(lengths, list) and bool(lengths) and all(whole(n, 2) for n in lengths),
+             "eval.fixtures.ruler.lengths", f"{lengths!r}; expected a non-empty list of token counts >= 2")
+        fail(whole(ruler.get("max_gen_toks"), 1), "eval.fixtures.ruler.max_gen_toks",
+             f"{ruler.get('max_gen_toks')!r}; expected an integer >= 1")
 
     def _check_variant(self, name: str, spec: dict):
         """A variant (config/variants.yaml with variant_overrides): its optim keys merged over the config's,

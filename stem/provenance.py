@@ -81,7 +81,8 @@ def eval_data(spec: dict, raw: dict | None) -> dict:
     out = {}
     if spec.get("fixtures"):
         out["fixtures"] = {"dir": str(spec["fixtures"]), "sha256": tree_hash(spec["fixtures"])}
-    paths = (spec.get("documents") or {}).get("paths") or []
+    readers = [spec.get("documents") or {}, *(spec.get("category_documents") or {}).values()]   # longppl: per category
+    paths = [p for r in readers if isinstance(r, dict) for p in r.get("paths") or []]
     if paths:
         out["documents"] = {str(p): file_hash(p) for p in paths}
     samples = (raw or {}).get("samples") or {}

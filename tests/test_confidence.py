@@ -85,7 +85,7 @@ def test_summary_counts_are_the_bootstrap_tables_verdicts(report):
     assert boot.loc[("table3", "350m", "hashmoe", "boolq"), "category"] == "missing"   # no per-item samples
     # the point estimates fill only what the bootstrap table has no row for (ROI, Tables 5-6, DSE Table 1)
     point = dirs[dirs["origin"] == diff.POINT]
-    assert set(point["table"]) <= {"table3", "table5", "table6", "dse"} and len(point)
+    assert set(point["table"]) <= {"table3", "table5", "table6", "dse", "dse_long"} and len(point)
     assert set(point[point["table"] == "table3"]["column"]) == {"roi"}
     assert s["directions"]["point_only"] == V.count(point["category"])
     # resolvable: sized (Tables 3/4 with an interval); a 0-or-1 item difference resolves the paper's effect

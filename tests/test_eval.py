@@ -297,8 +297,8 @@ def test_tiny_dag_ends_in_eval_jsons():
     assert "results/tiny/1b/dense/extend/eval/longbench.json" in targets
     assert "results/tiny/1b/dse/extend/eval/longbench.json" in targets
     # 9 350m (stem_sparse, dse too) + 3 1b pretrain (dense, stem, dse); 4 midtrain x 3 suites; 4 extend x 4
-    # (stem_insert from midtrain on); seeds 1 and 2 of 350m dense and STEM (stem.seeds)
-    assert len(targets) == 9 + 3 + 4 * 3 + 4 * 4 + 4
+    # (stem_insert from midtrain on) and LongPPL + RULER for dense and DSE; seeds 1 and 2 of 350m dense and STEM
+    assert len(targets) == 9 + 3 + 4 * 3 + 4 * 4 + 2 * 2 + 4
     snakefile = (C.REPO / "Snakefile").read_text()
     assert 'include: "rules/eval.smk"' in snakefile and "eval_outputs()" in snakefile
 

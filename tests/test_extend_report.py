@@ -217,7 +217,7 @@ def test_report_stages_of_an_unknown_table_is_a_one_line_error():
     for name in ("tabel3", "table1"):
         cfg = {"experiment": "tiny", "report": {"stages": {name: ["pretrain"]}}}
         with pytest.raises(ValueError, match=rf"^config: key 'report.stages.{name}': expected a table fed by training "
-                                             rf"stages \(table3, table4, table5, table6, figure1b, dse\), got '{name}'$"):
+                                             rf"stages \(table3, table4, table5, table6, figure1b, dse, dse_long\), got '{name}'$"):
             T.settings(cfg)
     bad = [({"tolerance": {"accuracy": -1}}, r"^config: key 'report.tolerance.accuracy': expected a number >= 0"),
            ({"spikes": {"window": "50"}}, r"^config: key 'report.spikes.window': expected an integer, got '50'$"),

@@ -110,16 +110,16 @@ def test_toy_suite_kind_runs_through_the_eval_job(toy_kind, ckpt, tmp_path, monk
 
 
 def test_unregistered_kind_is_a_one_line_error(tmp_path):
-    assert sorted(ES.SUITE_KINDS) == ["lm_eval", "niah", "ppl"]  # the toy kind did not leak out of its test
+    assert sorted(ES.SUITE_KINDS) == ["lm_eval", "longppl", "niah", "ppl"]  # the toy kind did not leak out of its test
     with pytest.raises(C.ConfigError, match=r"^config: key 'eval.suites.toy.kind': unknown suite kind "
-                                            r"'continuation_logprob'; expected one of \['lm_eval', 'niah', 'ppl'\]$"):
+                                            r"'continuation_logprob'; expected one of \['lm_eval', 'longppl', 'niah', 'ppl'\]$"):
         C.validate_experiment(_cfg_with_toy_suite())
     cfg = _cfg_with_toy_suite()
     with pytest.raises(ValueError, match=r"^suite 'toy': unknown kind 'continuation_logprob' \(expected one of"):
         ES.suite_spec(cfg, "toy")
     spec = {"kind": "nope", "suite": "s", "batch_size": 1}
     out = tmp_path / "s.json"
-    known = r"\(expected one of \['lm_eval', 'niah', 'ppl'\]\)$"
+    known = r"\(expected one of \['lm_eval', 'longppl', 'niah', 'ppl'\]\)$"
     with pytest.raises(ValueError, match=r"^suite 's': unknown kind 'nope' " + known):
         run.evaluate(tmp_path / "no-checkpoint", spec, out)  # refused before the checkpoint is read
     assert not out.exists()

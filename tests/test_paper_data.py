@@ -306,3 +306,22 @@ def test_dse_paper_claims_dse27b_beats_dense_and_moe_everywhere():
     for base in ("dense_4b", "moe_27b"):
         assert (bench.loc[~lower, "dse_27b"] > bench.loc[~lower, base]).all()
         assert (bench.loc[lower, "dse_27b"] < bench.loc[lower, base]).all()
+
+
+def test_dse_paper_table2_csv_matches_its_text():
+    """reference/dse_paper/table2.csv: the twelve numbers of each row of the DSE paper's Table 2 (long context), in
+    its column order."""
+    if not DSE_TXT.exists():
+        pytest.skip(f"DSE paper text not found at {DSE_TXT}")
+    df = pdata.load_table("dse_paper/table2")
+    assert list(df.columns) == pdata.COLUMNS and not df.duplicated(["variant", "column"]).any()
+    lines = DSE_TXT.read_text(encoding="utf-8").splitlines()
+    cap = next(i for i, ln in enumerate(lines) if ln.startswith("Table 2: Long-context"))
+    printed = {ln.split("\t")[0]: _numbers(re.sub(r"</?[bu]>", "", " ".join(ln.split("\t")[1:])))
+               for ln in lines[:cap] if ln.startswith(("MoE-27B (", "DSE-27B ("))}
+    order = ["longppl_book", "longppl_paper", "longppl_code", "longppl_lcot", "ruler_s", "ruler_mk", "ruler_mv",
+             "ruler_mq", "ruler_vt", "ruler_cwe", "ruler_fwe", "ruler_qa"]
+    assert len(printed) == 4
+    for row, g in df.groupby("row", sort=False):
+        assert g.set_index("column")["value"][order].tolist() == printed[row], row
+        assert all(DSE_SRC.match(s) and f"row '{row}'" in s for s in g["source"])

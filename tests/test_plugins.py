@@ -77,7 +77,7 @@ def test_the_config_check_in_a_fresh_process_sees_the_plugins(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.splitlines()[-1])
     assert [e.split(": ", 1)[1] for e in got["errors"]] == [
-        "key 'eval.suites.toy.kind': unknown suite kind 'toy_logprob'; expected one of ['lm_eval', 'niah', 'ppl']",
+        "key 'eval.suites.toy.kind': unknown suite kind 'toy_logprob'; expected one of ['lm_eval', 'longppl', 'niah', 'ppl']",
         "key 'analysis.toy_norms': unknown analysis; expected stages or one of editing, heaps, spread, capacity, "
         "heldout, hf_parity, insertion_step0, logitlens, cka, dse_disabled",
         "variant 'hashmoe' (config/variants.yaml + variant_overrides): key 'ffn': 'relu2' is not a registered FFN "

@@ -62,7 +62,7 @@ def test_rehearsal_dag_dry_runs(tmp_path):
                        timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     counts = job_counts(r.stdout)
-    assert counts["train"] == 15 and counts["tokenizer"] == 2 and counts["eval"] == 30   # stem_insert: 2 + 7
+    assert counts["train"] == 15 and counts["tokenizer"] == 2 and counts["eval"] == 32   # stem_insert: 2 + 7; dense: LongPPL, RULER
     assert counts["report_html"] == 1 and "tiny.yaml" not in r.stdout + r.stderr
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from stem import config as C
 from stem import seeds
+from stem.eval import spec as ES
 from stem.report import build as B
 from stem.report import diff
 from stem.report import figures as F
@@ -97,7 +98,8 @@ def write_results(root, cfg, skip=(MISSING,)):
         (d / "checkpoint" / "config.json").write_text(json.dumps(
             {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}))
         (d / "checkpoint" / "accounting.json").write_text(json.dumps(T.accounting(cfg, scale, variant)))
-        for suite in stage_suites[stage]:
+        long_context = [s for s in ("longppl", "ruler") if s in ES.suites_for(cfg, stage, seeds.split(variant)[0])]
+        for suite in stage_suites[stage] + long_context:   # the DSE paper's Table 2: dense and DSE only
             if (scale, variant) in skip and suite == "commonsense":
                 continue
             offset = {"dense": 0.0}.get(seeds.split(variant)[0], 1.0)

@@ -137,7 +137,7 @@ def test_direction_gate_on_the_reduced_dag(reduced_run, tmp_path, capsys, monkey
     (lambda c: c["stages"]["pretrain"]["350m"].update(seq_len=4096), "exceeds the model's max_seq_len 256"),
     (lambda c: c["tokenizer"]["350m"].update(vocab_size=100000), "exceeds archs.350m.vocab_size"),
     (lambda c: c["eval"]["suites"]["ppl"].update(kind="perplexity"),
-     "key 'eval.suites.ppl.kind': unknown suite kind 'perplexity'; expected one of ['lm_eval', 'niah', 'ppl']"),
+     "key 'eval.suites.ppl.kind': unknown suite kind 'perplexity'; expected one of ['lm_eval', 'longppl', 'niah', 'ppl']"),
 ])
 def test_bad_config_stops_with_one_clear_line(tmp_path, edit, message):
     cfg = yaml.safe_load((REPO / "config/tiny.yaml").read_text())

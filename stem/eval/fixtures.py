@@ -26,6 +26,8 @@ from lm_eval.tasks._yaml_loader import load_yaml
 
 from stem.data import synth
 from stem.data.synth import World, make_world
+from stem.data.tokenizer import load_tokenizer
+from stem.eval import ruler_data
 from stem.io import atomic_write_json, atomic_write_text
 
 TASKS_DIR = Path(lm_eval.__file__).parent / "tasks"
@@ -50,6 +52,8 @@ def real_yaml(task: str) -> Path:
                 break
     if task in ("longbench_multi", "longbench_code"):
         rel = f"longbench/_{task}.yaml"
+    if task == "ruler" or task in ruler_data.TASKS:
+        rel = f"ruler/{task.removeprefix('ruler_')}.yaml" if task != "ruler" else "ruler/ruler.yaml"
     path = TASKS_DIR / rel if rel else None
     if path is None or not path.is_file():
         raise ValueError(f"task {task!r}: no lm-eval task definition found for a fixture")
@@ -294,17 +298,64 @@ def _write_jsonl(path: Path, docs):
     atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in docs))
 
 
+class _Function(str):
+    """A task YAML's ``!function module.name`` (lm-eval imports it when it loads the task)."""
+
+
+class _TaskDumper(yaml.SafeDumper):
+    pass
+
+
+_TaskDumper.add_representer(_Function, lambda d, v: d.represent_scalar("!function", str(v)))
+
+
+def _function(path: str) -> _Function:
+    """lm-eval's resolved reference ``/.../lm_eval/tasks/ruler/common_utils.name`` as an importable module path."""
+    return _Function("lm_eval." + path.split("/lm_eval/", 1)[1].replace("/", "."))
+
+
+def ruler_task_yaml(task: str, data_file: str, lengths) -> str:
+    """A RULER task on a local file: the real task's YAML with its generator (``custom_dataset``, which needs the
+    hub, the essays download and wonderwords) replaced by the file; its prompt fields, lm-eval's scoring functions
+    and one metric per length of ours (and RULER's default 4096, which its process_results always writes)."""
+    cfg = load_yaml(real_yaml(task), resolve_func=False)
+    agg = _function(cfg["metric_list"][0]["aggregation"])
+    cfg.pop("custom_dataset")
+    cfg.update(task=task, dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {"test": data_file}},
+               process_results=_function(cfg["process_results"]),
+               metric_list=[{"metric": str(n), "aggregation": agg, "higher_is_better": True}
+                            for n in sorted({*lengths, 4096})])
+    return yaml.dump(cfg, Dumper=_TaskDumper, sort_keys=False)
+
+
+def _write_ruler(spec: dict, w: World, task: str, out: Path, n: int) -> dict:
+    """``n`` items per length of the fixture spec's ``ruler`` section, sized with its tokenizer."""
+    r = spec["ruler"]
+    tok = load_tokenizer(r["tokenizer"])
+    rng = random.Random(f"fixture:{spec['seed']}:{task}:test")
+    docs = [ruler_data.make_doc(rng, w, i, task, tok, length, r["max_gen_toks"])
+            for length in r["lengths"] for i in range(n)]
+    path = out / task / "test.jsonl"
+    _write_jsonl(path, docs)
+    atomic_write_text(out / f"{task}.yaml", ruler_task_yaml(task, str(path), r["lengths"]))
+    return {"source": str(real_yaml(task)), "splits": {"test": len(docs)}}
+
+
 def write_fixtures(spec: dict, out_dir) -> dict:
     """spec: {world: {...}, seed, items, train_items, tasks: [...], groups: {group: [members]},
-    items_by_prefix: {task prefix: items}, longbench_words: [lo, hi]}. Returns a manifest (also written to out_dir/manifest.json)."""
+    items_by_prefix: {task prefix: items}, longbench_words: [lo, hi], ruler: {tokenizer, lengths, max_gen_toks}}.
+    Returns a manifest (also written to out_dir/manifest.json)."""
     out = Path(out_dir).resolve()
     w = make_world(**spec["world"])
     manifest = {"tasks": {}, "groups": {}}
     for task in spec["tasks"]:
+        n_eval = next((n for pre, n in spec.get("items_by_prefix", {}).items() if task.startswith(pre)), spec["items"])
+        if task in ruler_data.TASKS:
+            manifest["tasks"][task] = _write_ruler(spec, w, task, out, n_eval)
+            continue
         fn, src = generator(task), real_yaml(task)
         kw = {"words": tuple(spec["longbench_words"])} if fn is longbench and "longbench_words" in spec else {}
         eval_split, others = _splits(src)
-        n_eval = next((n for pre, n in spec.get("items_by_prefix", {}).items() if task.startswith(pre)), spec["items"])
         files, sizes = {}, {}
         for split in [eval_split] + others:
             n = sizes[split] = n_eval if split == eval_split else spec["train_items"]
@@ -322,6 +373,8 @@ def write_fixtures(spec: dict, out_dir) -> dict:
         if unknown:
             raise ValueError(f"fixture group {group!r}: members {unknown} are neither fixture tasks nor groups")
         cfg = {"group": group, "task": list(members), **{k: v for k, v in real.items() if k not in ("group", "task")}}
+        if group == "ruler":   # averaged at our lengths (the real group: 4096)
+            cfg["aggregate_metric_list"] = [{"metric": str(n), "weight_by_size": False} for n in spec["ruler"]["lengths"]]
         atomic_write_text(out / f"_{group}.yaml", yaml.safe_dump(cfg, sort_keys=False))
         manifest["groups"][group] = {"source": str(real_yaml(group)), "members": list(members)}
     atomic_write_json(out / "manifest.json", manifest)  # last

@@ -3,6 +3,7 @@ JSON's ``tasks``/``groups`` (one metric per task, in percent), plus LongBench's 
 The runner of suite kind ``lm_eval`` (registered by name in stem.eval.spec); imported only by eval jobs."""
 from __future__ import annotations
 
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -10,16 +11,30 @@ from lm_eval import evaluator, simple_evaluate
 from lm_eval.tasks import TaskManager
 
 
-def task_manager(fixtures: str | None):
+def task_manager(fixtures: str | None, meta: dict | None = None):
+    """lm-eval's tasks (the fixtures' offline ones when given); ``meta`` reaches the tasks that generate their
+    own data (RULER: ``max_seq_lengths``, ``tokenizer``)."""
     if fixtures is None:
-        return TaskManager()
+        return TaskManager(metadata=meta)
     if not Path(fixtures, "manifest.json").is_file():
         raise ValueError(f"fixtures {fixtures}: not generated (run the eval_fixtures rule)")
-    return TaskManager(include_path=str(Path(fixtures).resolve()), include_defaults=False)
+    return TaskManager(include_path=str(Path(fixtures).resolve()), include_defaults=False, metadata=meta)
 
 
 def run_lm_eval(lm, spec: dict, limit=None) -> dict:
-    tm = task_manager(spec["fixtures"])
+    """``spec["metadata"]`` (a suite's ``metadata:``) goes to the tasks; RULER's generators size their items with
+    the tokenizer it names, by default the checkpoint's own (written as a transformers folder for the job)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        meta = spec.get("metadata")
+        if meta is not None and "tokenizer" not in meta:
+            # here, not at the top: transformers (seconds of CPU), which no other suite needs
+            from stem.hf.tokenizer import save_tokenizer
+            save_tokenizer(Path(lm.pretrained) / "tokenizer.json", lm.tok.eos_token, lm.max_length, tmp)
+            meta = {**meta, "tokenizer": tmp}
+        return _run_lm_eval(lm, spec, limit, task_manager(spec["fixtures"], meta))
+
+
+def _run_lm_eval(lm, spec: dict, limit, tm) -> dict:
     unknown = [t for t in spec["tasks"] if not tm.match_tasks([t])]
     if unknown:
         where = f"fixtures {spec['fixtures']}" if spec["fixtures"] else "lm-eval"

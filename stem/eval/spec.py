@@ -10,6 +10,7 @@ plugin, stem.plugins):
     lm_eval   lm-eval tasks          stem.eval.harness:lm_eval_suite
     niah      needle-in-a-haystack   stem.eval.niah:run_niah
     ppl       rolling perplexity     stem.eval.ppl:run_ppl
+    longppl   key-token perplexity   stem.eval.longppl:run_longppl
 
 Another kind registers the same way from a plugin module, ``@suite_kind("name", resolve=..., inputs=...)``;
 the config check, the workflow's inputs and ``stem.eval.run.evaluate`` all look it up there.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from stem import config as C
-from stem import layout, plugins
+from stem import layout, plugins, seeds
 from stem.options import Truncation
 from stem.registry import SUITE_KINDS, resolve as _import
 from stem.specs import EvalSpec
@@ -95,19 +96,45 @@ def job_spec(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
     return EvalSpec.from_dict(spec).to_dict()
 
 
-def suites_for(cfg: dict, stage: str) -> list[str]:
-    return list(((cfg.get("eval") or {}).get("stages") or {}).get(stage, []))
+def suites_for(cfg: dict, stage: str, variant: str | None = None) -> list[str]:
+    """The suites of a stage's checkpoints; with ``variant``, those whose ``variants:`` (if any) name it."""
+    ev = cfg.get("eval") or {}
+    return [s for s in (ev.get("stages") or {}).get(stage, [])
+            if variant is None or variant in ((ev.get("suites") or {}).get(s) or {}).get("variants", [variant])]
 
 
 # ---- workflow helpers (rules/eval.smk) ------------------------------------------------------------------
 def eval_targets(cfg: dict) -> list[str]:
-    """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage."""
+    """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage (a suite with
+    ``variants:`` only for those variants' checkpoints, their seeds included)."""
     return [layout.eval_json(cfg["experiment"], s, v, st, suite)
-            for s, v, st in C.train_targets(cfg) + C.seed_targets(cfg) for suite in suites_for(cfg, st)]
+            for s, v, st in C.train_targets(cfg) + C.seed_targets(cfg)
+            for suite in suites_for(cfg, st, seeds.split(v)[0])]
+
+
+RULER_TASK_PREFIXES = ("niah_", "ruler_")   # lm-eval's RULER task names (stem.eval.ruler_data.TASKS)
+
+
+def fixture_spec(cfg: dict) -> dict:
+    """The spec of the eval_fixtures job (stem.eval.fixtures.write_fixtures): the config's ``eval.fixtures``, the
+    world, the seed and, for the RULER stand-in, the tokenizer of its ``scale`` (its items are sized in tokens)."""
+    fx = cfg["eval"]["fixtures"]
+    spec = {**fx, "world": cfg.get("world", {}), "seed": cfg["seed"]}
+    if fixture_inputs(cfg):
+        spec["ruler"] = {**fx["ruler"], **fixture_inputs(cfg)}
+    return spec
+
+
+def fixture_inputs(cfg: dict) -> dict:
+    """The eval_fixtures job's inputs: the tokenizer that sizes the RULER stand-in, when a fixture task is RULER's."""
+    fx = cfg["eval"]["fixtures"]
+    ruler = fx.get("ruler") and any(t.startswith(RULER_TASK_PREFIXES) for t in fx.get("tasks", []))
+    return {"tokenizer": layout.tokenizer_path(cfg["experiment"], fx["ruler"]["scale"])} if ruler else {}
 
 
 def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
-    spec = suite_spec(cfg, suite)
+    spec = {**suite_spec(cfg, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
+                                              "stage": stage}}
     inputs = {"checkpoint": layout.checkpoint(experiment, scale, variant, stage)}
     kind = kind_of(spec)
     return {**inputs, **kind.inputs(cfg, spec)} if kind.inputs else inputs
@@ -145,3 +172,25 @@ def _documents_inputs(cfg: dict, spec: dict) -> dict:
 SUITE_KINDS.add("lm_eval", SuiteKind("stem.eval.harness:lm_eval_suite", inputs=_lm_eval_inputs))
 SUITE_KINDS.add("niah", SuiteKind("stem.eval.niah:run_niah", _resolve_documents, _documents_inputs))
 SUITE_KINDS.add("ppl", SuiteKind("stem.eval.ppl:run_ppl", _resolve_ppl, _documents_inputs))
+
+
+# LongPPL (stem.eval.longppl): `categories` {column: source}; the defaults are the longppl package's (alpha 2,
+# beta -2, short 4096, window 1024) and the evaluator the same scale and stage's dense model
+LONGPPL_DEFAULTS = {"alpha": 2.0, "beta": -2.0, "short": 4096, "window": 1024, "evaluator": "dense", "documents": 20}
+
+
+def _resolve_longppl(cfg: dict, spec: dict) -> None:
+    for k, v in LONGPPL_DEFAULTS.items():
+        spec.setdefault(k, v)
+    spec["category_documents"] = {cat: C.documents_spec(cfg, src) for cat, src in spec["categories"].items()}
+
+
+def _longppl_inputs(cfg: dict, spec: dict) -> dict:
+    job, ev = spec["job"], spec["evaluator"]
+    inputs = {"documents": [p for src in spec["categories"].values() for p in C.source_inputs(cfg, src)]}
+    if ev not in ("self", job["variant"]):
+        inputs["evaluator"] = layout.checkpoint(job["experiment"], job["scale"], ev, job["stage"])
+    return inputs
+
+
+SUITE_KINDS.add("longppl", SuiteKind("stem.eval.longppl:run_longppl", _resolve_longppl, _longppl_inputs))

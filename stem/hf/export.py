@@ -22,11 +22,12 @@ import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+from transformers import GenerationConfig, LlamaConfig
 
 from stem.data.tokenizer import load_tokenizer
 from stem.hf.keys import to_hf
 from stem.hf.remote.configuration_stem import StemLlamaConfig
+from stem.hf.tokenizer import save_tokenizer
 from stem.io import atomic_dir
 from stem.models.config import ModelConfig
 from stem.models.model import saved_state
@@ -138,13 +139,7 @@ def export_hf(checkpoint, out, force: bool = False) -> dict:
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         GenerationConfig(eos_token_id=tok.eos_id, bos_token_id=None, pad_token_id=None, do_sample=False,
                          use_cache=model.cfg.dse is None).save_pretrained(tmp)
-        PreTrainedTokenizerFast(tokenizer_file=str(tok_file), eos_token=tok.eos_token,
-                                model_max_length=model.cfg.max_seq_len).save_pretrained(tmp)
-        tok_cfg = json.loads((tmp / "tokenizer_config.json").read_text())
-        # transformers 5 writes its new class name (TokenizersBackend); PreTrainedTokenizerFast, which it also
-        # reads, is the name older transformers (and tools pinned to them) know
-        tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        save_tokenizer(tok_file, tok.eos_token, model.cfg.max_seq_len, tmp)
         for name in REMOTE_FILES if remote else ():
             shutil.copyfile(REMOTE / name, tmp / name)
         (tmp / SOURCE_FILE).write_text(json.dumps(

@@ -405,6 +405,47 @@ def dse_paper_directions(df: pd.DataFrame, scales) -> pd.DataFrame:
                      ignore_index=True)
 
 
+# ---- the DSE paper's Table 2: long context (LongPPL, RULER) after context extension -------------------------
+LONGPPL_COLUMNS = ("longppl_book", "longppl_paper", "longppl_code", "longppl_lcot")   # = longppl_{category} tasks
+# RULER's 13 lm-eval tasks in the paper's 8 categories; a category is the mean of its tasks' scores (the paper
+# names 14 subsets and does not say how they are pooled; lm-eval ships 13, RULER's own set)
+RULER_CATEGORIES = {"ruler_s": ("niah_single_1", "niah_single_2", "niah_single_3"),
+                    "ruler_mk": ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3"),
+                    "ruler_mv": ("niah_multivalue",), "ruler_mq": ("niah_multiquery",), "ruler_vt": ("ruler_vt",),
+                    "ruler_cwe": ("ruler_cwe",), "ruler_fwe": ("ruler_fwe",),
+                    "ruler_qa": ("ruler_qa_squad", "ruler_qa_hotpot")}
+# the direction check: our dense row stands for the paper's baseline there, MoE-27B (50k steps, iso-FLOPs with
+# DSE-27B; the table has no dense model), and our dse row for DSE-27B (50k)
+DSE_LONG_MODEL = {"dense": "moe_27b_50k", "dse": "dse_27b_50k"}
+
+
+def dse_long_table(cfg: dict, res: Results) -> pd.DataFrame:
+    """Per scale whose ``dse_long`` stage is trained: the dense and DSE rows (those of the matrix), LongPPL per
+    document category (suite ``longppl``, perplexity) and RULER per category (suite ``ruler``, %), seeds' means
+    where a variant has seeds. A column whose category or tasks were not evaluated is a gap."""
+    stages = settings(cfg).stages["dse_long"]
+    ruler_tasks = [t for ts in RULER_CATEGORIES.values() for t in ts]
+    cells = []
+    for scale in scales_with(cfg, stages[0]):
+        for v in [v for v in (C.baseline_variant(cfg), "dse") if v in cfg["matrix"][scale]["variants"]]:
+            scores, src, _ = seed_scores(cfg, res, scale, v, stages, {"longppl": LONGPPL_COLUMNS, "ruler": ruler_tasks})
+            cells += [cell("dse_long", scale, v, c, scores.get(c), src, unit="perplexity") for c in LONGPPL_COLUMNS]
+            for column, tasks in RULER_CATEGORIES.items():
+                got = [scores[t] for t in tasks if t in scores]
+                cells.append(cell("dse_long", scale, v, column, float(np.mean(got)) if len(got) == len(tasks) else None,
+                                  f"mean of {', '.join(tasks)}: {src}" if len(tasks) > 1 else src))
+    return frame(cells)
+
+
+def dse_long_directions(df: pd.DataFrame, scales) -> pd.DataFrame:
+    """The DSE paper's Table 2 as the direction check reads it: at each of our ``scales``, MoE-27B (50k) as our
+    ``dense`` row and DSE-27B (50k) as our ``dse`` row."""
+    keep = df[df["variant"].isin(DSE_LONG_MODEL.values())]
+    back = {p: v for v, p in DSE_LONG_MODEL.items()}
+    return pd.concat([keep.assign(scale=s, variant=keep["variant"].map(back)) for s in scales] or [keep.iloc[:0]],
+                     ignore_index=True)
+
+
 # ---- Table 1 and Table 2: from the configuration -------------------------------------------------
 def table1(cfg: dict, res: Results | None = None) -> pd.DataFrame:
     """Per-layer, per-token costs (Table 1 with B = L = 1) and the saving fraction for each configured
@@ -601,3 +642,23 @@ registry.paper_table(
     labels={"p_tot_b": "P_tot (B)", "p_act_b": "P_act (B)", "dse_params_b": "DSE params (B)",
             "gflops_per_token": "GFLOPs/token", "val_loss": "val loss", **COMMONSENSE_LABELS, **SEED_LABELS},
 )(dse_table)
+registry.paper_table(
+    "dse_long", "DSE (Cheng et al.) Table 2: long context after context extension, dense baseline vs DSE: LongPPL "
+    "(key-token perplexity, lower is better) per document category and RULER accuracy (%) per category",
+    csv="dse_paper/table2", stages=("extend",), direction_checked=True, paper_directions=dse_long_directions,
+    lower_better=LONGPPL_COLUMNS,
+    notes={("", "longppl_book"): "LongPPL as the longppl package defines it (stem/eval/longppl.py; key tokens from the "
+                                 "same scale's dense model, docs/evaluation.md). The paper's baseline here is "
+                                 "MoE-27B (iso-FLOPs), ours the iso-active dense model, so each DSE cell is checked "
+                                 "in the sign of DSE-27B (50k) - MoE-27B (50k); absolute values are never compared "
+                                 "(27B models at 32k tokens). The paper does not name its Book / Paper / Code / "
+                                 "L-CoT sets: a category without a configured source is a gap.",
+           ("", "ruler_s"): "RULER through lm-eval's 13 `ruler` tasks (the paper counts 14 subsets); a category is "
+                            "the mean of its tasks (S: 3 single-needle tasks, MK: 3 multi-key, QA: SQuAD and "
+                            "HotpotQA). The tiny experiment runs them on an offline stand-in sized to 1,024 tokens "
+                            "(stem/eval/ruler_data.py)."},
+    labels={"longppl_book": "LongPPL Book", "longppl_paper": "LongPPL Paper", "longppl_code": "LongPPL Code",
+            "longppl_lcot": "LongPPL L-CoT", "ruler_s": "S", "ruler_mk": "MK", "ruler_mv": "MV", "ruler_mq": "MQ",
+            "ruler_vt": "VT", "ruler_cwe": "CWE", "ruler_fwe": "FWE", "ruler_qa": "QA"},
+    empty="no dense or DSE model with a context-extension stage in this experiment's matrix",
+)(dse_long_table)

@@ -1,0 +1,200 @@
+"""The DSE paper's long-context evaluation (its Table 2): LongPPL (stem.eval.longppl) against the longppl package's
+definition, the RULER stand-in items (stem.eval.ruler_data) scored by lm-eval's own RULER code, the config's keys,
+and the report's ``dse_long`` table with its direction rows."""
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lm_eval")
+
+from stem import config as C  # noqa: E402
+from stem.checkpoint import save_checkpoint  # noqa: E402
+from stem.data import synth  # noqa: E402
+from stem.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
+from stem.eval import fixtures, longppl, ruler_data, run  # noqa: E402
+from stem.eval import spec as ES  # noqa: E402
+from stem.models.config import ModelConfig  # noqa: E402
+from stem.models.model import build_model  # noqa: E402
+
+WORLD = {"seed": 3, "n_countries": 12, "n_people": 30, "n_filler": 300}
+TINY = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A small random dense model with a 256-token context, saved as an extend-stage checkpoint."""
+    d = tmp_path_factory.mktemp("lc")
+    w = synth.make_world(**WORLD)
+    train_bpe([doc for doc, _ in zip(synth.web_documents(w), range(200))], 320, d / "tok.json")
+    cfg = copy.deepcopy(TINY)
+    cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
+    mc = C.model_config_for(cfg, "1b", "dense").to_dict()
+    torch.manual_seed(0)
+    spec = {"experiment": "test", "scale": "1b", "variant": "dense", "stage": "extend", "model": mc}
+    save_checkpoint(d / "checkpoint", build_model(ModelConfig.from_dict(mc), "cpu"), spec, d / "tok.json", {})
+    return d / "checkpoint"
+
+
+def package_lsd(model, ids: list[int], trunc_len: int, sliding_window: int):
+    """(loss_short - loss_full, loss_full) per scored token, written as longppl 0.3.0's ``find_key_token`` loop is
+    (its slicing and its shrinking last window), independently of stem.eval.longppl."""
+    x = torch.tensor([ids])
+    full = model(x)
+    out_d, out_f = [], []
+    max_len = x.shape[1]
+    for start in range(0, max_len - trunc_len, sliding_window):
+        if start + trunc_len + sliding_window > max_len:
+            sliding_window = max_len - start - trunc_len
+        short_ids = x[:, start:start + trunc_len + sliding_window]
+        short = model(short_ids)
+        lf = F.cross_entropy(full[0, start + trunc_len - 1:start + trunc_len + sliding_window - 1].float(),
+                             x[0, start + trunc_len:start + trunc_len + sliding_window], reduction="none")
+        ls = F.cross_entropy(short[0, trunc_len - 1:trunc_len + sliding_window - 1].float(),
+                             short_ids[0, trunc_len:trunc_len + sliding_window], reduction="none")
+        out_d.append(ls - lf)
+        out_f.append(lf)
+    return torch.cat(out_d), torch.cat(out_f)
+
+
+@torch.no_grad()
+def test_longppl_key_tokens_are_the_packages(ckpt, tmp_path):
+    """Key tokens (LSD > alpha, LCL > beta) of our chunked short context equal the package's loop, token for
+    token; the suite's LongPPL is exp of the evaluated model's mean NLL over exactly those tokens."""
+    from stem.eval.lm import StemLM
+    lm = StemLM(str(ckpt), device="cpu")
+    w = synth.make_world(**WORLD)
+    docs = [d for d, _ in zip(synth.long_documents(w, 0, 1500, 3000), range(2))]
+    ids = [x[:256] for x in lm.tok.encode_batch(docs)]
+    assert all(len(x) == 256 for x in ids)
+    short, window = 48, 40   # 256 - 48 is no multiple of 40: the last window shrinks, as in the package
+    nll, keys = [], []
+    for k, x in enumerate(ids):
+        lsd, lf = package_lsd(lm.model, x, short, window)
+        long_nll = longppl.token_nll(lm.model, x, "cpu")
+        ours_short = longppl.short_nll(lm.model, x, short, window, "cpu")
+        assert torch.allclose(ours_short - long_nll[short - 1:], lsd, atol=1e-5)
+        for alpha, beta in ((0.0, -5.5), (2.0, -2.0), (-0.05, -6.0)):
+            want = torch.nonzero((lsd > alpha) & (lf < -beta)).flatten() + short - 1
+            assert torch.equal(longppl.key_tokens(long_nll, ours_short, short, alpha, beta), want)
+        nll.append(long_nll)
+        keys.append(want + k * 255)   # the last thresholds', in the documents' concatenated NLL
+    nll, keys = torch.cat(nll), torch.cat(keys)
+    corpus = tmp_path / "long.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    spec = {"suite": "longppl", "kind": "longppl", "batch_size": 4, "seed": 0, "evaluator": "self", "documents": 2,
+            "short": short, "window": window, "alpha": -0.05, "beta": -6.0, "categories": {"book": "long"},
+            "category_documents": {"book": {"kind": "files", "paths": [str(corpus)], "format": "jsonl"}}}
+    out = run.evaluate(ckpt, spec, tmp_path / "lp.json", tmp_path / "raw.json", lm=lm)
+    entry = json.loads((tmp_path / "lp.json").read_text())["tasks"]["longppl_book"]
+    assert entry["all_metrics"]["key_tokens"] == len(keys) > 0 and entry["n"] == 2
+    assert entry["value"] == pytest.approx(math.exp(float(nll[keys].mean())), rel=1e-5)
+    assert out["provenance"]["data"]["documents"].keys() == {str(corpus)}
+
+
+def test_ruler_stand_in_items_fit_and_score_with_lm_evals_code(ckpt, tmp_path):
+    """Every item of the 13 tasks fits its length with the tokenizer it was sized with, holds its answers, and
+    lm-eval's RULER scoring gives a perfect answer 1 and an empty one 0; the task YAMLs load in lm-eval."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks.ruler.common_utils import process_results, process_results_part
+    tok_path = ckpt / "tokenizer.json"
+    tasks = list(ruler_data.TASKS)
+    spec = {"world": WORLD, "seed": 0, "items": 1, "train_items": 1, "tasks": tasks,
+            "groups": {"ruler": tasks}, "ruler": {"tokenizer": str(tok_path), "lengths": [1024], "max_gen_toks": 16}}
+    fixtures.write_fixtures(spec, tmp_path / "fx")
+    tok = load_tokenizer(tok_path)
+    for task in tasks:
+        (doc,) = [json.loads(x) for x in (tmp_path / "fx" / task / "test.jsonl").read_text().splitlines()]
+        n = len(tok.encode_batch([f"{doc['input']}\n{doc['gen_prefix']}"])[0])
+        assert n + 16 == doc["length"] <= doc["max_length"] == 1024, task
+        assert doc["outputs"] and all(isinstance(o, str) and o for o in doc["outputs"]), task
+        if task != "ruler_fwe":   # FWE's answers are its most frequent coded words, checked below
+            assert all(o in doc["input"] for o in doc["outputs"]), task
+        score = process_results_part if task.startswith("ruler_qa") else process_results
+        assert score(doc, [" ".join(doc["outputs"])])["1024"] == 1.0
+        assert score(doc, [""])["1024"] == 0.0
+    fwe = json.loads((tmp_path / "fx" / "ruler_fwe" / "test.jsonl").read_text())
+    words = fwe["input"].split("Find the three most frequently appeared coded words. ")[1].split("\n")[0].split()
+    top = sorted({x for x in words if x != "..."}, key=words.count, reverse=True)[:3]
+    assert sorted(top) == sorted(fwe["outputs"])
+    # the paper path: lm-eval's own generators size RULER's items with the checkpoint's tokenizer, written for them
+    # as a transformers folder (stem.eval.harness); it counts as the checkpoint's tokenizer does
+    from lm_eval.tasks.ruler.common_utils import get_tokenizer
+    from stem.hf.tokenizer import save_tokenizer
+    save_tokenizer(tok_path, tok.eos_token, 256, tmp_path / "hf_tok")
+    text = json.loads((tmp_path / "fx" / "niah_single_2" / "test.jsonl").read_text())["input"]
+    assert get_tokenizer(str(tmp_path / "hf_tok"))(text).input_ids == tok.encode_batch([text])[0]
+    loaded = TaskManager(include_path=str(tmp_path / "fx"), include_defaults=False).load(tasks)["tasks"]
+    assert {t.config.task for t in loaded.values()} == set(tasks)
+    assert all(t.config.process_results.__module__.endswith("ruler.common_utils") for t in loaded.values())
+
+
+def test_long_context_suites_run_for_dense_and_dse_only():
+    targets = [t for t in ES.eval_targets(TINY) if t.endswith(("/longppl.json", "/ruler.json"))]
+    assert sorted(targets) == sorted(f"results/tiny/1b/{v}/extend/eval/{s}.json"
+                                     for v in ("dense", "dse") for s in ("longppl", "ruler"))
+    inputs = ES.rule_inputs(TINY, "tiny", "1b", "dse", "extend", "longppl")
+    assert inputs["evaluator"] == "results/tiny/1b/dense/extend/checkpoint"   # key tokens: the dense model's
+    assert "evaluator" not in ES.rule_inputs(TINY, "tiny", "1b", "dense", "extend", "longppl")
+    assert ES.fixture_inputs(TINY) == {"tokenizer": "data/tiny/1b/tokenizer/tokenizer.json"}
+    paper = C.load_experiment(C.REPO / "config" / "paper.yaml")   # lm-eval's RULER at 32k, no fixtures
+    spec = ES.job_spec(paper, "paper", "1b", "dense", "extend", "ruler")
+    assert spec["tasks"] == ["ruler"] and spec["fixtures"] is None and spec["truncation"] == "error"
+    assert spec["metadata"] == {"max_seq_lengths": [32768]} and spec["metric"] == ["32768,none"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["eval"]["suites"]["ruler"].update(variants=["nope"]),
+     r"key 'eval.suites.ruler.variants': \['nope'\]; expected a non-empty list of variants"),
+    (lambda c: c["eval"]["suites"]["longppl"].update(categories={"book": "nowhere"}),
+     r"key 'eval.suites.longppl.categories': unknown source 'nowhere'"),
+    (lambda c: c["eval"]["suites"]["longppl"].update(short=0), r"key 'eval.suites.longppl.short': 0; expected an integer"),
+    (lambda c: c["eval"]["suites"]["longppl"].update(evaluator="gpt"), r"key 'eval.suites.longppl.evaluator': 'gpt'"),
+    (lambda c: c["eval"]["suites"]["ruler"].update(metadata=32768), r"key 'eval.suites.ruler.metadata': 32768"),
+    (lambda c: c["eval"]["fixtures"]["ruler"].update(scale="7b"), r"key 'eval.fixtures.ruler.scale': '7b'"),
+    (lambda c: c["eval"]["fixtures"]["ruler"].update(lengths=[]), r"key 'eval.fixtures.ruler.lengths': \[\]"),
+])
+def test_long_context_config_errors_are_one_line(edit, message):
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    edit(cfg)
+    with pytest.raises(C.ConfigError, match=r"^config: " + message):
+        C.validate_experiment(cfg)
+
+
+def test_dse_long_table_and_its_directions(tmp_path):
+    """Categories are the means of their tasks; LongPPL is lower-better; the direction rows compare our DSE - dense
+    with the paper's DSE-27B (50k) - MoE-27B (50k)."""
+    from stem.report import diff as D
+    from stem.report import tables as T
+    from stem.report.results import Results
+    ruler = {"niah_single_1": 10.0, "niah_single_2": 20.0, "niah_single_3": 30.0, "niah_multikey_1": 0.0,
+             "niah_multikey_2": 0.0, "niah_multikey_3": 0.0, "niah_multivalue": 5.0, "niah_multiquery": 5.0,
+             "ruler_vt": 1.0, "ruler_cwe": 2.0, "ruler_fwe": 3.0, "ruler_qa_squad": 40.0, "ruler_qa_hotpot": 60.0}
+    for v, ppl, bump in (("dense", 8.0, 0.0), ("dse", 6.0, 1.0)):
+        d = tmp_path / "tiny" / "1b" / v / "extend" / "eval"
+        d.mkdir(parents=True)
+        job = {"experiment": "tiny", "scale": "1b", "variant": v, "stage": "extend"}
+        (d / "longppl.json").write_text(json.dumps({**job, "suite": "longppl",
+                                                    "tasks": {"longppl_book": {"value": ppl}}}))
+        (d / "ruler.json").write_text(json.dumps({**job, "suite": "ruler",
+                                                  "tasks": {t: {"value": x + bump} for t, x in ruler.items()}}))
+    df = T.dse_long_table(TINY, Results("tiny", tmp_path)).set_index(["variant", "column"])["value"]
+    assert df["dense", "ruler_s"] == pytest.approx(20.0) and df["dense", "ruler_qa"] == pytest.approx(50.0)
+    assert df["dse", "longppl_book"] == 6.0 and math.isnan(df["dse", "longppl_code"])
+    dirs = D.point_directions({"dse_long": T.dse_long_table(TINY, Results("tiny", tmp_path))}, "dense").set_index("column")
+    assert dirs.loc["longppl_book", "paper_delta"] == pytest.approx(4.14 - 4.38)   # DSE-27B (50k) - MoE-27B (50k)
+    assert dirs.loc["longppl_book", "ours"] == "beats baseline" and dirs.loc["longppl_book", "agree"]
+    assert dirs.loc["ruler_s", "paper_says"] == "trails baseline" and not dirs.loc["ruler_s", "agree"]
+    assert dirs.loc["longppl_code", "ours"] == "missing"
+
+
+def test_ruler_items_are_sized_only_when_a_fixture_task_is_rulers():
+    """The eval_fixtures job waits for the tokenizer only when it generates RULER items (the reduced DAG of
+    tests/test_workflow.py keeps the `ruler` section with other tasks)."""
+    cfg = copy.deepcopy(TINY)
+    cfg["eval"]["fixtures"]["tasks"] = ["arc_easy"]
+    assert ES.fixture_inputs(cfg) == {} and "tokenizer" not in (ES.fixture_spec(cfg).get("ruler") or {})
+    assert all(t.startswith(ES.RULER_TASK_PREFIXES) for t in ruler_data.TASKS)
