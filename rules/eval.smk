@@ -7,14 +7,15 @@ from stem.eval import spec as EV  # noqa: E402  (torch-free)
 
 
 # rule all's eval targets (a lambda: `snakemake --lint` wants no functions beside rules)
-eval_outputs = lambda: EV.eval_targets(config)  # noqa: E731
+eval_outputs = lambda: EV.eval_targets(EXPERIMENT)  # noqa: E731
 
 
 rule eval_fixtures:
     output:
         directory(L.fixtures_dir("{experiment}")),
     params:
-        spec=lambda w: as_json({**config["eval"]["fixtures"], "world": config.get("world", {}), "seed": config["seed"]}),
+        spec=lambda w: as_json({**EXPERIMENT.eval["fixtures"], "seed": EXPERIMENT.seed,
+                                "world": C.mapping(EXPERIMENT.world) if EXPERIMENT.world else {}}),
     log:
         L.fixtures_log("{experiment}"),
     conda:
@@ -25,17 +26,17 @@ rule eval_fixtures:
 
 rule eval:
     input:
-        unpack(lambda w: EV.rule_inputs(config, w.experiment, w.scale, w.variant, w.stage, w.suite)),
+        unpack(lambda w: EV.rule_inputs(EXPERIMENT, w.experiment, w.scale, w.variant, w.stage, w.suite)),
     output:
         result=L.eval_json(*L.STAGE, "{suite}"),
         raw=L.eval_raw(*L.STAGE, "{suite}"),
     wildcard_constraints:
         suite="[a-z0-9_]+",
     params:
-        spec=lambda w: as_json(EV.job_spec(config, w.experiment, w.scale, w.variant, w.stage, w.suite)),
+        spec=lambda w: as_json(EV.job_spec(EXPERIMENT, w.experiment, w.scale, w.variant, w.stage, w.suite)),
     threads: 1
     resources:
-        gpu=lambda w: 0 if config["device"] == "cpu" else 1,
+        gpu=lambda w: 0 if EXPERIMENT.device == "cpu" else 1,
     log:
         L.eval_log(*L.STAGE, "{suite}"),
     conda:
