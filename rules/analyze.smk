@@ -7,21 +7,21 @@
 # (stem.report.analyses registers them with stem.report.registry), built by rules/report.smk.
 from stem.analysis import workflow as AW  # noqa: E402
 
-analysis_outputs = lambda: AW.targets(config)  # noqa: E731
+analysis_outputs = lambda: AW.targets(EXPERIMENT)  # noqa: E731
 
 
 rule analyze:
     input:
-        unpack(lambda w: AW.rule_inputs(config, w.scale, w.variant, w.stage, w.analysis)),
+        unpack(lambda w: AW.rule_inputs(EXPERIMENT, w.scale, w.variant, w.stage, w.analysis)),
     output:
         L.analysis_json(*L.STAGE, "{analysis}"),
     wildcard_constraints:
         analysis="|".join(AW.ANALYSES),
     params:
-        spec=lambda w: as_json(AW.job_spec(config, w.scale, w.variant, w.stage, w.analysis)),
+        spec=lambda w: as_json(AW.job_spec(EXPERIMENT, w.scale, w.variant, w.stage, w.analysis)),
     threads: 1
     resources:
-        gpu=lambda w: 0 if config["device"] == "cpu" else 1,
+        gpu=lambda w: 0 if EXPERIMENT.device == "cpu" else 1,
     log:
         L.analysis_log(*L.STAGE, "{analysis}"),
     conda:

@@ -7,16 +7,16 @@ from stem.eval import spec as EV  # noqa: E402  (torch-free)
 
 
 # rule all's eval targets (a lambda: `snakemake --lint` wants no functions beside rules)
-eval_outputs = lambda: EV.eval_targets(config)  # noqa: E731
+eval_outputs = lambda: EV.eval_targets(EXPERIMENT)  # noqa: E731
 
 
 rule eval_fixtures:
     input:
-        unpack(lambda w: EV.fixture_inputs(config)),
+        unpack(lambda w: EV.fixture_inputs(EXPERIMENT)),
     output:
         directory(L.fixtures_dir("{experiment}")),
     params:
-        spec=lambda w: as_json(EV.fixture_spec(config)),
+        spec=lambda w: as_json(EV.fixture_spec(EXPERIMENT)),
     log:
         L.fixtures_log("{experiment}"),
     conda:
@@ -27,17 +27,17 @@ rule eval_fixtures:
 
 rule eval:
     input:
-        unpack(lambda w: EV.rule_inputs(config, w.experiment, w.scale, w.variant, w.stage, w.suite)),
+        unpack(lambda w: EV.rule_inputs(EXPERIMENT, w.experiment, w.scale, w.variant, w.stage, w.suite)),
     output:
         result=L.eval_json(*L.STAGE, "{suite}"),
         raw=L.eval_raw(*L.STAGE, "{suite}"),
     wildcard_constraints:
         suite="[a-z0-9_]+",
     params:
-        spec=lambda w: as_json(EV.job_spec(config, w.experiment, w.scale, w.variant, w.stage, w.suite)),
+        spec=lambda w: as_json(EV.job_spec(EXPERIMENT, w.experiment, w.scale, w.variant, w.stage, w.suite)),
     threads: 1
     resources:
-        gpu=lambda w: 0 if config["device"] == "cpu" else 1,
+        gpu=lambda w: 0 if EXPERIMENT.device == "cpu" else 1,
     log:
         L.eval_log(*L.STAGE, "{suite}"),
     conda:

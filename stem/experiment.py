@@ -26,7 +26,7 @@ from enum import StrEnum
 
 from stem import plugins, sweeps
 from stem.fields import FieldError, is_number
-from stem.io import ConfigError, deep_merge, variant, variants, variants_file
+from stem.io import ConfigError, deep_merge, read_yaml, variant, variants, variants_file
 from stem.models.config import DSEConfig
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, OptimGroup,
                           RopeKind, RopeRamp, Scale, Schedule, SourceKind, Stage, Strategy, TableInit, TableLayout,
@@ -868,6 +868,11 @@ def parse(cfg: dict, origin: str = "config") -> Experiment:
         sweeps.validate(cfg, origin)
     object.__setattr__(tree, "mapping", cfg)
     return tree
+
+
+def load(path) -> Experiment:
+    """The typed tree of a config file (``parse`` of its YAML, the file named in every error line)."""
+    return parse(read_yaml(path), str(path))
 
 
 _parsed: dict[int, tuple[dict, Experiment]] = {}

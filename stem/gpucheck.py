@@ -55,11 +55,12 @@ from stem.bench.offload import decode_seconds
 from stem.checkpoint import save_checkpoint
 from stem.data.synth import make_world, web_documents
 from stem.data.tokenizer import train_bpe
+from stem.experiment import Experiment, dataclass_mapping, parse
 from stem.io import atomic_write_json, atomic_write_text
 from stem.models.accounting import accounting, flops_per_token
 from stem.models.model import build_model
 from stem.models.offload import offload
-from stem.optim import build_optimizer, configure_table_update
+from stem.optim import OptimSpec, build_optimizer, configure_table_update
 from stem.specs import TrainSpec
 from stem.train import distributed, memtrace, throughput
 from stem.train.compile import compile_blocks
@@ -108,24 +109,25 @@ class Ctx:
             torch.cuda.synchronize(self.device)
 
 
-def experiment(tiny: bool) -> dict:
+def experiment(tiny: bool) -> Experiment:
     """The paper config; ``tiny``: the same architectures and stages at tiny widths and lengths."""
-    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "paper.yaml"))
+    path = C.REPO / "config" / "paper.yaml"
+    raw = C.read_yaml(path)
     if tiny:
-        for scale in cfg["archs"]:
-            cfg["archs"][scale].update(TINY_ARCH)
-        cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 24},
+        for scale in raw["archs"]:
+            raw["archs"][scale].update(TINY_ARCH)
+        raw["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 24},
                                     "dse": {"dse": {"rows_per_head": 101, "d_mem": 16, "heads": 2}}}
-        for stage in cfg["stages"].values():
+        for stage in raw["stages"].values():
             for st in stage.values():
                 st.update(seq_len=min(st["seq_len"], 64 if st["seq_len"] <= 4096 else 256), micro_batch=2,
                           batch_size=4)
                 if "max_seq_len" in st:
                     st["max_seq_len"] = 256
-    return cfg
+    return parse(raw, str(path))
 
 
-def model_cfg(cfg: dict, scale: str, variant: str, stage: str = "pretrain"):
+def model_cfg(cfg: Experiment, scale: str, variant: str, stage: str = "pretrain"):
     return C.model_config_for(cfg, scale, variant, stage)
 
 
@@ -135,9 +137,13 @@ def _batch(vocab: int, rows: int, seq: int, device, seed: int = 0):
     return x[:, :-1].to(device), x[:, 1:].to(device)
 
 
-def _optimizer(model, cfg: dict, lr: float, ctx: Ctx):
-    configure_table_update(model, cfg["optim"])
-    return build_optimizer(model, cfg["optim"], lr, fused=ctx.cuda)
+def _optim(cfg: Experiment) -> OptimSpec:
+    return OptimSpec.coerce(dataclass_mapping(cfg.optim))
+
+
+def _optimizer(model, cfg: Experiment, lr: float, ctx: Ctx):
+    configure_table_update(model, _optim(cfg))
+    return build_optimizer(model, _optim(cfg), lr, fused=ctx.cuda)
 
 
 def _free(ctx: Ctx):
@@ -148,7 +154,7 @@ def _free(ctx: Ctx):
 # ---------------------------------------------------------------------------------------------- a
 def item_a(ctx: Ctx) -> dict:
     cfg = experiment(ctx.tiny)
-    st = cfg["stages"]["pretrain"]["350m"]
+    st = cfg.stages["pretrain"]["350m"]
     steps = A_STEPS[ctx.shapes]
     dctx = distributed.DistContext(device=ctx.device)
     rows, bad = {}, []
@@ -156,20 +162,20 @@ def item_a(ctx: Ctx) -> dict:
         torch.manual_seed(0)
         mcfg = model_cfg(cfg, "350m", variant)
         model = build_model(mcfg, ctx.device)
-        model.set_training_options(activation_checkpointing=bool(st.get("activation_checkpointing")))
-        opt = _optimizer(model, cfg, st["lr"], ctx)
-        x, y = _batch(mcfg.vocab_size, min(st["micro_batch"], 4), st["seq_len"], ctx.device)
+        model.set_training_options(activation_checkpointing=bool(st.activation_checkpointing))
+        opt = _optimizer(model, cfg, st.lr, ctx)
+        x, y = _batch(mcfg.vocab_size, min(st.micro_batch, 4), st.seq_len, ctx.device)
         batches = [(x, y, None)]
         model.train()
         first = accumulate_gradients(model, batches, dctx, ctx.device, ctx.autocast())
         zero = [g for g, ps in model.param_groups().items()
                 if not any(p.grad is not None and float(_dense(p.grad).abs().sum()) > 0 for p in ps)]
-        distributed.clip_grad_norm_(model, cfg["optim"]["grad_clip"] or float("inf"), dctx)
+        distributed.clip_grad_norm_(model, cfg.optim.grad_clip or float("inf"), dctx)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses = [first]
         for i in range(1, steps):
-            losses.append(train_step(model, opt, batches, dctx, ctx.autocast(), st["lr"], cfg["optim"]["grad_clip"],
+            losses.append(train_step(model, opt, batches, dctx, ctx.autocast(), st.lr, cfg.optim.grad_clip,
                                      i)[0])
         ok = all(map(_finite, losses)) and losses[-1] < losses[0] and not zero
         rows[variant] = {"first_loss": losses[0], "last_loss": losses[-1], "groups": sorted(model.param_groups()),
@@ -224,16 +230,16 @@ def item_b(ctx: Ctx) -> dict:
     torch.manual_seed(0)
     mcfg = model_cfg(cfg, "350m", BASELINE)
     model = build_model(mcfg, ctx.device)
-    diffs = _doc_mask_diffs(ctx, model, mcfg.vocab_size, min(cfg["stages"]["pretrain"]["350m"]["seq_len"], 2048))
+    diffs = _doc_mask_diffs(ctx, model, mcfg.vocab_size, min(cfg.stages["pretrain"]["350m"].seq_len, 2048))
     del model
     _free(ctx)
-    st = cfg["stages"]["extend"]["1b"]
+    st = cfg.stages["extend"]["1b"]
     # dense: the 1B STEM model's fp32 tables and their gradients (~42 GB) with the 32k row's fp32 logits (~34 GB)
     # do not fit one 80 GB GPU unsharded (the paper's extend stage shards them over 32 GPUs)
     mcfg = model_cfg(cfg, "1b", BASELINE, "extend")
     model = build_model(mcfg, ctx.device)
     model.set_training_options(activation_checkpointing=True, flex_attention=ctx.cuda)
-    t = st["seq_len"]
+    t = st.seq_len
     x, y = _batch(mcfg.vocab_size, 1, t, ctx.device, seed=2)
     pos = _packed_positions(t, [t // 8, t // 2, t], ctx.device)
     if ctx.cuda:
@@ -263,18 +269,18 @@ RESUME_STEPS = 3   # steps before the state the child saves; the check compares 
 
 def _resume_setup(ctx_device: torch.device, tiny: bool, dctx):
     cfg = experiment(tiny)
-    st = cfg["stages"]["pretrain"]["350m"]
+    st = cfg.stages["pretrain"]["350m"]
     torch.manual_seed(0)
     mcfg = model_cfg(cfg, "350m", "stem")
     model = build_model(mcfg, ctx_device)
-    plan = ParallelPlan(dctx.world, "fsdp", 1, 2 * max(dctx.world, 1), st["seq_len"],
-                        row_sparse=configure_table_update(model, cfg["optim"]))
+    plan = ParallelPlan(dctx.world, "fsdp", 1, 2 * max(dctx.world, 1), st.seq_len,
+                        row_sparse=configure_table_update(model, _optim(cfg)))
     distributed.parallelize(model, dctx, plan)
     opt = distributed.optimizer_for_dtensors(
-        build_optimizer(model, cfg["optim"], st["lr"], fused=ctx_device.type == "cuda"), plan)
-    x, y = _batch(mcfg.vocab_size, 2 * max(dctx.world, 1), st["seq_len"], ctx_device, seed=3)
+        build_optimizer(model, _optim(cfg), st.lr, fused=ctx_device.type == "cuda"), plan)
+    x, y = _batch(mcfg.vocab_size, 2 * max(dctx.world, 1), st.seq_len, ctx_device, seed=3)
     batches = [(x[i:i + 1], y[i:i + 1], None) for i in range(x.shape[0])]
-    return model, opt, batches, st["lr"], cfg["optim"]["grad_clip"]
+    return model, opt, batches, st.lr, cfg.optim.grad_clip
 
 
 def _resume_steps(model, opt, batches, lr, clip, dctx, start: int, stop: int) -> list[float]:
@@ -388,27 +394,27 @@ def _time_step(ctx: Ctx, model, opt, x, y, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def throughput_point(ctx: Ctx, cfg: dict, scale: str, variant: str, compiled: bool, peak: float | None) -> dict:
+def throughput_point(ctx: Ctx, cfg: Experiment, scale: str, variant: str, compiled: bool, peak: float | None) -> dict:
     """Tokens/s and MFU of one training step (one micro-batch, the largest that fits of 16, 8, 4, 2, 1)."""
-    st = cfg["stages"]["pretrain"][scale]
+    st = cfg.stages["pretrain"][scale]
     mcfg = model_cfg(cfg, scale, variant)
     acct = accounting(build_model(mcfg, "meta"))
-    fpt = flops_per_token(acct, mcfg, st["seq_len"])
+    fpt = flops_per_token(acct, mcfg, st.seq_len)
     state_gib = _state_gib(acct)
     if not _state_fits(ctx, state_gib):
         return {"scale": scale, "variant": variant, "compiled": compiled, "micro_batch": 0, "unsharded_state_gib":
                 state_gib, "skipped": f"weights + gradients + AdamW need {state_gib:.0f} GiB unsharded "
                                       "(the paper shards this job over several GPUs)"}
-    for micro in ([st["micro_batch"]] if ctx.tiny else E_MICRO):
+    for micro in ([st.micro_batch] if ctx.tiny else E_MICRO):
         model = opt = None
         try:
             torch.manual_seed(0)
             model = build_model(mcfg, ctx.device)
-            model.set_training_options(activation_checkpointing=bool(st.get("activation_checkpointing")))
+            model.set_training_options(activation_checkpointing=bool(st.activation_checkpointing))
             if compiled:
                 compile_blocks(model)
             opt = _optimizer(model, cfg, 1e-4, ctx)
-            x, y = _batch(mcfg.vocab_size, micro, st["seq_len"], ctx.device)
+            x, y = _batch(mcfg.vocab_size, micro, st.seq_len, ctx.device)
             seconds = _time_step(ctx, model, opt, x, y, *E_REPEATS[ctx.shapes])
         except torch.OutOfMemoryError:
             del model, opt
@@ -416,9 +422,9 @@ def throughput_point(ctx: Ctx, cfg: dict, scale: str, variant: str, compiled: bo
             continue
         del model, opt
         _free(ctx)
-        tok_s = micro * st["seq_len"] / seconds
+        tok_s = micro * st.seq_len / seconds
         return {"scale": scale, "variant": variant, "compiled": compiled, "micro_batch": micro,
-                "seq_len": st["seq_len"], "step_s": seconds, "tokens_per_s": tok_s, "flops_per_token": fpt,
+                "seq_len": st.seq_len, "step_s": seconds, "tokens_per_s": tok_s, "flops_per_token": fpt,
                 "mfu": None if peak is None else throughput.mfu(fpt, tok_s, peak)}
     return {"scale": scale, "variant": variant, "compiled": compiled, "micro_batch": 0, "error": "no micro-batch fits"}
 
@@ -627,28 +633,28 @@ def matmul_rate(device: torch.device) -> float:
 def predict(ctx: Ctx, key: str) -> Cost:
     """Item ``key``'s work at the shapes it runs (the same config and constants as the item)."""
     cfg, c = experiment(ctx.tiny), Cost()
-    pre = cfg["stages"]["pretrain"]
+    pre = cfg.stages["pretrain"]
 
     def mc(scale, variant, stage="pretrain"):
         return model_cfg(cfg, scale, variant, stage)
     st = pre["350m"]
     if key == "a":
         for v in ctx.variants:
-            c.train(mc("350m", v), st["seq_len"], min(st["micro_batch"], 4), A_STEPS[ctx.shapes],
-                    bool(st.get("activation_checkpointing")))
+            c.train(mc("350m", v), st.seq_len, min(st.micro_batch, 4), A_STEPS[ctx.shapes],
+                    bool(st.activation_checkpointing))
     elif key == "b":
-        c.forward(mc("350m", BASELINE), min(st["seq_len"], 2048), 1, passes=3 if ctx.cuda else 2, models=1)
-        c.train(mc("1b", BASELINE, "extend"), cfg["stages"]["extend"]["1b"]["seq_len"], 1, 1, checkpointing=True)
+        c.forward(mc("350m", BASELINE), min(st.seq_len, 2048), 1, passes=3 if ctx.cuda else 2, models=1)
+        c.train(mc("1b", BASELINE, "extend"), cfg.stages["extend"]["1b"].seq_len, 1, 1, checkpointing=True)
         c.compiled += ctx.cuda      # flex attention's kernel
     elif key == "c":
         world = max(1, torch.cuda.device_count()) if ctx.cuda else 1
         c.children = 1
-        c.train(mc("350m", "stem"), st["seq_len"], 2 * world, RESUME_STEPS)                  # the child
-        c.train(mc("350m", "stem"), st["seq_len"], 2, 2 * RESUME_STEPS + 2, models=2)        # reference, resume
+        c.train(mc("350m", "stem"), st.seq_len, 2 * world, RESUME_STEPS)                  # the child
+        c.train(mc("350m", "stem"), st.seq_len, 2, 2 * RESUME_STEPS + 2, models=2)        # reference, resume
     elif key == "d":
         c.traces = 1
         if ctx.cuda:
-            c.train(mc("350m", "stem"), st["seq_len"], 2 * 8, 2)
+            c.train(mc("350m", "stem"), st.seq_len, 2 * 8, 2)
     elif key == "e":
         for scale in ("350m", "1b"):
             for compiled in (False, True) if ctx.compile else (False,):
@@ -656,9 +662,9 @@ def predict(ctx: Ctx, key: str) -> Cost:
                     m = mc(scale, v)
                     if not _state_fits(ctx, _state_gib(accounting(build_model(m, "meta")))):
                         continue
-                    micro = pre[scale]["micro_batch"] if ctx.tiny else E_MICRO[0]
-                    c.train(m, pre[scale]["seq_len"], micro, sum(E_REPEATS[ctx.shapes]),
-                            bool(pre[scale].get("activation_checkpointing")))
+                    micro = pre[scale].micro_batch if ctx.tiny else E_MICRO[0]
+                    c.train(m, pre[scale].seq_len, micro, sum(E_REPEATS[ctx.shapes]),
+                            bool(pre[scale].activation_checkpointing))
                     c.compiled += compiled
     elif key == "f":
         batches, (steps, prompt) = F_DECODE[ctx.shapes]

@@ -374,7 +374,8 @@ def test_eval_refuses_a_checkpoint_of_another_job(ckpt, lm, tmp_path):
     assert ES.job_spec(_tiny_cfg(tmp_path), "tiny", "1b", "stem", "pretrain", "ppl")["job"] == {
         "experiment": "tiny", "scale": "1b", "variant": "stem", "stage": "pretrain"}
     from stem import config as C
-    assert "EV.job_spec(config, w.experiment, w.scale, w.variant, w.stage, w.suite)" in (C.REPO / "rules" / "eval.smk").read_text()
+    rule = (C.REPO / "rules" / "eval.smk").read_text()
+    assert "EV.job_spec(EXPERIMENT, w.experiment, w.scale, w.variant, w.stage, w.suite)" in rule
 
 
 def test_eval_job_script_errors_and_labels(ckpt, tmp_path, monkeypatch, capsys):

@@ -37,8 +37,8 @@ TABLE, FIGURE, SUITE = "toy_lookup", "toy_nll", "toy"
 
 
 # ---- the toy suite kind: mean negative log-likelihood (nats) of each pair's continuation -----------------
-def _resolve(cfg: dict, spec: dict) -> None:
-    spec.setdefault("pairs_file", f"data/{cfg['experiment']}/toy_pairs.json")
+def _resolve(exp, spec: dict) -> None:
+    spec.setdefault("pairs_file", f"data/{exp.experiment}/toy_pairs.json")
 
 
 def continuation_nll(lm, spec: dict, limit=None):

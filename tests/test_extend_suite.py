@@ -18,11 +18,11 @@ PAIRS = [["The capital of Sarland is", " Bondo."], ["One two three", " four five
 
 
 # ---- the toy kind: mean log-probability of each pair's continuation given its context, pairs from a file ---
-def _resolve(cfg: dict, spec: dict) -> None:  # completes the spec from the experiment config
-    spec.setdefault("pairs_file", f"data/{cfg['experiment']}/toy_pairs.json")
+def _resolve(exp, spec: dict) -> None:  # completes the spec from the experiment config
+    spec.setdefault("pairs_file", f"data/{exp.experiment}/toy_pairs.json")
 
 
-def _inputs(cfg: dict, spec: dict) -> dict:  # the eval job's inputs besides the checkpoint
+def _inputs(exp, spec: dict) -> dict:  # the eval job's inputs besides the checkpoint
     return {"pairs": spec["pairs_file"]}
 
 

@@ -31,13 +31,14 @@ MODES = ("normal", "disabled", "forced")
 WORLD_TASKS = ("world_closed_book", "world_in_context")
 
 
-def resolve_spec(cfg: dict, spec: dict):
-    """Completes the job spec (stem.analysis.workflow): the eval suite whose fixtures, shots and metric the
-    ablation runs with; each category's tasks must be in it (or be the world tasks, with a ``world:``)."""
-    spec["eval"] = suite_spec(cfg, spec["suite"])
-    groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
+def resolve_spec(exp, spec: dict):
+    """Completes the job spec (stem.analysis.workflow) from the config's typed tree (stem.experiment.Experiment):
+    the eval suite whose fixtures, shots and metric the ablation runs with; each category's tasks must be in it
+    (or be the world tasks, with a ``world:``)."""
+    spec["eval"] = suite_spec(exp, spec["suite"])
+    groups = ((exp.eval or {}).get("fixtures") or {}).get("groups") or {}
     known = set(spec["eval"]["tasks"]) | {t for g in spec["eval"]["tasks"] for t in groups.get(g, [])}
-    known |= set(WORLD_TASKS) if cfg.get("world") else set()
+    known |= set(WORLD_TASKS) if exp.world else set()
     for cat, tasks in spec["categories"].items():
         if set(tasks) - known:
             raise ValueError(f"key 'analysis.dse_disabled.categories.{cat}': tasks {sorted(set(tasks) - known)} "

@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Callable
 
 from stem import config as C
+from stem import experiment as E
 from stem import layout as L
 from stem import plugins
 from stem.analysis import dse_disabled   # torch-free module (its imports sit in its functions)
+from stem.experiment import Experiment
 from stem.models.config import ModelConfig
 from stem.models.registry import ffn_facts, param_roles
 from stem.registry import ANALYSES
@@ -43,8 +45,8 @@ class Analysis:
     baseline: compares the model with its baseline: the checkpoint of the same experiment/scale/stage's
         ``analysis.{name}.baseline`` variant (default dense) is an input of the job (``baseline_checkpoint``).
     only_for(kind) -> whether a checkpoint gets it by default (``model_kind``'s mapping); None: every one.
-    resolve(cfg, spec): completes the job spec from the experiment config (in place), e.g. adds input files
-        under keys ``rule_inputs`` reads (manifest, corpus, facts).
+    resolve(exp, spec): completes the job spec from the experiment config's typed tree (in place), e.g. adds
+        input files under keys ``rule_inputs`` reads (manifest, corpus, facts).
     """
     run: Callable | str
     needs_world: bool = False
@@ -59,40 +61,50 @@ def analysis(name: str, **kw):
     return ANALYSES.register(name, lambda run: Analysis(run, **kw))
 
 
-def analyses(cfg: dict) -> list[str]:
-    a = cfg.get("analysis") or {}
-    return [n for n in ANALYSES if a.get(n) is not None and (not ANALYSES[n].needs_world or cfg.get("world"))]
+def settings(cfg: C.Config, name: str) -> dict:
+    """``analysis.{name}`` as the config writes it (a built-in's node as its mapping, a plugin's section as
+    written); empty when the config does not set it."""
+    section = E.of(cfg).analyses().get(name)
+    return E.dataclass_mapping(section) if section is not None else {}
 
 
-def stages(cfg: dict, name: str | None = None) -> dict:
+def analyses(cfg: C.Config) -> list[str]:
+    exp = E.of(cfg)
+    a = exp.analyses()
+    return [n for n in ANALYSES if a.get(n) is not None and (not ANALYSES[n].needs_world or exp.world)]
+
+
+def stages(cfg: C.Config, name: str | None = None) -> dict:
     """{scale: [stage]} whose checkpoints analysis ``name`` reads: its own ``analysis.{name}.stages``, else
     ``analysis.stages``."""
-    a = cfg.get("analysis") or {}
-    return ((a.get(name) or {}).get("stages") if name else None) or a.get("stages") or {}
+    exp = E.of(cfg)
+    return (settings(exp, name).get("stages") if name else None) or (exp.analysis and exp.analysis.stages) or {}
 
 
-def checkpoints(cfg: dict) -> list[tuple[str, str, str]]:
+def checkpoints(cfg: C.Config) -> list[tuple[str, str, str]]:
     """The trained checkpoints some analysis reads."""
-    by_name = [stages(cfg)] + [stages(cfg, n) for n in analyses(cfg)]
-    return [(s, v, st) for s, v, st in C.train_targets(cfg) if any(st in (b.get(s) or []) for b in by_name)]
+    exp = E.of(cfg)
+    by_name = [stages(exp)] + [stages(exp, n) for n in analyses(exp)]
+    return [(s, v, st) for s, v, st in C.train_targets(exp) if any(st in (b.get(s) or []) for b in by_name)]
 
 
-def _model_json(cfg: dict, scale: str, variant: str) -> str:
+def _model_json(cfg: C.Config, scale: str, variant: str) -> str:
     """The variant's model config (its FFN kinds; any stage: a mid-training insertion has no pretraining) as JSON."""
     return json.dumps(C.model_config_for(cfg, scale, variant).to_dict(), sort_keys=True)
 
 
-def has_tables(cfg: dict, scale: str, variant: str) -> bool:
+def has_tables(cfg: C.Config, scale: str, variant: str) -> bool:
     """Whether the variant's model declares a token-indexed (STEM) table."""
     return model_kind(cfg, scale, variant)["tables"]
 
 
-def model_kind(cfg: dict, scale: str, variant: str) -> dict:
+def model_kind(cfg: C.Config, scale: str, variant: str) -> dict:
     """{tables: a STEM table (token-indexed rows), lookups: any lookup-role parameter (STEM or DSE tables),
     dse: a DSE memory, variant, baseline: the experiment's baseline variant (stem.config.baseline_variant)}: what
     decides the default analyses of a checkpoint."""
-    return {**_kind(_model_json(cfg, scale, variant)), "variant": variant,
-            "baseline": variant == C.baseline_variant(cfg)}
+    exp = E.of(cfg)
+    return {**_kind(_model_json(exp, scale, variant)), "variant": variant,
+            "baseline": variant == E.baseline_variant(exp.variant_overrides)}
 
 
 @lru_cache(maxsize=None)
@@ -117,51 +129,55 @@ def _built_kind(model_json: str) -> dict:
     return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None}
 
 
-def targets(cfg: dict) -> list[str]:
-    out, trained = [], set(C.train_targets(cfg))
-    for s, v, st in checkpoints(cfg):
-        kind = model_kind(cfg, s, v)
-        out += [L.analysis_json(cfg["experiment"], s, v, st, name) for name in analyses(cfg)
-                if st in (stages(cfg, name).get(s) or []) and (ANALYSES[name].only_for or (lambda m: True))(kind)
-                and (not ANALYSES[name].baseline or (s, baseline(cfg, name), st) in trained)]
+def targets(cfg: C.Config) -> list[str]:
+    exp = E.of(cfg)
+    out, trained = [], set(C.train_targets(exp))
+    for s, v, st in checkpoints(exp):
+        kind = model_kind(exp, s, v)
+        out += [L.analysis_json(exp.experiment, s, v, st, name) for name in analyses(exp)
+                if st in (stages(exp, name).get(s) or []) and (ANALYSES[name].only_for or (lambda m: True))(kind)
+                and (not ANALYSES[name].baseline or (s, baseline(exp, name), st) in trained)]
     return out
 
 
-def baseline(cfg: dict, name: str) -> str:
+def baseline(cfg: C.Config, name: str) -> str:
     """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default the experiment's
     baseline, stem.config.baseline_variant)."""
-    return (cfg["analysis"].get(name) or {}).get("baseline") or C.baseline_variant(cfg)
+    exp = E.of(cfg)
+    return settings(exp, name).get("baseline") or E.baseline_variant(exp.variant_overrides)
 
 
-def job_spec(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
-    if name not in analyses(cfg):
-        raise ValueError(f"analysis {name!r}: not configured for experiment {cfg['experiment']!r} "
-                         f"(config key 'analysis.{name}'); expected one of {analyses(cfg)}")
+def job_spec(cfg: C.Config, scale: str, variant: str, stage: str, name: str) -> dict:
+    exp = E.of(cfg)
+    if name not in analyses(exp):
+        raise ValueError(f"analysis {name!r}: not configured for experiment '{exp.experiment}' "
+                         f"(config key 'analysis.{name}'); expected one of {analyses(exp)}")
     entry = ANALYSES[name]
-    own = {k: x for k, x in cfg["analysis"][name].items() if k != "stages"}   # stages: which jobs, not what they do
-    spec = {**own, "analysis": name, "device": cfg.get("device", "cpu"),
-            "job": {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}}
+    own = {k: x for k, x in settings(exp, name).items() if k != "stages"}   # stages: which jobs, not what they do
+    spec = {**own, "analysis": name, "device": str(exp.device),
+            "job": {"experiment": str(exp.experiment), "scale": scale, "variant": variant, "stage": stage}}
     if spec.get("facts"):  # a shipped prompt set: relative to the repository, wherever the workflow runs
         spec["facts"] = str(Path(C.REPO, spec["facts"])) if not Path(spec["facts"]).is_absolute() else spec["facts"]
-    if cfg.get("world") and (entry.needs_world or entry.uses_world):
-        spec["world"] = cfg["world"]
+    if exp.world and (entry.needs_world or entry.uses_world):
+        spec["world"] = E.dataclass_mapping(exp.world)
     if entry.baseline:
-        spec["baseline"] = baseline(cfg, name)
-        if (scale, spec["baseline"], stage) not in C.train_targets(cfg):
+        spec["baseline"] = baseline(exp, name)
+        if (scale, spec["baseline"], stage) not in C.train_targets(exp):
             raise ValueError(f"analysis {name!r} of {scale}/{variant}/{stage}: key 'analysis.{name}.baseline' is "
-                             f"{spec['baseline']!r}, which the {cfg['experiment']} matrix does not train at "
+                             f"{spec['baseline']!r}, which the {exp.experiment} matrix does not train at "
                              f"{scale}/{stage}")
-        spec["baseline_checkpoint"] = L.checkpoint(cfg["experiment"], scale, spec["baseline"], stage)
+        spec["baseline_checkpoint"] = L.checkpoint(exp.experiment, scale, spec["baseline"], stage)
     if "source" in spec:
-        spec["manifest"] = C.tokens_manifest(cfg["experiment"], scale, spec["source"])
+        spec["manifest"] = C.tokens_manifest(exp.experiment, scale, spec["source"])
     if entry.resolve:
-        entry.resolve(cfg, spec)
-    return {**spec, **plugins.spec_key(cfg)}
+        entry.resolve(exp, spec)
+    return {**spec, **plugins.spec_key(exp)}
 
 
-def rule_inputs(cfg: dict, scale: str, variant: str, stage: str, name: str) -> dict:
-    spec = job_spec(cfg, scale, variant, stage, name)
-    inputs = {"checkpoint": L.checkpoint(cfg["experiment"], scale, variant, stage)}
+def rule_inputs(cfg: C.Config, scale: str, variant: str, stage: str, name: str) -> dict:
+    exp = E.of(cfg)
+    spec = job_spec(exp, scale, variant, stage, name)
+    inputs = {"checkpoint": L.checkpoint(exp.experiment, scale, variant, stage)}
     inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts", "hf_export") if spec.get(k)})
     if spec.get("baseline_checkpoint"):
         inputs["baseline"] = spec["baseline_checkpoint"]
@@ -183,12 +199,12 @@ def _has_dse(kind: dict) -> bool:
     return kind["dse"]
 
 
-def _capacity_corpus(cfg: dict, spec: dict):
+def _capacity_corpus(exp: Experiment, spec: dict):
     """The synthetic corpus whose fact counts bucket the capacity probe's items (an input of the job)."""
-    spec["corpus"] = L.corpus_path(cfg["experiment"], spec["source"])
+    spec["corpus"] = L.corpus_path(exp.experiment, spec["source"])
 
 
-def _hf_export(cfg: dict, spec: dict):
+def _hf_export(exp: Experiment, spec: dict):
     """The checkpoint's export-hf folder (rules/hf.smk), which hf_parity scores under lm-eval's stock hf model."""
     j = spec["job"]
     spec["hf_export"] = L.hf_export(j["experiment"], j["scale"], j["variant"], j["stage"])

@@ -30,6 +30,7 @@ from stem import layout as L
 from stem import provenance
 from stem.data.shards import ShardSet
 from stem.eval.lm import load_for_eval
+from stem.experiment import load
 from stem.io import atomic_write_json
 from stem.models.config import ModelConfig
 from stem.models.model import Attention, KVCache, build_model
@@ -195,11 +196,11 @@ def unique_per_batch(train: np.ndarray, batch: int, seq_len: int, n: int = 16, s
 def paper_shapes(dtype=torch.bfloat16) -> list[dict]:
     """FFN memory on the device at the paper's shapes (config/paper.yaml, models on the meta device): dense,
     STEM with its tables offloaded, the tables; and the cache budget (d_model rows) as a share of V."""
-    cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")
+    exp = load(C.REPO / "config" / "paper.yaml")
     size = torch.empty((), dtype=dtype).element_size()
     rows = []
-    for scale in cfg["matrix"]:
-        dense, stem = (build_model(C.model_config_for(cfg, scale, v), "meta") for v in ("dense", "stem"))
+    for scale in exp.matrix:
+        dense, stem = (build_model(C.model_config_for(exp, scale, v), "meta") for v in ("dense", "stem"))
         tables = sum(m.weight.numel() for _, _, m in token_tables(stem)) * size
         ffn = [sum(p.numel() for b in m.layers for p in b.ffn.parameters()) * size for m in (dense, stem)]
         rows.append({"scale": scale, "dtype": str(dtype).removeprefix("torch."), "dense_ffn_bytes": ffn[0],

@@ -20,6 +20,7 @@ import torch
 
 from stem import config as C
 from stem.data.loader import positions_from_docs
+from stem.experiment import baseline_variant, load
 from stem.models.accounting import accounting
 from stem.models.config import model_config
 from stem.models.ffn import build_ffn
@@ -54,7 +55,7 @@ def _time_fwd_bwd(ffn, x, ids, repeats: int, device) -> float:
 
 
 def bench_ffn(scale: str = "350m", tokens: int = 2048, repeats: int = 5, device: str = "cpu") -> list[dict]:
-    cfg = C.model_config_for(C.load_experiment(C.REPO / "config" / "paper.yaml"), scale, C.baseline_variant())
+    cfg = C.model_config_for(load(C.REPO / "config" / "paper.yaml"), scale, C.baseline_variant())
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -78,8 +79,8 @@ def main(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = bench_ffn(args.scale, args.tokens, args.repeats, args.device)
-    cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")["archs"][args.scale]
-    print(f"FFN fwd+bwd, {args.scale} shapes (d={cfg['d_model']}, d_ff={cfg['d_ff']}, V={cfg['vocab_size']}), "
+    arch = load(C.REPO / "config" / "paper.yaml").archs[args.scale]
+    print(f"FFN fwd+bwd, {args.scale} shapes (d={arch.d_model}, d_ff={arch.d_ff}, V={arch.vocab_size}), "
           f"{args.tokens} tokens, device {args.device}, {torch.get_num_threads()} threads, median of {args.repeats}")
     print(f"{'ffn':6} {'table grad':10} {'ms':>9} {'vs dense':>9}")
     for r in rows:
@@ -91,8 +92,8 @@ def bench_attention(seq_len: int = 1024, micro_batch: int = 4, repeats: int = 5,
                     stage: str = "extend", experiment: str = "tiny") -> dict:
     """Attention fwd+bwd time of all layers of one micro-batch: document mask vs plain causal."""
 
-    cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
-    model = build_model(C.model_config_for(cfg, scale, C.baseline_variant(cfg), stage))
+    exp = load(C.REPO / "config" / f"{experiment}.yaml")
+    model = build_model(C.model_config_for(exp, scale, baseline_variant(exp.variant_overrides), stage))
     attn = model.layers[0].attn
     torch.manual_seed(0)
     x = torch.randn(micro_batch, seq_len, model.cfg.d_model, requires_grad=True)

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from stem import config as C
+from stem import experiment as E
 from stem import layout, plugins, seeds
+from stem.experiment import Experiment
 from stem.options import Truncation
 from stem.registry import SUITE_KINDS, resolve as _import
 from stem.specs import EvalSpec
@@ -37,12 +39,12 @@ PROTOCOL_TRUNCATION = {"longbench": Truncation.MIDDLE, "ruler": Truncation.ERROR
 @dataclass(frozen=True)
 class SuiteKind:
     """How a kind of suite runs: ``runner(lm, spec, limit) -> (result fields, raw output, harness label)`` (a
-    function or a ``"module:function"`` string); ``resolve(cfg, spec)`` completes the suite's spec from the
-    experiment config (in place); ``inputs(cfg, spec)`` are the files its eval job reads besides the checkpoint
-    (rules/eval.smk)."""
+    function or a ``"module:function"`` string); ``resolve(exp, spec)`` completes the suite's spec from the
+    experiment config's typed tree (``stem.experiment.Experiment``; in place); ``inputs(exp, spec)`` are the files
+    its eval job reads besides the checkpoint (rules/eval.smk)."""
     runner: Callable[..., tuple[dict, dict, str]] | str
-    resolve: Callable[[dict, dict], None] | None = None
-    inputs: Callable[[dict, dict], dict] | None = None
+    resolve: Callable[[Experiment, dict], None] | None = None
+    inputs: Callable[[Experiment, dict], dict] | None = None
 
     def run(self, lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
         """Run the suite (a string runner is imported now: torch and lm-eval only in the eval job)."""
@@ -62,19 +64,21 @@ def kind_of(spec: dict) -> SuiteKind:
     return SUITE_KINDS[spec["kind"]]
 
 
-def suite_spec(cfg: dict, suite: str) -> dict:
-    """The resolved spec of one suite from an experiment config (stem.config dict)."""
-    ev = cfg.get("eval") or {}
+def suite_spec(cfg: C.Config, suite: str) -> dict:
+    """The resolved spec of one suite from an experiment config (its typed tree; a mapping is typed once,
+    stem.experiment.of)."""
+    exp = E.of(cfg)
+    ev = exp.eval or {}
     suites = ev.get("suites", {})
     if suite not in suites:
-        raise ValueError(f"suite {suite!r}: not in the {cfg['experiment']} config (expected one of {sorted(suites)})")
+        raise ValueError(f"suite {suite!r}: not in the {exp.experiment} config (expected one of {sorted(suites)})")
     spec = {"kind": "lm_eval", "num_fewshot": None, "metric": [], "gen_kwargs": None, **suites[suite]}
     kind = kind_of({**spec, "suite": suite})
     spec.setdefault("truncation", default_truncation(spec))
-    spec.update(suite=suite, batch_size=ev.get("batch_size", 32), seed=cfg["seed"], device=cfg.get("device"),
-                fixtures=layout.fixtures_dir(cfg["experiment"]) if ev.get("fixtures") else None)
+    spec.update(suite=suite, batch_size=ev.get("batch_size", 32), seed=exp.seed, device=str(exp.device),
+                fixtures=layout.fixtures_dir(exp.experiment) if ev.get("fixtures") else None)
     if kind.resolve:
-        kind.resolve(cfg, spec)
+        kind.resolve(exp, spec)
     return spec
 
 
@@ -88,60 +92,65 @@ def default_truncation(spec: dict) -> str:
     return str(found.pop()) if len(found) == 1 and None not in found else str(Truncation.LEFT)
 
 
-def job_spec(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
+def job_spec(cfg: C.Config, experiment, scale, variant, stage, suite) -> dict:
     """The spec of one eval job (the JSON of a stem.specs.EvalSpec, checked): the suite's spec and the
     checkpoint it must read (``job``)."""
-    spec = {**suite_spec(cfg, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
-                                              "stage": stage}, **plugins.spec_key(cfg)}
+    exp = E.of(cfg)
+    spec = {**suite_spec(exp, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
+                                              "stage": stage}, **plugins.spec_key(exp)}
     return EvalSpec.from_dict(spec).to_dict()
 
 
-def suites_for(cfg: dict, stage: str, variant: str | None = None) -> list[str]:
+def suites_for(cfg: C.Config, stage: str, variant: str | None = None) -> list[str]:
     """The suites of a stage's checkpoints; with ``variant``, those whose ``variants:`` (if any) name it."""
-    ev = cfg.get("eval") or {}
+    ev = E.of(cfg).eval or {}
     return [s for s in (ev.get("stages") or {}).get(stage, [])
             if variant is None or variant in ((ev.get("suites") or {}).get(s) or {}).get("variants", [variant])]
 
 
 # ---- workflow helpers (rules/eval.smk) ------------------------------------------------------------------
-def eval_targets(cfg: dict) -> list[str]:
+def eval_targets(cfg: C.Config) -> list[str]:
     """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage (a suite with
     ``variants:`` only for those variants' checkpoints, their seeds included)."""
-    return [layout.eval_json(cfg["experiment"], s, v, st, suite)
-            for s, v, st in C.train_targets(cfg) + C.seed_targets(cfg)
-            for suite in suites_for(cfg, st, seeds.split(v)[0])]
+    exp = E.of(cfg)
+    return [layout.eval_json(exp.experiment, s, v, st, suite)
+            for s, v, st in C.train_targets(exp) + C.seed_targets(exp)
+            for suite in suites_for(exp, st, seeds.split(v)[0])]
 
 
 RULER_TASK_PREFIXES = ("niah_", "ruler_")   # lm-eval's RULER task names (stem.eval.ruler_data.TASKS)
 
 
-def fixture_spec(cfg: dict) -> dict:
+def fixture_spec(cfg: C.Config) -> dict:
     """The spec of the eval_fixtures job (stem.eval.fixtures.write_fixtures): the config's ``eval.fixtures``, the
     world, the seed and, for the RULER stand-in, the tokenizer of its ``scale`` (its items are sized in tokens)."""
-    fx = cfg["eval"]["fixtures"]
-    spec = {**fx, "world": cfg.get("world", {}), "seed": cfg["seed"]}
-    if fixture_inputs(cfg):
-        spec["ruler"] = {**fx["ruler"], **fixture_inputs(cfg)}
+    exp = E.of(cfg)
+    fx = exp.eval["fixtures"]
+    spec = {**fx, "world": C.mapping(exp.world) if exp.world else {}, "seed": exp.seed}
+    if fixture_inputs(exp):
+        spec["ruler"] = {**fx["ruler"], **fixture_inputs(exp)}
     return spec
 
 
-def fixture_inputs(cfg: dict) -> dict:
+def fixture_inputs(cfg: C.Config) -> dict:
     """The eval_fixtures job's inputs: the tokenizer that sizes the RULER stand-in, when a fixture task is RULER's."""
-    fx = cfg["eval"]["fixtures"]
+    exp = E.of(cfg)
+    fx = exp.eval["fixtures"]
     ruler = fx.get("ruler") and any(t.startswith(RULER_TASK_PREFIXES) for t in fx.get("tasks", []))
-    return {"tokenizer": layout.tokenizer_path(cfg["experiment"], fx["ruler"]["scale"])} if ruler else {}
+    return {"tokenizer": layout.tokenizer_path(exp.experiment, fx["ruler"]["scale"])} if ruler else {}
 
 
-def rule_inputs(cfg: dict, experiment, scale, variant, stage, suite) -> dict:
-    spec = {**suite_spec(cfg, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
+def rule_inputs(cfg: C.Config, experiment, scale, variant, stage, suite) -> dict:
+    exp = E.of(cfg)
+    spec = {**suite_spec(exp, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
                                               "stage": stage}}
     inputs = {"checkpoint": layout.checkpoint(experiment, scale, variant, stage)}
     kind = kind_of(spec)
-    return {**inputs, **kind.inputs(cfg, spec)} if kind.inputs else inputs
+    return {**inputs, **kind.inputs(exp, spec)} if kind.inputs else inputs
 
 
 # ---- the built-in kinds: how their specs resolve and what their jobs read --------------------------------
-def _lm_eval_inputs(cfg: dict, spec: dict) -> dict:
+def _lm_eval_inputs(exp: Experiment, spec: dict) -> dict:
     return {"fixtures": spec["fixtures"]} if spec["fixtures"] else {}
 
 
@@ -149,24 +158,24 @@ def _source(spec: dict) -> str:
     return spec.get("haystack") or spec["source"]
 
 
-def _resolve_documents(cfg: dict, spec: dict) -> None:
-    spec["documents"] = C.documents_spec(cfg, _source(spec))
+def _resolve_documents(exp: Experiment, spec: dict) -> None:
+    spec["documents"] = C.documents_spec(exp, _source(spec))
 
 
-def _resolve_ppl(cfg: dict, spec: dict) -> None:
+def _resolve_ppl(exp: Experiment, spec: dict) -> None:
     spec["n_documents"] = spec.get("documents", 100)  # `documents` (a count) is replaced by the reader spec
-    _resolve_documents(cfg, spec)
+    _resolve_documents(exp, spec)
     if spec.get("split") is not None:   # `split: val`: only the documents the tokenize rules hold out of training
-        src = C.source_of(cfg, spec["source"])
+        src = C.source_of(exp, spec["source"])
         if spec["split"] != "val" or src.doc_keys != "content" or not src.val_fraction:
             raise ValueError(f"eval suite {spec['suite']!r}: key 'split': {spec['split']!r}; expected val, of a source "
                              f"with doc_keys: content and a val_fraction (sources.{spec['source']}: "
                              f"{C.source_mapping(src)})")
-        spec["held_out"] = {"fraction": src.val_fraction, "seed": cfg["seed"]}
+        spec["held_out"] = {"fraction": src.val_fraction, "seed": exp.seed}
 
 
-def _documents_inputs(cfg: dict, spec: dict) -> dict:
-    return {"documents": C.source_inputs(cfg, _source(spec))}
+def _documents_inputs(exp: Experiment, spec: dict) -> dict:
+    return {"documents": C.source_inputs(exp, _source(spec))}
 
 
 SUITE_KINDS.add("lm_eval", SuiteKind("stem.eval.harness:lm_eval_suite", inputs=_lm_eval_inputs))

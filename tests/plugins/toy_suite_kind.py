@@ -5,11 +5,11 @@ import json
 from stem.eval.spec import suite_kind
 
 
-def _resolve(cfg: dict, spec: dict) -> None:   # completes the suite's spec from the experiment config
-    spec.setdefault("pairs_file", f"data/{cfg['experiment']}/toy_pairs.json")
+def _resolve(exp, spec: dict) -> None:   # completes the suite's spec from the experiment config
+    spec.setdefault("pairs_file", f"data/{exp.experiment}/toy_pairs.json")
 
 
-def _inputs(cfg: dict, spec: dict) -> dict:    # the eval job's inputs besides the checkpoint
+def _inputs(exp, spec: dict) -> dict:    # the eval job's inputs besides the checkpoint
     return {"pairs": spec["pairs_file"]}
 
 
