@@ -82,7 +82,8 @@ def step0_rows(dense, x: torch.Tensor, placements=("1/3", "1/2"), inits=INSERT_I
                                                        for i in range(dense.cfg.n_layers)))
         for init in inits:
             model = inserted_rows(cfg, state, init, x.unique(), seed, where)
-            rows.append({"placement": name, "init": init, "stem_layers": layers, "window_loss": window_losses(model, x)})
+            rows.append({"placement": name, "init": init, "stem_layers": layers,
+                         "window_loss": window_losses(model, x)})
             del model
     for r in rows:
         r["mean_loss"] = sum(r["window_loss"]) / len(r["window_loss"])
