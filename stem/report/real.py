@@ -21,6 +21,7 @@ from __future__ import annotations
 from stem import config as C
 from stem import layout as L
 from stem.analysis.workflow import targets
+from stem.report import figures as F
 from stem.report import registry
 from stem.report import tables as T
 from stem.report.analyses import load_all
@@ -136,20 +137,20 @@ def hf_parity_long(cfg: dict, res):
 def loss_curves(cfg, res, ours=None, files=None):
     """Held-out loss (left) and training loss (right) vs tokens of every continued model; the imported model's
     held-out loss on the same windows at 0 tokens."""
-    from stem.report.figures import _color, _label, _missing, _plt, _title   # not at the top: see _register
-    fig, (ax, bx) = _plt().subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    fig, (ax, bx) = F.pyplot().subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     drawn = 0
     for scale, variant in _stage_targets(cfg, CONTINUED_STAGE):
         m = res.metrics(scale, variant, CONTINUED_STAGE)
         if m is None:
             continue
         v = m.dropna(subset=["val_loss"]) if "val_loss" in m else m.iloc[:0]
-        start = res.summary(scale, "dense", IMPORT_STAGE) if variant == "dense" else None
+        base = C.baseline_variant(cfg)
+        start = res.summary(scale, base, IMPORT_STAGE) if variant == base else None
         xs, ys = list(v["tokens"]), list(v["val_loss"])
         if start and start.get("final_val_loss") is not None:
             xs, ys = [0, *xs], [start["final_val_loss"], *ys]
-        ax.plot(xs, ys, "o-", color=_color(variant), label=_label(variant), ms=3)
-        bx.plot(m["tokens"], m["loss"], color=_color(variant), label=_label(variant), lw=1)
+        ax.plot(xs, ys, "o-", color=F.color(cfg, variant), label=F.legend_label(cfg, variant), ms=3)
+        bx.plot(m["tokens"], m["loss"], color=F.color(cfg, variant), label=F.legend_label(cfg, variant), lw=1)
         drawn += 1
     for a, what in ((ax, "held-out loss (nats/token)"), (bx, "training loss (nats/token)")):
         if drawn:
@@ -158,37 +159,35 @@ def loss_curves(cfg, res, ours=None, files=None):
             a.grid(alpha=0.3)
             a.legend(fontsize=9)
         else:
-            _missing(a, f"no {CONTINUED_STAGE} metrics yet")
-    _title(fig, "Continued training on the essays' train split (held-out: the essays' held-out split)", cfg)
+            F.mark_missing(a, f"no {CONTINUED_STAGE} metrics yet")
+    F.set_title(fig, "Continued training on the essays' train split (held-out: the essays' held-out split)", cfg)
     return fig
 
 
-def _register():
-    gap = dict(empty="_(no rows: no results of the experiment `real` (config/real.yaml) here)_")
-    registry.paper_table("real_import", "Import of the packaged SmolLM2 GGUF: max |logit difference| against "
-                         f"transformers' forward on held-out essay tokens, and its held-out loss ({WHAT})",
-                         **gap)(import_long)
-    registry.paper_table("real_step0", "Held-out loss at step 0 of STEM inserted into the imported model, placement "
-                         f"x table init, against the dense model on the same windows ({WHAT})",
-                         inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/insertion_step0.json")],
-                         **gap)(step0_long)
-    registry.paper_table("real_heldout", "Continued training: held-out loss at the first evaluation and at the end, "
-                         f"and held-out perplexity of the continued models ({WHAT})", **gap)(heldout_long)
-    registry.paper_table("real_niah", "Needle in a haystack on the essays (the original test's needle and question): "
-                         f"accuracy per context length and needle depth ({WHAT})", **gap)(niah_long)
-    registry.paper_table("real_editing", "Knowledge editing over the prompt set (Fig. 7 on real weights): a country's "
-                         "rows replaced by the next country's at every STEM layer (or in the token embedding): share "
-                         "of prompts whose next token became the other capital's first token, the two capitals' "
-                         f"first-token probabilities, undo bit for bit ({WHAT})",
-                         inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/editing.json")],
-                         **gap)(editing_long)
-    registry.paper_table("real_hf_parity", "The export-hf folder under lm-eval's stock `hf` model vs the `stem` model "
-                         f"on the prompt set as a loglikelihood task ({WHAT})",
-                         inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/hf_parity.json")],
-                         **gap)(hf_parity_long)
-    registry.report_figure("real_loss_curves", "Held-out and training loss of the continued models vs tokens "
-                           f"({WHAT}); the dense curve starts at the imported model's held-out loss.",
-                           experiments=("real",))(loss_curves)
+# ---- registered at import, like the built-in tables (stem.plugins loads this module)
+GAP = dict(empty="_(no rows: no results of the experiment `real` (config/real.yaml) here)_")
+registry.paper_table("real_import", "Import of the packaged SmolLM2 GGUF: max |logit difference| against "
+                     f"transformers' forward on held-out essay tokens, and its held-out loss ({WHAT})",
+                     **GAP)(import_long)
+registry.paper_table("real_step0", "Held-out loss at step 0 of STEM inserted into the imported model, placement "
+                     f"x table init, against the dense model on the same windows ({WHAT})",
+                     inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/insertion_step0.json")],
+                     **GAP)(step0_long)
+registry.paper_table("real_heldout", "Continued training: held-out loss at the first evaluation and at the end, "
+                     f"and held-out perplexity of the continued models ({WHAT})", **GAP)(heldout_long)
+registry.paper_table("real_niah", "Needle in a haystack on the essays (the original test's needle and question): "
+                     f"accuracy per context length and needle depth ({WHAT})", **GAP)(niah_long)
+registry.paper_table("real_editing", "Knowledge editing over the prompt set (Fig. 7 on real weights): a country's "
+                     "rows replaced by the next country's at every STEM layer (or in the token embedding): share "
+                     "of prompts whose next token became the other capital's first token, the two capitals' "
+                     f"first-token probabilities, undo bit for bit ({WHAT})",
+                     inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/editing.json")],
+                     **GAP)(editing_long)
+registry.paper_table("real_hf_parity", "The export-hf folder under lm-eval's stock `hf` model vs the `stem` model "
+                     f"on the prompt set as a loglikelihood task ({WHAT})",
+                     inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/hf_parity.json")],
+                     **GAP)(hf_parity_long)
+registry.report_figure("real_loss_curves", "Held-out and training loss of the continued models vs tokens "
+                       f"({WHAT}); the dense curve starts at the imported model's held-out loss.",
+                       experiments=("real",))(loss_curves)
 
-
-_register()
