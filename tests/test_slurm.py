@@ -100,7 +100,7 @@ def test_paper_dag_dry_run_through_the_slurm_profile_shows_sbatch_resources():
     # the aggregate stage, HTML report included, is part of the paper DAG (one job per registered figure)
     from stem.report import registry
     report = [counts.get(r) for r in ("report_tables", "report_diff", "report_figure", "report_readme", "report_html")]
-    assert report == [1, 1, len(registry.figures()), 1, 1]
+    assert report == [1, 1, len(registry.figures("paper")), 1, 1]
     for target in ["results/paper/350m/stem_gate/pretrain/summary.json", "results/paper/1b/stem/extend/summary.json",
                    "data/paper/1b/tokens/prolong_long"]:
         assert target in out
@@ -230,6 +230,7 @@ def _test_config() -> dict:
     cfg["matrix"] = {"350m": {"variants": ["stem"], "stages": ["pretrain"]}}
     cfg["tokenizer"] = {"350m": {"kind": "train_bpe", "sources": ["web"], "vocab_size": 512}}
     cfg["sources"] = {"web": {"kind": "synth", "generator": "web", "bytes": 300000}}
+    cfg["eval"]["fixtures"]["ruler"]["scale"] = "350m"   # the RULER stand-in is sized by a tokenizer the config has
     cfg["world"] = {"seed": 7, "n_countries": 10, "n_people": 30, "n_filler": 200}
     cfg["stages"] = {"pretrain": {"350m": {**cfg["stages"]["pretrain"]["350m"], "batch_size": 8, "micro_batch": 8,
                                            "seq_len": 64, "steps": 1000}}}

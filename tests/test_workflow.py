@@ -130,7 +130,7 @@ def test_direction_gate_on_the_reduced_dag(reduced_run, tmp_path, capsys, monkey
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda c: c["stages"]["pretrain"]["350m"].update(lrr=1.0), "key 'stages.pretrain.350m'"),
+    (lambda c: c["stages"]["pretrain"]["350m"].update(lrr=1.0), "key 'stages.pretrain.350m.lrr': unknown"),
     (lambda c: c["matrix"]["350m"].update(variants=["dense", "stem_quarter"]), "key 'matrix.350m.variants': 'stem_quarter' is not a variant of config/variants.yaml"),
     (lambda c: c["stages"]["pretrain"]["350m"].update(data={"web": 0.5}), "mixture weights sum to 0.5, expected 1"),
     (lambda c: c["stages"]["pretrain"]["350m"].update(data={"wikipedia": 1.0}), "unknown source 'wikipedia'"),
