@@ -50,26 +50,26 @@ def train_inputs(w):
 # ---- Slurm resources from the experiment config's `cluster:` section (see rules/train.smk) ----
 def cluster_resources(kind, scale=None):
     """sbatch resources of one job kind: "train" (at a scale), "eval" (one GPU) or "cpu" (none)."""
-    cl = config.get("cluster") or {}
-    res = {res_key: cl[key] for key, res_key in (("partition", "slurm_partition"), ("account", "slurm_account"),
-                                                  ("constraint", "constraint")) if cl.get(key)}
+    cl = EXPERIMENT.cluster
+    res = {res_key: getattr(cl, key) for key, res_key in (("partition", "slurm_partition"), ("account", "slurm_account"),
+                                                           ("constraint", "constraint")) if getattr(cl, key)}
     if kind == "train":
-        t = cluster_train(config, scale)   # the job's world size in the job itself: stem.train.plan.job_layout
-        nodes, gpus = t["nodes"], t["gpus_per_node"]
-        res.update(nodes=nodes, runtime=t["runtime"],
-                   cpus_per_task=t.get("cpus") or gpus * t.get("cpus_per_gpu", 1) or 1,
-                   mem_mb=t.get("mem_mb") or gpus * t.get("mem_mb_per_gpu", 0) or 4000)
+        t = cluster_train(EXPERIMENT, scale)   # the job's world size in the job itself: stem.train.plan.job_layout
+        nodes, gpus = t.nodes, t.gpus_per_node
+        res.update(nodes=nodes, runtime=t.runtime,
+                   cpus_per_task=t.cpus or gpus * (t.cpus_per_gpu or 1) or 1,
+                   mem_mb=t.mem_mb or gpus * (t.mem_mb_per_gpu or 0) or 4000)
         if gpus and nodes == 1:
             res["gpu"] = gpus  # sbatch --gpus=G; the jobstep's srun gets --gpus=G too
         elif gpus:  # per-node GPUs, one task (one torchrun) per node; tasks_per_gpu=0 keeps --ntasks-per-gpu off
             res.update(gres=f"gpu:{gpus}", mpi="srun", tasks=nodes, tasks_per_gpu=0)
         return res
-    j = cl.get(kind) or {}
-    res.update(runtime=j.get("runtime", 60), mem_mb=j.get("mem_mb", 4000))
-    if j.get("cpus"):
-        res["cpus_per_task"] = j["cpus"]
-    if j.get("gpus"):
-        res["gpu"] = j["gpus"]
+    j = cl.job(kind)
+    res.update(runtime=j.runtime or 60, mem_mb=j.mem_mb or 4000)
+    if j.cpus:
+        res["cpus_per_task"] = j.cpus
+    if j.gpus:
+        res["gpu"] = j.gpus
     return res
 
 

@@ -8,12 +8,12 @@
 from stem import sweeps as SW  # noqa: E402
 
 
-sweep_outputs = lambda: SW.targets(config)  # noqa: E731  (used by `rule all`: [] unless sweeps.in_all)
+sweep_outputs = lambda: SW.targets(EXPERIMENT)  # noqa: E731  (used by `rule all`: [] unless sweeps.in_all)
 
 
 rule sweep_report:
     input:
-        summaries=lambda w: SW.summaries(config, w.kind),
+        summaries=lambda w: SW.summaries(EXPERIMENT, w.kind),
     output:
         json=L.sweep_file("{experiment}", "{kind}", "json"),
         md=L.sweep_file("{experiment}", "{kind}", "md"),

@@ -74,6 +74,6 @@ onstart:
 
     _train_jobs = {(j.wildcards.scale, j.wildcards.variant, j.wildcards.stage)
                    for j in workflow.dag.jobs if j.rule.name in ("train", "train_multinode")}
-    _too_big = gate.check(config, L.MEMORY_TRACES, workers=min(os.cpu_count() or 1, 8), only=_train_jobs)
+    _too_big = gate.check(EXPERIMENT, L.MEMORY_TRACES, workers=min(os.cpu_count() or 1, 8), only=_train_jobs)
     if _too_big:
         raise WorkflowError("\n".join(_too_big))

@@ -8,25 +8,27 @@ from pathlib import Path
 from stem import cli_args as A
 from stem import config as C
 from stem import layout as L
+from stem.experiment import Experiment
 from stem.options import Strategy, TableLayout, values
 
 # Each command imports the code it runs inside its function (cmd_*): torch, lm_eval, transformers, pandas
 # and matplotlib load only for the commands that use them.
 
 
-def experiment_config(name: str) -> dict:
-    """config/{name}.yaml, or the experiment YAML at the path ``name`` (checked: one line when missing)."""
-    return C.load_experiment(A.experiment_path(name))
+def experiment_config(name: str) -> Experiment:
+    """config/{name}.yaml, or the experiment YAML at the path ``name``, as its typed tree (checked: one line when
+    missing or wrong)."""
+    return C.experiment.load(A.experiment_path(name))
 
 
-def _matching_jobs(cfg: dict, args) -> list:
+def _matching_jobs(exp: Experiment, args) -> list:
     """The training jobs of the config's matrix that --scale / --variant select; none is an error naming them."""
-    jobs = C.train_targets(cfg)
+    jobs = C.train_targets(exp)
     picked = [j for j in jobs if (not args.scale or j[0] == args.scale) and (not args.variant or j[1] == args.variant)]
     if not picked:
         chosen = " ".join(f"--{k} {getattr(args, k)}" for k in ("scale", "variant") if getattr(args, k))
-        raise C.ConfigError(f"{chosen}: no training job of experiment {cfg['experiment']!r} matches; its matrix trains "
-                            + "; ".join(f"{s}: {', '.join(m['variants'])}" for s, m in cfg["matrix"].items()))
+        raise C.ConfigError(f"{chosen}: no training job of experiment {exp.experiment.value!r} matches; its matrix trains "
+                            + "; ".join(f"{s}: {', '.join(m.variants)}" for s, m in exp.matrix.items()))
     return picked
 
 
@@ -94,8 +96,8 @@ def train_arguments(p):
 
 def cmd_train(args):
     from stem.train.loop import train
-    cfg = experiment_config(args.experiment)
-    print(json.dumps(train(C.train_spec(cfg, args.scale, args.variant, args.stage), threads=args.threads), indent=2))
+    exp = experiment_config(args.experiment)
+    print(json.dumps(train(C.train_spec(exp, args.scale, args.variant, args.stage), threads=args.threads), indent=2))
 
 
 def eval_arguments(p):
@@ -245,15 +247,14 @@ def cmd_memory(args):
     from stem.models.model import build_model
     from stem.train import memory, memtrace
     from stem.train.plan import job_layout
-    cfg = experiment_config(args.experiment)
-    cluster = cfg.get("cluster") or {}
-    strategy, limit = args.strategy or cluster.get("strategy", "fsdp"), cluster.get("gpu_mem_gib")
-    jobs = _matching_jobs(cfg, args)
+    exp = experiment_config(args.experiment)
+    strategy, limit = args.strategy or exp.cluster.strategy, exp.cluster.gpu_mem_gib
+    jobs = _matching_jobs(exp, args)
     specs = []   # (TrainSpec, ParallelPlan) of each job: traced and estimated alike
     for job in jobs:   # before tracing: a world the batch does not split over
-        world = args.gpus or job_layout(cfg, job[0])[0]
+        world = args.gpus or job_layout(exp, job[0])[0]
         try:
-            specs.append(memtrace.job(C.train_spec(cfg, *job), world, strategy, fitted=not args.as_written))
+            specs.append(memtrace.job(C.train_spec(exp, *job), world, strategy, fitted=not args.as_written))
         except ValueError as e:
             raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'} {world}: training job "
                                 f"{'/'.join(job)}: {e}") from None
@@ -290,15 +291,15 @@ def comms_arguments(p):
 
 def cmd_comms(args):
     from stem.train import comms
-    cfg = experiment_config(args.experiment)
-    jobs = _matching_jobs(cfg, args)
+    exp = experiment_config(args.experiment)
+    jobs = _matching_jobs(exp, args)
     if not (args.scale or args.variant):
-        jobs += C.seed_targets(cfg)
+        jobs += C.seed_targets(exp)
     if args.mfu is not None and args.mfu > 1:
         raise C.ConfigError(f"--mfu {args.mfu:g}: expected a fraction of the peak, in (0, 1]")
     link = {k: getattr(args, k) for k in ("intra_gbs", "inter_gbs", "mfu", "peak_tflops") if getattr(args, k) is not None}
     try:
-        rows = comms.experiment(cfg, jobs, args.gpus, args.strategy, args.tables, **link)
+        rows = comms.experiment(exp, jobs, args.gpus, args.strategy, args.tables, **link)
     except ValueError as e:   # a world size the batch does not split over
         raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'}: {e}") from None
     print(json.dumps(rows, indent=1) if args.json else comms.render(

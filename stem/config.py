@@ -36,25 +36,24 @@ def validate_experiment(cfg: dict, origin: str = "config") -> dict:
     return cfg
 
 
-# The resolvers below take the typed tree (stem.experiment.Experiment) or, from the modules not yet handed
-# the tree, its mapping (stem.experiment.of: parsed once per mapping).
-Config = Experiment | dict
+# The resolvers below take the typed tree (stem.experiment.Experiment). TRANSITION (issue 28): the lines marked so
+# also take the config's mapping, which the report passes until it reads the tree; they go with stem.experiment.of.
 
 
 # ---- variants and models -------------------------------------------------------------------------
-def variant_spec(cfg: Config, variant: str) -> dict:
+def variant_spec(exp: Experiment, variant: str) -> dict:
     """A variant's spec: one of config/variants.yaml (with variant_overrides), or a point of the config's
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
     it overrides)."""
-    cfg = cfg.mapping if isinstance(cfg, Experiment) else cfg   # a job's part of a config (the report's) too
-    all_variants = variants(cfg)
+    exp = experiment.of(exp)   # TRANSITION: the report's mapping
+    all_variants = exp.variants()
     base, k = seeds.split(variant)   # a seed of a matrix cell (stem.seeds): the variant's own spec
     if k and base in all_variants:
         return all_variants[base]
     if variant in all_variants:
         return all_variants[variant]
-    if cfg.get("sweeps") and sweeps.is_sweep_id(variant):
-        points = sweeps.variant_specs(cfg)
+    if exp.sweeps and sweeps.is_sweep_id(variant):
+        points = sweeps.variant_specs(sweeps.spec(exp))
         if variant in points:
             return points[variant]
         raise ConfigError(f"variant {variant!r}: not a point of the config's sweeps: section (expected one of "
@@ -62,52 +61,60 @@ def variant_spec(cfg: Config, variant: str) -> dict:
     raise ConfigError(f"variant {variant!r}: expected one of {sorted(all_variants)}")
 
 
-def _presentation(cfg: dict | None, key: str) -> dict:
+def _overrides(exp: Experiment | None) -> dict:
+    """The config's variant_overrides (none without a config)."""
+    if isinstance(exp, dict):   # TRANSITION: the report's mapping
+        return exp.get("variant_overrides") or {}
+    return exp.variant_overrides if exp is not None else {}
+
+
+def _presentation(exp: Experiment | None, key: str) -> dict:
     """{variant: its ``key`` (label, figure_label, color, baseline, figures) or None}, variant_overrides over
     config/variants.yaml, in that file's order; read without copying the variants (the report asks per label)."""
-    over = (cfg or {}).get("variant_overrides") or {}
+    over = _overrides(exp)
     return {name: (over.get(name) or {}).get(key, spec.get(key)) for name, spec in variants_file().items()}
 
 
-def variant_labels(cfg: dict | None = None) -> dict[str, str]:
+def variant_labels(exp: Experiment | None = None) -> dict[str, str]:
     """{variant: its row label} in config/variants.yaml's order (each variant's ``label:``, the one source;
-    with ``cfg``'s variant_overrides): the tables' rows and their order, the figures' legends."""
-    return {name: label or name for name, label in _presentation(cfg, "label").items()}
+    with ``exp``'s variant_overrides): the tables' rows and their order, the figures' legends."""
+    return {name: label or name for name, label in _presentation(exp, "label").items()}
 
 
-def variant_figure_labels(cfg: dict | None = None) -> dict[str, str]:
+def variant_figure_labels(exp: Experiment | None = None) -> dict[str, str]:
     """{variant: its figures' legend label}: ``figure_label:`` where a variant sets one, else its ``label:``."""
     return {name: fig or label for (name, fig), label in
-            zip(_presentation(cfg, "figure_label").items(), variant_labels(cfg).values())}
+            zip(_presentation(exp, "figure_label").items(), variant_labels(exp).values())}
 
 
-def variant_colors(cfg: dict | None = None) -> dict[str, str]:
+def variant_colors(exp: Experiment | None = None) -> dict[str, str]:
     """{variant: its figures' colour} for the variants whose config/variants.yaml entry sets ``color:`` (the
     others are drawn in matplotlib's colour cycle)."""
-    return {name: color for name, color in _presentation(cfg, "color").items() if color}
+    return {name: color for name, color in _presentation(exp, "color").items() if color}
 
 
-def baseline_variant(cfg: dict | None = None) -> str:
+def baseline_variant(exp: Experiment | None = None) -> str:
     """The variant every other is compared with (the diff's and the verdicts' directions, ROI, the analyses'
-    deltas): the one config/variants.yaml marks ``baseline: true`` (with ``cfg``'s variant_overrides)."""
-    return experiment.baseline_variant((cfg or {}).get("variant_overrides") or {})
+    deltas): the one config/variants.yaml marks ``baseline: true`` (with ``exp``'s variant_overrides)."""
+    return experiment.baseline_variant(_overrides(exp))
 
 
-def figure_variants(cfg: dict | None, figure: str) -> tuple[str, ...]:
+def figure_variants(exp: Experiment | None, figure: str) -> tuple[str, ...]:
     """The variants report figure ``figure`` draws: those whose ``figures:`` name it (config/variants.yaml with
-    ``cfg``'s variant_overrides), in that file's order."""
-    return tuple(name for name, figures in _presentation(cfg, "figures").items() if figure in (figures or ()))
+    ``exp``'s variant_overrides), in that file's order."""
+    return tuple(name for name, figures in _presentation(exp, "figures").items() if figure in (figures or ()))
 
 
-def model_config_for(cfg: Config, scale: str, variant: str, stage: str | None = None):
-    """The ModelConfig of a variant at a scale (and a stage's context); ``cfg`` may be a job's part of a
-    config mapping (the report's: experiment, archs, variant_overrides)."""
-    cfg = cfg.mapping if isinstance(cfg, Experiment) else cfg
-    arch = dict(cfg["archs"][scale])
+def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | None = None):
+    """The ModelConfig of a variant at a scale (and a stage's context)."""
+    if isinstance(exp, dict):   # TRANSITION: the report's accounting passes its part of the mapping (archs, overrides)
+        return model_config(exp["archs"][scale], {k: v for k, v in variants(exp)[seeds.split(variant)[0]].items()
+                                                  if k != "stage"})
+    arch = mapping(exp.archs[scale])
     if stage is not None:
-        spec = cfg["stages"][stage][scale]
+        spec = mapping(exp.stages[stage][scale])   # a key written null is kept, as the config writes it
         arch.update({key: spec[key] for key in ("max_seq_len", "rope_scaling") if key in spec})
-    spec = {k: v for k, v in variant_spec(cfg, variant).items() if k != "stage"}
+    spec = {k: v for k, v in variant_spec(exp, variant).items() if k != "stage"}
     return model_config(arch, spec)
 
 
@@ -116,10 +123,9 @@ def model_config_for(cfg: Config, scale: str, variant: str, stage: str | None = 
 TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample", "val_fraction")
 
 
-def source_of(cfg: Config, source: str) -> Source:
+def source_of(exp: Experiment, source: str) -> Source:
     """The config's ``sources.<source>``; a source it does not define (e.g. a target path naming one) is one line
     naming it and the defined ones."""
-    exp = experiment.of(cfg)
     if source not in exp.sources:
         raise ConfigError(f"source {source!r}: not defined in the {exp.experiment} config's sources; expected one "
                           f"of {sorted(exp.sources)}")
@@ -131,13 +137,13 @@ def source_mapping(src: Source) -> dict:
     return {k: v for k, v in {**mapping(src), **src.reader}.items() if k != "reader"}
 
 
-def source_parts(cfg: Config, source: str) -> int:
+def source_parts(exp: Experiment, source: str) -> int:
     """How many scattered tokenize jobs a source is split into (`parts`, default 1)."""
-    return int(source_of(cfg, source).parts or 1)
+    return int(source_of(exp, source).parts or 1)
 
 
-def part_names(cfg: Config, source: str) -> list[str]:
-    return list(_part_names(source_parts(cfg, source)))
+def part_names(exp: Experiment, source: str) -> list[str]:
+    return list(_part_names(source_parts(exp, source)))
 
 
 @lru_cache(maxsize=None)
@@ -145,9 +151,9 @@ def _part_names(n: int) -> tuple[str, ...]:
     return tuple(f"part{k:05d}-of-{n:05d}" for k in range(n))
 
 
-def part_index(cfg: Config, source: str, part: str) -> tuple[int, int]:
+def part_index(exp: Experiment, source: str, part: str) -> tuple[int, int]:
     """(k, n) of a part name of a source; a one-line error for a name that is not one of its parts."""
-    n = source_parts(cfg, source)
+    n = source_parts(exp, source)
     k = int(part[4:9]) if len(part) == 18 and part.startswith("part") else -1
     if not (0 <= k < n and part == _part_names(n)[k]):
         raise ConfigError(f"source {source!r}: part {part!r} is not one of its {n} parts")
@@ -155,32 +161,32 @@ def part_index(cfg: Config, source: str, part: str) -> tuple[int, int]:
 
 
 # ---- job specs -----------------------------------------------------------------------------------
-def variant_stages(cfg: Config, name: str, stages) -> list[str]:
+def variant_stages(exp: Experiment, name: str, stages) -> list[str]:
     """The stages a variant trains: all, except for a mid-training insertion (``insert:``), which starts at
     ``insert.stage`` (from another variant's checkpoint of the stage before)."""
-    ins = (experiment.of(cfg).variant(name) or {}).get("insert")
+    ins = (exp.variant(name) or {}).get("insert")
     return list(stages[stages.index(ins["stage"]):]) if ins and ins["stage"] in stages else list(stages)
 
 
-def train_targets(cfg: Config) -> list[tuple[str, str, str]]:
-    exp = experiment.of(cfg)
+def train_targets(exp: Experiment) -> list[tuple[str, str, str]]:
+    exp = experiment.of(exp)   # TRANSITION: the report's mapping
     return [(scale, v, stage) for scale, m in exp.matrix.items() for v in m.variants
             for stage in variant_stages(exp, v, m.stages)]
 
 
-def seed_targets(cfg: Config) -> list[tuple[str, str, str]]:
+def seed_targets(exp: Experiment) -> list[tuple[str, str, str]]:
     """The training jobs of seeds beyond the matrix's own (stem.seeds): (scale, '{variant}_seed{k}', stage)."""
-    exp = experiment.of(cfg)
+    exp = experiment.of(exp)   # TRANSITION: the report's mapping
     return [(scale, seeds.seed_id(v, k), stage) for scale, m in exp.matrix.items() for v in m.variants
-            for k in seeds.seeds_of(exp.mapping, scale, v) if k for stage in variant_stages(exp, v, m.stages)]
+            for k in seeds.seeds_of(exp, scale, v) if k for stage in variant_stages(exp, v, m.stages)]
 
 
 def _seed_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpec:
     """Seed k of a matrix cell (stem.seeds): the cell's spec, its own seed and folder."""
     base, k = seeds.split(variant)
-    if k not in seeds.seeds_of(exp.mapping, scale, base):
+    if k not in seeds.seeds_of(exp, scale, base):
         raise ConfigError(f"variant {variant!r}: seed {k} of {base!r} at {scale} is not asked for by the "
-                          f"{exp.experiment} config (seeds: {seeds.seeds_of(exp.mapping, scale, base)})")
+                          f"{exp.experiment} config (seeds: {seeds.seeds_of(exp, scale, base)})")
     d = train_job(exp, scale, base, stage).to_dict()
     init = d.get("init_stage")
     return TrainSpec.from_dict({**d, "variant": variant, "seed": exp.seed + k,
@@ -210,9 +216,8 @@ def _init_from(exp: Experiment, scale: str, variant: str, init, ins) -> str | No
     return checkpoint(exp.experiment, scale, ins["from"] if ins else variant, init) if init else None
 
 
-def train_job(cfg: Config, scale: str, variant: str, stage: str) -> TrainSpec:
+def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpec:
     """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
-    exp = experiment.of(cfg)
     if seeds.split(variant)[1]:
         return _seed_job(exp, scale, variant, stage)
     _check_job(exp, scale, variant, stage)
@@ -256,44 +261,44 @@ def train_job(cfg: Config, scale: str, variant: str, stage: str) -> TrainSpec:
     })
 
 
-def train_spec(cfg: Config, scale: str, variant: str, stage: str) -> dict:
+def train_spec(exp: Experiment, scale: str, variant: str, stage: str) -> dict:
     """The JSON form of ``train_job``: what the train rule passes to its job (``--spec``)."""
-    return train_job(cfg, scale, variant, stage).to_dict()
+    return train_job(exp, scale, variant, stage).to_dict()
 
 
-def corpus_spec(cfg: Config, source: str) -> dict:
-    exp, src = experiment.of(cfg), source_of(cfg, source)
+def corpus_spec(exp: Experiment, source: str) -> dict:
+    src = source_of(exp, source)
     if src.kind != SourceKind.SYNTH:
         raise ConfigError(f"source {source!r}: no corpus to generate (only kind 'synth' sources have one)")
     return {"source": source, "world": mapping(exp.world) if exp.world else {}, "seed": exp.seed,
             **source_mapping(src), **plugins.spec_key(exp)}
 
 
-def documents_spec(cfg: Config, source: str) -> dict:
+def documents_spec(exp: Experiment, source: str) -> dict:
     """The reader spec of a source's documents (a synth source is read back from its corpus file)."""
-    src = source_of(cfg, source)
+    src = source_of(exp, source)
     if src.kind == SourceKind.SYNTH:
-        return {"kind": "files", "paths": [corpus_path(experiment.of(cfg).experiment, source)], "format": "jsonl"}
+        return {"kind": "files", "paths": [corpus_path(exp.experiment, source)], "format": "jsonl"}
     return {k: v for k, v in source_mapping(src).items() if k not in TOKENIZE_KEYS}
 
 
-def source_inputs(cfg: Config, source: str) -> list[str]:
-    synth = source_of(cfg, source).kind == SourceKind.SYNTH
-    return [corpus_path(experiment.of(cfg).experiment, source)] if synth else []
+def source_inputs(exp: Experiment, source: str) -> list[str]:
+    synth = source_of(exp, source).kind == SourceKind.SYNTH
+    return [corpus_path(exp.experiment, source)] if synth else []
 
 
-def tokenizer_spec(cfg: Config, scale: str) -> dict:
-    tok = mapping(experiment.of(cfg).tokenizer[scale])
+def tokenizer_spec(exp: Experiment, scale: str) -> dict:
+    tok = mapping(exp.tokenizer[scale])
     if tok["kind"] == TokenizerKind.TRAIN_BPE:
-        tok["documents"] = [documents_spec(cfg, s) for s in tok["sources"]]
+        tok["documents"] = [documents_spec(exp, s) for s in tok["sources"]]
     return tok
 
 
-def tokenize_spec(cfg: Config, scale: str, source: str, part: str | None = None) -> dict:
+def tokenize_spec(exp: Experiment, scale: str, source: str, part: str | None = None) -> dict:
     """Spec of one tokenize job: part k of n of a source (``part`` as named by ``part_names``).
     ``max_tokens`` is split evenly over the parts; ``sample`` is a [lo, hi) range of the per-document
     uniform (or a mapping scale -> range), see stem.data.shards.tokenize_to_shards."""
-    exp, src = experiment.of(cfg), source_of(cfg, source)
+    src = source_of(exp, source)
     k, n = part_index(exp, source, part or _part_names(source_parts(exp, source))[0])
     sample = src.sample
     if isinstance(sample, dict):

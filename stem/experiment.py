@@ -26,7 +26,7 @@ from enum import StrEnum
 
 from stem import plugins, sweeps
 from stem.fields import FieldError, is_number
-from stem.io import ConfigError, deep_merge, read_yaml, variant, variants, variants_file
+from stem.io import ConfigError, dataclass_mapping, deep_merge, read_yaml, variant, variants, variants_file
 from stem.models.config import DSEConfig
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, OptimGroup,
                           RopeKind, RopeRamp, Scale, Schedule, SourceKind, Stage, Strategy, TableInit, TableLayout,
@@ -619,7 +619,7 @@ class Experiment:
     # the config's own plugin modules (stem.plugins): imported before anything is looked up
     plugins: tuple[str, ...] = field(default=(), metadata=matches(MODULE, "importable module names"))
     sweeps: Sweeps | None = None
-    # the mapping it was parsed from, for the modules that still read one (stem.sweeps' points)
+    # the mapping it was parsed from, for the modules that still read one (the report, until it reads the tree)
     mapping: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -727,7 +727,7 @@ class Experiment:
             for key in ("alpha", "beta"):
                 fail(key not in suite or number(suite[key]), f"{where}.{key}",
                      f"{suite.get(key)!r}; expected a number (nats)")
-            fail(suite.get("evaluator", "dense") in known | {"self"}, f"{where}.evaluator",
+            fail(suite.get("evaluator", baseline_variant(self.variant_overrides)) in known | {"self"}, f"{where}.evaluator",
                  f"{suite.get('evaluator')!r}; expected self or a variant of config/variants.yaml")
         ruler = (ev.get("fixtures") or {}).get("ruler")
         if ruler is None:
@@ -837,19 +837,6 @@ def _check_dse(where: str, dse):
         raise ConfigError(f"{where}: key {str(e).split('=')[0]!r}: {e}") from None
 
 
-def dataclass_mapping(obj) -> dict:
-    """A node as the mapping the config writes (unset keys left out, a key written null kept)."""
-    if dataclasses.is_dataclass(obj):
-        written = getattr(obj, "_written", ())
-        return {f.name: dataclass_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if getattr(obj, f.name) is not None or f.name in written}
-    if isinstance(obj, dict):
-        return {k: dataclass_mapping(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return [dataclass_mapping(v) for v in obj]
-    return obj
-
-
 # ---- reading a config ----------------------------------------------------------------------------------
 def parse(cfg: dict, origin: str = "config") -> Experiment:
     """The typed tree of an experiment config mapping; one ``ConfigError`` line ``{origin}: key '...': ...``
@@ -864,8 +851,8 @@ def parse(cfg: dict, origin: str = "config") -> Experiment:
         tree = node(Experiment, cfg)
     except ConfigError as e:
         raise ConfigError(f"{origin}: {e}") from None
-    if tree.sweeps is not None:   # the DSE paper's Sec. 3 sweeps: every point builds (stem.sweeps reads the mapping)
-        sweeps.validate(cfg, origin)
+    if tree.sweeps is not None:   # the DSE paper's Sec. 3 sweeps: every point builds (stem.sweeps)
+        sweeps.validate(tree, origin)
     object.__setattr__(tree, "mapping", cfg)
     return tree
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -126,6 +127,20 @@ def deep_merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def dataclass_mapping(obj) -> dict:
+    """A node of the experiment config's typed tree (stem.experiment) as the mapping the config writes (unset keys
+    left out, a key written null kept)."""
+    if dataclasses.is_dataclass(obj):
+        written = getattr(obj, "_written", ())
+        return {f.name: dataclass_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if getattr(obj, f.name) is not None or f.name in written}
+    if isinstance(obj, dict):
+        return {k: dataclass_mapping(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return [dataclass_mapping(v) for v in obj]
+    return obj
 
 
 def variants(cfg: dict) -> dict:

@@ -49,8 +49,8 @@ def load(modules=(), origin: str = "plugins"):
                               "importable from the repository root or PYTHONPATH") from None
 
 
-def spec_key(cfg) -> dict:
-    """What a job spec carries of the config's plugins (``cfg``: the config's typed tree or its mapping):
-    ``{"plugins": [...]}``, nothing without any (so the specs of a config without plugins are unchanged)."""
-    mods = cfg.get("plugins") if isinstance(cfg, dict) else cfg.plugins
-    return {"plugins": list(mods)} if mods else {}
+def spec_key(exp) -> dict:
+    """What a job spec carries of the config's plugins (``exp``: the config's typed tree, stem.experiment.Experiment,
+    read by attribute: this module is below it): ``{"plugins": [...]}``, nothing without any (so the specs of a
+    config without plugins are unchanged)."""
+    return {"plugins": list(exp.plugins)} if exp.plugins else {}

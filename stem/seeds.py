@@ -26,13 +26,19 @@ def split(variant: str) -> tuple[str, int]:
     return (m["base"], int(m["k"])) if m else (variant, 0)
 
 
-def seeds_of(cfg: dict, scale: str, variant: str) -> list[int]:
-    """The seed indices the config runs for one matrix cell (always including 0, the matrix's own job)."""
-    m = (cfg.get("matrix") or {}).get(scale) or {}
-    s = m.get("seeds", cfg.get("seeds"))
+def seeds_of(exp, scale: str, variant: str) -> list[int]:
+    """The seed indices the config (``exp``: its typed tree, stem.experiment.Experiment, read by attribute: this
+    module is below it) runs for one matrix cell (always including 0, the matrix's own job)."""
+    if isinstance(exp, dict):   # TRANSITION (issue 28; deleted with stem.experiment.of): the report's mapping
+        m = (exp.get("matrix") or {}).get(scale) or {}
+        s = m.get("seeds", exp.get("seeds"))
+        s = s.get(variant) if isinstance(s, dict) else s
+        return sorted({0, *(int(k) for k in s)}) if s and variant in m.get("variants", []) else [0]
+    m = exp.matrix.get(scale)
+    if m is None or variant not in m.variants:
+        return [0]
+    s = m.seeds if m.seeds is not None else exp.seeds
     if isinstance(s, dict):
         s = s.get(variant)
-    if not s or variant not in m.get("variants", []):
-        return [0]
-    return sorted({0, *(int(k) for k in s)})
+    return sorted({0, *(int(k) for k in s)}) if s else [0]
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
 from stem import layout as L
-from stem.io import ConfigError, variants
+from stem.io import ConfigError, dataclass_mapping, variants
 from stem.io import deep_merge as _deep_merge
 from stem.models.config import VARIANT_KEYS, ModelConfig, resolve_placement, table_rows
 
@@ -130,6 +130,16 @@ def counts(m: dict) -> Counts:
 
 
 # ---- the sweeps' points ----------------------------------------------------------------------------------
+# Their arithmetic reads the sweep spec (``cfg`` below): the mapping ``spec`` gives of a config's typed tree, the
+# sweep_report job's --spec too (rules/sweep.smk).
+def spec(exp) -> dict:
+    """What a config's sweep points depend on, as the config writes it: its experiment, archs, variant_overrides
+    and sweeps (``exp``: the typed tree, stem.experiment.Experiment, read by attribute as this module is below it;
+    its nodes as mappings by ``dataclass_mapping``: the points' cache key is this mapping's JSON)."""
+    return {"experiment": str(exp.experiment), "archs": dataclass_mapping(exp.archs),
+            "variant_overrides": exp.variant_overrides, "sweeps": dataclass_mapping(exp.sweeps)}
+
+
 def section(cfg: dict, kind: str) -> dict:
     sw = cfg.get("sweeps") or {}
     if kind not in KINDS:
@@ -296,7 +306,7 @@ def slots_points(cfg: dict) -> list[dict]:
 
 
 def _relevant(cfg: dict) -> dict:
-    """What the points depend on (the cache key): experiment, archs, overrides, sweeps."""
+    """What the points depend on (the cache key): experiment, archs, overrides, sweeps (a sweep spec's keys)."""
     return {k: cfg.get(k) for k in ("experiment", "archs", "variant_overrides", "sweeps")}
 
 
@@ -319,31 +329,32 @@ def variant_ids(cfg: dict, kind: str) -> list[str]:
     return [p["variant"] for p in points(cfg, kind)]
 
 
-def validate(cfg: dict, origin: str):
-    """The sweeps: section builds: its scale and stage are in the matrix, its variants are what the sweeps need,
-    every point is a valid model config (one line naming the key otherwise). The tolerance of the rho points
-    depends on the architecture and is checked when the sweep is built (``strict``), so a config that reshapes
-    archs for another target still loads."""
-    sw = cfg.get("sweeps")
+def validate(exp, origin: str):
+    """The sweeps: section of a config's typed tree builds: its scale and stage are in the matrix, its variants
+    are what the sweeps need, every point is a valid model config (one line naming the key otherwise). The
+    tolerance of the rho points depends on the architecture and is checked when the sweep is built (``strict``), so
+    a config that reshapes archs for another target still loads."""
+    sw = exp.sweeps
     if not sw:
         return
-    scale, stage = sw["scale"], sw["stage"]
+    scale, stage = str(sw.scale), str(sw.stage)
     for what in ("archs", "tokenizer"):
-        if scale not in cfg[what]:
+        if scale not in getattr(exp, what):
             raise ConfigError(f"{origin}: key 'sweeps.scale': {scale!r} has no {what}.{scale}; expected a scale the "
                               f"experiment defines")
-    spec = (cfg["stages"].get(stage) or {}).get(scale)
-    if spec is None or spec.get("init_from") is not None:
+    settings = exp.stages.get(stage, {}).get(scale)
+    if settings is None or settings.init_from is not None:
         raise ConfigError(f"{origin}: key 'sweeps.stage': {stage!r} at scale {scale!r} "
-                          + ("is not in stages" if spec is None else f"starts from {spec['init_from']!r}")
+                          + ("is not in stages" if settings is None else f"starts from {settings.init_from_mapping!r}")
                           + "; expected a stage trained from scratch (init_from: null), e.g. pretrain")
+    cfg = spec(exp)
     try:
         specs = variant_specs(cfg, strict=False)
-        for name, spec in specs.items():
+        for name, point in specs.items():
             if name in variants(cfg):
                 raise SweepError(f"sweep point {name!r}: clashes with the variant of that name")
             try:
-                ModelConfig.from_dict(_resolve(cfg, spec))
+                ModelConfig.from_dict(_resolve(cfg, point))
             except (TypeError, ValueError) as e:
                 raise SweepError(f"sweep point {name!r}: {e}") from None
     except SweepError as e:
@@ -356,13 +367,17 @@ def in_all(cfg: dict) -> bool:
 
 
 # ---- the workflow (rules/sweep.smk) ---------------------------------------------------------------------------
-def summaries(cfg: dict, kind: str) -> list[str]:
-    """The training summaries a sweep collects (inputs of rule sweep_report)."""
+def summaries(exp, kind: str) -> list[str]:
+    """The training summaries a sweep of a config's typed tree collects (inputs of rule sweep_report)."""
+    cfg = spec(exp)
     section(cfg, kind)
-    sw = cfg["sweeps"]
-    return [L.summary(cfg["experiment"], sw["scale"], v, sw["stage"]) for v in variant_ids(cfg, kind)]
+    sw = exp.sweeps
+    return [L.summary(exp.experiment, sw.scale, v, sw.stage) for v in variant_ids(cfg, kind)]
 
 
-def targets(cfg: dict) -> list[str]:
-    """What `rule all` needs from the sweeps: every sweep's files when sweeps.in_all is true, else nothing."""
-    return [f for kind in KINDS if in_all(cfg) and kind in cfg["sweeps"] for f in L.sweep_files(cfg["experiment"], kind)]
+def targets(exp) -> list[str]:
+    """What `rule all` needs from the sweeps of a config's typed tree: every sweep's files when sweeps.in_all is
+    true, else nothing."""
+    sw = exp.sweeps
+    return [f for kind in KINDS if sw and sw.in_all and getattr(sw, kind) is not None
+            for f in L.sweep_files(exp.experiment, kind)]

@@ -61,48 +61,46 @@ def analysis(name: str, **kw):
     return ANALYSES.register(name, lambda run: Analysis(run, **kw))
 
 
-def settings(cfg: C.Config, name: str) -> dict:
+def settings(exp: Experiment, name: str) -> dict:
     """``analysis.{name}`` as the config writes it (a built-in's node as its mapping, a plugin's section as
     written); empty when the config does not set it."""
-    section = E.of(cfg).analyses().get(name)
+    section = exp.analyses().get(name)
     return E.dataclass_mapping(section) if section is not None else {}
 
 
-def analyses(cfg: C.Config) -> list[str]:
-    exp = E.of(cfg)
+def analyses(exp: Experiment) -> list[str]:
+    exp = E.of(exp)   # TRANSITION (issue 28; deleted with stem.experiment.of): the report's mapping
     a = exp.analyses()
     return [n for n in ANALYSES if a.get(n) is not None and (not ANALYSES[n].needs_world or exp.world)]
 
 
-def stages(cfg: C.Config, name: str | None = None) -> dict:
+def stages(exp: Experiment, name: str | None = None) -> dict:
     """{scale: [stage]} whose checkpoints analysis ``name`` reads: its own ``analysis.{name}.stages``, else
     ``analysis.stages``."""
-    exp = E.of(cfg)
     return (settings(exp, name).get("stages") if name else None) or (exp.analysis and exp.analysis.stages) or {}
 
 
-def checkpoints(cfg: C.Config) -> list[tuple[str, str, str]]:
+def checkpoints(exp: Experiment) -> list[tuple[str, str, str]]:
     """The trained checkpoints some analysis reads."""
-    exp = E.of(cfg)
+    exp = E.of(exp)   # TRANSITION (issue 28; deleted with stem.experiment.of): the report's mapping
     by_name = [stages(exp)] + [stages(exp, n) for n in analyses(exp)]
     return [(s, v, st) for s, v, st in C.train_targets(exp) if any(st in (b.get(s) or []) for b in by_name)]
 
 
-def _model_json(cfg: C.Config, scale: str, variant: str) -> str:
+def _model_json(exp: Experiment, scale: str, variant: str) -> str:
     """The variant's model config (its FFN kinds; any stage: a mid-training insertion has no pretraining) as JSON."""
-    return json.dumps(C.model_config_for(cfg, scale, variant).to_dict(), sort_keys=True)
+    return json.dumps(C.model_config_for(exp, scale, variant).to_dict(), sort_keys=True)
 
 
-def has_tables(cfg: C.Config, scale: str, variant: str) -> bool:
+def has_tables(exp: Experiment, scale: str, variant: str) -> bool:
     """Whether the variant's model declares a token-indexed (STEM) table."""
-    return model_kind(cfg, scale, variant)["tables"]
+    return model_kind(exp, scale, variant)["tables"]
 
 
-def model_kind(cfg: C.Config, scale: str, variant: str) -> dict:
+def model_kind(exp: Experiment, scale: str, variant: str) -> dict:
     """{tables: a STEM table (token-indexed rows), lookups: any lookup-role parameter (STEM or DSE tables),
     dse: a DSE memory, variant, baseline: the experiment's baseline variant (stem.config.baseline_variant)}: what
     decides the default analyses of a checkpoint."""
-    exp = E.of(cfg)
     return {**_kind(_model_json(exp, scale, variant)), "variant": variant,
             "baseline": variant == E.baseline_variant(exp.variant_overrides)}
 
@@ -129,8 +127,8 @@ def _built_kind(model_json: str) -> dict:
     return {"tables": bool(table_sites(model)), "lookups": lookups, "dse": model.cfg.dse is not None}
 
 
-def targets(cfg: C.Config) -> list[str]:
-    exp = E.of(cfg)
+def targets(exp: Experiment) -> list[str]:
+    exp = E.of(exp)   # TRANSITION (issue 28; deleted with stem.experiment.of): the report's mapping
     out, trained = [], set(C.train_targets(exp))
     for s, v, st in checkpoints(exp):
         kind = model_kind(exp, s, v)
@@ -140,15 +138,13 @@ def targets(cfg: C.Config) -> list[str]:
     return out
 
 
-def baseline(cfg: C.Config, name: str) -> str:
+def baseline(exp: Experiment, name: str) -> str:
     """The baseline variant an analysis compares with (config ``analysis.{name}.baseline``, default the experiment's
     baseline, stem.config.baseline_variant)."""
-    exp = E.of(cfg)
     return settings(exp, name).get("baseline") or E.baseline_variant(exp.variant_overrides)
 
 
-def job_spec(cfg: C.Config, scale: str, variant: str, stage: str, name: str) -> dict:
-    exp = E.of(cfg)
+def job_spec(exp: Experiment, scale: str, variant: str, stage: str, name: str) -> dict:
     if name not in analyses(exp):
         raise ValueError(f"analysis {name!r}: not configured for experiment '{exp.experiment}' "
                          f"(config key 'analysis.{name}'); expected one of {analyses(exp)}")
@@ -174,8 +170,7 @@ def job_spec(cfg: C.Config, scale: str, variant: str, stage: str, name: str) -> 
     return {**spec, **plugins.spec_key(exp)}
 
 
-def rule_inputs(cfg: C.Config, scale: str, variant: str, stage: str, name: str) -> dict:
-    exp = E.of(cfg)
+def rule_inputs(exp: Experiment, scale: str, variant: str, stage: str, name: str) -> dict:
     spec = job_spec(exp, scale, variant, stage, name)
     inputs = {"checkpoint": L.checkpoint(exp.experiment, scale, variant, stage)}
     inputs.update({k: spec[k] for k in ("manifest", "corpus", "facts", "hf_export") if spec.get(k)})

@@ -37,11 +37,15 @@ PAPER_VOCAB = 128256
 
 
 def _spec(width: str, tables: str, world: int):
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    """The tiny config's 350m/stem/pretrain job, reshaped (a tool input: the YAML's mapping changed, then parsed;
+    its batches are random ids, so no tokenizer sizes the vocabulary)."""
+    path = C.REPO / "config" / "tiny.yaml"
+    cfg = C.read_yaml(path)
     cfg["archs"]["350m"].update(d_model=64, n_layers=3, n_heads=2, n_kv_heads=1, max_seq_len=SEQ, **WIDTHS[width])
     cfg["stages"]["pretrain"]["350m"].update(batch_size=2 * MICRO * world, micro_batch=MICRO, seq_len=SEQ)
+    cfg["tokenizer"]["350m"] = {"kind": "pretrained", "path": "none (random ids)"}
     cfg["cluster"] = {"tables": tables}
-    return C.train_job(cfg, "350m", "stem", "pretrain")
+    return C.train_job(C.experiment.parse(cfg, f"{path} (reshaped by stem.bench.comms)"), "350m", "stem", "pretrain")
 
 
 def _setup(spec, ctx):

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from stem import config as C
-from stem import experiment as E
 from stem import layout, plugins, seeds
 from stem.experiment import Experiment
 from stem.options import Truncation
@@ -64,10 +63,8 @@ def kind_of(spec: dict) -> SuiteKind:
     return SUITE_KINDS[spec["kind"]]
 
 
-def suite_spec(cfg: C.Config, suite: str) -> dict:
-    """The resolved spec of one suite from an experiment config (its typed tree; a mapping is typed once,
-    stem.experiment.of)."""
-    exp = E.of(cfg)
+def suite_spec(exp: Experiment, suite: str) -> dict:
+    """The resolved spec of one suite from an experiment config (its typed tree)."""
     ev = exp.eval or {}
     suites = ev.get("suites", {})
     if suite not in suites:
@@ -92,27 +89,25 @@ def default_truncation(spec: dict) -> str:
     return str(found.pop()) if len(found) == 1 and None not in found else str(Truncation.LEFT)
 
 
-def job_spec(cfg: C.Config, experiment, scale, variant, stage, suite) -> dict:
+def job_spec(exp: Experiment, experiment, scale, variant, stage, suite) -> dict:
     """The spec of one eval job (the JSON of a stem.specs.EvalSpec, checked): the suite's spec and the
     checkpoint it must read (``job``)."""
-    exp = E.of(cfg)
     spec = {**suite_spec(exp, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
                                               "stage": stage}, **plugins.spec_key(exp)}
     return EvalSpec.from_dict(spec).to_dict()
 
 
-def suites_for(cfg: C.Config, stage: str, variant: str | None = None) -> list[str]:
+def suites_for(exp: Experiment, stage: str, variant: str | None = None) -> list[str]:
     """The suites of a stage's checkpoints; with ``variant``, those whose ``variants:`` (if any) name it."""
-    ev = E.of(cfg).eval or {}
+    ev = exp.eval or {}
     return [s for s in (ev.get("stages") or {}).get(stage, [])
             if variant is None or variant in ((ev.get("suites") or {}).get(s) or {}).get("variants", [variant])]
 
 
 # ---- workflow helpers (rules/eval.smk) ------------------------------------------------------------------
-def eval_targets(cfg: C.Config) -> list[str]:
+def eval_targets(exp: Experiment) -> list[str]:
     """Every eval JSON of the experiment: each trained checkpoint x the suites of its stage (a suite with
     ``variants:`` only for those variants' checkpoints, their seeds included)."""
-    exp = E.of(cfg)
     return [layout.eval_json(exp.experiment, s, v, st, suite)
             for s, v, st in C.train_targets(exp) + C.seed_targets(exp)
             for suite in suites_for(exp, st, seeds.split(v)[0])]
@@ -121,10 +116,9 @@ def eval_targets(cfg: C.Config) -> list[str]:
 RULER_TASK_PREFIXES = ("niah_", "ruler_")   # lm-eval's RULER task names (stem.eval.ruler_data.TASKS)
 
 
-def fixture_spec(cfg: C.Config) -> dict:
+def fixture_spec(exp: Experiment) -> dict:
     """The spec of the eval_fixtures job (stem.eval.fixtures.write_fixtures): the config's ``eval.fixtures``, the
     world, the seed and, for the RULER stand-in, the tokenizer of its ``scale`` (its items are sized in tokens)."""
-    exp = E.of(cfg)
     fx = exp.eval["fixtures"]
     spec = {**fx, "world": C.mapping(exp.world) if exp.world else {}, "seed": exp.seed}
     if fixture_inputs(exp):
@@ -132,16 +126,14 @@ def fixture_spec(cfg: C.Config) -> dict:
     return spec
 
 
-def fixture_inputs(cfg: C.Config) -> dict:
+def fixture_inputs(exp: Experiment) -> dict:
     """The eval_fixtures job's inputs: the tokenizer that sizes the RULER stand-in, when a fixture task is RULER's."""
-    exp = E.of(cfg)
     fx = exp.eval["fixtures"]
     ruler = fx.get("ruler") and any(t.startswith(RULER_TASK_PREFIXES) for t in fx.get("tasks", []))
     return {"tokenizer": layout.tokenizer_path(exp.experiment, fx["ruler"]["scale"])} if ruler else {}
 
 
-def rule_inputs(cfg: C.Config, experiment, scale, variant, stage, suite) -> dict:
-    exp = E.of(cfg)
+def rule_inputs(exp: Experiment, experiment, scale, variant, stage, suite) -> dict:
     spec = {**suite_spec(exp, suite), "job": {"experiment": experiment, "scale": scale, "variant": variant,
                                               "stage": stage}}
     inputs = {"checkpoint": layout.checkpoint(experiment, scale, variant, stage)}
@@ -184,19 +176,20 @@ SUITE_KINDS.add("ppl", SuiteKind("stem.eval.ppl:run_ppl", _resolve_ppl, _documen
 
 
 # LongPPL (stem.eval.longppl): `categories` {column: source}; the defaults are the longppl package's (alpha 2,
-# beta -2, short 4096, window 1024) and the evaluator the same scale and stage's dense model
-LONGPPL_DEFAULTS = {"alpha": 2.0, "beta": -2.0, "short": 4096, "window": 1024, "evaluator": "dense", "documents": 20}
+# beta -2, short 4096, window 1024) and the evaluator the same scale and stage's baseline model
+# (C.baseline_variant: the variant config/variants.yaml marks baseline: true)
+LONGPPL_DEFAULTS = {"alpha": 2.0, "beta": -2.0, "short": 4096, "window": 1024, "documents": 20}
 
 
-def _resolve_longppl(cfg: dict, spec: dict) -> None:
-    for k, v in LONGPPL_DEFAULTS.items():
+def _resolve_longppl(exp: Experiment, spec: dict) -> None:
+    for k, v in {**LONGPPL_DEFAULTS, "evaluator": C.baseline_variant(exp)}.items():
         spec.setdefault(k, v)
-    spec["category_documents"] = {cat: C.documents_spec(cfg, src) for cat, src in spec["categories"].items()}
+    spec["category_documents"] = {cat: C.documents_spec(exp, src) for cat, src in spec["categories"].items()}
 
 
-def _longppl_inputs(cfg: dict, spec: dict) -> dict:
+def _longppl_inputs(exp: Experiment, spec: dict) -> dict:
     job, ev = spec["job"], spec["evaluator"]
-    inputs = {"documents": [p for src in spec["categories"].values() for p in C.source_inputs(cfg, src)]}
+    inputs = {"documents": [p for src in spec["categories"].values() for p in C.source_inputs(exp, src)]}
     if ev not in ("self", job["variant"]):
         inputs["evaluator"] = layout.checkpoint(job["experiment"], job["scale"], ev, job["stage"])
     return inputs

@@ -42,13 +42,15 @@ import os
 import socket
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from stem.experiment import Cluster, Experiment, dataclass_mapping, node
 from stem.models.accounting import accounting, flops_per_token
 from stem.models.registry import param_roles
+from stem.options import Device
 from stem.train.plan import ParallelPlan
 from stem.train.tables import owner_load
 
@@ -304,9 +306,9 @@ def count_collectives():
 
 # ----------------------------------------------------------------------------- jobs of an experiment
 
-def experiment(cfg: dict, jobs, gpus: int | None = None, strategy: str | None = None, tables: str | None = None,
+def experiment(exp: Experiment, jobs, gpus: int | None = None, strategy: str | None = None, tables: str | None = None,
                **link) -> list[dict]:
-    """``model_step`` of each training job (scale, variant, stage) of ``cfg`` at its ``cluster.train`` layout
+    """``model_step`` of each training job (scale, variant, stage) of ``exp`` at its ``cluster.train`` layout
     (``gpus``: another world size; ``strategy``: another backbone strategy; ``tables``: another table layout,
     ``cluster.tables``), with the job's steps, its GPU-hours
     at the stated MFU (compute only, and with the communication not overlapped: an upper bound) and, for every
@@ -316,16 +318,16 @@ def experiment(cfg: dict, jobs, gpus: int | None = None, strategy: str | None = 
     from stem.models.model import build_model
     from stem.train.memtrace import job as traced_job
     from stem.train.plan import job_layout
-    strategy = strategy or C.experiment.of(cfg).cluster.strategy
-    if tables:
-        cfg = {**cfg, "cluster": {**(cfg.get("cluster") or {}), "tables": tables}}
+    strategy = strategy or exp.cluster.strategy
+    if tables:   # the cluster section checked with them (host tables: jobs of one GPU), one line naming the key
+        exp = replace(exp, cluster=node(Cluster, {**dataclass_mapping(exp.cluster), "tables": tables}, "cluster"))
     rows = []
     for scale, variant, stage in jobs:
-        world, per_node = job_layout(cfg, scale)
+        world, per_node = job_layout(exp, scale)
         world = gpus or world
-        spec, plan = traced_job(C.train_spec(cfg, scale, variant, stage), world, strategy)
+        spec, plan = traced_job(C.train_spec(exp, scale, variant, stage), world, strategy)
         model = build_model(spec.model, "meta")
-        r = model_step(model, plan, spec.train.seq_len, per_node or world, cfg["device"] == "cuda", **link)
+        r = model_step(model, plan, spec.train.seq_len, per_node or world, exp.device == Device.CUDA, **link)
         steps = spec.train.steps
         r.update(job=f"{scale}/{variant}/{stage}", scale=scale, variant=variant, stage=stage, steps=steps,
                  gpu_hours=steps * world * r["compute_s"] / 3600,

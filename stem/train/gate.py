@@ -5,26 +5,28 @@ workflow run, so torch loads only when there is a GPU job to trace."""
 from __future__ import annotations
 
 from stem import config as C
+from stem.experiment import Experiment
+from stem.options import Device
 from stem.train.memory import FIT_MARGIN, estimate, option
 from stem.train.plan import job_layout
 
 
 # ----------------------------------------------------------------------------- jobs of an experiment
 
-def gpu_jobs(cfg: dict, only=None) -> list[tuple[str, str, str]]:
+def gpu_jobs(exp: Experiment, only=None) -> list[tuple[str, str, str]]:
     """The training jobs that run on GPUs (only those have GPU memory to check): ``only`` (a set of (scale,
     variant, stage), e.g. a DAG's, sweep points included), else the experiment's matrix."""
-    if cfg["device"] == "cpu":
+    if exp.device == Device.CPU:
         return []
-    jobs = sorted(only) if only is not None else C.train_targets(cfg)
-    return [j for j in jobs if job_layout(cfg, j[0])[1] > 0]
+    jobs = sorted(only) if only is not None else C.train_targets(exp)
+    return [j for j in jobs if job_layout(exp, j[0])[1] > 0]
 
 
-def check(cfg: dict, cache_dir, workers: int = 1, only=None) -> list[str]:
+def check(exp: Experiment, cache_dir, workers: int = 1, only=None) -> list[str]:
     """One line per GPU training job (of ``only``, a set of (scale, variant, stage), if given) whose traced
     peak exceeds ``cluster.gpu_mem_gib``; none if that is unset."""
-    cluster = C.experiment.of(cfg).cluster
-    limit, jobs = cluster.gpu_mem_gib, gpu_jobs(cfg, only)
+    cluster = exp.cluster
+    limit, jobs = cluster.gpu_mem_gib, gpu_jobs(exp, only)
     if limit is None or not jobs:
         return []
     # torch-level, imported only when there is something to trace: the workflow's onstart imports this module
@@ -32,7 +34,7 @@ def check(cfg: dict, cache_dir, workers: int = 1, only=None) -> list[str]:
     from stem.models.model import build_model
     from stem.train import memtrace
     strategy = cluster.strategy
-    opts = [memtrace.options(C.train_spec(cfg, *j), job_layout(cfg, j[0])[0], strategy) for j in jobs]
+    opts = [memtrace.options(C.train_spec(exp, *j), job_layout(exp, j[0])[0], strategy) for j in jobs]
     traces = memtrace.traced([(spec, run) for spec, (_, run), _ in opts], cache_dir, workers)
     out = []
     for (scale, variant, stage), (spec, (plan, run), cands), r in zip(jobs, opts, traces):

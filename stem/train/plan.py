@@ -12,22 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stem.options import Strategy, values
+from stem.experiment import Experiment, TrainJob
+from stem.options import Device, Strategy, values
 
 STRATEGIES = values(Strategy)
 
 
-def cluster_train(cfg: dict, scale: str) -> dict:
+def cluster_train(exp: Experiment, scale: str) -> TrainJob:
     """``cluster.train.<scale>`` (nodes, gpus_per_node, runtime, ...), or one node for an hour with one GPU
     (none for ``device: cpu``) where the config sets none: what a training job at ``scale`` is given."""
-    return (((cfg.get("cluster") or {}).get("train") or {}).get(scale)
-            or {"nodes": 1, "runtime": 60, "gpus_per_node": 0 if cfg["device"] == "cpu" else 1})
+    return exp.cluster.train.get(scale) or TrainJob(nodes=1, runtime=60,
+                                                    gpus_per_node=0 if exp.device == Device.CPU else 1)
 
 
-def job_layout(cfg: dict, scale: str) -> tuple[int, int]:
+def job_layout(exp: Experiment, scale: str) -> tuple[int, int]:
     """(world size, GPUs per node) of a training job at ``scale`` (``cluster_train``)."""
-    t = cluster_train(cfg, scale)
-    return max(1, t["nodes"] * t["gpus_per_node"]), t["gpus_per_node"]
+    t = cluster_train(exp, scale)
+    return max(1, t.gpus), t.gpus_per_node
 
 
 def local_micro_batch(batch_size: int, micro_batch: int, world: int) -> tuple[int, int]:
