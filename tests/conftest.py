@@ -1,5 +1,4 @@
 """Shared fixtures: a small real dataset (synthetic world -> BPE -> token shards) built once per session."""
-import copy
 import json
 from pathlib import Path
 
@@ -37,12 +36,13 @@ def tiny_data(tmp_path_factory):
 
 def make_spec(tiny_data, out_dir, variant="stem", stage="pretrain", data=None, **train):
     """A training job spec on the tiny dataset: small model, few steps; ``train`` overrides."""
-    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    del cfg["sweeps"]   # its points are sized for the config's own archs and overrides
     cfg["archs"]["350m"].update(vocab_size=512, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=48,
                                 max_seq_len=256)
     cfg["tokenizer"]["350m"]["vocab_size"] = 512
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 24}, "dse": {"dse": {"rows_per_head": 101, "d_mem": 16, "heads": 2}}}
-    spec = C.train_spec(cfg, "350m", variant, "pretrain")
+    spec = C.train_spec(C.experiment.parse(cfg, "tiny.yaml (a smaller model)"), "350m", variant, "pretrain")
     spec["stage"] = stage
     spec["train"].update(batch_size=4, micro_batch=2, seq_len=32, steps=12, warmup=0.1, lr=3e-3,
                          eval_interval=6, eval_batches=2, checkpoint_interval=4, log_interval=100)

@@ -172,7 +172,7 @@ def test_tiny_analysis_targets_for_dse():
     analyses, not heaps (no token-indexed STEM rows: a DSE table reads a constant number of hashed rows per token)."""
     from stem import config as C
     from stem.analysis import workflow as AW
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.experiment.load(C.REPO / "config" / "tiny.yaml")
     names = {t.rsplit("/", 1)[1][:-5] for t in AW.targets(cfg) if "/350m/dse/" in t}
     assert names == {"editing", "spread", "capacity", "heldout", "logitlens", "cka", "dse_disabled"}
     assert AW.model_kind(cfg, "350m", "dse") == {"tables": False, "lookups": True, "dse": True, "variant": "dse",
@@ -462,7 +462,7 @@ def test_tables_found_by_role_at_paper_shapes():
     from stem import config as C
     from stem.analysis import workflow as AW
     from stem.analysis.common import stem_layers
-    cfg = C.load_experiment(C.REPO / "config" / "paper.yaml")
+    cfg = C.experiment.load(C.REPO / "config" / "paper.yaml")
     model = build_model(ModelConfig.from_dict(C.train_spec(cfg, "1b", "stem", "pretrain")["model"]), "meta")
     assert stem_layers(model) == [2, 5, 8, 11, 14]            # every third from 2: 5 of 16 (docs/variants.md)
     assert all(w.shape == (128256, 8192) for _, w in table_sites(model))

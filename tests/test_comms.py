@@ -35,9 +35,13 @@ CASES = {2: [("stem", "fsdp", "fsdp"), ("stem", "ddp", "fsdp"), ("stem_sparse", 
 V, T = 96, 8
 
 
-def _cfg(layout: str = "fsdp") -> dict:
+def _cfg(layout: str = "fsdp"):
+    """config/tiny.yaml reshaped to a small 350m model and ``layout``, as its typed tree (its batches are random ids:
+    no tokenizer sizes the vocabulary; the sweeps' points are sized for the config's own archs)."""
     tables, *extra = layout.split("+")
-    cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
+    cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
+    cfg["tokenizer"]["350m"] = {"kind": "pretrained", "path": "none (random ids)"}
+    del cfg["sweeps"]
     cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16,
                                 tie_embeddings="tied" in extra)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 8},
@@ -45,7 +49,7 @@ def _cfg(layout: str = "fsdp") -> dict:
     cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T,
                                              activation_checkpointing="ckpt" in extra)
     cfg["cluster"] = {"tables": tables}
-    return cfg
+    return C.experiment.parse(cfg, f"tiny.yaml ({layout})")
 
 
 def _lookups(model, plan, batches, world: int) -> list:
@@ -113,7 +117,7 @@ def test_paper_table_traffic_is_the_hand_count():
     micro-batches per GPU, (W-1)/W of each payload through every GPU. Row-sharded (config/paper.yaml's
     ``cluster.tables: rows``): at least 20x fewer table bytes, total comm within 1.15x of dense's (issue 29)."""
     from stem.__main__ import main
-    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
+    cfg = C.experiment.load(REPO / "config" / "paper.yaml")
     jobs = [("1b", "dense", "pretrain"), ("1b", "stem", "pretrain")]
     rows = {r["job"]: r for r in comms.experiment(cfg, jobs)}
     units = {r["job"]: r for r in comms.experiment(cfg, jobs, tables="fsdp")}
@@ -141,9 +145,7 @@ def test_owner_map_balances_zipf_ids():
     seen = comms.zipf_seen(n, V)
     assert got["steps"] == 20 and got["blocks"] == pytest.approx(float(seen[:V // W].sum() / seen.sum() * W), rel=0.03)
     assert got["blocks"] > 3 and got["interleaved"] < 1.1
-    cfg = _cfg("rows")
-    cfg["archs"]["350m"].update(vocab_size=V)
-    spec = C.train_job(cfg, "350m", "stem", "pretrain")
+    spec = C.train_job(_cfg("rows"), "350m", "stem", "pretrain")
     model = build_model(spec.model, "meta")
     plan = ParallelPlan.of(spec.train, 2, tables=row_shardable(model))
     (d, uniq, asked), *_ = comms.expected_lookups(model, plan)

@@ -275,12 +275,15 @@ def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
     train_bpe(docs, 320, tmp_path / "tok.json")
     c = json.loads(json.dumps(cfg))
     c["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
+    c["tokenizer"]["350m"]["vocab_size"] = 320
+    del c["sweeps"]   # its points are sized for the config's own archs
+    exp = C.experiment.parse(c, "tiny.yaml (a smaller 350m)")
     tasks = ["arc_easy", "boolq"]
     fixtures.write_fixtures({**c["eval"]["fixtures"], "world": world, "seed": 0, "items": 6, "train_items": 2,
                              "tasks": tasks, "groups": {}}, tmp_path / "fx")
-    spec = {**ES.suite_spec(c, "commonsense"), "fixtures": str(tmp_path / "fx"), "tasks": tasks}
+    spec = {**ES.suite_spec(exp, "commonsense"), "fixtures": str(tmp_path / "fx"), "tasks": tasks}
     for seed, variant in ((0, "dense"), (1, "stem")):
-        mc = C.model_config_for(c, "350m", variant, "pretrain").to_dict()
+        mc = C.model_config_for(exp, "350m", variant, "pretrain").to_dict()
         torch.manual_seed(seed)
         ident = {"experiment": "tiny", "scale": "350m", "variant": variant, "stage": "pretrain"}
         save_checkpoint(tmp_path / variant, build_model(ModelConfig.from_dict(mc), "cpu"), {**ident, "model": mc},
@@ -316,15 +319,16 @@ def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
 # ---- seeds (stem.seeds) -------------------------------------------------------------------------------------
 def test_seeds_are_jobs_of_their_own_and_the_default_is_unchanged(cfg):
     from stem import seeds
-    assert seeds.seeds_of(cfg, "350m", "stem") == [0, 1, 2] and seeds.seeds_of(cfg, "350m", "hashmoe") == [0]
-    assert C.seed_targets(cfg) == [("350m", v, "pretrain") for v in ("dense_seed1", "dense_seed2", "stem_seed1",
+    exp = C.experiment.parse(cfg, "tiny.yaml")
+    assert seeds.seeds_of(exp, "350m", "stem") == [0, 1, 2] and seeds.seeds_of(exp, "350m", "hashmoe") == [0]
+    assert C.seed_targets(exp) == [("350m", v, "pretrain") for v in ("dense_seed1", "dense_seed2", "stem_seed1",
                                                                       "stem_seed2")]
-    base, two = C.train_spec(cfg, "350m", "stem", "pretrain"), C.train_spec(cfg, "350m", "stem_seed2", "pretrain")
+    base, two = C.train_spec(exp, "350m", "stem", "pretrain"), C.train_spec(exp, "350m", "stem_seed2", "pretrain")
     assert {k for k in base if base[k] != two[k]} == {"variant", "seed", "out_dir"}
     assert two["seed"] == cfg["seed"] + 2 and two["out_dir"] == "results/tiny/350m/stem_seed2/pretrain"
     assert base["out_dir"] == "results/tiny/350m/stem/pretrain" and base["seed"] == cfg["seed"]
     with pytest.raises(C.ConfigError, match="seed 3 of 'stem' at 350m is not asked for by the tiny config"):
-        C.train_spec(cfg, "350m", "stem_seed3", "pretrain")
+        C.train_spec(exp, "350m", "stem_seed3", "pretrain")
     bad = json.loads(json.dumps(cfg))
     bad["matrix"]["350m"]["seeds"] = {"moe": [0, 1]}
     with pytest.raises(C.ConfigError, match=r"key 'matrix.350m.seeds.moe': 'moe' is not one of matrix.350m.variants"):
@@ -333,11 +337,12 @@ def test_seeds_are_jobs_of_their_own_and_the_default_is_unchanged(cfg):
     del whole["matrix"]["350m"]["seeds"]
     whole["seeds"] = [0, 1]
     # every variant, every stage it trains (stem_insert starts at midtrain)
-    assert len(C.seed_targets(C.validate_experiment(whole))) == 9 + 3 * 3 + 2
+    whole = C.experiment.parse(whole, "tiny.yaml (seeds: [0, 1])")
+    assert len(C.seed_targets(whole)) == 9 + 3 * 3 + 2
     mid = C.train_spec(whole, "1b", "stem_seed1", "midtrain")   # a later stage starts from the same seed's
     assert mid["init_from"] == "results/tiny/1b/stem_seed1/pretrain/checkpoint" and mid["seed"] == cfg["seed"] + 1
     from stem.eval.spec import eval_targets
-    assert "results/tiny/350m/stem_seed1/pretrain/eval/commonsense.json" in eval_targets(cfg)
+    assert "results/tiny/350m/stem_seed1/pretrain/eval/commonsense.json" in eval_targets(exp)
 
 
 def test_seeded_bootstrap_folds_the_seed_variance():

@@ -27,9 +27,9 @@ BUILTIN = ("dense", "stem", "stem_gate", "stem_dagger", "hashmoe", "moe")
 
 
 def _models(experiment: str):
-    cfg = C.load_experiment(REPO / "config" / f"{experiment}.yaml")
-    for scale in cfg["archs"]:
-        for variant in C.variants(cfg):
+    cfg = C.experiment.load(REPO / "config" / f"{experiment}.yaml")
+    for scale in cfg.archs:
+        for variant in cfg.variants():
             yield cfg, scale, variant, C.model_config_for(cfg, scale, variant)
 
 

@@ -1,5 +1,5 @@
 """Typed job specs (stem/specs.py), the results layout (stem/layout.py) and the parallel strategy in the spec."""
-import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -8,11 +8,13 @@ import sys
 import pytest
 
 from stem import config as C
+from stem import experiment as E
 from stem import layout as L
+from stem.options import Device
 from stem.specs import EvalSpec, SpecError, TrainSpec
 
-TINY = C.load_experiment(C.REPO / "config" / "tiny.yaml")
-PAPER = C.load_experiment(C.REPO / "config" / "paper.yaml")
+TINY = E.load(C.REPO / "config" / "tiny.yaml")
+PAPER = E.load(C.REPO / "config" / "paper.yaml")
 
 
 def test_train_spec_json_is_what_the_config_says():
@@ -39,16 +41,15 @@ def test_train_spec_json_is_what_the_config_says():
 
 
 def test_the_parallel_strategy_travels_in_the_train_spec():
-    cfg = copy.deepcopy(TINY)
-    cfg["cluster"]["strategy"] = "ddp"
-    spec = C.train_spec(cfg, "350m", "stem", "pretrain")
+    raw = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    spec = C.train_spec(E.parse(C.deep_merge(raw, {"cluster": {"strategy": "ddp"}}), "tiny"), "350m", "stem", "pretrain")
     assert spec["train"]["parallel"] == "ddp" and TrainSpec.from_dict(spec).train.parallel == "ddp"
     assert "parallel" not in C.train_spec(TINY, "350m", "stem", "pretrain")["train"]     # fsdp, the default
     assert C.train_job(TINY, "350m", "stem", "pretrain").train.parallel == "fsdp"
     assert C.train_job(PAPER, "1b", "stem", "pretrain").train.tables == "rows"    # cluster.tables likewise
     assert "tables" not in C.train_spec(TINY, "350m", "stem", "pretrain")["train"]       # fsdp, the default
     with pytest.raises(C.ConfigError, match="key 'cluster.tables'"):
-        C.validate_experiment({**TINY, "cluster": {**TINY["cluster"], "tables": "cols"}}, "tiny")
+        C.validate_experiment(C.deep_merge(raw, {"cluster": {"tables": "cols"}}), "tiny")
     # no environment variable carries it any more: neither the train rule nor the package mentions one
     sources = [C.REPO / "rules" / "train.smk", *sorted((C.REPO / "stem").rglob("*.py"))]
     assert not [p for p in sources if "STEM_PARALLEL" in p.read_text()]
@@ -183,6 +184,7 @@ def test_the_parallel_plan_is_the_jobs_layout():
     with pytest.raises(ValueError, match="parallel strategy 'tp'"):
         ParallelPlan(1, "tp", 1, 1, 8)
     # the world size a job gets is what rules/common.smk requests (both read cluster_train)
-    cfg = {"device": "auto", "cluster": {"train": {"1b": {"nodes": 4, "gpus_per_node": 8, "runtime": 60}}}}
+    cfg = dataclasses.replace(TINY, device=Device.AUTO, cluster=E.Cluster(train={"1b": E.TrainJob(4, 8, 60)}))
     assert job_layout(cfg, "1b") == (32, 8) and job_layout(cfg, "350m") == (1, 1)
-    assert job_layout({"device": "cpu"}, "350m") == (1, 0) and cluster_train({"device": "cpu"}, "1b")["nodes"] == 1
+    cpu = dataclasses.replace(TINY, device=Device.CPU, cluster=E.Cluster())
+    assert job_layout(cpu, "350m") == (1, 0) and cluster_train(cpu, "1b").nodes == 1
