@@ -1,4 +1,5 @@
 """Shared fixtures: a small real dataset (synthetic world -> BPE -> token shards) built once per session."""
+import copy
 import json
 from pathlib import Path
 
@@ -34,15 +35,27 @@ def tiny_data(tmp_path_factory):
     return {"tokenizer": str(tok_path), "manifests": manifests, "root": root}
 
 
+def reshaped(cfg: dict, origin: str = "tiny.yaml (reshaped by a test)"):
+    """A config mapping a test reshaped (smaller archs, other overrides) as its typed tree: each train_bpe tokenizer
+    sized to its scale's vocabulary (a pretrained stand-in below BPE's 260: the test's ids are random), the sweeps
+    (sized for the config's own archs) left out."""
+    cfg = {k: copy.deepcopy(v) for k, v in cfg.items() if k != "sweeps"}
+    for scale, tok in cfg["tokenizer"].items():
+        vocab = cfg["archs"][scale]["vocab_size"]
+        if tok.get("vocab_size", 0) > vocab:
+            cfg["tokenizer"][scale] = {**tok, "vocab_size": vocab} if vocab >= 260 else {"kind": "pretrained",
+                                                                                         "path": "none (random ids)"}
+    return C.experiment.parse(cfg, origin)
+
+
 def make_spec(tiny_data, out_dir, variant="stem", stage="pretrain", data=None, **train):
     """A training job spec on the tiny dataset: small model, few steps; ``train`` overrides."""
     cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
-    del cfg["sweeps"]   # its points are sized for the config's own archs and overrides
     cfg["archs"]["350m"].update(vocab_size=512, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=48,
                                 max_seq_len=256)
     cfg["tokenizer"]["350m"]["vocab_size"] = 512
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 24}, "dse": {"dse": {"rows_per_head": 101, "d_mem": 16, "heads": 2}}}
-    spec = C.train_spec(C.experiment.parse(cfg, "tiny.yaml (a smaller model)"), "350m", variant, "pretrain")
+    spec = C.train_spec(reshaped(cfg), "350m", variant, "pretrain")
     spec["stage"] = stage
     spec["train"].update(batch_size=4, micro_batch=2, seq_len=32, steps=12, warmup=0.1, lr=3e-3,
                          eval_interval=6, eval_batches=2, checkpoint_interval=4, log_interval=100)

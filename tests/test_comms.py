@@ -23,6 +23,7 @@ from stem.optim.adamw import use_row_sparse  # noqa: E402
 from stem.train import comms, distributed, step  # noqa: E402
 from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.train.tables import row_shardable  # noqa: E402
+from conftest import reshaped  # noqa: E402
 
 # every table / expert kind; each backbone strategy with plain, row-sparse and padded (DSE's prime rows) units;
 # (variant, backbone strategy, table layout [+ activation checkpointing] [+ tied embedding and head])
@@ -36,12 +37,9 @@ V, T = 96, 8
 
 
 def _cfg(layout: str = "fsdp"):
-    """config/tiny.yaml reshaped to a small 350m model and ``layout``, as its typed tree (its batches are random ids:
-    no tokenizer sizes the vocabulary; the sweeps' points are sized for the config's own archs)."""
+    """config/tiny.yaml reshaped to a small 350m model and ``layout``, as its typed tree."""
     tables, *extra = layout.split("+")
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
-    cfg["tokenizer"]["350m"] = {"kind": "pretrained", "path": "none (random ids)"}
-    del cfg["sweeps"]
     cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16,
                                 tie_embeddings="tied" in extra)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 8},
@@ -49,7 +47,7 @@ def _cfg(layout: str = "fsdp"):
     cfg["stages"]["pretrain"]["350m"].update(batch_size=8, micro_batch=2, seq_len=T,
                                              activation_checkpointing="ckpt" in extra)
     cfg["cluster"] = {"tables": tables}
-    return C.experiment.parse(cfg, f"tiny.yaml ({layout})")
+    return reshaped(cfg)
 
 
 def _lookups(model, plan, batches, world: int) -> list:

@@ -19,6 +19,7 @@ from stem.report import build as B
 from stem.report import diff
 from stem.report import paper_data as P
 from stem.report.results import Results
+from conftest import reshaped
 from test_report import write_results
 
 # per commonsense task of the 350m STEM model vs dense: how its items relate to the paper's sign
@@ -275,9 +276,7 @@ def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
     train_bpe(docs, 320, tmp_path / "tok.json")
     c = json.loads(json.dumps(cfg))
     c["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
-    c["tokenizer"]["350m"]["vocab_size"] = 320
-    del c["sweeps"]   # its points are sized for the config's own archs
-    exp = C.experiment.parse(c, "tiny.yaml (a smaller 350m)")
+    exp = reshaped(c)
     tasks = ["arc_easy", "boolq"]
     fixtures.write_fixtures({**c["eval"]["fixtures"], "world": world, "seed": 0, "items": 6, "train_items": 2,
                              "tasks": tasks, "groups": {}}, tmp_path / "fx")

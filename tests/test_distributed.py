@@ -21,6 +21,7 @@ from stem import config as C  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 from stem.train import memory  # noqa: E402
 from stem.train.plan import ParallelPlan, local_micro_batch  # noqa: E402
+from conftest import reshaped  # noqa: E402
 
 WORKER = r'''
 import json, os, sys
@@ -50,8 +51,6 @@ def _make_data(root: Path) -> tuple[str, str]:
 
 def _spec(variant, tok, manifest, out_dir, steps=6):
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
-    del cfg["sweeps"]   # its points are sized for the config's own archs and overrides
-    cfg["tokenizer"]["350m"]["vocab_size"] = 320
     cfg["archs"]["350m"].update(vocab_size=320, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64,
                                 max_seq_len=64)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 32}}
@@ -62,7 +61,7 @@ def _spec(variant, tok, manifest, out_dir, steps=6):
         variant = "dense"
     if variant == "moe":   # the balance loss is per forward call: both world sizes run micro-batches of 4 rows
         cfg["stages"]["pretrain"]["350m"]["micro_batch"] = 4
-    spec = C.train_spec(C.experiment.parse(cfg, "tiny.yaml (a smaller 350m)"), "350m", variant, "pretrain")
+    spec = C.train_spec(reshaped(cfg), "350m", variant, "pretrain")
     spec["data"] = {"web": {"weight": 1.0, "manifest": manifest}}
     spec.update(tokenizer=tok, out_dir=str(out_dir), device="cpu")
     return spec

@@ -15,6 +15,7 @@ from stem.eval.lm import StemLM, cut_at_stop  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 from stem.checkpoint import save_checkpoint  # noqa: E402
+from conftest import reshaped  # noqa: E402
 
 WORLD = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
 
@@ -28,9 +29,9 @@ def ckpt(tmp_path_factory):
     docs = [doc for doc, _ in zip(synth.web_documents(w), range(200))]
     train_bpe(docs, 320, d / "tok.json")
     from stem import config as C
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
-    mc = C.model_config_for(cfg, "1b", "stem").to_dict()
+    mc = C.model_config_for(reshaped(cfg), "1b", "stem").to_dict()
     torch.manual_seed(0)
     model = build_model(ModelConfig.from_dict(mc), "cpu")
     spec = {"experiment": "test", "scale": "1b", "variant": "stem", "stage": "pretrain", "model": mc}
@@ -123,14 +124,14 @@ def test_stop_strings_cut_correctly(lm):
 
 def _tiny_cfg(tmp_path):
     from stem import config as C
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     cfg["world"] = WORLD
-    return cfg
+    return C.experiment.parse(cfg, "tiny.yaml (the test's world)")
 
 
 def test_fixture_task_runs_through_simple_evaluate(lm, tmp_path):
     cfg = _tiny_cfg(tmp_path)
-    fx = {**cfg["eval"]["fixtures"], "world": WORLD, "seed": 0, "items": 6, "train_items": 3,
+    fx = {**cfg.eval["fixtures"], "world": WORLD, "seed": 0, "items": 6, "train_items": 3,
           "tasks": ["arc_easy", "boolq", "gsm8k", "longbench_hotpotqa", "longbench_lcc"],
           "groups": {"longbench_multi": ["longbench_hotpotqa"], "longbench_code": ["longbench_lcc"],
                      "longbench": ["longbench_multi", "longbench_code"]}}
@@ -219,7 +220,7 @@ def test_niah_oracle_scores_100_in_every_cell(ckpt, tmp_path, experiment):
     whose context is exactly the cell length: prompt plus generation fit, so the needle is never cut."""
     from stem import config as C
     from stem.data import synth
-    cfg = C.load_experiment(C.REPO / "config" / f"{experiment}.yaml")
+    cfg = C.experiment.load(C.REPO / "config" / f"{experiment}.yaml")
     spec = ES.suite_spec(cfg, "niah")
     w = synth.make_world(**WORLD)
     n_docs = 8 if experiment == "tiny" else 60
@@ -291,7 +292,7 @@ def test_cli_reports_errors(tmp_path, capsys):
 
 def test_tiny_dag_ends_in_eval_jsons():
     from stem import config as C
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.experiment.load(C.REPO / "config" / "tiny.yaml")
     targets = ES.eval_targets(cfg)
     assert "results/tiny/350m/stem/pretrain/eval/commonsense.json" in targets
     assert "results/tiny/1b/dense/extend/eval/longbench.json" in targets
@@ -422,10 +423,10 @@ def test_offloaded_tables_score_the_same_through_simple_evaluate(ckpt, lm, tmp_p
     from lm_eval.api.registry import get_model
 
     from stem import config as C
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")  # the fixture's shapes; STEM-1/2 puts a table in layer 1
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")  # the fixture's shapes; STEM-1/2 puts a table in layer 1
     cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
     cfg["variant_overrides"]["dse"] = {"dse": {"rows_per_head": 61, "d_mem": 16, "heads": 2}}
-    mc = C.model_config_for(cfg, "1b", variant).to_dict()
+    mc = C.model_config_for(reshaped(cfg), "1b", variant).to_dict()
     torch.manual_seed(0)
     model = build_model(ModelConfig.from_dict(mc), "cpu")
     if variant == "dse":   # the DSE layer(s): tables as large as activations, taps in the convolution
@@ -468,7 +469,7 @@ def test_the_workflows_eval_specs_import_neither_torch_nor_lm_eval():
 
     from stem import config as C
     code = ("import sys; from stem import config as C; from stem.eval import spec as EV\n"
-            "cfg = C.load_experiment(C.REPO / 'config' / 'tiny.yaml'); C.validate_experiment(cfg)\n"
+            "cfg = C.experiment.load(C.REPO / 'config' / 'tiny.yaml')\n"
             "for p in EV.eval_targets(cfg)[:12]:\n"
             "    _, _, scale, variant, stage, _, suite = p[:-5].split('/')\n"
             "    EV.job_spec(cfg, 'tiny', scale, variant, stage, suite); EV.rule_inputs(cfg, 'tiny', scale, variant, stage, suite)\n"

@@ -12,6 +12,7 @@ pytest.importorskip("lm_eval")
 from stem import config as C  # noqa: E402
 from stem.eval import run  # noqa: E402
 from stem.eval import spec as ES  # noqa: E402
+from conftest import reshaped  # noqa: E402
 
 WORLD = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
 PAIRS = [["The capital of Sarland is", " Bondo."], ["One two three", " four five"], ["x", " y z"]]
@@ -54,9 +55,9 @@ def ckpt(tmp_path_factory):
     from stem.checkpoint import save_checkpoint
     d = tmp_path_factory.mktemp("ckpt")
     train_bpe([doc for doc, _ in zip(synth.web_documents(synth.make_world(**WORLD)), range(200))], 320, d / "tok.json")
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
-    mc = C.model_config_for(cfg, "1b", "stem").to_dict()
+    mc = C.model_config_for(reshaped(cfg), "1b", "stem").to_dict()
     torch.manual_seed(0)
     model = build_model(ModelConfig.from_dict(mc), "cpu")
     save_checkpoint(d / "checkpoint", model, {"experiment": "test", "scale": "1b", "variant": "stem",
@@ -64,9 +65,9 @@ def ckpt(tmp_path_factory):
     return d / "checkpoint"
 
 
-def _cfg_with_toy_suite():
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
-    cfg["eval"]["suites"]["toy"] = {"kind": "continuation_logprob"}
+def _cfg_with_toy_suite(**keys):
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg["eval"]["suites"]["toy"] = {"kind": "continuation_logprob", **keys}
     cfg["eval"]["stages"]["pretrain"] = [*cfg["eval"]["stages"]["pretrain"], "toy"]
     return cfg
 
@@ -88,11 +89,11 @@ def test_toy_suite_kind_runs_through_the_eval_job(toy_kind, ckpt, tmp_path, monk
     from workflow_scripts import eval_suite
     from workflow_scripts._entry import run as run_entry
 
-    cfg = C.validate_experiment(_cfg_with_toy_suite())  # the config check accepts the registered kind
+    cfg = C.experiment.parse(_cfg_with_toy_suite())  # the config check accepts the registered kind
     assert "results/tiny/1b/stem/pretrain/eval/toy.json" in ES.eval_targets(cfg)
     assert ES.rule_inputs(cfg, "tiny", "1b", "stem", "pretrain", "toy") == {
         "checkpoint": "results/tiny/1b/stem/pretrain/checkpoint", "pairs": "data/tiny/toy_pairs.json"}
-    cfg["eval"]["suites"]["toy"]["pairs_file"] = str(tmp_path / "pairs.json")
+    cfg = C.experiment.parse(_cfg_with_toy_suite(pairs_file=str(tmp_path / "pairs.json")))
     (tmp_path / "pairs.json").write_text(json.dumps(PAIRS))
     spec = ES.job_spec(cfg, "test", "1b", "stem", "pretrain", "toy")
     assert (spec["kind"], spec["suite"], spec["pairs_file"]) == (toy_kind, "toy", str(tmp_path / "pairs.json"))
@@ -114,7 +115,9 @@ def test_unregistered_kind_is_a_one_line_error(tmp_path):
     with pytest.raises(C.ConfigError, match=r"^config: key 'eval.suites.toy.kind': unknown suite kind "
                                             r"'continuation_logprob'; expected one of \['lm_eval', 'longppl', 'niah', 'ppl'\]$"):
         C.validate_experiment(_cfg_with_toy_suite())
-    cfg = _cfg_with_toy_suite()
+    ES.suite_kind("continuation_logprob")(continuation_logprob)   # a config checked while its kind was registered
+    cfg = C.experiment.parse(_cfg_with_toy_suite())
+    ES.SUITE_KINDS.remove("continuation_logprob")
     with pytest.raises(ValueError, match=r"^suite 'toy': unknown kind 'continuation_logprob' \(expected one of"):
         ES.suite_spec(cfg, "toy")
     spec = {"kind": "nope", "suite": "s", "batch_size": 1}

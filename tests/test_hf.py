@@ -14,6 +14,7 @@ from stem import config as C  # noqa: E402
 from stem.data import synth  # noqa: E402
 from stem.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from stem.hf.export import export_hf  # noqa: E402
+from conftest import reshaped  # noqa: E402
 from stem.hf.importer import HF_KEY, import_hf  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
@@ -34,7 +35,7 @@ def tok_file(tmp_path_factory):
 
 @functools.lru_cache(maxsize=1)
 def _tiny_yaml():
-    return C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    return C.read_yaml(C.REPO / "config" / "tiny.yaml")
 
 
 def tiny_cfg(variant, **arch):
@@ -43,7 +44,7 @@ def tiny_cfg(variant, **arch):
                               max_seq_len=128, **arch)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 3}, "moe": {"moe_experts": 4, "moe_d_ff": 24},
                                 "dse": {"dse": {"rows_per_head": 101, "d_mem": 16, "heads": 2}}}
-    return C.model_config_for(cfg, "1b", variant).to_dict()
+    return C.model_config_for(reshaped(cfg), "1b", variant).to_dict()
 
 
 def make_ckpt(root, tok_file, variant="stem", seed=0, **arch):
@@ -150,7 +151,7 @@ def test_lm_eval_hf_model_scores_as_the_stem_model(tok_file, tmp_path):
     from stem.eval.lm import StemLM
     fixtures.write_fixtures({"world": WORLD, "seed": 0, "items": 8, "train_items": 2, "tasks": ["arc_easy"]},
                             tmp_path / "fx")
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.experiment.load(C.REPO / "config" / "tiny.yaml")
     spec = {**ES.suite_spec(cfg, "commonsense"), "tasks": ["arc_easy"], "fixtures": str(tmp_path / "fx")}
     for variant in ("stem", "dense"):
         ckpt, _ = make_ckpt(tmp_path / variant, tok_file, variant, seed=5)

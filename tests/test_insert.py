@@ -90,7 +90,8 @@ def test_insertion_stage_sigkill_then_rerun_ends_with_the_same_loss(spec_factory
 
 
 def test_stem_insert_variant_and_stage_table_group():
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    raw = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg = C.experiment.parse(raw, "tiny.yaml")
     targets = C.train_targets(cfg)
     assert ("1b", "stem_insert", "midtrain") in targets and ("1b", "stem_insert", "pretrain") not in targets
     spec = C.train_spec(cfg, "1b", "stem_insert", "midtrain")
@@ -102,9 +103,9 @@ def test_stem_insert_variant_and_stage_table_group():
     with pytest.raises(C.ConfigError, match="has no 'pretrain' stage of its own"):
         C.train_spec(cfg, "1b", "stem_insert", "pretrain")
     # the table group's LR and weight decay per stage (the official insertion config: 5e-4 over 1e-5, no decay)
-    cfg2 = copy.deepcopy(cfg)
+    cfg2 = copy.deepcopy(raw)
     cfg2["stages"]["midtrain"]["1b"]["table_group"] = {"lr_mult": 50, "weight_decay": 0.0}
-    C.validate_experiment(cfg2)
+    cfg2 = C.experiment.parse(cfg2, "tiny.yaml (a table group)")
     spec = C.train_job(cfg2, "1b", "stem_insert", "midtrain")
     assert spec.optim.groups["table"] == {"lr_mult": 50, "weight_decay": 0.0}
     from stem.optim import build_optimizer
@@ -145,7 +146,7 @@ def test_official_blocks_in_the_docs():
     give the official values in the job specs (no code change)."""
     from stem.io import deep_merge
     paper = C.read_yaml(C.REPO / "config" / "paper.yaml")
-    cfg = C.validate_experiment(deep_merge(copy.deepcopy(paper), _docs_block("official-1b")))
+    cfg = C.experiment.parse(deep_merge(copy.deepcopy(paper), _docs_block("official-1b")))
     assert C.train_targets(cfg)[-1] == ("1b", "stem_insert", "pretrain")
     job = C.train_job(cfg, "1b", "stem_insert", "pretrain")
     assert job.init_from == "hf:meta-llama/Llama-3.2-1B" and job.insert == {"from": "dense", "init": "projected"}
@@ -153,7 +154,7 @@ def test_official_blocks_in_the_docs():
     assert (job.train.lr, job.train.steps, job.train.seq_len, job.optim.weight_decay) == (1e-5, 60000, 4096, 0.033)
     assert job.optim.groups["table"] == {"lr_mult": 50, "weight_decay": 0.0}   # 5e-4 = 50 x 1e-5, no decay
     assert (job.train.warmup, job.train.min_lr_ratio) == (0.0333, 1e-6)   # 2000 of 60k steps; lr_min_ratio
-    cfg = C.validate_experiment(deep_merge(copy.deepcopy(paper), _docs_block("official-350m")))
+    cfg = C.experiment.parse(deep_merge(copy.deepcopy(paper), _docs_block("official-350m")))
     job = C.train_job(cfg, "350m", "stem", "pretrain")
     assert [i for i, k in enumerate(job.model.ffn) if k == "stem"] == list(range(2, 27, 2))   # 13 layers
     assert (job.train.seq_len, job.model.max_seq_len, job.train.steps) == (4096, 4096, 400000)

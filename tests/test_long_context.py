@@ -19,9 +19,11 @@ from stem.eval import fixtures, longppl, ruler_data, run  # noqa: E402
 from stem.eval import spec as ES  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
+from conftest import reshaped  # noqa: E402
 
 WORLD = {"seed": 3, "n_countries": 12, "n_people": 30, "n_filler": 300}
 TINY = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+TINY_EXP = C.experiment.parse(TINY, "tiny.yaml")   # its typed tree
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def ckpt(tmp_path_factory):
     train_bpe([doc for doc, _ in zip(synth.web_documents(w), range(200))], 320, d / "tok.json")
     cfg = copy.deepcopy(TINY)
     cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
-    mc = C.model_config_for(cfg, "1b", "dense").to_dict()
+    mc = C.model_config_for(reshaped(cfg), "1b", "dense").to_dict()
     torch.manual_seed(0)
     spec = {"experiment": "test", "scale": "1b", "variant": "dense", "stage": "extend", "model": mc}
     save_checkpoint(d / "checkpoint", build_model(ModelConfig.from_dict(mc), "cpu"), spec, d / "tok.json", {})
@@ -133,14 +135,14 @@ def test_ruler_stand_in_items_fit_and_score_with_lm_evals_code(ckpt, tmp_path):
 
 
 def test_long_context_suites_run_for_dense_and_dse_only():
-    targets = [t for t in ES.eval_targets(TINY) if t.endswith(("/longppl.json", "/ruler.json"))]
+    targets = [t for t in ES.eval_targets(TINY_EXP) if t.endswith(("/longppl.json", "/ruler.json"))]
     assert sorted(targets) == sorted(f"results/tiny/1b/{v}/extend/eval/{s}.json"
                                      for v in ("dense", "dse") for s in ("longppl", "ruler"))
-    inputs = ES.rule_inputs(TINY, "tiny", "1b", "dse", "extend", "longppl")
+    inputs = ES.rule_inputs(TINY_EXP, "tiny", "1b", "dse", "extend", "longppl")
     assert inputs["evaluator"] == "results/tiny/1b/dense/extend/checkpoint"   # key tokens: the dense model's
-    assert "evaluator" not in ES.rule_inputs(TINY, "tiny", "1b", "dense", "extend", "longppl")
-    assert ES.fixture_inputs(TINY) == {"tokenizer": "data/tiny/1b/tokenizer/tokenizer.json"}
-    paper = C.load_experiment(C.REPO / "config" / "paper.yaml")   # lm-eval's RULER at 32k, no fixtures
+    assert "evaluator" not in ES.rule_inputs(TINY_EXP, "tiny", "1b", "dense", "extend", "longppl")
+    assert ES.fixture_inputs(TINY_EXP) == {"tokenizer": "data/tiny/1b/tokenizer/tokenizer.json"}
+    paper = C.experiment.load(C.REPO / "config" / "paper.yaml")   # lm-eval's RULER at 32k, no fixtures
     spec = ES.job_spec(paper, "paper", "1b", "dense", "extend", "ruler")
     assert spec["tasks"] == ["ruler"] and spec["fixtures"] is None and spec["truncation"] == "error"
     assert spec["metadata"] == {"max_seq_lengths": [32768]} and spec["metric"] == ["32768,none"]
@@ -196,5 +198,6 @@ def test_ruler_items_are_sized_only_when_a_fixture_task_is_rulers():
     tests/test_workflow.py keeps the `ruler` section with other tasks)."""
     cfg = copy.deepcopy(TINY)
     cfg["eval"]["fixtures"]["tasks"] = ["arc_easy"]
+    cfg = C.experiment.parse(cfg, "tiny.yaml (fixtures: arc_easy)")
     assert ES.fixture_inputs(cfg) == {} and "tokenizer" not in (ES.fixture_spec(cfg).get("ruler") or {})
     assert all(t.startswith(ES.RULER_TASK_PREFIXES) for t in ruler_data.TASKS)
