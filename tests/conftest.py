@@ -41,7 +41,7 @@ def reshaped(cfg: dict, origin: str = "tiny.yaml (reshaped by a test)"):
     (sized for the config's own archs) left out."""
     cfg = {k: copy.deepcopy(v) for k, v in cfg.items() if k != "sweeps"}
     for scale, tok in cfg["tokenizer"].items():
-        vocab = cfg["archs"][scale]["vocab_size"]
+        vocab = cfg["archs"].get(scale, {}).get("vocab_size", tok.get("vocab_size", 0))
         if tok.get("vocab_size", 0) > vocab:
             cfg["tokenizer"][scale] = {**tok, "vocab_size": vocab} if vocab >= 260 else {"kind": "pretrained",
                                                                                          "path": "none (random ids)"}

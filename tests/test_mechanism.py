@@ -142,25 +142,26 @@ def test_mechanism_analyses_end_to_end(tiny_data, tmp_path):
                 "model": json.loads(json.dumps(model.cfg.to_dict()))}
         ckpts[variant] = tmp_path / variant / "checkpoint"
         save_checkpoint(ckpts[variant], model, spec, tiny_data["tokenizer"], {})
-    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
+    raw = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg = C.experiment.parse(raw, "tiny.yaml")
     job = {"experiment": "tiny", "scale": "350m", "variant": "dse", "stage": "pretrain"}
     world = {"seed": 7, "n_countries": 20, "n_people": 60, "n_filler": 500}   # tiny_data's world
     base = {"job": job, "source": "web", "manifest": tiny_data["manifests"]["web"], "baseline": "dense",
             "baseline_checkpoint": str(ckpts["dense"])}
     wf = AW.job_spec(cfg, "350m", "dse", "pretrain", "cka")
-    assert wf["baseline_checkpoint"] == "results/tiny/350m/dense/pretrain/checkpoint" and wf["world"] == cfg["world"]
-    small = {**cfg, "matrix": {"350m": {"variants": ["dense", "stem", "dse"], "stages": ["pretrain"]}}}
-    mech = [t for t in AW.targets(small) if t.rsplit("/", 1)[1] in ("logitlens.json", "cka.json", "dse_disabled.json")]
+    assert wf["baseline_checkpoint"] == "results/tiny/350m/dense/pretrain/checkpoint" and wf["world"] == raw["world"]
+    small = {**raw, "matrix": {"350m": {"variants": ["dense", "stem", "dse"], "stages": ["pretrain"]}}}
+    mech = [t for t in AW.targets(C.experiment.parse(small, "tiny.yaml (350m)")) if t.rsplit("/", 1)[1] in ("logitlens.json", "cka.json", "dse_disabled.json")]
     assert sorted(mech) == [f"results/tiny/350m/dse/pretrain/analysis/{n}.json"
                             for n in ("cka", "dse_disabled", "logitlens")]   # DSE models only
     bad = copy.deepcopy(small)
     bad["analysis"]["cka"]["baseline"] = "hashmoe"
     with pytest.raises(ValueError, match="key 'analysis.cka.baseline' is 'hashmoe', which the tiny matrix does not"):
-        AW.job_spec(bad, "350m", "dse", "pretrain", "cka")
-    assert not [t for t in AW.targets(bad) if t.endswith("cka.json")]
+        AW.job_spec(C.experiment.parse(bad, "bad"), "350m", "dse", "pretrain", "cka")
+    assert not [t for t in AW.targets(C.experiment.parse(bad, "bad")) if t.endswith("cka.json")]
     bad["analysis"]["dse_disabled"]["categories"]["context"] = ["triviaqa"]
     with pytest.raises(ValueError, match=r"categories.context': tasks \['triviaqa'\] are not in eval suite"):
-        AW.job_spec(bad, "350m", "dse", "pretrain", "dse_disabled")
+        AW.job_spec(C.experiment.parse(bad, "bad"), "350m", "dse", "pretrain", "dse_disabled")
     ll = analyze(ckpts["dse"], {**base, "analysis": "logitlens", "windows": 3, "seq_len": 32}, tmp_path / "ll.json")
     assert len(ll["model"]["kl"]) == 3 and ll["model"]["kl"][-1] == 0 and ll["baseline_model"]["kl"][-1] == 0
     assert np.array(ll["model"]["window_kl"]).shape == (3, 3) and ll["tokens"] == 3 * 32

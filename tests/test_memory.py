@@ -13,6 +13,7 @@ from stem import config as C
 from stem.models.model import build_model
 from stem.train import gate, memory, memtrace
 from stem.train.plan import ParallelPlan
+from conftest import reshaped
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024 ** 3
@@ -48,7 +49,7 @@ def traces(tmp_path_factory):
     cfgs = {n: _small_paper_config(n, 1.0) for n in (3, 6)}
     cfgs["sparse"] = _small_paper_config(3, 1.0)     # 3 layers, optim.table_update: sparse
     cfgs["sparse"]["optim"]["table_update"] = "sparse"
-    specs = {n: C.train_spec(cfg, "1b", "stem", "pretrain") for n, cfg in cfgs.items()}
+    specs = {n: C.train_spec(reshaped(cfg), "1b", "stem", "pretrain") for n, cfg in cfgs.items()}
     out = dict(zip(specs, memtrace.traced([memtrace.job(s, WORLD, "fsdp") for s in specs.values()], cache,
                                                      workers=2)))
     for n in specs:
@@ -87,19 +88,19 @@ def test_peak_grows_by_three_blocks_as_counted(traces):
 @pytest.mark.parametrize("n", [3, 6])
 def test_closed_form_within_ten_percent_of_the_trace(traces, n):
     t = traces[n]
-    model = build_model(C.model_config_for(t["cfg"], "1b", "stem", "pretrain"), "meta")
+    model = build_model(C.model_config_for(reshaped(t["cfg"]), "1b", "stem", "pretrain"), "meta")
     est = memory.estimate(model, memtrace.job(t["spec"], WORLD, "fsdp")[1])   # the plan the trace had
     assert est["total_gib"] == pytest.approx(t["peak_gib"], rel=0.10)
 
 
 def test_check_names_the_job_peak_and_limit(traces):
     cfg = traces[3]["cfg"]
-    (line,) = gate.check(cfg, traces["cache"])       # cached: no second trace
+    (line,) = gate.check(reshaped(cfg), traces["cache"])       # cached: no second trace
     assert line == (f"training job 1b/stem/pretrain: traced peak {traces[3]['peak_gib']:.1f} GiB per GPU exceeds "
                     f"cluster.gpu_mem_gib = 1.0 GiB (world 8, micro-batch 4 x 4096); no smaller micro-batch, activation "
                     "checkpointing or host tables fit it: give it more GPUs (cluster.train.1b)")
-    assert gate.check({**cfg, "cluster": {**cfg["cluster"], "gpu_mem_gib": 72}}, traces["cache"]) == []
-    assert gate.check({**cfg, "device": "cpu"}, traces["cache"]) == []      # CPU jobs: nothing to check
+    assert gate.check(reshaped({**cfg, "cluster": {**cfg["cluster"], "gpu_mem_gib": 72}}), traces["cache"]) == []
+    assert gate.check(reshaped({**cfg, "device": "cpu"}), traces["cache"]) == []      # CPU jobs: nothing to check
 
 
 def test_workflow_refuses_an_oversize_job_before_running_anything(traces):
@@ -149,7 +150,7 @@ def test_hashmoe_traces_with_balanced_experts(tmp_path):
     balanced share. The traced step holds at least the sharded fp32 weights, gradients and AdamW moments."""
     cfg = yaml.safe_load((REPO / "config" / "paper.yaml").read_text())
     cfg["archs"]["350m"]["n_layers"] = 3
-    spec = C.train_spec(cfg, "350m", "hashmoe", "pretrain")
+    spec = C.train_spec(reshaped(cfg), "350m", "hashmoe", "pretrain")
     r = memtrace.traced([memtrace.job(spec, WORLD, "fsdp")], tmp_path, workers=1)[0]
     from stem.models.config import ModelConfig
     n = sum(p.numel() for p in build_model(ModelConfig.from_dict(spec["model"]), "meta").parameters())
@@ -178,6 +179,7 @@ def test_routed_moe_traces_and_the_closed_form_follows():
     cfg["variant_overrides"] = {"moe": {"moe_experts": 16, "moe_shared": 1, "moe_top_k": 2, "moe_d_ff": 640}}
     stage = cfg["stages"]["pretrain"]["350m"]
     stage["batch_size"] = stage["micro_batch"] * WORLD      # one micro-batch a rank: half the trace's time
+    cfg = reshaped(cfg)
     spec = C.train_spec(cfg, "350m", "moe", "pretrain")
     spec, plan = memtrace.job(spec, WORLD)
     r = memtrace.trace(spec, plan)     # in this process (it holds no process group): no worker's start-up
@@ -191,7 +193,7 @@ def test_routed_moe_traces_and_the_closed_form_follows():
 def test_the_pre_run_check_covers_the_dags_sweep_points():
     """The onstart check (rules/train.smk) traces what the DAG trains, the sweeps' generated variants included,
     not only the experiment's matrix."""
-    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
+    cfg = C.experiment.load(REPO / "config" / "paper.yaml")
     point = ("350m", "rho_0p9", "pretrain")
     assert gate.gpu_jobs(cfg, {point, ("1b", "stem", "pretrain")}) == [("1b", "stem", "pretrain"), point]
     assert point not in gate.gpu_jobs(cfg)                        # the matrix alone
@@ -206,7 +208,7 @@ def test_the_trace_cache_is_keyed_on_the_code_the_trace_imports():
             "stem/optim/adamw.py", "stem/optim/__init__.py", "stem/models/model.py", "stem/models/ffn.py",
             "stem/specs.py"} <= files
     assert "stem/train/loop.py" not in files and "stem/eval/run.py" not in files   # not on the trace's path
-    spec, plan = memtrace.job(C.train_spec(_small_paper_config(3, 1.0), "1b", "stem", "pretrain"), WORLD)
+    spec, plan = memtrace.job(C.train_spec(reshaped(_small_paper_config(3, 1.0)), "1b", "stem", "pretrain"), WORLD)
     key = memtrace._trace_key(spec, plan, "code")
     assert memtrace._trace_key(spec, plan, "edited code") != key
     assert memtrace._trace_key(spec, ParallelPlan.of(spec.train, WORLD, "ddp"), "code") != key
@@ -218,27 +220,28 @@ def test_the_gate_fits_a_job_by_its_plan_and_names_the_option_that_fits(tmp_path
     the job in one line naming its traced peak and the option that fits; with a limit nothing fits, the line
     says so. A tiny 3-layer STEM job on one GPU, traced for real (config/rehearsal.yaml's own jobs take minutes
     a trace: their fitted plans' closed forms are in tests/test_rehearsal.py)."""
-    cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
+    cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
     cfg = {**cfg, "device": "cuda", "matrix": {"350m": {"variants": ["stem"], "stages": ["pretrain"]}},
            "archs": {"350m": {**cfg["archs"]["350m"], "n_layers": 3}},   # one STEM layer (layer 2)
            "cluster": {**cfg["cluster"], "train": {"350m": {"nodes": 1, "gpus_per_node": 1, "runtime": 30}}}}
-    model = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
-    spec, plan = memtrace.job(C.train_spec(cfg, "350m", "stem", "pretrain"), 1)
+    exp = reshaped(cfg)
+    model = build_model(C.model_config_for(exp, "350m", "stem", "pretrain"), "meta")
+    spec, plan = memtrace.job(C.train_spec(exp, "350m", "stem", "pretrain"), 1)
     by_micro = {m: memory.estimate(model, replace(plan, micro_batch=m, accum=16 // m))["total_gib"] for m in (16, 4)}
     limit = by_micro[4] * memory.FIT_MARGIN * 1.01          # micro-batch 4 fits, 8 and 16 do not
     assert by_micro[16] > limit and memory.estimate(model, replace(plan, micro_batch=8, accum=2))["total_gib"] * memory.FIT_MARGIN > limit
     fitted = {**cfg, "cluster": {**cfg["cluster"], "gpu_mem_gib": limit, "fit_memory": True}}
-    spec_fit, run = memtrace.job(C.train_spec(fitted, "350m", "stem", "pretrain"), 1)
+    spec_fit, run = memtrace.job(C.train_spec(reshaped(fitted), "350m", "stem", "pretrain"), 1)
     assert (run.micro_batch, run.accum, spec_fit.train.batch_size, spec_fit.train.fit_gib) == (4, 4, 16, limit)
     assert "the same global batch of 16 sequences" in memory.describe_fit(plan, run, 16)
     cache = tmp_path / "traces"   # traced in this process (one rank): no worker's start-up
-    assert gate.check(fitted, cache, workers=0) == []
+    assert gate.check(reshaped(fitted), cache, workers=0) == []
     (t4,) = memtrace.traced([(spec_fit, run)], cache, workers=0)
-    (line,) = gate.check({**fitted, "cluster": {**fitted["cluster"], "fit_memory": False}}, cache, workers=0)
+    (line,) = gate.check(reshaped({**fitted, "cluster": {**fitted["cluster"], "fit_memory": False}}), cache, workers=0)
     (t16,) = memtrace.traced([(spec, plan)], cache, workers=0)
     assert line == (f"training job 350m/stem/pretrain: traced peak {t16['peak_gib']:.1f} GiB per GPU exceeds "
                     f"cluster.gpu_mem_gib = {limit} GiB (world 1, micro-batch 16 x 128); it fits with "
                     f"stages.pretrain.350m.micro_batch: 4 ({t4['peak_gib']:.1f} GiB traced)")
-    (line,) = gate.check({**fitted, "cluster": {**fitted["cluster"], "gpu_mem_gib": 1e-3}}, cache, workers=0)
+    (line,) = gate.check(reshaped({**fitted, "cluster": {**fitted["cluster"], "gpu_mem_gib": 1e-3}}), cache, workers=0)
     assert line.endswith("no smaller micro-batch, activation checkpointing or host tables fit it: give it more GPUs "
                          "(cluster.train.350m)")
