@@ -86,7 +86,7 @@ def test_stem_table_init_is_xavier_normal_by_default():
 
 @pytest.mark.parametrize("variant", sorted(C.read_yaml(C.VARIANTS)))
 def test_every_variant_forward_backward(variant):
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.experiment.load(C.REPO / "config" / "tiny.yaml")
     mcfg = C.model_config_for(cfg, "350m", variant)
     torch.manual_seed(0)
     model = build_model(mcfg)
@@ -390,10 +390,10 @@ def test_moe_accounting_by_hand():
     assert moe["total_params"] == moe["paper_total_params"] == dense + n * ((1 + e) * 3 * d * f + d * e - 3 * d * f)
     assert moe["active_params"] == dense + n * ((1 + 2) * 3 * d * f + d * e - 3 * d * f)
     assert moe["gflops_per_token"] == 2 * moe["active_params"] / 1e9
-    tiny = C.model_config_for(C.load_experiment(C.REPO / "config" / "tiny.yaml"), "350m", "moe")
+    tiny = C.model_config_for(C.experiment.load(C.REPO / "config" / "tiny.yaml"), "350m", "moe")
     from stem.models.accounting import accounting
     acc, (d, f) = accounting(build_model(tiny, "meta")), (64, 64)   # 1 shared + top-2 of 8 experts, 64 wide
-    dense_tiny = accounting(build_model(C.model_config_for(C.load_experiment(C.REPO / "config" / "tiny.yaml"),
+    dense_tiny = accounting(build_model(C.model_config_for(C.experiment.load(C.REPO / "config" / "tiny.yaml"),
                                                            "350m", "dense"), "meta"))
     per_layer = 3 * d * 192
     assert acc["active_params"] == dense_tiny["active_params"] + 5 * (3 * 3 * d * f + d * 8 - per_layer)

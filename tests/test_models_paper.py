@@ -20,7 +20,7 @@ TINY = dict(vocab_size=97, d_model=16, n_layers=6, n_heads=4, n_kv_heads=2, d_ff
 @pytest.mark.parametrize("variant", sorted(C.read_yaml(C.VARIANTS)))
 def test_every_variant_trains_under_the_loops_bf16_autocast(variant):
     """Forward + backward under the loop's own autocast (bf16), here on the CPU."""
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.experiment.load(C.REPO / "config" / "tiny.yaml")
     torch.manual_seed(0)
     model = build_model(C.model_config_for(cfg, "350m", variant))
     ids = torch.randint(0, model.cfg.vocab_size, (2, 33))

@@ -12,17 +12,18 @@ from stem.eval.generate import greedy_generate_batch
 from stem.models.model import KVCache, build_model
 from stem.models.offload import LFUCache, OffloadedHashedTable, OffloadedTable, offload
 from stem.checkpoint import save_weights
+from conftest import reshaped
 
 VARIANTS = ["stem", "stem_gate", "stem_dagger", "stem_half", "stem_full"]
 V, D_FF = 64, 24
 
 
 def tiny_model(variant, n_kv_heads=1, vocab=V):
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     cfg["archs"]["350m"].update(vocab_size=vocab, d_model=16, n_layers=4, n_heads=2, n_kv_heads=n_kv_heads, d_ff=D_FF,
                                 max_seq_len=64)
     torch.manual_seed(0)
-    model = build_model(C.model_config_for(cfg, "350m", variant)).eval()
+    model = build_model(C.model_config_for(reshaped(cfg), "350m", variant)).eval()
     with torch.no_grad():  # tables as large as the activations, so a wrong row shows in the logits
         for block in model.layers:
             if hasattr(block.ffn, "table"):
