@@ -50,7 +50,7 @@ from stem.eval import spec as EV
 from stem.analysis import workflow as AW
 from stem.report import workflow as RW
 from stem.models.model import meta_model
-cfg = C.load_experiment(sys.argv[1])                     # the config check of the full list
+cfg = C.experiment.load(sys.argv[1])                    # the config check of the full list
 train = C.train_spec(cfg, "350m", "hashmoe", "pretrain")
 model = meta_model(json.dumps(train["model"], sort_keys=True))
 print(json.dumps({

@@ -186,7 +186,7 @@ def test_stage_init_from_a_gguf_file_in_the_job_spec():
     from stem.io import deep_merge
     tiny = C.read_yaml(REPO / "config" / "tiny.yaml")
     block = {"variant_overrides": {"stem_insert": {"stage": {"init_from": {"hf": SMOL, "gguf_file": GGUF}}}}}
-    cfg = C.validate_experiment(deep_merge(copy.deepcopy(tiny), block))
+    cfg = C.experiment.parse(deep_merge(copy.deepcopy(tiny), block))
     job = C.train_job(cfg, "1b", "stem_insert", "midtrain")
     assert job.init_from == f"hf:{SMOL}#gguf={GGUF}" and split_source(job.init_from[3:]) == (SMOL, GGUF)
     bad = {"stages": {"midtrain": {"1b": {"init_from": {"hf": SMOL, "gguf_file": "../x.gguf"}}}}}
@@ -200,7 +200,7 @@ def test_new_config_keys_are_checked():
     from stem import config as C
     from stem.io import deep_merge
     tiny = C.read_yaml(REPO / "config" / "tiny.yaml")
-    cfg = C.validate_experiment(deep_merge(copy.deepcopy(tiny), {"archs": {"1b": {"tie_embeddings": True}}}))
+    cfg = C.experiment.parse(deep_merge(copy.deepcopy(tiny), {"archs": {"1b": {"tie_embeddings": True}}}))
     assert C.train_job(cfg, "1b", "dense", "pretrain").model.tie_embeddings
     src = next(iter(tiny["sources"]))
     for block, key in [({"archs": {"1b": {"tie_embeddings": "yes"}}}, "tie_embeddings"),
@@ -216,9 +216,9 @@ def test_new_config_keys_are_checked():
         assert len(str(e.value).splitlines()) == 1
     # config/real.yaml's held-out perplexity: split val only of a source with a content-keyed val_fraction
     from stem.eval.spec import suite_spec
-    real = C.load_experiment(REPO / "config" / "real.yaml")
-    assert suite_spec(real, "ppl")["held_out"] == {"fraction": 0.2, "seed": real["seed"]}
-    bad = deep_merge(copy.deepcopy(real), {"sources": {"essays": {"doc_keys": "index"}}})
+    real = C.read_yaml(REPO / "config" / "real.yaml")
+    assert suite_spec(C.experiment.parse(real), "ppl")["held_out"] == {"fraction": 0.2, "seed": real["seed"]}
+    bad = C.experiment.parse(deep_merge(copy.deepcopy(real), {"sources": {"essays": {"doc_keys": "index"}}}))
     with pytest.raises(ValueError, match="eval suite 'ppl': key 'split': 'val'; expected val, of a source with "
                                          "doc_keys: content") as e:
         suite_spec(bad, "ppl")

@@ -67,7 +67,7 @@ def test_rehearsal_dag_dry_runs(tmp_path):
 
 
 def test_smallest_job_one_step_at_the_350m_widths(tiny_data, tmp_path, capsys):
-    spec = C.train_spec(CFG, "350m", "dense", "pretrain")
+    spec = C.train_spec(C.experiment.parse(CFG, "rehearsal.yaml"), "350m", "dense", "pretrain")
     assert spec["model"]["d_model"] == 960 and spec["model"]["n_layers"] == 32 and spec["train"]["compile"] is True
     # the CPU: the job cut to one step of one 128-token row, eager, 2 of its 32 layers (every width, head and
     # the 32,000-token vocabulary as they are; the full depth takes minutes on two CPU cores, and gpucheck
@@ -102,6 +102,7 @@ def test_every_rehearsal_job_is_fitted_to_one_gpu_and_to_one_node(gpus):
     for t in cfg["cluster"]["train"].values():
         t["gpus_per_node"] = gpus
     limit, models = cfg["cluster"]["gpu_mem_gib"], {}
+    cfg = C.experiment.parse(cfg, f"rehearsal.yaml ({gpus} GPUs a node)")
     for job in C.train_targets(cfg):
         spec, plan = memtrace.job(C.train_spec(cfg, *job), gpus)
         assert spec.train.fit_gib == limit and plan.micro_batch * plan.accum == spec.train.batch_size, job

@@ -302,7 +302,7 @@ def test_tiny_pipeline_through_slurm_stops_on_the_time_limit_warning_and_resumes
     # the same job uninterrupted on one process, up to 20 steps past the stop: the same loss curve
     sys.path.insert(0, str(work))
     from stem import config as C
-    spec = C.train_spec(cfg, "350m", "stem", "pretrain")
+    spec = C.train_spec(C.experiment.parse(cfg, "the test's config"), "350m", "stem", "pretrain")
     spec = json.loads(json.dumps(spec).replace('"data/', f'"{work}/data/'))
     spec["out_dir"] = str(tmp_path / "reference")
     r = subprocess.run([sys.executable, "-c", "import json,sys; from stem.train.loop import train; "

@@ -155,14 +155,15 @@ def test_a_table_group_parameter_without_a_row_sparse_lookup_is_refused():
 
 
 def test_variant_stem_sparse_carries_the_option_in_its_train_spec():
-    cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
+    raw = C.read_yaml(REPO / "config" / "tiny.yaml")
+    cfg = C.experiment.parse(raw, "tiny.yaml")
     assert C.train_spec(cfg, "350m", "stem_sparse", "pretrain")["optim"]["table_update"] == "sparse"
     assert "table_update" not in C.train_spec(cfg, "350m", "stem", "pretrain")["optim"]  # the default, left out
     assert C.train_job(cfg, "350m", "stem", "pretrain").optim.table_update == "dense"
     assert C.train_spec(cfg, "350m", "stem_sparse", "pretrain")["model"] == C.train_spec(cfg, "350m", "stem", "pretrain")["model"]
-    cfg["variant_overrides"] = {"stem_sparse": {"optim": {"table_update": "rows"}}}
+    raw["variant_overrides"] = {"stem_sparse": {"optim": {"table_update": "rows"}}}
     with pytest.raises(C.ConfigError, match=r"variant 'stem_sparse' .*key 'optim.table_update': 'rows'; expected one of dense, sparse"):
-        C.validate_experiment(cfg, "tiny.yaml")
+        C.validate_experiment(raw, "tiny.yaml")
 
 
 def test_sparse_path_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, tmp_path):
@@ -180,7 +181,7 @@ def test_sparse_path_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, tm
 
 def test_memory_estimate_counts_row_sparse_tables_as_replicated():
     from stem.train import memory
-    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
+    cfg = C.experiment.load(REPO / "config" / "paper.yaml")
     dense = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
     sparse = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
     tables = configure_table_update(sparse, {**OPTIM, "table_update": "sparse"})

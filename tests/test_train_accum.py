@@ -83,9 +83,9 @@ def test_sparse_table_gradients_are_not_an_option():
     """table_sparse_grad was documented but could not train (clipping, no SparseAdam): it is gone (issue 10, item 7).
     The working option is optim.table_update: sparse (issue 13; tests/test_sparse_tables.py)."""
     from stem import config as C
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     cfg["variant_overrides"] = {"stem": {"table_sparse_grad": True}}
     with pytest.raises(ValueError, match=r"unknown keys \['table_sparse_grad'\]"):
-        C.model_config_for(cfg, "350m", "stem")
-    model = build_model(C.model_config_for(C.load_experiment(C.REPO / "config" / "tiny.yaml"), "350m", "stem"), "meta")
+        C.model_config_for(C.experiment.parse(cfg), "350m", "stem")
+    model = build_model(C.model_config_for(C.experiment.load(C.REPO / "config" / "tiny.yaml"), "350m", "stem"), "meta")
     assert not any(getattr(m, "sparse", False) for m in model.modules())

@@ -122,13 +122,15 @@ def test_reset_optimizer_false_needs_the_saved_state(tiny_data, tmp_path, pre):
 
 
 def test_reset_optimizer_in_the_config_decides_what_the_previous_stage_saves():
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
-    assert C.train_spec(cfg, "1b", "stem", "midtrain")["train"]["reset_optimizer"] is True
-    assert C.train_spec(cfg, "1b", "stem", "pretrain")["train"]["save_optimizer"] is False
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    exp = C.experiment.parse(cfg, "tiny.yaml")
+    assert C.train_spec(exp, "1b", "stem", "midtrain")["train"]["reset_optimizer"] is True
+    assert C.train_spec(exp, "1b", "stem", "pretrain")["train"]["save_optimizer"] is False
     cfg["stages"]["midtrain"]["1b"]["reset_optimizer"] = False
-    assert C.train_spec(cfg, "1b", "stem", "midtrain")["train"]["reset_optimizer"] is False
-    assert C.train_spec(cfg, "1b", "stem", "pretrain")["train"]["save_optimizer"] is True
-    assert C.train_spec(cfg, "1b", "stem", "midtrain")["train"]["save_optimizer"] is False
+    exp = C.experiment.parse(cfg, "tiny.yaml (midtrain carries the optimizer)")
+    assert C.train_spec(exp, "1b", "stem", "midtrain")["train"]["reset_optimizer"] is False
+    assert C.train_spec(exp, "1b", "stem", "pretrain")["train"]["save_optimizer"] is True
+    assert C.train_spec(exp, "1b", "stem", "midtrain")["train"]["save_optimizer"] is False
     cfg["stages"]["pretrain"]["1b"]["reset_optimizer"] = False
     with pytest.raises(C.ConfigError, match="stages.pretrain.1b.reset_optimizer': false needs an init_from"):
         C.validate_experiment(cfg)

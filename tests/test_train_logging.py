@@ -41,7 +41,7 @@ def test_progress_rates_and_eta(monkeypatch):
 
 def test_tensorboard_off_in_tiny_on_in_paper():
     for exp, on in (("tiny", False), ("paper", True)):
-        cfg = C.load_experiment(C.REPO / "config" / f"{exp}.yaml")
+        cfg = C.experiment.load(C.REPO / "config" / f"{exp}.yaml")
         assert C.train_spec(cfg, "1b", "stem", "pretrain")["train"]["tensorboard"] is on
 
 

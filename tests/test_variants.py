@@ -31,9 +31,9 @@ def test_a_new_variant_in_variants_yaml_is_labelled_and_coloured_everywhere(tmp_
     monkeypatch.setattr(stem_io, "VARIANTS", path)
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
     cfg["matrix"]["350m"]["variants"].append("stem_quarter")   # the matrix line
-    C.validate_experiment(cfg, origin="tiny.yaml")              # the schema and the config check accept it
-    assert ("350m", "stem_quarter", "pretrain") in C.train_targets(cfg)
-    assert C.model_config_for(cfg, "350m", "stem_quarter").ffn[3] == "stem"
+    exp = C.experiment.parse(cfg, origin="tiny.yaml")            # the config check accepts it
+    assert ("350m", "stem_quarter", "pretrain") in C.train_targets(exp)
+    assert C.model_config_for(exp, "350m", "stem_quarter").ffn[3] == "stem"
     assert C.variant_labels(cfg)["stem_quarter"] == T.row_labels(cfg, "table3")["stem_quarter"] == "STEM-1/4"
     one = T.frame([T.cell("table3", "350m", "stem_quarter", "avg", 1.0)])
     assert T.labelled(one, cfg)["row"].tolist() == ["STEM-1/4"]
@@ -107,7 +107,7 @@ def test_a_variant_overrides_label_and_colour_reach_the_report(tmp_path):
 def test_one_baseline():
     """The baseline is named once (variants.yaml's ``baseline: true``); a config whose overrides make two is one line."""
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
-    assert C.baseline_variant(cfg) == "dense"
+    assert C.baseline_variant(C.experiment.parse(cfg, "tiny.yaml")) == "dense"
     cfg["variant_overrides"] = {"stem": {"baseline": True}}
     with pytest.raises(C.ConfigError) as e:
         C.validate_experiment(cfg, origin="tiny.yaml")
