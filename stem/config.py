@@ -107,9 +107,10 @@ def figure_variants(exp: Experiment | None, figure: str) -> tuple[str, ...]:
 
 def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | None = None):
     """The ModelConfig of a variant at a scale (and a stage's context)."""
-    if isinstance(exp, dict):   # TRANSITION: the report's accounting passes its part of the mapping (archs, overrides)
+    if isinstance(exp, dict) and "stages" not in exp:   # TRANSITION: the report's accounting: {archs, overrides}
         return model_config(exp["archs"][scale], {k: v for k, v in variants(exp)[seeds.split(variant)[0]].items()
                                                   if k != "stage"})
+    exp = experiment.of(exp)   # TRANSITION: the report's mapping
     arch = mapping(exp.archs[scale])
     if stage is not None:
         spec = mapping(exp.stages[stage][scale])   # a key written null is kept, as the config writes it

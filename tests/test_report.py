@@ -21,6 +21,7 @@ from stem.report import paper_data as P
 from stem.report import registry
 from stem.report import tables as T
 from stem.report.results import Results, by_length, parse_range, task_score
+from conftest import reshaped
 
 MISSING = ("350m", "stem_gate")  # no commonsense eval for this model in the fixture: a gap, not a zero
 
@@ -80,7 +81,8 @@ def write_results(root, cfg, skip=(MISSING,)):
     rng = np.random.default_rng(0)
     stage_suites = {"pretrain": ["commonsense"], "midtrain": ["commonsense", "mmlu", "gsm8k"],
                     "extend": ["niah", "bbh", "musr", "longbench"]}
-    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
+    exp = C.experiment.parse(cfg, "the test's config")
+    for scale, variant, stage in C.train_targets(exp) + C.seed_targets(exp):
         d = root / cfg["experiment"] / scale / variant / stage
         (d / "eval").mkdir(parents=True)
         steps = np.arange(1, 201)
@@ -98,7 +100,7 @@ def write_results(root, cfg, skip=(MISSING,)):
         (d / "checkpoint" / "config.json").write_text(json.dumps(
             {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}))
         (d / "checkpoint" / "accounting.json").write_text(json.dumps(T.accounting(cfg, scale, variant)))
-        long_context = [s for s in ("longppl", "ruler") if s in ES.suites_for(cfg, stage, seeds.split(variant)[0])]
+        long_context = [s for s in ("longppl", "ruler") if s in ES.suites_for(exp, stage, seeds.split(variant)[0])]
         for suite in stage_suites[stage] + long_context:   # the DSE paper's Table 2: dense and DSE only
             if (scale, variant) in skip and suite == "commonsense":
                 continue
@@ -506,7 +508,8 @@ def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
              *(f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf"))]
     from stem.analysis import workflow as AW  # the analyze stage's outputs, as a finished run leaves them
     from stem import sweeps as SW   # and the sweeps' (in `rule all` when sweeps.in_all)
-    analyses = AW.targets(tiny_cfg) + SW.targets(tiny_cfg)
+    exp = C.experiment.parse(tiny_cfg, "tiny.yaml")
+    analyses = AW.targets(exp) + SW.targets(exp)
     files += analyses
     for i, f in enumerate(files):
         p = tmp_path / f
@@ -544,7 +547,8 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     train_bpe(docs, 320, tmp_path / "tok.json")
     cfg = json.loads(json.dumps(tiny_cfg))
     cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
-    mc = C.model_config_for(cfg, "1b", "stem", "extend").to_dict()
+    exp = reshaped(cfg)
+    mc = C.model_config_for(exp, "1b", "stem", "extend").to_dict()
     torch.manual_seed(0)
     ident = {"experiment": "tiny", "scale": "1b", "variant": "stem", "stage": "extend"}
     save_checkpoint(tmp_path / "ckpt", build_model(ModelConfig.from_dict(mc), "cpu"), {**ident, "model": mc},
@@ -557,10 +561,10 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
                             tmp_path / "fx")
     out = tmp_path / "results/tiny/1b/stem/extend/eval"
     for suite, limit in (("commonsense", 2), ("longbench", 2)):
-        spec = ES.suite_spec(cfg, suite)
+        spec = ES.suite_spec(exp, suite)
         spec.update(fixtures=str(tmp_path / "fx"), **({"tasks": tasks[:2]} if suite == "commonsense" else {}))
         run.evaluate(tmp_path / "ckpt", spec, out / f"{suite}.json", limit=limit)
-    spec = {**ES.suite_spec(cfg, "niah"), "lengths": [224, 256], "depths": [0, 100], "samples": 1,
+    spec = {**ES.suite_spec(exp, "niah"), "lengths": [224, 256], "depths": [0, 100], "samples": 1,
             "documents": {"kind": "files", "paths": [str(tmp_path / "long.jsonl")], "format": "jsonl"}}
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     run.evaluate(tmp_path / "ckpt", spec, out / "niah.json")
@@ -588,7 +592,7 @@ def test_truncation_table_and_summary_line(tiny_cfg, tiny_tables):
     from stem.report.truncation import truncation_lines, truncation_summary
     t = tiny_tables["truncation"]
     extend = [v for v in tiny_cfg["matrix"]["1b"]["variants"] if "extend" in C.variant_stages(
-        tiny_cfg, v, tiny_cfg["matrix"]["1b"]["stages"])]
+        C.experiment.parse(tiny_cfg, "tiny.yaml"), v, tiny_cfg["matrix"]["1b"]["stages"])]
     bbh = t[t["row"].str.endswith("extend: bbh bbh_sub")]
     assert sorted(set(bbh["variant"])) == sorted(extend) and len(bbh) == 5 * len(extend)
     one = bbh[bbh["variant"] == extend[0]].set_index("column")["value"]

@@ -84,9 +84,9 @@ def test_counts_match_the_built_models():
     """P_tot / P_act of every slots point = the model the train rule builds, less the embedding and LM head."""
     from stem.models.accounting import accounting
     from stem.models.model import build_model
-    cfg = tiny_cfg(slots=SLOTS)
-    for p in S.slots_points(cfg):
-        mc = C.model_config_for(cfg, "350m", p["variant"], "pretrain")
+    exp = C.experiment.parse(tiny_cfg(slots=SLOTS))
+    for p in S.slots_points(S.spec(exp)):
+        mc = C.model_config_for(exp, "350m", p["variant"], "pretrain")
         a, emb = accounting(build_model(mc, "meta")), 2 * mc.vocab_size * mc.d_model
         assert (a["total_params"] - emb, a["active_params"] - emb) == (p["p_tot"], p["p_act"])
         assert mc.dse.rows_per_head == p["rows_per_head"]
@@ -95,9 +95,9 @@ def test_counts_match_the_built_models():
 def test_rho_counts_match_the_built_moe_models():
     from stem.models.accounting import accounting
     from stem.models.model import build_model
-    cfg = tiny_cfg(rho=RHO)
-    for p in S.rho_points(cfg):
-        mc = C.model_config_for(cfg, "350m", p["variant"], "pretrain")
+    exp = C.experiment.parse(tiny_cfg(rho=RHO))
+    for p in S.rho_points(S.spec(exp)):
+        mc = C.model_config_for(exp, "350m", p["variant"], "pretrain")
         a, emb = accounting(build_model(mc, "meta")), 2 * mc.vocab_size * mc.d_model
         assert (a["total_params"] - emb, a["active_params"] - emb) == (p["p_tot"], p["p_act"]), p["variant"]
 
@@ -164,8 +164,8 @@ def test_variant_ids():
 
 def test_train_spec_of_a_sweep_point():
     cfg = tiny_cfg(slots=SLOTS)
-    C.validate_experiment(cfg)
-    spec = C.train_spec(cfg, "350m", "slots_256", "pretrain")
+    exp = C.experiment.parse(cfg)
+    spec = C.train_spec(exp, "350m", "slots_256", "pretrain")
     assert spec["train"]["steps"] == 100 and spec["variant"] == "slots_256"
     assert spec["out_dir"] == "results/tiny/350m/slots_256/pretrain"
     assert spec["model"]["dse"]["rows_per_head"] == 256 and spec["model"]["dse"]["layers"] == [1, 3]
@@ -173,16 +173,18 @@ def test_train_spec_of_a_sweep_point():
     # a named variant is unchanged by the sweeps: section
     plain = C.read_yaml(REPO / "config" / "tiny.yaml")
     plain.pop("sweeps", None)
-    assert C.train_spec(cfg, "350m", "dse", "pretrain") == C.train_spec(plain, "350m", "dse", "pretrain")
+    assert C.train_spec(exp, "350m", "dse", "pretrain") == C.train_spec(C.experiment.parse(plain), "350m", "dse",
+                                                                         "pretrain")
     # the sweep's scale need not be in the matrix
     cfg["matrix"].pop("350m")
-    assert C.train_spec(cfg, "350m", "slots_256", "pretrain") == spec
+    exp = C.experiment.parse(cfg, "tiny.yaml (no 350m in the matrix)")
+    assert C.train_spec(exp, "350m", "slots_256", "pretrain") == spec
     with pytest.raises(C.ConfigError, match=r"^variant 'slots_256': a sweep point, trained at sweeps.scale / "
                                             r"sweeps.stage \(350m / pretrain\), not at 1b / pretrain$"):
-        C.train_spec(cfg, "1b", "slots_256", "pretrain")
+        C.train_spec(exp, "1b", "slots_256", "pretrain")
     with pytest.raises(C.ConfigError, match=r"^variant 'slots_100': not a point of the config's sweeps: section "
                                             r"\(expected one of slots_64, slots_256, slots_1024\)$"):
-        C.train_spec(cfg, "350m", "slots_100", "pretrain")
+        C.train_spec(exp, "350m", "slots_100", "pretrain")
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -314,12 +316,12 @@ def test_paper_sweeps_at_the_350m_arch():
     d 960, 31 MoE layers: dense 350M without embedding / head 314,635,200; per MoE layer experts 3 * 960 * 640 =
     1,843,200 each and router 960 * 49 replace the dense FFN 3 * 960 * 2560 = 7,372,800. Every rho point is within
     its tolerance (strict) and the slots span the paper's 2.58e5 .. 1e7."""
-    cfg = C.load_experiment(REPO / "config" / "paper.yaml")
-    rho = S.rho_points(cfg)
+    cfg = C.experiment.load(REPO / "config" / "paper.yaml")
+    rho = S.rho_points(S.spec(cfg))
     e, router, ffn = 1_843_200, 960 * 49, 7_372_800
     assert (rho[0]["p_tot"], rho[0]["p_act"]) == (314_635_200 + 31 * (50 * e + router - ffn),
                                                   314_635_200 + 31 * (4 * e + router - ffn)) == (2_944_496_640, 316_093_440)
     assert [p["moe_experts"] for p in rho] == [49, 44, 40, 35, 31, 26, 21]
     assert C.model_config_for(cfg, "350m", "moe").moe_experts == 8    # the moe variant itself is unchanged
-    slots = [p["dse_slots"] for p in S.slots_points(cfg)]
+    slots = [p["dse_slots"] for p in S.slots_points(S.spec(cfg))]
     assert 2.5e5 < slots[0] < 2.7e5 and 0.99e7 < slots[-1] < 1.01e7

@@ -28,6 +28,7 @@ from stem.train import comms, distributed, memory, memtrace, optstate, step, tab
 from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.optim.adamw import use_row_sparse  # noqa: E402
 from stem.train.tables import row_shardable, to_host  # noqa: E402
+from conftest import reshaped  # noqa: E402
 
 CASES = [("stem", "fsdp"), ("stem_half", "fsdp"), ("stem_gate", "ddp"), ("stem_dagger", "fsdp"), ("dse", "ddp"),
          ("stem_sparse", "fsdp")]
@@ -36,14 +37,14 @@ V, T, STEPS, SAVE_AT, CLIP, WORLD, RESUME_WORLD = 96, 8, 3, 2, 0.05, 4, 2
 GIB = 1024 ** 3
 
 
-def _cfg_tables(tables: str) -> dict:
-    cfg = C.load_experiment(REPO / "config" / "tiny.yaml")
+def _cfg_tables(tables: str):
+    cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
     cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16)
     cfg["variant_overrides"] = {"dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
     cfg["stages"]["pretrain"]["350m"].update(batch_size=2 * 2 * WORLD, micro_batch=2, seq_len=T, lr=1e-3)
     cfg["optim"]["grad_clip"] = CLIP
     cfg["cluster"] = {"tables": tables}
-    return cfg
+    return reshaped(cfg, f"tiny.yaml (a small 350m, tables {tables})")
 
 
 def _specs() -> list:
