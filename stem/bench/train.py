@@ -132,13 +132,13 @@ TRAIN_PATHS = (("dense", None, "dense"), ("stem", "stem", "dense"), ("stem_spars
 
 def _train_models(scale: str, n_layers: int, dev):
     """{path: (model, optimizer, optim spec)} at ``scale``'s shapes with ``n_layers`` layers, one seed."""
-    exp = C.load_experiment(C.REPO / "config" / "paper.yaml")
-    arch, variants = dict(exp["archs"][scale], n_layers=n_layers), C.variants(exp)
+    exp = load(C.REPO / "config" / "paper.yaml")
+    arch, variants = {**C.mapping(exp.archs[scale]), "n_layers": n_layers}, exp.variants()
     out = {}
     for name, variant, update in TRAIN_PATHS:
         torch.manual_seed(0)
         model = build_model(model_config(arch, variants[variant or C.baseline_variant(exp)]), dev)
-        optim = {**exp["optim"], "table_update": update}
+        optim = {**C.mapping(exp.optim), "table_update": update}
         configure_table_update(model, optim)
         out[name] = (model, build_optimizer(model, optim, 1e-4, fused=dev.type == "cuda"), optim)
     return out, exp
@@ -195,7 +195,7 @@ def bench_train(scale: str = "350m", n_layers: int = 3, micro_tokens=(256, 1024)
     return {"scale": scale, "n_layers": n_layers, "micro_tokens": list(micro_tokens), "repeats": repeats,
             "device": device, "clock": "wall" if dev.type == "cuda" else "CPU",
             "threads": torch.get_num_threads(), "unique_ids": unique, "rows": rows, "per_repeat": per_repeat,
-            "arch": exp["archs"][scale], "stage": exp["stages"]["pretrain"][scale],
+            "arch": C.mapping(exp.archs[scale]), "stage": C.mapping(exp.stages["pretrain"][scale]),
             "stem_layers": acct["stem"]["sparse_layers"]}
 
 
