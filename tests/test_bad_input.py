@@ -158,7 +158,7 @@ def test_fit_memory_without_a_gpu_memory_limit_is_one_line():
 # ---- a target of an undefined source (what the data rules' input functions call) -----------------------------
 def test_undefined_source_in_a_target_is_one_line_naming_the_defined_ones():
     cfg = C.experiment.load(C.REPO / "config" / "tiny.yaml")
-    message = "source 'wiki'': not defined in the tiny config's sources; expected one of ['code', 'long', 'math', 'web']"
+    message = "source 'wiki': not defined in the tiny config's sources; expected one of ['code', 'long', 'math', 'web']"
     for fn in (lambda: C.part_names(cfg, "wiki"), lambda: C.source_inputs(cfg, "wiki"),
                lambda: C.corpus_spec(cfg, "wiki"), lambda: C.tokenize_spec(cfg, "350m", "wiki"),
                lambda: C.documents_spec(cfg, "wiki")):
@@ -360,7 +360,8 @@ def test_middle_truncation_keeps_the_first_and_last_halves(short_lm):
 
 def test_suite_truncation_defaults_to_the_published_protocol_and_is_checked():
     from stem.eval import spec as ES
-    cfg = C.experiment.load(C.REPO / "config" / "tiny.yaml")
+    raw = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg = C.experiment.parse(raw, "tiny.yaml")
     assert {s: ES.suite_spec(cfg, s)["truncation"] for s in ("longbench", "bbh", "commonsense", "niah")} == {
         "longbench": "middle", "bbh": "left", "commonsense": "left", "niah": "error"}
     assert ES.default_truncation({"kind": "lm_eval", "tasks": ["ruler"]}) == "error"   # lm-eval's RULER NIAH
@@ -368,7 +369,7 @@ def test_suite_truncation_defaults_to_the_published_protocol_and_is_checked():
     for suite, value, message in [("bbh", "right", "expected one of error, left, middle"),
                                   ("niah", "left",
                                    "expected error (NIAH prompts are built to fit their cells, never cut)")]:
-        bad = copy.deepcopy(cfg)
+        bad = copy.deepcopy(raw)
         bad["eval"]["suites"][suite]["truncation"] = value
         with pytest.raises(C.ConfigError) as e:
             C.validate_experiment(bad, origin="bad.yaml")
