@@ -15,7 +15,12 @@ from stem.options import Strategy, TableLayout, values
 # and matplotlib load only for the commands that use them.
 
 
-def experiment_config(name: str) -> Experiment:
+def experiment_config(name: str) -> dict:
+    """config/{name}.yaml, or the experiment YAML at the path ``name`` (checked: one line when missing)."""
+    return C.load_experiment(A.experiment_path(name))
+
+
+def experiment_tree(name: str) -> Experiment:
     """config/{name}.yaml, or the experiment YAML at the path ``name``, as its typed tree (checked: one line when
     missing or wrong)."""
     return C.experiment.load(A.experiment_path(name))
@@ -96,7 +101,7 @@ def train_arguments(p):
 
 def cmd_train(args):
     from stem.train.loop import train
-    exp = experiment_config(args.experiment)
+    exp = experiment_tree(args.experiment)
     print(json.dumps(train(C.train_spec(exp, args.scale, args.variant, args.stage), threads=args.threads), indent=2))
 
 
@@ -122,7 +127,7 @@ def cmd_eval(args):
         return
     if not args.suite:
         raise C.ConfigError("--suite is required (or --bench)")
-    spec = ES.suite_spec(experiment_config(args.experiment), args.suite)
+    spec = ES.suite_spec(experiment_tree(args.experiment), args.suite)
     raw = args.out[:-5] + ".raw.json" if args.out and args.out.endswith(".json") else None
     r = run.evaluate(args.checkpoint, spec, args.out, raw, limit=args.limit, device=args.device,
                      model_args={"offload": args.offload, "cache_rows": args.cache_rows})
@@ -247,7 +252,7 @@ def cmd_memory(args):
     from stem.models.model import build_model
     from stem.train import memory, memtrace
     from stem.train.plan import job_layout
-    exp = experiment_config(args.experiment)
+    exp = experiment_tree(args.experiment)
     strategy, limit = args.strategy or exp.cluster.strategy, exp.cluster.gpu_mem_gib
     jobs = _matching_jobs(exp, args)
     specs = []   # (TrainSpec, ParallelPlan) of each job: traced and estimated alike
@@ -291,7 +296,7 @@ def comms_arguments(p):
 
 def cmd_comms(args):
     from stem.train import comms
-    exp = experiment_config(args.experiment)
+    exp = experiment_tree(args.experiment)
     jobs = _matching_jobs(exp, args)
     if not (args.scale or args.variant):
         jobs += C.seed_targets(exp)

@@ -45,6 +45,8 @@ def variant_spec(exp: Experiment, variant: str) -> dict:
     """A variant's spec: one of config/variants.yaml (with variant_overrides), or a point of the config's
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
     it overrides)."""
+    if isinstance(exp, dict) and "stages" not in exp:   # TRANSITION: the report's part of a mapping
+        return _named_variant(exp, variant)
     exp = experiment.of(exp)   # TRANSITION: the report's mapping
     all_variants = exp.variants()
     base, k = seeds.split(variant)   # a seed of a matrix cell (stem.seeds): the variant's own spec
@@ -59,6 +61,11 @@ def variant_spec(exp: Experiment, variant: str) -> dict:
         raise ConfigError(f"variant {variant!r}: not a point of the config's sweeps: section (expected one of "
                           f"{', '.join(points)})")
     raise ConfigError(f"variant {variant!r}: expected one of {sorted(all_variants)}")
+
+
+def _named_variant(part: dict, variant: str) -> dict:
+    """TRANSITION: a named variant (or a seed of one) of the report's part of a config mapping."""
+    return variants(part)[seeds.split(variant)[0]]
 
 
 def _overrides(exp: Experiment | None) -> dict:
@@ -108,8 +115,7 @@ def figure_variants(exp: Experiment | None, figure: str) -> tuple[str, ...]:
 def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | None = None):
     """The ModelConfig of a variant at a scale (and a stage's context)."""
     if isinstance(exp, dict) and "stages" not in exp:   # TRANSITION: the report's accounting: {archs, overrides}
-        return model_config(exp["archs"][scale], {k: v for k, v in variants(exp)[seeds.split(variant)[0]].items()
-                                                  if k != "stage"})
+        return model_config(exp["archs"][scale], _named_variant(exp, variant))
     exp = experiment.of(exp)   # TRANSITION: the report's mapping
     arch = mapping(exp.archs[scale])
     if stage is not None:

@@ -37,9 +37,14 @@ def tiny_data(tmp_path_factory):
 
 def reshaped(cfg: dict, origin: str = "tiny.yaml (reshaped by a test)"):
     """A config mapping a test reshaped (smaller archs, other overrides) as its typed tree: each train_bpe tokenizer
-    sized to its scale's vocabulary (a pretrained stand-in below BPE's 260: the test's ids are random), the sweeps
-    (sized for the config's own archs) left out."""
+    sized to its scale's vocabulary (a pretrained stand-in below BPE's 260: the test's ids are random), each stage's
+    sequences cut to its model's context, the sweeps (sized for the config's own archs) left out."""
     cfg = {k: copy.deepcopy(v) for k, v in cfg.items() if k != "sweeps"}
+    for scale, arch in cfg["archs"].items():
+        for stage in cfg["stages"].values():
+            if scale in stage:
+                st = stage[scale]
+                st["seq_len"] = min(st["seq_len"], st.get("max_seq_len") or arch["max_seq_len"])
     for scale, tok in cfg["tokenizer"].items():
         vocab = cfg["archs"].get(scale, {}).get("vocab_size", tok.get("vocab_size", 0))
         if tok.get("vocab_size", 0) > vocab:
