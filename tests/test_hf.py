@@ -38,13 +38,15 @@ def _tiny_yaml():
     return C.read_yaml(C.REPO / "config" / "tiny.yaml")
 
 
-def tiny_cfg(variant, **arch):
+def tiny_cfg(variant, rope_scaling=None, **arch):
     cfg = copy.deepcopy(_tiny_yaml())
     cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48,
                               max_seq_len=128, **arch)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 3}, "moe": {"moe_experts": 4, "moe_d_ff": 24},
                                 "dse": {"dse": {"rows_per_head": 101, "d_mem": 16, "heads": 2}}}
-    return C.model_config_for(reshaped(cfg), "1b", variant).to_dict()
+    if rope_scaling:   # a stage's key: pretraining's here (it sets no context of its own)
+        cfg["stages"]["pretrain"]["1b"]["rope_scaling"] = rope_scaling
+    return C.model_config_for(reshaped(cfg), "1b", variant, "pretrain").to_dict()
 
 
 def make_ckpt(root, tok_file, variant="stem", seed=0, **arch):
