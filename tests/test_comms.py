@@ -36,11 +36,11 @@ CASES = {2: [("stem", "fsdp", "fsdp"), ("stem", "ddp", "fsdp"), ("stem_sparse", 
 V, T = 96, 8
 
 
-def _cfg(layout: str = "fsdp"):
+def _cfg(layout: str = "fsdp", vocab_size: int = V):
     """config/tiny.yaml reshaped to a small 350m model and ``layout``, as its typed tree."""
     tables, *extra = layout.split("+")
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
-    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16,
+    cfg["archs"]["350m"].update(vocab_size=vocab_size, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16,
                                 tie_embeddings="tied" in extra)
     cfg["variant_overrides"] = {"hashmoe": {"n_experts": 4}, "moe": {"moe_experts": 4, "moe_d_ff": 8},
                                 "dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
@@ -143,7 +143,7 @@ def test_owner_map_balances_zipf_ids():
     seen = comms.zipf_seen(n, V)
     assert got["steps"] == 20 and got["blocks"] == pytest.approx(float(seen[:V // W].sum() / seen.sum() * W), rel=0.03)
     assert got["blocks"] > 3 and got["interleaved"] < 1.1
-    spec = C.train_job(_cfg("rows"), "350m", "stem", "pretrain")
+    spec = C.train_job(_cfg("rows", vocab_size=V), "350m", "stem", "pretrain")
     model = build_model(spec.model, "meta")
     plan = ParallelPlan.of(spec.train, 2, tables=row_shardable(model))
     (d, uniq, asked), *_ = comms.expected_lookups(model, plan)
