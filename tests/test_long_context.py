@@ -148,6 +148,19 @@ def test_long_context_suites_run_for_dense_and_dse_only():
     assert spec["metadata"] == {"max_seq_lengths": [32768]} and spec["metric"] == ["32768,none"]
 
 
+def test_longppl_evaluator_defaults_to_the_baseline_variant():
+    """Without ``evaluator:`` the key tokens are the baseline's (config/variants.yaml's ``baseline: true``, here moved
+    to dse by variant_overrides), not a variant named in the code."""
+    cfg = C.deep_merge(copy.deepcopy(TINY), {"variant_overrides": {"dense": {"baseline": False},
+                                                                   "dse": {"baseline": True}}})
+    del cfg["eval"]["suites"]["longppl"]["evaluator"]
+    exp = C.experiment.parse(cfg, "tiny.yaml (dse the baseline, no evaluator)")
+    assert ES.suite_spec(exp, "longppl")["evaluator"] == C.baseline_variant(exp) == "dse"
+    assert ES.rule_inputs(exp, "tiny", "1b", "dense", "extend", "longppl")["evaluator"] == \
+        "results/tiny/1b/dse/extend/checkpoint"
+    assert "evaluator" not in ES.rule_inputs(exp, "tiny", "1b", "dse", "extend", "longppl")
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["eval"]["suites"]["ruler"].update(variants=["nope"]),
      r"key 'eval.suites.ruler.variants': \['nope'\]; expected a non-empty list of variants"),

@@ -311,6 +311,18 @@ def test_dry_run_of_both_sweep_targets(tmp_path):
     assert "reports/tiny/sweeps/slots.png" in r.stdout
 
 
+@pytest.mark.parametrize("name", ["tiny", "paper"])
+def test_the_sweep_spec_of_the_tree_gives_the_sweep_jobs_points(name):
+    """The workflow's points (``spec`` of the typed tree) are the sweep_report job's (its --spec: the config's
+    experiment, archs, variant_overrides and sweeps as written, rules/sweep.smk)."""
+    raw = C.read_yaml(REPO / "config" / f"{name}.yaml")
+    job = {k: raw[k] for k in ("experiment", "archs", "variant_overrides", "sweeps") if k in raw}
+    tree = S.spec(C.experiment.parse(raw, f"{name}.yaml"))
+    assert tree.keys() == job.keys()
+    for kind in S.KINDS:
+        assert S.points(tree, kind) == S.points(job, kind) and S.variant_ids(tree, kind)
+
+
 def test_paper_sweeps_at_the_350m_arch():
     """config/paper.yaml: the sweeps' MoE backbone (base_overrides: 1 shared + top-3 of 49 experts of 640) by hand,
     d 960, 31 MoE layers: dense 350M without embedding / head 314,635,200; per MoE layer experts 3 * 960 * 640 =
