@@ -535,3 +535,29 @@ def test_dse_kv_cache_matches_full_forward_and_uncached_greedy():
     assert [greedy_generate(model, p, 12, use_cache=True) for p in prompts] == uncached
     assert greedy_generate_batch(model, prompts, 12) == uncached
     assert len(set(map(tuple, uncached))) == 3 and all(len(g) == 12 for g in uncached)
+
+
+class _SdpaCalls(torch.overrides.TorchFunctionMode):
+    """Records, at every SDPA call, whether cuDNN's attention kernel was allowed (the flag the dispatcher reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cudnn_allowed = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return func(*args, **(kwargs or {}))
+
+
+def test_attention_leaves_out_cudnn_outside_training_only():
+    """cuDNN attention builds a plan per new shape: ~75 ms per decoded token of the 1B model on an H100 against
+    a 13 ms step (docs/gpu.md). Evaluation and decoding (eval mode) leave it out; training keeps SDPA's choice."""
+    model = build_model(_cfg(n_layers=2, ffn=("dense", "stem")))
+    ids = torch.randint(0, 97, (2, 8))
+    for training, expected in ((True, True), (False, False)):
+        model.train(training)
+        with _SdpaCalls() as calls:
+            model(ids)
+        assert calls.cudnn_allowed == [expected] * 2
+    assert torch.backends.cuda.cudnn_sdp_enabled()   # restored after the call
