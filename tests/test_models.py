@@ -103,6 +103,32 @@ def test_every_variant_forward_backward(variant):
     assert ("table" in groups) == (mcfg.ffn.count("stem") + mcfg.ffn.count("stem_gate") + mcfg.ffn.count("stem_dagger") > 0)
 
 
+def test_every_rmsnorm_gets_its_weights_dtype_under_bf16_autocast():
+    """Under bf16 autocast (CUDA training's; the CPU's casts the same ops) every RMSNorm of every variant gets an
+    input of its weight's dtype, so CUDA's fused rms_norm kernel dispatches (gpucheck item a warned "Mismatch dtype
+    between input and weight": DSE's key norm was fed its bf16 projection)."""
+    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg["archs"]["350m"].update(TINY)
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen[name] = (args[0].dtype, module.weight.dtype)
+        return hook
+
+    for variant in sorted(C.read_yaml(C.VARIANTS)):
+        torch.manual_seed(0)
+        model = build_model(C.model_config_for(cfg, "350m", variant))
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                m.register_forward_pre_hook(record(f"{variant} {name}"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(torch.randint(0, model.cfg.vocab_size, (2, 16)))
+        assert logits.dtype == torch.bfloat16   # autocast is on
+    assert "dse layers.1.dse.norm_k" in seen and "dense norm" in seen
+    assert {k: v for k, v in seen.items() if v[0] != v[1]} == {}
+
+
 def test_placement_indices():
     v = C.read_yaml(C.VARIANTS)
     assert resolve_placement(v["stem"]["placement"], 16) == [2, 5, 8, 11, 14]
