@@ -129,6 +129,23 @@ def test_every_rmsnorm_gets_its_weights_dtype_under_bf16_autocast():
     assert {k: v for k, v in seen.items() if v[0] != v[1]} == {}
 
 
+def test_tied_model_stays_tied_through_to_empty():
+    """A tied model (tie_embeddings: the real experiment's 350m and its STEM variants) built on the meta device and
+    materialised with ``to_empty`` (load_offloaded, the insertion analysis) has one head-and-embedding tensor again
+    (to_empty gives each name its own), and the eagerly built tied model's logits."""
+    cfg = _cfg(tie_embeddings=True, ffn=("dense", "stem") * 3)
+    torch.manual_seed(0)
+    eager = build_model(cfg).eval()
+    model = build_model(cfg, "meta").to_empty(device="cpu")
+    assert model.lm_head.weight is model.tok_emb.weight and len(list(model.parameters())) == len(list(eager.parameters()))
+    model.init_weights()
+    model.load_state_dict(eager.state_dict())
+    assert model.lm_head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids), eager(ids))
+
+
 def test_placement_indices():
     v = C.read_yaml(C.VARIANTS)
     assert resolve_placement(v["stem"]["placement"], 16) == [2, 5, 8, 11, 14]

@@ -141,8 +141,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied (Sec. 4.1) unless tie_embeddings
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
+        self.tie_weights()
         inv_freq, self.rope_mscale = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # DSE vocabulary compression (identity until set from the tokenizer; saved with the weights).
@@ -155,6 +154,17 @@ class Transformer(nn.Module):
         self.activation_checkpointing = False
         if self.inv_freq.device.type != "meta":
             self.init_weights()
+
+    def tie_weights(self):
+        """With ``tie_embeddings`` the LM head is the token embedding: one parameter under two names."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """``nn.Module.to_empty`` (materialise a meta model), tied again: it gives each name its own tensor."""
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
 
     # ---- initialisation -------------------------------------------------------------------------
     @torch.no_grad()
