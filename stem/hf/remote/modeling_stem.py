@@ -185,6 +185,7 @@ class DSEMemory(nn.Module):
     def forward(self, h, cids):
         mem = torch.cat([tab(r) for tab, r in zip(self.tables, self.rows(cids))], dim=-1)
         key, value = self.w_key(mem), self.w_value(mem)
+        key = key.to(self.norm_k.weight.dtype)   # as the pipeline's: autocast's bf16 key, its norm's fp32 weight
         gate = torch.sigmoid((self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model))
         u = gate * value
         x = self.norm_u(u)
