@@ -21,7 +21,7 @@ OPTIONAL = {"omit_default": True}       # field metadata: left out of a spec's t
 
 
 class FieldError(Exception):
-    """A dataclass's own check of one of its fields; ``stem.specs`` names the full key (``optim.x``)."""
+    """A dataclass's own check of one of its fields; ``node`` names the full key (``optim.x``)."""
 
     def __init__(self, field: str, problem: str):
         super().__init__(problem)
