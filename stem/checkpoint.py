@@ -209,9 +209,9 @@ def load_offloaded(ckpt_dir, device="cpu", dtype=torch.float32, cache_rows: int 
     offloaded = [t for _, _, t in token_tables(model)] + [t for _, _, _, t in dse_tables(model)]
     tables = {f"{n}.weight" for n, m in model.named_modules() if any(m is t for t in offloaded)}
     offload(model, weights, device, cache_rows, prefetch)
-    model.to_empty(device=device)
+    model.to_empty(device=device)   # a tied head is the embedding again (Transformer.to_empty), filled with it
     model.init_weights()  # the buffers not saved with the weights (RoPE frequencies); the weights come next
-    own = model.state_dict()
+    own = saved_state(model.state_dict(), model.cfg)
     try:
         with safe_open(str(weights), framework="pt", device="cpu") as f:
             have = set(f.keys())

@@ -19,13 +19,11 @@ import copy
 import dataclasses
 import math
 import re
-import types
 import typing
 from dataclasses import dataclass, field
-from enum import StrEnum
 
-from stem import plugins, sweeps
-from stem.fields import FieldError, is_number
+from stem import fields, plugins, sweeps
+from stem.fields import FieldError, Parser, expect
 from stem.io import ConfigError, dataclass_mapping, deep_merge, read_yaml, variant, variants, variants_file
 from stem.models.config import DSEConfig
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, OptimGroup,
@@ -38,12 +36,7 @@ NAME = re.compile(r"^[a-z][a-z0-9_]*$")                                  # a var
 MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")   # a plugin module
 
 
-# ---- ranges: a field's metadata ------------------------------------------------------------------------
-def expect(ok, expected: str, **meta) -> dict:
-    """Field metadata: ``ok(value)`` must hold for a set value (``expected`` says what is expected)."""
-    return {"ok": ok, "expected": expected, **meta}
-
-
+# ---- ranges: a field's metadata (stem.fields.expect) -----------------------------------------------------
 def at_least(n, what: str = "an integer") -> dict:
     return expect(lambda v: v >= n, f"{what} >= {n}")
 
@@ -68,97 +61,20 @@ def matches(pattern: re.Pattern, what: str) -> dict:
 POSITIVE = at_least(1)
 
 
-# ---- the parser: a mapping into a node, each key checked against its field's type ----------------------
-def describe(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is type(None):
-        return "null"
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(describe(a) for a in args)
-    if isinstance(tp, type) and issubclass(tp, StrEnum):
-        return f"one of {', '.join(values(tp))}"
-    if origin is tuple:
-        return f"a list of {len(args)} numbers" if args[-1] is not Ellipsis else f"a list ({describe(args[0])} each)"
-    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+# ---- the parser: a mapping into a node, each key checked against its field's type (stem.fields) ----------
+CONFIG = Parser(ConfigError, wrong="key '{key}': {value}; expected {expected}",
+                unknown="key '{key}': unknown; expected one of {names}")
 
 
 def convert(tp, value, key: str):
-    """``value`` as type ``tp`` (numbers kept as written: an integer stays one where a number is expected);
-    ConfigError ``key 'a.b': ...`` otherwise."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        nodes = [a for a in args if dataclasses.is_dataclass(a)]
-        if nodes and isinstance(value, dict):   # a mapping where a node may stand: that node's own errors
-            return convert(nodes[0], value, key)
-        for a in args:
-            if a is not type(None):
-                try:
-                    return convert(a, value, key)
-                except ConfigError:
-                    pass
-        raise ConfigError(f"key '{key}': {value!r}; expected {describe(tp)}")
-    if dataclasses.is_dataclass(tp):
-        return node(tp, value, key)
-    if isinstance(tp, type) and issubclass(tp, StrEnum):
-        if value not in values(tp):
-            raise ConfigError(f"key '{key}': {value!r}; expected {describe(tp)}")
-        return tp(value)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"key '{key}': {value!r}; expected a mapping")
-        return {convert(args[0], k, f"{key}.{k}"): convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"key '{key}': {value!r}; expected a mapping")
-        return value
-    if origin is tuple:
-        n = None if args[-1] is Ellipsis else len(args)
-        if not isinstance(value, (list, tuple)) or (n is not None and len(value) != n):
-            raise ConfigError(f"key '{key}': {value!r}; expected {describe(tp)}")
-        return tuple(convert(args[0] if n is None else args[i], v, f"{key}.{i}") for i, v in enumerate(value))
-    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
-          float: is_number(value), str: isinstance(value, str), typing.Any: True}.get(tp)
-    if not ok:
-        raise ConfigError(f"key '{key}': {value!r}; expected {describe(tp)}")
-    return value
+    """``value`` as type ``tp`` (``stem.fields.convert``); ConfigError ``key 'a.b': ...`` otherwise."""
+    return fields.convert(tp, value, key, CONFIG)
 
 
 def node(cls, d, key: str = ""):
-    """Build node ``cls`` from mapping ``d`` found at ``key``: unknown and missing keys, types, ranges
-    (``expect`` metadata), then the node's own checks (``__post_init__``; a ``FieldError`` names its key)."""
-    where = key or "<top level>"
-    if not isinstance(d, dict):
-        raise ConfigError(f"key '{where}': {d!r}; expected a mapping")
-    prefix = f"{key}." if key else ""
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    extra = getattr(cls, "EXTRA", None)   # the field that keeps the keys the node does not type
-    unknown = sorted(k for k in d if k not in fields or k == extra)
-    if unknown and not extra:
-        raise ConfigError(f"key '{prefix}{unknown[0]}': unknown; expected one of {', '.join(fields)}")
-    hints = typing.get_type_hints(cls)
-    kw = {extra: {k: d[k] for k in d if k in unknown}} if extra else {}
-    for name, f in fields.items():
-        if name == extra:
-            continue
-        if name not in d:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"key '{prefix}{name}' missing (expected {describe(hints[name])})")
-            continue
-        value = convert(hints[name], d[name], prefix + name)
-        if "ok" in f.metadata and value is not None and not f.metadata["ok"](value):
-            raise ConfigError(f"key '{prefix}{name}': {d[name]!r}; expected {f.metadata['expected']}")
-        kw[name] = value
-    try:
-        out = cls(**kw)
-    except FieldError as e:
-        sep = " " if str(e).startswith("missing") else ": "
-        raise ConfigError(f"key '{prefix}{e.field}'{sep}{e}") from None
-    object.__setattr__(out, "_written", frozenset(kw))   # the keys the config writes (a null one too)
-    return out
+    """Build node ``cls`` from mapping ``d`` found at ``key`` (``stem.fields.node``): unknown and missing keys,
+    types, ranges (``expect`` metadata), then the node's own checks; ConfigError ``key 'a.b': ...`` otherwise."""
+    return fields.node(cls, d, key, CONFIG)
 
 
 def fail(ok: bool, key: str, problem: str):

@@ -265,6 +265,10 @@ def item_b(ctx: Ctx) -> dict:
 
 # ---------------------------------------------------------------------------------------------- c
 RESUME_STEPS = 3   # steps before the state the child saves; the check compares step RESUME_STEPS + 1
+# Item c ramps the stage's lr over this many steps, as a job's warmup does. At the full 350M lr (2e-3) from step 0,
+# Adam's third step spiked the loss (10.3 -> 11.1 on an H100) and amplified bf16's run-to-run noise (the CUDA
+# embedding backward's atomic adds: 5e-5 at step 2) to a 6 % difference between two identical runs.
+RESUME_WARMUP = 10
 
 
 def _resume_setup(ctx_device: torch.device, tiny: bool, dctx):
@@ -285,7 +289,8 @@ def _resume_setup(ctx_device: torch.device, tiny: bool, dctx):
 
 def _resume_steps(model, opt, batches, lr, clip, dctx, start: int, stop: int) -> list[float]:
     autocast = torch.autocast(dctx.device.type, dtype=torch.bfloat16, enabled=dctx.device.type == "cuda")
-    return [train_step(model, opt, batches, dctx, autocast, lr, clip, s)[0] for s in range(start, stop)]
+    return [train_step(model, opt, batches, dctx, autocast, lr * min(1.0, (s + 1) / RESUME_WARMUP), clip, s)[0]
+            for s in range(start, stop)]
 
 
 def resume_child(state_dir: str, tiny: bool, device: str):
@@ -573,8 +578,10 @@ TITLES = {"a": "bf16 training, every variant", "b": "document masks", "c": "shar
 # step or forward pass (Python, launches, the optimizer), per child process (interpreter, imports, its setup), per
 # memory trace (item d, on meta tensors); set from the CPU runs of the tiny items on the 2-core development
 # machine and, for CUDA, guessed (compilation of a block stack in about a minute): no GPU has run them yet.
-FIXED_S = {"cuda": {"model": 3.0, "compiled": 60.0, "step": 0.05, "child": 30.0, "trace": 3.0},
-           "cpu": {"model": 0.1, "compiled": 12.0, "step": 0.05, "child": 8.0, "trace": 2.0}}
+# "compiled" on CUDA and "host_gib" (s per GiB of weights built or copied on the host) from the first H100 run:
+# item e compiled three models in 56 s in all; item f spent ~130 s of 143 building and copying its 1B models.
+FIXED_S = {"cuda": {"model": 3.0, "compiled": 10.0, "step": 0.05, "child": 30.0, "trace": 3.0, "host_gib": 1.2},
+           "cpu": {"model": 0.1, "compiled": 12.0, "step": 0.05, "child": 8.0, "trace": 2.0, "host_gib": 1.2}}
 EFFICIENCY = 0.35   # the fraction of the timed matrix product's rate a training step reaches
 
 
@@ -587,6 +594,7 @@ class Cost:
     steps: int = 0
     children: int = 0
     traces: int = 0
+    host_gib: float = 0.0   # weights built or copied on the host (item f's configurations)
 
     def train(self, mcfg, seq: int, rows: int, steps: int, checkpointing: bool = False, models: int = 1):
         """``steps`` training steps of ``rows`` x ``seq`` tokens (activation checkpointing: forward twice)."""
@@ -602,12 +610,13 @@ class Cost:
     def seconds(self, rate: float, device_type: str) -> float:
         f = FIXED_S[device_type]
         return (self.flops / rate + self.models * f["model"] + self.compiled * f["compiled"] + self.steps * f["step"]
-                + self.children * f["child"] + self.traces * f["trace"])
+                + self.children * f["child"] + self.traces * f["trace"] + self.host_gib * f["host_gib"])
 
     def text(self, rate: float) -> str:
         parts = [f"{self.flops:.2g} FLOP at {rate / 1e12:.3g} TFLOP/s", f"{self.models} model(s)"]
         parts += [f"{n} {what}" for n, what in ((self.compiled, "compiled"), (self.children, "child process"),
                                                 (self.traces, "memory trace")) if n]
+        parts += [f"{self.host_gib:.3g} GiB copied on the host"] if self.host_gib else []
         return ", ".join(parts + [f"{self.steps} steps"])
 
 
@@ -669,6 +678,8 @@ def predict(ctx: Ctx, key: str) -> Cost:
     elif key == "f":
         batches, (steps, prompt) = F_DECODE[ctx.shapes]
         m = mc("1b", "stem")
+        weights_gib = (2 if ctx.cuda else 4) * accounting(build_model(m, "meta"))["total_params"] / 2**30
+        c.host_gib = 9 * weights_gib   # built once, then per configuration a deep copy and a move to the device
         for _ in range(4):          # resident, offloaded, without prefetch, with a cache
             c.forward(m, prompt, 2, models=1)
             for b in batches:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from stem.fields import OPTIONAL, FieldError as _FieldError, check as _check, is_number as _is_number
+from stem.fields import OPTIONAL, Parser, check as _check, expect, node
 from stem.layout import REPO
 from stem.models.config import ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
@@ -34,93 +34,10 @@ class SpecError(ValueError):
     """A job spec that does not hold what the job needs: one line naming the key."""
 
 
-# ---- building a dataclass from JSON, checking each key against its type --------------------------------
-def _describe(tp) -> str:
-    if tp is type(None):
-        return "null"
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if origin is tuple:
-        return "a list of strings" if typing.get_args(tp)[0] is str else "a list of numbers"
-    if origin is dict or tp is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
-
-
-def _convert(tp, value, key: str):
-    """``value`` as type ``tp`` (JSON scalars kept as they are: an integer stays one where a number is
-    expected, so the JSON does not change); SpecError naming ``key`` otherwise."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        non_null = [a for a in args if a is not type(None)]
-        if len(non_null) == 1 and dataclasses.is_dataclass(non_null[0]):   # a nested spec: its own errors
-            return _convert(non_null[0], value, key)
-        for a in args:
-            if a is not type(None):
-                try:
-                    return _convert(a, value, key)
-                except SpecError:
-                    pass
-        raise SpecError(f"key '{key}': expected {_describe(tp)}, got {value!r}")
-    if tp is ModelConfig:
-        if not isinstance(value, dict):
-            raise SpecError(f"key '{key}': expected a model config mapping, got {value!r}")
-        try:
-            return ModelConfig.from_dict(value)
-        except (TypeError, ValueError) as e:
-            raise SpecError(f"key '{key}': {e}") from None
-    if dataclasses.is_dataclass(tp):
-        return _from_dict(tp, value, key)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise SpecError(f"key '{key}': expected a mapping, got {value!r}")
-        return {k: _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise SpecError(f"key '{key}': expected a mapping, got {value!r}")
-        return value
-    if origin is tuple and args[0] is str:     # tuple[str, ...]
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
-            raise SpecError(f"key '{key}': expected a non-empty list of strings, got {value!r}")
-        return tuple(value)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value) \
-                or (args[-1] is not Ellipsis and len(value) != len(args)):
-            n = "" if args[-1] is Ellipsis else f"{len(args)} "
-            raise SpecError(f"key '{key}': expected a list of {n}numbers, got {value!r}")
-        return tuple(value)
-    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
-          float: _is_number(value), str: isinstance(value, str)}.get(tp)
-    if not ok:
-        raise SpecError(f"key '{key}': expected {_describe(tp)}, got {value!r}")
-    return value
-
-
-def _from_dict(cls, d, where: str):
-    if not isinstance(d, dict):
-        raise SpecError(f"key '{where}': expected a mapping, got {d!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    prefix = f"{where}." if where else ""
-    unknown = sorted(set(d) - set(fields))
-    if unknown:
-        raise SpecError(f"key '{prefix}{unknown[0]}': unknown (expected one of {', '.join(fields)})")
-    hints = typing.get_type_hints(cls)
-    kw = {}
-    for name, f in fields.items():
-        if name not in d:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise SpecError(f"key '{prefix}{name}' missing (expected {_describe(hints[name])})")
-            continue
-        kw[name] = _convert(hints[name], d[name], prefix + name)
-    try:
-        return cls(**kw)
-    except _FieldError as e:
-        raise SpecError(f"key '{prefix}{e.field}': {e}") from None
+# ---- building a dataclass from JSON, checking each key against its type (stem.fields) -------------------
+SPEC = Parser(SpecError, wrong="key '{key}': expected {expected}, got {value}",
+              unknown="key '{key}': unknown (expected one of {names})", own=(ModelConfig,))
+NAMES = Annotated[tuple[str, ...], expect(len, "a non-empty list of strings")]
 
 
 def _plain(obj):
@@ -142,7 +59,7 @@ class _Spec:
     def from_dict(cls, d: dict):
         """Build and check a spec; SpecError ``{kind} spec: key 'a.b': expected ..., got ...`` otherwise."""
         try:
-            return _from_dict(cls, d, "")
+            return node(cls, d, "", SPEC)
         except SpecError as e:
             raise SpecError(f"{cls.KIND} spec: {e}") from None
 
@@ -243,7 +160,7 @@ class TrainSpec(_Spec):
     # mid-training insertion (stem.models.insert): {"from": the dense variant init_from belongs to, "init":
     # projected | raw | xavier}; only in the insertion stage's spec
     insert: dict | None = field(default=None, metadata=OPTIONAL)
-    plugins: tuple[str, ...] = field(default=(), metadata=OPTIONAL)   # the config's plugin modules (stem.plugins)
+    plugins: NAMES = field(default=(), metadata=OPTIONAL)   # the config's plugin modules (stem.plugins)
 
     def __post_init__(self):
         _check(self.insert is None or (set(self.insert) == {"from", "init"}
@@ -330,7 +247,7 @@ class ReportSpec(_Spec):
     ``from_config`` checks it once; every report job reads this, never the raw section."""
     KIND: typing.ClassVar[str] = "report"
     experiment: str
-    stages: dict[str, tuple[str, ...]]
+    stages: dict[str, NAMES]
     tolerance: dict[str, float]
     spikes: Spikes = field(default_factory=Spikes)
     accepted: str | None = None

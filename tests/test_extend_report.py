@@ -224,6 +224,8 @@ def test_report_stages_of_an_unknown_table_is_a_one_line_error():
            ({"spikes": {"window": "50"}}, r"^config: key 'report.spikes.window': expected an integer, got '50'$"),
            ({"stages": {"table3": "pretrain"}}, r"^config: key 'report.stages.table3': expected a non-empty list of "
                                                 r"strings, got 'pretrain'$"),
+           ({"stages": {"table3": []}}, r"^config: key 'report.stages.table3': expected a non-empty list of "
+                                        r"strings, got \[\]$"),
            ({"stages": {"table3": ["pretrian"]}}, r"^config: key 'report.stages.table3': expected stages among")]
     for rep, message in bad:
         with pytest.raises(ValueError, match=message):

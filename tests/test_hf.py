@@ -7,16 +7,20 @@ import shutil
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
 from stem import config as C  # noqa: E402
 from stem.data import synth  # noqa: E402
 from stem.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
-from stem.hf.export import export_hf  # noqa: E402
+from stem.hf.export import REMOTE, REMOTE_FILES, export_hf  # noqa: E402
 from conftest import reshaped  # noqa: E402
 from stem.hf.importer import HF_KEY, import_hf  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
+from stem.models import registry  # noqa: E402
+from stem.models.ffn import StemTable  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 from stem.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
@@ -49,8 +53,8 @@ def tiny_cfg(variant, rope_scaling=None, **arch):
     return C.model_config_for(reshaped(cfg), "1b", variant, "pretrain").to_dict()
 
 
-def make_ckpt(root, tok_file, variant="stem", seed=0, **arch):
-    mc = tiny_cfg(variant, **arch)
+def make_ckpt(root, tok_file, variant="stem", seed=0, ffn=None, **arch):
+    mc = tiny_cfg(variant, **arch) | ({"ffn": ffn} if ffn else {})
     torch.manual_seed(seed)
     model = build_model(ModelConfig.from_dict(mc), "cpu")
     with torch.no_grad():   # norms away from 1, so a misplaced norm weight shows; DSE's conv away from 0
@@ -94,6 +98,49 @@ def test_export_logits_equal(variant, tok_file, tmp_path):
         assert {k: spec["model"][k] for k in HF_KEY} == {k: getattr(model.cfg, k) for k in HF_KEY}
     for k, v in model.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k
+
+
+class GateTableFFN(nn.Module):
+    """A kind the remote code has never seen, added through the registry: y = W_d(SiLU(W_g x + U[t]) * W_u x)."""
+
+    def __init__(self, cfg, layer: int = 0):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.table = StemTable(cfg)
+        self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x, ids):
+        return self.w_down(F.silu(self.w_gate(x) + self.table(ids)) * self.w_up(x))
+
+
+def test_a_registered_kind_exports_by_its_declared_module_or_is_one_line(tok_file, tmp_path):
+    """The remote code builds a layer from the module its kind declares in the registry (FFNFacts.hf, written into
+    config.json as ffn_modules), naming no kind: a new kind declaring one exports with equal logits; a kind
+    declaring none is refused in one line naming it, and nothing is written."""
+    registry.declare_ffn("toy_gate_table", GateTableFFN, table=True, lookup=True,
+                         hf={"module": "swiglu", "gate": ["proj", "table"], "up": ["proj"]})
+    registry.declare_ffn("toy_no_hf", "stem.models.ffn:DenseFFN", table=False, lookup=False)
+    try:
+        ckpt, model = make_ckpt(tmp_path, tok_file, "dense", ffn=["dense", "toy_gate_table", "stem", "toy_gate_table"])
+        assert export_hf(ckpt, tmp_path / "hf")["trust_remote_code"]
+        cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+        assert cfg["ffn_modules"] == {k: registry.FFN_FACTS[k].hf for k in ("dense", "toy_gate_table", "stem")}
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf(IDS).logits, model(IDS), atol=ATOL, rtol=RTOL)
+        ckpt, _ = make_ckpt(tmp_path / "no", tok_file, "dense", ffn=["dense", "toy_no_hf", "dense", "dense"])
+        with pytest.raises(ValueError, match=r"^ffn kind 'toy_no_hf': no transformers module declared \(hf=None; "
+                                             r"expected declare_ffn/register_ffn\(\.\.\., hf=.*: export-hf exports "
+                                             r"dense, stem, .*toy_gate_table$"):
+            export_hf(ckpt, tmp_path / "no" / "hf")
+        assert not (tmp_path / "no" / "hf").exists()
+    finally:
+        for kind in ("toy_gate_table", "toy_no_hf"):
+            registry.FFN_KINDS.remove(kind)
+            registry.FFN_FACTS.remove(kind)
+    remote = [REMOTE / name for name in REMOTE_FILES] + [REMOTE.parent / "export.py"]
+    assert not [(p.name, k) for p in remote for k in registry.FFN_KINDS if f'"{k}"' in p.read_text()]
 
 
 ROPES = {"theta": {"kind": "theta", "theta": 40000.0}, "linear": {"kind": "linear", "factor": 2.0},

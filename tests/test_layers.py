@@ -7,7 +7,8 @@ layer, lazy (function-level) imports included, and so does every registry entry 
 string (imported by name on first use, stem.registry.resolve), which must name a module of the tree and a name
 defined at its top; and the units' import graph has no cycle (tests/test_imports.py checks the modules').
 A new package or top-level module is added to ``LAYERS`` (one line) or the test says where it is missing.
-docs/design.md shows the same table (checked).
+docs/design.md shows the same table (checked). Below: no function of stem/, workflow_scripts/ or scripts/ is longer
+than 59 lines (def line to last line).
 """
 import ast
 import re
@@ -189,3 +190,34 @@ def test_imports_go_down_the_layers():
 
 def test_no_package_level_import_cycle():
     assert _cycle(unit_graph(imports())) is None
+
+
+
+# ---- function length (issue 28 item 6) -----------------------------------------------------------------
+MAX_FUNCTION_LINES = 59   # def line to last line
+LENGTH_CHECKED = ("stem", "workflow_scripts", "scripts")
+
+
+def long_functions(paths, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``file:line name (N lines)`` for each function of ``paths`` (methods and nested ones too) over ``limit``."""
+    out = []
+    for path in paths:
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_the_length_check_can_fail(tmp_path):
+    for n in (59, 60):   # a method of n lines
+        (tmp_path / f"toy{n}.py").write_text("class C:\n    def f(self):\n" + "        x = 1\n" * (n - 2)
+                                             + "        return x\n")
+    assert long_functions([tmp_path / "toy59.py"]) == []
+    assert long_functions([tmp_path / "toy60.py"]) == [f"{tmp_path / 'toy60.py'}:2 f (60 lines)"]
+
+
+def test_no_function_is_longer_than_59_lines():
+    paths = [p for folder in LENGTH_CHECKED for p in sorted((REPO / folder).rglob("*.py"))]
+    assert len(paths) > 100 and long_functions(paths) == []

@@ -10,6 +10,7 @@ from stem import config as C
 from stem.models.config import ModelConfig, RopeScaling, model_config, resolve_placement
 from stem.models.ffn import HashMoEFFN, balanced_expert_map, build_ffn
 from stem.models.model import KVCache, build_model
+from conftest import reshaped
 
 TINY = dict(vocab_size=97, d_model=16, n_layers=6, n_heads=4, n_kv_heads=2, d_ff=24, max_seq_len=64)
 
@@ -101,6 +102,50 @@ def test_every_variant_forward_backward(variant):
     groups = model.param_groups()
     assert sum(len(v) for v in groups.values()) == len(list(model.parameters()))
     assert ("table" in groups) == (mcfg.ffn.count("stem") + mcfg.ffn.count("stem_gate") + mcfg.ffn.count("stem_dagger") > 0)
+
+
+def test_every_rmsnorm_gets_its_weights_dtype_under_bf16_autocast():
+    """Under bf16 autocast (CUDA training's; the CPU's casts the same ops) every RMSNorm of every variant gets an
+    input of its weight's dtype, so CUDA's fused rms_norm kernel dispatches (gpucheck item a warned "Mismatch dtype
+    between input and weight": DSE's key norm was fed its bf16 projection)."""
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg["archs"]["350m"].update(TINY)
+    cfg = reshaped(cfg)
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen[name] = (args[0].dtype, module.weight.dtype)
+        return hook
+
+    for variant in sorted(C.read_yaml(C.VARIANTS)):
+        torch.manual_seed(0)
+        model = build_model(C.model_config_for(cfg, "350m", variant))
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                m.register_forward_pre_hook(record(f"{variant} {name}"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(torch.randint(0, model.cfg.vocab_size, (2, 16)))
+        assert logits.dtype == torch.bfloat16   # autocast is on
+    assert "dse layers.1.dse.norm_k" in seen and "dense norm" in seen
+    assert {k: v for k, v in seen.items() if v[0] != v[1]} == {}
+
+
+def test_tied_model_stays_tied_through_to_empty():
+    """A tied model (tie_embeddings: the real experiment's 350m and its STEM variants) built on the meta device and
+    materialised with ``to_empty`` (load_offloaded, the insertion analysis) has one head-and-embedding tensor again
+    (to_empty gives each name its own), and the eagerly built tied model's logits."""
+    cfg = _cfg(tie_embeddings=True, ffn=("dense", "stem") * 3)
+    torch.manual_seed(0)
+    eager = build_model(cfg).eval()
+    model = build_model(cfg, "meta").to_empty(device="cpu")
+    assert model.lm_head.weight is model.tok_emb.weight and len(list(model.parameters())) == len(list(eager.parameters()))
+    model.init_weights()
+    model.load_state_dict(eager.state_dict())
+    assert model.lm_head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids), eager(ids))
 
 
 def test_placement_indices():
@@ -535,3 +580,29 @@ def test_dse_kv_cache_matches_full_forward_and_uncached_greedy():
     assert [greedy_generate(model, p, 12, use_cache=True) for p in prompts] == uncached
     assert greedy_generate_batch(model, prompts, 12) == uncached
     assert len(set(map(tuple, uncached))) == 3 and all(len(g) == 12 for g in uncached)
+
+
+class _SdpaCalls(torch.overrides.TorchFunctionMode):
+    """Records, at every SDPA call, whether cuDNN's attention kernel was allowed (the flag the dispatcher reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cudnn_allowed = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return func(*args, **(kwargs or {}))
+
+
+def test_attention_leaves_out_cudnn_outside_training_only():
+    """cuDNN attention builds a plan per new shape: ~75 ms per decoded token of the 1B model on an H100 against
+    a 13 ms step (docs/gpu.md). Evaluation and decoding (eval mode) leave it out; training keeps SDPA's choice."""
+    model = build_model(_cfg(n_layers=2, ffn=("dense", "stem")))
+    ids = torch.randint(0, 97, (2, 8))
+    for training, expected in ((True, True), (False, False)):
+        model.train(training)
+        with _SdpaCalls() as calls:
+            model(ids)
+        assert calls.cudnn_allowed == [expected] * 2
+    assert torch.backends.cuda.cudnn_sdp_enabled()   # restored after the call

@@ -18,10 +18,10 @@ VARIANTS = ["stem", "stem_gate", "stem_dagger", "stem_half", "stem_full"]
 V, D_FF = 64, 24
 
 
-def tiny_model(variant, n_kv_heads=1, vocab=V):
+def tiny_model(variant, n_kv_heads=1, vocab=V, tied=False):
     cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     cfg["archs"]["350m"].update(vocab_size=vocab, d_model=16, n_layers=4, n_heads=2, n_kv_heads=n_kv_heads, d_ff=D_FF,
-                                max_seq_len=64)
+                                max_seq_len=64, tie_embeddings=tied)
     torch.manual_seed(0)
     model = build_model(C.model_config_for(reshaped(cfg), "350m", variant)).eval()
     with torch.no_grad():  # tables as large as the activations, so a wrong row shows in the logits
@@ -239,11 +239,13 @@ def test_warm_replay_starts_with_the_most_frequent_ids():
     assert replay_hit_rate(np.array([[6]]), steps, 10, 2) == 1 / 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_load_offloaded_never_reads_the_tables_into_the_model(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,tied", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_load_offloaded_never_reads_the_tables_into_the_model(tmp_path, dtype, tied):
+    """The tables stay in the file (the engine's far tier), the logits are the resident model's, and a tied model
+    (tie_embeddings) comes back tied: its head is its embedding, one tensor."""
     from stem.checkpoint import load_offloaded
     from stem.checkpoint import save_checkpoint
-    model = tiny_model("stem_full")
+    model = tiny_model("stem_full", tied=tied)
     spec = {"experiment": "test", "scale": "350m", "variant": "stem_full", "stage": "pretrain",
             "model": model.cfg.to_dict()}
     (tmp_path / "tok.json").write_text("{}")
@@ -253,6 +255,7 @@ def test_load_offloaded_never_reads_the_tables_into_the_model(tmp_path, dtype):
     ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(got(ids), model.to(dtype)(ids))
+    assert (got.lm_head.weight is got.tok_emb.weight) == tied == (model.lm_head.weight is model.tok_emb.weight)
     from safetensors.torch import load_file, save_file
     state = load_file(tmp_path / "ckpt" / "model.safetensors")
     state["stray.weight"] = torch.zeros(2)

@@ -114,9 +114,7 @@ def inserted_rows(cfg, dense_state: dict, init: str, ids: torch.Tensor, seed: in
     found = token_tables(model)
     for parent, attr, _ in found:
         setattr(parent, attr, nn.Identity())   # placeholders: the rows come after the copy below
-    model.to_empty(device="cpu")
-    if cfg.tie_embeddings:   # to_empty gives each of the two names its own tensor: one parameter again
-        model.lm_head.weight = model.tok_emb.weight
+    model.to_empty(device="cpu")   # tied again, if tied (Transformer.to_empty)
     model.init_weights()   # the buffers not in a state dict (RoPE frequencies)
     layers = insert_stem(model, dense_state, "xavier", where)   # every weight but the tables (xavier: none set)
     emb = dense_state["tok_emb.weight"][ids]

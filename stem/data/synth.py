@@ -438,68 +438,90 @@ def _drill(rng: random.Random) -> str:
     return "\n".join(lines)
 
 
-def word_problem(rng: random.Random, world: World) -> tuple[str, list[str], int]:
-    p = rng.choice(world.people)
+# The word-problem templates, one function each: (question, solution steps, answer) about person ``p``.
+def _market(rng: random.Random, world: World, p: Person) -> tuple[str, list[str], int]:
+    first = p.name.split()[0]
+    n, price, goods = rng.randint(2, 9), rng.randint(2, 20), rng.choice(GOODS)
+    s1, total = _eq(n, "*", price)
+    bill = (total // 10 + rng.randint(1, 5)) * 10
+    s2, change = _eq(bill, "-", total)
+    q = (f"{p.name} goes to the market in {p.city} and buys {n} {goods} that cost {price} coins each. "
+         f"{first} pays with {bill} coins. How many coins does {first} get back as change?")
+    return q, [f"The {goods} cost {s1} coins.", f"The change is {s2} coins."], change
+
+
+def _populations(rng: random.Random, world: World, p: Person) -> tuple[str, list[str], int]:
+    a, b = rng.sample(world.countries, 2)
+    q = (f"{a.name} has {a.population_millions} million people and {b.name} has "
+         f"{b.population_millions} million people. ")
+    if rng.random() < 0.5 or a.population_millions == b.population_millions:
+        s, ans = _eq(a.population_millions, "+", b.population_millions)
+        return q + "How many million people live in the two countries together?", [f"Together they have {s} million people."], ans
+    big, small = sorted((a, b), key=lambda c: -c.population_millions)
+    s, ans = _eq(big.population_millions, "-", small.population_millions)
+    return (q + "How many million more people live in the larger country?",
+            [f"{big.name} is larger, with {s} million more people."], ans)
+
+
+def _ages(rng: random.Random, world: World, p: Person) -> tuple[str, list[str], int]:
+    first = p.name.split()[0]
+    other = rng.choice([o for o in world.people if o.birth_year != p.birth_year] or [p])
+    if other is p or rng.random() < 0.5:
+        year = p.birth_year + rng.randint(10, 80)
+        s, ans = _eq(year, "-", p.birth_year)
+        return f"{p.name} was born in {p.birth_year}. How old did {first} turn in {year}?", [f"{first} turned {s} years old."], ans
+    late, early = sorted((p, other), key=lambda x: -x.birth_year)
+    s, ans = _eq(late.birth_year, "-", early.birth_year)
+    return (f"{p.name} was born in {p.birth_year} and {other.name} was born in {other.birth_year}. "
+            "How many years apart were they born?", [f"They were born {s} years apart."], ans)
+
+
+def _train_trip(rng: random.Random, world: World, p: Person) -> tuple[str, list[str], int]:
+    speed, hours = rng.randint(3, 12) * 5, rng.randint(2, 9)
+    s1, d = _eq(speed, "*", hours)
+    s2, total = _eq(d, "*", 2)
+    q = (f"A train from {p.city} travels at {speed} kilometers per hour for {hours} hours, then makes "
+         "the same trip back at the same speed. How many kilometers does it travel in total?")
+    return q, [f"One way is {s1} kilometers.", f"There and back is {s2} kilometers."], total
+
+
+def _bread(rng: random.Random, world: World, p: Person) -> tuple[str, list[str], int]:
+    k, each, give = rng.randint(2, 9), rng.randint(4, 15), rng.randint(1, 3)
+    s1, q1 = _eq(k * each, "/", k)
+    s2, keep = _eq(q1, "-", give)
+    q = (f"{p.name} bakes {k * each} loaves of bread and shares them equally among {k} families in "
+         f"{p.city}. Each family gives {give} loaves to its neighbors. How many loaves does each family keep?")
+    return q, [f"Each family gets {s1} loaves.", f"Each family keeps {s2} loaves."], keep
+
+
+def _sheep(rng: random.Random, world: World, p: Person) -> tuple[str, list[str], int]:
+    start, per_week, weeks = rng.randint(5, 60), rng.randint(2, 12), rng.randint(2, 8)
+    s1, bought = _eq(per_week, "*", weeks)
+    s2, have = _eq(start, "+", bought)
+    sold = rng.randint(1, have)
+    s3, left = _eq(have, "-", sold)
+    q = (f"A farmer near {p.city} has {start} sheep and buys {per_week} more sheep every week. After "
+         f"{weeks} weeks the farmer sells {sold} sheep. How many sheep does the farmer have now?")
+    return q, [f"The farmer buys {s1} sheep.", f"Then the farmer has {s2} sheep.", f"After selling, {s3} sheep are left."], left
+
+
+def _wages(rng: random.Random, world: World, p: Person) -> tuple[str, list[str], int]:
     first, v = p.name.split()[0], _person_vars(p)
-    kind = rng.randrange(7)
-    if kind == 0:
-        n, price, goods = rng.randint(2, 9), rng.randint(2, 20), rng.choice(GOODS)
-        s1, total = _eq(n, "*", price)
-        bill = (total // 10 + rng.randint(1, 5)) * 10
-        s2, change = _eq(bill, "-", total)
-        q = (f"{p.name} goes to the market in {p.city} and buys {n} {goods} that cost {price} coins each. "
-             f"{first} pays with {bill} coins. How many coins does {first} get back as change?")
-        return q, [f"The {goods} cost {s1} coins.", f"The change is {s2} coins."], change
-    if kind == 1:
-        a, b = rng.sample(world.countries, 2)
-        q = (f"{a.name} has {a.population_millions} million people and {b.name} has "
-             f"{b.population_millions} million people. ")
-        if rng.random() < 0.5 or a.population_millions == b.population_millions:
-            s, ans = _eq(a.population_millions, "+", b.population_millions)
-            return q + "How many million people live in the two countries together?", [f"Together they have {s} million people."], ans
-        big, small = sorted((a, b), key=lambda c: -c.population_millions)
-        s, ans = _eq(big.population_millions, "-", small.population_millions)
-        return (q + "How many million more people live in the larger country?",
-                [f"{big.name} is larger, with {s} million more people."], ans)
-    if kind == 2:
-        other = rng.choice([o for o in world.people if o.birth_year != p.birth_year] or [p])
-        if other is p or rng.random() < 0.5:
-            year = p.birth_year + rng.randint(10, 80)
-            s, ans = _eq(year, "-", p.birth_year)
-            return f"{p.name} was born in {p.birth_year}. How old did {first} turn in {year}?", [f"{first} turned {s} years old."], ans
-        late, early = sorted((p, other), key=lambda x: -x.birth_year)
-        s, ans = _eq(late.birth_year, "-", early.birth_year)
-        return (f"{p.name} was born in {p.birth_year} and {other.name} was born in {other.birth_year}. "
-                "How many years apart were they born?", [f"They were born {s} years apart."], ans)
-    if kind == 3:
-        speed, hours = rng.randint(3, 12) * 5, rng.randint(2, 9)
-        s1, d = _eq(speed, "*", hours)
-        s2, total = _eq(d, "*", 2)
-        q = (f"A train from {p.city} travels at {speed} kilometers per hour for {hours} hours, then makes "
-             "the same trip back at the same speed. How many kilometers does it travel in total?")
-        return q, [f"One way is {s1} kilometers.", f"There and back is {s2} kilometers."], total
-    if kind == 4:
-        k, each, give = rng.randint(2, 9), rng.randint(4, 15), rng.randint(1, 3)
-        s1, q1 = _eq(k * each, "/", k)
-        s2, keep = _eq(q1, "-", give)
-        q = (f"{p.name} bakes {k * each} loaves of bread and shares them equally among {k} families in "
-             f"{p.city}. Each family gives {give} loaves to its neighbors. How many loaves does each family keep?")
-        return q, [f"Each family gets {s1} loaves.", f"Each family keeps {s2} loaves."], keep
-    if kind == 5:
-        start, per_week, weeks = rng.randint(5, 60), rng.randint(2, 12), rng.randint(2, 8)
-        s1, bought = _eq(per_week, "*", weeks)
-        s2, have = _eq(start, "+", bought)
-        sold = rng.randint(1, have)
-        s3, left = _eq(have, "-", sold)
-        q = (f"A farmer near {p.city} has {start} sheep and buys {per_week} more sheep every week. After "
-             f"{weeks} weeks the farmer sells {sold} sheep. How many sheep does the farmer have now?")
-        return q, [f"The farmer buys {s1} sheep.", f"Then the farmer has {s2} sheep.", f"After selling, {s3} sheep are left."], left
     hours, rate, days = rng.randint(2, 10), rng.randint(3, 25), rng.randint(2, 7)
     s1, daily = _eq(hours, "*", rate)
     s2, total = _eq(daily, "*", days)
     q = (f"{p.name} is {v['a_prof']} in {p.city} who works {hours} hours a day and earns {rate} coins per "
          f"hour. How many coins does {first} earn in {days} days?")
     return q, [f"Each day {first} earns {s1} coins.", f"In {days} days that is {s2} coins."], total
+
+
+_WORD_PROBLEMS = (_market, _populations, _ages, _train_trip, _bread, _sheep, _wages)
+
+
+def word_problem(rng: random.Random, world: World) -> tuple[str, list[str], int]:
+    """A grade-school word problem about a person of ``world``: (question, solution steps, answer)."""
+    p = rng.choice(world.people)
+    return _WORD_PROBLEMS[rng.randrange(len(_WORD_PROBLEMS))](rng, world, p)
 
 
 def math_documents(world: World, seed: int = 0) -> Iterator[str]:

@@ -1,11 +1,14 @@
 """A training-stage checkpoint -> a transformers model folder (``python -m stem export-hf CHECKPOINT OUT``).
 
-- dense (with a RoPE transformers has: none, theta, linear, yarn with ``ramp: dims``, llama3): a stock
-  ``LlamaForCausalLM`` folder that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads without remote code;
-- every other FFN kind (stem, stem_gate, stem_dagger, hashmoe, moe; any placement), and a dense model with the
-  YaRN paper's ramp (``ramp: rotations``, which transformers' ``yarn`` does not implement): the same Llama
-  layout plus ``configuration_stem.py`` / ``modeling_stem.py`` (stem/hf/remote/) named in ``auto_map``
-  (``trust_remote_code=True``);
+- a model whose every FFN is transformers' Llama MLP (its kind's registered ``hf`` module is ``LLAMA_MLP``), with a
+  RoPE transformers has (none, theta, linear, yarn with ``ramp: dims``, llama3): a stock ``LlamaForCausalLM``
+  folder that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads without remote code;
+- any other FFN kind (any placement), and a model with the YaRN paper's ramp (``ramp: rotations``, which
+  transformers' ``yarn`` does not implement): the same Llama layout plus ``configuration_stem.py`` /
+  ``modeling_stem.py`` (stem/hf/remote/) named in ``auto_map`` (``trust_remote_code=True``). The config says
+  per layer its kind (``ffn_kinds``) and per kind the module the remote code builds (``ffn_modules``: the
+  registry's ``FFNFacts.hf``, stem.models.registry), so the remote code names no kind; a kind registered without
+  ``hf`` is not exported (one line);
 - DSE (hashed N-gram memory) travels in the remote code too (hash constants in the config, ``dse_hash``); it keeps
   no incremental state there, so the folder says ``use_cache: false`` (generation recomputes the prefix).
 
@@ -27,10 +30,12 @@ from transformers import GenerationConfig, LlamaConfig
 from stem.data.tokenizer import load_tokenizer
 from stem.hf.keys import to_hf
 from stem.hf.remote.configuration_stem import StemLlamaConfig
+from stem.hf.remote.modeling_stem import MODULES
 from stem.hf.tokenizer import save_tokenizer
 from stem.io import atomic_dir
 from stem.models.config import ModelConfig
 from stem.models.model import saved_state
+from stem.models.registry import FFN_FACTS, ffn_facts
 from stem.checkpoint import load_checkpoint
 
 REMOTE = Path(__file__).parent / "remote"
@@ -64,8 +69,27 @@ def hf_rope(cfg: ModelConfig) -> tuple[dict, dict | None]:
     raise ValueError(f"rope_scaling.kind={r.kind!r}: no transformers equivalent")
 
 
+LLAMA_MLP = {"module": "swiglu", "gate": ["proj"], "up": ["proj"]}   # transformers' LlamaMLP computes this one
+
+
+def ffn_modules(cfg: ModelConfig) -> dict[str, dict]:
+    """{kind: the module the remote code builds for it} of the model's FFN kinds (the registry's FFNFacts.hf);
+    a one-line ValueError for a kind that declares none, or one the remote code cannot build."""
+    out = {}
+    for kind in dict.fromkeys(cfg.ffn):
+        spec = ffn_facts(kind).hf
+        if spec is None or spec.get("module") not in MODULES:
+            can = ", ".join(k for k in FFN_FACTS if FFN_FACTS[k].hf is not None)
+            raise ValueError(f"ffn kind {kind!r}: no transformers module declared (hf={spec!r}; expected "
+                             f"declare_ffn/register_ffn(..., hf={{'module': one of {', '.join(MODULES)}, ...}}): "
+                             f"export-hf exports {can}")
+        out[kind] = spec
+    return out
+
+
 def needs_remote_code(cfg: ModelConfig) -> bool:
-    return any(k != "dense" for k in cfg.ffn) or hf_rope(cfg)[1] is not None or cfg.dse is not None
+    return (any(spec != LLAMA_MLP for spec in ffn_modules(cfg).values()) or hf_rope(cfg)[1] is not None
+            or cfg.dse is not None)
 
 
 def dse_hash(model) -> dict | None:
@@ -88,6 +112,7 @@ def hf_config(cfg: ModelConfig, eos_id: int, dse: dict | None = None):
     if not needs_remote_code(cfg):
         return LlamaConfig(**common, architectures=["LlamaForCausalLM"])
     out = StemLlamaConfig(**common, architectures=["StemLlamaForCausalLM"], ffn_kinds=list(cfg.ffn),
+                          ffn_modules=ffn_modules(cfg),
                           n_experts=cfg.n_experts, moe_experts=cfg.moe_experts, moe_shared=cfg.moe_shared,
                           moe_top_k=cfg.moe_top_k, moe_d_ff=cfg.moe_d_ff, stem_rope=stem_rope,
                           stem_model=cfg.to_dict(), dse_hash=dse,

@@ -1,8 +1,8 @@
 """Parameter names: the pipeline's model (stem.models.model) <-> transformers' Llama layout.
 
 The pipeline's projections have the Llama shapes and the same rotate-half RoPE convention, so a weight moves
-across unchanged; only its name differs. FFN kinds other than dense keep their own parameter names under
-``mlp.`` (stem/hf/remote/modeling_stem.py builds those modules with these names).
+across unchanged; only its name differs. An FFN keeps its own parameter names under ``mlp.``, its projections
+renamed as Llama's (stem/hf/remote/modeling_stem.py builds its modules with these names).
 """
 from __future__ import annotations
 

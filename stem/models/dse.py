@@ -107,7 +107,10 @@ class DSEMemory(nn.Module):
         mem = torch.cat([tab(r) for tab, r in zip(self.tables, rows)], dim=-1)
         key, value = self.w_key(mem), self.w_value(mem)
         if self.mode == "normal":
-            score = (self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model)
+            # the key in its norm's dtype, as the residual stream h is: under bf16 autocast the projection gives
+            # bf16 and the weight is fp32, and CUDA's fused rms_norm needs the two equal (a no-op otherwise)
+            key_n = self.norm_k(key.to(self.norm_k.weight.dtype))
+            score = (self.norm_h(h) * key_n).sum(-1, keepdim=True) / math.sqrt(self.d_model)
             gate = torch.sigmoid(score)
         else:  # App. G: the gate forced to 0 (disabled) or 1 (forced)
             gate = torch.full_like(value[..., :1], 1.0 if self.mode == "forced" else 0.0)

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stem.models.attention import flex_document_mask
 from stem.models.config import LOSS_CHUNK, ModelConfig
@@ -23,6 +24,13 @@ from stem.models.dse import DSE_MODES, DSEMemory, token_compression
 from stem.models.ffn import build_ffn
 from stem.models.registry import OPTIM_GROUPS, check_facts, param_roles
 from stem.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+
+
+# SDPA's kernels outside training, cuDNN's left out: it builds an execution plan per new shape, and evaluation and
+# decoding change the shape every call (a KV cache one token longer, requests of other lengths). On an H100
+# (torch 2.11) that cost about 75 ms per decoded token of the 1B model against a 13 ms step (docs/gpu.md,
+# item f). Training's shapes are fixed, so it keeps SDPA's own choice. On the CPU nothing changes.
+INFERENCE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -67,9 +75,13 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v)
         if callable(mask):  # a flex-attention block mask builder's result
             y = mask(q, k, v)
-        else:
+        elif self.training:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=self.n_kv != self.n_heads)
+        else:
+            with sdpa_kernel(INFERENCE_SDPA):
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                   enable_gqa=self.n_kv != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -129,8 +141,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied (Sec. 4.1) unless tie_embeddings
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
+        self.tie_weights()
         inv_freq, self.rope_mscale = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # DSE vocabulary compression (identity until set from the tokenizer; saved with the weights).
@@ -143,6 +154,17 @@ class Transformer(nn.Module):
         self.activation_checkpointing = False
         if self.inv_freq.device.type != "meta":
             self.init_weights()
+
+    def tie_weights(self):
+        """With ``tie_embeddings`` the LM head is the token embedding: one parameter under two names."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """``nn.Module.to_empty`` (materialise a meta model), tied again: it gives each name its own tensor."""
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
 
     # ---- initialisation -------------------------------------------------------------------------
     @torch.no_grad()

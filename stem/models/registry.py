@@ -77,18 +77,25 @@ class FFNFacts:
         state bytes (stem.models.config.param_count).
     activations: ``activations(cfg) -> int``, the bytes per token one layer's FFN saves for backward under bf16
         autocast (stem.train.memory.estimate, the closed form; None: counted as a SwiGLU FFN's, ``swiglu_activations``).
+    hf: the module a layer of this kind becomes in an exported transformers model (``python -m stem export-hf``;
+        the remote code stem/hf/remote/modeling_stem.py builds it from these data, naming no kind):
+        ``{"module": "swiglu", "gate": [...], "up": [...]}``, y = W_d(SiLU(sum of gate) * sum of up), each a list
+        of ``"proj"`` (W_gate x / W_up x) and ``"table"`` (the layer's V x d_ff table read by token id);
+        ``{"module": "hash_experts"}`` (Hash-MoE's E SwiGLU experts picked by a saved token -> expert map);
+        ``{"module": "routed_experts"}`` (a shared SwiGLU + softmax-routed top-k experts). None: not exportable.
     """
     table: bool | None = None
     lookup: bool | None = None
     params: Callable | None = None
     activations: Callable | None = None
+    hf: dict | None = None
 
 
 def declare_ffn(name: str, entry, *, table: bool | None = None, lookup: bool | None = None,
-                params: Callable | None = None, activations: Callable | None = None):
+                params: Callable | None = None, activations: Callable | None = None, hf: dict | None = None):
     """Register FFN kind ``name`` (a class or its ``"module:Class"``) with its torch-free facts (FFNFacts)."""
     FFN_KINDS.add(name, entry)
-    FFN_FACTS.add(name, FFNFacts(table, lookup, params, activations))
+    FFN_FACTS.add(name, FFNFacts(table, lookup, params, activations, hf))
     return entry
 
 
@@ -122,21 +129,28 @@ OPTIM_GROUPS.add("dse_table", (5.0, 0.0))
 # The built-in kinds as "module:Class" (imported on first use, so a config is checked without importing torch,
 # e.g. while Snakemake builds the DAG) with their facts; another kind registers the same way from a plugin
 # module (stem.plugins): ``declare_ffn("name", "module:Class", ...)`` or ``@register_ffn("name", ...)``.
+def _swiglu_hf(gate: str, up: str) -> dict:
+    """FFNFacts.hf of a SwiGLU-shaped kind: each operand a ``+``-joined sum of ``proj`` and ``table``."""
+    return {"module": "swiglu", "gate": gate.split("+"), "up": up.split("+")}
+
+
 _STEM = {"table": True, "lookup": True, "activations": swiglu_activations}
 declare_ffn("dense", "stem.models.ffn:DenseFFN", table=False, lookup=False,        # gate, up, down
-            params=lambda c: _swiglu(c.d_model, c.d_ff), activations=swiglu_activations)
+            params=lambda c: _swiglu(c.d_model, c.d_ff), activations=swiglu_activations, hf=_swiglu_hf("proj", "proj"))
 declare_ffn("stem", "stem.models.ffn:StemFFN", **_STEM,                            # gate, V x d_ff table, down
-            params=lambda c: 2 * c.d_model * c.d_ff + c.vocab_size * c.d_ff)
+            params=lambda c: 2 * c.d_model * c.d_ff + c.vocab_size * c.d_ff, hf=_swiglu_hf("proj", "table"))
 declare_ffn("stem_gate", "stem.models.ffn:StemGateFFN", **_STEM,                   # table, up, down
-            params=lambda c: 2 * c.d_model * c.d_ff + c.vocab_size * c.d_ff)
+            params=lambda c: 2 * c.d_model * c.d_ff + c.vocab_size * c.d_ff, hf=_swiglu_hf("table", "proj"))
 declare_ffn("stem_dagger", "stem.models.ffn:StemDaggerFFN", **_STEM,               # gate, up, down, table
-            params=lambda c: _swiglu(c.d_model, c.d_ff) + c.vocab_size * c.d_ff)
+            params=lambda c: _swiglu(c.d_model, c.d_ff) + c.vocab_size * c.d_ff, hf=_swiglu_hf("proj", "proj+table"))
 declare_ffn("hashmoe", "stem.models.ffn:HashMoEFFN", table=False, lookup=False,    # E SwiGLU experts
             params=lambda c: c.n_experts * _swiglu(c.d_model, c.d_ff),
-            activations=lambda c: swiglu_activations(c) + 2 * c.d_model)           # + the gathered inputs
+            activations=lambda c: swiglu_activations(c) + 2 * c.d_model,           # + the gathered inputs
+            hf={"module": "hash_experts"})
 declare_ffn("moe", "stem.models.moe:RoutedMoEFFN", table=False, lookup=False,      # router, shared + routed
             params=lambda c: c.d_model * c.moe_experts
-            + (c.moe_shared + c.moe_experts) * _swiglu(c.d_model, c.expert_d_ff), activations=_routed_moe_activations)
+            + (c.moe_shared + c.moe_experts) * _swiglu(c.d_model, c.expert_d_ff), activations=_routed_moe_activations,
+            hf={"module": "routed_experts"})
 
 
 def register_ffn(name: str, **facts):

@@ -117,6 +117,48 @@ def _fake_values():
     return mode
 
 
+def _laid_out(cfg, plan: ParallelPlan, ctx, mixed_precision: bool):
+    """The model as the loop lays it out for ``plan`` (build, then shard), set up for tracing: its replicated
+    row-sparse tables and its host tables (both returned with it)."""
+    model = build_model(cfg, ctx.device)
+    model.set_training_options(activation_checkpointing=plan.activation_checkpointing)
+    tables = use_row_sparse(model, plan.row_sparse)   # sparse: replicated, outside FSDP
+    host = to_host(model, plan.host_tables)           # host: off the GPU (subtracted below)
+    distributed.parallelize(model, ctx, plan, mixed_precision=mixed_precision)
+    for m in tables:   # traced with a dense V x d_ff gradient, the sparse one's upper bound (a fake tensor
+        m.row_sparse = False   # cannot run the lookup's torch.unique: its output shape depends on the data)
+    for name in plan.row_sharded + plan.host_tables:   # likewise: each micro-batch's ids all distinct (the
+        model.get_submodule(name).trace_bound = True    # bound), evenly owned
+    for name in plan.sparse_rows:   # and row-sharded row-sparse tables updated as dense ones (every row)
+        del model.get_submodule(name).weight.touched_rows
+    return model, tables, host
+
+
+def _peak_parts(peak: dict, tables, host) -> dict:
+    """The tracker's peak snapshot as {category: bytes} (with ``Total``), corrected for what it does not see
+    or what is not on the GPU."""
+    parts: dict = {}
+    for snap in peak.values():   # one device
+        for k, v in snap.items():
+            name = getattr(k, "value", k)      # the tracker's category enums -> their names
+            parts[name] = parts.get(name, 0) + v
+    # the tracker does not see the gradient of a parameter outside FSDP (the replicated row-sparse tables):
+    # added as a full fp32 replica, the upper bound of a gradient of at most V rows
+    untracked = 4 * sum(p.numel() for m in tables for p in m.parameters())
+    if untracked:
+        parts["Replicated table grad"] = untracked
+        parts["Total"] += untracked
+    # host tables: the trace runs on one (CPU) device, where their weights, gradients and two moments (fp32) are
+    # tracked like the rest; they are off the GPU
+    off = 16 * sum(p.numel() for p in host)
+    if off:
+        parts["Host tables (off the GPU)"] = -off
+        parts["Total"] -= off
+    # the row-sharded tables (outside FSDP) it does see: their shards through the lookup's to_local() (as "Temp",
+    # from their first forward on), their gradients (made in backward) and their moments (the optimizer's)
+    return parts
+
+
 def trace(spec: TrainSpec, plan: ParallelPlan, mixed_precision: bool = True) -> dict:
     """Rank 0's peak tensor memory over one training step (``stem.train.step.train_step``, as the loop runs
     it) of the job ``spec`` laid out as ``plan`` (``job``)."""
@@ -127,17 +169,7 @@ def trace(spec: TrainSpec, plan: ParallelPlan, mixed_precision: bool = True) -> 
     values = _fake_values()
     with fake_world(plan.world) as mesh, FakeTensorMode(), values:
         ctx = distributed.DistContext(0, plan.world, 0, 1, device, mesh)
-        model = build_model(cfg, device)       # as the loop does: build, then shard
-        model.set_training_options(activation_checkpointing=plan.activation_checkpointing)
-        tables = use_row_sparse(model, plan.row_sparse)   # sparse: replicated, outside FSDP
-        host = to_host(model, plan.host_tables)           # host: off the GPU (subtracted below)
-        distributed.parallelize(model, ctx, plan, mixed_precision=mixed_precision)
-        for m in tables:   # traced with a dense V x d_ff gradient, the sparse one's upper bound (a fake tensor
-            m.row_sparse = False   # cannot run the lookup's torch.unique: its output shape depends on the data)
-        for name in plan.row_sharded + plan.host_tables:   # likewise: each micro-batch's ids all distinct (the
-            model.get_submodule(name).trace_bound = True    # bound), evenly owned
-        for name in plan.sparse_rows:   # and row-sharded row-sparse tables updated as dense ones (every row)
-            del model.get_submodule(name).weight.touched_rows
+        model, tables, host = _laid_out(cfg, plan, ctx, mixed_precision)
         opt = step.make_optimizer(model, spec, plan, fused=mixed_precision)
         x = torch.randint(0, cfg.vocab_size, (plan.micro_batch, plan.seq_len), device=device)
         y = torch.randint(0, cfg.vocab_size, (plan.micro_batch, plan.seq_len), device=device)
@@ -159,25 +191,7 @@ def trace(spec: TrainSpec, plan: ParallelPlan, mixed_precision: bool = True) -> 
                             counts=[x.numel()] * len(batches),
                             on_backward=tracker.reset_mod_stats)   # the tracker refuses a second root forward otherwise
         peak = tracker.get_tracker_snapshot("peak")
-    parts: dict = {}
-    for snap in peak.values():   # one device
-        for k, v in snap.items():
-            name = getattr(k, "value", k)      # the tracker's category enums -> their names
-            parts[name] = parts.get(name, 0) + v
-    # the tracker does not see the gradient of a parameter outside FSDP (the replicated row-sparse tables):
-    # added as a full fp32 replica, the upper bound of a gradient of at most V rows
-    untracked = 4 * sum(p.numel() for m in tables for p in m.parameters())
-    if untracked:
-        parts["Replicated table grad"] = untracked
-        parts["Total"] += untracked
-    # host tables: the trace runs on one (CPU) device, where their weights, gradients and two moments (fp32) are
-    # tracked like the rest; they are off the GPU
-    off = 16 * sum(p.numel() for p in host)
-    if off:
-        parts["Host tables (off the GPU)"] = -off
-        parts["Total"] -= off
-    # the row-sharded tables (outside FSDP) it does see: their shards through the lookup's to_local() (as "Temp",
-    # from their first forward on), their gradients (made in backward) and their moments (the optimizer's)
+    parts = _peak_parts(peak, tables, host)
     return {"peak_gib": parts.pop("Total") / GIB, "parts_gib": {k: v / GIB for k, v in parts.items() if v},
             "world": plan.world, "strategy": plan.strategy, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
             "micro_batches_traced": n_micro, "activation_checkpointing": model.activation_checkpointing}

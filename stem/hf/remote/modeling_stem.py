@@ -1,11 +1,14 @@
 """A STEM-pipeline model for transformers: ``LlamaForCausalLM`` whose FFN ("mlp") of some layers is another
-kind (written by ``python -m stem export-hf``; load with ``trust_remote_code=True``).
+module (written by ``python -m stem export-hf``; load with ``trust_remote_code=True``).
 
-- ``stem``        y = W_d(SiLU(W_g x) * U[t])              (U: the layer's V x d_ff table, read by token id t)
-- ``stem_gate``   y = W_d(SiLU(U[t]) * W_u x)
-- ``stem_dagger`` y = W_d(SiLU(W_g x) * (W_u x + U[t]))
-- ``hashmoe``     top-1 of E SwiGLU experts chosen by a fixed token -> expert map (a saved buffer)
-- ``moe``         shared SwiGLU + softmax-routed top-k experts (gates not renormalised; routing in fp32)
+Which module a layer gets is data, not code: ``config.ffn_kinds`` names each layer's FFN kind and
+``config.ffn_modules`` says, per kind, the module it becomes (written at export from the pipeline's registry,
+stem.models.registry.FFNFacts.hf); this file knows module shapes only (``MODULES``):
+
+- ``swiglu``          y = W_d(SiLU(g) * u), g and u each a sum of ``proj`` (W_gate x, W_up x) and ``table``
+                      (U[t]: the layer's V x d_ff table, read by token id t)
+- ``hash_experts``    top-1 of E SwiGLU experts chosen by a fixed token -> expert map (a saved buffer)
+- ``routed_experts``  shared SwiGLU + softmax-routed top-k experts (gates not renormalised; routing in fp32)
 
 Everything else (attention, norms, RoPE, cache, generation) is transformers' Llama. The token ids reach the
 table / hash layers through the model's forward (``input_ids`` is required; ``inputs_embeds`` is refused).
@@ -43,31 +46,36 @@ class SwiGLU(nn.Module):
         return _swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
-class StemMLP(nn.Module):
-    def __init__(self, config, kind, token_ids):
+class SwiGLUMLP(nn.Module):
+    """y = W_d(SiLU(g) * u); ``spec["gate"]`` / ``spec["up"]``: the terms of g and u, ``proj`` (``gate_proj`` /
+    ``up_proj``) or ``table`` (one V x d_ff table shared by both, read by the current token ids)."""
+
+    def __init__(self, config, spec, token_ids):
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
-        self.kind, self.token_ids = kind, token_ids
-        if kind in ("stem", "stem_dagger"):
+        self.gate, self.up, self.token_ids = list(spec["gate"]), list(spec["up"]), token_ids
+        if not self.gate or not self.up or set(self.gate + self.up) - {"proj", "table"}:
+            raise ValueError(f"ffn_modules: {spec!r}; expected gate and up as lists of proj and table")
+        if "proj" in self.gate:
             self.gate_proj = nn.Linear(d, f, bias=False)
-        if kind in ("stem_gate", "stem_dagger"):
+        if "proj" in self.up:
             self.up_proj = nn.Linear(d, f, bias=False)
-        self.table = nn.Embedding(config.vocab_size, f)
+        if "table" in self.gate + self.up:
+            self.table = nn.Embedding(config.vocab_size, f)
         self.down_proj = nn.Linear(f, d, bias=False)
 
+    def _operand(self, terms, proj, x, row):
+        parts = [proj(x) if term == "proj" else row for term in terms]
+        return sum(parts[1:], parts[0])
+
     def forward(self, x):
-        u = self.table(self.token_ids.ids)
-        if self.kind == "stem":
-            h = F.silu(self.gate_proj(x)) * u
-        elif self.kind == "stem_gate":
-            h = F.silu(u) * self.up_proj(x)
-        else:
-            h = F.silu(self.gate_proj(x)) * (self.up_proj(x) + u)
-        return self.down_proj(h)
+        row = self.table(self.token_ids.ids) if "table" in self.gate + self.up else None
+        gate = self._operand(self.gate, getattr(self, "gate_proj", None), x, row)
+        return self.down_proj(F.silu(gate) * self._operand(self.up, getattr(self, "up_proj", None), x, row))
 
 
 class HashMoEMLP(nn.Module):
-    def __init__(self, config, token_ids):
+    def __init__(self, config, spec, token_ids):
         super().__init__()
         e, d, f = config.n_experts, config.hidden_size, config.intermediate_size
         self.token_ids = token_ids
@@ -94,7 +102,7 @@ class RoutedExperts(nn.Module):
 
 
 class RoutedMoEMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, spec, token_ids):
         super().__init__()
         d, f = config.hidden_size, config.moe_d_ff or config.intermediate_size
         self.n_experts, self.top_k = config.moe_experts, config.moe_top_k
@@ -118,6 +126,10 @@ class RoutedMoEMLP(nn.Module):
         if self.shared is not None:
             y = y + self.shared(flat)
         return y.view(x.shape)
+
+
+# the module shapes a layer's FFN may take (config.ffn_modules[kind]["module"]), built as cls(config, spec, token_ids)
+MODULES = {"swiglu": SwiGLUMLP, "hash_experts": HashMoEMLP, "routed_experts": RoutedMoEMLP}
 
 
 def paper_yarn_inv_freq(head_dim, theta, rope):
@@ -185,6 +197,7 @@ class DSEMemory(nn.Module):
     def forward(self, h, cids):
         mem = torch.cat([tab(r) for tab, r in zip(self.tables, self.rows(cids))], dim=-1)
         key, value = self.w_key(mem), self.w_value(mem)
+        key = key.to(self.norm_k.weight.dtype)   # as the pipeline's: autocast's bf16 key, its norm's fp32 weight
         gate = torch.sigmoid((self.norm_h(h) * self.norm_k(key)).sum(-1, keepdim=True) / math.sqrt(self.d_model))
         u = gate * value
         x = self.norm_u(u)
@@ -213,14 +226,10 @@ class StemLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(config)
         self._token_ids = _TokenIds()
         for layer, kind in zip(self.model.layers, config.ffn_kinds):
-            if kind in ("stem", "stem_gate", "stem_dagger"):
-                layer.mlp = StemMLP(config, kind, self._token_ids)
-            elif kind == "hashmoe":
-                layer.mlp = HashMoEMLP(config, self._token_ids)
-            elif kind == "moe":
-                layer.mlp = RoutedMoEMLP(config)
-            elif kind != "dense":
-                raise ValueError(f"ffn_kinds: unknown FFN kind {kind!r}")
+            spec = getattr(config, "ffn_modules", {}).get(kind) or {}
+            if spec.get("module") not in MODULES:
+                raise ValueError(f"ffn_modules[{kind!r}]: {spec!r}; expected a module among {', '.join(MODULES)}")
+            layer.mlp = MODULES[spec["module"]](config, spec, self._token_ids)
         if getattr(config, "stem_rope", None):
             self.model.rotary_emb = PaperYarnRotaryEmbedding(config)
         self.has_dse = bool(getattr(config, "dse_hash", None))
