@@ -310,7 +310,7 @@ def tokenize_spec(exp: Experiment, scale: str, source: str, part: str | None = N
     sample = src.sample
     if isinstance(sample, dict):
         if scale not in sample:
-            raise ConfigError(f"key 'sources.{source}.sample': no range for scale {scale!r} (have {sorted(sample)})")
+            raise ConfigError(f"key 'sources.{source}.sample': no range for scale {scale!r} (have {sorted(map(str, sample))})")
         sample = sample[scale]
     if sample is not None and src.doc_keys != DocKeys.CONTENT:
         raise ConfigError(f"key 'sources.{source}.sample' needs doc_keys: content (a document's position "
