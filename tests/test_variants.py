@@ -93,6 +93,7 @@ def test_a_variant_overrides_label_and_colour_reach_the_report(tmp_path):
     figures), not config/variants.yaml's (issue 28 item 2: the report read the file's, frozen at import)."""
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
     cfg["matrix"] = {"1b": {"variants": ["dense", "stem"], "stages": ["midtrain"]}}   # Table 4's rows, no Table 3
+    del cfg["stages"]["midtrain"]["1b"]["init_from"]   # a first stage of its matrix entry
     cfg["variant_overrides"] = {"stem": {"label": "STEM, overridden", "figure_label": "STEM 1/3, overridden",
                                          "color": "#010203"}}
     exp = experiment.parse(cfg)
