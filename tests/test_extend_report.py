@@ -215,11 +215,14 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
 
 
 def test_report_stages_of_an_unknown_table_is_a_one_line_error():
+    tiny = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+
+    def settings(report):   # the tiny config with this report: section (an untyped section, checked by settings)
+        return T.settings(experiment.parse({**tiny, "report": report}))
     for name in ("tabel3", "table1"):
-        cfg = {"experiment": "tiny", "report": {"stages": {name: ["pretrain"]}}}
         with pytest.raises(ValueError, match=rf"^config: key 'report.stages.{name}': expected a table fed by training "
                                              rf"stages \(table3, table4, table5, table6, figure1b, dse, dse_long\), got '{name}'$"):
-            T.settings(cfg)
+            settings({"stages": {name: ["pretrain"]}})
     bad = [({"tolerance": {"accuracy": -1}}, r"^config: key 'report.tolerance.accuracy': expected a number >= 0"),
            ({"spikes": {"window": "50"}}, r"^config: key 'report.spikes.window': expected an integer, got '50'$"),
            ({"stages": {"table3": "pretrain"}}, r"^config: key 'report.stages.table3': expected a non-empty list of "
@@ -227,8 +230,8 @@ def test_report_stages_of_an_unknown_table_is_a_one_line_error():
            ({"stages": {"table3": ["pretrian"]}}, r"^config: key 'report.stages.table3': expected stages among")]
     for rep, message in bad:
         with pytest.raises(ValueError, match=message):
-            T.settings({"experiment": "tiny", "report": rep})
-    spec = T.settings({"experiment": "tiny", "report": {"tolerance": {"roi": 0.5}, "stages": {"table5": ["extend"]}}})
+            settings(rep)
+    spec = settings({"tolerance": {"roi": 0.5}, "stages": {"table5": ["extend"]}})
     assert spec.tolerance == {"accuracy": 1.0, "params": 0.01, "gflops": 0.01, "roi": 0.5, "other": 0.0}
     assert spec.stages["table5"] == ("extend",) and spec.stages["table3"] == ("pretrain",)
     assert (spec.spikes.window, spec.spikes.k) == (50, 6.0)

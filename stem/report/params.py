@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stem import config as C
+from stem import seeds
 from stem.experiment import Arch, Experiment, dataclass_mapping, node
 from stem.models.config import model_config
 from stem.options import Experiment as ExperimentName
@@ -34,10 +35,11 @@ def accounted(spec: dict, origin: str) -> Accounted:
 
 def model_of(exp: Experiment | Accounted, scale: str, variant: str) -> tuple[dict, dict]:
     """A configured model as mappings: its architecture (``archs.<scale>``) and its variant's spec
-    (config/variants.yaml with the config's variant_overrides)."""
+    (config/variants.yaml with the config's variant_overrides; a seed of a matrix cell, stem.seeds, is its
+    variant's model)."""
     if scale not in exp.archs:
         raise C.ConfigError(f"scale {scale!r}: expected one of {sorted(map(str, exp.archs))}")
-    spec = exp.variant(variant)
+    spec = exp.variant(seeds.split(variant)[0])
     if spec is None:
         raise C.ConfigError(f"variant {variant!r}: expected one of {sorted(exp.variants())}")
     return dataclass_mapping(exp.archs[scale]), {k: v for k, v in spec.items() if k != "stage"}
@@ -57,7 +59,7 @@ def accounting_for(exp: Experiment | Accounted, scale: str, variant: str) -> dic
 
 def accounting_rows(exp: Experiment | Accounted) -> list[dict]:
     rows = []
-    for scale in exp.archs:
+    for scale in map(str, exp.archs):
         for variant, spec in exp.variants().items():
             a = accounting_for(exp, scale, variant)
             rows.append({"scale": scale, "variant": variant, "label": spec["label"], **a,

@@ -158,7 +158,7 @@ def ordered_scales(scales) -> list[str]:
 
 
 def scales_with(exp: Experiment, stage: str) -> list[str]:
-    return ordered_scales(s for s, m in exp.matrix.items() if stage in m.stages)
+    return ordered_scales(str(s) for s, m in exp.matrix.items() if stage in m.stages)
 
 
 @lru_cache(maxsize=None)
@@ -457,7 +457,7 @@ def table1(exp: Experiment | None, res: Results | None = None) -> pd.DataFrame:
         pretrain = exp.stages.get("pretrain", {})
         archs = [(s, "arch", f"{exp.experiment} {s}", a.d_model, a.d_ff,
                   pretrain[s].seq_len if s in pretrain else a.max_seq_len)
-                 for s, a in ((s, exp.archs[s]) for s in ordered_scales(exp.archs))]
+                 for s, a in ((s, exp.archs[s]) for s in ordered_scales(map(str, exp.archs)))]
     for (v, row), g in P.load_table("qwen25_architectures").groupby(["variant", "row"], sort=False):
         r = dict(zip(g["column"], g["value"]))
         archs.append(("", v, row, r["d_model"], r["d_ff"], r["seq_len"]))
@@ -485,7 +485,7 @@ def table2(exp: Experiment, res: Results | None = None) -> pd.DataFrame:
     """This experiment's training hyperparameters in Table 2's rows and columns."""
     cells = []
     for stage, per_scale in exp.stages.items():
-        for scale, st in per_scale.items():
+        for scale, st in ((str(s), st) for s, st in per_scale.items()):
             label = f"{scale.upper()} {stage}"
             beta1, beta2 = exp.optim.betas
             for col, val, unit in [
