@@ -15,7 +15,8 @@ def main():
     args = p.parse_args()
     from stem.report.build import html_report, readme
     from stem.io import atomic_write_text
-    atomic_write_text(args.out, (html_report if args.html else readme)(experiment_of(args), args.report_dir, args.figures))
+    page = (html_report if args.html else readme)(experiment_of(args), args.report_dir, args.figures)
+    atomic_write_text(args.out, page)
 
 
 if __name__ == "__main__":

@@ -104,13 +104,13 @@ def load_directions(path) -> pd.DataFrame:
 
 def page_blocks(exp: Experiment, ours: dict, s: dict, dirs: pd.DataFrame, figures: list[str]) -> list:
     """The one-page report: label, diff summary, every table, every figure, conventions. Links are relative."""
-    name, label = exp.experiment, T.experiment_label(exp)
+    exp_name, label = exp.experiment, T.experiment_label(exp)
     figs = registry.figures()
     b = [page.Heading(1, f"STEM reproduction report — {label}")]
-    if name != "paper":
-        b.append(page.Quote(f"Every number below was produced by the **{name}** experiment (config/{name}.yaml). It is "
-                            "not a paper-scale result and must not be read as one; the paper's numbers appear only in "
-                            "the comparison columns, labelled *paper*."))
+    if exp_name != "paper":
+        b.append(page.Quote(f"Every number below was produced by the **{exp_name}** experiment "
+                            f"(config/{exp_name}.yaml). It is not a paper-scale result and must not be read as one; "
+                            "the paper's numbers appear only in the comparison columns, labelled *paper*."))
     b += [page.Para("Contents: [diff summary](#diff-summary) · [tables](#tables) · [figures](#figures) · "
                     "[conventions](#conventions). Full cell-by-cell diff: [diff/diff.md](diff/diff.md). "
                     "Tables as CSV / Markdown / LaTeX: [tables/](tables/). "
@@ -145,7 +145,7 @@ def page_blocks(exp: Experiment, ours: dict, s: dict, dirs: pd.DataFrame, figure
         f"GFLOPs {tol['gflops']:g}, ROI {tol['roi']:g}; configurable under `report.tolerance`.",
         "— marks a result that does not exist yet (not a zero).",
         f"Regenerate: `snakemake --profile profiles/local` (tables, diff, figures, this page and report.html); "
-        f"`python -m stem diff --experiment {name}` prints the diff.")),
+        f"`python -m stem diff --experiment {exp_name}` prints the diff.")),
         page.Para(f"_Cells: {s['cells']} compared, {s['within_tolerance']} within tolerance, {s['missing']} missing._")]
     return b
 
