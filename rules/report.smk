@@ -66,7 +66,7 @@ rule report_diff:
     input:
         reproduced=L.reproduced("{experiment}"),
         # the accepted-disagreements file (config report.accepted; a path in the repository), when there is one
-        accepted=lambda w: [str(L.REPO / a) for a in [(config.get("report") or {}).get("accepted")] if a],
+        accepted=lambda w: [str(L.REPO / a) for a in [(EXPERIMENT.report or {}).get("accepted")] if a],
     output:
         md=report(
             L.diff_file("{experiment}", "diff.md"),
