@@ -62,38 +62,43 @@ def variant_spec(cfg: Config, variant: str) -> dict:
     raise ConfigError(f"variant {variant!r}: expected one of {sorted(all_variants)}")
 
 
-def _presentation(cfg: dict | None, key: str) -> dict:
+def _overrides(cfg: Config | None) -> dict:
+    """The config's variant_overrides (the typed tree's, or a mapping's; none without a config)."""
+    return cfg.variant_overrides if isinstance(cfg, Experiment) else (cfg or {}).get("variant_overrides") or {}
+
+
+def _presentation(cfg: Config | None, key: str) -> dict:
     """{variant: its ``key`` (label, figure_label, color, baseline, figures) or None}, variant_overrides over
     config/variants.yaml, in that file's order; read without copying the variants (the report asks per label)."""
-    over = (cfg or {}).get("variant_overrides") or {}
+    over = _overrides(cfg)
     return {name: (over.get(name) or {}).get(key, spec.get(key)) for name, spec in variants_file().items()}
 
 
-def variant_labels(cfg: dict | None = None) -> dict[str, str]:
+def variant_labels(cfg: Config | None = None) -> dict[str, str]:
     """{variant: its row label} in config/variants.yaml's order (each variant's ``label:``, the one source;
     with ``cfg``'s variant_overrides): the tables' rows and their order, the figures' legends."""
     return {name: label or name for name, label in _presentation(cfg, "label").items()}
 
 
-def variant_figure_labels(cfg: dict | None = None) -> dict[str, str]:
+def variant_figure_labels(cfg: Config | None = None) -> dict[str, str]:
     """{variant: its figures' legend label}: ``figure_label:`` where a variant sets one, else its ``label:``."""
     return {name: fig or label for (name, fig), label in
             zip(_presentation(cfg, "figure_label").items(), variant_labels(cfg).values())}
 
 
-def variant_colors(cfg: dict | None = None) -> dict[str, str]:
+def variant_colors(cfg: Config | None = None) -> dict[str, str]:
     """{variant: its figures' colour} for the variants whose config/variants.yaml entry sets ``color:`` (the
     others are drawn in matplotlib's colour cycle)."""
     return {name: color for name, color in _presentation(cfg, "color").items() if color}
 
 
-def baseline_variant(cfg: dict | None = None) -> str:
+def baseline_variant(cfg: Config | None = None) -> str:
     """The variant every other is compared with (the diff's and the verdicts' directions, ROI, the analyses'
     deltas): the one config/variants.yaml marks ``baseline: true`` (with ``cfg``'s variant_overrides)."""
-    return experiment.baseline_variant((cfg or {}).get("variant_overrides") or {})
+    return experiment.baseline_variant(_overrides(cfg))
 
 
-def figure_variants(cfg: dict | None, figure: str) -> tuple[str, ...]:
+def figure_variants(cfg: Config | None, figure: str) -> tuple[str, ...]:
     """The variants report figure ``figure`` draws: those whose ``figures:`` name it (config/variants.yaml with
     ``cfg``'s variant_overrides), in that file's order."""
     return tuple(name for name, figures in _presentation(cfg, "figures").items() if figure in (figures or ()))
