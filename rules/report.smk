@@ -37,7 +37,7 @@ rule report_tables:
     input:
         summaries=lambda w: train_outputs(),
         evals=lambda w: eval_results(),
-        other=lambda w: RW.table_inputs(config),  # what a table reads besides (Table 3: checkpoint accounting)
+        other=lambda w: RW.table_inputs(EXPERIMENT),  # what a table reads besides (Table 3: checkpoint accounting)
     output:
         **{
             name: report(
@@ -66,7 +66,7 @@ rule report_diff:
     input:
         reproduced=L.reproduced("{experiment}"),
         # the accepted-disagreements file (config report.accepted; a path in the repository), when there is one
-        accepted=lambda w: [str(L.REPO / a) for a in [(config.get("report") or {}).get("accepted")] if a],
+        accepted=lambda w: [str(L.REPO / a) for a in [(EXPERIMENT.report or {}).get("accepted")] if a],
     output:
         md=report(
             L.diff_file("{experiment}", "diff.md"),
@@ -93,7 +93,7 @@ rule report_diff:
 
 rule report_figure:
     input:
-        unpack(lambda w: RW.figure_inputs(config, eval_results(), w.figure)),
+        unpack(lambda w: RW.figure_inputs(EXPERIMENT, eval_results(), w.figure)),
     output:
         png=report(
             L.figure_file("{experiment}", "{figure}", "png"),
@@ -107,7 +107,7 @@ rule report_figure:
     params:
         spec=lambda w: as_json(config),
         caption=lambda w: REPORT_FIGURES[w.figure].caption,
-        files=lambda w: as_json(RW.figure_inputs(config, eval_results(), w.figure)),
+        files=lambda w: as_json(RW.figure_inputs(EXPERIMENT, eval_results(), w.figure)),
     log:
         L.experiment_log("{experiment}", "report_figure_{figure}"),
     conda:

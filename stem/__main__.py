@@ -46,14 +46,14 @@ def params_arguments(p):
 
 def cmd_params(args):
     from stem.report.params import accounting_for, accounting_rows, to_markdown
-    cfg = experiment_config(args.experiment)
+    exp = C.experiment.load(A.experiment_path(args.experiment))
     if args.scale or args.variant:
         if not (args.scale and args.variant):
             raise C.ConfigError("--scale and --variant go together")
-        out = accounting_for(cfg, args.scale, args.variant)
+        out = accounting_for(exp, args.scale, args.variant)
         print(json.dumps(out, indent=2) if args.json else out)
         return
-    rows = accounting_rows(cfg)
+    rows = accounting_rows(exp)
     print(json.dumps(rows, indent=2) if args.json else to_markdown(rows, f"Parameter accounting, experiment '{args.experiment}'"))
 
 
@@ -165,29 +165,29 @@ def cmd_diff(args):
     from stem.report.build import paper_accounting, run_diff, write_diff, write_tables
     from stem.report.results import Results
     from stem.report.tables import settings
-    cfg = experiment_config(args.experiment)
-    res = Results(cfg["experiment"], args.results)
+    exp = C.experiment.load(A.experiment_path(args.experiment))
+    res = Results(exp.experiment, args.results)
     if not (res.root / res.experiment).is_dir():
         raise C.ConfigError(f"--results {args.results}: no {res.experiment}/ folder in it (expected "
                             f"{args.results}/{res.experiment}/{{scale}}/{{variant}}/{{stage}}/)")
     if not args.allow_dirty:
         from stem.report.provenance import dirty
-        bad = dirty(cfg, res)
+        bad = dirty(exp, res)
         if bad:
             changed = sorted({f for _, files in bad for f in files})
             raise C.ConfigError(f"--results {args.results}: {len(bad)} result file(s) written from a dirty tree "
                                 f"(uncommitted changes to {', '.join(changed) or 'tracked files'}): "
                                 f"{', '.join(p for p, _ in bad)}; rerun them from a commit, or pass --allow-dirty")
     if args.write:
-        ours = write_tables(cfg, res, L.tables_dir(cfg["experiment"]))
+        ours = write_tables(exp, res, L.tables_dir(exp.experiment))
     else:
         from stem.report.tables import build_all
-        ours = build_all(cfg, res)
-    configured = settings(cfg).accepted
+        ours = build_all(exp, res)
+    configured = settings(exp).accepted
     accepted = args.accepted or (C.REPO / configured if configured else None)
     if args.accept and accepted is None:
         raise C.ConfigError("--accept: no accepted-disagreements file: give --accepted FILE or set report.accepted")
-    out = run_diff(cfg, ours, args.gate, args.gate_tolerance, paper_acct=paper_accounting(),
+    out = run_diff(exp, ours, args.gate, args.gate_tolerance, paper_acct=paper_accounting(),
                    accepted=accepted if accepted is None or Path(accepted).is_file() or not args.accept else None)
     if args.accept:
         from stem.report.diff import accept, accepted_rows
@@ -195,9 +195,9 @@ def cmd_diff(args):
             out[2], args.accept, args.reason, accepted))}
         print(f"accepted {', '.join(args.accept)} in {accepted}", file=sys.stderr)
     if args.write:
-        write_diff(cfg, L.diff_dir(cfg["experiment"]), *out)
+        write_diff(exp, L.diff_dir(exp.experiment), *out)
     from stem.report.diff import render
-    print(json.dumps(out[0], indent=2, default=float) if args.json else render(cfg, *out))
+    print(json.dumps(out[0], indent=2, default=float) if args.json else render(exp, *out))
     prov = out[0]["provenance"]["results"]
     if len(prov["commits"]) > 1 or prov["spec_mismatch"]:
         print(f"warning: the compared results come from {len(prov['commits'])} commits "

@@ -268,9 +268,10 @@ class ReportSpec(_Spec):
                    "the path of an accepted-disagreements YAML file (relative to the repository)", self.accepted)
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ReportSpec":
-        """The defaults (registry stages, tolerances, spike rule) under the config's ``report:`` section."""
-        rep = cfg.get("report") or {}
+    def from_config(cls, experiment: str, report: dict | None) -> "ReportSpec":
+        """The defaults (registry stages, tolerances, spike rule) under experiment ``experiment``'s ``report:``
+        section (stem.experiment.Experiment.report: untyped, checked here)."""
+        rep = report or {}
         if not isinstance(rep, dict):
             raise SpecError(f"report spec: key 'report': expected a mapping, got {rep!r}")
         stages = {n: list(t.stages) for n, t in REPORT_TABLES.items() if t.stages}
@@ -279,7 +280,7 @@ class ReportSpec(_Spec):
             if not isinstance(rep.get(key) or {}, dict):
                 raise SpecError(f"report spec: key 'report.{key}': expected a mapping, got {rep[key]!r}")
         try:
-            return cls.from_dict({"experiment": cfg["experiment"], "stages": {**stages, **(rep.get("stages") or {})},
+            return cls.from_dict({"experiment": experiment, "stages": {**stages, **(rep.get("stages") or {})},
                                   "tolerance": {**tolerance, **(rep.get("tolerance") or {})},
                                   "spikes": {**dataclasses.asdict(Spikes()), **(rep.get("spikes") or {})},
                                   "accepted": rep.get("accepted")})

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from stem import experiment
 from stem.analysis import editing as E
 from stem.analysis import heaps as H
 from stem.analysis import spread as S
+from stem.layout import REPO
 from stem.report import verdict as V
 from stem.analysis.common import state_digest, table_sites
 from stem.models.config import ModelConfig
@@ -158,11 +160,12 @@ def test_bootstrap_verdicts_on_constructed_inputs():
 def test_loss_directions_lower_is_better():
     base = {"window_loss": [3.0, 3.2, 3.1, 3.3] * 5}
     stem = {"window_loss": [2.9, 3.0, 3.0, 3.1] * 5}
-    rows = V.loss_directions({}, {("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
+    tiny = experiment.load(REPO / "config" / "tiny.yaml")
+    rows = V.loss_directions(tiny, {("350m", "dense", "pretrain"): base, ("350m", "stem", "pretrain"): stem})
     assert len(rows) == 1 and rows[0]["verdict"] == "agree" and rows[0]["ours_delta"] == pytest.approx(-0.15)
     # dse: the DSE paper's claim (Table 1: DSE-27B 1.622 < Dense-4B 1.768), here a higher loss: disagree
     worse = {"window_loss": [x + 0.2 for x in base["window_loss"]]}
-    rows = V.loss_directions({}, {("1b", "dense", "extend"): base, ("1b", "dse", "extend"): worse})
+    rows = V.loss_directions(tiny, {("1b", "dense", "extend"): base, ("1b", "dse", "extend"): worse})
     assert len(rows) == 1 and rows[0]["paper_delta"] == pytest.approx(1.622 - 1.768)
     assert rows[0]["verdict"] == "disagree" and "DSE paper Table 1" in rows[0]["source"]
 
@@ -359,7 +362,7 @@ def test_real_editing_and_hf_parity_tables(tmp_path):
     from stem import layout as L
     from stem.report import registry
     from stem.report.results import Results
-    cfg = C.load_experiment(C.REPO / "config" / "real.yaml")
+    cfg = C.experiment.load(C.REPO / "config" / "real.yaml")
     ident = {"experiment": "real", "scale": "350m", "variant": "stem_insert", "stage": "midtrain"}
     summary = {"site": "stem", "scheme": "swap", "case": "all", "n": 26, "moves": 0.5, "moves_before": 0.0,
                "p_target_before": 0.01, "p_target": 0.3, "p_source_before": 0.4, "p_source": 0.02}
@@ -384,16 +387,15 @@ def test_analysis_tables_and_figures_through_the_registry(tmp_path):
     """The registered report-only tables and figures from hand-made analysis JSONs: cells copied from the JSONs
     (long format), the directions with confidence, a wrong JSON named; no analysis configured: empty tables
     and figures that say so."""
-    import copy
-
     import matplotlib.pyplot as plt
 
     from stem import config as C
     from stem.report import registry
     from stem.report.figures import draw
     from stem.report.results import Results
-    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
-    cfg["matrix"] = {"350m": {"variants": ["dense", "stem"], "stages": ["pretrain"]}}
+    m = {**C.read_yaml(C.REPO / "config" / "tiny.yaml"), "matrix": {"350m": {"variants": ["dense", "stem"],
+                                                                              "stages": ["pretrain"]}}}
+    cfg = C.experiment.parse(m)
     hist = [0] * 40 + [10] + [0] * 39
     stats = {"mean_abs": 0.1, "mean": 0.0, "pairs": 10, "quantiles": {"q50": 0.0}, "hist": hist}
     edit = {"site": "stem", "kl_control": 0.1, "kl_control_before": 0.3}
@@ -448,7 +450,7 @@ def test_analysis_tables_and_figures_through_the_registry(tmp_path):
     bad.write_text(json.dumps({**json.loads(bad.read_text()), "variant": "dense"}))
     with pytest.raises(ValueError, match="heaps.json: records heaps/350m/dense/pretrain, expected heaps/350m/stem"):
         t["heaps"].build(cfg, res)
-    del cfg["analysis"]
+    cfg = C.experiment.parse({k: v for k, v in m.items() if k != "analysis"})   # no analysis: section
     assert all(x.build(cfg, res).empty for n, x in t.items() if n != "directions")
     assert all(x.inputs(cfg) == [] for x in t.values())
     fig = draw("fig6_spread", cfg, res, {}, registry.figure("fig6_spread").inputs(cfg, []))

@@ -306,6 +306,21 @@ def test_entry_point_arguments_are_one_line(tmp_path, monkeypatch, capsys, argv,
     assert code == 1 and line == message
 
 
+@pytest.mark.parametrize("module, keys, outputs", [
+    ("report_tables", None, ["--out-dir", "tables"]),
+    ("params", ("experiment", "archs", "variant_overrides"), ["--csv", "p.csv", "--md", "p.md"])])   # rule params
+def test_report_entry_points_refuse_a_bad_config_before_writing(tmp_path, monkeypatch, capsys, module, keys, outputs):
+    """The report's jobs type their --spec (the config, or the params job's part of it) before anything is
+    written: one line naming the key, the value and what is expected."""
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg["archs"]["350m"]["d_model"] = 0
+    spec = {k: cfg[k] for k in keys} if keys else cfg
+    monkeypatch.chdir(tmp_path)
+    code, line = _entry(monkeypatch, capsys, module, ["--spec", json.dumps(spec), *outputs])
+    assert code == 1 and line == "error: --spec: key 'archs.350m.d_model': 0; expected an integer >= 1"
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- issue 33: no silent wrong results ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def short_lm(stem_ckpt):

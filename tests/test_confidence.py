@@ -39,7 +39,7 @@ def write_samples(root, cfg):
             if variant == "stem" and t in PLAN:
                 x = np.full(40, 1.0 if (sign > 0) == (PLAN[t] == "with") else 0.0)
             samples[t] = [{"doc_id": i, "acc": float(v), "filter": "none"} for i, v in enumerate(x)]
-        d = root / cfg["experiment"] / "350m" / variant / "pretrain" / "eval"
+        d = root / cfg.experiment / "350m" / variant / "pretrain" / "eval"
         (d / "raw").mkdir(exist_ok=True)
         (d / "raw" / "commonsense.json").write_text(json.dumps({"samples": samples}))
 
@@ -50,14 +50,19 @@ def cfg():
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, cfg):
+def exp(cfg):
+    return C.experiment.parse(cfg)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, exp):
     root = tmp_path_factory.mktemp("confidence")
-    write_results(root / "results", cfg)
-    write_samples(root / "results", cfg)
+    write_results(root / "results", exp)
+    write_samples(root / "results", exp)
     rd = root / "reports" / "tiny"
-    B.write_tables(cfg, Results("tiny", root / "results"), rd / "tables")
-    out = B.run_diff(cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))
-    B.write_diff(cfg, rd / "diff", *out)
+    B.write_tables(exp, Results("tiny", root / "results"), rd / "tables")
+    out = B.run_diff(exp, B.load_reproduced(rd / "tables" / "reproduced.csv"))
+    B.write_diff(exp, rd / "diff", *out)
     return root, rd, out
 
 
@@ -95,17 +100,17 @@ def test_summary_counts_are_the_bootstrap_tables_verdicts(report):
     assert s["directions"]["paper_effect_resolvable"] == int(sized.astype(bool).sum()) >= 2
 
 
-def test_readme_html_and_diff_say_the_same_counts(report, cfg):
+def test_readme_html_and_diff_say_the_same_counts(report, exp):
     root, rd, (s, cells, dirs, cons, _) = report
     k = s["directions"]["checked"]
     line = (f"agree **{k['agree']}**, disagree **{k['disagree']}**, inconclusive **{k['inconclusive']}**")
-    readme, html = B.readme(cfg, rd, []), B.html_report(cfg, rd, [])
+    readme, html = B.readme(exp, rd, []), B.html_report(exp, rd, [])
     md = (rd / "diff" / "diff.md").read_text()
     assert line in readme and line in md
     assert line.replace("**", "") in html.replace("<strong>", "").replace("</strong>", "")
     assert "agree **42**" not in readme and "Cells agreeing" not in readme   # the old point-estimate count is gone
-    row = diff.direction_table(B.load_directions(rd / "diff" / "directions.csv"), C.variant_labels(cfg))
-    stem = row[(row["Table"] == "table3") & (row["Scale"] == "350m") & (row["Variant"] == C.variant_labels(cfg)["stem"])]
+    row = diff.direction_table(B.load_directions(rd / "diff" / "directions.csv"), C.variant_labels(exp))
+    stem = row[(row["Table"] == "table3") & (row["Scale"] == "350m") & (row["Variant"] == C.variant_labels(exp)["stem"])]
     assert "agree 1" in stem["Verdicts"].iloc[0] and "disagree 1" in stem["Verdicts"].iloc[0]
     # read back from diff/directions.csv: the same verdicts as in memory
     back = B.load_directions(rd / "diff" / "directions.csv")
@@ -138,7 +143,7 @@ def test_directions_gate(report, tmp_path, capsys):
     assert e.value.code == 1 and "bad.csv: not a diff/directions.csv (no column table" in capsys.readouterr().err
 
 
-def test_accepted_disagreements(report, tmp_path, cfg):
+def test_accepted_disagreements(report, tmp_path, cfg, exp):
     """Issue 32: an accepted disagreement passes the gate (also against a baseline) and is listed in the report
     with its interval then and now; a bad file or config key stops with one line."""
     import yaml
@@ -154,11 +159,11 @@ def test_accepted_disagreements(report, tmp_path, cfg):
     assert diff.gate_directions(dirs) and diff.gate_directions(dirs, accepted=acc) == []
     base = B.load_directions(rd / "diff" / "directions.csv")
     assert diff.gate_directions(dirs, base, acc) == []
-    out = B.run_diff({**cfg, "report": {**cfg["report"], "accepted": str(path)}},
+    out = B.run_diff(C.experiment.parse({**cfg, "report": {**cfg["report"], "accepted": str(path)}}),
                      B.load_reproduced(rd / "tables" / "reproduced.csv"))
     cell = out[0]["accepted"]["cells"][0]
     assert cell["now"] == "disagree" and cell["now_interval"] == pytest.approx(entry["interval"])
-    md = diff.render(cfg, *out[:4])
+    md = diff.render(exp, *out[:4])
     assert f"Accepted disagreements (`{path}`" in md and "`table3/350m/stem/arc_challenge` (pretrain): accepted " \
         "disagree [" in md and "now **disagree** [" in md and entry["reason"] in md
     for edit, message in [({"verdict": "agree"}, "entry 1: key 'verdict': 'agree'; expected disagree"),
@@ -169,7 +174,7 @@ def test_accepted_disagreements(report, tmp_path, cfg):
         with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
             diff.load_accepted(path)
     with pytest.raises(SpecError, match=r"config: key 'report.accepted'.*accepted-disagreements YAML file"):
-        ReportSpec.from_config({**cfg, "report": {"accepted": "config/nope.yaml"}})
+        ReportSpec.from_config(exp.experiment, {"accepted": "config/nope.yaml"})
     with pytest.raises(ValueError, match=r"--accept table3/350m/stem/boolq: its verdict is 'inconclusive'; only a "):
         diff.accept(dirs, ["table3/350m/stem/boolq"], "why", tmp_path / "new.yaml")
     # the command line: --accept records the cell with its interval now, and the gate then passes
@@ -186,10 +191,10 @@ def test_directions_gate_passes_without_resolved_disagreements(report):
     assert diff.gate_directions(ok) == [] and diff.gate_directions(ok, ok) == []
 
 
-def test_provenance_table_and_diff_say_when_results_differ(tmp_path, cfg, capsys):
+def test_provenance_table_and_diff_say_when_results_differ(tmp_path, exp, capsys):
     from stem import provenance
     from stem.__main__ import main
-    write_results(tmp_path / "results", cfg)
+    write_results(tmp_path / "results", exp)
     run = tmp_path / "results" / "tiny" / "350m"
     rec = {**provenance.record({"a": 1}, [run / "dense" / "pretrain" / "summary.json"]), "commit": "a" * 40,
            "dirty": False}
@@ -201,7 +206,7 @@ def test_provenance_table_and_diff_say_when_results_differ(tmp_path, cfg, capsys
     ev.write_text(json.dumps({**json.loads(ev.read_text()),
                               "provenance": {**rec, "train_spec_sha256": provenance.spec_hash({"a": 2})}}))
     rd = tmp_path / "reports" / "tiny"
-    ours = B.write_tables(cfg, Results("tiny", tmp_path / "results"), rd / "tables")
+    ours = B.write_tables(exp, Results("tiny", tmp_path / "results"), rd / "tables")
     prov = ours["provenance"][ours["provenance"]["scale"] == "350m"]
     commits = prov[prov["column"] == "commit"].set_index("row")["value"]
     assert commits["dense pretrain: summary"] == "aaaaaaaaaaaa clean" and commits["stem pretrain: summary"] == \
@@ -209,7 +214,7 @@ def test_provenance_table_and_diff_say_when_results_differ(tmp_path, cfg, capsys
     assert pd.isna(commits["hashmoe pretrain: summary"])   # a result without provenance: a gap, not a guess
     same = prov[prov["column"] == "same_spec"].set_index("row")["value"]
     assert same["stem pretrain: eval commonsense"] == "NO"
-    s = B.run_diff(cfg, B.load_reproduced(rd / "tables" / "reproduced.csv"))[0]
+    s = B.run_diff(exp, B.load_reproduced(rd / "tables" / "reproduced.csv"))[0]
     r = s["provenance"]["results"]
     assert r["commits"] == {"aaaaaaaaaaaa clean": 2, "bbbbbbbbbbbb clean": 1} and r["without"] > 0
     assert r["spec_mismatch"] == [str(ev)]
@@ -385,8 +390,9 @@ def test_seeded_bootstrap_is_a_two_level_bootstrap():
 def test_seed_rows_in_table3_and_directions(tmp_path, cfg):
     from stem.report import tables as T
     from test_report import eval_json
-    cfg = {**cfg, "matrix": {"350m": {**cfg["matrix"]["350m"], "variants": ["dense", "hashmoe", "stem"]},
-                             "1b": {**cfg["matrix"]["1b"], "seeds": {"dense": [0, 1], "stem": [0, 1]}}}}
+    cfg = C.experiment.parse({**cfg, "matrix": {
+        "350m": {**cfg["matrix"]["350m"], "variants": ["dense", "hashmoe", "stem"]},
+        "1b": {**cfg["matrix"]["1b"], "seeds": {"dense": [0, 1], "stem": [0, 1]}}}})
     write_results(tmp_path, cfg)
     write_samples(tmp_path, cfg)
     # Table 4 (1b at midtrain): seed 1 of STEM scores 2 points above seed 0 on every task

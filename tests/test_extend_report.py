@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import toy_ffn  # noqa: E402
 from conftest import make_spec  # noqa: E402
 from stem import config as C  # noqa: E402
+from stem import experiment  # noqa: E402
 from stem.report import registry  # noqa: E402
 from stem.report import tables as T  # noqa: E402
 from stem.report.results import Results, task_score  # noqa: E402
@@ -50,11 +51,11 @@ def continuation_nll(lm, spec: dict, limit=None):
 
 
 # ---- the toy table (reported only: no paper CSV, not compared) and figure (reads files it names) ----------
-def toy_table(cfg: dict, res: Results) -> pd.DataFrame:
-    stages = T.settings(cfg).stages[TABLE]
+def toy_table(exp: experiment.Experiment, res: Results) -> pd.DataFrame:
+    stages = T.settings(exp).stages[TABLE]
     cells = []
-    for scale in T.scales_with(cfg, stages[0]):
-        for v in T.ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
+    for scale in T.scales_with(exp, stages[0]):
+        for v in T.ordered_variants(exp, exp.matrix[scale].variants):
             ev, stage = res.first_eval(scale, v, stages, SUITE)
             acct, _ = res.first_accounting(scale, v, stages)
             cells += [T.cell(TABLE, scale, v, "nll", task_score(ev, SUITE), f"{stage}/eval/toy.json", unit="nats"),
@@ -111,8 +112,8 @@ distributed.teardown(ctx)
 '''
 
 
-def _cfg() -> dict:
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+def _cfg() -> experiment.Experiment:
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     cfg["archs"]["350m"].update(vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=KV, d_ff=F, max_seq_len=256)
     cfg["tokenizer"]["350m"]["vocab_size"] = V
     cfg["matrix"] = {"350m": {"variants": ["stem"], "stages": ["pretrain"]}}
@@ -120,7 +121,7 @@ def _cfg() -> dict:
     cfg["eval"]["suites"][SUITE] = {"kind": "toy_nll"}
     cfg["eval"]["stages"] = {"pretrain": [SUITE]}
     del cfg["analysis"]   # no analyze stage: its report tables are empty, its figures say so
-    return C.validate_experiment(cfg)
+    return experiment.parse(cfg)
 
 
 @torch.no_grad()
@@ -215,11 +216,14 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
 
 
 def test_report_stages_of_an_unknown_table_is_a_one_line_error():
+    tiny = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+
+    def settings(report):   # the tiny config with this report: section (an untyped section, checked by settings)
+        return T.settings(experiment.parse({**tiny, "report": report}))
     for name in ("tabel3", "table1"):
-        cfg = {"experiment": "tiny", "report": {"stages": {name: ["pretrain"]}}}
         with pytest.raises(ValueError, match=rf"^config: key 'report.stages.{name}': expected a table fed by training "
                                              rf"stages \(table3, table4, table5, table6, figure1b, dse, dse_long\), got '{name}'$"):
-            T.settings(cfg)
+            settings({"stages": {name: ["pretrain"]}})
     bad = [({"tolerance": {"accuracy": -1}}, r"^config: key 'report.tolerance.accuracy': expected a number >= 0"),
            ({"spikes": {"window": "50"}}, r"^config: key 'report.spikes.window': expected an integer, got '50'$"),
            ({"stages": {"table3": "pretrain"}}, r"^config: key 'report.stages.table3': expected a non-empty list of "
@@ -229,8 +233,8 @@ def test_report_stages_of_an_unknown_table_is_a_one_line_error():
            ({"stages": {"table3": ["pretrian"]}}, r"^config: key 'report.stages.table3': expected stages among")]
     for rep, message in bad:
         with pytest.raises(ValueError, match=message):
-            T.settings({"experiment": "tiny", "report": rep})
-    spec = T.settings({"experiment": "tiny", "report": {"tolerance": {"roi": 0.5}, "stages": {"table5": ["extend"]}}})
+            settings(rep)
+    spec = settings({"tolerance": {"roi": 0.5}, "stages": {"table5": ["extend"]}})
     assert spec.tolerance == {"accuracy": 1.0, "params": 0.01, "gflops": 0.01, "roi": 0.5, "other": 0.0}
     assert spec.stages["table5"] == ("extend",) and spec.stages["table3"] == ("pretrain",)
     assert (spec.spikes.window, spec.spikes.k) == (50, 6.0)

@@ -196,10 +196,11 @@ def test_dse_long_table_and_its_directions(tmp_path):
                                                     "tasks": {"longppl_book": {"value": ppl}}}))
         (d / "ruler.json").write_text(json.dumps({**job, "suite": "ruler",
                                                   "tasks": {t: {"value": x + bump} for t, x in ruler.items()}}))
-    df = T.dse_long_table(TINY, Results("tiny", tmp_path)).set_index(["variant", "column"])["value"]
+    tiny = C.experiment.parse(TINY)
+    df = T.dse_long_table(tiny, Results("tiny", tmp_path)).set_index(["variant", "column"])["value"]
     assert df["dense", "ruler_s"] == pytest.approx(20.0) and df["dense", "ruler_qa"] == pytest.approx(50.0)
     assert df["dse", "longppl_book"] == 6.0 and math.isnan(df["dse", "longppl_code"])
-    dirs = D.point_directions({"dse_long": T.dse_long_table(TINY, Results("tiny", tmp_path))}, "dense").set_index("column")
+    dirs = D.point_directions({"dse_long": T.dse_long_table(tiny, Results("tiny", tmp_path))}, "dense").set_index("column")
     assert dirs.loc["longppl_book", "paper_delta"] == pytest.approx(4.14 - 4.38)   # DSE-27B (50k) - MoE-27B (50k)
     assert dirs.loc["longppl_book", "ours"] == "beats baseline" and dirs.loc["longppl_book", "agree"]
     assert dirs.loc["ruler_s", "paper_says"] == "trails baseline" and not dirs.loc["ruler_s", "agree"]

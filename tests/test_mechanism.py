@@ -237,8 +237,9 @@ def test_mechanism_tables_figures_and_directions_through_the_registry(tmp_path):
     from stem.report import registry
     from stem.report.figures import draw
     from stem.report.results import Results
-    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
-    cfg["matrix"] = {"350m": {"variants": ["dense", "dse"], "stages": ["pretrain"]}}
+    m = {**C.read_yaml(C.REPO / "config" / "tiny.yaml"), "matrix": {"350m": {"variants": ["dense", "dse"],
+                                                                              "stages": ["pretrain"]}}}
+    cfg = C.experiment.parse(m)
     ones = lambda k, n: [1.0] * k + [0.0] * (n - k)  # noqa: E731
     # factual: 20 -> 5 of 20 right when disabled (25% retained), 15 when forced (75%); context: 10 -> 10 (100%)
     items = {"normal": {"arc_easy": ones(20, 20), "boolq": ones(10, 20)},
@@ -293,7 +294,7 @@ def test_mechanism_tables_figures_and_directions_through_the_registry(tmp_path):
         assert any(line.get_xydata().size for ax in fig.axes for line in ax.get_lines()) or \
             any(ax.patches for ax in fig.axes)
         plt.close(fig)
-    del cfg["analysis"]
+    cfg = C.experiment.parse({k: v for k, v in m.items() if k != "analysis"})   # no analysis: section
     assert all(x.build(cfg, res).empty for x in t.values()) and t["cka"].inputs(cfg) == []
     fig = draw("dse_cka", cfg, res, {}, {"analysis": []})
     assert "config has no analysis.cka" in " ".join(x.get_text() for x in fig.axes[0].texts)

@@ -162,7 +162,7 @@ def test_placement_indices():
 
 
 def _paper():
-    return C.load_experiment(C.REPO / "config" / "paper.yaml")
+    return C.experiment.load(C.REPO / "config" / "paper.yaml")
 
 
 def _acc(scale, variant):

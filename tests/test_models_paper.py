@@ -192,7 +192,7 @@ def test_hashmoe_experts_match_stem_total_at_350m():
     the 350M shapes: each extra expert adds 3 d d_ff per MoE layer, each STEM layer (V - d) d_ff (exact) or
     V d_ff (Table 3's convention); E = 12 is the closest count under both, and to the printed 1.22 B."""
     from stem.report.params import accounting_for
-    paper = C.load_experiment(C.REPO / "config" / "paper.yaml")
+    paper = C.experiment.load(C.REPO / "config" / "paper.yaml")
     V, d, f, n, dense = 32000, 960, 2560, 10, 376_075_200
     stem_exact, stem_table3 = dense + n * (V - d) * f, dense + n * V * f
 

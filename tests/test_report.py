@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from stem import config as C
+from stem import experiment
 from stem import seeds
 from stem.eval import spec as ES
 from stem.report import build as B
@@ -34,7 +35,7 @@ def paper_scores(table, scale, variant, offset=0.0):
 
 
 def eval_json(cfg, scale, variant, stage, suite, offset):
-    base = {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage, "suite": suite,
+    base = {"experiment": cfg.experiment, "scale": scale, "variant": variant, "stage": stage, "suite": suite,
             "checkpoint": "x", "limit": None, "tasks": {}, "groups": {}}
     entry = lambda v: {"metric": "acc,none", "value": v, "stderr": 1.0, "n": 40}  # noqa: E731
     named = seeds.split(variant)[0]   # a seed job (stem.seeds) scores like its variant
@@ -72,7 +73,7 @@ def eval_json(cfg, scale, variant, stage, suite, offset):
 
 def summary_json(cfg, scale, variant, stage, loss):
     """The keys of stem.train.loop's summary.json that the report reads or checks."""
-    return {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage,
+    return {"experiment": cfg.experiment, "scale": scale, "variant": variant, "stage": stage,
             "final_val_loss": float(loss[-1]), "final_train_loss": float(np.mean(loss[-10:])),
             "steps": len(loss), "tokens": 2048 * len(loss)}
 
@@ -81,9 +82,8 @@ def write_results(root, cfg, skip=(MISSING,)):
     rng = np.random.default_rng(0)
     stage_suites = {"pretrain": ["commonsense"], "midtrain": ["commonsense", "mmlu", "gsm8k"],
                     "extend": ["niah", "bbh", "musr", "longbench"]}
-    exp = C.experiment.parse(cfg, "the test's config")
-    for scale, variant, stage in C.train_targets(exp) + C.seed_targets(exp):
-        d = root / cfg["experiment"] / scale / variant / stage
+    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
+        d = root / cfg.experiment / scale / variant / stage
         (d / "eval").mkdir(parents=True)
         steps = np.arange(1, 201)
         loss = 7 * np.exp(-steps / 40) + 3 + 0.02 * rng.standard_normal(len(steps))
@@ -98,7 +98,7 @@ def write_results(root, cfg, skip=(MISSING,)):
         (d / "summary.json").write_text(json.dumps(summary_json(cfg, scale, variant, stage, loss)))
         (d / "checkpoint").mkdir()  # what stem.checkpoint writes besides the weights: job spec, accounting
         (d / "checkpoint" / "config.json").write_text(json.dumps(
-            {"experiment": cfg["experiment"], "scale": scale, "variant": variant, "stage": stage}))
+            {"experiment": cfg.experiment, "scale": scale, "variant": variant, "stage": stage}))
         (d / "checkpoint" / "accounting.json").write_text(json.dumps(T.accounting(cfg, scale, variant)))
         long_context = [s for s in ("longppl", "ruler") if s in ES.suites_for(exp, stage, seeds.split(variant)[0])]
         for suite in stage_suites[stage] + long_context:   # the DSE paper's Table 2: dense and DSE only
@@ -110,7 +110,7 @@ def write_results(root, cfg, skip=(MISSING,)):
 
 @pytest.fixture(scope="module")
 def tiny_cfg():
-    return C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    return experiment.load(C.REPO / "config" / "tiny.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_tables_from_results(tiny_tables):
     assert value(t6, "1b", "stem", "lb_12k_plus") == pytest.approx(25.2)
     fig1b = tiny_tables["figure1b"]
     assert value(fig1b, "1b", "stem", "niah_gap_shortest") == pytest.approx(1.0)
-    assert set(T.table1({"experiment": "x", "archs": {}, "stages": {}})["variant"]) >= {"qwen2.5-3b"}
+    assert set(T.table1(None)["variant"]) >= {"qwen2.5-3b"}
 
 
 def test_table_writers_show_gaps(tiny_tables):
@@ -191,7 +191,7 @@ def test_table_writers_show_gaps(tiny_tables):
 
 
 def test_table2_from_config(tiny_cfg):
-    t2 = T.table2(C.read_yaml(C.REPO / "config" / "paper.yaml"))
+    t2 = T.table2(experiment.load(C.REPO / "config" / "paper.yaml"))
     assert value(t2, "350m", "pretrain", "peak_lr") == 2e-3
     assert value(t2, "1b", "context_extend", "cross_doc_masking") == "Yes"
     cells = diff.compare({"table2": t2}, T.settings(tiny_cfg).tolerance)
@@ -368,8 +368,8 @@ def test_real_training_summary_passes_the_check(spec_factory, tmp_path):
     ckpt = tmp_path / "tiny" / "350m" / "stem" / "pretrain" / "checkpoint"
     with safe_open(ckpt / "model.safetensors", "pt") as f:
         n_weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    cfg = {**C.load_experiment(C.REPO / "config" / "tiny.yaml"), "matrix": {"350m": {"variants": ["stem"],
-                                                                                     "stages": ["pretrain"]}}}
+    cfg = experiment.parse({**C.read_yaml(C.REPO / "config" / "tiny.yaml"), "matrix": {"350m": {
+        "variants": ["stem"], "stages": ["pretrain"]}}})
     t3 = T.build_all(cfg, res)["table3"]
     saved = json.loads((ckpt / "accounting.json").read_text())
     assert value(t3, "350m", "stem", "total_params_exact_b") * 1e9 == pytest.approx(n_weights, abs=0.5)
@@ -508,8 +508,7 @@ def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
              *(f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf"))]
     from stem.analysis import workflow as AW  # the analyze stage's outputs, as a finished run leaves them
     from stem import sweeps as SW   # and the sweeps' (in `rule all` when sweeps.in_all)
-    exp = C.experiment.parse(tiny_cfg, "tiny.yaml")
-    analyses = AW.targets(exp) + SW.targets(exp)
+    analyses = AW.targets(tiny_cfg) + SW.targets(tiny_cfg)
     files += analyses
     for i, f in enumerate(files):
         p = tmp_path / f
@@ -545,16 +544,17 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
     docs = [doc for doc, _ in zip(synth.web_documents(synth.make_world(**world)), range(200))]
     train_bpe(docs, 320, tmp_path / "tok.json")
-    cfg = json.loads(json.dumps(tiny_cfg))
-    cfg["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
-    exp = reshaped(cfg)
-    mc = C.model_config_for(exp, "1b", "stem", "extend").to_dict()
+    m = json.loads(json.dumps(tiny_cfg.mapping))
+    m["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
+    m["tokenizer"]["1b"]["vocab_size"] = 320
+    cfg = experiment.parse(m)
+    mc = C.model_config_for(cfg, "1b", "stem", "extend").to_dict()
     torch.manual_seed(0)
     ident = {"experiment": "tiny", "scale": "1b", "variant": "stem", "stage": "extend"}
     save_checkpoint(tmp_path / "ckpt", build_model(ModelConfig.from_dict(mc), "cpu"), {**ident, "model": mc},
                     tmp_path / "tok.json", {})
     tasks = ["arc_easy", "boolq", "longbench_hotpotqa", "longbench_lcc"]
-    fixtures.write_fixtures({**cfg["eval"]["fixtures"], "world": world, "seed": 0, "items": 4, "train_items": 2,
+    fixtures.write_fixtures({**cfg.eval["fixtures"], "world": world, "seed": 0, "items": 4, "train_items": 2,
                              "tasks": tasks, "groups": {"longbench_multi": ["longbench_hotpotqa"],
                                                         "longbench_code": ["longbench_lcc"],
                                                         "longbench": ["longbench_multi", "longbench_code"]}},
@@ -591,8 +591,8 @@ def test_truncation_table_and_summary_line(tiny_cfg, tiny_tables):
     """Issue 33: each task whose requests were cut, its score beside the counts; eval JSONs without counts named."""
     from stem.report.truncation import truncation_lines, truncation_summary
     t = tiny_tables["truncation"]
-    extend = [v for v in tiny_cfg["matrix"]["1b"]["variants"] if "extend" in C.variant_stages(
-        C.experiment.parse(tiny_cfg, "tiny.yaml"), v, tiny_cfg["matrix"]["1b"]["stages"])]
+    extend = [v for v in tiny_cfg.matrix["1b"].variants if "extend" in C.variant_stages(
+        tiny_cfg, v, tiny_cfg.matrix["1b"].stages)]
     bbh = t[t["row"].str.endswith("extend: bbh bbh_sub")]
     assert sorted(set(bbh["variant"])) == sorted(extend) and len(bbh) == 5 * len(extend)
     one = bbh[bbh["variant"] == extend[0]].set_index("column")["value"]
@@ -612,7 +612,7 @@ def test_dse_table_and_its_direction_check(tiny_cfg, tiny_tables):
     t = tiny_tables["dse"]
     assert set(zip(t["scale"], t["variant"])) == {(s, v) for s in ("350m", "1b") for v in ("dense", "dse")}
     for scale in ("350m", "1b"):
-        V, d = tiny_cfg["archs"][scale]["vocab_size"], tiny_cfg["archs"][scale]["d_model"]
+        V, d = tiny_cfg.archs[scale].vocab_size, tiny_cfg.archs[scale].d_model
         for v in ("dense", "dse"):
             a = T.accounting(tiny_cfg, scale, v)
             assert value(t, scale, v, "p_tot_b") * 1e9 == pytest.approx(a["total_params"] - 2 * V * d, abs=1e-3)

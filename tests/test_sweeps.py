@@ -259,11 +259,12 @@ def test_collect_slots_writes_the_fit_and_refuses_a_wrong_model(tmp_path):
     from stem.report import figures as F
     from stem.report import registry
     (tmp_path / "slots.json").write_text(json.dumps(r))
-    assert registry.figure("sweep_slots").inputs(cfg, []) == {}
-    assert registry.figure("sweep_slots").inputs({**cfg, "sweeps": {**cfg["sweeps"], "in_all": True}}, []) == \
-        {"sweep": "reports/tiny/sweeps/slots.json"}
+    exp = C.experiment.parse(cfg)
+    assert registry.figure("sweep_slots").inputs(exp, []) == {}
+    in_all = C.experiment.parse({**cfg, "sweeps": {**cfg["sweeps"], "in_all": True}})
+    assert registry.figure("sweep_slots").inputs(in_all, []) == {"sweep": "reports/tiny/sweeps/slots.json"}
     for files in ({"sweep": str(tmp_path / "slots.json")}, {}):
-        save(F.draw("sweep_slots", cfg, None, {}, files), tmp_path / "fig.png")
+        save(F.draw("sweep_slots", exp, None, {}, files), tmp_path / "fig.png")
         assert (tmp_path / "fig.png").stat().st_size > 10_000
     bad = tmp_path / "tiny/350m/slots_256/pretrain/summary.json"
     s = json.loads(bad.read_text())

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
+from stem import experiment  # noqa: E402
 from stem import io as stem_io  # noqa: E402
 from stem.registry import FFN_KINDS  # noqa: E402
 from stem.report import build as B  # noqa: E402
@@ -31,14 +32,14 @@ def test_a_new_variant_in_variants_yaml_is_labelled_and_coloured_everywhere(tmp_
     monkeypatch.setattr(stem_io, "VARIANTS", path)
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
     cfg["matrix"]["350m"]["variants"].append("stem_quarter")   # the matrix line
-    exp = C.experiment.parse(cfg, origin="tiny.yaml")            # the config check accepts it
+    exp = experiment.parse(cfg, origin="tiny.yaml")              # the config check accepts it
     assert ("350m", "stem_quarter", "pretrain") in C.train_targets(exp)
     assert C.model_config_for(exp, "350m", "stem_quarter").ffn[3] == "stem"
-    assert C.variant_labels(cfg)["stem_quarter"] == T.row_labels(cfg, "table3")["stem_quarter"] == "STEM-1/4"
+    assert C.variant_labels(exp)["stem_quarter"] == T.row_labels(exp, "table3")["stem_quarter"] == "STEM-1/4"
     one = T.frame([T.cell("table3", "350m", "stem_quarter", "avg", 1.0)])
-    assert T.labelled(one, cfg)["row"].tolist() == ["STEM-1/4"]
-    assert (F.legend_label(cfg, "stem_quarter"), F.color(cfg, "stem_quarter")) == ("STEM-1/4", "#123456")
-    assert T.ordered_variants(cfg, ["stem_quarter", "moe", "dense"]) == ["dense", "moe", "stem_quarter"]
+    assert T.labelled(one, exp)["row"].tolist() == ["STEM-1/4"]
+    assert (F.legend_label(exp, "stem_quarter"), F.color(exp, "stem_quarter")) == ("STEM-1/4", "#123456")
+    assert T.ordered_variants(exp, ["stem_quarter", "moe", "dense"]) == ["dense", "moe", "stem_quarter"]
 
 
 def test_labels_and_colours_are_the_reports_of_before():
@@ -92,16 +93,18 @@ def test_a_variant_overrides_label_and_colour_reach_the_report(tmp_path):
     figures), not config/variants.yaml's (issue 28 item 2: the report read the file's, frozen at import)."""
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
     cfg["matrix"] = {"1b": {"variants": ["dense", "stem"], "stages": ["midtrain"]}}   # Table 4's rows, no Table 3
+    del cfg["stages"]["midtrain"]["1b"]["init_from"]   # a first stage of its matrix entry
     cfg["variant_overrides"] = {"stem": {"label": "STEM, overridden", "figure_label": "STEM 1/3, overridden",
                                          "color": "#010203"}}
-    res = Results(cfg["experiment"], tmp_path)   # no results yet: every cell a gap, every row still labelled
-    ours = T.build_all(cfg, res)
+    exp = experiment.parse(cfg)
+    res = Results(exp.experiment, tmp_path)   # no results yet: every cell a gap, every row still labelled
+    ours = T.build_all(exp, res)
     assert T.wide(ours["table4"])["Model"].tolist() == ["Baseline", "STEM, overridden"]
-    md = diff.render(cfg, *B.run_diff(cfg, ours)[:4])
+    md = diff.render(exp, *B.run_diff(exp, ours)[:4])
     assert "| 1b | STEM, overridden |" in md and "| STEM |" not in md
-    fig = F.draw("fig1a_val_ppl_vs_tokens", cfg, res, ours)
+    fig = F.draw("fig1a_val_ppl_vs_tokens", exp, res, ours)
     assert "STEM 1/3, overridden" in fig.axes[0].texts[0].get_text()
-    assert F.color(cfg, "stem") == "#010203" and F.color(None, "stem") == "#1f77b4"
+    assert F.color(exp, "stem") == "#010203" and F.color(None, "stem") == "#1f77b4"
 
 
 def test_one_baseline():

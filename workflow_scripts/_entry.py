@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from stem import plugins
+from stem import experiment, plugins
 from stem.cli_args import OneLineParser  # a bad argument: one line, exit 1 (torch-free)
 from stem.config import ConfigError
 
@@ -39,3 +39,9 @@ def spec_of(args) -> dict:
         raise ValueError(f"--spec: a JSON {type(spec).__name__}; expected the job spec object")
     plugins.load(spec.get("plugins"), origin="--spec: key 'plugins'")   # the config's own kinds, before any lookup
     return spec
+
+
+def experiment_of(args):
+    """``--spec`` as an experiment config (the report's jobs get the whole config): its typed tree, parsed once
+    (stem.experiment; one ConfigError line ``--spec: key '...': ...`` otherwise)."""
+    return experiment.parse(spec_of(args), origin="--spec")

@@ -13,16 +13,16 @@ def main():
     p.add_argument("--csv", required=True)
     p.add_argument("--md", required=True)
     args = p.parse_args()
-    from stem.report.params import COLUMNS, accounting_rows, to_markdown
+    from stem.report.params import COLUMNS, accounted, accounting_rows, to_markdown
     from stem.io import atomic_write_text
-    cfg = spec_of(args)
-    rows = accounting_rows(cfg)
+    acct = accounted(spec_of(args), "--spec")   # the job's part of the config: experiment, archs, variant_overrides
+    rows = accounting_rows(acct)
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
     atomic_write_text(args.csv, buf.getvalue())
-    atomic_write_text(args.md, to_markdown(rows, f"Parameter accounting, experiment '{cfg['experiment']}'"))
+    atomic_write_text(args.md, to_markdown(rows, f"Parameter accounting, experiment '{acct.experiment}'"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Draw one figure of the report (PNG and PDF)."""
 import json
 
-from workflow_scripts._entry import parser, run, spec_of
+from workflow_scripts._entry import experiment_of, parser, run
 
 # Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
 # argument fails in one line before torch (or any other heavy module) loads.
@@ -19,8 +19,8 @@ def main():
     from stem.report.build import load_reproduced
     from stem.report.figures import draw, save
     from stem.report.results import Results
-    cfg = spec_of(args)
-    save(draw(args.name, cfg, Results(cfg["experiment"], args.results), load_reproduced(args.reproduced),
+    exp = experiment_of(args)
+    save(draw(args.name, exp, Results(exp.experiment, args.results), load_reproduced(args.reproduced),
               json.loads(args.files)), args.png, args.pdf)
 
 

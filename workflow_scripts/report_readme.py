@@ -1,6 +1,6 @@
 """Assemble reports/{experiment}/README.md (or, with --html, the self-contained report.html) from the tables,
 the diff and the figures."""
-from workflow_scripts._entry import parser, run, spec_of
+from workflow_scripts._entry import experiment_of, parser, run
 
 # Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
 # argument fails in one line before torch (or any other heavy module) loads.
@@ -15,7 +15,8 @@ def main():
     args = p.parse_args()
     from stem.report.build import html_report, readme
     from stem.io import atomic_write_text
-    atomic_write_text(args.out, (html_report if args.html else readme)(spec_of(args), args.report_dir, args.figures))
+    page = (html_report if args.html else readme)(experiment_of(args), args.report_dir, args.figures)
+    atomic_write_text(args.out, page)
 
 
 if __name__ == "__main__":

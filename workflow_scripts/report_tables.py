@@ -1,5 +1,5 @@
 """Build the paper's tables (1-6 and Figure 1b's data) from whatever results exist."""
-from workflow_scripts._entry import parser, run, spec_of
+from workflow_scripts._entry import experiment_of, parser, run
 
 # Deliberately lazy: main() parses and checks its arguments before it imports the code it runs, so a bad
 # argument fails in one line before torch (or any other heavy module) loads.
@@ -12,8 +12,8 @@ def main():
     args = p.parse_args()
     from stem.report.build import write_tables
     from stem.report.results import Results
-    cfg = spec_of(args)
-    write_tables(cfg, Results(cfg["experiment"], args.results), args.out_dir)
+    exp = experiment_of(args)
+    write_tables(exp, Results(exp.experiment, args.results), args.out_dir)
 
 
 if __name__ == "__main__":

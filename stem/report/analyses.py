@@ -28,6 +28,7 @@ import pandas as pd
 from stem import config as C
 from stem import layout as L
 from stem.analysis.workflow import analyses, checkpoints, targets
+from stem.experiment import Experiment
 from stem.report import figures as F
 from stem.report import registry
 from stem.report import tables as T
@@ -48,14 +49,14 @@ CLAIMS = {
 }
 
 
-def load_all(cfg: dict, root=".", results=None) -> dict[str, dict]:
+def load_all(exp: Experiment, root=".", results=None) -> dict[str, dict]:
     """{analysis: {(scale, variant, stage): JSON}} for every analysis JSON that exists (``results``: the
     results folder, default ``{root}/results``)."""
     results = Path(results) if results is not None else Path(root) / "results"
-    out: dict[str, dict] = {n: {} for n in analyses(cfg)}
-    for scale, variant, stage in checkpoints(cfg):
+    out: dict[str, dict] = {n: {} for n in analyses(exp)}
+    for scale, variant, stage in checkpoints(exp):
         for name in out:
-            p = results / cfg["experiment"] / scale / variant / stage / "analysis" / f"{name}.json"
+            p = results / exp.experiment / scale / variant / stage / "analysis" / f"{name}.json"
             if p.is_file():
                 r = json.loads(p.read_text())
                 if (r.get("analysis"), r.get("scale"), r.get("variant"), r.get("stage")) != (name, scale, variant, stage):
@@ -130,10 +131,10 @@ def legend(ax):
         ax.legend(fontsize=7)
 
 
-def fig6(cfg: dict, res: dict, label: str):
+def fig6(exp: Experiment, res: dict, label: str):
     import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
 
-    base = C.baseline_variant(cfg)
+    base = C.baseline_variant(exp)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     titles = ("(a) STEM table vectors, per STEM layer", "(b) dense up-projection outputs vs STEM vectors",
               "(c) down-projection inputs after gating")
@@ -151,17 +152,17 @@ def fig6(cfg: dict, res: dict, label: str):
             tag = f"{s} {v} L{layer['layer']}"
             if "table" in layer and v == "stem":
                 axes[0].plot(mid, dens(layer["table"]["hist"]), label=tag)
-                axes[1].plot(mid, dens(layer["table"]["hist"]), color=F.color(cfg, "stem"), alpha=0.7,
+                axes[1].plot(mid, dens(layer["table"]["hist"]), color=F.color(exp, "stem"), alpha=0.7,
                              label=f"{s} STEM tables" if layer is next(x for x in r["layers"] if "table" in x) else None)
             if v in (base, "stem") and "down_input" in layer:
-                axes[2].plot(mid, dens(layer["down_input"]["hist"]), color=F.color(cfg, v), alpha=0.5,
+                axes[2].plot(mid, dens(layer["down_input"]["hist"]), color=F.color(exp, v), alpha=0.5,
                              label=f"{s} {v}" if layer is r["layers"][0] else None)
         stem_layers = {layer["layer"] for (s2, v2, st2), r2 in res.items() if v2 == "stem" and s2 == s
                        for layer in r2["layers"] if "table" in layer}
         if v == base:
             for layer in r["layers"]:
                 if layer["layer"] in stem_layers and "up_proj" in layer:
-                    axes[1].plot(mid, dens(layer["up_proj"]["hist"]), color=F.color(cfg, base), alpha=0.7,
+                    axes[1].plot(mid, dens(layer["up_proj"]["hist"]), color=F.color(exp, base), alpha=0.7,
                                  label=f"{s} {base} up-proj" if layer["layer"] == min(stem_layers) else None)
     for ax in axes:
         legend(ax)
@@ -170,12 +171,12 @@ def fig6(cfg: dict, res: dict, label: str):
     return fig
 
 
-def niah_curves(cfg: dict, results="results") -> dict[str, tuple[list, list]]:
+def niah_curves(exp: Experiment, results="results") -> dict[str, tuple[list, list]]:
     """{variant: (lengths, mean NIAH accuracy over depths)} of the 1B models at Fig. 1b's stage, where present."""
     out = {}
-    stage = ((cfg.get("report") or {}).get("stages") or {}).get("figure1b", ["extend"])[0]
-    for v in (C.baseline_variant(cfg), "stem"):
-        p = Path(results) / cfg["experiment"] / "1b" / v / stage / "eval" / "niah.json"
+    stage = ((exp.report or {}).get("stages") or {}).get("figure1b", ["extend"])[0]
+    for v in (C.baseline_variant(exp), "stem"):
+        p = Path(results) / exp.experiment / "1b" / v / stage / "eval" / "niah.json"
         if p.is_file():
             cells = niah_cells(json.loads(p.read_text()))
             if len(cells):
@@ -184,7 +185,7 @@ def niah_curves(cfg: dict, results="results") -> dict[str, tuple[list, list]]:
     return out
 
 
-def heaps_fig(cfg: dict, res: dict, label: str, niah: dict | None = None):
+def heaps_fig(exp: Experiment, res: dict, label: str, niah: dict | None = None):
     import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
@@ -195,13 +196,13 @@ def heaps_fig(cfg: dict, res: dict, label: str, niah: dict | None = None):
         a.loglog(L, r["unique"], "o", label=f"{s}: held-out {r['source']}")
         a.loglog(L, f["K"] * L ** f["beta"], "-", label=f"{s}: K={f['K']:.3g}, beta={f['beta']:.3f}")
     for (s, v, st), r in sorted(res.items()):
-        b.loglog(r["lengths"], r["activated_stem_params"], "o-", color=F.color(cfg, v), alpha=0.5 if s == "350m" else 1,
+        b.loglog(r["lengths"], r["activated_stem_params"], "o-", color=F.color(exp, v), alpha=0.5 if s == "350m" else 1,
                  label=f"{s} {v}, |S|={r['n_stem_layers']}")
     a.set(xlabel="context length L (tokens)", ylabel="unique token ids L_uniq", title="Heaps fit L_uniq = K L^beta")
     b.set(xlabel="context length L (tokens)", ylabel="|S| d_ff L_uniq",
           title="activated STEM parameters per sequence")
     for v, (lengths, acc) in (niah or {}).items():
-        c.plot(lengths, acc, "o-", color=F.color(cfg, v), label=f"1b {v}")
+        c.plot(lengths, acc, "o-", color=F.color(exp, v), label=f"1b {v}")
     c.set(xscale="log", xlabel="context length (tokens)", ylabel="NIAH accuracy (%)", ylim=(-2, 102),
           title="beside it: Fig. 1b, NIAH accuracy vs length" + ("" if niah else " (no results)"))
     for ax in (a, b, c):
@@ -211,10 +212,10 @@ def heaps_fig(cfg: dict, res: dict, label: str, niah: dict | None = None):
     return fig
 
 
-def directions_frame(cfg: dict, results, res: dict) -> pd.DataFrame:
+def directions_frame(exp: Experiment, results, res: dict) -> pd.DataFrame:
     """Every direction with its confidence: Tables 3/4 accuracy, held-out loss and one per analysis."""
-    dirs_df = pd.DataFrame(V.table_directions(cfg, results=results) + V.loss_directions(cfg, res.get("heldout", {}))
-                           + analysis_directions(res, C.baseline_variant(cfg)))
+    dirs_df = pd.DataFrame(V.table_directions(exp, results=results) + V.loss_directions(exp, res.get("heldout", {}))
+                           + analysis_directions(res, C.baseline_variant(exp)))
     if len(dirs_df):
         # Tables 3/4 fold each cell's seeds; the held-out loss and the analyses read seed 0 (SEED0)
         accuracy = dirs_df["table"].isin(["table3", "table4"])
@@ -235,50 +236,50 @@ def example_rows(ex: dict) -> list[tuple[str, str, str, str]]:
 
 
 # ---- the registry's view (stem.report.registry): long tables in paper_data.COLUMNS, figures from the JSONs ----
-def load_results(cfg: dict, res) -> dict:
+def load_results(exp: Experiment, res) -> dict:
     """``load_all`` of the results ``res`` (a stem.report.results.Results) reads."""
-    return load_all(cfg, results=res.root)
+    return load_all(exp, results=res.root)
 
 
-def _json_path(cfg: dict, key: tuple, name: str) -> str:
-    return L.analysis_json(cfg["experiment"], *key, name)
+def _json_path(exp: Experiment, key: tuple, name: str) -> str:
+    return L.analysis_json(exp.experiment, *key, name)
 
 
-def long_frame(table: str, cfg: dict, name: str, res: dict, rows) -> pd.DataFrame:
+def long_frame(table: str, exp: Experiment, name: str, res: dict, rows) -> pd.DataFrame:
     """rows(key, JSON) -> [(row, column, value, unit)] per checkpoint; ``row`` names the model first."""
-    return T.frame([T.cell(table, k[0], k[1], c, val, _json_path(cfg, k, name), row=row, unit=unit)
+    return T.frame([T.cell(table, k[0], k[1], c, val, _json_path(exp, k, name), row=row, unit=unit)
                     for k, r in sorted(res.items()) for row, c, val, unit in rows(k, r)])
 
 
-def editing_long(cfg: dict, res) -> pd.DataFrame:
+def editing_long(exp: Experiment, res) -> pd.DataFrame:
     skip = ("site", "scheme", "case")
-    return long_frame("editing", cfg, "editing", load_results(cfg, res).get("editing", {}), lambda k, r: [
+    return long_frame("editing", exp, "editing", load_results(exp, res).get("editing", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {row['site']} {row['scheme']}", c, x, "") for row in r["summary"] if row["case"] == "all"
         for c, x in row.items() if c not in skip])
 
 
-def spread_long(cfg: dict, res) -> pd.DataFrame:
-    return long_frame("spread", cfg, "spread", load_results(cfg, res).get("spread", {}), lambda k, r: [
+def spread_long(exp: Experiment, res) -> pd.DataFrame:
+    return long_frame("spread", exp, "spread", load_results(exp, res).get("spread", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: L{layer['layer']} {layer['ffn']} {key}", c, x, "") for layer in r["layers"]
         for key in ("table", "up_proj", "down_input") if key in layer
         for c, x in (("pairs", layer[key]["pairs"]), ("mean_abs_cos", layer[key]["mean_abs"]),
                      ("mean_cos", layer[key]["mean"]), *layer[key]["quantiles"].items())])
 
 
-def heaps_long(cfg: dict, res) -> pd.DataFrame:
-    return long_frame("heaps", cfg, "heaps", load_results(cfg, res).get("heaps", {}), lambda k, r: [
+def heaps_long(exp: Experiment, res) -> pd.DataFrame:
+    return long_frame("heaps", exp, "heaps", load_results(exp, res).get("heaps", {}), lambda k, r: [
         (f"{k[1]} {k[2]}", c, x, "") for c, x in
         (("K", r["fit"]["K"]), ("beta", r["fit"]["beta"]), ("r2", r["fit"]["r2"]), ("n_stem_layers", r["n_stem_layers"]),
          ("L", r["lengths"][-1]), ("L_uniq", r["unique"][-1]), ("activated_stem_params", r["activated_stem_params"][-1]))])
 
 
-def capacity_long(cfg: dict, res) -> pd.DataFrame:
-    return long_frame("capacity", cfg, "capacity", load_results(cfg, res).get("capacity", {}), lambda k, r: [
+def capacity_long(exp: Experiment, res) -> pd.DataFrame:
+    return long_frame("capacity", exp, "capacity", load_results(exp, res).get("capacity", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {rel}", c, x, "") for rel, row in r["table"].items() for c, x in row.items()])
 
 
-def directions_long(cfg: dict, res) -> pd.DataFrame:
-    df = directions_frame(cfg, res.root, load_results(cfg, res))
+def directions_long(exp: Experiment, res) -> pd.DataFrame:
+    df = directions_frame(exp, res.root, load_results(exp, res))
     # stage, check_table and check_column: the key the diff reads each verdict back by (stem.report.diff.directions)
     cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "seeds", "verdict", "paper_effect_resolvable", "stage",
             "check_table", "check_column")
@@ -289,53 +290,53 @@ def directions_long(cfg: dict, res) -> pd.DataFrame:
                     for r in records for c in cols if c in r])
 
 
-def edit_example_long(cfg: dict, res) -> pd.DataFrame:
-    ed = load_results(cfg, res).get("editing", {})
+def edit_example_long(exp: Experiment, res) -> pd.DataFrame:
+    ed = load_results(exp, res).get("editing", {})
     k, ex = next(((k, r["example"]) for k, r in sorted(ed.items())
                   if (r.get("example") or {}).get("site") == "stem"), (None, None))  # "1b", then "stem", sort first
     if ex is None:
         return T.frame([])
     row0 = f"{ex['source']} -> {ex['target']} ({ex['scheme']} of the {ex['site']} vectors)"
-    return T.frame([T.cell("edit_example", k[0], k[1], c, x, _json_path(cfg, k, "editing"),
+    return T.frame([T.cell("edit_example", k[0], k[1], c, x, _json_path(exp, k, "editing"),
                            row=f"{row0}: {model}", unit="")
                     for model, *vals in example_rows(ex) for c, x in zip(("prompt", "topk", "greedy"), vals)])
 
 
 def table_inputs(name: str):
-    return lambda cfg: [p for p in targets(cfg) if p.endswith(f"/analysis/{name}.json")]
+    return lambda exp: [p for p in targets(exp) if p.endswith(f"/analysis/{name}.json")]
 
 
-def all_inputs(cfg: dict) -> list[str]:
-    return targets(cfg)
+def all_inputs(exp: Experiment) -> list[str]:
+    return targets(exp)
 
 
 def analysis_figure(name: str, draw_fn, what: str):
-    """draw(cfg, res, ours, files): the analysis JSONs ``files["analysis"]`` (keyed by what each records)."""
-    def draw(cfg, res, ours, files):
+    """draw(exp, res, ours, files): the analysis JSONs ``files["analysis"]`` (keyed by what each records)."""
+    def draw(exp, res, ours, files):
         got = {}
         for path in files.get("analysis", []):
             r = json.loads(Path(path).read_text())
             got[r["scale"], r["variant"], r["stage"]] = r
-        fig = draw_fn(cfg, res, got, T.experiment_label(cfg), files)
+        fig = draw_fn(exp, res, got, T.experiment_label(exp), files)
         if not got:
             F.mark_missing(fig.axes[0], f"no {what} results: this experiment's config has no analysis.{name}" if name not in
-                     analyses(cfg) else f"no {what} results yet")
+                     analyses(exp) else f"no {what} results yet")
         return fig
     return draw
 
 
 def analysis_inputs(name: str, niah=False):
-    def inputs(cfg, evals):
-        out = {"analysis": table_inputs(name)(cfg)}
+    def inputs(exp, evals):
+        out = {"analysis": table_inputs(name)(exp)}
         if niah:
             out["niah"] = [p for p in evals if p.endswith("eval/niah.json")]
         return out
     return inputs
 
 
-def _niah(cfg: dict, res, files: dict) -> dict:
+def _niah(exp: Experiment, res, files: dict) -> dict:
     """niah_curves where the figure was given NIAH JSONs (an experiment without them: the panel says so)."""
-    return niah_curves(cfg, res.root) if files.get("niah") else {}
+    return niah_curves(exp, res.root) if files.get("niah") else {}
 
 
 # ---- this module's tables and figures, after the paper's (stem.report.figures, imported above) ----------------
@@ -366,10 +367,10 @@ registry.report_figure(
     "fig6_spread", "Figure 6a-c (angular spread): pairwise cosine similarity of (a) the STEM table vectors, "
     "(b) the dense up-projection outputs beside the STEM vectors at the same layers, (c) the down-projection "
     "inputs after gating.", inputs=analysis_inputs("spread"))(
-    analysis_figure("spread", lambda cfg, res, got, label, files: fig6(cfg, got, label), "angular spread"))
+    analysis_figure("spread", lambda exp, res, got, label, files: fig6(exp, got, label), "angular spread"))
 registry.report_figure(
     "heaps_law", "Sec. 3.2.5: unique tokens L_uniq vs context length L with the Heaps fit K L^beta, the "
     "activated STEM parameters |S| d_ff L_uniq, and Fig. 1b's NIAH accuracy beside it.",
     inputs=analysis_inputs("heaps", niah=True))(
-    analysis_figure("heaps", lambda cfg, res, got, label, files: heaps_fig(cfg, got, label, _niah(cfg, res, files)),
+    analysis_figure("heaps", lambda exp, res, got, label, files: heaps_fig(exp, got, label, _niah(exp, res, files)),
                     "Heaps-law"))

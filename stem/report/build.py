@@ -16,7 +16,9 @@ from pathlib import Path
 import pandas as pd
 
 from stem import config as C
+from stem import experiment
 from stem import layout as L
+from stem.experiment import Experiment
 from stem.io import atomic_write_text
 from stem.report import diff, page, registry
 from stem.report import paper_data as P
@@ -37,10 +39,10 @@ def _csv(df: pd.DataFrame) -> str:
     return buf.getvalue()
 
 
-def write_tables(cfg: dict, res: Results, out_dir) -> dict[str, pd.DataFrame]:
+def write_tables(exp: Experiment, res: Results, out_dir) -> dict[str, pd.DataFrame]:
     out = Path(out_dir)
-    ours = T.build_all(cfg, res)
-    label = T.experiment_label(cfg)
+    ours = T.build_all(exp, res)
+    label = T.experiment_label(exp)
     for name, table in registry.tables().items():
         w = T.wide(ours[name])
         _write(out / f"{name}.csv", _csv(w))
@@ -59,19 +61,19 @@ def load_reproduced(path) -> dict[str, pd.DataFrame]:
 
 def paper_accounting() -> dict:
     """Accounting of config/paper.yaml's Table 3 models (for the paper-consistency checks)."""
-    cfg = C.read_yaml(C.REPO / "config" / "paper.yaml")  # only archs / variant_overrides are used
+    exp = experiment.load(C.REPO / "config" / "paper.yaml")
     t3 = P.load_table("table3")
-    return {(s, v): T.accounting(cfg, s, v) for s, v in t3[["scale", "variant"]].drop_duplicates().itertuples(index=False)}
+    return {(s, v): T.accounting(exp, s, v) for s, v in t3[["scale", "variant"]].drop_duplicates().itertuples(index=False)}
 
 
-def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper_acct=None, accepted=None):
+def run_diff(exp: Experiment, ours: dict, gate_patterns=(), gate_tolerance=None, paper_acct=None, accepted=None):
     """``accepted``: an accepted-disagreements file (default: the config's ``report.accepted``, relative to the
     repository); the summary's ``accepted`` lists its cells with their verdicts now."""
-    rs = T.settings(cfg)
+    rs = T.settings(exp)
     tol = rs.tolerance
-    cells, dirs = diff.compare(ours, tol), diff.directions(ours, C.baseline_variant(cfg))
+    cells, dirs = diff.compare(ours, tol), diff.directions(ours, C.baseline_variant(exp))
     cons = diff.paper_consistency(paper_acct)
-    s = diff.summary(cfg["experiment"], cells, dirs, cons, prov=ours.get("provenance"), cut=ours.get("truncation"))
+    s = diff.summary(exp.experiment, cells, dirs, cons, prov=ours.get("provenance"), cut=ours.get("truncation"))
     path = accepted if accepted is not None else (C.REPO / rs.accepted if rs.accepted else None)
     if path is not None:
         s["accepted"] = {"file": str(accepted) if accepted is not None else rs.accepted,
@@ -83,9 +85,9 @@ def run_diff(cfg: dict, ours: dict, gate_patterns=(), gate_tolerance=None, paper
     return s, cells, dirs, cons, failures
 
 
-def write_diff(cfg: dict, out_dir, s, cells, dirs, cons, failures=None) -> str:
+def write_diff(exp: Experiment, out_dir, s, cells, dirs, cons, failures=None) -> str:
     out = Path(out_dir)
-    md = diff.render(cfg, s, cells, dirs, cons, failures)
+    md = diff.render(exp, s, cells, dirs, cons, failures)
     _write(out / "diff.md", md)
     _write(out / "cells.csv", _csv(cells))
     _write(out / "directions.csv", _csv(dirs))
@@ -100,21 +102,21 @@ def load_directions(path) -> pd.DataFrame:
     return diff.load_directions(path)
 
 
-def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: list[str]) -> list:
+def page_blocks(exp: Experiment, ours: dict, s: dict, dirs: pd.DataFrame, figures: list[str]) -> list:
     """The one-page report: label, diff summary, every table, every figure, conventions. Links are relative."""
-    exp, label = cfg["experiment"], T.experiment_label(cfg)
+    exp_name, label = exp.experiment, T.experiment_label(exp)
     figs = registry.figures()
     b = [page.Heading(1, f"STEM reproduction report — {label}")]
-    if exp != "paper":
-        b.append(page.Quote(f"Every number below was produced by the **{exp}** experiment (config/{exp}.yaml). It is "
-                            "not a paper-scale result and must not be read as one; the paper's numbers appear only in "
-                            "the comparison columns, labelled *paper*."))
+    if exp_name != "paper":
+        b.append(page.Quote(f"Every number below was produced by the **{exp_name}** experiment "
+                            f"(config/{exp_name}.yaml). It is not a paper-scale result and must not be read as one; "
+                            "the paper's numbers appear only in the comparison columns, labelled *paper*."))
     b += [page.Para("Contents: [diff summary](#diff-summary) · [tables](#tables) · [figures](#figures) · "
                     "[conventions](#conventions). Full cell-by-cell diff: [diff/diff.md](diff/diff.md). "
                     "Tables as CSV / Markdown / LaTeX: [tables/](tables/). "
                     "Parameter accounting: [params.md](params.md)."),
           page.Heading(2, "Diff summary"),
-          *diff.summary_blocks(s, dirs, C.variant_labels(cfg), len(s["gate"]["failed"]) if "gate" in s else None,
+          *diff.summary_blocks(s, dirs, C.variant_labels(exp), len(s["gate"]["failed"]) if "gate" in s else None,
                                level=3),
           page.Heading(2, "Tables")]
     for name, table in registry.tables().items():
@@ -126,7 +128,7 @@ def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: lis
     for f in figures:
         b += [page.Heading(3, f), page.Para(figs[f].caption), page.Image(f, f"figures/{f}.png"),
               page.Para(f"[pdf](figures/{f}.pdf)")]
-    sp, tol = T.settings(cfg).spikes, T.settings(cfg).tolerance
+    sp, tol = T.settings(exp).spikes, T.settings(exp).tolerance
     b += [page.Heading(2, "Conventions"), page.Items((
         "**Avg** = mean of the eight zero-shot commonsense tasks (ARC-E, ARC-C, BoolQ, PIQA, SIQA, HellaSwag, "
         "OBQA, WinoGrande); a row missing any task has no Avg (shown as —), never a partial mean.",
@@ -143,26 +145,26 @@ def page_blocks(cfg: dict, ours: dict, s: dict, dirs: pd.DataFrame, figures: lis
         f"GFLOPs {tol['gflops']:g}, ROI {tol['roi']:g}; configurable under `report.tolerance`.",
         "— marks a result that does not exist yet (not a zero).",
         f"Regenerate: `snakemake --profile profiles/local` (tables, diff, figures, this page and report.html); "
-        f"`python -m stem diff --experiment {exp}` prints the diff.")),
+        f"`python -m stem diff --experiment {exp_name}` prints the diff.")),
         page.Para(f"_Cells: {s['cells']} compared, {s['within_tolerance']} within tolerance, {s['missing']} missing._")]
     return b
 
 
-def report_page(cfg: dict, report_dir, figures: list[str] | None = None) -> list:
+def report_page(exp: Experiment, report_dir, figures: list[str] | None = None) -> list:
     """The page's blocks from the report's data files: reproduced.csv, diff/summary.json, diff/directions.csv."""
     rd = Path(report_dir)
     s = json.loads((rd / "diff" / "summary.json").read_text())
-    figures = list(registry.figures(cfg["experiment"])) if figures is None else figures
-    return page_blocks(cfg, load_reproduced(rd / "tables" / "reproduced.csv"), s,
+    figures = list(registry.figures(exp.experiment)) if figures is None else figures
+    return page_blocks(exp, load_reproduced(rd / "tables" / "reproduced.csv"), s,
                        load_directions(rd / "diff" / "directions.csv"), figures)
 
 
-def readme(cfg: dict, report_dir, figures: list[str] | None = None) -> str:
+def readme(exp: Experiment, report_dir, figures: list[str] | None = None) -> str:
     """reports/{experiment}/README.md."""
-    return page.markdown(report_page(cfg, report_dir, figures))
+    return page.markdown(report_page(exp, report_dir, figures))
 
 
-def html_report(cfg: dict, report_dir, figures: list[str] | None = None) -> str:
+def html_report(exp: Experiment, report_dir, figures: list[str] | None = None) -> str:
     """reports/{experiment}/report.html: the README's page, self-contained (figures embedded)."""
-    return page.to_html(report_page(cfg, report_dir, figures), f"STEM reproduction report — "
-                        f"{T.experiment_label(cfg)}", report_dir)
+    return page.to_html(report_page(exp, report_dir, figures), f"STEM reproduction report — "
+                        f"{T.experiment_label(exp)}", report_dir)

@@ -19,6 +19,7 @@ import yaml
 
 from stem import config as C
 from stem import provenance
+from stem.experiment import Experiment
 from stem.io import atomic_write_text
 from stem.report import page, registry
 from stem.report import paper_data as P
@@ -368,7 +369,7 @@ def paper_consistency(paper_acct: dict | None = None) -> pd.DataFrame:
                         else "The paper prints 0.37B for the 376,075,200-parameter dense 350M model and 0.74 = 2 x 0.37 "
                         "GFLOPs (exact: 0.752)" if scale == "350m" and variant in (base, "hashmoe", "stem_dagger")
                         else "")
-    t1 = T.table1({"experiment": "-", "archs": {}, "stages": {}})
+    t1 = T.table1(None)   # the Qwen2.5 rows
     fr = t1[t1["column"] == "saving_fraction"].set_index("variant")["value"]
     for r in P.load_table("table1_saving_fractions").itertuples():
         add("Table 1 saving fraction d_ff/(4d+2L+3d_ff), L=4096 (assumed)", "table1", "", r.variant,
@@ -569,15 +570,15 @@ def direction_table(dirs: pd.DataFrame, labels: dict) -> pd.DataFrame:
                                        "Ours: Avg vs baseline [95% CI]", "Verdicts", "Paper's effect resolvable"])
 
 
-def render(cfg: dict, s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
+def render(exp: Experiment, s: dict, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
            gate_failures: pd.DataFrame | None = None) -> str:
-    """diff.md; its rows labelled as the experiment ``cfg`` labels its variants (stem.config.variant_labels)."""
+    """diff.md; its rows labelled as the experiment ``exp`` labels its variants (stem.config.variant_labels)."""
     head = f"# Paper diff — {s['label']}\n\n"
     failed = None if gate_failures is None else len(gate_failures)
-    md = [markdown(summary_blocks(s, dirs, C.variant_labels(cfg), failed))]
+    md = [markdown(summary_blocks(s, dirs, C.variant_labels(exp), failed))]
     md += ["## Side by side (ours / paper (ours − paper); ⚠ beyond tolerance; — no result yet)", ""]
     for table in registry.compared():
-        body = side_by_side(cells, table, T.row_labels(cfg, table))
+        body = side_by_side(cells, table, T.row_labels(exp, table))
         if body:
             md += [f"### {registry.table(table).title}", "", body]
             notes = sorted({n for n in cells[cells["table"] == table]["note"] if n})

@@ -15,6 +15,7 @@ import pandas as pd
 
 from stem import config as C
 from stem import layout as L
+from stem.experiment import Experiment
 from stem.io import atomic_path
 from stem.report import paper_data as P
 from stem.report import registry
@@ -24,16 +25,16 @@ from stem.report.results import Results, niah_cells
 FIGURES = registry.FIGURES  # name -> registry.Figure; the entries are at the end of this module
 
 
-def legend_label(cfg: dict, variant: str) -> str:
+def legend_label(exp: Experiment, variant: str) -> str:
     """A variant's legend label: the experiment's ``figure_label`` or ``label`` (config/variants.yaml with its
     variant_overrides; the variant id for a sweep point or an unknown name)."""
-    return C.variant_figure_labels(cfg).get(variant, variant)
+    return C.variant_figure_labels(exp).get(variant, variant)
 
 
-def color(cfg: dict, variant: str) -> str | None:
+def color(exp: Experiment, variant: str) -> str | None:
     """A variant's colour: the experiment's ``color`` (config/variants.yaml with its variant_overrides; None:
     matplotlib's colour cycle)."""
-    return C.variant_colors(cfg).get(variant)
+    return C.variant_colors(exp).get(variant)
 
 
 def pyplot():
@@ -76,33 +77,33 @@ def mark_missing(ax, text: str):
     ax.set_yticks([])
 
 
-def set_title(fig, title: str, cfg: dict):
-    fig.suptitle(f"{title}\n{T.experiment_label(cfg)}", fontsize=11)
+def set_title(fig, title: str, exp: Experiment):
+    fig.suptitle(f"{title}\n{T.experiment_label(exp)}", fontsize=11)
 
 
-def _variants(cfg, scale, wanted):
-    have = cfg["matrix"].get(scale, {}).get("variants", []) if scale else []
+def _variants(exp, scale, wanted):
+    have = exp.matrix[scale].variants if scale in exp.matrix else ()
     return [v for v in wanted if v in have]
 
 
-def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, ylabel: str, title: str,
+def _curve_figure(exp, res: Results, name: str, x: str, y: str, xlabel: str, ylabel: str, title: str,
                   stage: str, mark_spikes=False, logy=False):
-    scale, wanted = registry.figure(name).scale, C.figure_variants(cfg, name)
-    sp = T.settings(cfg).spikes
+    scale, wanted = registry.figure(name).scale, C.figure_variants(exp, name)
+    sp = T.settings(exp).spikes
     fig, ax = pyplot().subplots(figsize=(7, 4.5), layout="constrained")
     drawn = 0
-    for v in _variants(cfg, scale, wanted):
+    for v in _variants(exp, scale, wanted):
         m = res.metrics(scale, v, stage)
         if m is None or y not in m or x not in m:
             continue
         m = m.dropna(subset=[y])
         xs, xl = _scaled(m[x].to_numpy(), xlabel)
-        label = legend_label(cfg, v)
+        label = legend_label(exp, v)
         if mark_spikes:
             spikes = loss_spikes(m[y], sp.window, sp.k)
             label += f" ({int(spikes.sum())} spikes)"
-            ax.plot(xs[spikes], m[y].to_numpy()[spikes], "x", color=color(cfg, v), ms=8, mew=2)
-        ax.plot(xs, m[y], color=color(cfg, v), lw=1.2, label=label, alpha=0.9)
+            ax.plot(xs[spikes], m[y].to_numpy()[spikes], "x", color=color(exp, v), ms=8, mew=2)
+        ax.plot(xs, m[y], color=color(exp, v), lw=1.2, label=label, alpha=0.9)
         ax.set_xlabel(xl)
         drawn += 1
     if drawn:
@@ -114,44 +115,44 @@ def _curve_figure(cfg, res: Results, name: str, x: str, y: str, xlabel: str, yla
         if x == "train_flops":
             ax.set_xscale("log")
     else:
-        names = ", ".join(legend_label(cfg, v) for v in wanted)
+        names = ", ".join(legend_label(exp, v) for v in wanted)
         mark_missing(ax, f"no {stage} metrics yet for {names} at scale {scale}")
     if mark_spikes and drawn:
         ax.text(0.99, 0.98, f"spike: loss > trailing median + {sp.k:g} x 1.4826 x MAD (window {sp.window} steps)",
                 transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.3")
-    set_title(fig, title, cfg)
+    set_title(fig, title, exp)
     return fig
 
 
 # ---- the figures ---------------------------------------------------------------------------------
-def fig5a_loss_vs_tokens(cfg, res, ours=None, files=None):
-    return _curve_figure(cfg, res, "fig5a_loss_vs_tokens", "tokens", "loss", "training tokens",
+def fig5a_loss_vs_tokens(exp, res, ours=None, files=None):
+    return _curve_figure(exp, res, "fig5a_loss_vs_tokens", "tokens", "loss", "training tokens",
                          "training loss (nats/token)", "Fig. 5a: training loss vs tokens, 350M",
-                         T.settings(cfg).stages["table3"][0], mark_spikes=True)
+                         T.settings(exp).stages["table3"][0], mark_spikes=True)
 
 
-def fig5b_loss_vs_flops(cfg, res, ours=None, files=None):
-    return _curve_figure(cfg, res, "fig5b_loss_vs_flops", "train_flops", "loss", "training FLOPs",
+def fig5b_loss_vs_flops(exp, res, ours=None, files=None):
+    return _curve_figure(exp, res, "fig5b_loss_vs_flops", "train_flops", "loss", "training FLOPs",
                          "training loss (nats/token)", "Fig. 5b: training loss vs training FLOPs, 350M",
-                         T.settings(cfg).stages["table3"][0])
+                         T.settings(exp).stages["table3"][0])
 
 
-def fig1a_val_ppl_vs_tokens(cfg, res, ours=None, files=None):
-    return _curve_figure(cfg, res, "fig1a_val_ppl_vs_tokens", "tokens", "val_ppl", "training tokens",
+def fig1a_val_ppl_vs_tokens(exp, res, ours=None, files=None):
+    return _curve_figure(exp, res, "fig1a_val_ppl_vs_tokens", "tokens", "val_ppl", "training tokens",
                          "validation perplexity", "Fig. 1a: validation perplexity vs tokens, 1B",
-                         T.settings(cfg).stages["table3"][0])
+                         T.settings(exp).stages["table3"][0])
 
 
-def table_update_loss(cfg, res, ours=None, files=None):
+def table_update_loss(exp, res, ours=None, files=None):
     """Dense vs sparse table update: the two loss curves overlaid, the final-loss gap printed on the plot."""
-    stage = T.settings(cfg).stages["table3"][0]
-    fig = _curve_figure(cfg, res, "table_update_loss", "tokens", "loss", "training tokens",
+    stage = T.settings(exp).stages["table3"][0]
+    fig = _curve_figure(exp, res, "table_update_loss", "tokens", "loss", "training tokens",
                         "training loss (nats/token)", "STEM: dense vs sparse table update, 350M", stage)
     entry = registry.figure("table_update_loss")
-    scale, (dense, sparse) = entry.scale, C.figure_variants(cfg, "table_update_loss")
+    scale, (dense, sparse) = entry.scale, C.figure_variants(exp, "table_update_loss")
     ax = fig.axes[0]
     for line in ax.get_lines():   # the dense update drawn wider, underneath: the curves nearly coincide
-        if line.get_label() == legend_label(cfg, dense):
+        if line.get_label() == legend_label(exp, dense):
             line.set(label="STEM (dense update, the paper)", lw=3, alpha=0.6)
     if ax.get_legend() is not None:
         ax.legend(fontsize=9)
@@ -164,10 +165,10 @@ def table_update_loss(cfg, res, ours=None, files=None):
     return fig
 
 
-def fig1b_niah(cfg, res, ours=None, files=None):
-    scale, wanted = registry.figure("fig1b_niah").scale, C.figure_variants(cfg, "fig1b_niah")
-    stages = T.settings(cfg).stages["figure1b"]
-    variants = _variants(cfg, scale, wanted)
+def fig1b_niah(exp, res, ours=None, files=None):
+    scale, wanted = registry.figure("fig1b_niah").scale, C.figure_variants(exp, "fig1b_niah")
+    stages = T.settings(exp).stages["figure1b"]
+    variants = _variants(exp, scale, wanted)
     data = {v: niah_cells(res.first_eval(scale, v, stages, "niah")[0]) for v in variants}
     fig, axes = pyplot().subplots(1, 1 + max(1, len(variants)), figsize=(5 + 4 * max(1, len(variants)), 4.2),
                              layout="constrained")
@@ -175,7 +176,7 @@ def fig1b_niah(cfg, res, ours=None, files=None):
     drawn = [v for v in variants if len(data[v])]
     for v in drawn:
         per_len = data[v].groupby("length")["accuracy"].mean()
-        ax.plot(per_len.index, per_len.values, "o-", color=color(cfg, v), label=legend_label(cfg, v))
+        ax.plot(per_len.index, per_len.values, "o-", color=color(exp, v), label=legend_label(exp, v))
     if drawn:
         lengths = sorted({L for v in drawn for L in data[v]["length"]})
         ax.set_xscale("log", base=2)
@@ -191,7 +192,7 @@ def fig1b_niah(cfg, res, ours=None, files=None):
     for hax, v in zip(axes[1:], variants or [None]):
         df = data.get(v, pd.DataFrame())
         if v is None or not len(df):
-            mark_missing(hax, f"no NIAH cells for {legend_label(cfg, v) if v else 'any variant'}")
+            mark_missing(hax, f"no NIAH cells for {legend_label(exp, v) if v else 'any variant'}")
             continue
         grid = df.pivot_table(index="depth", columns="length", values="accuracy", aggfunc="mean")
         im = hax.imshow(grid.values, aspect="auto", origin="lower", vmin=0, vmax=100, cmap="RdYlGn")
@@ -202,17 +203,17 @@ def fig1b_niah(cfg, res, ours=None, files=None):
                 hax.text(j, i, f"{acc:.0f}", ha="center", va="center", fontsize=8)
         hax.set_xlabel("context length (tokens)")
         hax.set_ylabel("needle depth (% of context)")
-        hax.set_title(legend_label(cfg, v), fontsize=10)
+        hax.set_title(legend_label(exp, v), fontsize=10)
         fig.colorbar(im, ax=hax, label="accuracy (%)")
-    set_title(fig, "Fig. 1b: Needle-in-a-Haystack accuracy, 1B after context extension", cfg)
+    set_title(fig, "Fig. 1b: Needle-in-a-Haystack accuracy, 1B after context extension", exp)
     return fig
 
 
-def roi_by_scale(cfg, res, ours, files=None):
+def roi_by_scale(exp, res, ours, files=None):
     t3 = ours.get("table3", T.frame([]))
     paper = P.load_table("table3")
     scales = list(dict.fromkeys(list(t3["scale"]) or ["350m", "1b"]))
-    per_scale = {s: T.ordered_variants(cfg, {*t3[t3["scale"] == s]["variant"], *paper[paper["scale"] == s]["variant"]})
+    per_scale = {s: T.ordered_variants(exp, {*t3[t3["scale"] == s]["variant"], *paper[paper["scale"] == s]["variant"]})
                  for s in scales}
     widths = [max(2, len(v)) for v in per_scale.values()]
     fig, axes = pyplot().subplots(1, len(scales), figsize=(2 + 1.1 * sum(widths), 4.8), layout="constrained",
@@ -223,7 +224,7 @@ def roi_by_scale(cfg, res, ours, files=None):
         x = np.arange(len(variants))
         ours_v = [_get(mine, v) for v in variants]
         paper_v = [_get(paper[(paper["scale"] == scale) & (paper["column"] == "roi")], v) for v in variants]
-        ax.bar(x - 0.2, np.nan_to_num(ours_v), 0.4, label=f"{cfg['experiment']} (this run)", color="#1f77b4")
+        ax.bar(x - 0.2, np.nan_to_num(ours_v), 0.4, label=f"{exp.experiment} (this run)", color="#1f77b4")
         ax.bar(x + 0.2, np.nan_to_num(paper_v), 0.4, label="paper", color="0.7")
         for xi, v, pv in zip(x, ours_v, paper_v):
             ax.text(xi - 0.2, (0 if math.isnan(v) else v) + 0.01, "n/a" if math.isnan(v) else f"{v:.2f}",
@@ -231,12 +232,12 @@ def roi_by_scale(cfg, res, ours, files=None):
             if not math.isnan(pv):
                 ax.text(xi + 0.2, pv + 0.01, f"{pv:.2f}", ha="center", va="bottom", fontsize=7, color="0.35")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_xticks(x, [legend_label(cfg, v) for v in variants], rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(x, [legend_label(exp, v) for v in variants], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("training ROI (x, dense baseline = 1)")
         ax.set_title(f"scale {scale}", fontsize=10)
         ax.set_ylim(0, max(1.5, np.nanmax(np.r_[ours_v, paper_v, 1.0]) * 1.15))
         ax.legend(fontsize=8, loc="upper left")
-    set_title(fig, "Training ROI per scale (Table 3)", cfg)
+    set_title(fig, "Training ROI per scale (Table 3)", exp)
     return fig
 
 
@@ -245,25 +246,25 @@ def _get(df, variant):
     return float(s.iloc[0]) if len(s) and not T.isnan(s.iloc[0]) else math.nan
 
 
-def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
+def paper_vs_ours(exp, res, ours, files=None, table: str = "table3"):
     # lazy: stem.report.diff imports stem.report.provenance, whose tables would then register before this
     # module's (the registration order is stem.plugins.BUILTIN's)
     from stem.report.diff import compare
-    cells = compare(ours, T.settings(cfg).tolerance)
+    cells = compare(ours, T.settings(exp).tolerance)
     cells = cells[(cells["table"] == table) & cells["unit"].isin(["%", "score"])]
     have = cells.dropna(subset=["delta"])
     fig, ax = pyplot().subplots(figsize=(6, 5.5), layout="constrained")
     if len(have):
         for v, g in have.groupby("variant", sort=False):
-            ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=color(cfg, v),
-                       label=legend_label(cfg, v), s=28, alpha=0.85)
+            ax.scatter(g["paper"].astype(float), g["ours"].astype(float), color=color(exp, v),
+                       label=legend_label(exp, v), s=28, alpha=0.85)
         lo = min(have["paper"].astype(float).min(), have["ours"].astype(float).min(), 0)
         hi = max(have["paper"].astype(float).max(), have["ours"].astype(float).max()) * 1.05
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="ours = paper")
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
         ax.set_xlabel("paper (% / score)")
-        ax.set_ylabel(f"reproduced, experiment {cfg['experiment']} (% / score)")
+        ax.set_ylabel(f"reproduced, experiment {exp.experiment} (% / score)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     else:
@@ -271,13 +272,13 @@ def paper_vs_ours(cfg, res, ours, files=None, table: str = "table3"):
     n_missing = int((cells["status"] == "missing").sum())
     ax.text(0.01, 0.99, f"{len(have)} cells compared, {n_missing} missing", transform=ax.transAxes, va="top",
             fontsize=8, color="0.3")
-    set_title(fig, f"Paper vs reproduced: {table}", cfg)
+    set_title(fig, f"Paper vs reproduced: {table}", exp)
     return fig
 
 
-def draw(name: str, cfg: dict, res: Results, ours: dict, files: dict | None = None):
+def draw(name: str, exp: Experiment, res: Results, ours: dict, files: dict | None = None):
     """Figure ``name`` (registry entry) drawn from the results, the reproduced tables and its input files."""
-    return registry.figure(name).draw(cfg, res, ours, files or {})
+    return registry.figure(name).draw(exp, res, ours, files or {})
 
 
 def save(fig, png, pdf=None):
@@ -291,10 +292,10 @@ def save(fig, png, pdf=None):
 
 
 # ---- the report's figures, in its order (one entry each; stem.report.registry) --------------------------
-def pretrain_metrics(cfg: dict, evals: list[str], scale: str, variants) -> dict:
+def pretrain_metrics(exp: Experiment, evals: list[str], scale: str, variants) -> dict:
     """inputs of a curve figure: the metrics.jsonl of the pretraining runs it plots."""
-    stage = T.settings(cfg).stages["table3"][0]  # the curves are of the pretraining runs
-    return {"metrics": [L.metrics(cfg["experiment"], s, v, st) for s, v, st in C.train_targets(cfg)
+    stage = T.settings(exp).stages["table3"][0]  # the curves are of the pretraining runs
+    return {"metrics": [L.metrics(exp.experiment, s, v, st) for s, v, st in C.train_targets(exp)
                         if s == scale and v in variants and st == stage]}
 
 
@@ -302,7 +303,7 @@ def _curves(name: str, scale: str) -> dict:
     """A curve figure's scale and inputs (its variants: stem.config.figure_variants, config/variants.yaml's
     ``figures:``)."""
     return {"scale": scale,
-            "inputs": lambda cfg, evals: pretrain_metrics(cfg, evals, scale, C.figure_variants(cfg, name))}
+            "inputs": lambda exp, evals: pretrain_metrics(exp, evals, scale, C.figure_variants(exp, name))}
 
 
 registry.report_figure(
@@ -318,7 +319,7 @@ registry.report_figure(
 registry.report_figure(
     "fig1b_niah", "Figure 1b: Needle-in-a-Haystack accuracy per context length (mean over needle depths) after "
     "context extension, and the per-cell accuracy as a length x depth heatmap.", scale="1b",
-    inputs=lambda cfg, evals: {"niah": [p for p in evals if p.endswith("eval/niah.json")]})(fig1b_niah)
+    inputs=lambda exp, evals: {"niah": [p for p in evals if p.endswith("eval/niah.json")]})(fig1b_niah)
 registry.report_figure(
     "roi_by_scale", "Training ROI per scale ((Avg/GFLOPs) / (Avg_base/GFLOPs_base), Table 3): this experiment's "
     "models next to the paper's.")(roi_by_scale)
@@ -354,21 +355,21 @@ def hit_rate_figure(r: dict):
     return fig
 
 
-def offload_hit_rate(cfg, res, ours, files):
+def offload_hit_rate(exp, res, ours, files):
     """The offload benchmark's hit rate vs cache rows (rule bench_offload, stem.bench.offload); it runs on the
     350M STEM pretrain checkpoint, so an experiment without that run shows the gap."""
     if "offload" not in files:
         fig, ax = pyplot().subplots(figsize=(6, 4))
         mark_missing(ax, "no 350m stem pretrain run in this experiment's matrix: nothing to benchmark")
-        set_title(fig, "Offloaded STEM tables: hit rate vs cache size", cfg)
+        set_title(fig, "Offloaded STEM tables: hit rate vs cache size", exp)
         return fig
     return hit_rate_figure(json.loads(Path(files["offload"]).read_text()))
 
 
-def _offload_inputs(cfg, evals) -> dict:
-    if "stem" not in cfg["matrix"].get("350m", {}).get("variants", []):
+def _offload_inputs(exp, evals) -> dict:
+    if "350m" not in exp.matrix or "stem" not in exp.matrix["350m"].variants:
         return {}
-    return {"offload": L.offload_file(cfg["experiment"], "json")}
+    return {"offload": L.offload_file(exp.experiment, "json")}
 
 
 registry.report_figure(
@@ -378,13 +379,13 @@ registry.report_figure(
     inputs=_offload_inputs)(offload_hit_rate)
 
 
-def _table_update_inputs(cfg, evals) -> dict:
+def _table_update_inputs(exp, evals) -> dict:
     """The two pretraining runs' metrics.jsonl (curves) and summary.json (the final-loss gap)."""
-    stage = T.settings(cfg).stages["table3"][0]
-    scale, variants = registry.figure("table_update_loss").scale, C.figure_variants(cfg, "table_update_loss")
-    runs = [(s, v) for s, v, st in C.train_targets(cfg) if s == scale and v in variants and st == stage]
-    return {"metrics": [L.metrics(cfg["experiment"], s, v, stage) for s, v in runs],
-            "summaries": [L.summary(cfg["experiment"], s, v, stage) for s, v in runs]}
+    stage = T.settings(exp).stages["table3"][0]
+    scale, variants = registry.figure("table_update_loss").scale, C.figure_variants(exp, "table_update_loss")
+    runs = [(s, v) for s, v, st in C.train_targets(exp) if s == scale and v in variants and st == stage]
+    return {"metrics": [L.metrics(exp.experiment, s, v, stage) for s, v in runs],
+            "summaries": [L.summary(exp.experiment, s, v, stage) for s, v in runs]}
 
 
 registry.report_figure(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from stem.experiment import Experiment
 from stem.report import analyses as AR
 from stem.report import figures as F
 from stem.report import registry
@@ -108,14 +109,14 @@ def _cols(ci: dict, sign: float) -> dict:
 
 
 # ---- figures ------------------------------------------------------------------------------------------------
-def logitlens_fig(cfg: dict, res: dict, label: str):
+def logitlens_fig(exp: Experiment, res: dict, label: str):
     import matplotlib.pyplot as plt   # matplotlib: ~1 s, only when a figure is drawn (keeps the DAG build light)
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for k, ((s, v, st), r) in enumerate(sorted(res.items())):
         for key, name, style in (("model", v, "o-"), ("baseline_model", r["baseline"], "s--")):
             d = r[key]
-            ax.plot(d["layers"][:-1], d["kl"][:-1], style, color=F.color(cfg, name), alpha=1 - 0.35 * k,
+            ax.plot(d["layers"][:-1], d["kl"][:-1], style, color=F.color(exp, name), alpha=1 - 0.35 * k,
                     label=f"{s} {st}: {name}")
     if res:
         ax.set_xticks(range(max(len(r["model"]["layers"]) for r in res.values()) - 1))   # the last: KL 0
@@ -183,15 +184,15 @@ def disabled_fig(res: dict, label: str):
 
 
 # ---- the registry's view: long tables from the JSONs --------------------------------------------------------
-def logitlens_long(cfg: dict, res) -> pd.DataFrame:
-    return AR.long_frame("logitlens", cfg, "logitlens", AR.load_results(cfg, res).get("logitlens", {}), lambda k, r: [
+def logitlens_long(exp: Experiment, res) -> pd.DataFrame:
+    return AR.long_frame("logitlens", exp, "logitlens", AR.load_results(exp, res).get("logitlens", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {name}", f"L{layer}", kl, "nats")
         for key, name in (("model", k[1]), ("baseline_model", r["baseline"]))
         for layer, kl in zip(r[key]["layers"], r[key]["kl"])])
 
 
-def cka_long(cfg: dict, res) -> pd.DataFrame:
-    return AR.long_frame("cka", cfg, "cka", AR.load_results(cfg, res).get("cka", {}), lambda k, r: [
+def cka_long(exp: Experiment, res) -> pd.DataFrame:
+    return AR.long_frame("cka", exp, "cka", AR.load_results(exp, res).get("cka", {}), lambda k, r: [
         *[(f"{k[1]} {k[2]}: {r['baseline']} L{i}", f"{k[1]} L{j}", x, "") for i, row in enumerate(r["S"])
           for j, x in enumerate(row)],
         *[(f"{k[1]} {k[2]}: soft alignment a_j (top-{r['topk']})", f"{k[1]} L{j}", a, "")
@@ -201,8 +202,8 @@ def cka_long(cfg: dict, res) -> pd.DataFrame:
         (f"{k[1]} {k[2]}: tokens", "n_tokens", r["n_tokens"], "")])
 
 
-def disabled_long(cfg: dict, res) -> pd.DataFrame:
-    return AR.long_frame("dse_disabled", cfg, "dse_disabled", AR.load_results(cfg, res).get("dse_disabled", {}), lambda k, r: [
+def disabled_long(exp: Experiment, res) -> pd.DataFrame:
+    return AR.long_frame("dse_disabled", exp, "dse_disabled", AR.load_results(exp, res).get("dse_disabled", {}), lambda k, r: [
         (f"{k[1]} {k[2]}: {row['mode']} {row['category']} {row['task']}", c, row[c], "%")
         for row in r["retained"] for c in ("accuracy", "full_accuracy", "retained")])
 
@@ -224,17 +225,17 @@ registry.report_figure(
     "dse_logitlens", "DSE paper Fig. 3a: LogitLens KL(final || layer) per layer for each DSE model (solid) and "
     "its baseline (dashed) on the same held-out tokens; lower is closer to the final prediction.",
     inputs=AR.analysis_inputs("logitlens"))(
-    AR.analysis_figure("logitlens", lambda cfg, res, got, label, files: logitlens_fig(cfg, got, label), "LogitLens"))
+    AR.analysis_figure("logitlens", lambda exp, res, got, label, files: logitlens_fig(exp, got, label), "LogitLens"))
 registry.report_figure(
     "dse_cka", "DSE paper Fig. 3b-c: linear CKA (minibatch, unbiased HSIC) between baseline layer i and DSE "
     "layer j on the last tokens of entity names, with the soft alignment a_j (dashed white) and the baseline's "
     "own a_j^self (dotted: the diagonal as the top-k centroid sees it); above it: DSE layer j resembles a "
     "deeper baseline layer.", inputs=AR.analysis_inputs("cka"))(
-    AR.analysis_figure("cka", lambda cfg, res, got, label, files: cka_fig(got, label), "CKA"))
+    AR.analysis_figure("cka", lambda exp, res, got, label, files: cka_fig(got, label), "CKA"))
 registry.report_figure(
     "dse_ablation", "DSE paper Figs 9-10: retained performance (% of the full model's accuracy) per task and "
     "category with the DSE gate forced to 0 (left) and 1 (right); factual = closed-book world-fact tasks, "
     "context = passage-grounded tasks.", inputs=AR.analysis_inputs("dse_disabled"))(
-    AR.analysis_figure("dse_disabled", lambda cfg, res, got, label, files: disabled_fig(got, label), "DSE ablation"))
+    AR.analysis_figure("dse_disabled", lambda exp, res, got, label, files: disabled_fig(got, label), "DSE ablation"))
 
 AR.EXTRA_DIRECTIONS.append(mechanism_directions)   # the DSE paper's claims (Sec. 6, App. G) in the directions table

@@ -1,26 +1,67 @@
 """The accounting table: parameters and FLOPs of every variant at every scale of an experiment."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from stem import config as C
+from stem import seeds
+from stem.experiment import Arch, Experiment, dataclass_mapping, node
+from stem.models.config import model_config
+from stem.options import Experiment as ExperimentName
+from stem.options import Scale
 
 COLUMNS = ["scale", "variant", "label", "total_params", "paper_total_params", "active_params",
            "gflops_per_token", "n_sparse_layers", "sparse_layers"]
 
 
-def accounting_for(cfg: dict, scale: str, variant: str) -> dict:
-    if scale not in cfg["archs"]:
-        raise C.ConfigError(f"scale {scale!r}: expected one of {sorted(cfg['archs'])}")
+@dataclass(frozen=True)
+class Accounted:
+    """What the accounting reads of an experiment config, typed as the config's own nodes: the ``params`` job's
+    part of it (rules/report.smk passes experiment, archs and variant_overrides)."""
+    experiment: ExperimentName
+    archs: dict[Scale, Arch]
+    variant_overrides: dict[str, dict] = field(default_factory=dict)
+    variants = Experiment.variants   # config/variants.yaml with the overrides, as the whole config's
+    variant = Experiment.variant
+
+
+def accounted(spec: dict, origin: str) -> Accounted:
+    """The ``params`` job's spec typed (one ``ConfigError`` line ``{origin}: key '...': ...`` otherwise)."""
+    try:
+        return node(Accounted, spec)
+    except C.ConfigError as e:
+        raise C.ConfigError(f"{origin}: {e}") from None
+
+
+def model_of(exp: Experiment | Accounted, scale: str, variant: str) -> tuple[dict, dict]:
+    """A configured model as mappings: its architecture (``archs.<scale>``) and its variant's spec
+    (config/variants.yaml with the config's variant_overrides; a seed of a matrix cell, stem.seeds, is its
+    variant's model)."""
+    if scale not in exp.archs:
+        raise C.ConfigError(f"scale {scale!r}: expected one of {sorted(map(str, exp.archs))}")
+    spec = exp.variant(seeds.split(variant)[0])
+    if spec is None:
+        raise C.ConfigError(f"variant {variant!r}: expected one of {sorted(exp.variants())}")
+    return dataclass_mapping(exp.archs[scale]), {k: v for k, v in spec.items() if k != "stage"}
+
+
+def model_accounting(arch: dict, spec: dict) -> dict:
+    """Parameters and FLOPs of the model ``arch`` and ``spec`` (``model_of``) build, counted on the meta device."""
     # torch: the report's table modules are imported by the DAG build (stem.plugins) and build tables without it
     from stem.models.accounting import accounting   # torch
     from stem.models.model import build_model       # torch
-    return accounting(build_model(C.model_config_for(cfg, scale, variant), "meta"))
+    return accounting(build_model(model_config(arch, spec), "meta"))
 
 
-def accounting_rows(cfg: dict) -> list[dict]:
+def accounting_for(exp: Experiment | Accounted, scale: str, variant: str) -> dict:
+    return model_accounting(*model_of(exp, scale, variant))
+
+
+def accounting_rows(exp: Experiment | Accounted) -> list[dict]:
     rows = []
-    for scale in cfg["archs"]:
-        for variant, spec in C.variants(cfg).items():
-            a = accounting_for(cfg, scale, variant)
+    for scale in map(str, exp.archs):
+        for variant, spec in exp.variants().items():
+            a = accounting_for(exp, scale, variant)
             rows.append({"scale": scale, "variant": variant, "label": spec["label"], **a,
                          "n_sparse_layers": len(a["sparse_layers"] or a["dse_layers"]),
                          "sparse_layers": " ".join(map(str, a["sparse_layers"] or a["dse_layers"]))})

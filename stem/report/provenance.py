@@ -11,6 +11,7 @@ import hashlib
 import pandas as pd
 
 from stem import config as C
+from stem.experiment import Experiment
 from stem.report import registry
 from stem.report import tables as T
 
@@ -35,20 +36,20 @@ def _manifests(p: dict) -> str | None:
     return _short(hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(m.items())).encode()).hexdigest())
 
 
-def _files(cfg: dict, res):
+def _files(exp: Experiment, res):
     """(scale, variant, stage, what, path, JSON) of every training summary and evaluation JSON that exists."""
-    suites = ((cfg.get("eval") or {}).get("stages") or {})
-    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
+    suites = (exp.eval or {}).get("stages") or {}   # the eval section, untyped (stem.eval.spec)
+    for scale, variant, stage in C.train_targets(exp) + C.seed_targets(exp):
         d = res.stage_dir(scale, variant, stage)
         yield scale, variant, stage, "summary", d / "summary.json", res.summary(scale, variant, stage)
         for s in suites.get(stage, []):
             yield scale, variant, stage, f"eval {s}", d / f"eval/{s}.json", res.eval(scale, variant, stage, s)
 
 
-def rows(cfg: dict, res) -> list[dict]:
+def rows(exp: Experiment, res) -> list[dict]:
     """One row per result file that exists: what its ``provenance`` entry says (None where it has none)."""
     out, train_hash = [], None
-    for scale, variant, stage, what, path, data in _files(cfg, res):
+    for scale, variant, stage, what, path, data in _files(exp, res):
         if what == "summary":
             train_hash = ((data or {}).get("provenance") or {}).get("spec_sha256")
         if data is None:
@@ -65,16 +66,16 @@ def rows(cfg: dict, res) -> list[dict]:
     return out
 
 
-def dirty(cfg: dict, res) -> list[tuple[str, list[str]]]:
+def dirty(exp: Experiment, res) -> list[tuple[str, list[str]]]:
     """(path, the tracked files changed then) of every result file written from a dirty tree."""
     return [(str(path), (data["provenance"].get("dirty_files") or []))
-            for *_, path, data in _files(cfg, res) if ((data or {}).get("provenance") or {}).get("dirty")]
+            for *_, path, data in _files(exp, res) if ((data or {}).get("provenance") or {}).get("dirty")]
 
 
-def provenance_long(cfg: dict, res) -> pd.DataFrame:
+def provenance_long(exp: Experiment, res) -> pd.DataFrame:
     return T.frame([T.cell("provenance", r["scale"], r["variant"], c, r[c], r["path"],
                            row=f"{r['variant']} {r['stage']}: {r['what']}", unit="")
-                    for r in rows(cfg, res) for c in COLUMNS])
+                    for r in rows(exp, res) for c in COLUMNS])
 
 
 def results_summary(prov: pd.DataFrame | None) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from stem import config as C
 from stem import layout as L
 from stem.analysis.workflow import targets
+from stem.experiment import Experiment
 from stem.report import figures as F
 from stem.report import registry
 from stem.report import tables as T
@@ -33,13 +34,13 @@ WHAT = ("`real`: SmolLM2-135M-Instruct (4-bit Q4_1 weights dequantised to fp32) 
         "not the paper's models or scale")
 
 
-def _stage_targets(cfg: dict, stage: str) -> list[tuple[str, str]]:
-    return [(s, v) for s, v, st in C.train_targets(cfg) if st == stage]
+def _stage_targets(exp: Experiment, stage: str) -> list[tuple[str, str]]:
+    return [(s, v) for s, v, st in C.train_targets(exp) if st == stage]
 
 
-def import_long(cfg: dict, res):
+def import_long(exp: Experiment, res):
     cells = []
-    for scale, variant in _stage_targets(cfg, IMPORT_STAGE):
+    for scale, variant in _stage_targets(exp, IMPORT_STAGE):
         s = res.summary(scale, variant, IMPORT_STAGE)
         if not s or not s.get("import_parity"):
             continue
@@ -53,10 +54,10 @@ def import_long(cfg: dict, res):
     return T.frame(cells)
 
 
-def step0_long(cfg: dict, res):
+def step0_long(exp: Experiment, res):
     cells = []
-    for (scale, variant, stage), r in sorted(load_all(cfg, results=res.root).get("insertion_step0", {}).items()):
-        path = L.analysis_json(cfg["experiment"], scale, variant, stage, "insertion_step0")
+    for (scale, variant, stage), r in sorted(load_all(exp, results=res.root).get("insertion_step0", {}).items()):
+        path = L.analysis_json(exp.experiment, scale, variant, stage, "insertion_step0")
         dense = r["rows"][0]["window_loss"]
         for row in r["rows"]:
             name = "dense (no insertion)" if row["init"] is None else f"{row['placement']} x {row['init']}"
@@ -69,9 +70,9 @@ def step0_long(cfg: dict, res):
     return T.frame(cells)
 
 
-def heldout_long(cfg: dict, res):
+def heldout_long(exp: Experiment, res):
     cells = []
-    for scale, variant in _stage_targets(cfg, CONTINUED_STAGE):
+    for scale, variant in _stage_targets(exp, CONTINUED_STAGE):
         s = res.summary(scale, variant, CONTINUED_STAGE)
         m = res.metrics(scale, variant, CONTINUED_STAGE)
         src = str(res.stage_dir(scale, variant, CONTINUED_STAGE) / "summary.json")
@@ -89,9 +90,9 @@ def heldout_long(cfg: dict, res):
     return T.frame(cells)
 
 
-def niah_long(cfg: dict, res):
+def niah_long(exp: Experiment, res):
     cells = []
-    for scale, variant in _stage_targets(cfg, CONTINUED_STAGE):
+    for scale, variant in _stage_targets(exp, CONTINUED_STAGE):
         ev, _ = res.first_eval(scale, variant, [CONTINUED_STAGE], "niah")
         df = niah_cells(ev)
         src = str(res.stage_dir(scale, variant, CONTINUED_STAGE) / "eval" / "niah.json")
@@ -104,17 +105,17 @@ def niah_long(cfg: dict, res):
     return T.frame(cells)
 
 
-def _analysis_cells(cfg: dict, res, table: str, name: str, rows) -> list:
+def _analysis_cells(exp: Experiment, res, table: str, name: str, rows) -> list:
     """Cells of ``table`` from every ``name`` analysis JSON: ``rows(result) -> [(row, {column: value})]``."""
     cells = []
-    for (scale, variant, stage), r in sorted(load_all(cfg, results=res.root).get(name, {}).items()):
-        path = L.analysis_json(cfg["experiment"], scale, variant, stage, name)
+    for (scale, variant, stage), r in sorted(load_all(exp, results=res.root).get(name, {}).items()):
+        path = L.analysis_json(exp.experiment, scale, variant, stage, name)
         cells += [T.cell(table, scale, variant, c, x, path, row=f"{variant} {stage}{row}", unit="")
                   for row, vals in rows(r) for c, x in vals.items()]
     return cells
 
 
-def editing_long(cfg: dict, res):
+def editing_long(exp: Experiment, res):
     def rows(r):
         completed = {rel: k["completed"] for rel, k in r["known"].items()}
         return [(f": {s['site']} {s['scheme']}", {
@@ -124,33 +125,33 @@ def editing_long(cfg: dict, res):
             "unedited_completed": min(completed.values()),
             "restored_bitwise": r["restored_bit_identical"] and r["restored_logits_bit_identical"]})
             for s in r["summary"] if s["case"] == "all"]
-    return T.frame(_analysis_cells(cfg, res, "real_editing", "editing", rows))
+    return T.frame(_analysis_cells(exp, res, "real_editing", "editing", rows))
 
 
-def hf_parity_long(cfg: dict, res):
-    return T.frame(_analysis_cells(cfg, res, "real_hf_parity", "hf_parity", lambda r: [("", {
+def hf_parity_long(exp: Experiment, res):
+    return T.frame(_analysis_cells(exp, res, "real_hf_parity", "hf_parity", lambda r: [("", {
         "documents": r["documents"], "stem_acc": r["stem"]["acc"], "hf_acc": r["hf"]["acc"],
         "stem_perplexity": r["stem"]["perplexity"], "hf_perplexity": r["hf"]["perplexity"],
         "max_abs_loglik_diff": r["max_abs_loglik_diff"], "tolerance": r["tolerance"]})]))
 
 
-def loss_curves(cfg, res, ours=None, files=None):
+def loss_curves(exp, res, ours=None, files=None):
     """Held-out loss (left) and training loss (right) vs tokens of every continued model; the imported model's
     held-out loss on the same windows at 0 tokens."""
     fig, (ax, bx) = F.pyplot().subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     drawn = 0
-    for scale, variant in _stage_targets(cfg, CONTINUED_STAGE):
+    for scale, variant in _stage_targets(exp, CONTINUED_STAGE):
         m = res.metrics(scale, variant, CONTINUED_STAGE)
         if m is None:
             continue
         v = m.dropna(subset=["val_loss"]) if "val_loss" in m else m.iloc[:0]
-        base = C.baseline_variant(cfg)
+        base = C.baseline_variant(exp)
         start = res.summary(scale, base, IMPORT_STAGE) if variant == base else None
         xs, ys = list(v["tokens"]), list(v["val_loss"])
         if start and start.get("final_val_loss") is not None:
             xs, ys = [0, *xs], [start["final_val_loss"], *ys]
-        ax.plot(xs, ys, "o-", color=F.color(cfg, variant), label=F.legend_label(cfg, variant), ms=3)
-        bx.plot(m["tokens"], m["loss"], color=F.color(cfg, variant), label=F.legend_label(cfg, variant), lw=1)
+        ax.plot(xs, ys, "o-", color=F.color(exp, variant), label=F.legend_label(exp, variant), ms=3)
+        bx.plot(m["tokens"], m["loss"], color=F.color(exp, variant), label=F.legend_label(exp, variant), lw=1)
         drawn += 1
     for a, what in ((ax, "held-out loss (nats/token)"), (bx, "training loss (nats/token)")):
         if drawn:
@@ -160,7 +161,7 @@ def loss_curves(cfg, res, ours=None, files=None):
             a.legend(fontsize=9)
         else:
             F.mark_missing(a, f"no {CONTINUED_STAGE} metrics yet")
-    F.set_title(fig, "Continued training on the essays' train split (held-out: the essays' held-out split)", cfg)
+    F.set_title(fig, "Continued training on the essays' train split (held-out: the essays' held-out split)", exp)
     return fig
 
 
@@ -171,7 +172,7 @@ registry.paper_table("real_import", "Import of the packaged SmolLM2 GGUF: max |l
                      **GAP)(import_long)
 registry.paper_table("real_step0", "Held-out loss at step 0 of STEM inserted into the imported model, placement "
                      f"x table init, against the dense model on the same windows ({WHAT})",
-                     inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/insertion_step0.json")],
+                     inputs=lambda exp: [p for p in targets(exp) if p.endswith("/analysis/insertion_step0.json")],
                      **GAP)(step0_long)
 registry.paper_table("real_heldout", "Continued training: held-out loss at the first evaluation and at the end, "
                      f"and held-out perplexity of the continued models ({WHAT})", **GAP)(heldout_long)
@@ -181,11 +182,11 @@ registry.paper_table("real_editing", "Knowledge editing over the prompt set (Fig
                      "rows replaced by the next country's at every STEM layer (or in the token embedding): share "
                      "of prompts whose next token became the other capital's first token, the two capitals' "
                      f"first-token probabilities, undo bit for bit ({WHAT})",
-                     inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/editing.json")],
+                     inputs=lambda exp: [p for p in targets(exp) if p.endswith("/analysis/editing.json")],
                      **GAP)(editing_long)
 registry.paper_table("real_hf_parity", "The export-hf folder under lm-eval's stock `hf` model vs the `stem` model "
                      f"on the prompt set as a loglikelihood task ({WHAT})",
-                     inputs=lambda cfg: [p for p in targets(cfg) if p.endswith("/analysis/hf_parity.json")],
+                     inputs=lambda exp: [p for p in targets(exp) if p.endswith("/analysis/hf_parity.json")],
                      **GAP)(hf_parity_long)
 registry.report_figure("real_loss_curves", "Held-out and training loss of the continued models vs tokens "
                        f"({WHAT}); the dense curve starts at the imported model's held-out loss.",

@@ -34,7 +34,8 @@ class PaperTable:
 
     name: file name under ``reports/{experiment}/tables/`` and the ``table`` column of its cells.
     title: heading of its Markdown, LaTeX, README and HTML versions.
-    build(cfg, res) -> long DataFrame in ``paper_data.COLUMNS`` (value NaN where there is no result yet).
+    build(exp, res) -> long DataFrame in ``paper_data.COLUMNS`` (value NaN where there is no result yet);
+        ``exp``: the experiment config's typed tree (stem.experiment.Experiment).
     csv: the paper's cells, ``reference/paper/{csv}.csv``; None for a table the paper does not print.
     labels: {column id: printed column label}.
     stages: the training stages whose results feed it, first with a result wins (the config's
@@ -43,7 +44,7 @@ class PaperTable:
         variant beats the same scale's dense baseline where the paper says it does (except in the columns
         ``undirected``, e.g. parameter counts).
     notes: {(scale or "", column): text} shown beside those cells in the diff.
-    inputs(cfg) -> files its builder reads besides the training summaries and eval JSONs (inputs of the
+    inputs(exp) -> files its builder reads besides the training summaries and eval JSONs (inputs of the
         workflow's report_tables rule).
     paper_cells(df) -> the reference cells as compared (default: ``csv`` as it is).
     paper_directions(df, scales) -> the reference cells as the direction check reads them, keyed like ours
@@ -77,10 +78,10 @@ class PaperTable:
 class Figure:
     """One figure of the report (PNG and PDF under ``reports/{experiment}/figures/``).
 
-    draw(cfg, res, ours, files) -> a matplotlib figure; ``ours`` = {table: long DataFrame} (the reproduced
+    draw(exp, res, ours, files) -> a matplotlib figure; ``ours`` = {table: long DataFrame} (the reproduced
         tables), ``files`` = what ``inputs`` named (paths, relative to the working directory).
     caption: under the figure in the README and the HTML report.
-    inputs(cfg, evals) -> {name: path or [paths]} the figure reads besides the reproduced tables; ``evals``
+    inputs(exp, evals) -> {name: path or [paths]} the figure reads besides the reproduced tables; ``evals``
         lists the experiment's eval JSONs.
     scale: the scale a figure plots (None for figures that choose for themselves); the variants it draws are the
         experiment's (config/variants.yaml's ``figures:``, stem.config.figure_variants).
@@ -98,12 +99,12 @@ class Figure:
 
 
 def paper_table(name: str, title: str, **kw):
-    """Decorator: register ``build(cfg, res)`` as table ``name`` (keywords: the fields of PaperTable)."""
+    """Decorator: register ``build(exp, res)`` as table ``name`` (keywords: the fields of PaperTable)."""
     return TABLES.register(name, lambda build: PaperTable(name, title, build, **kw))
 
 
 def report_figure(name: str, caption: str, **kw):
-    """Decorator: register ``draw(cfg, res, ours, files)`` as figure ``name`` (keywords: Figure's fields)."""
+    """Decorator: register ``draw(exp, res, ours, files)`` as figure ``name`` (keywords: Figure's fields)."""
     return FIGURES.register(name, lambda draw: Figure(name, draw, caption, **kw))
 
 

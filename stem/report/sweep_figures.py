@@ -11,25 +11,24 @@ from stem import layout as L
 from stem.report import figures as F
 from stem.report import registry
 from stem.report.sweeps import figure
-from stem.sweeps import in_all
 
 
 def _report_inputs(kind):
-    def inputs(cfg, evals):
-        if not in_all(cfg) or kind not in cfg["sweeps"]:
+    def inputs(exp, evals):
+        if exp.sweeps is None or not exp.sweeps.in_all or getattr(exp.sweeps, kind) is None:
             return {}
-        return {"sweep": L.sweep_file(cfg["experiment"], kind, "json")}
+        return {"sweep": L.sweep_file(exp.experiment, kind, "json")}
     return inputs
 
 
 def _report_draw(kind):
-    def draw(cfg, res, ours, files):
+    def draw(exp, res, ours, files):
         if "sweep" in files:
             return figure(json.loads(Path(files["sweep"]).read_text()))
         fig, ax = F.pyplot().subplots(figsize=(6.5, 4.5))
         F.mark_missing(ax, f"the {kind} sweep is not part of this run (sweeps.in_all is false or sweeps.{kind} is "
                      f"missing); run it with `snakemake sweep_{kind}`")
-        F.set_title(fig, "DSE paper Fig. 2 " + ("left: loss vs rho" if kind == "rho" else "right: loss vs DSE slots"), cfg)
+        F.set_title(fig, "DSE paper Fig. 2 " + ("left: loss vs rho" if kind == "rho" else "right: loss vs DSE slots"), exp)
         return fig
     return draw
 

@@ -27,7 +27,9 @@ def fit_loglinear(x, y) -> dict:
 
 def collect(cfg: dict, kind: str, results_root="results") -> dict:
     """The sweep's result: every point's counts (the config's arithmetic, equal to the trained model's accounting
-    in its summary.json, total and active, or a one-line error) and final validation loss, the optimum (rho) or the log-linear fit (slots)."""
+    in its summary.json, total and active, or a one-line error) and final validation loss, the optimum (rho) or the log-linear fit (slots).
+    ``cfg``: the sweep job's spec (rules/sweep.smk: the config's experiment, archs, variant_overrides and sweeps as
+    written; its hash is the result's provenance)."""
     sw = cfg["sweeps"]
     scale, stage = sw["scale"], sw["stage"]
     res = Results(cfg["experiment"], results_root)
@@ -47,7 +49,8 @@ def collect(cfg: dict, kind: str, results_root="results") -> dict:
         row.update(val_loss=s["final_val_loss"], train_loss=s["final_train_loss"], steps=s["steps"],
                    tokens=s["tokens"], wall_seconds=s.get("wall_seconds"))
         rows.append(row)
-    out = {"experiment": cfg["experiment"], "label": experiment_label(cfg), "kind": kind, "scale": scale,
+    out = {"experiment": cfg["experiment"], "label": experiment_label(cfg["experiment"]), "kind": kind,
+           "scale": scale,
            "stage": stage, "base": sw[kind]["base"], "memory": sw[kind]["memory"], "train": train_settings(cfg),
            "claim": CLAIMS[kind], "points": rows, "provenance": provenance.record(cfg)}
     losses = [r["val_loss"] for r in rows]

@@ -16,10 +16,11 @@ import pandas as pd
 from stem import config as C
 from stem import layout
 from stem import seeds
+from stem.experiment import Experiment
 from stem.report import paper_data as P
 from stem.report import registry
 from stem.report.page import Table, md_table
-from stem.report.params import accounting_for
+from stem.report.params import model_accounting, model_of
 from stem.report.results import Results, as_number, by_length, niah_cells, range_rows, task_score
 from stem.specs import ReportSpec
 
@@ -68,35 +69,35 @@ def longbench_cell(ev: dict | None, table: str, column: str) -> tuple[float | No
     return by_length(ev).get(LONGBENCH[column]), "by_length"
 
 
-def settings(cfg: dict):
+def settings(exp: Experiment):
     """The experiment's report settings, checked once (``stem.specs.ReportSpec``: the config's ``report:``
     section over the defaults; each table's stages from its registry entry)."""
-    return ReportSpec.from_config(cfg)
+    return ReportSpec.from_config(exp.experiment, exp.report)
 
 
-def row_labels(cfg: dict, table: str | None = None) -> dict[str, str]:
+def row_labels(exp: Experiment, table: str | None = None) -> dict[str, str]:
     """{variant: its row label in ``table``}: the config's variant labels (stem.config.variant_labels, with its
     variant_overrides), the baseline's as the table prints it (``BASELINE_ROW``)."""
-    labels = C.variant_labels(cfg)
+    labels = C.variant_labels(exp)
     if table in BASELINE_ROW:
-        labels[C.baseline_variant(cfg)] = BASELINE_ROW[table]
+        labels[C.baseline_variant(exp)] = BASELINE_ROW[table]
     return labels
 
 
-def labelled(df: pd.DataFrame, cfg: dict) -> pd.DataFrame:
+def labelled(df: pd.DataFrame, exp: Experiment) -> pd.DataFrame:
     """``df`` with each cell that names no row of its own given its variant's row label (``row_labels``; the
     variant id for a name the config does not label: a seed, a sweep point)."""
     missing = df["row"].isna()
     if not missing.any():
         return df
-    labels = {t: row_labels(cfg, t) for t in df.loc[missing, "table"].unique()}
+    labels = {t: row_labels(exp, t) for t in df.loc[missing, "table"].unique()}
     out = df.copy()
     out.loc[missing, "row"] = [labels[t].get(v, v) for t, v in zip(df.loc[missing, "table"], df.loc[missing, "variant"])]
     return out
 
 
-def experiment_label(cfg_or_name) -> str:
-    name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name["experiment"]
+def experiment_label(exp_or_name: Experiment | str) -> str:
+    name = exp_or_name.experiment if isinstance(exp_or_name, Experiment) else exp_or_name
     if name == "paper":
         return "experiment: paper (paper scale)"
     if name == "tiny":
@@ -143,9 +144,9 @@ def frame(cells: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(cells, columns=P.COLUMNS)
 
 
-def ordered_variants(cfg: dict, variants) -> list[str]:
+def ordered_variants(exp: Experiment, variants) -> list[str]:
     """``variants`` in the config's variant order (config/variants.yaml's; the others after them)."""
-    order = list(C.variant_labels(cfg))
+    order = list(C.variant_labels(exp))
     return sorted(variants, key=lambda v: order.index(v) if v in order else len(order))
 
 
@@ -156,19 +157,19 @@ def ordered_scales(scales) -> list[str]:
     return sorted(scales, key=lambda s: SCALE_ORDER.index(s) if s in SCALE_ORDER else len(SCALE_ORDER))
 
 
-def scales_with(cfg: dict, stage: str) -> list[str]:
-    return ordered_scales(s for s, m in cfg["matrix"].items() if stage in m["stages"])
+def scales_with(exp: Experiment, stage: str) -> list[str]:
+    return ordered_scales(str(s) for s, m in exp.matrix.items() if stage in m.stages)
 
 
 @lru_cache(maxsize=None)
-def _accounting(cfg_key: str, scale: str, variant: str) -> dict:
-    return accounting_for(json.loads(cfg_key), scale, variant)
+def _accounting(model_key: str) -> dict:
+    return model_accounting(*json.loads(model_key))
 
 
-def accounting(cfg: dict, scale: str, variant: str) -> dict:
-    """Parameter / FLOP accounting of a configured model (from the architecture, no training needed)."""
-    keep = {k: cfg[k] for k in ("archs", "variant_overrides") if k in cfg}
-    return _accounting(json.dumps(keep, sort_keys=True), scale, variant)
+def accounting(exp: Experiment, scale: str, variant: str) -> dict:
+    """Parameter / FLOP accounting of a configured model (from the architecture, no training needed), once per
+    architecture and variant spec."""
+    return _accounting(json.dumps(model_of(exp, scale, variant), sort_keys=True))
 
 
 # ---- Table 3 / 4: commonsense accuracy, parameters, FLOPs, ROI -----------------------------------
@@ -214,39 +215,39 @@ def _scores(res: Results, scale, variant, stages, suites) -> tuple[dict, str]:
     return scores, "; ".join(sources) or "missing"
 
 
-def trained_accounting(cfg: dict, res: Results, scale: str, variant: str, stages) -> dict:
+def trained_accounting(exp: Experiment, res: Results, scale: str, variant: str, stages) -> dict:
     """The accounting written with the model's checkpoint (first of ``stages`` that has one); before there
     is a checkpoint, the configured architecture's (marked so in ``source``)."""
     acct, stage = res.first_accounting(scale, variant, stages)
     if acct is not None:
         return {**acct, "source": f"{scale}/{variant}/{stage}/checkpoint/accounting.json"}
-    return {**accounting(cfg, scale, variant),
+    return {**accounting(exp, scale, variant),
             "source": "accounting of the configured architecture (no checkpoint yet)"}
 
 
 def checkpoints_of(table: str):
-    """inputs(cfg) of a registry entry: the checkpoints of the stages feeding ``table`` (their accounting)."""
-    def inputs(cfg: dict) -> list[str]:
-        stages = settings(cfg).stages[table]
-        return [layout.checkpoint(cfg["experiment"], s, v, st) for s, v, st in C.train_targets(cfg) if st in stages]
+    """inputs(exp) of a registry entry: the checkpoints of the stages feeding ``table`` (their accounting)."""
+    def inputs(exp: Experiment) -> list[str]:
+        stages = settings(exp).stages[table]
+        return [layout.checkpoint(exp.experiment, s, v, st) for s, v, st in C.train_targets(exp) if st in stages]
     return inputs
 
 
-def seed_scores(cfg: dict, res: Results, scale, variant, stages, suites) -> tuple[dict, str, list[float]]:
+def seed_scores(exp: Experiment, res: Results, scale, variant, stages, suites) -> tuple[dict, str, list[float]]:
     """A matrix cell's scores over its seeds (stem.seeds): the per-task mean over the seeds that have the task,
     their sources, and each seed's Avg (seeds with a complete Avg only). One seed: ``_scores`` and its Avg."""
     per = [_scores(res, scale, seeds.seed_id(variant, k), stages, suites)
-           for k in seeds.seeds_of(cfg, scale, variant)]
+           for k in seeds.seeds_of(exp, scale, variant)]
     tasks = {t for sc, _ in per for t in sc}
     mean = {t: float(np.mean([sc[t] for sc, _ in per if t in sc])) for t in tasks}
     avgs = [a for a in (average(sc) for sc, _ in per) if not isnan(a)]
     return mean, "; ".join(src for _, src in per if src != "missing") or "missing", avgs
 
 
-def seed_spread(cfg: dict, scale, variant, avgs) -> list[tuple]:
+def seed_spread(exp: Experiment, scale, variant, avgs) -> list[tuple]:
     """The columns beside a cell with several seeds (its Avg is their mean): how many seeds have a complete Avg,
     their sd, lowest and highest. None for a cell with one seed."""
-    if len(seeds.seeds_of(cfg, scale, variant)) == 1:
+    if len(seeds.seeds_of(exp, scale, variant)) == 1:
         return []
     return [("seeds", len(avgs), "seeds with a complete Avg (stem.seeds)"),
             ("avg_sd", float(np.std(avgs, ddof=1)) if len(avgs) > 1 else None, "sd of the seeds' Avg"),
@@ -254,66 +255,66 @@ def seed_spread(cfg: dict, scale, variant, avgs) -> list[tuple]:
             ("avg_max", max(avgs) if avgs else None, "highest seed's Avg")]
 
 
-def seed_val_loss(cfg: dict, res: Results, scale, variant, stage) -> tuple[list[float], str]:
+def seed_val_loss(exp: Experiment, res: Results, scale, variant, stage) -> tuple[list[float], str]:
     """Each seed's final validation loss (training summaries of ``stage`` that have one) and their sources."""
-    vids = [seeds.seed_id(variant, k) for k in seeds.seeds_of(cfg, scale, variant)]
+    vids = [seeds.seed_id(variant, k) for k in seeds.seeds_of(exp, scale, variant)]
     got = [(v, (res.summary(scale, v, stage) or {}).get("final_val_loss")) for v in vids]
     got = [(v, x) for v, x in got if x is not None]
     return [x for _, x in got], "; ".join(f"{scale}/{v}/{stage}/summary.json" for v, _ in got) or "missing"
 
 
-def val_loss_cells(cfg: dict, res: Results, scale, variant, stage) -> list[tuple]:
+def val_loss_cells(exp: Experiment, res: Results, scale, variant, stage) -> list[tuple]:
     """(column, value, source) of a cell's validation loss: the mean over its seeds, and with several seeds
     their sd (``val_loss_sd``)."""
-    loss, src = seed_val_loss(cfg, res, scale, variant, stage)
-    if len(seeds.seeds_of(cfg, scale, variant)) == 1:
+    loss, src = seed_val_loss(exp, res, scale, variant, stage)
+    if len(seeds.seeds_of(exp, scale, variant)) == 1:
         return [("val_loss", loss[0] if loss else None, src)]
     return [("val_loss", float(np.mean(loss)) if loss else None, f"mean over seeds: {src}"),
             ("val_loss_sd", float(np.std(loss, ddof=1)) if len(loss) > 1 else None, "sd of the seeds' val loss")]
 
 
-def table3(cfg: dict, res: Results) -> pd.DataFrame:
-    stages = settings(cfg).stages["table3"]
+def table3(exp: Experiment, res: Results) -> pd.DataFrame:
+    stages = settings(exp).stages["table3"]
     rows, spread = [], {}
-    trained = set(C.train_targets(cfg))
-    for scale in scales_with(cfg, stages[0]):
-        for v in ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
+    trained = set(C.train_targets(exp))
+    for scale in scales_with(exp, stages[0]):
+        for v in ordered_variants(exp, exp.matrix[scale].variants):
             if (scale, v, stages[0]) not in trained:
                 continue   # a mid-training insertion (stem_insert) has no pretraining of its own
-            scores, src, spread[scale, v] = seed_scores(cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
-            rows.append((scale, v, scores, trained_accounting(cfg, res, scale, v, stages), src))
+            scores, src, spread[scale, v] = seed_scores(exp, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
+            rows.append((scale, v, scores, trained_accounting(exp, res, scale, v, stages), src))
 
     def val_loss(scale, variant):   # Avg and val loss are means over seeds; their spread beside them
-        return (val_loss_cells(cfg, res, scale, variant, stages[0])
-                + seed_spread(cfg, scale, variant, spread[scale, variant]))
-    return accuracy_table("table3", rows, val_loss, C.baseline_variant(cfg))
+        return (val_loss_cells(exp, res, scale, variant, stages[0])
+                + seed_spread(exp, scale, variant, spread[scale, variant]))
+    return accuracy_table("table3", rows, val_loss, C.baseline_variant(exp))
 
 
-def table4(cfg: dict, res: Results) -> pd.DataFrame:
-    stages = settings(cfg).stages["table4"]
+def table4(exp: Experiment, res: Results) -> pd.DataFrame:
+    stages = settings(exp).stages["table4"]
     rows, spread = [], {}
-    for scale in scales_with(cfg, stages[0]):
-        for v in ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
+    for scale in scales_with(exp, stages[0]):
+        for v in ordered_variants(exp, exp.matrix[scale].variants):
             scores, src, spread[scale, v] = seed_scores(
-                cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS, "gsm8k": ["gsm8k"], "mmlu": ["mmlu"]})
+                exp, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS, "gsm8k": ["gsm8k"], "mmlu": ["mmlu"]})
             rows.append((scale, v, scores, None, src))
-    return accuracy_table("table4", rows, lambda scale, v: seed_spread(cfg, scale, v, spread[scale, v]),
-                          C.baseline_variant(cfg))
+    return accuracy_table("table4", rows, lambda scale, v: seed_spread(exp, scale, v, spread[scale, v]),
+                          C.baseline_variant(exp))
 
 
-def table5(cfg: dict, res: Results) -> pd.DataFrame:
-    return longbench_table("table5", cfg, res)
+def table5(exp: Experiment, res: Results) -> pd.DataFrame:
+    return longbench_table("table5", exp, res)
 
 
-def table6(cfg: dict, res: Results) -> pd.DataFrame:
-    return longbench_table("table6", cfg, res)
+def table6(exp: Experiment, res: Results) -> pd.DataFrame:
+    return longbench_table("table6", exp, res)
 
 
-def longbench_table(table: str, cfg: dict, res: Results) -> pd.DataFrame:
-    stages = settings(cfg).stages[table]
+def longbench_table(table: str, exp: Experiment, res: Results) -> pd.DataFrame:
+    stages = settings(exp).stages[table]
     cells = []
-    for scale in scales_with(cfg, stages[0]):
-        for v in ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
+    for scale in scales_with(exp, stages[0]):
+        for v in ordered_variants(exp, exp.matrix[scale].variants):
             lb, lb_stage = res.first_eval(scale, v, stages, "longbench")
             for col in P.TASKS[table]:
                 if col in LONGBENCH:
@@ -326,14 +327,14 @@ def longbench_table(table: str, cfg: dict, res: Results) -> pd.DataFrame:
     return frame(cells)
 
 
-def figure1b(cfg: dict, res: Results) -> pd.DataFrame:
+def figure1b(exp: Experiment, res: Results) -> pd.DataFrame:
     """NIAH accuracy per context length (mean over depths) and STEM's gap over the baseline at the
     shortest and longest length (the numbers quoted in Sec. 1)."""
-    stages, baseline = settings(cfg).stages["figure1b"], C.baseline_variant(cfg)
+    stages, baseline = settings(exp).stages["figure1b"], C.baseline_variant(exp)
     cells = []
-    for scale in scales_with(cfg, stages[0]):
+    for scale in scales_with(exp, stages[0]):
         per_len = {}
-        for v in ordered_variants(cfg, cfg["matrix"][scale]["variants"]):
+        for v in ordered_variants(exp, exp.matrix[scale].variants):
             ev, stage = res.first_eval(scale, v, stages, "niah")
             df = niah_cells(ev)
             per_len[v] = df.groupby("length")["accuracy"].mean() if len(df) else pd.Series(dtype=float)
@@ -358,40 +359,40 @@ DSE_PARAMS = {"p_tot_b": "p_tot", "p_act_b": "p_act", "dse_params_b": "dse_param
 DSE_PAPER_MODEL = ("dense_4b", "dse_27b")
 
 
-def dse_accounting(cfg: dict, res: Results, scale: str, variant: str, stages) -> dict:
+def dse_accounting(exp: Experiment, res: Results, scale: str, variant: str, stages) -> dict:
     """``trained_accounting``; a checkpoint written before the DSE-convention keys existed (p_tot, p_act,
     dse_params) gets them from the configured architecture, provided its exact total is the same model's."""
-    acct = trained_accounting(cfg, res, scale, variant, stages)
+    acct = trained_accounting(exp, res, scale, variant, stages)
     if all(k in acct for k in DSE_PARAMS.values()):
         return acct
-    conf = accounting(cfg, scale, variant)
+    conf = accounting(exp, scale, variant)
     if conf["total_params"] != acct["total_params"]:
         return {**acct, "source": f"{acct['source']} (no P_tot/P_act keys; the configured architecture differs)"}
     return {**conf, **acct, "source": f"{acct['source']}; P_tot / P_act / DSE params from the configured "
                                       "architecture (same total_params)"}
 
 
-def dse_table(cfg: dict, res: Results) -> pd.DataFrame:
+def dse_table(exp: Experiment, res: Results) -> pd.DataFrame:
     """Per scale with a ``dse`` model: the dense baseline and DSE, with the DSE paper's parameter convention
     (Sec. 3.1: P_tot, P_act without embedding and head; DSE params = the hashed tables), GFLOPs/token,
     the validation loss and the zero-shot commonsense accuracies (the pretrain eval JSONs, as Table 3)."""
-    stages, baseline = settings(cfg).stages["dse"], C.baseline_variant(cfg)
+    stages, baseline = settings(exp).stages["dse"], C.baseline_variant(exp)
     cells = []
-    for scale in scales_with(cfg, stages[0]):
-        if "dse" not in cfg["matrix"][scale]["variants"]:
+    for scale in scales_with(exp, stages[0]):
+        if "dse" not in exp.matrix[scale].variants:
             continue
-        for v in [v for v in (baseline, "dse") if v in cfg["matrix"][scale]["variants"]]:
-            acct = dse_accounting(cfg, res, scale, v, stages)
+        for v in [v for v in (baseline, "dse") if v in exp.matrix[scale].variants]:
+            acct = dse_accounting(exp, res, scale, v, stages)
             for column, key in DSE_PARAMS.items():   # a gap where the accounting lacks the key
                 cells.append(cell("dse", scale, v, column, acct[key] / 1e9 if key in acct else None, acct["source"]))
             cells.append(cell("dse", scale, v, "gflops_per_token", acct["gflops_per_token"],
                               "accounting: 2 x active params (embedding and head included, as Table 3)"))
-            loss = val_loss_cells(cfg, res, scale, v, stages[0])   # the seeds' mean (and sd) where there are seeds
-            scores, src, avgs = seed_scores(cfg, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
+            loss = val_loss_cells(exp, res, scale, v, stages[0])   # the seeds' mean (and sd) where there are seeds
+            scores, src, avgs = seed_scores(exp, res, scale, v, stages, {"commonsense": P.COMMONSENSE_TASKS})
             cells.append(cell("dse", scale, v, *loss[0]))
             cells += [cell("dse", scale, v, task, scores.get(task), src) for task in P.COMMONSENSE_TASKS]
             cells.append(cell("dse", scale, v, "avg", average(scores), "mean of the 8 commonsense tasks"))
-            cells += [cell("dse", scale, v, *c) for c in loss[1:] + seed_spread(cfg, scale, v, avgs)]
+            cells += [cell("dse", scale, v, *c) for c in loss[1:] + seed_spread(exp, scale, v, avgs)]
     return frame(cells)
 
 
@@ -414,21 +415,21 @@ RULER_CATEGORIES = {"ruler_s": ("niah_single_1", "niah_single_2", "niah_single_3
                     "ruler_mv": ("niah_multivalue",), "ruler_mq": ("niah_multiquery",), "ruler_vt": ("ruler_vt",),
                     "ruler_cwe": ("ruler_cwe",), "ruler_fwe": ("ruler_fwe",),
                     "ruler_qa": ("ruler_qa_squad", "ruler_qa_hotpot")}
-# the direction check: our dense row stands for the paper's baseline there, MoE-27B (50k steps, iso-FLOPs with
-# DSE-27B; the table has no dense model), and our dse row for DSE-27B (50k)
-DSE_LONG_MODEL = {"dense": "moe_27b_50k", "dse": "dse_27b_50k"}
+# the direction check: our baseline row (stem.config.baseline_variant) stands for the paper's baseline there,
+# MoE-27B (50k steps, iso-FLOPs with DSE-27B; the table has no dense model), and our dse row for DSE-27B (50k)
+DSE_LONG_MODEL = ("moe_27b_50k", "dse_27b_50k")
 
 
-def dse_long_table(cfg: dict, res: Results) -> pd.DataFrame:
+def dse_long_table(exp: Experiment, res: Results) -> pd.DataFrame:
     """Per scale whose ``dse_long`` stage is trained: the dense and DSE rows (those of the matrix), LongPPL per
     document category (suite ``longppl``, perplexity) and RULER per category (suite ``ruler``, %), seeds' means
     where a variant has seeds. A column whose category or tasks were not evaluated is a gap."""
-    stages = settings(cfg).stages["dse_long"]
+    stages = settings(exp).stages["dse_long"]
     ruler_tasks = [t for ts in RULER_CATEGORIES.values() for t in ts]
     cells = []
-    for scale in scales_with(cfg, stages[0]):
-        for v in [v for v in (C.baseline_variant(cfg), "dse") if v in cfg["matrix"][scale]["variants"]]:
-            scores, src, _ = seed_scores(cfg, res, scale, v, stages, {"longppl": LONGPPL_COLUMNS, "ruler": ruler_tasks})
+    for scale in scales_with(exp, stages[0]):
+        for v in [v for v in (C.baseline_variant(exp), "dse") if v in exp.matrix[scale].variants]:
+            scores, src, _ = seed_scores(exp, res, scale, v, stages, {"longppl": LONGPPL_COLUMNS, "ruler": ruler_tasks})
             cells += [cell("dse_long", scale, v, c, scores.get(c), src, unit="perplexity") for c in LONGPPL_COLUMNS]
             for column, tasks in RULER_CATEGORIES.items():
                 got = [scores[t] for t in tasks if t in scores]
@@ -439,21 +440,24 @@ def dse_long_table(cfg: dict, res: Results) -> pd.DataFrame:
 
 def dse_long_directions(df: pd.DataFrame, scales) -> pd.DataFrame:
     """The DSE paper's Table 2 as the direction check reads it: at each of our ``scales``, MoE-27B (50k) as our
-    ``dense`` row and DSE-27B (50k) as our ``dse`` row."""
-    keep = df[df["variant"].isin(DSE_LONG_MODEL.values())]
-    back = {p: v for v, p in DSE_LONG_MODEL.items()}
+    baseline row (stem.config.baseline_variant) and DSE-27B (50k) as our ``dse`` row."""
+    keep = df[df["variant"].isin(DSE_LONG_MODEL)]
+    back = dict(zip(DSE_LONG_MODEL, (C.baseline_variant(), "dse")))
     return pd.concat([keep.assign(scale=s, variant=keep["variant"].map(back)) for s in scales] or [keep.iloc[:0]],
                      ignore_index=True)
 
 
 # ---- Table 1 and Table 2: from the configuration -------------------------------------------------
-def table1(cfg: dict, res: Results | None = None) -> pd.DataFrame:
+def table1(exp: Experiment | None, res: Results | None = None) -> pd.DataFrame:
     """Per-layer, per-token costs (Table 1 with B = L = 1) and the saving fraction for each configured
-    architecture (L = the pretraining sequence length), plus the Qwen2.5 models the paper quotes."""
-    cells = []
-    archs = [(s, "arch", f"{cfg['experiment']} {s}", a["d_model"], a["d_ff"],
-              cfg["stages"]["pretrain"][s]["seq_len"] if s in cfg["stages"].get("pretrain", {}) else a["max_seq_len"])
-             for s, a in ((s, cfg["archs"][s]) for s in ordered_scales(cfg["archs"]))]
+    architecture (L = the pretraining sequence length), plus the Qwen2.5 models the paper quotes (only those
+    for ``exp`` None)."""
+    cells, archs = [], []
+    if exp is not None:
+        pretrain = exp.stages.get("pretrain", {})
+        archs = [(s, "arch", f"{exp.experiment} {s}", a.d_model, a.d_ff,
+                  pretrain[s].seq_len if s in pretrain else a.max_seq_len)
+                 for s, a in ((s, exp.archs[s]) for s in ordered_scales(map(str, exp.archs)))]
     for (v, row), g in P.load_table("qwen25_architectures").groupby(["variant", "row"], sort=False):
         r = dict(zip(g["column"], g["value"]))
         archs.append(("", v, row, r["d_model"], r["d_ff"], r["seq_len"]))
@@ -477,21 +481,21 @@ def table1(cfg: dict, res: Results | None = None) -> pd.DataFrame:
 TABLE2_STAGE = {"pretrain": "pretrain", "midtrain": "midtrain", "extend": "context_extend"}
 
 
-def table2(cfg: dict, res: Results | None = None) -> pd.DataFrame:
+def table2(exp: Experiment, res: Results | None = None) -> pd.DataFrame:
     """This experiment's training hyperparameters in Table 2's rows and columns."""
     cells = []
-    for stage, per_scale in cfg["stages"].items():
-        for scale, st in per_scale.items():
+    for stage, per_scale in exp.stages.items():
+        for scale, st in ((str(s), st) for s, st in per_scale.items()):
             label = f"{scale.upper()} {stage}"
-            beta1, beta2 = cfg["optim"]["betas"]
+            beta1, beta2 = exp.optim.betas
             for col, val, unit in [
-                    ("peak_lr", st["lr"], "lr"), ("lr_schedule", st["schedule"], "text"),
-                    ("batch_size", st["batch_size"], "sequences"), ("max_seq_len", st["seq_len"], "tokens"),
-                    ("train_steps", st["steps"], "steps"),
-                    ("cross_doc_masking", "Yes" if st.get("cross_doc_mask") else "No", "text"),
-                    ("train_tokens", st["steps"] * st["batch_size"] * st["seq_len"], "tokens"),
-                    ("weight_decay", cfg["optim"]["weight_decay"], ""), ("beta1", beta1, ""), ("beta2", beta2, ""),
-                    ("warmup_ratio", st["warmup"], "ratio"), ("min_lr_ratio", st["min_lr_ratio"], "ratio of peak LR")]:
+                    ("peak_lr", st.lr, "lr"), ("lr_schedule", str(st.schedule), "text"),
+                    ("batch_size", st.batch_size, "sequences"), ("max_seq_len", st.seq_len, "tokens"),
+                    ("train_steps", st.steps, "steps"),
+                    ("cross_doc_masking", "Yes" if st.cross_doc_mask else "No", "text"),
+                    ("train_tokens", st.steps * st.batch_size * st.seq_len, "tokens"),
+                    ("weight_decay", exp.optim.weight_decay, ""), ("beta1", beta1, ""), ("beta2", beta2, ""),
+                    ("warmup_ratio", st.warmup, "ratio"), ("min_lr_ratio", st.min_lr_ratio, "ratio of peak LR")]:
                 cells.append(cell("table2", scale, TABLE2_STAGE[stage], col, val, f"config stages.{stage}.{scale}",
                                   row=label, unit=unit))
     return frame(cells)
@@ -505,9 +509,9 @@ def table2_paper_cells(df: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([df[df["scale"] != ""], *spread], ignore_index=True)
 
 
-def build_all(cfg: dict, res: Results) -> dict[str, pd.DataFrame]:
+def build_all(exp: Experiment, res: Results) -> dict[str, pd.DataFrame]:
     """Every registered table, in the registry's order, each cell's row labelled from the config (``labelled``)."""
-    return {name: labelled(t.build(cfg, res), cfg) for name, t in registry.tables().items()}
+    return {name: labelled(t.build(exp, res), exp) for name, t in registry.tables().items()}
 
 
 # ---- display -------------------------------------------------------------------------------------

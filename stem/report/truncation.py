@@ -8,17 +8,18 @@ from __future__ import annotations
 import pandas as pd
 
 from stem import config as C
+from stem.experiment import Experiment
 from stem.report import registry
 from stem.report import tables as T
 
 COLUMNS = ("score", "policy", "truncated", "requests", "tokens_dropped")
 
 
-def rows(cfg: dict, res) -> list[dict]:
+def rows(exp: Experiment, res) -> list[dict]:
     """One row per task with a truncated request, and per eval JSON without counts."""
-    suites = (cfg.get("eval") or {}).get("stages") or {}
+    suites = (exp.eval or {}).get("stages") or {}   # the eval section, untyped (stem.eval.spec)
     out = []
-    for scale, variant, stage in C.train_targets(cfg) + C.seed_targets(cfg):
+    for scale, variant, stage in C.train_targets(exp) + C.seed_targets(exp):
         for suite in suites.get(stage, []):
             ev = res.eval(scale, variant, stage, suite)
             if ev is None:
@@ -37,11 +38,11 @@ def rows(cfg: dict, res) -> list[dict]:
     return out
 
 
-def truncation_long(cfg: dict, res) -> pd.DataFrame:
+def truncation_long(exp: Experiment, res) -> pd.DataFrame:
     return T.frame([T.cell("truncation", r["scale"], r["variant"], c, r[c], r["path"],
                            row=f"{r['variant']} {r['stage']}: {r['suite']} {r['task']}",
                            unit="%" if c == "score" else "")
-                    for r in rows(cfg, res) for c in COLUMNS])
+                    for r in rows(exp, res) for c in COLUMNS])
 
 
 def truncation_summary(cut: pd.DataFrame | None) -> dict:

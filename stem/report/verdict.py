@@ -24,6 +24,7 @@ import numpy as np
 
 from stem import config as C
 from stem import seeds
+from stem.experiment import Experiment
 from stem.models.registry import ffn_facts
 from stem.report import paper_data as P
 
@@ -145,16 +146,16 @@ def _task_items(results, exp, scale, variant, stage, suite, task, subtasks=None)
     return out
 
 
-def table_directions(cfg: dict, root=".", results=None) -> list[dict]:
+def table_directions(exp: Experiment, root=".", results=None) -> list[dict]:
     """Each Table 3/4 accuracy direction (variant vs the baseline, per task and the commonsense average) with its
     paired-bootstrap interval over items and a verdict against the paper's sign. ``results``: the results
     folder (default ``{root}/results``)."""
     results = Path(results) if results is not None else Path(root) / "results"
-    exp = cfg["experiment"]
-    stages = (cfg.get("report") or {}).get("stages") or {}
-    groups = ((cfg.get("eval") or {}).get("fixtures") or {}).get("groups") or {}
+    name = exp.experiment
+    stages = (exp.report or {}).get("stages") or {}   # the untyped sections, as written
+    groups = ((exp.eval or {}).get("fixtures") or {}).get("groups") or {}
     suite_of = {t: "commonsense" for t in P.COMMONSENSE_TASKS} | {"mmlu": "mmlu", "gsm8k": "gsm8k"}
-    rows, base = [], C.baseline_variant(cfg)
+    rows, base = [], C.baseline_variant(exp)
     for table in ("table3", "table4"):
         paper = P.load_table(table).set_index(["scale", "variant", "column"])["value"]
         for (scale, variant, column), pv in paper.items():
@@ -163,18 +164,19 @@ def table_directions(cfg: dict, root=".", results=None) -> list[dict]:
             if column not in suite_of and column != "avg":
                 continue
             p_delta = float(pv - paper[(scale, base, column)])
-            stage = next((st for st in stages.get(table, []) if (results / exp / scale / variant / st
+            stage = next((st for st in stages.get(table, []) if (results / name / scale / variant / st
                                                                   / "eval").is_dir()), None)
             ci, per_seed = None, []
             if stage is not None:
                 tasks = P.COMMONSENSE_TASKS if column == "avg" else [column]
                 # every seed both models ran (stem.seeds; seed k of the baseline paired with seed k of the variant)
-                for k in sorted(set(seeds.seeds_of(cfg, scale, base)) & set(seeds.seeds_of(cfg, scale, variant))):
+                both = set(seeds.seeds_of(exp, scale, base)) & set(seeds.seeds_of(exp, scale, variant))
+                for k in sorted(both):
                     pairs = []
                     for t in tasks:
-                        a = _task_items(results, exp, scale, seeds.seed_id(base, k), stage, suite_of[t], t,
+                        a = _task_items(results, name, scale, seeds.seed_id(base, k), stage, suite_of[t], t,
                                         groups.get(t))
-                        b = _task_items(results, exp, scale, seeds.seed_id(variant, k), stage, suite_of[t], t,
+                        b = _task_items(results, name, scale, seeds.seed_id(variant, k), stage, suite_of[t], t,
                                         groups.get(t))
                         if a is None or b is None:
                             pairs = []
@@ -211,23 +213,23 @@ def dse_loss_claim() -> tuple[float, str]:
                    "here vs the iso-active dense model")
 
 
-def loss_claim(cfg: dict, variant: str) -> tuple[float, str] | None:
+def loss_claim(exp: Experiment, variant: str) -> tuple[float, str] | None:
     """(sign, source) of the paper's loss claim ``variant`` is read against: the DSE paper's for a variant with a
     DSE memory, the STEM paper's for one whose FFN kind has a token-indexed table (its registered facts,
     stem.models.registry); None for the others (no claim)."""
-    spec = C.variant_spec(cfg, variant)
+    spec = C.variant_spec(exp, variant)
     if spec.get("dse"):
         return dse_loss_claim()
     return (-1.0, LOSS_SOURCE) if spec.get("ffn") and ffn_facts(spec["ffn"]).table else None
 
 
-def loss_directions(cfg: dict, analyses: dict) -> list[dict]:
+def loss_directions(exp: Experiment, analyses: dict) -> list[dict]:
     """``analyses``: {(scale, variant, stage): heldout JSON}; each variant with a claim (``loss_claim``) vs the
     experiment's baseline (stem.config.baseline_variant) of its scale/stage."""
-    rows, baseline = [], C.baseline_variant(cfg)
+    rows, baseline = [], C.baseline_variant(exp)
     for (scale, variant, stage), r in sorted(analyses.items()):
         base = analyses.get((scale, baseline, stage))
-        claim = None if variant == baseline or base is None else loss_claim(cfg, variant)
+        claim = None if variant == baseline or base is None else loss_claim(exp, variant)
         if claim is None:
             continue
         sign, source = claim

@@ -3,6 +3,7 @@ figures comes from the registry (stem.report.registry)."""
 from __future__ import annotations
 
 from stem import layout as L
+from stem.experiment import Experiment
 from stem.report import registry
 
 
@@ -22,16 +23,16 @@ def report_outputs(experiment: str) -> list[str]:
     return [*report_files(experiment), L.report_readme(experiment), L.report_html(experiment)]
 
 
-def table_inputs(cfg: dict) -> list[str]:
+def table_inputs(exp: Experiment) -> list[str]:
     """Files the registered tables read besides the training summaries and eval JSONs (their ``inputs``)."""
     files = []
     for t in registry.tables().values():
-        files += [f for f in (t.inputs(cfg) if t.inputs else []) if f not in files]
+        files += [f for f in (t.inputs(exp) if t.inputs else []) if f not in files]
     return files
 
 
-def figure_inputs(cfg: dict, evals: list[str], figure: str) -> dict:
+def figure_inputs(exp: Experiment, evals: list[str], figure: str) -> dict:
     """A figure's inputs: the reproduced tables, plus what its registry entry names."""
     fig = registry.figure(figure)
-    return {"tables": L.reproduced(cfg["experiment"]),
-            **(fig.inputs(cfg, evals) if fig.inputs else {})}
+    return {"tables": L.reproduced(exp.experiment),
+            **(fig.inputs(exp, evals) if fig.inputs else {})}
