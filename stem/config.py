@@ -36,8 +36,7 @@ def validate_experiment(cfg: dict, origin: str = "config") -> dict:
     return cfg
 
 
-# The resolvers below take the typed tree (stem.experiment.Experiment). TRANSITION (issue 28): the lines marked so
-# also take the config's mapping, which the report passes until it reads the tree; they go with stem.experiment.of.
+# The resolvers below take the typed tree (stem.experiment.Experiment).
 
 
 # ---- variants and models -------------------------------------------------------------------------
@@ -45,9 +44,6 @@ def variant_spec(exp: Experiment, variant: str) -> dict:
     """A variant's spec: one of config/variants.yaml (with variant_overrides), or a point of the config's
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
     it overrides)."""
-    if isinstance(exp, dict) and "stages" not in exp:   # TRANSITION: the report's part of a mapping
-        return _named_variant(exp, variant)
-    exp = experiment.of(exp)   # TRANSITION: the report's mapping
     all_variants = exp.variants()
     base, k = seeds.split(variant)   # a seed of a matrix cell (stem.seeds): the variant's own spec
     if k and base in all_variants:
@@ -63,15 +59,8 @@ def variant_spec(exp: Experiment, variant: str) -> dict:
     raise ConfigError(f"variant {variant!r}: expected one of {sorted(all_variants)}")
 
 
-def _named_variant(part: dict, variant: str) -> dict:
-    """TRANSITION: a named variant (or a seed of one) of the report's part of a config mapping."""
-    return variants(part)[seeds.split(variant)[0]]
-
-
 def _overrides(exp: Experiment | None) -> dict:
     """The config's variant_overrides (none without a config)."""
-    if isinstance(exp, dict):   # TRANSITION: the report's mapping
-        return exp.get("variant_overrides") or {}
     return exp.variant_overrides if exp is not None else {}
 
 
@@ -114,9 +103,6 @@ def figure_variants(exp: Experiment | None, figure: str) -> tuple[str, ...]:
 
 def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | None = None):
     """The ModelConfig of a variant at a scale (and a stage's context)."""
-    if isinstance(exp, dict) and "stages" not in exp:   # TRANSITION: the report's accounting: {archs, overrides}
-        return model_config(exp["archs"][scale], _named_variant(exp, variant))
-    exp = experiment.of(exp)   # TRANSITION: the report's mapping
     arch = mapping(exp.archs[scale])
     if stage is not None:
         spec = mapping(exp.stages[stage][scale])   # a key written null is kept, as the config writes it
@@ -176,14 +162,12 @@ def variant_stages(exp: Experiment, name: str, stages) -> list[str]:
 
 
 def train_targets(exp: Experiment) -> list[tuple[str, str, str]]:
-    exp = experiment.of(exp)   # TRANSITION: the report's mapping
     return [(scale, v, stage) for scale, m in exp.matrix.items() for v in m.variants
             for stage in variant_stages(exp, v, m.stages)]
 
 
 def seed_targets(exp: Experiment) -> list[tuple[str, str, str]]:
     """The training jobs of seeds beyond the matrix's own (stem.seeds): (scale, '{variant}_seed{k}', stage)."""
-    exp = experiment.of(exp)   # TRANSITION: the report's mapping
     return [(scale, seeds.seed_id(v, k), stage) for scale, m in exp.matrix.items() for v in m.variants
             for k in seeds.seeds_of(exp, scale, v) if k for stage in variant_stages(exp, v, m.stages)]
 

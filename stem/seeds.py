@@ -29,11 +29,6 @@ def split(variant: str) -> tuple[str, int]:
 def seeds_of(exp, scale: str, variant: str) -> list[int]:
     """The seed indices the config (``exp``: its typed tree, stem.experiment.Experiment, read by attribute: this
     module is below it) runs for one matrix cell (always including 0, the matrix's own job)."""
-    if isinstance(exp, dict):   # TRANSITION (issue 28; deleted with stem.experiment.of): the report's mapping
-        m = (exp.get("matrix") or {}).get(scale) or {}
-        s = m.get("seeds", exp.get("seeds"))
-        s = s.get(variant) if isinstance(s, dict) else s
-        return sorted({0, *(int(k) for k in s)}) if s and variant in m.get("variants", []) else [0]
     m = exp.matrix.get(scale)
     if m is None or variant not in m.variants:
         return [0]

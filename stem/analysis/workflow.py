@@ -69,7 +69,6 @@ def settings(exp: Experiment, name: str) -> dict:
 
 
 def analyses(exp: Experiment) -> list[str]:
-    exp = E.of(exp)   # TRANSITION (issue 28; deleted with stem.experiment.of): the report's mapping
     a = exp.analyses()
     return [n for n in ANALYSES if a.get(n) is not None and (not ANALYSES[n].needs_world or exp.world)]
 
@@ -82,7 +81,6 @@ def stages(exp: Experiment, name: str | None = None) -> dict:
 
 def checkpoints(exp: Experiment) -> list[tuple[str, str, str]]:
     """The trained checkpoints some analysis reads."""
-    exp = E.of(exp)   # TRANSITION (issue 28; deleted with stem.experiment.of): the report's mapping
     by_name = [stages(exp)] + [stages(exp, n) for n in analyses(exp)]
     return [(s, v, st) for s, v, st in C.train_targets(exp) if any(st in (b.get(s) or []) for b in by_name)]
 
@@ -128,7 +126,6 @@ def _built_kind(model_json: str) -> dict:
 
 
 def targets(exp: Experiment) -> list[str]:
-    exp = E.of(exp)   # TRANSITION (issue 28; deleted with stem.experiment.of): the report's mapping
     out, trained = [], set(C.train_targets(exp))
     for s, v, st in checkpoints(exp):
         kind = model_kind(exp, s, v)
