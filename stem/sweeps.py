@@ -361,11 +361,6 @@ def validate(exp, origin: str):
         raise ConfigError(f"{origin}: {e}") from None
 
 
-def in_all(cfg: dict) -> bool:
-    """sweeps.in_all: `rule all` and the report's figures include the sweeps."""
-    return bool((cfg.get("sweeps") or {}).get("in_all"))
-
-
 # ---- the workflow (rules/sweep.smk) ---------------------------------------------------------------------------
 def summaries(exp, kind: str) -> list[str]:
     """The training summaries a sweep of a config's typed tree collects (inputs of rule sweep_report)."""

@@ -22,7 +22,6 @@ from stem.report import paper_data as P
 from stem.report import registry
 from stem.report import tables as T
 from stem.report.results import Results, by_length, parse_range, task_score
-from conftest import reshaped
 
 MISSING = ("350m", "stem_gate")  # no commonsense eval for this model in the fixture: a gap, not a zero
 
@@ -100,7 +99,7 @@ def write_results(root, cfg, skip=(MISSING,)):
         (d / "checkpoint" / "config.json").write_text(json.dumps(
             {"experiment": cfg.experiment, "scale": scale, "variant": variant, "stage": stage}))
         (d / "checkpoint" / "accounting.json").write_text(json.dumps(T.accounting(cfg, scale, variant)))
-        long_context = [s for s in ("longppl", "ruler") if s in ES.suites_for(exp, stage, seeds.split(variant)[0])]
+        long_context = [s for s in ("longppl", "ruler") if s in ES.suites_for(cfg, stage, seeds.split(variant)[0])]
         for suite in stage_suites[stage] + long_context:   # the DSE paper's Table 2: dense and DSE only
             if (scale, variant) in skip and suite == "commonsense":
                 continue
@@ -561,10 +560,10 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
                             tmp_path / "fx")
     out = tmp_path / "results/tiny/1b/stem/extend/eval"
     for suite, limit in (("commonsense", 2), ("longbench", 2)):
-        spec = ES.suite_spec(exp, suite)
+        spec = ES.suite_spec(cfg, suite)
         spec.update(fixtures=str(tmp_path / "fx"), **({"tasks": tasks[:2]} if suite == "commonsense" else {}))
         run.evaluate(tmp_path / "ckpt", spec, out / f"{suite}.json", limit=limit)
-    spec = {**ES.suite_spec(exp, "niah"), "lengths": [224, 256], "depths": [0, 100], "samples": 1,
+    spec = {**ES.suite_spec(cfg, "niah"), "lengths": [224, 256], "depths": [0, 100], "samples": 1,
             "documents": {"kind": "files", "paths": [str(tmp_path / "long.jsonl")], "format": "jsonl"}}
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     run.evaluate(tmp_path / "ckpt", spec, out / "niah.json")

@@ -117,4 +117,4 @@ def test_one_baseline():
     assert str(e.value) == ("tiny.yaml: key 'baseline': expected exactly one variant with baseline: true in "
                             "config/variants.yaml and variant_overrides (the report's baseline), found dense, stem")
     cfg["variant_overrides"] = {"stem": {"baseline": True}, "dense": {"baseline": False}}
-    assert C.baseline_variant(cfg) == "stem"
+    assert C.baseline_variant(C.experiment.parse(cfg, "tiny.yaml")) == "stem"
