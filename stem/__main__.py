@@ -15,12 +15,7 @@ from stem.options import Strategy, TableLayout, values
 # and matplotlib load only for the commands that use them.
 
 
-def experiment_config(name: str) -> dict:
-    """config/{name}.yaml, or the experiment YAML at the path ``name`` (checked: one line when missing)."""
-    return C.load_experiment(A.experiment_path(name))
-
-
-def experiment_tree(name: str) -> Experiment:
+def experiment_config(name: str) -> Experiment:
     """config/{name}.yaml, or the experiment YAML at the path ``name``, as its typed tree (checked: one line when
     missing or wrong)."""
     return C.experiment.load(A.experiment_path(name))
@@ -32,8 +27,8 @@ def _matching_jobs(exp: Experiment, args) -> list:
     picked = [j for j in jobs if (not args.scale or j[0] == args.scale) and (not args.variant or j[1] == args.variant)]
     if not picked:
         chosen = " ".join(f"--{k} {getattr(args, k)}" for k in ("scale", "variant") if getattr(args, k))
-        raise C.ConfigError(f"{chosen}: no training job of experiment {exp.experiment.value!r} matches; its matrix trains "
-                            + "; ".join(f"{s}: {', '.join(m.variants)}" for s, m in exp.matrix.items()))
+        raise C.ConfigError(f"{chosen}: no training job of experiment {exp.experiment.value!r} matches; its matrix "
+                            "trains " + "; ".join(f"{s}: {', '.join(m.variants)}" for s, m in exp.matrix.items()))
     return picked
 
 
@@ -46,7 +41,7 @@ def params_arguments(p):
 
 def cmd_params(args):
     from stem.report.params import accounting_for, accounting_rows, to_markdown
-    exp = C.experiment.load(A.experiment_path(args.experiment))
+    exp = experiment_config(args.experiment)
     if args.scale or args.variant:
         if not (args.scale and args.variant):
             raise C.ConfigError("--scale and --variant go together")
@@ -101,7 +96,7 @@ def train_arguments(p):
 
 def cmd_train(args):
     from stem.train.loop import train
-    exp = experiment_tree(args.experiment)
+    exp = experiment_config(args.experiment)
     print(json.dumps(train(C.train_spec(exp, args.scale, args.variant, args.stage), threads=args.threads), indent=2))
 
 
@@ -127,7 +122,7 @@ def cmd_eval(args):
         return
     if not args.suite:
         raise C.ConfigError("--suite is required (or --bench)")
-    spec = ES.suite_spec(experiment_tree(args.experiment), args.suite)
+    spec = ES.suite_spec(experiment_config(args.experiment), args.suite)
     raw = args.out[:-5] + ".raw.json" if args.out and args.out.endswith(".json") else None
     r = run.evaluate(args.checkpoint, spec, args.out, raw, limit=args.limit, device=args.device,
                      model_args={"offload": args.offload, "cache_rows": args.cache_rows})
@@ -165,7 +160,7 @@ def cmd_diff(args):
     from stem.report.build import paper_accounting, run_diff, write_diff, write_tables
     from stem.report.results import Results
     from stem.report.tables import settings
-    exp = C.experiment.load(A.experiment_path(args.experiment))
+    exp = experiment_config(args.experiment)
     res = Results(exp.experiment, args.results)
     if not (res.root / res.experiment).is_dir():
         raise C.ConfigError(f"--results {args.results}: no {res.experiment}/ folder in it (expected "
@@ -252,7 +247,7 @@ def cmd_memory(args):
     from stem.models.model import build_model
     from stem.train import memory, memtrace
     from stem.train.plan import job_layout
-    exp = experiment_tree(args.experiment)
+    exp = experiment_config(args.experiment)
     strategy, limit = args.strategy or exp.cluster.strategy, exp.cluster.gpu_mem_gib
     jobs = _matching_jobs(exp, args)
     specs = []   # (TrainSpec, ParallelPlan) of each job: traced and estimated alike
@@ -296,7 +291,7 @@ def comms_arguments(p):
 
 def cmd_comms(args):
     from stem.train import comms
-    exp = experiment_tree(args.experiment)
+    exp = experiment_config(args.experiment)
     jobs = _matching_jobs(exp, args)
     if not (args.scale or args.variant):
         jobs += C.seed_targets(exp)

@@ -535,7 +535,7 @@ class Experiment:
     # the config's own plugin modules (stem.plugins): imported before anything is looked up
     plugins: tuple[str, ...] = field(default=(), metadata=matches(MODULE, "importable module names"))
     sweeps: Sweeps | None = None
-    # the mapping it was parsed from, for the modules that still read one (the report, until it reads the tree)
+    # the mapping it was parsed from (set by parse and the bridge ``of``, which has no caller left)
     mapping: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):

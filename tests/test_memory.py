@@ -135,7 +135,7 @@ def test_two_ranks_accumulating_micro_batches_follow_one_rank(tmp_path):
 
 def test_memory_command_prints_trace_closed_form_and_limit(traces, monkeypatch, capsys):
     import stem.__main__ as M
-    monkeypatch.setattr(M, "experiment_tree", lambda name: reshaped(traces[3]["cfg"]))
+    monkeypatch.setattr(M, "experiment_config", lambda name: reshaped(traces[3]["cfg"]))
     with pytest.raises(SystemExit) as e:
         M.main(["memory", "--experiment", "paper", "--cache", str(traces["cache"])])
     assert e.value.code == 2                           # the job exceeds the (tiny) limit
