@@ -145,11 +145,10 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
 
     monkeypatch.chdir(tmp_path)   # the workflow's relative layout: results/, data/, reports/
     cfg = _cfg()                  # the config check accepts the registered FFN kind and suite kind
-    exp = C.experiment.parse(cfg, "tiny.yaml (the toy kinds)")
     stage_dir = Path(C.stage_dir("tiny", "350m", "stem", "pretrain"))
     spec = make_spec(tiny_data, stage_dir, variant="stem", steps=2, eval_interval=2, eval_batches=1,
                      checkpoint_interval=100)
-    spec["model"] = json.loads(json.dumps(C.model_config_for(exp, "350m", "stem").to_dict()))
+    spec["model"] = json.loads(json.dumps(C.model_config_for(cfg, "350m", "stem").to_dict()))
     assert spec["model"]["ffn"] == ["dense", "dense", toy_ffn.KIND]
 
     # accounting and optimizer groups, by hand: the toy layer adds a V x D lookup table (not active)
@@ -185,9 +184,9 @@ def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_pa
     # the eval job through the toy suite kind
     (tmp_path / "data" / "tiny").mkdir(parents=True)
     (tmp_path / "data" / "tiny" / "toy_pairs.json").write_text(json.dumps(PAIRS))
-    evals = ES.eval_targets(exp)
+    evals = ES.eval_targets(cfg)
     assert evals == [f"{stage_dir}/eval/toy.json"]
-    run.evaluate(ckpt, ES.job_spec(exp, "tiny", "350m", "stem", "pretrain", SUITE), out_json=evals[0])
+    run.evaluate(ckpt, ES.job_spec(cfg, "tiny", "350m", "stem", "pretrain", SUITE), out_json=evals[0])
     nll = sum(_reference_nll(ckpt, *p) for p in PAIRS) / len(PAIRS)
     assert json.loads(Path(evals[0]).read_text())["tasks"][SUITE]["value"] == pytest.approx(nll, abs=1e-4)
 
