@@ -25,17 +25,6 @@ SCALES = values(Scale)
 STAGES = values(Stage)
 
 
-def load_experiment(path) -> dict:
-    return validate_experiment(read_yaml(path), origin=str(path))
-
-
-def validate_experiment(cfg: dict, origin: str = "config") -> dict:
-    """The config mapping, checked whole (stem.experiment.parse: types, ranges, cross-references; one line
-    naming the file and the key otherwise)."""
-    experiment.parse(cfg, origin)
-    return cfg
-
-
 # The resolvers below take the typed tree (stem.experiment.Experiment).
 
 

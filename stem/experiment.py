@@ -14,8 +14,6 @@ Torch-free (the workflow's DAG build parses the config).
 """
 from __future__ import annotations
 
-import contextvars
-import copy
 import dataclasses
 import math
 import re
@@ -535,12 +533,8 @@ class Experiment:
     # the config's own plugin modules (stem.plugins): imported before anything is looked up
     plugins: tuple[str, ...] = field(default=(), metadata=matches(MODULE, "importable module names"))
     sweeps: Sweeps | None = None
-    # the mapping it was parsed from (set by parse and the bridge ``of``, which has no caller left)
-    mapping: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if not _CROSS_CHECK.get():   # stem.experiment.of: a mapping the workflow checked already
-            return
         self._check_variant_names()
         self._check_sources()
         self._check_suites()
@@ -769,37 +763,9 @@ def parse(cfg: dict, origin: str = "config") -> Experiment:
         raise ConfigError(f"{origin}: {e}") from None
     if tree.sweeps is not None:   # the DSE paper's Sec. 3 sweeps: every point builds (stem.sweeps)
         sweeps.validate(tree, origin)
-    object.__setattr__(tree, "mapping", cfg)
     return tree
 
 
 def load(path) -> Experiment:
     """The typed tree of a config file (``parse`` of its YAML, the file named in every error line)."""
     return parse(read_yaml(path), str(path))
-
-
-_parsed: dict[int, tuple[dict, Experiment]] = {}
-_CROSS_CHECK = contextvars.ContextVar("cross_check", default=True)
-
-
-def of(cfg) -> Experiment:
-    """The tree of a config given as itself or as its mapping, which the modules not yet handed the tree pass
-    (the workflow checked it whole with ``parse``; a test may have reshaped it): typed and node-checked, the
-    cross-section checks left to ``parse``. Parsed once per mapping, reused while it is unchanged (compared
-    with a snapshot)."""
-    if isinstance(cfg, Experiment):
-        return cfg
-    hit = _parsed.get(id(cfg))
-    if hit is None or hit[0] != cfg:
-        snapshot, token = copy.deepcopy(cfg), _CROSS_CHECK.set(False)
-        try:
-            tree = node(Experiment, snapshot)
-        except ConfigError as e:
-            raise ConfigError(f"config: {e}") from None
-        finally:
-            _CROSS_CHECK.reset(token)
-        object.__setattr__(tree, "mapping", snapshot)
-        hit = _parsed[id(cfg)] = (snapshot, tree)
-        while len(_parsed) > 8:
-            del _parsed[next(iter(_parsed))]
-    return hit[1]

@@ -35,6 +35,13 @@ def tiny_data(tmp_path_factory):
     return {"tokenizer": str(tok_path), "manifests": manifests, "root": root}
 
 
+def checked_yaml(path) -> dict:
+    """A config file's mapping as written, for tests that reshape or compare it, after the whole check
+    (stem.experiment.load: the pipeline itself reads only the typed tree)."""
+    C.experiment.load(path)
+    return C.read_yaml(path)
+
+
 def reshaped(cfg: dict, origin: str = "tiny.yaml (reshaped by a test)"):
     """A config mapping a test reshaped (smaller archs, other overrides) as its typed tree: each train_bpe tokenizer
     sized to its scale's vocabulary (a pretrained stand-in below BPE's 260: the test's ids are random), each stage's

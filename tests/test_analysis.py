@@ -15,6 +15,7 @@ from stem.report import verdict as V
 from stem.analysis.common import state_digest, table_sites
 from stem.models.config import ModelConfig
 from stem.models.model import build_model
+from conftest import checked_yaml
 
 
 def small_model(ffn=("dense", "stem", "dense", "stem")):
@@ -255,10 +256,10 @@ def test_config_checks_analysis_source_and_facts(tmp_path):
 
     from stem import config as C
     from stem.analysis.editing import read_facts
-    cfg = copy.deepcopy(C.load_experiment(C.REPO / "config" / "tiny.yaml"))
+    cfg = copy.deepcopy(checked_yaml(C.REPO / "config" / "tiny.yaml"))
     cfg["analysis"]["heaps"]["source"] = "wikipedia"
     with pytest.raises(C.ConfigError, match="key 'analysis.heaps.source': unknown source 'wikipedia'"):
-        C.validate_experiment(cfg)
+        C.experiment.parse(cfg)
     bad = tmp_path / "facts.yaml"
     bad.write_text("kinds:\n  place:\n    templates: {capital: 'The capital of {e} is'}\n"
                    "    entities: {Spain: {capital: ' Madrid'}}\npairs:\n  - {kind: place, source: Spain, target: Oz}\n")
@@ -266,14 +267,14 @@ def test_config_checks_analysis_source_and_facts(tmp_path):
         read_facts(bad)
     _, pairs = read_facts(C.REPO / "reference/analysis/edit_facts.yaml")
     assert {"source": "United States", "target": "California", "kind": "place"} in pairs
-    real = C.load_experiment(C.REPO / "config" / "real.yaml")   # the keys of the real prompt set and of hf_parity
+    real = checked_yaml(C.REPO / "config" / "real.yaml")   # the keys of the real prompt set and of hf_parity
     for name, key, value in [("editing", "every_source", "yes"), ("editing", "first_token", 1),
                              ("editing", "stages", {"350m": ["posttrain"]}), ("hf_parity", "tolerance", 0),
                              ("hf_parity", "facts", None)]:
         bad = copy.deepcopy(real)
         bad["analysis"][name][key] = value
         with pytest.raises(C.ConfigError, match=f"key 'analysis.{name}.{key}") as e:
-            C.validate_experiment(bad)
+            C.experiment.parse(bad)
         assert len(str(e.value).splitlines()) == 1
 
 

@@ -125,7 +125,7 @@ def test_dse_orders_below_two_empty_or_repeated_are_one_line(tmp_path, capsys, o
     cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     cfg["variant_overrides"] = {**cfg.get("variant_overrides", {}), "dse": {"dse": {"orders": orders}}}
     with pytest.raises(C.ConfigError) as e:
-        C.validate_experiment(copy.deepcopy(cfg), origin="bad.yaml")
+        C.experiment.parse(copy.deepcopy(cfg), origin="bad.yaml")
     assert str(e.value) == (
         f"bad.yaml: variant 'dse' (config/variants.yaml + variant_overrides): key 'dse.orders': dse.orders={orders}: "
         "expected a non-empty list of distinct whole N-gram orders >= 2 (the DSE paper's Eq. 2 concatenates "
@@ -143,14 +143,14 @@ def test_dse_heads_and_width_checked_too():
                          ({"order": [2]}, "key 'dse.order': unknown; expected placement or one of orders, heads")]:
         bad = {**cfg, "variant_overrides": {"dse": {"dse": dse}}}
         with pytest.raises(C.ConfigError, match=message):
-            C.validate_experiment(copy.deepcopy(bad), origin="bad.yaml")
+            C.experiment.parse(copy.deepcopy(bad), origin="bad.yaml")
 
 
 def test_fit_memory_without_a_gpu_memory_limit_is_one_line():
     cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     bad = {**cfg, "cluster": {**cfg["cluster"], "fit_memory": True}}
     with pytest.raises(C.ConfigError) as e:
-        C.validate_experiment(copy.deepcopy(bad), origin="bad.yaml")
+        C.experiment.parse(copy.deepcopy(bad), origin="bad.yaml")
     assert str(e.value) == ("bad.yaml: key 'cluster.fit_memory': true fits each training job to cluster.gpu_mem_gib; "
                             "expected cluster.gpu_mem_gib set (GiB per GPU)")
 
@@ -387,7 +387,7 @@ def test_suite_truncation_defaults_to_the_published_protocol_and_is_checked():
         bad = copy.deepcopy(raw)
         bad["eval"]["suites"][suite]["truncation"] = value
         with pytest.raises(C.ConfigError) as e:
-            C.validate_experiment(bad, origin="bad.yaml")
+            C.experiment.parse(bad, origin="bad.yaml")
         assert str(e.value) == f"bad.yaml: key 'eval.suites.{suite}.truncation': {value!r}; {message}"
 
 
@@ -411,7 +411,7 @@ def test_insertion_from_a_non_dense_variant_or_with_a_bad_init_is_refused_by_the
     cfg = C.read_yaml(C.REPO / "config" / "paper.yaml")
     cfg["variant_overrides"] = {**cfg.get("variant_overrides", {}), "stem_insert": {"insert": insert}}
     with pytest.raises(C.ConfigError) as e:
-        C.validate_experiment(copy.deepcopy(cfg), origin="bad.yaml")
+        C.experiment.parse(copy.deepcopy(cfg), origin="bad.yaml")
     assert str(e.value).startswith(f"bad.yaml: variant 'stem_insert' (config/variants.yaml + variant_overrides): "
                                    f"{message}")
     path = tmp_path / "bad.yaml"   # the command line (and the workflow's dry run) say so before any job starts
@@ -473,6 +473,6 @@ def test_host_tables_on_several_gpus_are_refused_by_the_config_check():
     cfg = C.read_yaml(C.REPO / "config" / "paper.yaml")
     cfg["cluster"]["tables"] = "host"
     with pytest.raises(C.ConfigError) as e:
-        C.validate_experiment(copy.deepcopy(cfg), origin="bad.yaml")
+        C.experiment.parse(copy.deepcopy(cfg), origin="bad.yaml")
     assert str(e.value) == ("bad.yaml: key 'cluster.tables': host keeps the tables in one host's memory, for jobs of "
                             "one GPU; cluster.train.350m gives 1 x 8 GPUs (expected rows or fsdp)")

@@ -28,13 +28,13 @@ def test_unknown_source_name_is_one_line_naming_the_key(tiny_raw, key, edit):
     cfg = copy.deepcopy(tiny_raw)
     edit(cfg)
     with pytest.raises(C.ConfigError) as e:
-        C.validate_experiment(cfg, origin="tiny.yaml")
+        C.experiment.parse(cfg, origin="tiny.yaml")
     assert str(e.value) == f"tiny.yaml: key '{key}': unknown source 'wiki'; {KNOWN}"
 
 
 def test_known_sources_pass(tiny_raw):
-    C.validate_experiment(copy.deepcopy(tiny_raw), origin="tiny.yaml")
-    C.load_experiment(C.REPO / "config" / "paper.yaml")
+    C.experiment.parse(copy.deepcopy(tiny_raw), origin="tiny.yaml")
+    C.experiment.load(C.REPO / "config" / "paper.yaml")
     cfg = copy.deepcopy(tiny_raw)  # a suite no stage of the matrix runs may name a source the config dropped
     cfg["eval"]["suites"]["ppl"]["source"] = "wiki"
-    C.validate_experiment(cfg, origin="tiny.yaml")
+    C.experiment.parse(cfg, origin="tiny.yaml")

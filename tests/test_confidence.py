@@ -19,7 +19,7 @@ from stem.report import build as B
 from stem.report import diff
 from stem.report import paper_data as P
 from stem.report.results import Results
-from conftest import reshaped
+from conftest import checked_yaml, reshaped
 from test_report import write_results
 
 # per commonsense task of the 350m STEM model vs dense: how its items relate to the paper's sign
@@ -46,7 +46,7 @@ def write_samples(root, cfg):
 
 @pytest.fixture(scope="module")
 def cfg():
-    return C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    return checked_yaml(C.REPO / "config" / "tiny.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +336,7 @@ def test_seeds_are_jobs_of_their_own_and_the_default_is_unchanged(cfg):
     bad = json.loads(json.dumps(cfg))
     bad["matrix"]["350m"]["seeds"] = {"moe": [0, 1]}
     with pytest.raises(C.ConfigError, match=r"key 'matrix.350m.seeds.moe': 'moe' is not one of matrix.350m.variants"):
-        C.validate_experiment(bad, "x.yaml")
+        C.experiment.parse(bad, "x.yaml")
     whole = json.loads(json.dumps(cfg))
     del whole["matrix"]["350m"]["seeds"]
     whole["seeds"] = [0, 1]

@@ -11,6 +11,7 @@ pytest.importorskip("lm_eval")
 from stem import config as C  # noqa: E402
 from stem.data.synth import make_world  # noqa: E402
 from stem.eval import fixtures, ruler_data  # noqa: E402
+from conftest import checked_yaml  # noqa: E402
 
 SMALL_WORLD = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}  # few people: many shared attributes
 
@@ -187,7 +188,7 @@ def check_item(task: str, d: dict, f: Facts):
 
 @pytest.mark.parametrize("world", ["tiny", "small"])
 def test_every_fixture_item_has_exactly_one_correct_answer(tmp_path, world):
-    cfg = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+    cfg = checked_yaml(C.REPO / "config" / "tiny.yaml")
     fx = cfg["eval"]["fixtures"]   # without the RULER stand-in (several answers an item): tests/test_long_context.py
     tasks = [t for t in fx["tasks"] if t not in ruler_data.TASKS]
     spec = {**{k: v for k, v in fx.items() if k != "ruler"}, "tasks": tasks,

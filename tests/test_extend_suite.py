@@ -114,7 +114,7 @@ def test_unregistered_kind_is_a_one_line_error(tmp_path):
     assert sorted(ES.SUITE_KINDS) == ["lm_eval", "longppl", "niah", "ppl"]  # the toy kind did not leak out of its test
     with pytest.raises(C.ConfigError, match=r"^config: key 'eval.suites.toy.kind': unknown suite kind "
                                             r"'continuation_logprob'; expected one of \['lm_eval', 'longppl', 'niah', 'ppl'\]$"):
-        C.validate_experiment(_cfg_with_toy_suite())
+        C.experiment.parse(_cfg_with_toy_suite())
     ES.suite_kind("continuation_logprob")(continuation_logprob)   # a config checked while its kind was registered
     cfg = C.experiment.parse(_cfg_with_toy_suite())
     ES.SUITE_KINDS.remove("continuation_logprob")

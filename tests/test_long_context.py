@@ -19,10 +19,10 @@ from stem.eval import fixtures, longppl, ruler_data, run  # noqa: E402
 from stem.eval import spec as ES  # noqa: E402
 from stem.models.config import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
-from conftest import reshaped  # noqa: E402
+from conftest import checked_yaml, reshaped  # noqa: E402
 
 WORLD = {"seed": 3, "n_countries": 12, "n_people": 30, "n_filler": 300}
-TINY = C.load_experiment(C.REPO / "config" / "tiny.yaml")
+TINY = checked_yaml(C.REPO / "config" / "tiny.yaml")
 TINY_EXP = C.experiment.parse(TINY, "tiny.yaml")   # its typed tree
 
 
@@ -176,7 +176,7 @@ def test_long_context_config_errors_are_one_line(edit, message):
     cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     edit(cfg)
     with pytest.raises(C.ConfigError, match=r"^config: " + message):
-        C.validate_experiment(cfg)
+        C.experiment.parse(cfg)
 
 
 def test_dse_long_table_and_its_directions(tmp_path):

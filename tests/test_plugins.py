@@ -42,7 +42,7 @@ from stem import config as C
 errors = []
 for path in sys.argv[2:]:   # configs whose plugin lists lack a toy the config uses: each refused in one line
     try:
-        C.load_experiment(path)
+        C.experiment.load(path)
         errors.append(None)
     except C.ConfigError as e:
         errors.append(str(e))

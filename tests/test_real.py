@@ -191,7 +191,7 @@ def test_stage_init_from_a_gguf_file_in_the_job_spec():
     assert job.init_from == f"hf:{SMOL}#gguf={GGUF}" and split_source(job.init_from[3:]) == (SMOL, GGUF)
     bad = {"stages": {"midtrain": {"1b": {"init_from": {"hf": SMOL, "gguf_file": "../x.gguf"}}}}}
     with pytest.raises(C.ConfigError, match="gguf_file"):
-        C.validate_experiment(deep_merge(copy.deepcopy(tiny), bad))
+        C.experiment.parse(deep_merge(copy.deepcopy(tiny), bad))
 
 
 def test_new_config_keys_are_checked():
@@ -212,7 +212,7 @@ def test_new_config_keys_are_checked():
                                                           "placements": {"1/3": {"every": 3}}, "inits": ["nope"]}}},
                         "insertion_step0")]:
         with pytest.raises(C.ConfigError, match=key) as e:
-            C.validate_experiment(deep_merge(copy.deepcopy(tiny), block))
+            C.experiment.parse(deep_merge(copy.deepcopy(tiny), block))
         assert len(str(e.value).splitlines()) == 1
     # config/real.yaml's held-out perplexity: split val only of a source with a content-keyed val_fraction
     from stem.eval.spec import suite_spec

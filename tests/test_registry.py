@@ -104,7 +104,7 @@ def test_variants_checked_against_registry(tmp_path):
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
     cfg["variant_overrides"] = {"stem": {"ffn": "stemm"}}
     with pytest.raises(C.ConfigError, match=r"variant 'stem' .*key 'ffn': 'stemm' is not a registered FFN kind"):
-        C.validate_experiment(cfg, origin="tiny.yaml")
+        C.experiment.parse(cfg, origin="tiny.yaml")
 
 
 WORKER = r'''

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import job_counts
+from conftest import checked_yaml, job_counts
 from stem import config as C
 from stem.data.sources import iter_documents
 from stem.data.synth import GENERATORS, make_world
@@ -22,8 +22,8 @@ from stem.train import memory, memtrace
 from stem.train.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
-CFG = C.load_experiment(REPO / "config" / "rehearsal.yaml")
-PAPER = C.load_experiment(REPO / "config" / "paper.yaml")
+CFG = checked_yaml(REPO / "config" / "rehearsal.yaml")
+PAPER = checked_yaml(REPO / "config" / "paper.yaml")
 
 
 def test_rehearsal_has_the_papers_shapes_stages_lengths_and_suites():

@@ -543,7 +543,7 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}
     docs = [doc for doc, _ in zip(synth.web_documents(synth.make_world(**world)), range(200))]
     train_bpe(docs, 320, tmp_path / "tok.json")
-    m = json.loads(json.dumps(tiny_cfg.mapping))
+    m = C.read_yaml(C.REPO / "config" / "tiny.yaml")
     m["archs"]["1b"].update(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
     m["tokenizer"]["1b"]["vocab_size"] = 320
     cfg = experiment.parse(m)

@@ -163,7 +163,7 @@ def test_variant_stem_sparse_carries_the_option_in_its_train_spec():
     assert C.train_spec(cfg, "350m", "stem_sparse", "pretrain")["model"] == C.train_spec(cfg, "350m", "stem", "pretrain")["model"]
     raw["variant_overrides"] = {"stem_sparse": {"optim": {"table_update": "rows"}}}
     with pytest.raises(C.ConfigError, match=r"variant 'stem_sparse' .*key 'optim.table_update': 'rows'; expected one of dense, sparse"):
-        C.validate_experiment(raw, "tiny.yaml")
+        C.experiment.parse(raw, "tiny.yaml")
 
 
 def test_sparse_path_sigkill_then_rerun_ends_with_the_same_loss(spec_factory, tmp_path):

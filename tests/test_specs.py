@@ -49,7 +49,7 @@ def test_the_parallel_strategy_travels_in_the_train_spec():
     assert C.train_job(PAPER, "1b", "stem", "pretrain").train.tables == "rows"    # cluster.tables likewise
     assert "tables" not in C.train_spec(TINY, "350m", "stem", "pretrain")["train"]       # fsdp, the default
     with pytest.raises(C.ConfigError, match="key 'cluster.tables'"):
-        C.validate_experiment(C.deep_merge(raw, {"cluster": {"tables": "cols"}}), "tiny")
+        C.experiment.parse(C.deep_merge(raw, {"cluster": {"tables": "cols"}}), "tiny")
     # no environment variable carries it any more: neither the train rule nor the package mentions one
     sources = [C.REPO / "rules" / "train.smk", *sorted((C.REPO / "stem").rglob("*.py"))]
     assert not [p for p in sources if "STEM_PARALLEL" in p.read_text()]

@@ -205,7 +205,7 @@ def test_bad_slots_section_is_a_one_line_error(edit, message):
     cfg = tiny_cfg(slots=copy.deepcopy(SLOTS))
     edit(cfg["sweeps"])
     with pytest.raises(C.ConfigError) as e:
-        C.validate_experiment(cfg, origin="tiny.yaml")
+        C.experiment.parse(cfg, origin="tiny.yaml")
     assert message in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("tiny.yaml: ")
 
 

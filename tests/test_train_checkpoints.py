@@ -133,7 +133,7 @@ def test_reset_optimizer_in_the_config_decides_what_the_previous_stage_saves():
     assert C.train_spec(exp, "1b", "stem", "midtrain")["train"]["save_optimizer"] is False
     cfg["stages"]["pretrain"]["1b"]["reset_optimizer"] = False
     with pytest.raises(C.ConfigError, match="stages.pretrain.1b.reset_optimizer': false needs an init_from"):
-        C.validate_experiment(cfg)
+        C.experiment.parse(cfg)
 
 
 # ---- resumable state integrity --------------------------------------------------------------------

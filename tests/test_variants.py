@@ -113,7 +113,7 @@ def test_one_baseline():
     assert C.baseline_variant(C.experiment.parse(cfg, "tiny.yaml")) == "dense"
     cfg["variant_overrides"] = {"stem": {"baseline": True}}
     with pytest.raises(C.ConfigError) as e:
-        C.validate_experiment(cfg, origin="tiny.yaml")
+        C.experiment.parse(cfg, origin="tiny.yaml")
     assert str(e.value) == ("tiny.yaml: key 'baseline': expected exactly one variant with baseline: true in "
                             "config/variants.yaml and variant_overrides (the report's baseline), found dense, stem")
     cfg["variant_overrides"] = {"stem": {"baseline": True}, "dense": {"baseline": False}}
