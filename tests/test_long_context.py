@@ -4,6 +4,9 @@ and the report's ``dse_long`` table with its direction rows."""
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -215,3 +218,14 @@ def test_ruler_items_are_sized_only_when_a_fixture_task_is_rulers():
     cfg = C.experiment.parse(cfg, "tiny.yaml (fixtures: arc_easy)")
     assert ES.fixture_inputs(cfg) == {} and "tokenizer" not in (ES.fixture_spec(cfg).get("ruler") or {})
     assert all(t.startswith(ES.RULER_TASK_PREFIXES) for t in ruler_data.TASKS)
+
+
+def test_ruler_items_do_not_depend_on_pythons_hash_seed():
+    """The variable-tracking item once drew its names into a set: its order (and the fixture's bytes) changed with
+    PYTHONHASHSEED from one run to the next."""
+    code = ("import json, random; from stem.data import synth; from stem.eval import ruler_data as R; "
+            "w = synth.make_world(seed=3, n_countries=8, n_people=20, n_filler=100); "
+            "build, _ = R._vt(random.Random(5), w, 'ruler_vt', 1024); print(json.dumps(build(6)))")
+    outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, cwd=C.REPO,
+                           capture_output=True, text=True, check=True).stdout for seed in ("1", "2", "3")}
+    assert len(outs) == 1, outs

@@ -95,9 +95,9 @@ def _niah(rng: random.Random, w: World, task: str, length: int):
 
 
 def _vt(rng: random.Random, w: World, task: str, length: int):
-    names = set()
+    names = {}   # distinct names in the order drawn (a set's order depends on PYTHONHASHSEED: not reproducible)
     while len(names) < 5:
-        names.add("".join(rng.choices(string.ascii_uppercase, k=5)))
+        names["".join(rng.choices(string.ascii_uppercase, k=5))] = None
     names = list(names)
     value = str(rng.randint(10000, 99999))
     chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(4)]
