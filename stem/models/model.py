@@ -29,7 +29,7 @@ from stem.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 # SDPA's kernels outside training, cuDNN's left out: it builds an execution plan per new shape, and evaluation and
 # decoding change the shape every call (a KV cache one token longer, requests of other lengths). On an H100
 # (torch 2.11) that cost about 75 ms per decoded token of the 1B model against a 13 ms step (docs/gpu.md,
-# item f). Training's shapes are fixed, so it keeps SDPA's own choice. On the CPU nothing changes.
+# item f). Training's shapes are fixed, so it keeps SDPA's own choice. The CPU has no cuDNN attention: unchanged.
 INFERENCE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -75,7 +75,7 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v)
         if callable(mask):  # a flex-attention block mask builder's result
             y = mask(q, k, v)
-        elif self.training:
+        elif self.training or not q.is_cuda:   # the CPU has no cuDNN: no context (~30 us, half a tiny SDPA)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=self.n_kv != self.n_heads)
         else:
