@@ -637,7 +637,8 @@ class Experiment:
             for key in ("alpha", "beta"):
                 fail(key not in suite or number(suite[key]), f"{where}.{key}",
                      f"{suite.get(key)!r}; expected a number (nats)")
-            fail(suite.get("evaluator", baseline_variant(self.variant_overrides)) in known | {"self"}, f"{where}.evaluator",
+            # the evaluator defaults to the baseline (stem.eval.spec), a known variant
+            fail("evaluator" not in suite or suite["evaluator"] in known | {"self"}, f"{where}.evaluator",
                  f"{suite.get('evaluator')!r}; expected self or a variant of config/variants.yaml")
         ruler = (ev.get("fixtures") or {}).get("ruler")
         if ruler is None:
