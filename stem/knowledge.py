@@ -101,6 +101,9 @@ def validate(exp):
             v = r.get(what)
             _fail(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"sources.{source}.{what}",
                   f"{v!r}; expected an integer >= 1")
+        _fail(r["exposures"] >= kn.min_exposures, f"sources.{source}.exposures",
+              f"{r['exposures']}; expected at least knowledge.min_exposures ({kn.min_exposures}: a smaller budget "
+              "does not learn the smallest world, docs/knowledge.md)")
         _fail(r["n"] <= kn.names, f"sources.{source}.n", f"{r['n']} individuals; expected at most knowledge.names "
               f"({kn.names}, the name vocabulary)")
         _fail(r.get("name_kind", "one") in ("one", "multi"), f"sources.{source}.name_kind",

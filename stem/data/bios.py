@@ -83,7 +83,8 @@ def _make(key: str) -> Bios:
         pairs = [(f, s) for f in range(side) for s in range(side)]
         rng.shuffle(pairs)
         names, words = tuple(f"{first[f]} {last[s]}" for f, s in pairs[:n]), ()
-    facts = tuple(tuple(rng.randrange(len(v)) for v in values) for _ in range(n))
+    facts_rng = random.Random(f"bios-facts:{spec['seed']}")   # the same facts whatever the names' kind
+    facts = tuple(tuple(facts_rng.randrange(len(v)) for v in values) for _ in range(n))
     templates = tuple(tuple(spec["templates"][a]) for a in attrs)
     return Bios(names, attrs, values, facts, templates, kind, words)
 
