@@ -16,6 +16,7 @@ import re
 from stem import layout as L
 from stem.data.bios import template_problem  # noqa: F401 (re-exported for stem.experiment)
 from stem.fields import FieldError
+from stem.options import NameKind, values
 
 ID = re.compile(r"^k__(?P<source>[a-z][a-z0-9_]*?)__(?P<variant>[a-z][a-z0-9_]*?)(?:__s(?P<k>[1-9][0-9]*))?$")
 ANALYSIS = "knowledge"
@@ -106,8 +107,8 @@ def validate(exp):
               "does not learn the smallest world, docs/knowledge.md)")
         _fail(r["n"] <= kn.names, f"sources.{source}.n", f"{r['n']} individuals; expected at most knowledge.names "
               f"({kn.names}, the name vocabulary)")
-        _fail(r.get("name_kind", "one") in ("one", "multi"), f"sources.{source}.name_kind",
-              f"{r.get('name_kind')!r}; expected one or multi")
+        _fail(r.get("name_kind", NameKind.ONE) in values(NameKind), f"sources.{source}.name_kind",
+              f"{r.get('name_kind')!r}; expected one of {', '.join(values(NameKind))}")
     for v in kn.variants:
         _fail(exp.variant(v) is not None and "__" not in v, "knowledge.variants",
               f"{v!r}; expected variants of config/variants.yaml (without '__')")
@@ -120,7 +121,7 @@ def validate(exp):
     _fail(settings is not None and settings.init_from is None, "knowledge.stage",
           f"{stage!r} at {scale}; expected a stage of stages.*.{scale} trained from scratch (init_from: null)")
     tok = exp.tokenizer[scale]
-    _fail(bool(tok.add_names) or kn.name_kind != "one", f"tokenizer.{scale}.add_names",
+    _fail(bool(tok.add_names) or kn.name_kind != NameKind.ONE, f"tokenizer.{scale}.add_names",
           f"{tok.add_names!r}; expected true (knowledge.name_kind one: each name is one token)")
     if tok.add_names and tok.vocab_size:
         _fail(tok.vocab_size + kn.names <= exp.archs[scale].vocab_size, f"archs.{scale}.vocab_size",

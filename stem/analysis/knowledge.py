@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from stem.analysis.common import load, table_sites
 from stem.data.bios import make_bios
 from stem.models.accounting import accounting
+from stem.options import NameKind
 
 
 def probes(bios, n: int, tok) -> list[tuple[int, int, list[int], list[int]]]:
@@ -69,7 +70,7 @@ def param_counts(model) -> dict:
 
 def run(ckpt_dir, spec: dict) -> dict:
     model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
-    world = {**spec["knowledge"], "name_kind": spec.get("name_kind") or spec["knowledge"].get("name_kind", "one")}
+    world = {**spec["knowledge"], "name_kind": spec.get("name_kind") or spec["knowledge"].get("name_kind", NameKind.ONE)}
     bios, n = make_bios(world), int(spec["n"])
     items = probes(bios, n, tok)
     scored = score(model, items)

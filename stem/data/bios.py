@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from stem.data.synth import _Namer
+from stem.options import NameKind
 from stem.registry import GENERATORS
 
-NAME_KINDS = ("one", "multi")
 SUFFIXES = {"city": ("ton", "burg", "vale", "port", "holm"), "university": ("ford", "wick", "mere"),
             "employer": ("corp", "works", "tek"), "major": ("logy", "nomy", "ics")}
 
@@ -72,8 +72,8 @@ def _make(key: str) -> Bios:
     attrs = tuple(spec["attributes"])
     values = tuple(tuple(namer.word((2, 3), SUFFIXES.get(a, ("",)), max_len=12) for _ in range(int(spec["attributes"][a])))
                    for a in attrs)
-    n, kind = int(spec["names"]), spec.get("name_kind", "one")
-    if kind == "one":
+    n, kind = int(spec["names"]), spec.get("name_kind", NameKind.ONE)
+    if kind == NameKind.ONE:
         words = tuple(namer.word((2, 3), max_len=12) for _ in range(n))
         names = words
     else:

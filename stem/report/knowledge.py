@@ -22,6 +22,7 @@ import pandas as pd
 from stem import knowledge as K
 from stem import layout as L
 from stem.experiment import Experiment
+from stem.options import NameKind
 from stem.report import analyses as A
 from stem.report import figures as F
 from stem.report import registry
@@ -56,7 +57,7 @@ def groups(got: dict[str, dict]) -> dict[tuple[str, str], list[dict]]:
 def validity(exp: Experiment, got: dict) -> tuple[bool, str]:
     """Every variant recalls >= min_recall of the smallest one-token world (all its seeds), or why not."""
     kn = exp.knowledge
-    ones = [s for s in kn.sources if exp.sources[s].reader.get("name_kind", str(kn.name_kind)) == "one"]
+    ones = [s for s in kn.sources if exp.sources[s].reader.get("name_kind", kn.name_kind) == NameKind.ONE]
     if not ones:
         return False, "no one-token world in knowledge.sources"
     smallest = min(ones, key=lambda s: K.world_size(exp, s))
@@ -136,7 +137,7 @@ def draw(exp: Experiment, res, ours, files):
     g = groups(got)
     for variant in T.ordered_variants(exp, {v for _, v in g}):
         pts = sorted((rs[0]["n"], np.mean([r["bits"] for r in rs])) for (s, v), rs in g.items()
-                     if v == variant and rs[0]["name_kind"] == "one")
+                     if v == variant and rs[0]["name_kind"] == NameKind.ONE)
         if pts:
             ax.plot(*zip(*pts), marker="o", label=variant)
     ceiling = sorted({(rs[0]["n"], rs[0]["bits_max"]) for rs in g.values()})
