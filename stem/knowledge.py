@@ -20,6 +20,7 @@ from stem.options import NameKind, values
 
 ID = re.compile(r"^k__(?P<source>[a-z][a-z0-9_]*?)__(?P<variant>[a-z][a-z0-9_]*?)(?:__s(?P<k>[1-9][0-9]*))?$")
 ANALYSIS = "knowledge"
+EDIT = "knowledge_edit"   # analysis.knowledge_edit: {pairs, collateral, seed, sources}: the points it edits
 
 
 def point_id(source: str, variant: str, k: int = 0) -> str:
@@ -82,8 +83,11 @@ def targets(exp) -> list[str]:
     kn = exp.knowledge
     if kn is None:
         return []
-    return [f for p in points(exp) for f in (L.summary(exp.experiment, kn.scale, p, kn.stage),
-                                             L.analysis_json(exp.experiment, kn.scale, p, kn.stage, ANALYSIS))]
+    edit = (exp.analysis.plugins.get(EDIT) if exp.analysis else None) or {}
+    out = [f for p in points(exp) for f in (L.summary(exp.experiment, kn.scale, p, kn.stage),
+                                            L.analysis_json(exp.experiment, kn.scale, p, kn.stage, ANALYSIS))]
+    return out + [L.analysis_json(exp.experiment, kn.scale, p, kn.stage, EDIT) for p in points(exp)
+                  if split(p)[0] in (edit.get("sources") or ())]
 
 
 def validate(exp):
@@ -112,6 +116,10 @@ def validate(exp):
     for v in kn.variants:
         _fail(exp.variant(v) is not None and "__" not in v, "knowledge.variants",
               f"{v!r}; expected variants of config/variants.yaml (without '__')")
+    edit = (exp.analysis.plugins.get(EDIT) if exp.analysis else None) or {}
+    for s in edit.get("sources") or ():
+        _fail(s in kn.sources and exp.sources[s].reader.get("name_kind", kn.name_kind) == NameKind.ONE,
+              f"analysis.{EDIT}.sources", f"{s!r}; expected one-token sources of knowledge.sources")
     for s in kn.seeds_at or ():
         _fail(s in kn.sources, "knowledge.seeds_at", f"{s!r}; expected sources of knowledge.sources")
     scale, stage = kn.scale, kn.stage

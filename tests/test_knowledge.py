@@ -103,7 +103,8 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     a = job_spec(exp, "350m", "k__multi_n0100__dense", "pretrain", "knowledge")
     assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (100, "multi", "dense", 800)
     targets = K.targets(exp)
-    assert len(targets) == 2 * len(points) and all(re.search(r"results/knowledge/350m/k__\w+/pretrain/", t)
+    edited = [p for p in points if K.split(p)[0] in RAW["analysis"]["knowledge_edit"]["sources"]]
+    assert len(targets) == 2 * len(points) + len(edited) and all(re.search(r"results/knowledge/350m/k__\w+/pretrain/", t)
                                                    for t in targets)
 
 
@@ -150,3 +151,27 @@ def test_the_capacity_ratio_interval_and_the_validity_rule():
     smallest[K.point_id("n0100", "stem")]["recall"] = 0.5
     ok, why = RK.validity(exp, smallest)
     assert not ok and "invalid" in why and "stem 0.50" in why
+
+
+def test_an_edit_of_every_token_indexed_row_is_the_positive_control_and_is_undone_bit_for_bit(tmp_path):
+    """A's embedding and STEM rows <- B's: A's prompts then read exactly B's rows, so A answers B's values exactly
+    as often as B does; B's own facts are untouched; the model is restored bit for bit."""
+    from stem.analysis.common import state_digest, table_sites
+
+    bios = make_bios(WORLD)
+    path = tmp_path / "tokenizer.json"
+    train_bpe(iter(bios_documents(None, 0, knowledge=WORLD, n=30, exposures=2)), 300, path)
+    add_words(path, bios.words)
+    tok = load_tokenizer(path)
+    model = _model(tok.vocab_size)
+    with torch.no_grad():   # a model that answers something: the head biased towards some value tokens
+        model.lm_head.weight[tok.encode_batch([" " + bios.values[0][3]])[0][0]] += 0.5
+    before = {i: AK._hits(model, AK.probes_of(bios, tok, [i])) for i in range(8)}
+    digest = state_digest(model)
+    params = [model.tok_emb.weight, *(p for _, p in table_sites(model))]
+    e = AK._edit(model, bios, tok, params, 1, 2, [3, 4, 5], before)
+    as_b = [(1, a, p, v) for (_, a, p, _), (_, _, _, v) in zip(AK.probes_of(bios, tok, [1]), AK.probes_of(bios, tok, [2]))]
+    b_prompts = AK.probes_of(bios, tok, [2])
+    assert [x[2][1:] for x in as_b] == [x[2][1:] for x in b_prompts]   # the prompts differ in the name token only
+    assert e["success"] == sum(before[2]) / len(before[2]) and e["b_unaffected"] == 1.0 and e["collateral"] == 0.0
+    assert state_digest(model) == digest

@@ -95,3 +95,86 @@ def run(ckpt_dir, spec: dict) -> dict:
             "name_tokens": sum(len(tok.encode_batch([" " + bios.names[i]])[0]) for i in range(n)) / n,
             "items": [{"i": it[0], "attribute": bios.attributes[it[1]], "bits": math.log2(len(bios.values[it[1]])) - ce,
                        "hit": hit} for it, (ce, hit) in zip(items, scored)]}
+
+
+# ---- editing with a positive control (issue 40 item 4): an individual's token-indexed rows replaced ----------
+def _hits(model, items) -> list[bool]:
+    return [hit for _, hit in score(model, items)]
+
+
+def _copy_rows(params, src: int, dst: int) -> list[torch.Tensor]:
+    """Row ``dst`` of every parameter replaced by row ``src``; returns the old rows (to undo bit for bit)."""
+    saved = [p[dst].clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p[dst] = p[src]
+    return saved
+
+
+def _edit(model, bios, tok, params, a: int, b: int, others: list[int], before: dict) -> dict:
+    """A's rows <- B's at every site parameter: A's prompts answered with B's values (success), B's own facts
+    (unaffected), the other individuals' facts (collateral: the share whose hit changed), then undone."""
+    ta, tb = (tok.encode_batch([" " + bios.names[i]])[0][0] for i in (a, b))
+    as_b = [(a, k, p, v) for (_, k, p, _), (_, _, _, v) in zip(probes_of(bios, tok, [a]), probes_of(bios, tok, [b]))]
+    saved = _copy_rows(params, tb, ta)
+    try:
+        success = _hits(model, as_b)
+        own_b = _hits(model, probes_of(bios, tok, [b]))
+        rest = _hits(model, probes_of(bios, tok, others))
+    finally:
+        with torch.no_grad():
+            for p, row in zip(params, saved):
+                p[ta] = row
+    return {"a": a, "b": b, "success": sum(success) / len(success),
+            "b_unaffected": sum(x == y for x, y in zip(own_b, before[b])) / len(own_b),
+            "collateral": sum(x != y for x, y in zip(rest, [h for i in others for h in before[i]])) / max(1, len(rest))}
+
+
+def probes_of(bios, tok, people: list[int]) -> list:
+    """``probes`` of the given individuals, in their order (the attributes of each together)."""
+    out = []
+    for i in people:
+        for a, templates in enumerate(bios.templates):
+            prompt = tok.encode_batch([templates[0].split(" {value}")[0].format(name=bios.names[i])])[0]
+            out.append((i, a, prompt, tok.encode_batch([" " + bios.value(i, a)])[0]))
+    return out
+
+
+def run_edit(ckpt_dir, spec: dict) -> dict:
+    """Per site (the STEM tables' rows, the token-embedding rows, both): over ``pairs`` random pairs (A, B), success,
+    B unaffected, collateral on ``collateral`` other individuals, and whether the model is restored bit for bit."""
+    import random
+
+    from stem.analysis.common import state_digest
+
+    model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
+    bios, n = make_bios({**spec["knowledge"], "name_kind": spec["name_kind"]}), int(spec["n"])
+    if any(len(tok.encode_batch([" " + bios.names[i]])[0]) != 1 for i in range(n)):
+        raise ValueError(f"knowledge_edit: {spec['source']}'s names are not one token each (name_kind "
+                         f"{spec['name_kind']}); expected a one-token world")
+    rng = random.Random(f"knowledge-edit:{spec['seed']}")
+    pairs = [tuple(rng.sample(range(n), 2)) for _ in range(int(spec["pairs"]))]
+    before = {i: h for i, h in zip(range(n), _chunks(_hits(model, probes_of(bios, tok, list(range(n)))),
+                                                   len(bios.attributes)))}
+    digest = state_digest(model)
+    # the STEM tables' rows alone, the token-embedding rows alone (dense's only token-indexed site), and every
+    # token-indexed row (the positive control: A's prompt then reads exactly B's rows, so A answers as B does)
+    stem = [p for _, p in table_sites(model)]
+    sites = {"stem": stem, "embedding": [model.tok_emb.weight], "all": [model.tok_emb.weight, *stem]}
+    out = {}
+    for site, params in sites.items():
+        if not params:
+            continue
+        edits = [_edit(model, bios, tok, params, a, b,
+                       rng.sample([i for i in range(n) if i not in (a, b)], min(int(spec["collateral"]), n - 2)),
+                       before) for a, b in pairs]
+        out[site] = {k: sum(e[k] for e in edits) / len(edits) for k in ("success", "b_unaffected", "collateral")}
+        out[site]["edits"] = edits
+    return {"analysis": "knowledge_edit", "source": spec["source"], "n": n, "base_variant": spec["base_variant"],
+            "seed_index": spec["seed_index"], "pairs": len(pairs),
+            "recall_before": sum(map(sum, before.values())) / (n * len(bios.attributes)),
+            "sites": out, "undo_bit_exact": state_digest(model) == digest}
+
+
+def _chunks(xs: list, k: int) -> list[list]:
+    return [xs[i:i + k] for i in range(0, len(xs), k)]

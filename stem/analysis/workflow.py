@@ -228,6 +228,9 @@ def _knowledge_point(exp: Experiment, spec: dict):
                  "base_variant": variant, "seed_index": k, "min_recall": exp.knowledge.min_recall})
 
 
-# the knowledge experiment's capacity measure: only its own points get it (stem.knowledge.targets)
+# the knowledge experiment's capacity measure and its editing with a positive control: only its own points get
+# them (stem.knowledge.targets)
 ANALYSES.add("knowledge", Analysis("stem.analysis.knowledge:run", only_for=lambda kind: False,
                                    resolve=_knowledge_point))
+ANALYSES.add("knowledge_edit", Analysis("stem.analysis.knowledge:run_edit", only_for=lambda kind: False,
+                                        resolve=_knowledge_point))

@@ -27,6 +27,7 @@ from stem.report import analyses as A
 from stem.report import figures as F
 from stem.report import registry
 from stem.report import tables as T
+from stem.report import verdict as V
 
 CLAIM = ("Sec. 3.2.1: STEM's token-indexed tables (address vectors with a large angular spread) give it a larger "
          "knowledge storage capacity than the dense model (bits stored, one-token names; ours_delta = ratio - 1)")
@@ -35,11 +36,11 @@ COLUMNS = ("n", "exposures", "seeds", "bits", "bits_max", "recall", "params_tota
 N_BOOT = 1000
 
 
-def load(exp: Experiment, root) -> dict[str, dict]:
-    """{point id: its knowledge analysis JSON} for every point whose JSON exists under ``root`` (results)."""
+def load(exp: Experiment, root, name: str = K.ANALYSIS) -> dict[str, dict]:
+    """{point id: its ``name`` analysis JSON} for every point whose JSON exists under ``root`` (results)."""
     kn, out = exp.knowledge, {}
     for p in K.points(exp):
-        path = Path(root) / Path(L.analysis_json(exp.experiment, kn.scale, p, kn.stage, K.ANALYSIS)).relative_to("results")
+        path = Path(root) / Path(L.analysis_json(exp.experiment, kn.scale, p, kn.stage, name)).relative_to("results")
         if path.is_file():
             out[p] = json.loads(path.read_text())
     return out
@@ -121,11 +122,55 @@ def directions(exp: Experiment, got: dict) -> list[dict]:
             continue
         k = min(len(base), len(rs))
         ci = ratio_ci(base[:k], rs[:k])
-        verdict = "inconclusive" if ci["lo"] <= 0 <= ci["hi"] else "agree" if ci["lo"] > 0 else "disagree"
+        verdict = V.classify(ci, 1.0)
         rows.append({"table": "knowledge", "scale": str(exp.knowledge.scale), "variant": variant,
                      "column": f"bits ratio vs dense - 1 at {source} (N {rs[0]['n']}, {rs[0]['name_kind']} names)",
                      "stage": str(exp.knowledge.stage), "paper_delta": 1.0, "ours_delta": ci["delta"], "lo": ci["lo"],
                      "hi": ci["hi"], "n": ci["n"], "seeds": ci["seeds"], "verdict": verdict, "source": CLAIM})
+    return rows
+
+
+EDIT_CLAIM = ("Sec. 3.3 / Fig. 7: replacing the source entity's STEM rows (every STEM layer) by the target's moves "
+              "the answer to the target's; compared with the same edit of dense's only token-indexed rows, the token "
+              "embedding (our reading of the comparison: edit success STEM rows - dense embedding rows)")
+EDIT_COLUMNS = ("success", "b_unaffected", "collateral")
+
+
+def edit_long(exp: Experiment, res) -> pd.DataFrame:
+    """Per source, variant and site, mean over seeds and pairs: success, B unaffected, collateral, undo exact."""
+    if exp.knowledge is None:
+        return T.frame([])
+    cells = []
+    for (source, variant), rs in groups(load(exp, res.root, K.EDIT)).items():
+        src = L.analysis_json(exp.experiment, exp.knowledge.scale, K.point_id(source, variant), exp.knowledge.stage,
+                              K.EDIT)
+        for site in rs[0]["sites"]:
+            vals = {c: float(np.mean([r["sites"][site][c] for r in rs])) for c in EDIT_COLUMNS}
+            vals.update(recall_before=float(np.mean([r["recall_before"] for r in rs])), seeds=len(rs),
+                        pairs=sum(r["pairs"] for r in rs), undo_bit_exact="yes" if all(r["undo_bit_exact"] for r in rs)
+                        else "NO")
+            cells += [T.cell("knowledge_edit", str(exp.knowledge.scale), variant, c, v, src,
+                             row=f"{source} {variant}: {site} rows", unit="") for c, v in vals.items()]
+    return T.frame(cells)
+
+
+def edit_directions(exp: Experiment, results) -> list[dict]:
+    """Edit success (and collateral) of a STEM variant's STEM rows against dense's embedding rows, paired over the
+    same (A, B) pairs and seeds (the pairs are drawn by the analysis seed, the same for every variant)."""
+    g, rows = groups(load(exp, results, K.EDIT)), []
+    for (source, variant), rs in sorted(g.items()):
+        base = g.get((source, "dense"))
+        if base is None or "stem" not in rs[0]["sites"]:
+            continue
+        for col, sign in (("success", 1.0), ("collateral", -1.0)):
+            a = [e[col] for r in base for e in r["sites"]["embedding"]["edits"]]
+            b = [e[col] for r in rs for e in r["sites"]["stem"]["edits"]]
+            k = min(len(a), len(b))
+            ci = V.paired_bootstrap(a[:k], b[:k])
+            rows.append({"table": "knowledge_edit", "scale": str(exp.knowledge.scale), "variant": variant,
+                         "column": f"{col}: STEM rows - dense embedding rows at {source}", "stage": str(exp.knowledge.stage),
+                         "paper_delta": sign, **V.ci_cols(ci, sign), "seeds": min(len(base), len(rs)),
+                         "source": EDIT_CLAIM})
     return rows
 
 
@@ -155,14 +200,20 @@ def draw(exp: Experiment, res, ours, files):
 
 
 def inputs(exp: Experiment) -> list[str]:
-    return [p for p in K.targets(exp) if p.endswith(f"/analysis/{K.ANALYSIS}.json")]
+    return [p for p in K.targets(exp) if p.endswith((f"/analysis/{K.ANALYSIS}.json", f"/analysis/{K.EDIT}.json"))]
 
 
-A.EXPERIMENT_DIRECTIONS.append(lambda exp, results: directions(exp, load(exp, results)) if exp.knowledge else [])
+A.EXPERIMENT_DIRECTIONS.append(lambda exp, results: directions(exp, load(exp, results)) + edit_directions(exp, results)
+                               if exp.knowledge else [])
 registry.paper_table("knowledge", "Knowledge capacity (bioS-style world, docs/knowledge.md): bits stored (lower "
                      "bound), recall and bits per parameter counted both ways, per world size N and variant, mean "
                      "over seeds", inputs=inputs,
                      empty="_(no rows: config `knowledge:` not set, or no knowledge results yet)_")(knowledge_long)
+registry.paper_table("knowledge_edit", "Knowledge editing with a positive control (docs/knowledge.md): A's rows "
+                     "<- B's at a site (STEM tables, token embedding, both), mean over pairs and seeds: A now answered "
+                     "with B's values (success), B's own facts kept, other individuals' facts changed (collateral), "
+                     "undo bit-exact", inputs=inputs,
+                     empty="_(no rows: config `analysis.knowledge_edit` not set, or no results yet)_")(edit_long)
 registry.report_figure("knowledge_bits", "Knowledge capacity: bits stored (Allen-Zhu & Li's lower bound) against "
                        "the number of individuals N per variant, one-token names; dotted: the world's bits.",
                        experiments=("knowledge",))(draw)
