@@ -160,8 +160,9 @@ def edit_directions(exp: Experiment, results) -> list[dict]:
     g, rows = groups(load(exp, results, K.EDIT)), []
     for (source, variant), rs in sorted(g.items()):
         base = g.get((source, "dense"))
-        if base is None or "stem" not in rs[0]["sites"]:
-            continue
+        if base is None or "stem" not in rs[0]["sites"] or \
+                min(r["recall_before"] for r in base + rs) < exp.knowledge.min_recall:
+            continue   # no STEM rows, or a model that does not know its facts (issue 40: edits need >= 90 %)
         for col, sign in (("success", 1.0), ("collateral", -1.0)):
             a = [e[col] for r in base for e in r["sites"]["embedding"]["edits"]]
             b = [e[col] for r in rs for e in r["sites"]["stem"]["edits"]]
