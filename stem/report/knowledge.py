@@ -108,7 +108,8 @@ def ratio_ci(base: list[dict], other: list[dict], seed: int = 0) -> dict:
         ps = [pairs[k] for k in rng.integers(0, len(pairs), len(pairs))]
         boots.append(stat(ps, rng.integers(0, n, n)))
     lo, hi = np.quantile(boots, [0.025, 0.975])
-    return {"delta": est - 1, "lo": float(lo) - 1, "hi": float(hi) - 1, "n": n * len(pairs), "seeds": len(pairs)}
+    return {"delta": est - 1, "lo": float(lo) - 1, "hi": float(hi) - 1, "n": n * len(pairs), "seeds": len(pairs),
+            "se": float(np.std(boots))}
 
 
 def directions(exp: Experiment, got: dict) -> list[dict]:
