@@ -26,6 +26,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from safetensors.numpy import load_file
+
+from stem import config as C
+from stem import experiment
+from stem import layout as L
+
 STANDINS = {"reference": ({}, 1, True), "again": ({}, 1, True), "threads=2": ({}, 2, True),
             "nondeterministic": ({}, 1, False), "aten=default": ({"ATEN_CPU_CAPABILITY": "default"}, 1, True),
             "mkl=compatible": ({"MKL_CBWR": "COMPATIBLE"}, 1, True)}
@@ -47,8 +53,6 @@ print(json.dumps({"last_step_loss": s["last_step_loss"], "heldout": h["window_lo
 def job(args, out: Path) -> tuple[dict, dict]:
     """The tiny spec of ``args.scale``/``args.variant`` (``args.steps`` steps, written under ``out``) and the
     held-out spec of the loss direction."""
-    from stem import config as C
-    from stem import experiment, layout as L
     exp = experiment.load(C.REPO / "config" / f"{args.experiment}.yaml")
     spec = C.train_spec(exp, args.scale, args.variant, "pretrain")
     spec["train"]["steps"] = args.steps
@@ -70,7 +74,6 @@ def run(args, name: str, work: Path) -> dict:
 
 
 def compare(ref: dict, other: dict) -> dict:
-    from safetensors.numpy import load_file
     a, b = (load_file(f"{x['weights']}/model.safetensors") for x in (ref, other))
     dw = max(float(abs(a[k].astype("float64") - b[k]).max()) for k in a)
     hl = [y - x for x, y in zip(ref["heldout"], other["heldout"])]

@@ -570,3 +570,23 @@ def test_procedure_option_changes_the_verdicts_it_controls(report, capsys):
     bh = json.loads(capsys.readouterr().out)["directions"]
     assert raw["procedure"] == "none" and raw["checked"] == raw["raw"]
     assert bh["procedure"] == "bh" and bh["alpha"] == 0.1 and bh["raw"] == raw["raw"]
+
+
+def test_the_report_says_what_the_numbers_were_computed_with():
+    """Issue 39: each result's runtime (device, dtype, threads, CPU kernels) is in the provenance table, and the
+    diff summary warns when the compared results were computed on different ones."""
+    from stem.report import provenance as RP
+    from stem.report import tables as T
+    cpu = {"device": "cpu", "dtype": "float32", "threads": 1, "cpu_capability": "AVX2", "deterministic": True,
+           "env": {}, "requested_device": "cpu"}
+    assert RP.runtime_label(cpu) == "cpu float32 1t AVX2 det" and RP.runtime_label(None) is None
+    assert RP.runtime_label({**cpu, "cpu_capability": "AVX512", "env": {"MKL_CBWR": "COMPATIBLE"},
+                             "requested_device": "cuda"}) == "cpu float32 1t AVX512 det MKL_CBWR=COMPATIBLE (requested cuda)"
+    rows = [T.cell("provenance", "350m", v, c, x, f"{v}.json", row=f"{v} pretrain: summary", unit="")
+            for v, label in (("dense", "cpu float32 1t AVX2 det"), ("stem", "cpu float32 1t AVX512 det"))
+            for c, x in (("commit", "abc clean"), ("torch", "2.13"), ("runtime", label))]
+    s = RP.results_summary(T.frame(rows))
+    assert s["runtimes"] == {"cpu float32 1t AVX2 det": 1, "cpu float32 1t AVX512 det": 1}
+    line = diff.provenance_lines({"results": s, "report": {}})[0]
+    assert "computed with cpu float32 1t AVX2 det (1); cpu float32 1t AVX512 det (1)" in line
+    assert "⚠ **on different devices, kernels or threads**" in line

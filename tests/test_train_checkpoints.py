@@ -173,5 +173,8 @@ def test_a_state_another_spec_saved_is_not_resumed(tiny_data, tmp_path, pre, cap
     err = capfd.readouterr().err
     assert "_state: saved by another job spec (" in err and "starting over" in err and "resuming" not in err
     assert rerun["last_step_loss"] == pre[1]["last_step_loss"]   # pre: the same spec run fresh
+    rt = rerun["runtime"]   # what the numbers were computed with (issue 39: nothing runs elsewhere silently)
+    assert (rt["device"], rt["requested_device"], rt["dtype"], rt["threads"], rt["deterministic"]) == \
+        ("cpu", "cpu", "float32", 1, True) and rt["autocast"] is None and rt["attention"] == "sdpa"
     train(make_spec(tiny_data, tmp_path / "run"), threads=1)   # its own state: resumed (nothing left to do)
     assert "resuming at step 12" in capfd.readouterr().err

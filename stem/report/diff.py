@@ -543,6 +543,9 @@ def provenance_lines(p: dict | None) -> list[str]:
            + (" — ⚠ **the compared results come from different commits**" if len(r["commits"]) > 1 else "")
            + "; versions " + ("; ".join(f"{v} ({n})" for v, n in r["versions"].items()) or "none recorded")
            + (" — ⚠ **different package versions**" if len(r["versions"]) > 1 else "")
+           + ("; computed with " + "; ".join(f"{v} ({n})" for v, n in r.get("runtimes", {}).items())
+              if r.get("runtimes") else "")
+           + (" — ⚠ **on different devices, kernels or threads**" if len(r.get("runtimes") or {}) > 1 else "")
            + f"; this report: `{commit_label(me) or 'no git checkout'}` (table `provenance`)"]
     if r["spec_mismatch"]:
         out.append(f"⚠ **Evaluations of a checkpoint whose job spec differs from its training summary's** "

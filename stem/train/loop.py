@@ -320,6 +320,11 @@ def finish(run: Run) -> dict:
         "steps": run.step, "tokens": tokens, "train_flops": training_flops(run.accounting["active_params"], tokens),
         "wall_seconds": run.wall_seconds(), "device": str(ctx.device), "world_size": ctx.world,
         "tokens_by_source": run.loader.tokens_by_source, **run.accounting, "comms": run.comms,
+        "runtime": torchfloor.runtime(ctx.device, next(run.model.parameters()).dtype,
+                                      requested_device=spec.device,
+                                      autocast="bfloat16" if ctx.device.type == "cuda" else None,
+                                      compile=bool(spec.train.compile), attention="flex_attention" if
+                                      ctx.device.type == "cuda" and spec.train.cross_doc_mask else "sdpa"),
     }
     if run.import_parity is not None:
         summary["import_parity"] = run.import_parity
