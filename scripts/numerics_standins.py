@@ -12,6 +12,12 @@ the held-out loss the loss direction bootstraps (stem.analysis.heldout, the conf
   mkl=compatible MKL_CBWR=COMPATIBLE: MKL's matrix products on its most portable code path (another CPU's BLAS)
 
     python scripts/numerics_standins.py --data DIR_WITH_data/ [--scale 350m --variant stem --steps 20]
+    python scripts/numerics_standins.py --data SMOKE_CHECKOUT --chain 1b/stem_insert/extend --standin aten=default
+
+``--chain scale/variant/stage``: instead, every training job the variant and the baseline need up to ``stage``
+(the config's steps), under one stand-in, then their held-out loss direction (the report's paired bootstrap),
+printed beside the same direction from ``--data``'s own results and each job's largest weight difference from
+them (the reference: the machine and setting that wrote ``--data``'s results).
 
 ``--data``: a folder whose ``data/{experiment}/`` holds a finished tokenize stage (e.g. a make smoke's checkout);
 read only. Prints one JSON line per stand-in. Needs a few CPU-minutes (one training job per stand-in).
@@ -83,6 +89,49 @@ def compare(ref: dict, other: dict) -> dict:
             "capability": other["capability"]}
 
 
+def chain_jobs(exp, scale: str, variant: str, stage: str) -> list[tuple[str, str]]:
+    """(variant, stage) of every training job the direction needs, in dependency order."""
+    stages = list(exp.matrix[scale].stages)
+    upto = stages[:stages.index(stage) + 1]
+    base = C.baseline_variant(exp)
+    return [(v, st) for v in (base, variant) for st in upto if st in exp.matrix[scale].stages
+            and not (v != base and st in stages[:stages.index((C.variant_spec(exp, v).get("insert") or {}).get(
+                "stage", stages[0]))])]
+
+
+def chain(args, name: str):
+    """Train ``args.chain``'s jobs under stand-in ``name`` in a scratch folder beside ``--data``'s data (read
+    only), then compare its held-out loss direction and weights with ``--data``'s results."""
+    from stem.report import verdict as V
+    scale, variant, stage = args.chain.split("/")
+    exp = experiment.load(C.REPO / "config" / f"{args.experiment}.yaml")
+    env_extra, threads, det = STANDINS[name]
+    env = {**os.environ, **env_extra, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    held = exp.analyses()["heldout"]
+    held = {"source": held.source, "windows": held.windows, "seq_len": held.seq_len,
+            "manifest": L.tokens_manifest(exp.experiment, scale, held.source)}
+    with tempfile.TemporaryDirectory(prefix="numerics_chain_") as tmp:
+        (Path(tmp) / "data").symlink_to(Path(args.data).resolve() / "data")
+        losses, out = {}, {"standin": name, "chain": args.chain, "jobs": {}}
+        for v, st in chain_jobs(exp, scale, variant, stage):
+            spec = C.train_spec(exp, scale, v, st)
+            r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec), str(threads), "1" if det else "0",
+                                json.dumps(held)], cwd=tmp, env=env, capture_output=True, text=True)
+            if r.returncode:
+                raise SystemExit(f"{v}/{st}: {r.stderr.strip().splitlines()[-1]}")
+            losses[v] = json.loads(r.stdout.strip().splitlines()[-1])["heldout"]
+            mine = load_file(f"{tmp}/{spec['out_dir']}/checkpoint/model.safetensors")
+            ref = load_file(f"{args.data}/{spec['out_dir']}/checkpoint/model.safetensors")
+            out["jobs"][f"{v}/{st}"] = max(float(abs(mine[k].astype("float64") - ref[k]).max()) for k in ref)
+    base = C.baseline_variant(exp)
+    refs = {v: json.loads((Path(args.data) / L.analysis_json(exp.experiment, scale, v, stage, "heldout"))
+                          .read_text())["window_loss"] for v in (base, variant)}
+    for key, w in (("standin", losses), ("reference", refs)):
+        ci = V.paired_bootstrap(w[base], w[variant])
+        out[key] = {"delta": ci["delta"], "interval": [ci["lo"], ci["hi"]], "p": V.p_value(ci)}
+    print(json.dumps(out), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="folder holding data/{experiment}/ (a finished tokenize stage)")
@@ -91,7 +140,11 @@ def main(argv=None):
     p.add_argument("--variant", default="stem")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--only", action="append", help="stand-ins to run (default: all)")
+    p.add_argument("--chain", help="scale/variant/stage: the held-out loss direction's whole chain of jobs")
+    p.add_argument("--standin", default="aten=default", choices=list(STANDINS), help="with --chain: the stand-in")
     args = p.parse_args(argv)
+    if args.chain:
+        return chain(args, args.standin)
     with tempfile.TemporaryDirectory(prefix="numerics_") as tmp:
         ref = run(args, "reference", Path(tmp))
         for name in args.only or [n for n in STANDINS if n != "reference"]:
