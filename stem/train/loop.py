@@ -323,7 +323,8 @@ def finish(run: Run) -> dict:
         "runtime": torchfloor.runtime(ctx.device, next(run.model.parameters()).dtype,
                                       requested_device=spec.device,
                                       autocast="bfloat16" if ctx.device.type == "cuda" else None,
-                                      compile=bool(spec.train.compile), attention="flex_attention" if
+                                      compile=bool(spec.train.compile), fused_adamw=ctx.device.type == "cuda",
+                                      attention="flex_attention" if
                                       ctx.device.type == "cuda" and spec.train.cross_doc_mask else "sdpa"),
     }
     if run.import_parity is not None:
