@@ -149,10 +149,27 @@ def diff_arguments(p):
                    help="record a direction that disagrees now (table/scale/variant/column[@stage], as the gate "
                         "names it) in the accepted-disagreements file, with its interval now; repeatable")
     p.add_argument("--reason", help="with --accept: why the disagreement is accepted")
+    p.add_argument("--procedure", type=A.one_of(("holm", "bh", "none"), "procedure"),
+                   help="the direction verdicts' multiple-comparison control over the report's directions: holm "
+                        "(family-wise error), bh (false discovery rate) or none (default: config "
+                        "report.directions.procedure, holm)")
+    p.add_argument("--alpha", type=A.open_fraction("the directions' family error level"),
+                   help="level of that control, in (0, 1) (default: config report.directions.alpha, 0.05)")
     p.add_argument("--allow-dirty", action="store_true",
                    help="compare results written from a dirty tree (uncommitted changes; refused otherwise)")
     p.add_argument("--write", action="store_true", help="also write reports/{experiment}/tables and diff/")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of Markdown")
+
+
+def with_control(exp: Experiment, procedure: str | None, alpha: float | None) -> Experiment:
+    """``exp`` with its report's direction control (report.directions) set from the command line where given."""
+    if procedure is None and alpha is None:
+        return exp
+    import dataclasses
+    rep = dict(exp.report or {})
+    given = {k: v for k, v in (("procedure", procedure), ("alpha", alpha)) if v is not None}
+    rep["directions"] = {**(rep.get("directions") or {}), **given}
+    return dataclasses.replace(exp, report=rep)
 
 
 def cmd_diff(args):
@@ -160,7 +177,7 @@ def cmd_diff(args):
     from stem.report.build import paper_accounting, run_diff, write_diff, write_tables
     from stem.report.results import Results
     from stem.report.tables import settings
-    exp = experiment_config(args.experiment)
+    exp = with_control(experiment_config(args.experiment), args.procedure, args.alpha)
     res = Results(exp.experiment, args.results)
     if not (res.root / res.experiment).is_dir():
         raise C.ConfigError(f"--results {args.results}: no {res.experiment}/ folder in it (expected "

@@ -65,6 +65,20 @@ def fraction(what: str):
     return parse
 
 
+def open_fraction(what: str):
+    """A float in (0, 1), both ends excluded."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < 1:
+            raise argparse.ArgumentTypeError(f"{text}: expected a number in (0, 1) ({what})")
+        return value
+    parse.__name__ = "open_fraction"
+    return parse
+
+
 def one_of(names, what: str):
     """One of ``names`` (the message names them all)."""
     def parse(text: str) -> str:

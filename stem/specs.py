@@ -234,6 +234,21 @@ class Spikes:
 
 
 TOLERANCES = ("accuracy", "params", "gflops", "roi", "other")
+PROCEDURES = ("holm", "bh", "none")   # stem.report.verdict.adjust: the directions' multiple-comparison procedure
+
+
+@dataclass(frozen=True)
+class DirectionControl:
+    """The direction verdicts' error control over the family of one report's directions (stem.report.verdict.
+    control): ``procedure`` holm (family-wise error, Holm's step-down), bh (false discovery rate, Benjamini-
+    Hochberg) or none (each cell's own 95% interval), at level ``alpha``."""
+    procedure: str = "holm"
+    alpha: float = 0.05
+
+    def __post_init__(self):
+        _check(self.procedure in PROCEDURES, "procedure", f"one of {', '.join(PROCEDURES)}", self.procedure)
+        _check(isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and 0 < self.alpha < 1,
+               "alpha", "a number in (0, 1)", self.alpha)
 
 
 @dataclass(frozen=True)
@@ -243,7 +258,8 @@ class ReportSpec(_Spec):
     stages: {table: training stages feeding it, first with results wins} (default: each registered table's
     own ``stages``); tolerance: the diff's absolute tolerance per kind of cell; spikes: Figure 5a's rule;
     accepted: the accepted-disagreements file (YAML, relative to the repository; stem.report.diff.load_accepted)
-    the directions gate honours and the report lists.
+    the directions gate honours and the report lists; directions: the direction verdicts' multiple-comparison
+    control (``DirectionControl``: procedure, alpha).
     ``from_config`` checks it once; every report job reads this, never the raw section."""
     KIND: typing.ClassVar[str] = "report"
     experiment: str
@@ -251,6 +267,7 @@ class ReportSpec(_Spec):
     tolerance: dict[str, float]
     spikes: Spikes = field(default_factory=Spikes)
     accepted: str | None = None
+    directions: DirectionControl = field(default_factory=DirectionControl)
 
     def __post_init__(self):
         tables = REPORT_TABLES
@@ -276,13 +293,15 @@ class ReportSpec(_Spec):
             raise SpecError(f"report spec: key 'report': expected a mapping, got {rep!r}")
         stages = {n: list(t.stages) for n, t in REPORT_TABLES.items() if t.stages}
         tolerance = {"accuracy": 1.0, "params": 0.01, "gflops": 0.01, "roi": 0.02, "other": 0.0}
-        for key, default in (("stages", stages), ("tolerance", tolerance)):
+        for key in ("stages", "tolerance", "directions"):
             if not isinstance(rep.get(key) or {}, dict):
                 raise SpecError(f"report spec: key 'report.{key}': expected a mapping, got {rep[key]!r}")
         try:
             return cls.from_dict({"experiment": experiment, "stages": {**stages, **(rep.get("stages") or {})},
                                   "tolerance": {**tolerance, **(rep.get("tolerance") or {})},
                                   "spikes": {**dataclasses.asdict(Spikes()), **(rep.get("spikes") or {})},
-                                  "accepted": rep.get("accepted")})
+                                  "accepted": rep.get("accepted"),
+                                  "directions": {**dataclasses.asdict(DirectionControl()),
+                                                 **(rep.get("directions") or {})}})
         except SpecError as e:   # name the config's key
             raise SpecError(str(e).replace("report spec: key '", "config: key 'report.", 1)) from None

@@ -446,3 +446,147 @@ def test_compare_names_choices_that_share_their_text(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"results": {}}))
     with pytest.raises(K.CompareError, match="c.json: no per-sample logs"):
         K.compare(tmp_path / "a.json", tmp_path / "c.json")
+
+
+# ---- issue 39: the directions of one report are one family (multiple comparisons) ------------------------------
+def holm_rejections(p, alpha):
+    """Holm's step-down procedure as he wrote it, apart from stem.report.verdict.adjust: order the p-values,
+    reject H_(1), H_(2), ... while p_(k) <= alpha / (m - k + 1); stop at the first that is not."""
+    m, out = len(p), set()
+    for k, i in enumerate(sorted(range(m), key=lambda j: p[j]), start=1):
+        if p[i] > alpha / (m - k + 1):
+            break
+        out.add(i)
+    return out
+
+
+def test_adjusted_p_values_against_independent_implementations():
+    from scipy.stats import false_discovery_control
+    rng = np.random.default_rng(39)
+    for _ in range(20):
+        p = np.concatenate([rng.uniform(0, 1, 30), rng.uniform(0, 0.002, 5), [0.01, 0.01]])   # ties included
+        assert V.adjust(p, "bh") == pytest.approx(false_discovery_control(p, method="bh"), abs=1e-12)
+        holm = V.adjust(p, "holm")
+        for alpha in (0.001, 0.01, 0.05, 0.2):
+            assert set(np.flatnonzero(holm <= alpha)) == holm_rejections(list(p), alpha)
+    assert V.adjust([0.3, 0.01], "none").tolist() == [0.3, 0.01] and V.adjust([], "holm").size == 0
+    with pytest.raises(ValueError, match="procedure 'bonferroni': expected holm, bh or none"):
+        V.adjust([0.1], "bonferroni")
+
+
+def test_p_value_is_the_bootstraps_and_matches_its_interval():
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 2, 200).astype(float)
+    b = np.where(rng.uniform(size=200) < 0.3, 1.0, a)   # b answers more items right: a real effect
+    ci = V.paired_bootstrap(a, b)
+    assert ci["lo"] > 0 and V.p_value(ci) < 0.05 and ci["se"] > 0
+    same = V.paired_bootstrap(a, a)
+    assert V.p_value(same) == 1.0 and V.classify(same, 1) == "inconclusive"
+    assert V.p_value({"delta": 0.5, "se": 0.0}) == 0.0   # every draw the same non-zero difference
+    cols = V.ci_cols(ci, 1.0)
+    assert cols["p"] == V.p_value(ci) and V.ci_cols(None, 1.0)["p"] is None
+
+
+def null_family(m=120, items=40, seed=0):
+    """``m`` directions where nothing differs: both models' items drawn from the same distribution."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(m):
+        a, b = rng.integers(0, 2, items).astype(float), rng.integers(0, 2, items).astype(float)
+        rows.append(V.ci_cols(V.paired_bootstrap(a, b, seed=int(rng.integers(1 << 30))), 1.0))
+    return rows
+
+
+def test_controlled_verdicts_hold_the_family_error_where_raw_ones_do_not():
+    """Under no difference at all, per-cell 95% intervals resolve about 5% of a family (the issue's ~6 of 127);
+    Holm and BH resolve none; a real effect in the family survives. The raw verdict stays beside the controlled."""
+    rows = null_family()
+    raw = sum(V.category(r["verdict"]) in ("agree", "disagree") for r in rows)
+    assert 1 <= raw <= 15   # expected 120 x 0.05 = 6
+    a = np.zeros(60)
+    effect = V.ci_cols(V.paired_bootstrap(a, np.ones(60) * (np.arange(60) % 3 > 0)), 1.0)   # +0.67, 60 items
+    point = {"ours_delta": 0.1, "lo": None, "hi": None, "n": 3, "verdict": "agree (point estimate)"}
+    for procedure in ("holm", "bh"):
+        out = V.control(rows + [effect, point], procedure, 0.05)
+        assert [r["raw_verdict"] for r in out[:-1]] == [r["verdict"] for r in rows + [effect]]
+        assert sum(V.category(r["verdict"]) in ("agree", "disagree") for r in out[:-2]) == 0
+        assert out[-2]["verdict"] == "agree" and out[-2]["p_adjusted"] <= 0.05
+        assert out[-1]["verdict"] == "agree (point estimate)" and out[-1]["p_adjusted"] is None   # not tested
+    none = V.control(rows, "none", 0.05)
+    assert [r["verdict"] for r in none] == [r["verdict"] for r in rows]
+
+
+def test_summary_says_what_chance_alone_gives_and_the_gate_uses_controlled_verdicts(report):
+    root, rd, (s, cells, dirs, cons, _) = report
+    d = s["directions"]
+    boot = dirs[dirs["origin"] == diff.BOOTSTRAP]
+    assert d["procedure"] == "holm" and d["alpha"] == 0.05 and d["tested"] == int(boot["p"].notna().sum()) > 0
+    assert d["chance_raw"] == pytest.approx(d["tested"] * 0.05) and d["raw"] == V.count(boot["raw_category"])
+    md = (rd / "diff" / "diff.md").read_text()
+    assert f"Multiple comparisons: **{d['tested']}** directions are tested" in md
+    assert f"would resolve about **{d['chance_raw']:.1f}**" in md and "Holm, family-wise error" in md
+    saved = B.load_directions(rd / "diff" / "directions.csv")
+    assert {"p", "p_adjusted", "raw_verdict"} <= set(saved.columns)
+    # a raw disagreement the control makes inconclusive does not fail the gate; one it keeps does
+    weak = dirs.copy()
+    i = weak.index[(weak["variant"] == "stem") & (weak["column"] == "arc_challenge") & (weak["scale"] == "350m")][0]
+    assert weak.loc[i, "raw_category"] == "disagree" and diff.gate_directions(weak)
+    weak.loc[i, ["verdict", "category"]] = "inconclusive"
+    assert diff.gate_directions(weak) == []
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("procedure", "bonferroni", "key 'report.directions.procedure': expected one of holm, bh, none, got 'bonferroni'"),
+    ("alpha", 1.0, "key 'report.directions.alpha': expected a number in (0, 1), got 1.0"),
+    ("alpha", 0, "key 'report.directions.alpha': expected a number in (0, 1), got 0")])
+def test_bad_direction_control_is_one_line(exp, key, value, message):
+    from stem.specs import ReportSpec, SpecError
+    with pytest.raises(SpecError, match=re.escape(message)):
+        ReportSpec.from_config(exp.experiment, {"directions": {key: value}})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--procedure", "fdr"], "argument --procedure: procedure 'fdr': expected one of holm, bh, none"),
+    (["--alpha", "1.5"], "argument --alpha: 1.5: expected a number in (0, 1)"),
+    (["--alpha", "0"], "argument --alpha: 0: expected a number in (0, 1)")])
+def test_bad_direction_options_write_nothing(report, tmp_path, capsys, monkeypatch, args, message):
+    from stem.__main__ import main
+    root, _, _ = report
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["diff", "--experiment", "tiny", "--results", str(root / "results"), "--write", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and message in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_procedure_option_changes_the_verdicts_it_controls(report, capsys):
+    from stem.__main__ import main
+    root, _, _ = report
+    base = ["diff", "--experiment", "tiny", "--results", str(root / "results"), "--json"]
+    main(base + ["--procedure", "none"])
+    raw = json.loads(capsys.readouterr().out)["directions"]
+    main(base + ["--procedure", "bh", "--alpha", "0.1"])
+    bh = json.loads(capsys.readouterr().out)["directions"]
+    assert raw["procedure"] == "none" and raw["checked"] == raw["raw"]
+    assert bh["procedure"] == "bh" and bh["alpha"] == 0.1 and bh["raw"] == raw["raw"]
+
+
+def test_the_report_says_what_the_numbers_were_computed_with():
+    """Issue 39: each result's runtime (device, dtype, threads, CPU kernels) is in the provenance table, and the
+    diff summary warns when the compared results were computed on different ones."""
+    from stem.report import provenance as RP
+    from stem.report import tables as T
+    cpu = {"device": "cpu", "dtype": "float32", "threads": 1, "cpu_capability": "AVX2", "deterministic": True,
+           "env": {}, "requested_device": "cpu"}
+    assert RP.runtime_label(cpu) == "cpu float32 1t AVX2 det" and RP.runtime_label(None) is None
+    assert RP.runtime_label({**cpu, "cpu_capability": "AVX512", "env": {"MKL_CBWR": "COMPATIBLE"},
+                             "requested_device": "cuda"}) == "cpu float32 1t AVX512 det MKL_CBWR=COMPATIBLE (requested cuda)"
+    rows = [T.cell("provenance", "350m", v, c, x, f"{v}.json", row=f"{v} pretrain: summary", unit="")
+            for v, label in (("dense", "cpu float32 1t AVX2 det"), ("stem", "cpu float32 1t AVX512 det"))
+            for c, x in (("commit", "abc clean"), ("torch", "2.13"), ("runtime", label))]
+    s = RP.results_summary(T.frame(rows))
+    assert s["runtimes"] == {"cpu float32 1t AVX2 det": 1, "cpu float32 1t AVX512 det": 1}
+    line = diff.provenance_lines({"results": s, "report": {}})[0]
+    assert "computed with cpu float32 1t AVX2 det (1); cpu float32 1t AVX512 det (1)" in line
+    assert "⚠ **on different devices, kernels or threads**" in line

@@ -148,6 +148,9 @@ def test_fixture_task_runs_through_simple_evaluate(lm, tmp_path):
     assert "samples" in json.loads((tmp_path / "raw.json").read_text())
     cut = saved["truncation"]   # per task: requests (one per answer choice), none cut in the 256-token context
     assert cut["policy"] == "left" and cut["context"] == 256 and cut["tasks"].keys() == {"arc_easy", "boolq"}
+    rt = saved["runtime"]   # issue 39: what the numbers were computed with, recorded
+    assert rt["device"] == str(lm._device) and rt["dtype"] == "float32" and rt["threads"] == torch.get_num_threads()
+    assert rt["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and "deterministic" in rt
     assert cut["tasks"]["boolq"] == {"requests": 12, "truncated": 0, "tokens_dropped": 0}
     # generation task + per-length buckets
     spec = ES.suite_spec(cfg, "longbench")
@@ -334,6 +337,20 @@ def test_lm_eval_cli_runs_the_stem_model(ckpt, lm, tmp_path):
     ref = harness.run_lm_eval(lm, spec)["results"]["arc_easy"]
     for k in ("acc,none", "acc_norm,none"):
         assert got["results"]["arc_easy"][k] == pytest.approx(ref[k])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_stem_eval_refuses_a_device_this_machine_lacks(ckpt, tmp_path, capsys):
+    """Issue 39: ``python -m stem eval`` (and the workflow's eval job) with device cuda on a machine without
+    CUDA refuses with one line, as training does, instead of evaluating on the CPU; nothing is written."""
+    from stem.__main__ import main
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--checkpoint", str(ckpt), "--suite", "ppl", "--device", "cuda", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and len(err.splitlines()) == 1
+    assert err.startswith("error: device 'cuda' requested but CUDA is not available on this machine")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_device_falls_back_to_the_one_that_exists(capsys):

@@ -161,3 +161,20 @@ def test_no_complete_state_is_one_clear_error(tiny_data, tmp_path):
     (state / "extra.json").write_text("{")   # same size check fails: the manifest recorded another size
     with pytest.raises(ValueError, match=r"_state: no complete state to resume from \(.*extra.json"):
         train(spec, threads=1)
+
+
+def test_a_state_another_spec_saved_is_not_resumed(tiny_data, tmp_path, pre, capfd):
+    """Issue 39: Snakemake reruns a job whose spec changed, removing its declared outputs but not ``_state/``; the
+    new spec starts over (the same model as a fresh run of it) instead of ending at the old spec's last state."""
+    train(make_spec(tiny_data, tmp_path / "run", lr=1e-2), threads=1, max_steps=12)   # another spec's states, 4..12
+    assert (tmp_path / "run" / "_state" / "latest").read_text().strip() == "step_00000012"
+    capfd.readouterr()
+    rerun = train(make_spec(tiny_data, tmp_path / "run"), threads=1)
+    err = capfd.readouterr().err
+    assert "_state: saved by another job spec (" in err and "starting over" in err and "resuming" not in err
+    assert rerun["last_step_loss"] == pre[1]["last_step_loss"]   # pre: the same spec run fresh
+    rt = rerun["runtime"]   # what the numbers were computed with (issue 39: nothing runs elsewhere silently)
+    assert (rt["device"], rt["requested_device"], rt["dtype"], rt["threads"], rt["deterministic"]) == \
+        ("cpu", "cpu", "float32", 1, True) and rt["autocast"] is None and rt["attention"] == "sdpa"
+    train(make_spec(tiny_data, tmp_path / "run"), threads=1)   # its own state: resumed (nothing left to do)
+    assert "resuming at step 12" in capfd.readouterr().err

@@ -20,13 +20,22 @@ def snakemake(*args, cwd):
 
 
 GATE_TASKS = ["arc_easy", "boolq", "piqa"]
+NULL_TWIN, PLANTED = "stem_gate", "stem_half"   # paper variants (so Table 3 / the loss claim read them), overridden
 
 
 def _reduced_config(tmp_path) -> Path:
     cfg = yaml.safe_load((REPO / "config/tiny.yaml").read_text())
-    cfg["matrix"] = {"350m": {"variants": ["dense", "stem"], "stages": ["pretrain"]},
+    cfg["matrix"] = {"350m": {"variants": ["dense", "stem", NULL_TWIN, PLANTED], "stages": ["pretrain"]},
                      "1b": {"variants": ["stem"], "stages": ["pretrain", "midtrain"]}}
-    cfg["sources"] = {"web": {"kind": "synth", "generator": "web", "bytes": 60000},
+    # the directions gate's controls (issue 39), through the config's own options: a null twin (the baseline
+    # trained again under another id: it must not be flagged) and a planted effect (STEM with every matrix's
+    # learning rate x1000: it diverges; the gate must catch its held-out loss)
+    cfg["variant_overrides"] = {**cfg.get("variant_overrides", {}),
+                                NULL_TWIN: {"ffn": "dense", "label": "null control: the baseline again"},
+                                PLANTED: {"optim": {"groups": {"matrix": {"lr_mult": 1000.0}}},
+                                          "label": "planted effect: STEM, matrix LR x1000"}}
+    cfg["analysis"] = {"stages": {"350m": ["pretrain"]}, "heldout": {"source": "web", "windows": 24, "seq_len": 32}}
+    cfg["sources"] = {"web": {"kind": "synth", "generator": "web", "bytes": 60000, "val_fraction": 0.1},
                       "math": {"kind": "synth", "generator": "math", "bytes": 15000},
                       "code": {"kind": "synth", "generator": "code", "bytes": 15000}}
     for scale in ("350m", "1b"):
@@ -48,7 +57,8 @@ def _reduced_config(tmp_path) -> Path:
 
 TARGETS = ["results/tiny/350m/dense/pretrain/summary.json", "results/tiny/350m/stem/pretrain/summary.json",
            "results/tiny/1b/stem/midtrain/summary.json", "reports/tiny/params.md",
-           *[f"results/tiny/350m/{v}/pretrain/eval/commonsense.json" for v in ("dense", "stem")]]
+           *[f"results/tiny/350m/{v}/pretrain/eval/commonsense.json" for v in ("dense", "stem", NULL_TWIN)],
+           *[f"results/tiny/350m/{v}/pretrain/analysis/heldout.json" for v in ("dense", PLANTED)]]
 # The direction gate's committed baseline: diff/directions.csv of the reduced DAG below (regenerate it, after a
 # deliberate change, with `python -m stem diff --experiment <reduced.yaml> --results <its results> --write` and
 # copy reports/tiny/diff/directions.csv here).
@@ -77,7 +87,7 @@ def test_reduced_tiny_dag_runs_for_real_and_reruns_nothing(reduced_run):
     # nothing left to do; and one more target runs only its own job
     r = snakemake(*args, "-n", *TARGETS, cwd=tmp_path)
     assert "Nothing to be done" in r.stdout + r.stderr
-    r = snakemake(*args, "-n", "results/tiny/350m/stem_half/pretrain/summary.json", cwd=tmp_path)
+    r = snakemake(*args, "-n", "results/tiny/350m/stem_full/pretrain/summary.json", cwd=tmp_path)
     assert job_counts(r.stdout) == {"train": 1, "total": 1}
 
 
@@ -94,7 +104,7 @@ def test_every_json_output_carries_provenance(reduced_run):
     outputs = [p for p in tmp_path.rglob("*.json") if ".snakemake" not in p.parts and not any(
         x in f"{p.relative_to(tmp_path).as_posix()}" for x in NO_PROVENANCE)]
     kinds = {p.name if "/eval/" not in p.as_posix() else "eval" for p in outputs}
-    assert kinds == {"summary.json", "eval"}, kinds   # analysis JSONs: tests/test_analysis.py
+    assert kinds == {"summary.json", "eval", "heldout.json"}, kinds   # the other analyses: tests/test_analysis.py
     for p in outputs:
         prov = json.loads(p.read_text()).get("provenance")
         assert prov and set(prov) >= {"commit", "dirty", "versions", "spec_sha256", "manifests",
@@ -109,24 +119,51 @@ def test_every_json_output_carries_provenance(reduced_run):
 
 
 def test_direction_gate_on_the_reduced_dag(reduced_run, tmp_path, capsys, monkeypatch):
-    """CI's direction gate (make test): the reduced DAG's verdicts against the committed baseline pass; a flipped
+    """CI's direction gate (make test), issue 39: it catches the planted effect (exit 2, one line naming its cell
+    and nothing else) and never flags the null twin; with the planted cell accepted (by cell and verdict: the
+    interval recorded with it is deliberately not today's) it passes against the committed baseline; a flipped
     verdict fails with one line naming its cell."""
     from stem.__main__ import main
     from stem.report.diff import gate_directions, load_directions
     run_dir, cfg, _ = reduced_run
     monkeypatch.chdir(run_dir)   # --write: reports/tiny/diff/ under the run's folder
-    main(["diff", "--experiment", str(cfg), "--results", "results", "--allow-dirty", "--json", "--write",
-          "--baseline", str(GATE_BASELINE)])   # the gate passes: no SystemExit
+    args = ["diff", "--experiment", str(cfg), "--results", "results", "--allow-dirty", "--json", "--write"]
+    planted = f"heldout_loss/350m/{PLANTED}/val_loss"
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--gate-directions"])
+    gate = [x for x in capsys.readouterr().err.splitlines() if x.startswith("direction gate: ")]
+    assert e.value.code == 2 and len(gate) == 1, gate
+    assert gate[0].startswith(f"direction gate: {planted} (pretrain): disagrees with the paper (ours +"), gate
     now = load_directions(run_dir / "reports/tiny/diff/directions.csv")
+    twin = now[(now["variant"] == NULL_TWIN) & now["column"].isin(GATE_TASKS)]
+    assert len(twin) == len(GATE_TASKS) and set(twin["category"]) == {"inconclusive"}
+    assert set(twin["ours_delta"]) == {0.0} and set(twin["p"]) == {1.0}   # the same model: no difference at all
+    accepted = tmp_path / "accepted.yaml"
+    accepted.write_text(yaml.safe_dump([{"cell": planted, "stage": "pretrain", "verdict": "disagree",
+                                         "interval": [1.0, 2.0], "reason": "the gate's positive control"}]))
+    main(args + ["--baseline", str(GATE_BASELINE), "--accepted", str(accepted)])   # the gate passes: no SystemExit
     flipped = load_directions(GATE_BASELINE)
     i = flipped.index[(flipped["table"] == "table3") & (flipped["variant"] == "stem")
                       & (flipped["column"] == "arc_easy") & (flipped["scale"] == "350m")][0]
     was = "agree" if flipped.loc[i, "category"] != "agree" else "inconclusive"
     flipped.loc[i, "category"] = was
-    assert gate_directions(now, flipped) == [
+    assert gate_directions(now, flipped) == [gate[0].removeprefix("direction gate: "),
         f"table3/350m/stem/arc_easy (pretrain): verdict changed against the baseline: {was} -> "
         f"{now.loc[i, 'category']} (ours {now.loc[i, 'ours_delta']:+.3g} [{now.loc[i, 'lo']:+.3g}, "
         f"{now.loc[i, 'hi']:+.3g}])"]
+
+
+def test_the_same_job_twice_is_bit_identical(reduced_run):
+    """Issue 39 item 1: the null twin is the baseline's training job again under another id (another process,
+    beside other jobs at --cores 2): the same weights byte for byte, the same losses, the same answers."""
+    run_dir = reduced_run[0]
+    a, b = (run_dir / f"results/tiny/350m/{v}/pretrain" for v in ("dense", NULL_TWIN))
+    assert (a / "checkpoint/model.safetensors").read_bytes() == (b / "checkpoint/model.safetensors").read_bytes()
+    losses = [[json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (a, b)]
+    assert losses[0] == losses[1] and len(losses[0]) >= 2
+    samples = [json.loads((d / "eval/raw/commonsense.json").read_text())["samples"] for d in (a, b)]
+    assert {t: [x["acc"] for x in v] for t, v in samples[0].items()} == \
+        {t: [x["acc"] for x in v] for t, v in samples[1].items()}
 
 
 @pytest.mark.parametrize("edit, message", [

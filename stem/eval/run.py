@@ -29,6 +29,7 @@ import json
 import time
 from pathlib import Path
 
+import torch
 from lm_eval.utils import handle_non_serializable
 
 from stem import layout, provenance
@@ -38,6 +39,7 @@ from stem.eval.lm import StemLM
 from stem.eval.spec import kind_of
 from stem.io import atomic_write_json, atomic_write_text
 from stem.specs import EvalSpec
+from stem.train.torchfloor import runtime
 
 IDENTITY = layout.IDENTITY
 
@@ -86,6 +88,18 @@ def documents(spec: dict, n_chars: int | None = None, n_docs: int | None = None,
 
 
 # ---- one suite, end to end -------------------------------------------------------------------------------
+def require_device(device: str | None):
+    """A suite run for the workflow or ``python -m stem eval`` refuses a device this machine does not have, as
+    training does (stem.train.loop.resolve_device): its numbers would silently come from another device.
+    (lm-eval's own CLI, which asks for cuda:0 unless told otherwise, keeps stem.eval.lm.pick_device's fallback.)"""
+    d = str(device or "")
+    if d.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {d!r} requested but CUDA is not available on this machine (set device: cpu "
+                         "or auto; evaluating elsewhere would not be the device asked for)")
+    if d.startswith("mps") and not torch.backends.mps.is_available():
+        raise ValueError(f"device {d!r} requested but MPS is not available on this machine (set device: cpu or auto)")
+
+
 def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None, device=None,
              model_args: dict | None = None) -> dict:
     """``model_args``: further StemLM arguments (e.g. offload=True, cache_rows=N)."""
@@ -95,6 +109,8 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
     kind = kind_of(spec)
     spec = EvalSpec.from_dict(spec).to_dict()   # checked once; the runners read its JSON mapping
     t0 = time.time()
+    if lm is None:
+        require_device(device)
     lm = lm or StemLM(str(checkpoint), device=device, batch_size=spec["batch_size"], **(model_args or {}))
     check_job(checkpoint, lm.spec, _expected(spec, checkpoint, out_json), out_json)
     lm.set_truncation(spec["truncation"])
@@ -109,6 +125,9 @@ def evaluate(checkpoint, spec, out_json=None, raw_json=None, limit=None, lm=None
     ckpt_tok = Path(checkpoint) / "tokenizer.json" if isinstance(checkpoint, (str, Path)) else None
     result["provenance"] = provenance.record(spec, provenance.manifests_of(job), train_spec=job, tokenizer=ckpt_tok,
                                              data=provenance.eval_data(spec, raw))
+    params = next(lm.model.parameters(), None) if hasattr(lm, "model") else None
+    result["runtime"] = runtime(getattr(lm, "_device", "unknown"), params.dtype if params is not None else None,
+                                requested_device=device)
     if getattr(lm, "offload", None) is not None:  # STEM tables off the device: the engine's counters
         result["offload"] = lm.offload.stats()
     if raw_json:

@@ -216,14 +216,18 @@ def heaps_fig(exp: Experiment, res: dict, label: str, niah: dict | None = None):
 
 
 def directions_frame(exp: Experiment, results, res: dict) -> pd.DataFrame:
-    """Every direction with its confidence: Tables 3/4 accuracy, held-out loss and one per analysis."""
-    dirs_df = pd.DataFrame(V.table_directions(exp, results=results) + V.loss_directions(exp, res.get("heldout", {}))
-                           + analysis_directions(res, C.baseline_variant(exp))
-                           + [row for more in EXPERIMENT_DIRECTIONS for row in more(exp, results)])
+    """Every direction with its confidence: Tables 3/4 accuracy, held-out loss and one per analysis; verdicts
+    controlled over the family (stem.report.verdict.control, the config's report.directions), the raw one
+    beside each."""
+    rows = V.table_directions(exp, results=results) + V.loss_directions(exp, res.get("heldout", {})) \
+        + analysis_directions(res, C.baseline_variant(exp)) \
+        + [row for more in EXPERIMENT_DIRECTIONS for row in more(exp, results)]
+    ctl = T.settings(exp).directions   # one family: every direction of this report with a p-value
+    dirs_df = pd.DataFrame(V.control(rows, ctl.procedure, ctl.alpha))
     if len(dirs_df):
         # Tables 3/4 (and the knowledge rows) fold each cell's seeds; the held-out loss and the analyses read
         # seed 0 (SEED0)
-        accuracy = dirs_df["table"].isin(["table3", "table4", "knowledge"])
+        accuracy = dirs_df["table"].isin(["table3", "table4", "knowledge", "knowledge_edit"])
         dirs_df["seeds"] = dirs_df["seeds"].where(accuracy, 1) if "seeds" in dirs_df else np.where(accuracy, 0, 1)
         # Only Tables 3/4 print an effect size; elsewhere the paper states a direction (paper_delta is its sign).
         half = (dirs_df["hi"].astype(float) - dirs_df["lo"].astype(float)) / 2
@@ -286,8 +290,8 @@ def capacity_long(exp: Experiment, res) -> pd.DataFrame:
 def directions_long(exp: Experiment, res) -> pd.DataFrame:
     df = directions_frame(exp, res.root, load_results(exp, res))
     # stage, check_table and check_column: the key the diff reads each verdict back by (stem.report.diff.directions)
-    cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "seeds", "verdict", "paper_effect_resolvable", "stage",
-            "check_table", "check_column")
+    cols = ("paper_delta", "ours_delta", "lo", "hi", "n", "seeds", "p", "p_adjusted", "raw_verdict", "verdict",
+            "paper_effect_resolvable", "stage", "check_table", "check_column")
     records = [{**r, "check_table": r["table"], "check_column": r["column"]} for r in df.to_dict("records")]
     return T.frame([T.cell("directions", r["scale"], r["variant"], c, None if pd.isna(r.get(c)) else r.get(c),
                            r["source"], row=f"{r['variant']} {r['stage'] if isinstance(r['stage'], str) else '(no stage)'}: "
@@ -363,7 +367,8 @@ registry.paper_table(
 registry.paper_table("capacity", "Knowledge capacity probe: recall per relation (chance level beside it)" + SEED0,
                      inputs=table_inputs("capacity"), **GAP)(capacity_long)
 registry.paper_table(
-    "directions", "Directions with confidence (paired bootstrap, 95%): Tables 3/4 accuracy, held-out loss and "
+    "directions", "Directions with confidence (paired bootstrap, 95% per cell; verdicts controlled over the "
+    "report's directions, report.directions, raw verdict beside): Tables 3/4 accuracy, held-out loss and "
     "each analysis against the paper's claim; Tables 3/4 fold each cell's seeds (two-level bootstrap, column "
     "seeds), the held-out loss and the analyses read seed 0 (seeds 1: the analyze stage runs on the matrix's "
     "own checkpoints, not on the extra seeds of stem.seeds)", inputs=all_inputs,

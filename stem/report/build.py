@@ -73,7 +73,8 @@ def run_diff(exp: Experiment, ours: dict, gate_patterns=(), gate_tolerance=None,
     tol = rs.tolerance
     cells, dirs = diff.compare(ours, tol), diff.directions(ours, C.baseline_variant(exp))
     cons = diff.paper_consistency(paper_acct)
-    s = diff.summary(exp.experiment, cells, dirs, cons, prov=ours.get("provenance"), cut=ours.get("truncation"))
+    s = diff.summary(exp.experiment, cells, dirs, cons, prov=ours.get("provenance"), cut=ours.get("truncation"),
+                     control=rs.directions)
     path = accepted if accepted is not None else (C.REPO / rs.accepted if rs.accepted else None)
     if path is not None:
         s["accepted"] = {"file": str(accepted) if accepted is not None else rs.accepted,

@@ -113,7 +113,9 @@ def point_directions(ours: dict[str, pd.DataFrame], baseline: str) -> pd.DataFra
 
 
 DIRECTION_COLUMNS = ["table", "scale", "variant", "stage", "column", "paper_delta", "ours_delta", "lo", "hi", "n",
-                     "verdict", "category", "paper_effect_resolvable", "origin", "source"]
+                     "verdict", "category", "paper_effect_resolvable", "origin", "source", "p", "p_adjusted",
+                     "raw_verdict", "raw_category"]
+NUMBERS = ("paper_delta", "ours_delta", "lo", "hi", "p", "p_adjusted")
 BOOTSTRAP = "tables/directions.csv"   # origin of a verdict read from the registered ``directions`` table
 POINT = "point estimate (no per-item data)"
 KEY = ["table", "scale", "variant", "stage", "column"]
@@ -141,7 +143,9 @@ def bootstrap_directions(ours: dict[str, pd.DataFrame]) -> pd.DataFrame:
                      "column": str(v["check_column"]), "paper_delta": num("paper_delta"),
                      "ours_delta": num("ours_delta"), "lo": num("lo"), "hi": num("hi"),
                      "n": int(num("n") or 0), "verdict": str(v.get("verdict", "missing")),
-                     "category": V.category(v.get("verdict")),
+                     "category": V.category(v.get("verdict")), "p": num("p"), "p_adjusted": num("p_adjusted"),
+                     "raw_verdict": str(v.get("raw_verdict", v.get("verdict", "missing"))),
+                     "raw_category": V.category(v.get("raw_verdict", v.get("verdict"))),
                      "paper_effect_resolvable": _bool(v.get("paper_effect_resolvable", math.nan)),
                      "origin": BOOTSTRAP, "source": g["source"].iloc[0]})
     return pd.DataFrame(rows, columns=DIRECTION_COLUMNS)
@@ -164,20 +168,28 @@ def directions(ours: dict[str, pd.DataFrame], baseline: str) -> pd.DataFrame:
         rows.append({"table": r.table, "scale": r.scale, "variant": r.variant, "stage": "", "column": r.column,
                      "paper_delta": r.paper_delta, "ours_delta": None if T.isnan(r.ours_delta) else r.ours_delta,
                      "lo": None, "hi": None, "n": 0, "verdict": verdict, "category": V.category(verdict),
-                     "paper_effect_resolvable": None, "origin": POINT,
+                     "paper_effect_resolvable": None, "origin": POINT, "p": None, "p_adjusted": None,
+                     "raw_verdict": verdict, "raw_category": V.category(verdict),
                      "source": f"{registry.table(r.table).title}: {r.variant} vs {baseline}, {r.column}"})
     point = pd.DataFrame(rows, columns=DIRECTION_COLUMNS)
     parts = [f for f in (boot, point) if len(f)]
     return pd.concat(parts, ignore_index=True) if parts else boot
 
 
-def direction_counts(dirs: pd.DataFrame) -> dict:
-    """The summary's direction counts: ``checked`` over the bootstrap table's rows (tables/directions.csv),
-    ``point_only`` over the point-estimate rows, and how many sized directions could resolve the paper's
-    effect (interval half-width below the paper's |delta|)."""
+def direction_counts(dirs: pd.DataFrame, control=None) -> dict:
+    """The summary's direction counts: ``checked`` over the bootstrap table's rows (tables/directions.csv; the
+    controlled verdicts), ``raw`` the same rows' per-cell verdicts, ``tested`` the family (rows with a p-value)
+    and ``chance_raw`` the resolved per-cell verdicts chance alone would give it (no variant differing from the
+    baseline: tested x (1 - level)); ``control`` (stem.specs.DirectionControl): the procedure and alpha;
+    ``point_only`` over the point-estimate rows, and how many sized directions could resolve the paper's effect
+    (interval half-width below the paper's |delta|)."""
     boot = dirs[dirs["origin"] == BOOTSTRAP]
     sized = boot["paper_effect_resolvable"].dropna()
+    raw = boot["raw_category"] if "raw_category" in boot else boot["category"]
+    tested = int(boot["p"].notna().sum()) if "p" in boot else 0
     return {"source": f"{BOOTSTRAP}: paired bootstrap, {V.LEVEL:.0%}", "checked": V.count(boot["category"]),
+            "raw": V.count(raw), "tested": tested, "chance_raw": tested * (1 - V.LEVEL),
+            "procedure": control.procedure if control else "none", "alpha": control.alpha if control else 1 - V.LEVEL,
             "point_only": V.count(dirs[dirs["origin"] == POINT]["category"]),
             "paper_effect_resolvable": int(sum(bool(x) for x in sized)), "paper_effect_sized": int(len(sized))}
 
@@ -303,9 +315,9 @@ def load_directions(path) -> pd.DataFrame:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{path}: no such directions file (expected a reports/<experiment>/diff/directions.csv)")
-    dirs = pd.read_csv(p, dtype={k: str for k in ("table", "scale", "variant", "stage", "column", "verdict",
+    dirs = pd.read_csv(p, dtype={k: str for k in ("table", "scale", "variant", "stage", "column", "verdict", "raw_verdict",
                                                    "category", "origin", "source", "paper_effect_resolvable")},
-                       keep_default_na=False, na_values={k: [""] for k in ("paper_delta", "ours_delta", "lo", "hi")})
+                       keep_default_na=False, na_values={k: [""] for k in NUMBERS})
     missing = [c for c in KEY + ["verdict"] if c not in dirs.columns]
     if missing:
         raise ValueError(f"{path}: not a diff/directions.csv (no column {', '.join(missing)}; expected "
@@ -313,8 +325,9 @@ def load_directions(path) -> pd.DataFrame:
     dirs["category"] = [V.category(v) for v in dirs["verdict"]]
     dirs["paper_effect_resolvable"] = dirs.get("paper_effect_resolvable", pd.Series([""] * len(dirs))).map(
         {"True": True, "False": False}).astype(object).where(lambda x: x.notna(), None)
-    for c in ("paper_delta", "ours_delta", "lo", "hi"):
+    for c in NUMBERS:
         dirs[c] = dirs[c].astype(object).where(dirs[c].notna(), None) if c in dirs else None
+    dirs["raw_category"] = [V.category(v) for v in (dirs["raw_verdict"] if "raw_verdict" in dirs else dirs["verdict"])]
     return dirs
 
 
@@ -405,9 +418,10 @@ def gate(cells: pd.DataFrame, patterns: list[str], tolerance: float | None = Non
 
 
 def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistency: pd.DataFrame,
-            top: int = 10, prov: pd.DataFrame | None = None, cut: pd.DataFrame | None = None) -> dict:
+            top: int = 10, prov: pd.DataFrame | None = None, cut: pd.DataFrame | None = None, control=None) -> dict:
     """``prov``: the provenance table (long; stem.report.provenance), condensed into the summary beside the
-    report's own provenance (stem.provenance.record); ``cut``: the truncation table (stem.report.truncation)."""
+    report's own provenance (stem.provenance.record); ``cut``: the truncation table (stem.report.truncation);
+    ``control``: the directions' multiple-comparison settings (stem.specs.DirectionControl)."""
     numeric = cells.dropna(subset=["delta"]).copy()
     numeric["gap"] = numeric["delta"].abs() / numeric["tolerance"].where(numeric["tolerance"] > 0, 1.0)
     arch = cells["unit"].isin(["B params", "GFLOPs/token"])
@@ -424,7 +438,7 @@ def summary(experiment: str, cells: pd.DataFrame, dirs: pd.DataFrame, consistenc
         "beyond_tolerance": int(counts.get("drift", 0)), "missing": int(counts.get("missing", 0)),
         "largest_gaps": [{"cell": f"{r.table}/{r.scale}/{r.variant}/{r.column}", "ours": r.ours, "paper": r.paper,
                           "delta": r.delta, "tolerance": r.tolerance} for r in largest.itertuples()],
-        "directions": direction_counts(dirs),
+        "directions": direction_counts(dirs, control),
         "paper_inconsistencies": int((~consistency["consistent"]).sum()) if len(consistency) else 0,
         "provenance": {"report": provenance.record(), "results": results_summary(prov)},
         "truncation": truncation_summary(cut),
@@ -492,9 +506,10 @@ def summary_blocks(s: dict, dirs: pd.DataFrame, labels: dict, gate_failed: int |
     blocks.append(page.Heading(level, "Directions: does each variant beat the baseline where the paper says it does?"))
     blocks.append(page.Para(
         "Each verdict is the row of `tables/directions.csv` (paired bootstrap over the same items of both models, "
-        f"{V.LEVEL:.0%} interval; *agree* / *disagree* only where the interval excludes 0, *inconclusive* where it "
-        "does not), or, where no per-item data exist, a point estimate (no interval, so never a resolved verdict). "
-        "Resolvable: the interval's half-width is below the paper's |effect|."))
+        f"{V.LEVEL:.0%} interval; *agree* / *disagree* only where the interval excludes 0 and the direction "
+        "survives the multiple-comparison control over all of the report's directions (`raw_verdict` and `p_adjusted` "
+        "in `diff/directions.csv`), *inconclusive* otherwise), or, where no per-item data exist, a point estimate (no "
+        "interval, so never a resolved verdict). Resolvable: the interval's half-width is below the paper's |effect|."))
     if len(dirs):
         blocks.append(page.Table(direction_table(dirs, labels)))
     if s.get("accepted"):
@@ -528,6 +543,9 @@ def provenance_lines(p: dict | None) -> list[str]:
            + (" — ⚠ **the compared results come from different commits**" if len(r["commits"]) > 1 else "")
            + "; versions " + ("; ".join(f"{v} ({n})" for v, n in r["versions"].items()) or "none recorded")
            + (" — ⚠ **different package versions**" if len(r["versions"]) > 1 else "")
+           + ("; computed with " + "; ".join(f"{v} ({n})" for v, n in r.get("runtimes", {}).items())
+              if r.get("runtimes") else "")
+           + (" — ⚠ **on different devices, kernels or threads**" if len(r.get("runtimes") or {}) > 1 else "")
            + f"; this report: `{commit_label(me) or 'no git checkout'}` (table `provenance`)"]
     if r["spec_mismatch"]:
         out.append(f"⚠ **Evaluations of a checkpoint whose job spec differs from its training summary's** "
@@ -535,10 +553,26 @@ def provenance_lines(p: dict | None) -> list[str]:
     return out
 
 
+def chance_line(c: dict) -> str:
+    """What chance alone gives the directions: the per-cell verdicts' expected false resolutions under no
+    difference at all, and the procedure's guarantee for the controlled verdicts."""
+    m, a, proc = c.get("tested", 0), c.get("alpha", 1 - V.LEVEL), c.get("procedure", "none")
+    raw = c.get("raw") or c["checked"]
+    guarantee = {"holm": f"the chance that even one resolved verdict is due to chance alone is at most {a:g}",
+                 "bh": f"of the resolved verdicts, at most a fraction {a:g} is expected to be due to chance alone "
+                       f"(and under no difference at all, the chance of even one is at most {a:g})",
+                 "none": f"no control: about {m * a:.1f} resolved by chance alone"}[proc]
+    return (f"Multiple comparisons: **{m}** directions are tested, each with its own {V.LEVEL:.0%} interval; chance "
+            f"alone (no variant differing from the baseline) would resolve about **{c.get('chance_raw', 0):.1f}** of "
+            f"them. Per cell, uncontrolled: agree {raw['agree']}, disagree {raw['disagree']}. The verdicts above are "
+            f"controlled over the family ({V.PROCEDURE_NAMES.get(proc, proc)}, alpha {a:g}): {guarantee}")
+
+
 def direction_lines(c: dict) -> list[str]:
-    """The summary's direction counts (``direction_counts``) as two lines."""
+    """The summary's direction counts (``direction_counts``) as three lines."""
     k, p = c["checked"], c["point_only"]
-    return [f"Directions with their uncertainty ({c['source']}): agree **{k['agree']}**, disagree "
+    return [f"Directions with their uncertainty ({c['source']}, controlled: {c.get('procedure', 'none')}): agree "
+            f"**{k['agree']}**, disagree "
             f"**{k['disagree']}**, inconclusive **{k['inconclusive']}**, point estimate only **"
             f"{k['point estimate: agree'] + k['point estimate: disagree']}** (agree {k['point estimate: agree']}, "
             f"disagree {k['point estimate: disagree']}), missing **{k['missing']}** of {k['total']}; the paper's "
@@ -546,7 +580,8 @@ def direction_lines(c: dict) -> list[str]:
             "with a printed effect size and an interval",
             f"Directions without per-item data (Table 3 ROI, Tables 5–6, the DSE paper's Table 1; point estimates, no "
             f"verdict): agree **{p['point estimate: agree']}**, disagree **{p['point estimate: disagree']}**, "
-            f"tied {p['inconclusive']}, missing **{p['missing']}** of {p['total']}"]
+            f"tied {p['inconclusive']}, missing **{p['missing']}** of {p['total']}",
+            chance_line(c)]
 
 
 def direction_table(dirs: pd.DataFrame, labels: dict) -> pd.DataFrame:

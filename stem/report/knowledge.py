@@ -127,7 +127,8 @@ def directions(exp: Experiment, got: dict) -> list[dict]:
         rows.append({"table": "knowledge", "scale": str(exp.knowledge.scale), "variant": variant,
                      "column": f"bits ratio vs dense - 1 at {source} (N {rs[0]['n']}, {rs[0]['name_kind']} names)",
                      "stage": str(exp.knowledge.stage), "paper_delta": 1.0, "ours_delta": ci["delta"], "lo": ci["lo"],
-                     "hi": ci["hi"], "n": ci["n"], "seeds": ci["seeds"], "verdict": verdict, "source": CLAIM})
+                     "hi": ci["hi"], "n": ci["n"], "seeds": ci["seeds"], "p": V.p_value(ci), "verdict": verdict,
+                     "source": CLAIM})
     return rows
 
 

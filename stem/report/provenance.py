@@ -15,7 +15,20 @@ from stem.experiment import Experiment
 from stem.report import registry
 from stem.report import tables as T
 
-COLUMNS = ("commit", "torch", "lm_eval", "snakemake", "transformers", "spec", "manifests", "same_spec")
+COLUMNS = ("commit", "torch", "lm_eval", "snakemake", "transformers", "spec", "manifests", "same_spec", "runtime")
+
+
+def runtime_label(r: dict | None) -> str | None:
+    """A result's ``runtime`` (stem.train.torchfloor.runtime) in a few words: device, dtype, threads, CPU kernels,
+    deterministic or not, the kernel environment set; ``requested X`` where another device was asked for."""
+    if not r:
+        return None
+    asked = r.get("requested_device")
+    out = [str(r.get("device")), str(r.get("dtype")), f"{r.get('threads')}t", str(r.get("cpu_capability")),
+           "det" if r.get("deterministic") else "nondet"] + [f"{k}={v}" for k, v in (r.get("env") or {}).items()]
+    if asked and asked not in ("auto", str(r.get("device"))) and not str(r.get("device")).startswith(str(asked)):
+        out.append(f"(requested {asked})")
+    return " ".join(out)
 
 
 def _short(h) -> str | None:
@@ -62,7 +75,8 @@ def rows(exp: Experiment, res) -> list[dict]:
         out.append({"scale": scale, "variant": variant, "stage": stage, "what": what, "path": str(path),
                     "commit": commit_label(p), "torch": v.get("torch"), "lm_eval": v.get("lm_eval"),
                     "snakemake": v.get("snakemake"), "transformers": v.get("transformers"),
-                    "spec": _short(p.get("spec_sha256")), "manifests": _manifests(p), "same_spec": same})
+                    "spec": _short(p.get("spec_sha256")), "manifests": _manifests(p), "same_spec": same,
+                    "runtime": runtime_label(data.get("runtime"))})
     return out
 
 
@@ -82,7 +96,7 @@ def results_summary(prov: pd.DataFrame | None) -> dict:
     """From the provenance table (long): result files counted per commit and per version set, the files
     without provenance, and the evaluations of a checkpoint whose spec differs from its training summary's."""
     if prov is None or prov.empty:
-        return {"files": 0, "commits": {}, "versions": {}, "without": 0, "spec_mismatch": []}
+        return {"files": 0, "commits": {}, "versions": {}, "without": 0, "spec_mismatch": [], "runtimes": {}}
     files = [(src, dict(zip(g["column"], g["value"])))
              for (_, _, _, src), g in prov.groupby(["scale", "variant", "row", "source"], sort=False)]
     has = lambda v: v is not None and not T.isnan(v) and str(v) != ""  # noqa: E731
@@ -91,11 +105,17 @@ def results_summary(prov: pd.DataFrame | None) -> dict:
             for _, f in files if has(f.get("torch"))]
     return {"files": len(files), "commits": {c: commits.count(c) for c in dict.fromkeys(commits)},
             "versions": {v: vers.count(v) for v in dict.fromkeys(vers)}, "without": len(files) - len(commits),
-            "spec_mismatch": sorted(str(src) for src, f in files if f.get("same_spec") == "NO")}
+            "spec_mismatch": sorted(str(src) for src, f in files if f.get("same_spec") == "NO"),
+            "runtimes": _count(str(f["runtime"]) for _, f in files if has(f.get("runtime")))}
+
+
+def _count(xs) -> dict:
+    xs = list(xs)
+    return {x: xs.count(x) for x in dict.fromkeys(xs)}
 
 
 registry.paper_table(
     "provenance", "Provenance: the commit, package versions, job spec and data manifests behind every result file",
     labels={"commit": "commit", "lm_eval": "lm-eval", "spec": "job spec", "manifests": "data manifests",
-            "same_spec": "evaluated the summary's spec"},
+            "same_spec": "evaluated the summary's spec", "runtime": "computed with"},
     empty="_(no rows: no results yet)_")(provenance_long)

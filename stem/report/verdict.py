@@ -18,6 +18,7 @@ direction table and ``python -m stem diff`` count its rows with these (stem.repo
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,24 @@ def grouped_bootstrap(groups, n_boot: int = N_BOOT, seed: int = 0, level: float 
     """Mean over groups of (mean b - mean a) within each group; every group resampled on its own items."""
     delta, boots, n = _resample_groups(groups, np.random.default_rng(seed), n_boot)
     lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
-    return {"delta": delta, "lo": float(lo), "hi": float(hi), "n": n, "level": level, "boots": boots}
+    return {"delta": delta, "lo": float(lo), "hi": float(hi), "n": n, "level": level, "boots": boots,
+            "se": _se(boots)}
+
+
+def _se(boots) -> float:
+    """The bootstrap standard error (sd of the draws)."""
+    return float(np.std(boots, ddof=1)) if len(boots) > 1 else 0.0
+
+
+def p_value(ci: dict) -> float:
+    """Two-sided p-value of 'no difference' from a bootstrap: the normal approximation to the draws,
+    2 (1 - Phi(|delta| / se)), se their sd. Not the percentile p-value: 2000 draws cannot resolve p below
+    1/2000, while Holm over a report's ~130 directions needs p < 0.05/130 for its first rejection. A zero se:
+    1 for a zero difference, 0 otherwise (every draw the same, non-zero)."""
+    delta, se = float(ci["delta"]), float(ci.get("se") or 0.0)
+    if se <= 0 or not math.isfinite(se):
+        return 1.0 if delta == 0 else 0.0
+    return float(math.erfc(abs(delta) / se / math.sqrt(2)))
 
 
 def _resample_groups(groups, rng, n_boot: int):
@@ -100,7 +118,7 @@ def seeded_bootstrap(per_seed, n_boot: int = N_BOOT, seed: int = 0, level: float
     boots = stats.mean(axis=1)
     lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
     return {"delta": float(np.mean(point)), "lo": float(lo), "hi": float(hi), "n": n, "level": level,
-            "seeds": len(per_seed)}
+            "seeds": len(per_seed), "se": _se(boots)}
 
 
 def classify(ci: dict, paper_sign: float) -> str:
@@ -194,8 +212,55 @@ def table_directions(exp: Experiment, root=".", results=None) -> list[dict]:
 
 def ci_cols(ci, sign) -> dict:
     if ci is None:
-        return {"ours_delta": None, "lo": None, "hi": None, "n": 0, "verdict": "missing"}
-    return {"ours_delta": ci["delta"], "lo": ci["lo"], "hi": ci["hi"], "n": ci["n"], "verdict": classify(ci, sign)}
+        return {"ours_delta": None, "lo": None, "hi": None, "n": 0, "p": None, "verdict": "missing"}
+    return {"ours_delta": ci["delta"], "lo": ci["lo"], "hi": ci["hi"], "n": ci["n"], "p": p_value(ci),
+            "verdict": classify(ci, sign)}
+
+
+# ---- multiple comparisons: the verdicts of one report are one family ------------------------------------
+def adjust(p, procedure: str) -> np.ndarray:
+    """Adjusted p-values of ``p`` (one family): 'holm' (Holm 1979, step-down; controls the family-wise error),
+    'bh' (Benjamini-Hochberg 1995, step-up; controls the false discovery rate), 'none' (``p`` itself). A
+    hypothesis is rejected at level alpha when its adjusted p-value is <= alpha."""
+    p = np.asarray(p, float)
+    if procedure == "none" or p.size == 0:
+        return p.copy()
+    m, order = p.size, np.argsort(p, kind="stable")
+    ranked = p[order]
+    if procedure == "holm":
+        adj = np.maximum.accumulate(np.minimum(1.0, (m - np.arange(m)) * ranked))
+    elif procedure == "bh":
+        adj = np.minimum.accumulate(np.minimum(1.0, m / np.arange(1, m + 1) * ranked)[::-1])[::-1]
+    else:
+        raise ValueError(f"multiple-comparison procedure {procedure!r}: expected holm, bh or none")
+    out = np.empty(m)
+    out[order] = adj
+    return out
+
+
+PROCEDURE_NAMES = {"holm": "Holm, family-wise error", "bh": "Benjamini-Hochberg, false discovery rate",
+                   "none": "none: each cell's own interval"}
+
+
+def control(rows: list[dict], procedure: str = "holm", alpha: float = 1 - LEVEL) -> list[dict]:
+    """The controlled verdicts of one report's directions (``rows`` as ``ci_cols`` made them): every row with a
+    p-value is one hypothesis of the family; its verdict stays agree / disagree only where the raw interval
+    resolves it and its adjusted p-value (``adjust``) is <= ``alpha``, else it becomes inconclusive. Each row
+    keeps its raw verdict (``raw_verdict``: the per-cell interval's) and gets ``p_adjusted``; rows without a
+    p-value (point estimates, missing) keep theirs."""
+    tested = [i for i, r in enumerate(rows) if r.get("p") is not None and not _nan(r["p"])]
+    adj = adjust([rows[i]["p"] for i in tested], procedure)
+    out = [{**r, "raw_verdict": r.get("verdict"), "p_adjusted": None} for r in rows]
+    for i, a in zip(tested, adj):
+        r = out[i]
+        r["p_adjusted"] = float(a)
+        if category(r["raw_verdict"]) in ("agree", "disagree") and a > alpha:
+            r["verdict"] = "inconclusive"
+    return out
+
+
+def _nan(x) -> bool:
+    return isinstance(x, float) and math.isnan(x)
 
 
 # The paper's loss claim: STEM variants train to a lower loss than the dense baseline (Sec. 4.4, Fig. 5a/5b);

@@ -215,6 +215,7 @@ def resume(run: Run):
     """Continue from the job's newest complete state; else start fresh (carrying init_from's optimizer state
     when the stage asks for it)."""
     spec, ctx = run.spec, run.ctx
+    discard_stale_state(run)
     extra = distributed.load_state(run.state_dir, run.model, run.opt, ctx)
     if extra is None and spec.init_from and not spec.train.reset_optimizer:
         optstate.load_optimizer(Path(spec.init_from) / "optimizer", run.model, run.opt)  # carry the previous stage's
@@ -228,6 +229,27 @@ def resume(run: Run):
     elif run.metrics_path.exists() and ctx.is_main:
         run.metrics_path.unlink()
     run.state_dir.mkdir(parents=True, exist_ok=True)
+
+
+def discard_stale_state(run: Run):
+    """A state another job spec saved is not resumed: when a spec changes Snakemake reruns the job, removing its
+    declared outputs but not ``_state/``, which would then continue (or, at its last step, simply end) the old
+    job under the new spec. It is removed, with a line on stderr; a state that records no spec (written before
+    ``spec_sha256`` was) is resumed as before. The newest readable state decides."""
+    want = provenance.spec_hash(run.spec.to_dict())
+    for folder in ck.state_candidates(run.state_dir):
+        try:
+            got = json.loads((folder / "extra.json").read_text()).get("spec_sha256")
+        except (OSError, ValueError):
+            continue
+        if got is not None and got != want:
+            if run.ctx.is_main:
+                print(f"[{run.out_dir}] {run.state_dir}: saved by another job spec ({got[:12]}, this one "
+                      f"{want[:12]}): starting over", file=sys.stderr)
+                shutil.rmtree(run.state_dir)
+            if run.ctx.world > 1:
+                torch.distributed.barrier()
+        return
 
 
 def train_steps(run: Run, stop: dict, last: int):
@@ -272,7 +294,8 @@ def train_steps(run: Run, stop: dict, last: int):
 def save_state(run: Run):
     distributed.save_state(run.state_dir, run.step, run.model, run.opt,
                            {"loader": run.loader.state_dict(), "val_loss": run.val_loss,
-                            "wall_seconds": run.wall_seconds()}, run.ctx)
+                            "wall_seconds": run.wall_seconds(),
+                            "spec_sha256": provenance.spec_hash(run.spec.to_dict())}, run.ctx)
 
 
 def pause(run: Run) -> dict:
@@ -297,6 +320,12 @@ def finish(run: Run) -> dict:
         "steps": run.step, "tokens": tokens, "train_flops": training_flops(run.accounting["active_params"], tokens),
         "wall_seconds": run.wall_seconds(), "device": str(ctx.device), "world_size": ctx.world,
         "tokens_by_source": run.loader.tokens_by_source, **run.accounting, "comms": run.comms,
+        "runtime": torchfloor.runtime(ctx.device, next(run.model.parameters()).dtype,
+                                      requested_device=spec.device,
+                                      autocast="bfloat16" if ctx.device.type == "cuda" else None,
+                                      compile=bool(spec.train.compile), fused_adamw=ctx.device.type == "cuda",
+                                      attention="flex_attention" if
+                                      ctx.device.type == "cuda" and spec.train.cross_doc_mask else "sdpa"),
     }
     if run.import_parity is not None:
         summary["import_parity"] = run.import_parity

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 
 import torch
@@ -72,3 +73,18 @@ if __name__ == "__main__":   # make TORCH=system: the machine's torch, before an
         print(f"error: {lacks[0]}", file=sys.stderr)
         sys.exit(1)
     print(f"torch {torch.__version__}: every PyTorch feature of the GPU path (stem/train/torchfloor.py)")
+
+
+# The environment variables that change which kernels compute a job's numbers (docs/confidence.md).
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+
+
+def runtime(device, dtype, **more) -> dict:
+    """What a job's numbers were computed with, for its result JSON (issue 39: nothing runs elsewhere silently):
+    the device and dtype actually used, intra-op threads, the CPU kernels' instruction set, whether deterministic
+    algorithms were on, the kernel-selecting environment variables that are set, and ``more`` (the caller's:
+    the requested device, autocast, compile, the attention path)."""
+    return {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ}, **more}

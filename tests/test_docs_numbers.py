@@ -1,0 +1,42 @@
+"""Numbers the docs quote from a config are the config's (issue 39 item 5: docs/training.md said the tiny run has
+80 pretraining steps while config/tiny.yaml had 70). Each entry: a file, a pattern whose groups are the quoted
+numbers, and the values they must be, read from the config the text talks about."""
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = yaml.safe_load((REPO / "config" / "tiny.yaml").read_text())
+PRE, ARCHS = TINY["stages"]["pretrain"], TINY["archs"]
+
+
+QUOTED = [
+    ("docs/training.md", r"measured when the tiny\s+pretraining had 200 steps, it has (\d+) now",
+     lambda: [PRE["350m"]["steps"]]),
+    ("docs/confidence.md", r"the tiny STEM-dagger model trains (\d+) steps", lambda: [PRE["350m"]["steps"]]),
+    ("docs/evaluation.md", r"after (\d+) steps of context extension", lambda: [TINY["stages"]["extend"]["1b"]["steps"]]),
+    ("config/accepted/tiny.yaml", r"experiment tiny: (\d+) pretraining steps of d=(\d+) \(350m\) or d=(\d+) \(1b\)",
+     lambda: [PRE["350m"]["steps"], ARCHS["350m"]["d_model"], ARCHS["1b"]["d_model"]]),
+]
+
+
+@pytest.mark.parametrize("path, pattern, expected", QUOTED, ids=[q[0] + ":" + q[1][:30] for q in QUOTED])
+def test_numbers_quoted_from_the_config_are_the_configs(path, pattern, expected):
+    text = re.sub(r"\s+", " ", (REPO / path).read_text())
+    found = re.findall(pattern.replace(r"\s+", " "), text)
+    assert found, f"{path}: no text matching {pattern!r} (reworded? update this test)"
+    want = [str(x) for x in expected()]
+    for groups in found:
+        groups = [groups] if isinstance(groups, str) else list(groups)
+        assert groups == want, f"{path}: quotes {groups} where the config has {want}"
+
+
+def test_the_reduced_gate_dag_steps_in_confidence_md(tmp_path):
+    import test_workflow
+    cfg = yaml.safe_load(test_workflow._reduced_config(tmp_path).read_text())
+    steps = {spec["steps"] for stage in cfg["stages"].values() for spec in stage.values()}
+    text = re.sub(r"\s+", " ", (REPO / "docs" / "confidence.md").read_text())
+    assert re.findall(r"a reduced tiny DAG \(d_model (\d+), (\d+) steps a job\)", text) == [
+        (str(cfg["archs"]["350m"]["d_model"]), str(steps.pop()))] and not steps
