@@ -115,7 +115,7 @@ def test_every_subcommands_arguments_are_typed(capsys, argv, message):
 def test_missing_config_file_is_one_line(capsys, cmd):
     code, line = _cli([*cmd, "--config", "nonexistent.yaml"], capsys)
     assert code == 1 and line == (f"error: python -m stem {cmd[0]}: argument --experiment/--config: 'nonexistent.yaml': "
-                                  "no such experiment config file; expected tiny, paper, rehearsal, real (config/{name}.yaml) "
+                                  "no such experiment config file; expected tiny, paper, rehearsal, real, knowledge (config/{name}.yaml) "
                                   "or the path of an experiment YAML")
 
 
