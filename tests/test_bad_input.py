@@ -476,3 +476,15 @@ def test_host_tables_on_several_gpus_are_refused_by_the_config_check():
         C.experiment.parse(copy.deepcopy(cfg), origin="bad.yaml")
     assert str(e.value) == ("bad.yaml: key 'cluster.tables': host keeps the tables in one host's memory, for jobs of "
                             "one GPU; cluster.train.350m gives 1 x 8 GPUs (expected rows or fsdp)")
+
+
+def test_insertion_step0_names_a_manifest_path_that_is_not_a_manifest(stem_ckpt, tmp_path, capsys):
+    """Issue 43 item 5: a summary.json given as the manifest is named (not the manifest.json beside it), with what
+    it is not; nothing is written."""
+    summary = stem_ckpt.parent / "summary.json"
+    code, line = _cli(["insertion-step0", str(stem_ckpt), str(summary), str(tmp_path / "out.json")], capsys)
+    assert code == 1 and line.startswith(f"error: {summary}: not a token-shard manifest (expected the manifest.json ")
+    code, line = _cli(["insertion-step0", str(stem_ckpt), str(tmp_path / "nope.json"), str(tmp_path / "out.json")],
+                      capsys)
+    assert code == 1 and line.startswith(f"error: {tmp_path / 'nope.json'}: no such file (expected a tokens manifest")
+    assert list(tmp_path.iterdir()) == []
