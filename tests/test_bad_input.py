@@ -488,3 +488,36 @@ def test_insertion_step0_names_a_manifest_path_that_is_not_a_manifest(stem_ckpt,
                       capsys)
     assert code == 1 and line.startswith(f"error: {tmp_path / 'nope.json'}: no such file (expected a tokens manifest")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tied_model_from_an_untied_source_refuses_to_drop_its_trained_head(tmp_path):
+    """Issue 43 item 1: a stage whose model ties (tie_embeddings: true) starting from an untied source whose head is
+    not its embedding is refused in one line naming the option and the measured difference (it dropped the head,
+    then read logit diff 7.66); a head equal to the embedding loads; a tied source with a head of its own too."""
+    import dataclasses
+    import re
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from stem.hf import importer
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src = tmp_path / "hf"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+    weights = load_file(str(src / "model.safetensors"))
+    imported, tied = importer.model_config(src)
+    want = dataclasses.replace(imported, tie_embeddings=True)
+    d = (weights["lm_head.weight"] - weights["model.embed_tokens.weight"]).abs().max().item()
+    with pytest.raises(ValueError, match=re.escape(
+            f"{src}: tie_embeddings: true (the model's arch) ties the head to the embedding, but this untied source's "
+            f"lm_head.weight is not its embedding (max |lm_head - embed_tokens| {d:.4g}): tying would drop the "
+            "trained head; set tie_embeddings: false (untied) or start from a tied source")):
+        importer.load_for_stage(str(src), want)
+    assert torch.equal(importer.load_for_stage(str(src), imported)[0]["lm_head.weight"], weights["lm_head.weight"])
+    save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}, str(src / "model.safetensors"))
+    state, _ = importer.load_for_stage(str(src), want)   # a head equal to the embedding: nothing is lost
+    assert "lm_head.weight" not in state and torch.equal(state["tok_emb.weight"], weights["model.embed_tokens.weight"])
+    with pytest.raises(ValueError, match=re.escape(f"{src}: tie_word_embeddings is true, but its lm_head.weight is "
+                                                   "not its embedding (max |lm_head - embed_tokens| ")):
+        importer.pipeline_state(src, True, keep_tied=True, weights=weights)
