@@ -356,19 +356,26 @@ def test_truncation_error_refuses_a_request_that_must_be_cut_in_one_line(short_l
 
 @torch.no_grad()
 def test_middle_truncation_keeps_the_first_and_last_halves(short_lm):
+    """LongBench's pred.py exactly (issue 43 item 8): tokens[:half] + tokens[-half:], half = room // 2 (55 + 55 at
+    room 111, not 55 + 56); a log-likelihood request's continuation is kept whole outside the halves."""
     from stem.eval.lm import truncate
     assert truncate(list(range(10)), 6, "middle") == [0, 1, 2, 7, 8, 9]
     assert truncate(list(range(10)), 5, "left") == [5, 6, 7, 8, 9]
+    tokens, room = list(range(300)), 111
+    half = room // 2   # pred.py: half = int(max_length / 2); tokens[:half] + tokens[-half:]
+    assert truncate(tokens, room, "middle") == tokens[:half] + tokens[-half:] and half == 55
+    assert truncate(list(range(20)), 9, "middle", keep_last=2) == [0, 1, 2, 15, 16, 17, 18, 19]
     short_lm.set_truncation("middle")
     ctx, cont = short_lm._encode_pair(LONG, " Bondo")
     (lp, _), = short_lm.loglikelihood([_instance("loglikelihood", (LONG, " Bondo"), "longbench_x")])
-    whole = ctx + cont   # the model sees input whole[:-1] of the 25 kept: the first 12 and the last 13 tokens
-    kept = whole[:12] + whole[-13:]
+    whole = ctx + cont   # the model sees input whole[:-1] of those kept: the context's halves of the room the
+    half = (25 - len(cont)) // 2   # continuation leaves, then the continuation
+    kept = ctx[:half] + ctx[-half:] + cont
     logp = torch.log_softmax(short_lm.model(torch.tensor([kept[:-1]]))[0].float(), -1)
     direct = sum(float(logp[len(kept) - len(cont) - 1 + i, t]) for i, t in enumerate(cont))
     assert lp == pytest.approx(direct, abs=1e-4)
     assert short_lm.truncation_counts == {"longbench_x": {"requests": 1, "truncated": 1,
-                                                          "tokens_dropped": len(whole) - 25}}
+                                                          "tokens_dropped": len(whole) - len(kept)}}
     short_lm.generate_until([_instance("generate_until", (LONG, {"max_gen_toks": 4}), "longbench_y")])
     assert short_lm.truncation_counts["longbench_y"]["tokens_dropped"] == len(short_lm.tok_encode(LONG)) - 20
 
