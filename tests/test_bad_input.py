@@ -2,8 +2,10 @@
 TensorBoard, checkpoint slots, config paths, undefined sources) answer bad input with one line naming the
 file/key/value, a non-zero exit, and nothing half-written."""
 import copy
+import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -501,8 +503,6 @@ def test_a_tied_model_from_an_untied_source_refuses_to_drop_its_trained_head(tmp
     """Issue 43 item 1: a stage whose model ties (tie_embeddings: true) starting from an untied source whose head is
     not its embedding is refused in one line naming the option and the measured difference (it dropped the head,
     then read logit diff 7.66); a head equal to the embedding loads; a tied source with a head of its own too."""
-    import dataclasses
-    import re
     import transformers
     from safetensors.torch import load_file, save_file
     from stem.hf import importer
