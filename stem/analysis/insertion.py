@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stem.analysis.common import load, val_windows
+from stem.analysis.common import load, manifest_dir, val_windows
 from stem.models.config import resolve_placement
 from stem.models.insert import INSERT_INITS, insert_stem, projected_table
 from stem.models.offload import token_tables
@@ -49,6 +49,7 @@ def step0(ckpt_dir, manifest, seq_len: int = 256, windows: int = 8, placements=(
           inits=INSERT_INITS, seed: int = 0) -> dict:
     """{"rows": [{placement, init, stem_layers, mean_loss, delta_vs_dense, window_loss}], ...}; the first row is the
     dense model. ``placements``: names of ``PLACEMENTS`` or {name: placement spec}."""
+    manifest_dir(manifest)   # a wrong manifest is named before the model loads
     dense, _, _ = load(ckpt_dir, "cpu")
     starts, x = val_windows(manifest, min(seq_len, dense.cfg.max_seq_len) + 1, windows)
     return {"checkpoint": str(ckpt_dir), "manifest": str(manifest), "seq_len": int(x.shape[1] - 1),
