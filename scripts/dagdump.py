@@ -45,7 +45,7 @@ def _job(job) -> str:
 
 def dump(configfiles: list[str], targets: list[str]) -> str:
     os.chdir(REPO)
-    with SnakemakeApi(OutputSettings(quiet={"all"} if False else None)) as api:
+    with SnakemakeApi(OutputSettings()) as api:
         wf_api = api.workflow(resource_settings=ResourceSettings(cores=2),
                               config_settings=ConfigSettings(configfiles=[Path(c).resolve() for c in configfiles],
                                                              replace_workflow_config=bool(configfiles)),
