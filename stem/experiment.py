@@ -8,8 +8,9 @@ a tokenizer of kind train_bpe has sources); ``Experiment.__post_init__`` checks 
 variants and sources a section names exist, a stage's ``init_from`` is an earlier stage of the matrix, ...).
 
 Adding a key is one field on its node: its type, its default (``None``: not set), its range as
-``metadata=expect(...)``. Sections a plugin or a suite kind defines its own keys for (``eval``, ``report``,
-another analysis, a source kind's reader keys) stay untyped mappings handed on as they are.
+``metadata=expect(...)``; a suite key is one field on its kind's settings class (stem.eval.spec.SuiteSettings,
+``Experiment.suite_settings``). Sections a plugin defines its own keys for (``eval`` as a whole, ``report``,
+another analysis, a source kind's reader keys) stay mappings handed on as they are.
 Torch-free (the workflow's DAG build parses the config).
 """
 from __future__ import annotations
