@@ -44,6 +44,20 @@ def _job(job) -> str:
 
 
 def dump(configfiles: list[str], targets: list[str]) -> str:
+    blocks = sorted(_job(j) for j in jobs(configfiles, targets))
+    return "".join(blocks) + f"# {len(blocks)} jobs\n"
+
+
+def jobs(configfiles: list[str], targets: list[str]) -> list:
+    """Every job of the DAG (Snakemake's Job objects), built in this process from the repository's Snakefile."""
+    cwd = os.getcwd()
+    try:
+        return _jobs(configfiles, targets)
+    finally:
+        os.chdir(cwd)
+
+
+def _jobs(configfiles: list[str], targets: list[str]) -> list:
     os.chdir(REPO)
     with SnakemakeApi(OutputSettings()) as api:
         wf_api = api.workflow(resource_settings=ResourceSettings(cores=2),
@@ -54,8 +68,7 @@ def dump(configfiles: list[str], targets: list[str]) -> str:
         wf = dag_api.workflow_api._workflow
         wf._prepare_dag(forceall=True, ignore_incomplete=True, lock_warn_only=True, nolock=True)
         wf._build_dag()
-        blocks = sorted(_job(j) for j in wf.dag.jobs)
-    return "".join(blocks) + f"# {len(blocks)} jobs\n"
+        return list(wf.dag.jobs)
 
 
 def main(argv=None) -> int:
