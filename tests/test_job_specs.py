@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from stem import experiment, seeds, sweeps
+from stem import experiment, seeds
 from stem.config import REPO
 from stem.specs import TrainSettings
 
@@ -26,8 +26,8 @@ def _expected(exp, scale: str, variant: str, stage: str) -> dict:
     """The tree's values for one job: the stage node, then the variant's stage overrides (or the sweep's)."""
     node = exp.stages[stage][scale]
     want = {k: getattr(node, k) for k in STAGE_KEYS}
-    base = seeds.split(variant)[0]
-    if sweeps.is_sweep_id(base):
+    base = seeds.JobId.parse(scale, variant, stage).variant
+    if seeds.JobId.parse(scale, variant, stage).sweep:
         over = {k: v for k, v in vars(exp.sweeps.train or experiment.SweepTrain()).items() if v is not None}
         want.update({k: v for k, v in over.items() if k in want})
         return {**want, "eval_batches": over.get("eval_batches", exp.train.eval_batches), "optim": {}}
@@ -57,11 +57,26 @@ def test_every_train_jobs_spec_is_its_trees_values(name, monkeypatch):
         got = (t.get("tables", TrainSettings.tables), t.get("parallel", TrainSettings.parallel))
         assert got == (exp.cluster.tables, exp.cluster.strategy), where
         node = exp.stages[stage][scale]
-        if "data" not in (((exp.variant(seeds.split(variant)[0]) or {}).get("stage")) or {}):
+        job_id = seeds.JobId.parse(scale, variant, stage)
+        assert job_id.slot == variant and (job_id.seed > 0) == ("_seed" in variant), where   # one string form
+        if "data" not in (((exp.variant(job_id.variant) or {}).get("stage")) or {}):
             assert {s: d["weight"] for s, d in spec["data"].items()} == node.data, where
         wd = want["optim"].get("weight_decay", exp.optim.weight_decay)
         assert spec["optim"]["weight_decay"] == wd and tuple(spec["optim"]["betas"]) == exp.optim.betas, where
         if node.table_group is not None and node.table_group.lr_mult is not None:
             assert spec["optim"]["groups"]["table"]["lr_mult"] == node.table_group.lr_mult, where
-        seen_sweep |= sweeps.is_sweep_id(variant)
+        seen_sweep |= job_id.sweep is not None
     assert seen_sweep == (name in ("tiny", "paper"))   # the sweeps' points were built too
+
+
+@pytest.mark.parametrize("slot, job", [
+    ("stem", seeds.JobId("350m", "stem", "pretrain")),
+    ("stem_seed2", seeds.JobId("350m", "stem", "pretrain", seed=2)),
+    ("dense_seed10", seeds.JobId("350m", "dense", "pretrain", seed=10)),
+    ("rho_0p833", seeds.JobId("350m", "rho_0p833", "pretrain", sweep="rho")),
+    ("slots_4096", seeds.JobId("350m", "slots_4096", "pretrain", sweep="slots")),
+    ("stem_seed0", seeds.JobId("350m", "stem_seed0", "pretrain")),   # seed 0 is the variant itself: no suffix
+])
+def test_a_job_id_has_one_string_form_and_one_parser(slot, job):
+    assert seeds.JobId.parse("350m", slot, "pretrain") == job and job.slot == slot
+    assert (seeds.split(slot), seeds.seed_id(job.variant, job.seed)) == ((job.variant, job.seed), slot)

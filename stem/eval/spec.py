@@ -211,7 +211,7 @@ def eval_targets(exp: Experiment) -> list[str]:
     ``variants:`` only for those variants' checkpoints, their seeds included)."""
     return [layout.eval_json(exp.experiment, s, v, st, suite)
             for s, v, st in C.train_targets(exp) + C.seed_targets(exp)
-            for suite in suites_for(exp, st, seeds.split(v)[0])]
+            for suite in suites_for(exp, st, seeds.JobId.parse(s, v, st).variant)]
 
 
 RULER_TASK_PREFIXES = ("niah_", "ruler_")   # lm-eval's RULER task names (stem.eval.ruler_data.TASKS)
