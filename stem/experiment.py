@@ -26,10 +26,10 @@ from stem.fields import FieldError, Parser, expect
 from stem.io import ConfigError, dataclass_mapping, deep_merge, read_yaml, variant, variants, variants_file
 from stem.models.config import DSEConfig
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, OptimGroup,
-                          RopeKind, RopeRamp, Scale, Schedule, SourceKind, Stage, Strategy, TableInit, TableLayout,
+                          RopeKind, RopeRamp, Scale, SourceKind, Stage, Strategy, TableInit, TableLayout,
                           TableUpdate, TokenizerKind, Truncation, values)
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS   # names only: entries load on use
-from stem.specs import TrainSettings
+from stem.specs import StageSchedule, TrainSettings
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")                                  # a variant's name
 MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")   # a plugin module
@@ -130,19 +130,13 @@ class HFInit:
     gguf_file: str | None = field(default=None, metadata=matches(re.compile(r"^[^/#]+$"), "a file name"))
 
 
-@dataclass(frozen=True)
-class StageSettings:
-    """``stages.<stage>.<scale>``: one stage's data mixture, schedule and batch layout."""
+@dataclass(frozen=True, kw_only=True)
+class StageSettings(StageSchedule):
+    """``stages.<stage>.<scale>``: one stage's data mixture, and its schedule and batch layout (lr, schedule,
+    warmup, min_lr_ratio, batch_size, micro_batch, seq_len, steps: ``stem.specs.StageSchedule``, the same
+    fields a training job's spec has)."""
     data: dict[str, float] = field(metadata=expect(lambda d: len(d) >= 1 and all(w > 0 for w in d.values()),
                                                    "a mapping of at least one source to a weight > 0"))
-    lr: float = field(metadata=above(0))
-    schedule: Schedule
-    warmup: float = field(metadata=within(0, 1))
-    min_lr_ratio: float = field(metadata=within(0, 1))
-    batch_size: int = field(metadata=POSITIVE)
-    micro_batch: int = field(metadata=POSITIVE)
-    seq_len: int = field(metadata=at_least(2))
-    steps: int = field(metadata=at_least(0))   # 0: a stage that only imports its init_from {hf: ...}
     # a stage name, or {hf: ...}: a transformers checkpoint (HFInit)
     init_from: Stage | HFInit | None = None
     # true (default): a fresh AdamW; false: init_from's optimizer state (saved in that checkpoint's optimizer/)

@@ -48,7 +48,7 @@ class SuiteSettings:
     kind: str = "lm_eval"
     variants: typing.Any = None      # only these variants' checkpoints get the suite
     metadata: typing.Any = None      # lm-eval task metadata (e.g. {max_seq_lengths: [32768]})
-    truncation: Truncation | None = None   # default: the benchmark's protocol (default_truncation)
+    truncation: Truncation = None   # not set: the benchmark's protocol (default_truncation); null is refused
     SOURCES: typing.ClassVar[str] = ""     # the key that names the sources (for messages)
 
     def sources(self) -> list[str]:
