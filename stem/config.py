@@ -17,8 +17,8 @@ from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import GGUF_SEP, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.models.config import model_config
 from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
+from stem.seeds import JobId
 from stem.specs import TrainSpec
-from stem.sweeps import is_sweep_id
 
 HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
 SCALES = values(Scale)
@@ -166,9 +166,9 @@ def seed_targets(exp: Experiment) -> list[tuple[str, str, str]]:
             for k in seeds.seeds_of(exp, scale, v) if k for stage in variant_stages(exp, v, m.stages)]
 
 
-def _seed_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpec:
+def _seed_job(exp: Experiment, job: JobId) -> TrainSpec:
     """Seed k of a matrix cell (stem.seeds): the cell's spec, its own seed and folder."""
-    base, k = seeds.split(variant)
+    scale, variant, stage, base, k = job.scale, job.slot, job.stage, job.variant, job.seed
     if k not in seeds.seeds_of(exp, scale, base):
         raise ConfigError(f"variant {variant!r}: seed {k} of {base!r} at {scale} is not asked for by the "
                           f"{exp.experiment} config (seeds: {seeds.seeds_of(exp, scale, base)})")
@@ -179,14 +179,15 @@ def _seed_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
                                 "init_from": checkpoint(exp.experiment, scale, variant, init) if init else None})
 
 
-def _check_job(exp: Experiment, scale: str, variant: str, stage: str):
+def _check_job(exp: Experiment, job: JobId):
     """The job is one of the matrix (a variant's own stages) or a point of the sweeps (at its scale and stage)."""
+    scale, variant, stage = job.scale, job.variant, job.stage
     m, sw, kn = exp.matrix.get(scale), exp.sweeps, exp.knowledge
     if kn and knowledge.is_point(variant):
         if (scale, stage) != (kn.scale, kn.stage):
             raise ConfigError(f"variant {variant!r}: a knowledge point, trained at knowledge.scale / knowledge.stage "
                               f"({kn.scale} / {kn.stage}), not at {scale} / {stage}")
-    elif is_sweep_id(variant):
+    elif job.sweep:
         if (scale, stage) != (sw and sw.scale, sw and sw.stage):
             raise ConfigError(f"variant {variant!r}: a sweep point, trained at sweeps.scale / sweeps.stage "
                               f"({sw and sw.scale} / {sw and sw.stage}), not at {scale} / {stage}")
@@ -207,10 +208,11 @@ def _init_from(exp: Experiment, scale: str, variant: str, init, ins) -> str | No
 
 def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpec:
     """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
-    if seeds.split(variant)[1]:
-        return _seed_job(exp, scale, variant, stage)
-    _check_job(exp, scale, variant, stage)
-    point = is_sweep_id(variant) or bool(exp.knowledge and knowledge.is_point(variant))
+    job = JobId.parse(scale, variant, stage)   # the wildcards' one parser (stem.seeds)
+    if job.seed:
+        return _seed_job(exp, job)
+    _check_job(exp, job)
+    point = job.sweep is not None or bool(exp.knowledge and knowledge.is_point(variant))
     vspec = variant_spec(exp, variant)
     st = {**mapping(exp.stages[stage][scale]), **vspec.get("stage", {})}   # a sweep point's (sweeps.train)
     init, data = st.pop("init_from", None), st.pop("data")

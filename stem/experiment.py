@@ -8,8 +8,9 @@ a tokenizer of kind train_bpe has sources); ``Experiment.__post_init__`` checks 
 variants and sources a section names exist, a stage's ``init_from`` is an earlier stage of the matrix, ...).
 
 Adding a key is one field on its node: its type, its default (``None``: not set), its range as
-``metadata=expect(...)``. Sections a plugin or a suite kind defines its own keys for (``eval``, ``report``,
-another analysis, a source kind's reader keys) stay untyped mappings handed on as they are.
+``metadata=expect(...)``; a suite key is one field on its kind's settings class (stem.eval.spec.SuiteSettings,
+``Experiment.suite_settings``). Sections a plugin defines its own keys for (``eval`` as a whole, ``report``,
+another analysis, a source kind's reader keys) stay mappings handed on as they are.
 Torch-free (the workflow's DAG build parses the config).
 """
 from __future__ import annotations
@@ -25,10 +26,10 @@ from stem.fields import FieldError, Parser, expect
 from stem.io import ConfigError, dataclass_mapping, deep_merge, read_yaml, variant, variants, variants_file
 from stem.models.config import DSEConfig
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, NameKind, OptimGroup,
-                          RopeKind, RopeRamp, Scale, Schedule, SourceKind, Stage, Strategy, TableInit, TableLayout,
+                          RopeKind, RopeRamp, Scale, SourceKind, Stage, Strategy, TableInit, TableLayout,
                           TableUpdate, TokenizerKind, Truncation, values)
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS   # names only: entries load on use
-from stem.specs import TrainSettings
+from stem.specs import StageSchedule, TrainSettings
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")                                  # a variant's name
 MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")   # a plugin module
@@ -129,19 +130,13 @@ class HFInit:
     gguf_file: str | None = field(default=None, metadata=matches(re.compile(r"^[^/#]+$"), "a file name"))
 
 
-@dataclass(frozen=True)
-class StageSettings:
-    """``stages.<stage>.<scale>``: one stage's data mixture, schedule and batch layout."""
+@dataclass(frozen=True, kw_only=True)
+class StageSettings(StageSchedule):
+    """``stages.<stage>.<scale>``: one stage's data mixture, and its schedule and batch layout (lr, schedule,
+    warmup, min_lr_ratio, batch_size, micro_batch, seq_len, steps: ``stem.specs.StageSchedule``, the same
+    fields a training job's spec has)."""
     data: dict[str, float] = field(metadata=expect(lambda d: len(d) >= 1 and all(w > 0 for w in d.values()),
                                                    "a mapping of at least one source to a weight > 0"))
-    lr: float = field(metadata=above(0))
-    schedule: Schedule
-    warmup: float = field(metadata=within(0, 1))
-    min_lr_ratio: float = field(metadata=within(0, 1))
-    batch_size: int = field(metadata=POSITIVE)
-    micro_batch: int = field(metadata=POSITIVE)
-    seq_len: int = field(metadata=at_least(2))
-    steps: int = field(metadata=at_least(0))   # 0: a stage that only imports its init_from {hf: ...}
     # a stage name, or {hf: ...}: a transformers checkpoint (HFInit)
     init_from: Stage | HFInit | None = None
     # true (default): a fresh AdamW; false: init_from's optimizer state (saved in that checkpoint's optimizer/)
@@ -575,8 +570,8 @@ class Experiment:
         if self.knowledge is not None:
             knowledge.validate(self)
         self._check_variant_names()
-        self._check_sources()
         self._check_suites()
+        self._check_sources()
         self._check_long_context()
         for name, spec in self.analysis.plugins.items() if self.analysis else ():   # a plugin's analysis
             fail(name in ANALYSES, f"analysis.{name}", f"unknown analysis; expected stages or one of "
@@ -623,11 +618,8 @@ class Experiment:
         ev = self.eval or {}
         run = {suite for m in self.matrix.values() for stage in m.stages
                for suite in (ev.get("stages") or {}).get(stage) or []}
-        for name, suite in (ev.get("suites") or {}).items():
-            uses += [(f"eval.suites.{name}.{key}", [suite[key]]) for key in ("haystack", "source")
-                     if name in run and isinstance(suite, dict) and key in suite]
-            if name in run and isinstance(suite, dict) and isinstance(suite.get("categories"), dict):   # longppl
-                uses.append((f"eval.suites.{name}.categories", list(suite["categories"].values())))
+        uses += [(f"eval.suites.{name}.{settings.SOURCES}", settings.sources())
+                 for name, settings in self.suite_settings().items() if name in run]
         uses += [(f"analysis.{name}.source", [a["source"] if isinstance(a, dict) else a.source])
                  for name, a in self.analyses().items()
                  if (isinstance(a, dict) and "source" in a) or getattr(a, "source", None) is not None]
@@ -637,27 +629,40 @@ class Experiment:
                  if unknown else "")
 
     def _check_suites(self):
-        """Every eval suite's kind (default lm_eval) is a registered one (stem.registry.SUITE_KINDS); its
-        ``truncation`` one of the policies (NIAH: error only, its prompts are never cut)."""
+        """Every eval suite's kind (default lm_eval) is a registered one (stem.registry.SUITE_KINDS) and its keys
+        are those its kind's settings class declares (stem.eval.spec.SuiteSettings: types, ranges, the kind's
+        own checks and its checks against the rest of the config)."""
         fail(isinstance(self.eval or {}, dict), "eval", f"{self.eval!r}; expected a mapping")
+        for name, settings in self.suite_settings().items():
+            try:
+                settings.check(self)
+            except FieldError as e:
+                raise FieldError(f"eval.suites.{name}.{e.field}", str(e)) from None
+
+    def suite_settings(self) -> dict:
+        """{suite name: its settings node}, each of the class its kind registers (``SuiteKind.settings``); a key
+        the kind does not declare is one line naming the suite, the key, the kind and the keys it accepts."""
+        out = {}
         for name, suite in ((self.eval or {}).get("suites") or {}).items():
-            kind = suite.get("kind", "lm_eval") if isinstance(suite, dict) else None
-            fail(kind in SUITE_KINDS, f"eval.suites.{name}.kind",
+            where = f"eval.suites.{name}"
+            fail(isinstance(suite, dict), where, f"{suite!r}; expected a mapping (kind: <suite kind>, its keys)")
+            kind = suite.get("kind", "lm_eval")
+            fail(kind in SUITE_KINDS, f"{where}.kind",
                  f"unknown suite kind {kind!r}; expected one of {sorted(SUITE_KINDS)}")
-            allowed = ("error",) if kind == "niah" else values(Truncation)
-            fail(suite.get("truncation", allowed[0]) in allowed, f"eval.suites.{name}.truncation",
-                 f"{suite.get('truncation')!r}; expected " + (
-                     "error (NIAH prompts are built to fit their cells, never cut)" if kind == "niah"
-                     else f"one of {', '.join(allowed)}"))
+            cls = SUITE_KINDS[kind].settings
+            accepted = [f.name for f in dataclasses.fields(cls) if f.init]
+            unknown = [] if getattr(cls, "EXTRA", None) else sorted(set(suite) - set(accepted))
+            fail(not unknown, f"{where}.{unknown[0] if unknown else ''}",
+                 f"not a key of suite kind {kind} (it would be ignored); expected one of {', '.join(accepted)}")
+            out[name] = node(cls, suite, where)
+        return out
 
     def _check_long_context(self):
         """The long-context evaluation's keys (the DSE paper's Table 2): a suite's ``variants`` (only those variants'
-        checkpoints get it), a ``longppl`` suite's categories, sizes, thresholds and evaluator, and the fixtures'
-        RULER stand-in (``eval.fixtures.ruler``: the scale whose tokenizer sizes its items, lengths, generation
-        room)."""
+        checkpoints get it) and ``metadata``, and the fixtures' RULER stand-in (``eval.fixtures.ruler``: the scale
+        whose tokenizer sizes its items, lengths, generation room)."""
         ev, known = self.eval or {}, set(self.variants())
         whole = lambda v, lo: isinstance(v, int) and not isinstance(v, bool) and v >= lo   # noqa: E731
-        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)        # noqa: E731
         for name, suite in (ev.get("suites") or {}).items():
             where = f"eval.suites.{name}"
             fail("variants" not in suite or (isinstance(suite["variants"], list) and suite["variants"]
@@ -666,19 +671,6 @@ class Experiment:
                  "config/variants.yaml")
             fail("metadata" not in suite or isinstance(suite["metadata"], dict), f"{where}.metadata",
                  f"{suite.get('metadata')!r}; expected a mapping (e.g. {{max_seq_lengths: [32768]}})")
-            if suite.get("kind") != "longppl":
-                continue
-            fail(isinstance(suite.get("categories"), dict) and bool(suite["categories"]), f"{where}.categories",
-                 f"{suite.get('categories')!r}; expected a mapping {{column: source}} (e.g. {{book: long}})")
-            for key, lo in (("documents", 1), ("short", 1), ("window", 1), ("length", 2)):
-                fail(key not in suite or whole(suite[key], lo), f"{where}.{key}",
-                     f"{suite.get(key)!r}; expected an integer >= {lo}")
-            for key in ("alpha", "beta"):
-                fail(key not in suite or number(suite[key]), f"{where}.{key}",
-                     f"{suite.get(key)!r}; expected a number (nats)")
-            # the evaluator defaults to the baseline (stem.eval.spec), a known variant
-            fail("evaluator" not in suite or suite["evaluator"] in known | {"self"}, f"{where}.evaluator",
-                 f"{suite.get('evaluator')!r}; expected self or a variant of config/variants.yaml")
         ruler = (ev.get("fixtures") or {}).get("ruler")
         if ruler is None:
             return

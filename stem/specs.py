@@ -26,7 +26,6 @@ from stem.options import InsertInit, Schedule, Strategy, TableLayout, Truncation
 from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
-SCHEDULES = values(Schedule)
 TABLE_LAYOUTS = values(TableLayout)       # where a multi-rank job keeps its lookup tables (stem.train.tables)
 
 
@@ -83,17 +82,29 @@ class DataSource:
         _check(self.weight > 0, "weight", "a number > 0", self.weight)
 
 
-@dataclass(frozen=True)
-class TrainSettings:
-    """The ``train`` section: one stage's schedule and batch layout, logging, checkpoints, parallelism."""
-    lr: float
-    schedule: str
-    warmup: float
-    min_lr_ratio: float
-    batch_size: int          # global, in sequences
-    micro_batch: int         # per-GPU sequences per forward (an upper bound under data parallelism)
-    seq_len: int
-    steps: int
+IN_01 = expect(lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSchedule:
+    """A stage's schedule and batch layout: declared once, here; the config's node of a stage
+    (``stem.experiment.StageSettings``, ``stages.<stage>.<scale>``) and a training job's ``train`` section
+    (``TrainSettings``) are both this class, so a key has one type and one range from the YAML to the loop."""
+    lr: float = field(metadata=expect(lambda v: v > 0, "a number > 0"))
+    schedule: Schedule
+    warmup: float = field(metadata=IN_01)
+    min_lr_ratio: float = field(metadata=IN_01)
+    batch_size: int = field(metadata=expect(lambda v: v >= 1, "an integer >= 1"))   # global, in sequences
+    # per-GPU sequences per forward (an upper bound under data parallelism)
+    micro_batch: int = field(metadata=expect(lambda v: v >= 1, "an integer >= 1"))
+    seq_len: int = field(metadata=expect(lambda v: v >= 2, "an integer >= 2"))
+    steps: int = field(metadata=expect(lambda v: v >= 0, "an integer >= 0 (0: a stage that only imports)"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings(StageSchedule):
+    """The ``train`` section: one stage's schedule and batch layout (``StageSchedule``), logging, checkpoints,
+    parallelism."""
     cross_doc_mask: bool = False
     reset_optimizer: bool = True    # false: carry init_from's optimizer state (checkpoint/optimizer/)
     save_optimizer: bool = False    # true: a later stage carries this one's optimizer state
@@ -112,15 +123,10 @@ class TrainSettings:
     fit_gib: float | None = field(default=None, metadata=OPTIONAL)   # per-GPU GiB the plan fits the layout to (stem.train.memory.fit)
 
     def __post_init__(self):
-        _check(self.schedule in SCHEDULES, "schedule", f"one of {', '.join(SCHEDULES)}", self.schedule)
         _check(self.parallel in STRATEGIES, "parallel", f"one of {', '.join(STRATEGIES)}", self.parallel)
         _check(self.tables in TABLE_LAYOUTS, "tables", f"one of {', '.join(TABLE_LAYOUTS)}", self.tables)
-        _check(self.lr > 0, "lr", "a number > 0", self.lr)
-        for key in ("warmup", "min_lr_ratio"):
-            _check(0 <= getattr(self, key) <= 1, key, "a number in [0, 1]", getattr(self, key))
-        for key in ("batch_size", "micro_batch", "seq_len", "log_interval", "eval_interval", "checkpoint_interval"):
+        for key in ("log_interval", "eval_interval", "checkpoint_interval"):
             _check(getattr(self, key) >= 1, key, "an integer >= 1", getattr(self, key))
-        _check(self.steps >= 0, "steps", "an integer >= 0 (0: a stage that only imports)", self.steps)
         _check(self.eval_batches >= 0, "eval_batches", "an integer >= 0", self.eval_batches)
         _check(self.schedule_steps is None or self.schedule_steps >= 1, "schedule_steps", "an integer >= 1 or null",
                self.schedule_steps)

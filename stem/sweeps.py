@@ -33,11 +33,12 @@ from stem import layout as L
 from stem.io import ConfigError, dataclass_mapping, variants
 from stem.io import deep_merge as _deep_merge
 from stem.models.config import VARIANT_KEYS, ModelConfig, resolve_placement, table_rows
+from stem.seeds import SWEEP_ID
 
 MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
 KINDS = ("rho", "slots")
-ID = re.compile(r"^(rho|slots)_[0-9][0-9p]*$")
+ID = SWEEP_ID   # a point's id (rho_id, slots_id): one pattern, stem.seeds.JobId parses it too
 TOLERANCE = {"p_tot": 0.001, "p_act": 0.03}   # relative deviations from the rho = 1 model's, default
 CLAIMS = {
     "rho": ("DSE paper Sec. 3.1 / Fig. 2 left: validation loss vs rho is U-shaped; the pure MoE (rho = 1) is not "

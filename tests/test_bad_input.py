@@ -157,6 +157,38 @@ def test_fit_memory_without_a_gpu_memory_limit_is_one_line():
                             "expected cluster.gpu_mem_gib set (GiB per GPU)")
 
 
+# ---- a suite key its kind does not read (issue 43 item 2): refused, naming the suite, key, kind, accepted keys --
+@pytest.mark.parametrize("suite, key, value, kind", [
+    ("commonsense", "needle", "original", "lm_eval"),   # a NIAH key on an lm-eval suite: evaluated as if absent before
+    ("niah", "num_fewshot", 5, "niah"),
+    ("niah", "tasks", ["arc_easy"], "niah"),
+])
+def test_a_suite_key_its_kind_does_not_read_is_one_line(suite, key, value, kind):
+    from stem.registry import SUITE_KINDS
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg["eval"]["suites"][suite][key] = value
+    with pytest.raises(C.ConfigError) as e:
+        C.experiment.parse(cfg, origin="bad.yaml")
+    accepted = [f.name for f in __import__("dataclasses").fields(SUITE_KINDS[kind].settings)]
+    assert str(e.value) == (f"bad.yaml: key 'eval.suites.{suite}.{key}': not a key of suite kind {kind} (it would be "
+                            f"ignored); expected one of {', '.join(accepted)}")
+    assert key not in accepted and "kind" in accepted and "truncation" in accepted
+
+
+@pytest.mark.parametrize("suite, edit, message", [
+    ("niah", {"truncation": "left"}, "key 'eval.suites.niah.truncation': 'left'; expected error (NIAH prompts"),
+    ("niah", {"samples": 0}, "key 'eval.suites.niah.samples': 0; expected an integer >= 1"),
+    ("commonsense", {"tasks": []}, "key 'eval.suites.commonsense.tasks': []; expected at least 1 tasks"),
+    ("commonsense", {"truncation": "both"}, "key 'eval.suites.commonsense.truncation': 'both'"),
+])
+def test_a_suite_kinds_own_ranges_are_one_line(suite, edit, message):
+    cfg = C.read_yaml(C.REPO / "config" / "tiny.yaml")
+    cfg["eval"]["suites"][suite].update(edit)
+    with pytest.raises(C.ConfigError) as e:
+        C.experiment.parse(cfg, origin="bad.yaml")
+    assert str(e.value).startswith(f"bad.yaml: {message}") and "\n" not in str(e.value)
+
+
 # ---- a target of an undefined source (what the data rules' input functions call) -----------------------------
 def test_undefined_source_in_a_target_is_one_line_naming_the_defined_ones():
     cfg = C.experiment.load(C.REPO / "config" / "tiny.yaml")

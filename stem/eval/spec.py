@@ -17,12 +17,15 @@ the config check, the workflow's inputs and ``stem.eval.run.evaluate`` all look 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import typing
+from dataclasses import dataclass, field
 from typing import Callable
 
 from stem import config as C
 from stem import layout, plugins, seeds
-from stem.experiment import Experiment
+from stem.experiment import POSITIVE, Experiment, at_least, fail, items
+from stem.fields import expect
 from stem.options import Truncation
 from stem.registry import SUITE_KINDS, resolve as _import
 from stem.specs import EvalSpec
@@ -35,24 +38,122 @@ from stem.specs import EvalSpec
 PROTOCOL_TRUNCATION = {"longbench": Truncation.MIDDLE, "ruler": Truncation.ERROR, "niah": Truncation.ERROR}
 
 
+# ---- a suite's settings: the keys of ``eval.suites.<name>``, each kind's own (the config check, stem.experiment) ----
+@dataclass(frozen=True, kw_only=True)
+class SuiteSettings:
+    """The keys every suite may set, whatever its kind. A kind's settings class adds its own keys (type, default,
+    range as ``expect`` metadata, its own checks in ``__post_init__``); a key its class does not declare is
+    refused at the config check (``Experiment._check_suites``). ``variants`` and ``metadata`` are checked
+    against the rest of the config there too (they name variants)."""
+    kind: str = "lm_eval"
+    variants: typing.Any = None      # only these variants' checkpoints get the suite
+    metadata: typing.Any = None      # lm-eval task metadata (e.g. {max_seq_lengths: [32768]})
+    truncation: Truncation = None   # not set: the benchmark's protocol (default_truncation); null is refused
+    SOURCES: typing.ClassVar[str] = ""     # the key that names the sources (for messages)
+
+    def sources(self) -> list[str]:
+        """The config's sources the suite reads (each must be defined)."""
+        return []
+
+    def check(self, exp: Experiment) -> None:
+        """Checks against the rest of the config (a ``FieldError`` names the suite's key)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenSuiteSettings(SuiteSettings):
+    """A kind registered without a settings class: its own keys are handed on unchecked (``options``)."""
+    EXTRA: typing.ClassVar[str] = "options"
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmEvalSettings(SuiteSettings):
+    """Kind ``lm_eval`` (stem.eval.harness): lm-eval tasks and how they are scored."""
+    tasks: tuple[str, ...] = field(metadata=items(1, "tasks"))
+    num_fewshot: int | None = field(default=None, metadata=at_least(0))
+    metric: tuple[str, ...] = ()       # the reported metric per task, first found ("acc_norm,none", ...)
+    gen_kwargs: typing.Any = None      # lm-eval's generation arguments (a string or a mapping)
+    length_ranges: dict | None = None  # {table: [[lo, hi], ...]} by each sample's length field (LongBench)
+    length_metric: str | None = None   # the metric the length ranges average (default score)
+    task_metric: dict | None = None    # {task: metric} over ``metric``
+    bootstrap_iters: int | None = field(default=None, metadata=at_least(0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class NIAHSettings(SuiteSettings):
+    """Kind ``niah`` (stem.eval.niah): needles at depths of a source's haystack, per length."""
+    haystack: str
+    lengths: tuple[int, ...] = field(metadata=items(1, "lengths"))
+    depths: tuple[float, ...] = field(metadata=items(1, "depths"))
+    samples: int = field(metadata=POSITIVE)
+    needle: typing.Any = None          # original, or {text, question, answer_prefix, answer} (stem.eval.niah)
+    max_gen_toks: int | None = field(default=None, metadata=POSITIVE)
+    SOURCES: typing.ClassVar[str] = "haystack"
+
+    def __post_init__(self):
+        fail(self.truncation in (None, Truncation.ERROR), "truncation",
+             f"'{self.truncation}'; expected error (NIAH prompts are built to fit their cells, never cut)")
+
+    def sources(self) -> list[str]:
+        return [self.haystack]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPLSettings(SuiteSettings):
+    """Kind ``ppl`` (stem.eval.ppl): rolling perplexity over a source's documents."""
+    source: str
+    documents: int = field(default=100, metadata=POSITIVE)   # how many documents
+    split: str | None = None           # val: only the documents the tokenize rules hold out (checked on resolve)
+    SOURCES: typing.ClassVar[str] = "source"
+
+    def sources(self) -> list[str]:
+        return [self.source]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LongPPLSettings(SuiteSettings):
+    """Kind ``longppl`` (stem.eval.longppl): key-token perplexity, the longppl package's defaults; the evaluator
+    defaults to the baseline variant (C.baseline_variant) at the same scale and stage."""
+    categories: dict[str, str] = field(metadata=expect(
+        lambda c: len(c) >= 1, "a mapping {column: source} (e.g. {book: long})"))
+    documents: int = field(default=20, metadata=POSITIVE)
+    short: int = field(default=4096, metadata=POSITIVE)
+    window: int = field(default=1024, metadata=POSITIVE)
+    length: int | None = field(default=None, metadata=at_least(2))
+    alpha: float = 2.0                 # nats
+    beta: float = -2.0                 # nats
+    evaluator: str | None = None       # self or a variant
+    SOURCES: typing.ClassVar[str] = "categories"
+
+    def sources(self) -> list[str]:
+        return list(self.categories.values())
+
+    def check(self, exp: Experiment) -> None:
+        fail(self.evaluator is None or self.evaluator in {*exp.variants(), "self"}, "evaluator",
+             f"{self.evaluator!r}; expected self or a variant of config/variants.yaml")
+
+
 @dataclass(frozen=True)
 class SuiteKind:
     """How a kind of suite runs: ``runner(lm, spec, limit) -> (result fields, raw output, harness label)`` (a
     function or a ``"module:function"`` string); ``resolve(exp, spec)`` completes the suite's spec from the
     experiment config's typed tree (``stem.experiment.Experiment``; in place); ``inputs(exp, spec)`` are the files
-    its eval job reads besides the checkpoint (rules/eval.smk)."""
+    its eval job reads besides the checkpoint (rules/eval.smk); ``settings`` the class of its keys (a
+    ``SuiteSettings``; the config check refuses any other key), ``OpenSuiteSettings`` where a kind states none."""
     runner: Callable[..., tuple[dict, dict, str]] | str
     resolve: Callable[[Experiment, dict], None] | None = None
     inputs: Callable[[Experiment, dict], dict] | None = None
+    settings: type = OpenSuiteSettings
 
     def run(self, lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
         """Run the suite (a string runner is imported now: torch and lm-eval only in the eval job)."""
         return _import(self.runner)(lm, spec, limit)
 
 
-def suite_kind(name: str, resolve=None, inputs=None):
-    """Decorator: register ``run`` as the runner of suite kind ``name`` (in ``stem.registry.SUITE_KINDS``)."""
-    return SUITE_KINDS.register(name, lambda run: SuiteKind(run, resolve, inputs))
+def suite_kind(name: str, resolve=None, inputs=None, settings=OpenSuiteSettings):
+    """Decorator: register ``run`` as the runner of suite kind ``name`` (in ``stem.registry.SUITE_KINDS``), its keys
+    the fields of ``settings`` (a ``SuiteSettings`` subclass)."""
+    return SUITE_KINDS.register(name, lambda run: SuiteKind(run, resolve, inputs, settings))
 
 
 def kind_of(spec: dict) -> SuiteKind:
@@ -110,7 +211,7 @@ def eval_targets(exp: Experiment) -> list[str]:
     ``variants:`` only for those variants' checkpoints, their seeds included)."""
     return [layout.eval_json(exp.experiment, s, v, st, suite)
             for s, v, st in C.train_targets(exp) + C.seed_targets(exp)
-            for suite in suites_for(exp, st, seeds.split(v)[0])]
+            for suite in suites_for(exp, st, seeds.JobId.parse(s, v, st).variant)]
 
 
 RULER_TASK_PREFIXES = ("niah_", "ruler_")   # lm-eval's RULER task names (stem.eval.ruler_data.TASKS)
@@ -155,7 +256,8 @@ def _resolve_documents(exp: Experiment, spec: dict) -> None:
 
 
 def _resolve_ppl(exp: Experiment, spec: dict) -> None:
-    spec["n_documents"] = spec.get("documents", 100)  # `documents` (a count) is replaced by the reader spec
+    # `documents` (a count) is replaced by the reader spec
+    spec["n_documents"] = spec.get("documents", _default(PPLSettings, "documents"))
     _resolve_documents(exp, spec)
     if spec.get("split") is not None:   # `split: val`: only the documents the tokenize rules hold out of training
         src = C.source_of(exp, spec["source"])
@@ -170,15 +272,19 @@ def _documents_inputs(exp: Experiment, spec: dict) -> dict:
     return {"documents": C.source_inputs(exp, _source(spec))}
 
 
-SUITE_KINDS.add("lm_eval", SuiteKind("stem.eval.harness:lm_eval_suite", inputs=_lm_eval_inputs))
-SUITE_KINDS.add("niah", SuiteKind("stem.eval.niah:run_niah", _resolve_documents, _documents_inputs))
-SUITE_KINDS.add("ppl", SuiteKind("stem.eval.ppl:run_ppl", _resolve_ppl, _documents_inputs))
+SUITE_KINDS.add("lm_eval", SuiteKind("stem.eval.harness:lm_eval_suite", inputs=_lm_eval_inputs,
+                                     settings=LmEvalSettings))
+SUITE_KINDS.add("niah", SuiteKind("stem.eval.niah:run_niah", _resolve_documents, _documents_inputs, NIAHSettings))
+SUITE_KINDS.add("ppl", SuiteKind("stem.eval.ppl:run_ppl", _resolve_ppl, _documents_inputs, PPLSettings))
 
 
-# LongPPL (stem.eval.longppl): `categories` {column: source}; the defaults are the longppl package's (alpha 2,
-# beta -2, short 4096, window 1024) and the evaluator the same scale and stage's baseline model
-# (C.baseline_variant: the variant config/variants.yaml marks baseline: true)
-LONGPPL_DEFAULTS = {"alpha": 2.0, "beta": -2.0, "short": 4096, "window": 1024, "documents": 20}
+def _default(settings: type, key: str):
+    return next(f.default for f in dataclasses.fields(settings) if f.name == key)
+
+
+# LongPPL (stem.eval.longppl): the defaults of LongPPLSettings (the longppl package's) and the evaluator the same
+# scale and stage's baseline model (C.baseline_variant: the variant config/variants.yaml marks baseline: true)
+LONGPPL_DEFAULTS = {k: _default(LongPPLSettings, k) for k in ("alpha", "beta", "short", "window", "documents")}
 
 
 def _resolve_longppl(exp: Experiment, spec: dict) -> None:
@@ -195,4 +301,5 @@ def _longppl_inputs(exp: Experiment, spec: dict) -> dict:
     return inputs
 
 
-SUITE_KINDS.add("longppl", SuiteKind("stem.eval.longppl:run_longppl", _resolve_longppl, _longppl_inputs))
+SUITE_KINDS.add("longppl", SuiteKind("stem.eval.longppl:run_longppl", _resolve_longppl, _longppl_inputs,
+                                     LongPPLSettings))

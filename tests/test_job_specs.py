@@ -1,0 +1,82 @@
+"""Every training job of the tiny, paper, rehearsal, real and sweep DAGs carries the values of the experiment tree
+it came from (issue 38 item 4): Snakemake builds each DAG (scripts/dagdump.py's machinery, the real Snakefile),
+and each train job's spec JSON (its rerun trigger) is checked against the typed tree's nodes, independently of
+the resolver that wrote it: the stage's settings after the variant's ``stage:`` overrides and the sweep's
+``sweeps.train``, the config's optimizer after the variant's ``optim:``, the cluster's table layout."""
+import importlib.util
+import json
+
+import pytest
+
+from stem import experiment, seeds
+from stem.config import REPO
+from stem.specs import TrainSettings
+
+_spec = importlib.util.spec_from_file_location("dagdump", REPO / "scripts" / "dagdump.py")
+dagdump = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dagdump)
+
+STAGE_KEYS = ("lr", "steps", "schedule", "warmup", "min_lr_ratio", "batch_size", "micro_batch", "seq_len")
+SWEEPS = ["all", "sweep_rho", "sweep_slots"]
+DAGS = {"tiny": ([], SWEEPS), "paper": (["config/paper.yaml"], SWEEPS),
+        "rehearsal": (["config/rehearsal.yaml"], ["all"]), "real": (["config/real.yaml"], ["all"])}
+
+
+def _expected(exp, scale: str, variant: str, stage: str) -> dict:
+    """The tree's values for one job: the stage node, then the variant's stage overrides (or the sweep's)."""
+    node = exp.stages[stage][scale]
+    want = {k: getattr(node, k) for k in STAGE_KEYS}
+    base = seeds.JobId.parse(scale, variant, stage).variant
+    if seeds.JobId.parse(scale, variant, stage).sweep:
+        over = {k: v for k, v in vars(exp.sweeps.train or experiment.SweepTrain()).items() if v is not None}
+        want.update({k: v for k, v in over.items() if k in want})
+        return {**want, "eval_batches": over.get("eval_batches", exp.train.eval_batches), "optim": {}}
+    vspec = exp.variant(base) or {}
+    want.update({k: v for k, v in (vspec.get("stage") or {}).items() if k in want})
+    return {**want, "eval_batches": exp.train.eval_batches, "optim": vspec.get("optim") or {}}
+
+
+@pytest.mark.parametrize("name", list(DAGS))
+def test_every_train_jobs_spec_is_its_trees_values(name, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    configfiles, targets = DAGS[name]
+    exp = experiment.load(REPO / (configfiles[0] if configfiles else "config/tiny.yaml"))
+    train = [j for j in dagdump.jobs(configfiles, targets) if j.rule.name.startswith("train")]
+    assert train, f"{name}: no training job in the DAG"
+    seen_sweep = False
+    for job in train:
+        spec = json.loads(job.params.spec)
+        w = job.wildcards_dict
+        scale, variant, stage = w["scale"], w["variant"], w["stage"]
+        assert (spec["scale"], spec["variant"], spec["stage"]) == (scale, variant, stage)
+        want, t = _expected(exp, scale, variant, stage), spec["train"]
+        where = f"{name} {scale}/{variant}/{stage}"
+        for key in (*STAGE_KEYS, "eval_batches"):
+            assert t[key] == want[key], f"{where}: train.{key} {t[key]!r}, the tree says {want[key]!r}"
+        # written only where not the job spec's default (stem.specs.TrainSettings)
+        got = (t.get("tables", TrainSettings.tables), t.get("parallel", TrainSettings.parallel))
+        assert got == (exp.cluster.tables, exp.cluster.strategy), where
+        node = exp.stages[stage][scale]
+        job_id = seeds.JobId.parse(scale, variant, stage)
+        assert job_id.slot == variant and (job_id.seed > 0) == ("_seed" in variant), where   # one string form
+        if "data" not in (((exp.variant(job_id.variant) or {}).get("stage")) or {}):
+            assert {s: d["weight"] for s, d in spec["data"].items()} == node.data, where
+        wd = want["optim"].get("weight_decay", exp.optim.weight_decay)
+        assert spec["optim"]["weight_decay"] == wd and tuple(spec["optim"]["betas"]) == exp.optim.betas, where
+        if node.table_group is not None and node.table_group.lr_mult is not None:
+            assert spec["optim"]["groups"]["table"]["lr_mult"] == node.table_group.lr_mult, where
+        seen_sweep |= job_id.sweep is not None
+    assert seen_sweep == (name in ("tiny", "paper"))   # the sweeps' points were built too
+
+
+@pytest.mark.parametrize("slot, job", [
+    ("stem", seeds.JobId("350m", "stem", "pretrain")),
+    ("stem_seed2", seeds.JobId("350m", "stem", "pretrain", seed=2)),
+    ("dense_seed10", seeds.JobId("350m", "dense", "pretrain", seed=10)),
+    ("rho_0p833", seeds.JobId("350m", "rho_0p833", "pretrain", sweep="rho")),
+    ("slots_4096", seeds.JobId("350m", "slots_4096", "pretrain", sweep="slots")),
+    ("stem_seed0", seeds.JobId("350m", "stem_seed0", "pretrain")),   # seed 0 is the variant itself: no suffix
+])
+def test_a_job_id_has_one_string_form_and_one_parser(slot, job):
+    assert seeds.JobId.parse("350m", slot, "pretrain") == job and job.slot == slot
+    assert (seeds.split(slot), seeds.seed_id(job.variant, job.seed)) == ((job.variant, job.seed), slot)
