@@ -173,11 +173,11 @@ def _calibrate(dense, cal: dict, layers: list[int], x: torch.Tensor) -> Calibrat
     out = calibrate(dense, cal["x"], layers, cal.get("unseen", "mean"), bool(cal.get("sequential")))
     rec = cal.setdefault("record", {"tokens": int(cal["x"].numel()), "unseen": cal.get("unseen", "mean"),
                                     "sequential": bool(cal.get("sequential")), "rows_calibrated": len(out.ids),
-                                    "vocab_size": dense.cfg.vocab_size, "heldout_coverage": out.coverage(x[:, 1:]),
+                                    "vocab_size": dense.cfg.vocab_size, "heldout_coverage": out.coverage(x[:, :-1]),
                                     "cpu_seconds": {}})
     rec["cpu_seconds"][",".join(map(str, layers))] = round(time.process_time() - t0, 1)
     print(f"calibrated layers {layers}: {len(out.ids):,} rows of {dense.cfg.vocab_size:,}, covering "
-          f"{rec['heldout_coverage']:.1%} of the held-out targets")
+          f"{rec['heldout_coverage']:.1%} of the held-out lookups (the windows' input tokens)")
     return out
 
 

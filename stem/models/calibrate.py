@@ -12,7 +12,8 @@ distinct x d_ff x 2 fp32 (printed). Tokens the calibration never saw take the ``
 statistic over all tokens (the gate-weighted mean of u), or ``raw``, E[t] W_up^T (the official script's row).
 
 ``sequential``: layer after layer, each calibrated with the earlier STEM layers already replaced by their
-calibrated tables (as GPTQ calibrates), one forward pass per STEM layer instead of one in all.
+calibrated tables (as GPTQ calibrates), one forward pass per STEM layer instead of one in all. Every pass stops
+after the last layer it calibrates (no later layer, no LM head).
 """
 from __future__ import annotations
 
@@ -71,6 +72,14 @@ class Calibration:
         return float((self.index[tokens.reshape(-1)] >= 0).float().mean())
 
 
+class _Stop(Exception):
+    """Raised after the last calibrated layer: the rest of the forward (and the LM head) is not needed."""
+
+
+def _stop_hook(module, args, out):
+    raise _Stop
+
+
 def _stat_hook(stats: Stats, index: torch.Tensor):
     def hook(module, args, out):
         x, ids = args[0], args[1]
@@ -110,9 +119,13 @@ def calibrate(model, tokens: torch.Tensor, layers: list[int], unseen: str = "mea
     for group in ([[i] for i in layers] if sequential else [list(layers)]):
         hooks = [model.layers[i].ffn.register_forward_hook(_stat_hook(stats[i], index)) for i in group]
         hooks += [model.layers[i].ffn.register_forward_hook(_replace_hook(rows[i], index, mean[i])) for i in rows]
+        hooks.append(model.layers[max(group)].register_forward_hook(_stop_hook))
         try:
             for b in range(0, len(tokens), batch):
-                model(tokens[b:b + batch])
+                try:
+                    model(tokens[b:b + batch])
+                except _Stop:
+                    pass
         finally:
             for h in hooks:
                 h.remove()
