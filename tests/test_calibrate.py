@@ -139,3 +139,18 @@ def test_a_trained_insertion_cannot_be_calibrated_yet():
     real["analysis"]["insertion_step0"]["calibration"] = {"unseen": "never"}
     with pytest.raises(C.ConfigError, match=r"calibration.unseen': 'never'; expected mean or raw"):
         C.experiment.parse(real, "real.yaml")
+
+
+def test_step0_rows_calibrated_with_the_per_layer_decomposition(dense):
+    """The step-0 analysis: a placement's calibrated row, then one row per STEM layer inserted alone (calibrated),
+    and the record of the calibration (rows calibrated, held-out coverage of the lookups)."""
+    from stem.analysis.insertion import step0_rows
+    x = torch.randint(0, 60, (2, 17))
+    cal = {"x": torch.randint(0, 40, (4, 16)), "per_layer": True}
+    rows = step0_rows(dense, x, {"p": [1, 3]}, ["calibrated", "raw"], cal=cal)
+    assert [(r["placement"], r["init"]) for r in rows] == [("dense", None), ("p", "calibrated"), ("p", "raw"),
+                                                          ("layer 1", "calibrated"), ("layer 3", "calibrated")]
+    rec = cal["record"]
+    assert rec["rows_calibrated"] == len(cal["x"].unique())
+    assert rec["heldout_coverage"] == pytest.approx(float(
+        torch.isin(x[:, :-1], cal["x"]).float().mean()))

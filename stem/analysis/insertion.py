@@ -132,15 +132,16 @@ def step0_rows(dense, x: torch.Tensor, placements=("1/3", "1/2"), inits=INSERT_I
     rows = [{"placement": "dense", "init": None, "stem_layers": [], "window_loss": window_losses(dense, x)}]
     state = dense.state_dict()
     shared = _calibrate(dense, cal, sorted({i for v in named.values() for i in v}), x) if cal else None
-    if cal and cal.get("per_layer"):
-        named.update({f"layer {i}": [i] for i in sorted({i for v in named.values() for i in v})})
-    for name, layers in named.items():
+    runs = [(name, layers, inits) for name, layers in named.items()]
+    if cal and cal.get("per_layer"):   # the decomposition: one calibrated STEM layer at a time
+        runs += [(f"layer {i}", [i], ["calibrated"]) for i in sorted({i for v in named.values() for i in v})]
+    for name, layers, these in runs:
         cfg = dataclasses.replace(dense.cfg, ffn=tuple("stem" if i in layers else "dense"
                                                        for i in range(dense.cfg.n_layers)))
-        for init in inits if not name.startswith("layer ") else ["calibrated"]:
+        for init in these:
             calib = None
             if init == "calibrated":
-                seq = cal.get("sequential") and not name.startswith("layer ")
+                seq = cal.get("sequential") and len(layers) > 1
                 calib = _calibrate(dense, cal, layers, x) if seq else shared
             model = inserted_rows(cfg, state, init, x.unique(), seed, where, calib)
             rows.append({"placement": name, "init": init, "stem_layers": layers,
