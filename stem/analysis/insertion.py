@@ -126,9 +126,9 @@ def step0_rows(dense, x: torch.Tensor, placements=("1/3", "1/2"), inits=INSERT_I
     bad = [i for i in inits if i not in INSERT_INITS]
     if bad:
         raise ValueError(f"insertion init {bad[0]!r}: expected one of {', '.join(INSERT_INITS)}")
+    named = {name: resolve_placement(spec, dense.cfg.n_layers) for name, spec in _named(placements).items()}
     if "calibrated" in inits and cal is None:
         raise ValueError("insertion init 'calibrated' without a calibration source (expected calibration windows)")
-    named = {name: resolve_placement(spec, dense.cfg.n_layers) for name, spec in _named(placements).items()}
     rows = [{"placement": "dense", "init": None, "stem_layers": [], "window_loss": window_losses(dense, x)}]
     state = dense.state_dict()
     shared = _calibrate(dense, cal, sorted({i for v in named.values() for i in v}), x) if cal else None
