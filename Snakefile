@@ -24,6 +24,11 @@ include: "rules/sweep.smk"
 include: "rules/hf.smk"
 
 
+from stem import knowledge as KN  # noqa: E402
+
+knowledge_outputs = lambda: KN.targets(EXPERIMENT)  # noqa: E731  (every point's summary and knowledge analysis)
+
+
 rule all:
     default_target: True
     input:
@@ -33,3 +38,4 @@ rule all:
         params_tables(),
         report_outputs(),
         sweep_outputs(),  # [] unless sweeps.in_all (rules/sweep.smk)
+        knowledge_outputs(),  # [] without a knowledge: section (stem/knowledge.py)

@@ -12,7 +12,8 @@ versions are used; the manifest names them). Where the registry has no wheel for
 is built into a wheel here, which must then be pure Python. The folder gets the wheels,
 ``requirements.txt`` (``name==version --hash=sha256:...``: pip checks every wheel's hash on install) and
 ``manifest.json`` (Python, platforms, every wheel's name, version, file, bytes and SHA-256, what was left
-out). Written to a temporary folder and moved into place at the end: an interrupted run leaves nothing.
+out). Written to a temporary folder (``.OUT.tmp-*``) and moved into place at the end; an interrupted run's
+temporary folder is removed by the next run.
 Standard library only: it runs before any venv exists.
 """
 from __future__ import annotations
@@ -82,6 +83,33 @@ def platforms(platform: str) -> list[str]:
     return tags + [f"{name}_{arch}" for n, name in legacy.items() if n <= glibc]
 
 
+ARCH = r"(x86_64|i686|aarch64|armv7l|ppc64le|ppc64|s390x|riscv64)"
+PLATFORM = re.compile(rf"manylinux_2_\d+_{ARCH}|manylinux(1|2010|2014)_{ARCH}|musllinux_1_\d+_{ARCH}"
+                      r"|macosx_\d+_\d+_(x86_64|arm64|universal2|universal|intel|fat64|fat32|fat|i386|ppc64|ppc)"
+                      r"|win32|win_amd64|win_arm64")
+
+
+def check_inputs(args):
+    """One line for a platform tag outside the manylinux/musllinux/macosx/win grammar (pip would only say it
+    finds no distribution) or a --leave-out file that does not exist: before anything is downloaded."""
+    if not PLATFORM.fullmatch(args.platform):
+        raise SystemExit(f"wheelhouse: --platform (WHEEL_PLATFORM) {args.platform!r}: not a platform tag; expected "
+                         "manylinux_2_N_ARCH (or manylinux2014_ARCH), musllinux_1_N_ARCH, macosx_X_Y_ARCH, "
+                         "win32, win_amd64 or win_arm64 (ARCH e.g. x86_64, aarch64)")
+    if args.leave_out and not Path(args.leave_out).is_file():
+        raise SystemExit(f"wheelhouse: --leave-out (LEAVE_OUT) {args.leave_out}: no such file (expected a pip "
+                         "freeze of the target environment)")
+
+
+def remove_leftovers(out: Path):
+    """The temporary folders of an interrupted earlier run beside ``out`` (``.NAME.tmp-*``; and ``.NAME.XXXXXXXX``,
+    the name before they had the tmp- prefix)."""
+    legacy = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}")
+    for stale in out.parent.glob(f".{out.name}.*"):
+        if stale.is_dir() and (stale.name.startswith(f".{out.name}.tmp-") or legacy.fullmatch(stale.name)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -112,6 +140,9 @@ def wanted(what: str, pins: dict, constraints: Path) -> dict[str, tuple[str, str
 
 
 def build(args) -> dict:
+    out = Path(args.out).resolve()
+    if out.parent.is_dir():
+        remove_leftovers(out)
     constraints = Path(args.constraints)
     chosen = wanted(args.what, read_pins(constraints), constraints)
     left_out = {}
@@ -119,9 +150,8 @@ def build(args) -> dict:
         freeze = read_freeze(Path(args.leave_out))
         left_out = {chosen[k][0]: freeze[k] for k in sorted(chosen) if k in freeze}
         chosen = {k: v for k, v in chosen.items() if k not in freeze}
-    out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         reqs = tmp / "wanted.txt"
         reqs.write_text("".join(f"{n}=={v}\n" for n, v in chosen.values()))
@@ -180,6 +210,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", args.python):
         raise SystemExit(f"wheelhouse: --python {args.python}: expected a version like 3.12")
+    check_inputs(args)
     m = build(args)
     print(f"wheelhouse: {len(m['wheels'])} wheels, {m['total_bytes'] / 2**20:.1f} MiB, for CPython {args.python} "
           f"{args.platform} ({args.what}" + (f", {len(m['left_out'])} left out" if m["left_out"] else "")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from stem import experiment, plugins, seeds, sweeps
+from stem import experiment, knowledge, plugins, seeds, sweeps
 from stem.experiment import Experiment, Source
 from stem.experiment import dataclass_mapping as mapping
 from stem.io import ConfigError, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
@@ -39,6 +39,11 @@ def variant_spec(exp: Experiment, variant: str) -> dict:
         return all_variants[base]
     if variant in all_variants:
         return all_variants[variant]
+    if exp.knowledge and knowledge.is_point(variant):   # a point of the knowledge sweep (stem.knowledge)
+        try:
+            return knowledge.variant_spec(exp, variant)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if exp.sweeps and sweeps.is_sweep_id(variant):
         points = sweeps.variant_specs(sweeps.spec(exp))
         if variant in points:
@@ -96,7 +101,7 @@ def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | Non
     if stage is not None:
         spec = mapping(exp.stages[stage][scale])   # a key written null is kept, as the config writes it
         arch.update({key: spec[key] for key in ("max_seq_len", "rope_scaling") if key in spec})
-    spec = {k: v for k, v in variant_spec(exp, variant).items() if k != "stage"}
+    spec = {k: v for k, v in variant_spec(exp, variant).items() if k not in ("stage", "seed_index")}
     return model_config(arch, spec)
 
 
@@ -176,8 +181,12 @@ def _seed_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
 
 def _check_job(exp: Experiment, scale: str, variant: str, stage: str):
     """The job is one of the matrix (a variant's own stages) or a point of the sweeps (at its scale and stage)."""
-    m, sw = exp.matrix.get(scale), exp.sweeps
-    if is_sweep_id(variant):
+    m, sw, kn = exp.matrix.get(scale), exp.sweeps, exp.knowledge
+    if kn and knowledge.is_point(variant):
+        if (scale, stage) != (kn.scale, kn.stage):
+            raise ConfigError(f"variant {variant!r}: a knowledge point, trained at knowledge.scale / knowledge.stage "
+                              f"({kn.scale} / {kn.stage}), not at {scale} / {stage}")
+    elif is_sweep_id(variant):
         if (scale, stage) != (sw and sw.scale, sw and sw.stage):
             raise ConfigError(f"variant {variant!r}: a sweep point, trained at sweeps.scale / sweeps.stage "
                               f"({sw and sw.scale} / {sw and sw.stage}), not at {scale} / {stage}")
@@ -201,7 +210,8 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
     if seeds.split(variant)[1]:
         return _seed_job(exp, scale, variant, stage)
     _check_job(exp, scale, variant, stage)
-    point, vspec = is_sweep_id(variant), variant_spec(exp, variant)
+    point = is_sweep_id(variant) or bool(exp.knowledge and knowledge.is_point(variant))
+    vspec = variant_spec(exp, variant)
     st = {**mapping(exp.stages[stage][scale]), **vspec.get("stage", {})}   # a sweep point's (sweeps.train)
     init, data = st.pop("init_from", None), st.pop("data")
     table_group = st.pop("table_group", None)   # this stage's table-group LR multiplier / weight decay
@@ -228,7 +238,7 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
     extra = {} if ins is None else {"insert": {"from": ins["from"], "init": ins.get("init", InsertInit.PROJECTED)}}
     return TrainSpec.from_dict({**extra,
         "experiment": exp.experiment, "scale": scale, "variant": variant, "stage": stage,
-        "seed": exp.seed, "device": exp.device,
+        "seed": exp.seed + vspec.get("seed_index", 0), "device": exp.device,
         "model": model_config_for(exp, scale, variant, stage).to_dict(),
         "optim": optim, "train": train,
         "data": {src: {"weight": w, "manifest": tokens_manifest(exp.experiment, scale, src)}
@@ -251,7 +261,16 @@ def corpus_spec(exp: Experiment, source: str) -> dict:
     if src.kind != SourceKind.SYNTH:
         raise ConfigError(f"source {source!r}: no corpus to generate (only kind 'synth' sources have one)")
     return {"source": source, "world": mapping(exp.world) if exp.world else {}, "seed": exp.seed,
-            **source_mapping(src), **plugins.spec_key(exp)}
+            **source_mapping(src), **plugins.spec_key(exp), **_knowledge_key(exp)}
+
+
+def _knowledge_key(exp: Experiment) -> dict:
+    """The knowledge section's world (stem.data.bios: seed, names, name_kind, attributes, templates) for a job
+    that builds it; nothing without one (the other experiments' specs are unchanged)."""
+    if exp.knowledge is None:
+        return {}
+    kn = mapping(exp.knowledge)
+    return {"knowledge": {k: kn[k] for k in ("seed", "names", "name_kind", "attributes", "templates")}}
 
 
 def documents_spec(exp: Experiment, source: str) -> dict:
@@ -271,6 +290,8 @@ def tokenizer_spec(exp: Experiment, scale: str) -> dict:
     tok = mapping(exp.tokenizer[scale])
     if tok["kind"] == TokenizerKind.TRAIN_BPE:
         tok["documents"] = [documents_spec(exp, s) for s in tok["sources"]]
+    if tok.get("add_names"):   # the knowledge experiment's one-token names (stem.data.bios)
+        tok.update(_knowledge_key(exp))
     return tok
 
 

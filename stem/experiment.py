@@ -20,11 +20,11 @@ import re
 import typing
 from dataclasses import dataclass, field
 
-from stem import fields, plugins, sweeps
+from stem import fields, knowledge, plugins, sweeps
 from stem.fields import FieldError, Parser, expect
 from stem.io import ConfigError, dataclass_mapping, deep_merge, read_yaml, variant, variants, variants_file
 from stem.models.config import DSEConfig
-from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, OptimGroup,
+from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, NameKind, OptimGroup,
                           RopeKind, RopeRamp, Scale, Schedule, SourceKind, Stage, Strategy, TableInit, TableLayout,
                           TableUpdate, TokenizerKind, Truncation, values)
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS   # names only: entries load on use
@@ -198,6 +198,8 @@ class Tokenizer:
     gguf_file: str | None = None   # kind pretrained: the tokenizer of this GGUF file in the folder ``path``
     sources: tuple[str, ...] | None = field(default=None, metadata=items(1, "sources"))
     vocab_size: int | None = field(default=None, metadata=at_least(260))
+    # the knowledge experiment: the knowledge section's one-token names added as tokens (stem.data.bios)
+    add_names: bool | None = None
 
     def __post_init__(self):
         for key in ("sources", "vocab_size") if self.kind == TokenizerKind.TRAIN_BPE else ("path",):
@@ -521,6 +523,40 @@ class Sweeps:
     slots: SlotsSweep | None = None
 
 
+# ---- the knowledge experiment (stem.knowledge, stem.data.bios) ---------------------------------------------
+@dataclass(frozen=True)
+class Knowledge:
+    """``knowledge``: the bioS-style world (a pool of ``names`` individuals, attributes with known set sizes,
+    paraphrase templates) and the sweep over its sources (each a world of N individuals seen E times) x variants
+    x seeds, every point a generated variant id trained by the train rule at ``scale`` / ``stage``."""
+    seed: int
+    names: int = field(metadata=at_least(2))                   # the name vocabulary (one-token names)
+    attributes: dict[str, int] = field(metadata=expect(lambda a: len(a) >= 1 and min(a.values()) >= 2,
+                                                       "a mapping of attributes to set sizes >= 2"))
+    templates: dict[str, tuple[str, ...]]
+    sources: tuple[str, ...] = field(metadata=items(1, "sources"))   # bios sources: the N sweep (and the control)
+    variants: tuple[str, ...] = field(metadata=items(1, "variants"))
+    scale: Scale
+    stage: Stage
+    tokens_per_bio: float = field(metadata=above(0))          # measured (docs/knowledge.md): sets the steps
+    name_kind: NameKind = NameKind.ONE
+    seeds: tuple[int, ...] = (0,)                              # seed k > 0: its own job (exp.seed + k)
+    seeds_at: tuple[str, ...] | None = None                    # sources whose points get every seed (default all)
+    min_recall: float = field(default=0.9, metadata=within(0, 1))   # below it at the smallest N: invalid
+    # the training budget below which the smallest world is not learnt (docs/knowledge.md: measured, dense at
+    # N 100 recalls 0.97 at E 100); a source with fewer exposures fails the config check
+    min_exposures: int = field(default=100, metadata=POSITIVE)
+
+    def __post_init__(self):
+        fail(set(self.templates) == set(self.attributes), "templates",
+             f"attributes {sorted(self.templates)}; expected one template list per attribute {sorted(self.attributes)}")
+        for attr, tpls in self.templates.items():
+            fail(len(tpls) >= 1, f"templates.{attr}", "empty; expected at least one template")
+            for i, t in enumerate(tpls):
+                problem = knowledge.template_problem(t)
+                fail(problem is None, f"templates.{attr}[{i}]", problem or "")
+
+
 # ---- the root ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Experiment:
@@ -546,8 +582,11 @@ class Experiment:
     # the config's own plugin modules (stem.plugins): imported before anything is looked up
     plugins: tuple[str, ...] = field(default=(), metadata=matches(MODULE, "importable module names"))
     sweeps: Sweeps | None = None
+    knowledge: Knowledge | None = None   # the knowledge experiment (stem.knowledge)
 
     def __post_init__(self):
+        if self.knowledge is not None:
+            knowledge.validate(self)
         self._check_variant_names()
         self._check_sources()
         self._check_suites()

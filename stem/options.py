@@ -12,6 +12,7 @@ class Experiment(StrEnum):
     PAPER = "paper"
     REHEARSAL = "rehearsal"
     REAL = "real"
+    KNOWLEDGE = "knowledge"
 
 
 class Scale(StrEnum):
@@ -138,3 +139,9 @@ class CKATokens(StrEnum):
 
 def values(option: type[StrEnum]) -> tuple[str, ...]:
     return tuple(m.value for m in option)
+
+
+class NameKind(StrEnum):
+    """The knowledge experiment's names (stem.data.bios): one token each, or first + last name (BPE tokens)."""
+    ONE = "one"
+    MULTI = "multi"

@@ -8,18 +8,27 @@ from itertools import chain
 from pathlib import Path
 
 from stem.data import synth
+from stem.data.bios import make_bios
 from stem.data.shards import tokenize_to_shards
 from stem.data.sources import iter_documents
-from stem.data.tokenizer import load_tokenizer, train_bpe
+from stem.data.tokenizer import add_words, load_tokenizer, train_bpe
 from stem.io import atomic_write_text
 
 
 def make_corpus(spec: dict, out_path) -> dict:
     w = spec.get("world", {})
     world = synth.make_world(**{k: w[k] for k in ("seed", "n_countries", "n_people", "n_filler") if k in w})
-    kwargs = {k: spec[k] for k in ("min_chars", "max_chars") if k in spec}
+    # the generator's own keys: the source's reader keys (long: min/max_chars; bios: n, exposures, name_kind)
+    # and the knowledge section's world (bios)
+    kwargs = {k: v for k, v in spec.items() if k not in CORPUS_KEYS}
     docs = synth.GENERATORS[spec["generator"]](world, spec["seed"], **kwargs)
-    return synth.write_jsonl(out_path, docs, int(spec["bytes"]))
+    # no bytes: the whole stream (a finite generator: bios writes N x E biographies)
+    return synth.write_jsonl(out_path, docs, int(spec["bytes"]) if spec.get("bytes") else None)
+
+
+# a corpus spec's keys that are not its generator's (stem.config.corpus_spec)
+CORPUS_KEYS = ("source", "world", "seed", "kind", "generator", "bytes", "max_tokens", "parts", "doc_keys",
+               "val_fraction", "sample", "plugins")
 
 
 def make_tokenizer(spec: dict, out_path) -> dict:
@@ -27,6 +36,8 @@ def make_tokenizer(spec: dict, out_path) -> dict:
     if spec["kind"] == "train_bpe":
         docs = chain.from_iterable(iter_documents(d) for d in spec["documents"])
         train_bpe(docs, spec["vocab_size"], out_path)
+        if spec.get("add_names"):   # the knowledge experiment: each name one token of its own (stem.data.bios)
+            add_words(out_path, make_bios(spec["knowledge"]).words)
     elif spec.get("gguf_file"):  # the tokenizer of a GGUF file (the stage importing it reads the same file)
         from stem.hf.importer import gguf_tokenizer   # torch and transformers: only for a GGUF tokenizer
         atomic_write_text(out_path, gguf_tokenizer(spec["path"], spec["gguf_file"]))

@@ -19,9 +19,9 @@ BUILTIN: dict[str, tuple[str, ...]] = {
     "suite kind": ("stem.eval.spec",),
     "report table": ("stem.report.tables", "stem.report.figures", "stem.report.analyses",
                      "stem.report.mechanism", "stem.report.sweep_figures", "stem.report.provenance",
-                     "stem.report.truncation", "stem.report.real"),
+                     "stem.report.truncation", "stem.report.real", "stem.report.knowledge"),
     "analysis": ("stem.analysis.workflow",),
-    "generator": ("stem.data.synth",),
+    "generator": ("stem.data.synth", "stem.data.bios"),
 }
 BUILTIN["report figure"] = BUILTIN["report table"]
 

@@ -2,8 +2,10 @@
 TensorBoard, checkpoint slots, config paths, undefined sources) answer bad input with one line naming the
 file/key/value, a non-zero exit, and nothing half-written."""
 import copy
+import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -115,7 +117,7 @@ def test_every_subcommands_arguments_are_typed(capsys, argv, message):
 def test_missing_config_file_is_one_line(capsys, cmd):
     code, line = _cli([*cmd, "--config", "nonexistent.yaml"], capsys)
     assert code == 1 and line == (f"error: python -m stem {cmd[0]}: argument --experiment/--config: 'nonexistent.yaml': "
-                                  "no such experiment config file; expected tiny, paper, rehearsal, real (config/{name}.yaml) "
+                                  "no such experiment config file; expected tiny, paper, rehearsal, real, knowledge (config/{name}.yaml) "
                                   "or the path of an experiment YAML")
 
 
@@ -356,19 +358,26 @@ def test_truncation_error_refuses_a_request_that_must_be_cut_in_one_line(short_l
 
 @torch.no_grad()
 def test_middle_truncation_keeps_the_first_and_last_halves(short_lm):
+    """LongBench's pred.py exactly (issue 43 item 8): tokens[:half] + tokens[-half:], half = room // 2 (55 + 55 at
+    room 111, not 55 + 56); a log-likelihood request's continuation is kept whole outside the halves."""
     from stem.eval.lm import truncate
     assert truncate(list(range(10)), 6, "middle") == [0, 1, 2, 7, 8, 9]
     assert truncate(list(range(10)), 5, "left") == [5, 6, 7, 8, 9]
+    tokens, room = list(range(300)), 111
+    half = room // 2   # pred.py: half = int(max_length / 2); tokens[:half] + tokens[-half:]
+    assert truncate(tokens, room, "middle") == tokens[:half] + tokens[-half:] and half == 55
+    assert truncate(list(range(20)), 9, "middle", keep_last=2) == [0, 1, 2, 15, 16, 17, 18, 19]
     short_lm.set_truncation("middle")
     ctx, cont = short_lm._encode_pair(LONG, " Bondo")
     (lp, _), = short_lm.loglikelihood([_instance("loglikelihood", (LONG, " Bondo"), "longbench_x")])
-    whole = ctx + cont   # the model sees input whole[:-1] of the 25 kept: the first 12 and the last 13 tokens
-    kept = whole[:12] + whole[-13:]
+    whole = ctx + cont   # the model sees input whole[:-1] of those kept: the context's halves of the room the
+    half = (25 - len(cont)) // 2   # continuation leaves, then the continuation
+    kept = ctx[:half] + ctx[-half:] + cont
     logp = torch.log_softmax(short_lm.model(torch.tensor([kept[:-1]]))[0].float(), -1)
     direct = sum(float(logp[len(kept) - len(cont) - 1 + i, t]) for i, t in enumerate(cont))
     assert lp == pytest.approx(direct, abs=1e-4)
     assert short_lm.truncation_counts == {"longbench_x": {"requests": 1, "truncated": 1,
-                                                          "tokens_dropped": len(whole) - 25}}
+                                                          "tokens_dropped": len(whole) - len(kept)}}
     short_lm.generate_until([_instance("generate_until", (LONG, {"max_gen_toks": 4}), "longbench_y")])
     assert short_lm.truncation_counts["longbench_y"]["tokens_dropped"] == len(short_lm.tok_encode(LONG)) - 20
 
@@ -476,3 +485,46 @@ def test_host_tables_on_several_gpus_are_refused_by_the_config_check():
         C.experiment.parse(copy.deepcopy(cfg), origin="bad.yaml")
     assert str(e.value) == ("bad.yaml: key 'cluster.tables': host keeps the tables in one host's memory, for jobs of "
                             "one GPU; cluster.train.350m gives 1 x 8 GPUs (expected rows or fsdp)")
+
+
+def test_insertion_step0_names_a_manifest_path_that_is_not_a_manifest(stem_ckpt, tmp_path, capsys):
+    """Issue 43 item 5: a summary.json given as the manifest is named (not the manifest.json beside it), with what
+    it is not; nothing is written."""
+    summary = stem_ckpt.parent / "summary.json"
+    code, line = _cli(["insertion-step0", str(stem_ckpt), str(summary), str(tmp_path / "out.json")], capsys)
+    assert code == 1 and line.startswith(f"error: {summary}: not a token-shard manifest (expected the manifest.json ")
+    code, line = _cli(["insertion-step0", str(stem_ckpt), str(tmp_path / "nope.json"), str(tmp_path / "out.json")],
+                      capsys)
+    assert code == 1 and line.startswith(f"error: {tmp_path / 'nope.json'}: no such file (expected a tokens manifest")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tied_model_from_an_untied_source_refuses_to_drop_its_trained_head(tmp_path):
+    """Issue 43 item 1: a stage whose model ties (tie_embeddings: true) starting from an untied source whose head is
+    not its embedding is refused in one line naming the option and the measured difference (it dropped the head,
+    then read logit diff 7.66); a head equal to the embedding loads; a tied source with a head of its own too."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from stem.hf import importer
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src = tmp_path / "hf"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+    weights = load_file(str(src / "model.safetensors"))
+    imported, tied = importer.model_config(src)
+    want = dataclasses.replace(imported, tie_embeddings=True)
+    d = (weights["lm_head.weight"] - weights["model.embed_tokens.weight"]).abs().max().item()
+    with pytest.raises(ValueError, match=re.escape(
+            f"{src}: tie_embeddings: true (the model's arch) ties the head to the embedding, but this untied source's "
+            f"lm_head.weight is not its embedding (max |lm_head - embed_tokens| {d:.4g}): tying would drop the "
+            "trained head; set tie_embeddings: false (untied) or start from a tied source")):
+        importer.load_for_stage(str(src), want)
+    assert torch.equal(importer.load_for_stage(str(src), imported)[0]["lm_head.weight"], weights["lm_head.weight"])
+    save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}, str(src / "model.safetensors"))
+    state, _ = importer.load_for_stage(str(src), want)   # a head equal to the embedding: nothing is lost
+    assert "lm_head.weight" not in state and torch.equal(state["tok_emb.weight"], weights["model.embed_tokens.weight"])
+    with pytest.raises(ValueError, match=re.escape(f"{src}: tie_word_embeddings is true, but its lm_head.weight is "
+                                                   "not its embedding (max |lm_head - embed_tokens| ")):
+        importer.pipeline_state(src, True, keep_tied=True, weights=weights)

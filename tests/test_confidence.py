@@ -185,6 +185,25 @@ def test_accepted_disagreements(report, tmp_path, cfg, exp):
     assert written == [entry] and (tmp_path / "new.yaml").read_text().startswith("# Accepted disagreements")
 
 
+def test_accepted_cell_that_cannot_exist(report, tmp_path, cfg):
+    """Issue 43 item 3: an accepted disagreement whose variant (or table, or scale) cannot exist is refused in one
+    line naming the file, the entry and the cell; one that exists but has no result yet is listed as missing."""
+    import yaml
+    root, rd, _ = report
+    path = tmp_path / "accepted.yaml"
+    entry = {"stage": "pretrain", "verdict": "disagree", "interval": [0.01, 0.02], "reason": "a reason"}
+    run = lambda: B.run_diff(C.experiment.parse({**cfg, "report": {**cfg["report"], "accepted": str(path)}}),  # noqa: E731
+                             B.load_reproduced(rd / "tables" / "reproduced.csv"))
+    for cell, message in [("table3/350m/stemm/boolq", "no such variant (variant 'stemm': expected one of"),
+                          ("table9/350m/stem/boolq", "no table 'table9'; expected one of"),
+                          ("table3/2b/stem/boolq", "no scale '2b'; expected one of 350m, 1b")]:
+        path.write_text(yaml.safe_dump([{"cell": cell, **entry}]))
+        with pytest.raises(ValueError, match=re.escape(f"{path}: entry 1: key 'cell': {cell!r}: {message}")):
+            run()
+    path.write_text(yaml.safe_dump([{"cell": "table4/1b/stem_half/boolq", **entry}]))   # can exist: no result
+    assert run()[0]["accepted"]["cells"][0]["now"] == "missing"
+
+
 def test_directions_gate_passes_without_resolved_disagreements(report):
     root, rd, (s, cells, dirs, cons, _) = report
     ok = dirs[dirs["category"] != "disagree"]

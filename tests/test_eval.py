@@ -185,6 +185,28 @@ def test_niah_cells(lm, tmp_path):
         niah.run(lm, items, 12)  # a larger generation budget than the items were made for
 
 
+def test_niah_depth_unit_follows_the_protocol(lm):
+    """Issue 43 item 7: a fixed needle (the original test, Kamradt) sits at depth % of the haystack's tokens, moved
+    back to the previous sentence end: at most the depth's share of tokens precede it, and the next sentence would
+    pass it; RULER's key/value needles keep the share of sentences."""
+    from stem.eval import niah
+    from stem.data import synth
+    docs = [d for d, _ in zip(synth.long_documents(synth.make_world(**WORLD), 0, 500, 1500), range(5))]
+    n = lambda text: len(lm.tok_encode(text))  # noqa: E731
+    for depth in (25, 50, 75):
+        it, = niah.make_items(lm.tok, docs, [512], [depth], 1, max_gen_toks=4, needle="original")
+        assert it["placement"] == niah.TOKENS
+        at = it["prompt"].index(niah.ORIGINAL["text"])
+        before = it["prompt"][:at].strip()
+        after = it["prompt"][at + len(niah.ORIGINAL["text"]):it["prompt"].rindex("\n\n")].strip()
+        hay, target = n(before) + n(after), (n(before) + n(after)) * depth / 100
+        nxt = after.split(". ")[0] + "."
+        assert n(before) <= target + 2 < n(before) + n(" " + nxt) + 2, (depth, n(before), target)
+    it, = niah.make_items(lm.tok, docs, [512], [50], 1, max_gen_toks=4)
+    assert it["placement"] == niah.SENTENCES and niah.insertion_point([1, 1, 1, 10], 50, niah.SENTENCES) == 2
+    assert niah.insertion_point([1, 1, 1, 10], 50, niah.TOKENS) == 3 and niah.insertion_point([13], 100, "tokens") == 1
+
+
 class NeedleOracle(torch.nn.Module):
     """A stand-in model that answers NIAH perfectly from the ids it is given, no more: it decodes them and,
     if the whole needle of the queried key is among them, emits its value digit by digit and a newline;

@@ -29,7 +29,7 @@ LAYERS = [
     ("data", "stem.data"),
     ("hf", "stem.hf"),
     ("specs", "stem.specs"),
-    ("sweep points", "stem.sweeps"),
+    ("sweep points", "stem.sweeps stem.knowledge"),
     ("config", "stem.experiment stem.config"),
     ("train", "stem.train"),
     ("eval", "stem.eval"),

@@ -79,7 +79,7 @@ def test_the_config_check_in_a_fresh_process_sees_the_plugins(tmp_path):
     assert [e.split(": ", 1)[1] for e in got["errors"]] == [
         "key 'eval.suites.toy.kind': unknown suite kind 'toy_logprob'; expected one of ['lm_eval', 'longppl', 'niah', 'ppl']",
         "key 'analysis.toy_norms': unknown analysis; expected stages or one of editing, heaps, spread, capacity, "
-        "heldout, hf_parity, insertion_step0, logitlens, cka, dse_disabled",
+        "heldout, hf_parity, insertion_step0, logitlens, cka, dse_disabled, knowledge, knowledge_edit",
         "variant 'hashmoe' (config/variants.yaml + variant_overrides): key 'ffn': 'relu2' is not a registered FFN "
         "kind; expected one of dense, stem, stem_gate, stem_dagger, hashmoe, moe",
         "key 'plugins': plugin module 'no_such_plugin' cannot be imported (No module named 'no_such_plugin'); "
@@ -131,7 +131,7 @@ def test_a_job_imports_the_plugins_its_spec_names(tmp_path):
                            capture_output=True, text=True, timeout=300)
         out.append((r.returncode, r.stderr.strip().splitlines()[-1]))
     assert out[0] == (1, "error: analysis spec: key 'analysis' is 'toy_norms'; expected one of editing, heaps, "
-                         "spread, capacity, heldout, hf_parity, insertion_step0, logitlens, cka, dse_disabled")
+                         "spread, capacity, heldout, hf_parity, insertion_step0, logitlens, cka, dse_disabled, knowledge, knowledge_edit")
     assert out[1][0] == 1 and str(tmp_path / "none") in out[1][1] and "toy_norms" not in out[1][1]
     assert not (tmp_path / "out.json").exists()
 

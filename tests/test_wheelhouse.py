@@ -75,3 +75,31 @@ def test_offline_gpucheck_install_on_system_torch(tmp_path):
     assert report["items"]["g"]["ok"] and not report["items"]["e"]["ok"], r.stdout + r.stderr
     assert "NOT met (required: --require-mfu)" in report["items"]["e"]["figure"]
     assert r.returncode != 0 and "gpucheck: 1/2 passed on cpu" in r.stdout and "failed: e" in r.stdout
+
+
+def _wheelhouse(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "wheelhouse.py"), *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_wheelhouse_inputs_are_checked_before_any_download_and_leftovers_removed(tmp_path):
+    """Issue 43 items 4 and 6 (no network: each run stops before pip): a nonsense WHEEL_PLATFORM and a LEAVE_OUT
+    that does not exist are refused in one line naming them; an interrupted run's temporary folders beside the
+    output are removed by the next run."""
+    out = tmp_path / "wh"
+    r = _wheelhouse("--out", str(out), "--platform", "nonsense_x86")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "wheelhouse: --platform (WHEEL_PLATFORM) 'nonsense_x86': not a platform tag; expected manylinux_2_N_ARCH "
+        "(or manylinux2014_ARCH), musllinux_1_N_ARCH, macosx_X_Y_ARCH, win32, win_amd64 or win_arm64 (ARCH e.g. "
+        "x86_64, aarch64)"]
+    r = _wheelhouse("--out", str(out), "--leave-out", str(tmp_path / "freeze.txt"))
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"wheelhouse: --leave-out (LEAVE_OUT) {tmp_path / 'freeze.txt'}: no such file (expected a pip freeze of "
+        "the target environment)"]
+    for stale in (".wh.tmp-k2j4_x9a", ".wh.k2j4_x9a"):   # this name and the one before the tmp- prefix
+        (tmp_path / stale / "dl").mkdir(parents=True)
+        (tmp_path / stale / "dl" / "numpy-2.0.whl").write_bytes(b"partial")
+    (tmp_path / "bad.txt").write_text("numpy>=1\n")   # stops at the constraints, before pip
+    r = _wheelhouse("--out", str(out), "--constraints", str(tmp_path / "bad.txt"))
+    assert r.returncode == 1 and "is not a 'name==version' pin" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt"]

@@ -44,10 +44,22 @@ def load_baseline(ckpt_dir, spec: dict):
     return load(base, spec.get("device", "cpu"))
 
 
+def manifest_dir(manifest) -> Path:
+    """The token-shard folder of ``manifest`` (a tokens ``manifest.json``); one line naming the file given when
+    it is missing or not one (ShardSet reads its folder's manifest.json, not another file beside it)."""
+    p = Path(manifest)
+    if not p.is_file():
+        raise ValueError(f"{p}: no such file (expected a tokens manifest.json written by the tokenize stage)")
+    if p.name != "manifest.json":
+        raise ValueError(f"{p}: not a token-shard manifest (expected the manifest.json of a tokenize stage's "
+                         f"folder, e.g. data/<experiment>/tokens/<scale>/<source>/manifest.json)")
+    return p.parent
+
+
 def val_windows(manifest, n: int, windows: int):
     """(starts, ``windows`` windows of ``n`` tokens (LongTensor)) at evenly spaced offsets of the validation
     split of a source's token shards (the same windows for every model of a scale)."""
-    shards = ShardSet(Path(manifest).parent, "val")
+    shards = ShardSet(manifest_dir(manifest), "val")
     if len(shards) < n:
         raise ValueError(f"{manifest}: validation split has {len(shards)} tokens, fewer than one window of {n}")
     starts = np.linspace(0, len(shards) - n, windows).astype(int)

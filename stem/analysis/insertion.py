@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stem.analysis.common import load, val_windows
+from stem.analysis.common import load, manifest_dir, val_windows
 from stem.data.shards import ShardSet
 from stem.models.calibrate import Calibration, calibrate
 from stem.models.config import resolve_placement
@@ -63,6 +63,7 @@ def step0(ckpt_dir, manifest, seq_len: int = 256, windows: int = 8, placements=(
     dense model. ``placements``: names of ``PLACEMENTS`` or {name: placement spec}. ``calibration``: init
     ``calibrated``'s settings ({tokens, unseen, sequential, per_layer, manifest}; manifest: ``manifest``'s train
     split by default)."""
+    manifest_dir(manifest)   # a wrong manifest is named before the model loads
     dense, _, _ = load(ckpt_dir, "cpu")
     starts, x = val_windows(manifest, min(seq_len, dense.cfg.max_seq_len) + 1, windows)
     cal = None
@@ -101,7 +102,7 @@ def calibration_windows(manifest, source, tokens: int, seq_len: int, vocab_size:
                          f"{vocab_size}")
     if not isinstance(tokens, int) or tokens < seq_len:
         raise ValueError(f"calibration.tokens: {tokens!r}; expected a whole number >= seq_len {seq_len}")
-    shards = ShardSet(source.parent, "train")
+    shards = ShardSet(manifest_dir(source), "train")
     n = min(tokens // seq_len, len(shards) // seq_len)
     if n < 1:
         raise ValueError(f"calibration.manifest: {source}: train split has {len(shards)} tokens, fewer than one "

@@ -26,6 +26,7 @@ from typing import Callable
 
 from stem import config as C
 from stem import experiment as E
+from stem import knowledge as K
 from stem import layout as L
 from stem import plugins
 from stem.analysis import dse_disabled   # torch-free module (its imports sit in its functions)
@@ -215,3 +216,21 @@ ANALYSES.add("logitlens", Analysis("stem.analysis.logitlens:run", baseline=True,
 ANALYSES.add("cka", Analysis("stem.analysis.cka:run", uses_world=True, baseline=True, only_for=_has_dse))
 ANALYSES.add("dse_disabled", Analysis("stem.analysis.dse_disabled:run", uses_world=True, only_for=_has_dse,
                                       resolve=dse_disabled.resolve_spec))
+
+
+def _knowledge_point(exp: Experiment, spec: dict):
+    """The knowledge experiment's point (stem.knowledge): its world (the knowledge section's, the source's N,
+    exposures and name kind), its base variant and seed, the validity threshold."""
+    source, variant, k = K.split(spec["job"]["variant"])
+    reader = exp.sources[source].reader
+    spec.update({"knowledge": C.corpus_spec(exp, source)["knowledge"], "source": source, "n": int(reader["n"]), "exposures": int(reader["exposures"]),
+                 "name_kind": reader.get("name_kind") or str(exp.knowledge.name_kind),
+                 "base_variant": variant, "seed_index": k, "min_recall": exp.knowledge.min_recall})
+
+
+# the knowledge experiment's capacity measure and its editing with a positive control: only its own points get
+# them (stem.knowledge.targets)
+ANALYSES.add("knowledge", Analysis("stem.analysis.knowledge:run", only_for=lambda kind: False,
+                                   resolve=_knowledge_point))
+ANALYSES.add("knowledge_edit", Analysis("stem.analysis.knowledge:run_edit", only_for=lambda kind: False,
+                                        resolve=_knowledge_point))

@@ -660,13 +660,13 @@ if __name__ != "__main__":
 # ---------------------------------------------------------------------- output
 
 
-def write_jsonl(path: str | os.PathLike, documents: Iterator[str], n_bytes: int) -> dict:
-    """Write ``{"text": doc}`` lines until the UTF-8 text bytes reach ``n_bytes``; atomic."""
+def write_jsonl(path: str | os.PathLike, documents: Iterator[str], n_bytes: int | None) -> dict:
+    """Write ``{"text": doc}`` lines until the UTF-8 text bytes reach ``n_bytes`` (None: every document); atomic."""
     n_docs = n_text = 0
     digest = hashlib.sha256()
     with atomic_open(path, "wb", fsync=True) as f:
         for doc in documents:
-            if n_text >= n_bytes:
+            if n_bytes is not None and n_text >= n_bytes:
                 break
             line = (json.dumps({"text": doc}, ensure_ascii=False) + "\n").encode("utf-8")
             f.write(line)

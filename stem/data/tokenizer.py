@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from stem.io import atomic_path
 
@@ -50,6 +50,17 @@ def train_bpe(
     with atomic_path(out_path) as tmp:
         tok.save(str(tmp))
     return tok
+
+
+def add_words(path, words: Iterable[str]) -> int:
+    """Add ``words`` to the tokenizer.json at ``path`` as tokens of their own (not special: they are text), each
+    matched as a whole word with the whitespace before it (the knowledge experiment's one-token names,
+    stem.data.bios); atomic. Returns the new vocabulary size."""
+    tok = Tokenizer.from_file(str(path))
+    tok.add_tokens([AddedToken(w, single_word=True, lstrip=True, normalized=False) for w in words])
+    with atomic_path(path) as tmp:
+        tok.save(str(tmp))
+    return tok.get_vocab_size(with_added_tokens=True)
 
 
 class Tok:

@@ -125,8 +125,9 @@ class StemLM(TemplateLM):
             print(f"stem: task {task}: a request of {len(ids)} tokens cut to {room} (truncation={policy}); "
                   "further cuts are counted, not printed", file=sys.stderr)
         n["truncated"] += 1
-        n["tokens_dropped"] += len(ids) - room
-        return truncate(ids, room, policy, keep_last)
+        kept = truncate(ids, room, policy, keep_last)
+        n["tokens_dropped"] += len(ids) - len(kept)
+        return kept
 
     # ---- tokenizer ------------------------------------------------------------------------------
     @property
@@ -254,16 +255,18 @@ class StemLM(TemplateLM):
 
 
 def truncate(ids: list, room: int, policy: str, keep_last: int = 0) -> list:
-    """``ids`` cut to ``room`` tokens: ``left`` keeps the last ``room`` (lm-eval's models); ``middle`` the first
-    ``room // 2`` and the last ``room - room // 2`` (LongBench's pred.py keeps the first and last max_length/2
-    tokens), the last part never shorter than ``keep_last`` (a scored continuation stays whole)."""
+    """``ids`` cut to at most ``room`` tokens: ``left`` keeps the last ``room`` (lm-eval's models); ``middle`` is
+    LongBench's pred.py exactly (``tokens[:half] + tokens[-half:]``, half = room // 2: 2 * floor(room / 2) tokens)
+    applied to all but the last ``keep_last`` tokens (a scored continuation: kept whole, outside the halves, as
+    pred.py cuts the prompt to the room the answer leaves)."""
     if len(ids) <= room:
         return ids
     if policy == Truncation.LEFT:
         return ids[len(ids) - room:]
     if policy == Truncation.MIDDLE:
-        tail = max(room - room // 2, min(keep_last, room))
-        return ids[:room - tail] + ids[len(ids) - tail:]
+        keep = min(keep_last, room)
+        body, half = ids[:len(ids) - keep], (room - keep) // 2
+        return body[:half] + body[len(body) - half:] + ids[len(ids) - keep:]
     raise ValueError(f"truncation={policy!r}: expected left or middle to cut a request")
 
 

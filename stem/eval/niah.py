@@ -45,13 +45,39 @@ def check_needle(needle) -> None:
                          f"{sorted(NEEDLE_KEYS)}")
 
 
+# where the needle goes at depth d %: the protocol each kind of needle follows (docs/evaluation.md)
+SENTENCES = "sentences"   # RULER (key/value needles): after round(d % of the haystack's sentences)
+TOKENS = "tokens"         # the original test (Kamradt; a fixed needle): at d % of the haystack's tokens, then back
+#                           to the end of the sentence before that point
+
+
+def placement_of(needle) -> str:
+    """The depth unit of a suite: ``TOKENS`` where it follows the original test (a fixed ``needle``), else RULER's
+    ``SENTENCES``."""
+    return SENTENCES if needle is None else TOKENS
+
+
+def insertion_point(lens: list[int], depth, placement: str) -> int:
+    """How many haystack sentences (of ``lens`` tokens each) precede the needle at ``depth`` percent."""
+    if placement == SENTENCES:
+        return round(len(lens) * depth / 100)
+    target, n, at = int(sum(lens) * depth / 100), 0, 0   # Kamradt: int(len(tokens) * depth / 100)
+    for k, m in enumerate(lens):
+        if n + m > target:
+            break
+        n, at = n + m, k + 1
+    return at
+
+
 def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max_gen_toks: int = 12,
                needle: dict | None = None) -> list[dict]:
     """Prompts with len(prompt tokens) + max_gen_toks <= length, as full as the haystack sentences allow.
-    ``needle``: one fixed needle (see the module docstring) instead of random key/value ones."""
+    ``needle``: one fixed needle (see the module docstring) instead of random key/value ones; the depth's unit
+    follows from it (``placement_of``)."""
     needle = ORIGINAL if needle == "original" else needle
     if needle is not None:
         check_needle(needle)
+    placement = placement_of(needle)
     rng = random.Random(f"niah:{seed}")
     pool = " ".join(documents).split(". ")
     n_tokens = lambda text: len(tok.encode_batch([text])[0])  # noqa: E731
@@ -70,7 +96,7 @@ def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max
                     raise ValueError(f"niah: length {length} leaves no room for a haystack beside needle, query "
                                      f"and {max_gen_toks} generated tokens")
                 start = rng.randrange(len(pool))
-                sents, n = [], 0
+                sents, lens, n = [], [], 0
                 while n < budget:  # consecutive sentences until the budget is reached (counted in batches)
                     chunk = [pool[(start + len(sents) + k) % len(pool)].strip() + "." for k in range(64)]
                     for sent, ids in zip(chunk, tok.encode_batch([" " + x for x in chunk])):
@@ -78,9 +104,10 @@ def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max
                             break
                         n += len(ids)
                         sents.append(sent)
+                        lens.append(len(ids))
 
                 def compose(sents):
-                    at = round(len(sents) * depth / 100)
+                    at = insertion_point(lens[:len(sents)], depth, placement)
                     return " ".join(sents[:at] + [inserted] + sents[at:]) + query
 
                 text = compose(sents)
@@ -93,7 +120,7 @@ def make_items(tok, documents, lengths, depths, samples: int, seed: int = 0, max
                     raise ValueError(f"niah: length {length} leaves no room for needle, query and "
                                      f"{max_gen_toks} generated tokens")
                 items.append({"length": length, "depth": depth, "key": key, "value": value, "prompt": text,
-                              "prompt_tokens": n})
+                              "prompt_tokens": n, "placement": placement})
     return items
 
 
@@ -135,5 +162,5 @@ def run_niah(lm, spec: dict, limit=None) -> tuple[dict, dict, str]:
     res = run(lm, items, gen)
     out = {"tasks": {"niah": {"metric": "exact_match", "value": res["accuracy"], "stderr": None, "n": res["n"],
                               "version": "stem-niah-1", "all_metrics": {"exact_match": res["accuracy"]}}},
-           "groups": {}, "cells": res["cells"]}
+           "groups": {}, "cells": res["cells"], "depth_unit": placement_of(spec.get("needle"))}
     return out, {"items": items, **res}, "stem.eval.niah"

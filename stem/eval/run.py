@@ -9,7 +9,7 @@ Output ``results/{experiment}/{scale}/{variant}/{stage}/eval/{suite}.json`` (wri
                        "version": 1.0, "all_metrics": {"acc,none": 58.0, "acc_stderr,none": 2.2, ...}}},
      "groups": {group: same fields (n = sum over its tasks, version = group version or null)},
      "by_length": {...},   # longbench only, see stem.eval.harness.by_length
-     "cells": [{"length", "depth", "accuracy", "n"}, ...],  # niah only
+     "cells": [{"length", "depth", "accuracy", "n"}, ...], "depth_unit": "tokens" | "sentences",  # niah only
      "truncation": {"policy": "left" | "middle" | "error", "context": max_length,
                     "tasks": {task: {"requests", "truncated", "tokens_dropped"}}}}
 

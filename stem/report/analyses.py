@@ -124,6 +124,9 @@ SEED0 = ("; seed 0 of each matrix cell (the analyze stage runs on the matrix's o
 # (the report registry imports every built-in module, stem.plugins.BUILTIN): stem.report.mechanism's
 # DSE paper claims.
 EXTRA_DIRECTIONS: list = []
+# ... and those that read the experiment's own results, each (experiment tree, results folder) -> rows:
+# stem.report.knowledge's (the knowledge experiment's points are not the matrix's checkpoints).
+EXPERIMENT_DIRECTIONS: list = []
 
 
 def legend(ax):
@@ -217,12 +220,14 @@ def directions_frame(exp: Experiment, results, res: dict) -> pd.DataFrame:
     controlled over the family (stem.report.verdict.control, the config's report.directions), the raw one
     beside each."""
     rows = V.table_directions(exp, results=results) + V.loss_directions(exp, res.get("heldout", {})) \
-        + analysis_directions(res, C.baseline_variant(exp))
+        + analysis_directions(res, C.baseline_variant(exp)) \
+        + [row for more in EXPERIMENT_DIRECTIONS for row in more(exp, results)]
     ctl = T.settings(exp).directions   # one family: every direction of this report with a p-value
     dirs_df = pd.DataFrame(V.control(rows, ctl.procedure, ctl.alpha))
     if len(dirs_df):
-        # Tables 3/4 fold each cell's seeds; the held-out loss and the analyses read seed 0 (SEED0)
-        accuracy = dirs_df["table"].isin(["table3", "table4"])
+        # Tables 3/4 (and the knowledge rows) fold each cell's seeds; the held-out loss and the analyses read
+        # seed 0 (SEED0)
+        accuracy = dirs_df["table"].isin(["table3", "table4", "knowledge", "knowledge_edit"])
         dirs_df["seeds"] = dirs_df["seeds"].where(accuracy, 1) if "seeds" in dirs_df else np.where(accuracy, 0, 1)
         # Only Tables 3/4 print an effect size; elsewhere the paper states a direction (paper_delta is its sign).
         half = (dirs_df["hi"].astype(float) - dirs_df["lo"].astype(float)) / 2

@@ -77,8 +77,10 @@ def run_diff(exp: Experiment, ours: dict, gate_patterns=(), gate_tolerance=None,
                      control=rs.directions)
     path = accepted if accepted is not None else (C.REPO / rs.accepted if rs.accepted else None)
     if path is not None:
+        entries = diff.load_accepted(path)
+        diff.check_accepted(exp, entries, path)
         s["accepted"] = {"file": str(accepted) if accepted is not None else rs.accepted,
-                         "cells": diff.accepted_rows(dirs, diff.load_accepted(path))}
+                         "cells": diff.accepted_rows(dirs, entries)}
     failures = diff.gate(cells, list(gate_patterns), gate_tolerance) if gate_patterns else None
     if failures is not None:
         s["gate"] = {"patterns": list(gate_patterns), "failed": [f"{r.table}/{r.scale}/{r.variant}/{r.column}"

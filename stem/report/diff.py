@@ -296,6 +296,24 @@ def accept(dirs: pd.DataFrame, cells, reason: str, path) -> list[dict]:
     return entries
 
 
+def check_accepted(exp: Experiment, accepted, path) -> None:
+    """One-line error for an accepted disagreement naming a cell that cannot exist: a table the report does not
+    build, a scale that is not one, or a variant config/variants.yaml (with the config's sweeps and seeds) does not
+    define. A cell that can exist but has no result yet is listed as ``missing`` (``accepted_rows``)."""
+    tables = sorted(set(registry.tables()) | {V.LOSS_TABLE})
+    for i, a in enumerate(accepted):
+        table, scale, variant, _ = a["cell"].split("/", 3)
+        where = f"{path}: entry {i + 1}: key 'cell': {a['cell']!r}"
+        if table not in tables:
+            raise ValueError(f"{where}: no table {table!r}; expected one of {', '.join(tables)}")
+        if scale not in C.SCALES:
+            raise ValueError(f"{where}: no scale {scale!r}; expected one of {', '.join(C.SCALES)}")
+        try:
+            C.variant_spec(exp, variant)
+        except C.ConfigError as e:
+            raise ValueError(f"{where}: no such variant ({e})") from None
+
+
 def accepted_rows(dirs: pd.DataFrame, accepted) -> list[dict]:
     """Each accepted disagreement with its verdict and interval now (``missing`` where the cell is gone)."""
     now = {tuple(str(r[k]) for k in KEY): r for r in dirs.to_dict("records")}

@@ -104,6 +104,8 @@ def experiment_label(exp_or_name: Experiment | str) -> str:
         return "experiment: tiny (embedded default, not paper scale)"
     if name == "real":   # config/real.yaml, docs/real.md
         return "experiment: real (SmolLM2-135M-Instruct, 4-bit Q4_1 weights dequantised; not paper scale)"
+    if name == "knowledge":   # config/knowledge.yaml, docs/knowledge.md
+        return "experiment: knowledge (synthetic bioS-style world, CPU scale; not paper scale)"
     return f"experiment: {name} (not paper scale)"
 
 

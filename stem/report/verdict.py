@@ -288,6 +288,9 @@ def loss_claim(exp: Experiment, variant: str) -> tuple[float, str] | None:
     return (-1.0, LOSS_SOURCE) if spec.get("ffn") and ffn_facts(spec["ffn"]).table else None
 
 
+LOSS_TABLE = "heldout_loss"   # the held-out loss directions' table name (no paper table of its own)
+
+
 def loss_directions(exp: Experiment, analyses: dict) -> list[dict]:
     """``analyses``: {(scale, variant, stage): heldout JSON}; each variant with a claim (``loss_claim``) vs the
     experiment's baseline (stem.config.baseline_variant) of its scale/stage."""
@@ -299,6 +302,6 @@ def loss_directions(exp: Experiment, analyses: dict) -> list[dict]:
             continue
         sign, source = claim
         ci = paired_bootstrap(base["window_loss"], r["window_loss"])
-        rows.append({"table": "heldout_loss", "scale": scale, "variant": variant, "column": "val_loss",
+        rows.append({"table": LOSS_TABLE, "scale": scale, "variant": variant, "column": "val_loss",
                      "stage": stage, "paper_delta": sign, **ci_cols(ci, sign), "source": source})
     return rows

@@ -1,0 +1,180 @@
+"""The knowledge experiment's capacity measure (docs/knowledge.md): bits stored, recall, bits per parameter.
+
+For a checkpoint trained on a bios world of N individuals (stem.data.bios) every fact (individual i, attribute
+a, value v uniform over a set S_a) is probed with the attribute's first template cut before its value, ``{name}
+was born in``, and the value's tokens ``" v"`` scored under the model (teacher-forced, one forward per batch):
+
+- exact-match recall: every value token is the model's argmax (the greedy completion is the value);
+- the capacity lower bound (Allen-Zhu & Li 2024, Part 3.3, Sec. 2's bit-complexity lower bound, written here
+  from first principles): a model that gives value v probability q_i,a (chain rule over its tokens) is a code
+  for the values of length sum -log2 q_i,a, while the values, uniform and independent, need N sum_a log2|S_a|
+  bits; so the model (with the templates, which carry no fact) holds at least
+  ``bits = sum_a sum_i (log2|S_a| + log2 q_i,a)`` bits of the world's facts. Per attribute and in total; it can
+  be negative for a model worse than uniform on the values (reported as is).
+
+Bits per parameter are given both ways: over all parameters (``params_total``) and over the parameters a token
+activates (``params_activated``: the matrices every token uses, accounting's ``active_params``, plus the one
+row per STEM table the token reads). A model is ``valid`` at the smallest world when its recall is at least
+``min_recall`` (the report says a sweep whose smallest world is not learnt is invalid).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from stem.analysis.common import load, table_sites
+from stem.data.bios import make_bios
+from stem.models.accounting import accounting
+from stem.options import NameKind
+
+
+def probes(bios, n: int, tok) -> list[tuple[int, int, list[int], list[int]]]:
+    """(individual, attribute, prompt ids, value ids) for every fact of the world's first ``n`` individuals."""
+    out = []
+    for a, templates in enumerate(bios.templates):
+        prefix = templates[0].split(" {value}")[0]
+        for i in range(n):
+            prompt = tok.encode_batch([prefix.format(name=bios.names[i])])[0]
+            out.append((i, a, prompt, tok.encode_batch([" " + bios.value(i, a)])[0]))
+    return out
+
+
+@torch.no_grad()
+def score(model, items, batch: int = 256) -> list[tuple[float, bool]]:
+    """Per probe: (cross-entropy of the value in bits, whether every value token is the argmax)."""
+    out = []
+    for b in range(0, len(items), batch):
+        chunk = items[b:b + batch]
+        width = max(len(p) + len(v) for _, _, p, v in chunk)
+        x = torch.zeros(len(chunk), width, dtype=torch.long)
+        for r, (_, _, p, v) in enumerate(chunk):
+            x[r, :len(p) + len(v)] = torch.tensor(p + v)
+        logp = F.log_softmax(model(x).float(), dim=-1)
+        for r, (_, _, p, v) in enumerate(chunk):
+            pos = torch.arange(len(p) - 1, len(p) + len(v) - 1)
+            lp = logp[r, pos]
+            target = torch.tensor(v)
+            ce = -float(lp[torch.arange(len(v)), target].sum()) / math.log(2)
+            out.append((ce, bool((lp.argmax(-1) == target).all())))
+    return out
+
+
+def param_counts(model) -> dict:
+    acct = accounting(model)
+    rows = sum(int(p.shape[1]) for _, p in table_sites(model))   # one row of each STEM table per token
+    return {"params_total": int(acct["total_params"]), "params_active": int(acct["active_params"]),
+            "params_activated": int(acct["active_params"]) + rows}
+
+
+def run(ckpt_dir, spec: dict) -> dict:
+    model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
+    world = {**spec["knowledge"], "name_kind": spec.get("name_kind") or spec["knowledge"].get("name_kind", NameKind.ONE)}
+    bios, n = make_bios(world), int(spec["n"])
+    items = probes(bios, n, tok)
+    scored = score(model, items)
+    per_attr = {}
+    for a, attr in enumerate(bios.attributes):
+        sel = [s for it, s in zip(items, scored) if it[1] == a]
+        size = len(bios.values[a])
+        per_attr[attr] = {"set_size": size, "bits_max": n * math.log2(size),
+                          "bits": sum(math.log2(size) - ce for ce, _ in sel),
+                          "recall": sum(hit for _, hit in sel) / len(sel),
+                          "value_tokens": sum(len(it[3]) for it in items if it[1] == a) / n}
+    counts = param_counts(model)
+    bits = sum(r["bits"] for r in per_attr.values())
+    recall = sum(hit for _, hit in scored) / len(scored)
+    return {"analysis": "knowledge", "source": spec["source"], "n": n, "exposures": int(spec["exposures"]),
+            "name_kind": world["name_kind"], "base_variant": spec["base_variant"], "seed_index": spec["seed_index"],
+            "bits": bits, "bits_max": sum(r["bits_max"] for r in per_attr.values()), "recall": recall,
+            "valid": recall >= float(spec["min_recall"]), "min_recall": float(spec["min_recall"]),
+            "bits_per_param_total": bits / counts["params_total"],
+            "bits_per_param_activated": bits / counts["params_activated"],
+            **counts, "attributes": per_attr,
+            "name_tokens": sum(len(tok.encode_batch([" " + bios.names[i]])[0]) for i in range(n)) / n,
+            "items": [{"i": it[0], "attribute": bios.attributes[it[1]], "bits": math.log2(len(bios.values[it[1]])) - ce,
+                       "hit": hit} for it, (ce, hit) in zip(items, scored)]}
+
+
+# ---- editing with a positive control (issue 40 item 4): an individual's token-indexed rows replaced ----------
+def _hits(model, items) -> list[bool]:
+    return [hit for _, hit in score(model, items)]
+
+
+def _copy_rows(params, src: int, dst: int) -> list[torch.Tensor]:
+    """Row ``dst`` of every parameter replaced by row ``src``; returns the old rows (to undo bit for bit)."""
+    saved = [p[dst].clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p[dst] = p[src]
+    return saved
+
+
+def _edit(model, bios, tok, params, a: int, b: int, others: list[int], before: dict) -> dict:
+    """A's rows <- B's at every site parameter: A's prompts answered with B's values (success), B's own facts
+    (unaffected), the other individuals' facts (collateral: the share whose hit changed), then undone."""
+    ta, tb = (tok.encode_batch([" " + bios.names[i]])[0][0] for i in (a, b))
+    as_b = [(a, k, p, v) for (_, k, p, _), (_, _, _, v) in zip(probes_of(bios, tok, [a]), probes_of(bios, tok, [b]))]
+    saved = _copy_rows(params, tb, ta)
+    try:
+        success = _hits(model, as_b)
+        own_b = _hits(model, probes_of(bios, tok, [b]))
+        rest = _hits(model, probes_of(bios, tok, others))
+    finally:
+        with torch.no_grad():
+            for p, row in zip(params, saved):
+                p[ta] = row
+    return {"a": a, "b": b, "success": sum(success) / len(success),
+            "b_unaffected": sum(x == y for x, y in zip(own_b, before[b])) / len(own_b),
+            "collateral": sum(x != y for x, y in zip(rest, [h for i in others for h in before[i]])) / max(1, len(rest))}
+
+
+def probes_of(bios, tok, people: list[int]) -> list:
+    """``probes`` of the given individuals, in their order (the attributes of each together)."""
+    out = []
+    for i in people:
+        for a, templates in enumerate(bios.templates):
+            prompt = tok.encode_batch([templates[0].split(" {value}")[0].format(name=bios.names[i])])[0]
+            out.append((i, a, prompt, tok.encode_batch([" " + bios.value(i, a)])[0]))
+    return out
+
+
+def run_edit(ckpt_dir, spec: dict) -> dict:
+    """Per site (the STEM tables' rows, the token-embedding rows, both): over ``pairs`` random pairs (A, B), success,
+    B unaffected, collateral on ``collateral`` other individuals, and whether the model is restored bit for bit."""
+    import random
+
+    from stem.analysis.common import state_digest
+
+    model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
+    bios, n = make_bios({**spec["knowledge"], "name_kind": spec["name_kind"]}), int(spec["n"])
+    if any(len(tok.encode_batch([" " + bios.names[i]])[0]) != 1 for i in range(n)):
+        raise ValueError(f"knowledge_edit: {spec['source']}'s names are not one token each (name_kind "
+                         f"{spec['name_kind']}); expected a one-token world")
+    rng = random.Random(f"knowledge-edit:{spec['seed']}")
+    pairs = [tuple(rng.sample(range(n), 2)) for _ in range(int(spec["pairs"]))]
+    before = {i: h for i, h in zip(range(n), _chunks(_hits(model, probes_of(bios, tok, list(range(n)))),
+                                                   len(bios.attributes)))}
+    digest = state_digest(model)
+    # the STEM tables' rows alone, the token-embedding rows alone (dense's only token-indexed site), and every
+    # token-indexed row (the positive control: A's prompt then reads exactly B's rows, so A answers as B does)
+    stem = [p for _, p in table_sites(model)]
+    sites = {"stem": stem, "embedding": [model.tok_emb.weight], "all": [model.tok_emb.weight, *stem]}
+    out = {}
+    for site, params in sites.items():
+        if not params:
+            continue
+        edits = [_edit(model, bios, tok, params, a, b,
+                       rng.sample([i for i in range(n) if i not in (a, b)], min(int(spec["collateral"]), n - 2)),
+                       before) for a, b in pairs]
+        out[site] = {k: sum(e[k] for e in edits) / len(edits) for k in ("success", "b_unaffected", "collateral")}
+        out[site]["edits"] = edits
+    return {"analysis": "knowledge_edit", "source": spec["source"], "n": n, "base_variant": spec["base_variant"],
+            "seed_index": spec["seed_index"], "pairs": len(pairs),
+            "recall_before": sum(map(sum, before.values())) / (n * len(bios.attributes)),
+            "sites": out, "undo_bit_exact": state_digest(model) == digest}
+
+
+def _chunks(xs: list, k: int) -> list[list]:
+    return [xs[i:i + k] for i in range(0, len(xs), k)]

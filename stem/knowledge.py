@@ -1,0 +1,142 @@
+"""The knowledge experiment's points (config ``knowledge:``; docs/knowledge.md): torch-free, for the DAG.
+
+Each point is one training job, a generated variant id ``k__{source}__{variant}`` (seed k > 0:
+``k__{source}__{variant}__s{k}``): the variant of config/variants.yaml (with variant_overrides) trained by the
+ordinary train rule at ``knowledge.scale`` / ``knowledge.stage`` on one bios source only (stem.data.bios: a
+world of ``n`` individuals, each seen ``exposures`` times), for one pass over it (the steps follow from N, E and
+the measured ``knowledge.tokens_per_bio``), with the job spec's seed = the config's seed + k. Its checkpoint gets
+the ``knowledge`` analysis (stem.analysis.knowledge); the report's ``knowledge`` table and ``knowledge_bits``
+figure read them (stem.report.knowledge). This module reads the typed tree by attribute (it sits below it).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from stem import layout as L
+from stem.data.bios import template_problem  # noqa: F401 (re-exported for stem.experiment)
+from stem.fields import FieldError
+from stem.options import NameKind, values
+
+ID = re.compile(r"^k__(?P<source>[a-z][a-z0-9_]*?)__(?P<variant>[a-z][a-z0-9_]*?)(?:__s(?P<k>[1-9][0-9]*))?$")
+ANALYSIS = "knowledge"
+EDIT = "knowledge_edit"   # analysis.knowledge_edit: {pairs, collateral, seed, sources}: the points it edits
+
+
+def point_id(source: str, variant: str, k: int = 0) -> str:
+    return f"k__{source}__{variant}" + (f"__s{k}" if k else "")
+
+
+def is_point(name: str) -> bool:
+    return bool(ID.match(name))
+
+
+def split(name: str) -> tuple[str, str, int]:
+    """(source, variant, seed index) of a point id."""
+    m = ID.match(name)
+    if not m:
+        raise ValueError(f"{name!r} is not a knowledge point id (k__{{source}}__{{variant}}[__s{{k}}])")
+    return m["source"], m["variant"], int(m["k"] or 0)
+
+
+def _reader(exp, source: str) -> dict:
+    return exp.sources[source].reader
+
+
+def world_size(exp, source: str) -> int:
+    return int(_reader(exp, source)["n"])
+
+
+def points(exp) -> list[str]:
+    """Every point of the config's knowledge sweep (sources x variants x seeds; ``seeds_at``: the sources whose
+    points get every seed, the others seed 0 only)."""
+    kn = exp.knowledge
+    if kn is None:
+        return []
+    out = []
+    for source in kn.sources:
+        ks = kn.seeds if kn.seeds_at is None or source in kn.seeds_at else (0,)
+        out += [point_id(source, v, k) for v in kn.variants for k in ks]
+    return out
+
+
+def steps(exp, source: str) -> int:
+    """One pass over the source: N x E biographies of ``tokens_per_bio`` tokens in batches of the stage's."""
+    kn, r = exp.knowledge, _reader(exp, source)
+    st = exp.stages[kn.stage][kn.scale]
+    return max(1, math.ceil(int(r["n"]) * int(r["exposures"]) * kn.tokens_per_bio / (st.batch_size * st.seq_len)))
+
+
+def variant_spec(exp, name: str) -> dict:
+    """A point's variant spec: its base variant's, with the stage settings it overrides (``stage``: its source
+    alone, its steps) and its seed index (``seed_index``)."""
+    source, variant, k = split(name)
+    if name not in points(exp):
+        raise ValueError(f"variant {name!r}: not a point of the config's knowledge: section")
+    base = exp.variant(variant)
+    return {**base, "stage": {**base.get("stage", {}), "data": {source: 1.0}, "steps": steps(exp, source)},
+            "seed_index": k}
+
+
+def targets(exp) -> list[str]:
+    """Every point's training summary and knowledge analysis (rule all)."""
+    kn = exp.knowledge
+    if kn is None:
+        return []
+    edit = (exp.analysis.plugins.get(EDIT) if exp.analysis else None) or {}
+    out = [f for p in points(exp) for f in (L.summary(exp.experiment, kn.scale, p, kn.stage),
+                                            L.analysis_json(exp.experiment, kn.scale, p, kn.stage, ANALYSIS))]
+    return out + [L.analysis_json(exp.experiment, kn.scale, p, kn.stage, EDIT) for p in points(exp)
+                  if split(p)[0] in (edit.get("sources") or ())]
+
+
+def validate(exp):
+    """The knowledge section against the rest of the tree (one FieldError naming the key): its sources are bios
+    sources of at most ``names`` individuals with whole positive ``n`` and ``exposures``, its variants known
+    (no ``__`` in a name), its scale/stage defined and trained from scratch, the tokenizer adds the names, the
+    vocabulary holds them."""
+    kn = exp.knowledge
+    for i, source in enumerate(kn.sources):
+        src = exp.sources.get(source)
+        key = f"knowledge.sources[{i}]"
+        _fail(src is not None and src.generator == "bios", key, f"{source!r}; expected a source of generator bios")
+        _fail("__" not in source, key, f"{source!r}; expected a name without '__'")
+        r = src.reader
+        for what in ("n", "exposures"):
+            v = r.get(what)
+            _fail(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"sources.{source}.{what}",
+                  f"{v!r}; expected an integer >= 1")
+        _fail(r["exposures"] >= kn.min_exposures, f"sources.{source}.exposures",
+              f"{r['exposures']}; expected at least knowledge.min_exposures ({kn.min_exposures}: a smaller budget "
+              "does not learn the smallest world, docs/knowledge.md)")
+        _fail(r["n"] <= kn.names, f"sources.{source}.n", f"{r['n']} individuals; expected at most knowledge.names "
+              f"({kn.names}, the name vocabulary)")
+        _fail(r.get("name_kind", NameKind.ONE) in values(NameKind), f"sources.{source}.name_kind",
+              f"{r.get('name_kind')!r}; expected one of {', '.join(values(NameKind))}")
+    for v in kn.variants:
+        _fail(exp.variant(v) is not None and "__" not in v, "knowledge.variants",
+              f"{v!r}; expected variants of config/variants.yaml (without '__')")
+    edit = (exp.analysis.plugins.get(EDIT) if exp.analysis else None) or {}
+    for s in edit.get("sources") or ():
+        _fail(s in kn.sources and exp.sources[s].reader.get("name_kind", kn.name_kind) == NameKind.ONE,
+              f"analysis.{EDIT}.sources", f"{s!r}; expected one-token sources of knowledge.sources")
+    for s in kn.seeds_at or ():
+        _fail(s in kn.sources, "knowledge.seeds_at", f"{s!r}; expected sources of knowledge.sources")
+    scale, stage = kn.scale, kn.stage
+    settings = exp.stages.get(stage, {}).get(scale)
+    _fail(scale in exp.archs and scale in exp.tokenizer, "knowledge.scale", f"{scale!r}; expected a scale with "
+          "archs and a tokenizer")
+    _fail(settings is not None and settings.init_from is None, "knowledge.stage",
+          f"{stage!r} at {scale}; expected a stage of stages.*.{scale} trained from scratch (init_from: null)")
+    tok = exp.tokenizer[scale]
+    _fail(bool(tok.add_names) or kn.name_kind != NameKind.ONE, f"tokenizer.{scale}.add_names",
+          f"{tok.add_names!r}; expected true (knowledge.name_kind one: each name is one token)")
+    if tok.add_names and tok.vocab_size:
+        _fail(tok.vocab_size + kn.names <= exp.archs[scale].vocab_size, f"archs.{scale}.vocab_size",
+              f"{exp.archs[scale].vocab_size}; expected at least tokenizer.{scale}.vocab_size + knowledge.names "
+              f"= {tok.vocab_size + kn.names}")
+
+
+def _fail(ok: bool, key: str, problem: str):
+    if not ok:
+        raise FieldError(key, problem)

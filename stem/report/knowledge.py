@@ -1,0 +1,222 @@
+"""The knowledge experiment's report (config ``knowledge:``; docs/knowledge.md), registered with the report's
+registry like the analyses' tables and figures:
+
+- table ``knowledge``: per bios source (N, name kind, exposures) and variant, over its seeds: bits stored (the
+  capacity lower bound, stem.analysis.knowledge), the world's bits, exact-match recall, parameters counted both
+  ways and bits per parameter both ways, and whether the point is valid (recall >= knowledge.min_recall);
+  the experiment's validity (every variant learns the smallest one-token world) in a row of its own;
+- figure ``knowledge_bits``: bits stored against N per variant (the shape of Allen-Zhu & Li's capacity plots),
+  the world's information content as the ceiling;
+- direction rows (table ``directions``): STEM/dense bits stored at each N with a 95 % interval (two-level
+  bootstrap: seeds, then facts), against Sec. 3.2.1's claim that STEM stores more.
+A capacity is reported only where the experiment is valid; otherwise each row says it is invalid.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from stem import knowledge as K
+from stem import layout as L
+from stem.experiment import Experiment
+from stem.options import NameKind
+from stem.report import analyses as A
+from stem.report import figures as F
+from stem.report import registry
+from stem.report import tables as T
+from stem.report import verdict as V
+
+CLAIM = ("Sec. 3.2.1: STEM's token-indexed tables (address vectors with a large angular spread) give it a larger "
+         "knowledge storage capacity than the dense model (bits stored, one-token names; ours_delta = ratio - 1)")
+COLUMNS = ("n", "exposures", "seeds", "bits", "bits_max", "recall", "params_total", "params_activated",
+           "bits_per_param_total", "bits_per_param_activated", "valid")
+N_BOOT = 1000
+
+
+def load(exp: Experiment, root, name: str = K.ANALYSIS) -> dict[str, dict]:
+    """{point id: its ``name`` analysis JSON} for every point whose JSON exists under ``root`` (results)."""
+    kn, out = exp.knowledge, {}
+    for p in K.points(exp):
+        path = Path(root) / Path(L.analysis_json(exp.experiment, kn.scale, p, kn.stage, name)).relative_to("results")
+        if path.is_file():
+            out[p] = json.loads(path.read_text())
+    return out
+
+
+def groups(got: dict[str, dict]) -> dict[tuple[str, str], list[dict]]:
+    """{(source, base variant): [JSON per seed]}."""
+    out: dict = {}
+    for p, r in sorted(got.items()):
+        source, variant, _ = K.split(p)
+        out.setdefault((source, variant), []).append(r)
+    return out
+
+
+def validity(exp: Experiment, got: dict) -> tuple[bool, str]:
+    """Every variant recalls >= min_recall of the smallest one-token world (all its seeds), or why not."""
+    kn = exp.knowledge
+    ones = [s for s in kn.sources if exp.sources[s].reader.get("name_kind", kn.name_kind) == NameKind.ONE]
+    if not ones:
+        return False, "no one-token world in knowledge.sources"
+    smallest = min(ones, key=lambda s: K.world_size(exp, s))
+    g = groups(got)
+    missing = [v for v in kn.variants if (smallest, v) not in g]
+    if missing:
+        return False, f"{smallest}: no results yet for {', '.join(missing)}"
+    low = [f"{v} {min(r['recall'] for r in g[smallest, v]):.2f}" for v in kn.variants
+           if min(r["recall"] for r in g[smallest, v]) < kn.min_recall]
+    if low:
+        return False, f"invalid: the smallest world ({smallest}) is not learnt (recall {', '.join(low)} < {kn.min_recall})"
+    return True, f"valid: every variant recalls >= {kn.min_recall} of {smallest}"
+
+
+def knowledge_long(exp: Experiment, res) -> pd.DataFrame:
+    if exp.knowledge is None:
+        return T.frame([])
+    got = load(exp, res.root)
+    ok, why = validity(exp, got)
+    cells = [T.cell("knowledge", str(exp.knowledge.scale), "all", "validity", why, "", row="experiment", unit="")]
+    for (source, variant), rs in groups(got).items():
+        src = L.analysis_json(exp.experiment, exp.knowledge.scale, K.point_id(source, variant), exp.knowledge.stage,
+                              K.ANALYSIS)
+        vals = {"n": rs[0]["n"], "exposures": rs[0]["exposures"], "seeds": len(rs),
+                "bits": float(np.mean([r["bits"] for r in rs])), "bits_max": rs[0]["bits_max"],
+                "recall": float(np.mean([r["recall"] for r in rs])), "params_total": rs[0]["params_total"],
+                "params_activated": rs[0]["params_activated"],
+                "bits_per_param_total": float(np.mean([r["bits_per_param_total"] for r in rs])) if ok else None,
+                "bits_per_param_activated": float(np.mean([r["bits_per_param_activated"] for r in rs])) if ok else None,
+                "valid": "yes" if all(r["valid"] for r in rs) else "no"}
+        row = f"{source} ({rs[0]['name_kind']} names) {variant}"
+        cells += [T.cell("knowledge", str(exp.knowledge.scale), variant, c, vals[c], src, row=row, unit="")
+                  for c in COLUMNS]
+    return T.frame(cells)
+
+
+def ratio_ci(base: list[dict], other: list[dict], seed: int = 0) -> dict:
+    """sum(bits other) / sum(bits base) over the same facts, mean over seed pairs, with a 95 % two-level
+    bootstrap interval (seeds drawn with replacement, then facts); reported as ratio - 1."""
+    pairs = [(np.array([i["bits"] for i in a["items"]]), np.array([i["bits"] for i in b["items"]]))
+             for a, b in zip(base, other)]
+    stat = lambda ps, idx: float(np.mean([b[idx].sum() / a[idx].sum() for a, b in ps]))   # noqa: E731
+    n = len(pairs[0][0])
+    est = stat(pairs, np.arange(n))
+    rng, boots = np.random.default_rng(seed), []
+    for _ in range(N_BOOT):
+        ps = [pairs[k] for k in rng.integers(0, len(pairs), len(pairs))]
+        boots.append(stat(ps, rng.integers(0, n, n)))
+    lo, hi = np.quantile(boots, [0.025, 0.975])
+    return {"delta": est - 1, "lo": float(lo) - 1, "hi": float(hi) - 1, "n": n * len(pairs), "seeds": len(pairs),
+            "se": float(np.std(boots))}
+
+
+def directions(exp: Experiment, got: dict) -> list[dict]:
+    """STEM (each STEM variant) / dense bits stored at each N with its interval; invalid points are skipped."""
+    if exp.knowledge is None or not validity(exp, got)[0]:
+        return []
+    g, rows = groups(got), []
+    for (source, variant), rs in sorted(g.items()):
+        base = g.get((source, "dense"))
+        if variant == "dense" or base is None or not variant.startswith("stem"):
+            continue
+        k = min(len(base), len(rs))
+        ci = ratio_ci(base[:k], rs[:k])
+        verdict = V.classify(ci, 1.0)
+        rows.append({"table": "knowledge", "scale": str(exp.knowledge.scale), "variant": variant,
+                     "column": f"bits ratio vs dense - 1 at {source} (N {rs[0]['n']}, {rs[0]['name_kind']} names)",
+                     "stage": str(exp.knowledge.stage), "paper_delta": 1.0, "ours_delta": ci["delta"], "lo": ci["lo"],
+                     "hi": ci["hi"], "n": ci["n"], "seeds": ci["seeds"], "p": V.p_value(ci), "verdict": verdict,
+                     "source": CLAIM})
+    return rows
+
+
+EDIT_CLAIM = ("Sec. 3.3 / Fig. 7: replacing the source entity's STEM rows (every STEM layer) by the target's moves "
+              "the answer to the target's; compared with the same edit of dense's only token-indexed rows, the token "
+              "embedding (our reading of the comparison: edit success STEM rows - dense embedding rows)")
+EDIT_COLUMNS = ("success", "b_unaffected", "collateral")
+
+
+def edit_long(exp: Experiment, res) -> pd.DataFrame:
+    """Per source, variant and site, mean over seeds and pairs: success, B unaffected, collateral, undo exact."""
+    if exp.knowledge is None:
+        return T.frame([])
+    cells = []
+    for (source, variant), rs in groups(load(exp, res.root, K.EDIT)).items():
+        src = L.analysis_json(exp.experiment, exp.knowledge.scale, K.point_id(source, variant), exp.knowledge.stage,
+                              K.EDIT)
+        for site in rs[0]["sites"]:
+            vals = {c: float(np.mean([r["sites"][site][c] for r in rs])) for c in EDIT_COLUMNS}
+            vals.update(recall_before=float(np.mean([r["recall_before"] for r in rs])), seeds=len(rs),
+                        pairs=sum(r["pairs"] for r in rs), undo_bit_exact="yes" if all(r["undo_bit_exact"] for r in rs)
+                        else "NO")
+            cells += [T.cell("knowledge_edit", str(exp.knowledge.scale), variant, c, v, src,
+                             row=f"{source} {variant}: {site} rows", unit="") for c, v in vals.items()]
+    return T.frame(cells)
+
+
+def edit_directions(exp: Experiment, results) -> list[dict]:
+    """Edit success (and collateral) of a STEM variant's STEM rows against dense's embedding rows, paired over the
+    same (A, B) pairs and seeds (the pairs are drawn by the analysis seed, the same for every variant)."""
+    g, rows = groups(load(exp, results, K.EDIT)), []
+    for (source, variant), rs in sorted(g.items()):
+        base = g.get((source, "dense"))
+        if base is None or "stem" not in rs[0]["sites"] or \
+                min(r["recall_before"] for r in base + rs) < exp.knowledge.min_recall:
+            continue   # no STEM rows, or a model that does not know its facts (issue 40: edits need >= 90 %)
+        for col, sign in (("success", 1.0), ("collateral", -1.0)):
+            a = [e[col] for r in base for e in r["sites"]["embedding"]["edits"]]
+            b = [e[col] for r in rs for e in r["sites"]["stem"]["edits"]]
+            k = min(len(a), len(b))
+            ci = V.paired_bootstrap(a[:k], b[:k])
+            rows.append({"table": "knowledge_edit", "scale": str(exp.knowledge.scale), "variant": variant,
+                         "column": f"{col}: STEM rows - dense embedding rows at {source}", "stage": str(exp.knowledge.stage),
+                         "paper_delta": sign, **V.ci_cols(ci, sign), "seeds": min(len(base), len(rs)),
+                         "source": EDIT_CLAIM})
+    return rows
+
+
+def draw(exp: Experiment, res, ours, files):
+    import matplotlib.pyplot as plt   # matplotlib: only when a figure is drawn (keeps the DAG build light)
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    got = load(exp, res.root) if exp.knowledge is not None else {}
+    g = groups(got)
+    for variant in T.ordered_variants(exp, {v for _, v in g}):
+        pts = sorted((rs[0]["n"], np.mean([r["bits"] for r in rs])) for (s, v), rs in g.items()
+                     if v == variant and rs[0]["name_kind"] == NameKind.ONE)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=variant)
+    ceiling = sorted({(rs[0]["n"], rs[0]["bits_max"]) for rs in g.values()})
+    if ceiling:
+        ax.plot(*zip(*ceiling), "k:", label="the world's bits")
+    ax.set_xscale("log")
+    ax.set_xlabel("individuals N")
+    ax.set_ylabel("bits stored (lower bound)")
+    ax.set_title(f"{T.experiment_label(exp)}\n{validity(exp, got)[1] if exp.knowledge is not None else ''}",
+                 fontsize=7)
+    A.legend(ax)
+    if not g:
+        F.mark_missing(ax, "no knowledge results (config knowledge: not set, or not run yet)")
+    return fig
+
+
+def inputs(exp: Experiment) -> list[str]:
+    return [p for p in K.targets(exp) if p.endswith((f"/analysis/{K.ANALYSIS}.json", f"/analysis/{K.EDIT}.json"))]
+
+
+A.EXPERIMENT_DIRECTIONS.append(lambda exp, results: directions(exp, load(exp, results)) + edit_directions(exp, results)
+                               if exp.knowledge else [])
+registry.paper_table("knowledge", "Knowledge capacity (bioS-style world, docs/knowledge.md): bits stored (lower "
+                     "bound), recall and bits per parameter counted both ways, per world size N and variant, mean "
+                     "over seeds", inputs=inputs,
+                     empty="_(no rows: config `knowledge:` not set, or no knowledge results yet)_")(knowledge_long)
+registry.paper_table("knowledge_edit", "Knowledge editing with a positive control (docs/knowledge.md): A's rows "
+                     "<- B's at a site (STEM tables, token embedding, both), mean over pairs and seeds: A now answered "
+                     "with B's values (success), B's own facts kept, other individuals' facts changed (collateral), "
+                     "undo bit-exact", inputs=inputs,
+                     empty="_(no rows: config `analysis.knowledge_edit` not set, or no results yet)_")(edit_long)
+registry.report_figure("knowledge_bits", "Knowledge capacity: bits stored (Allen-Zhu & Li's lower bound) against "
+                       "the number of individuals N per variant, one-token names; dotted: the world's bits.",
+                       experiments=("knowledge",))(draw)

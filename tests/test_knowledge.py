@@ -1,0 +1,177 @@
+"""The knowledge experiment (issue 40, docs/knowledge.md): its world, its tokenizer, its config checks, its points
+on the train rule, its capacity measure and report, on config/knowledge.yaml's own settings."""
+import copy
+import math
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from stem import config as C
+from stem import knowledge as K
+from stem.analysis import knowledge as AK
+from stem.analysis.workflow import job_spec
+from stem.data.bios import bios_documents, make_bios
+from stem.data.tokenizer import add_words, load_tokenizer, train_bpe
+from stem.layout import REPO
+from stem.models.config import model_config
+from stem.models.model import build_model
+from stem.report import knowledge as RK
+
+RAW = C.read_yaml(REPO / "config" / "knowledge.yaml")
+WORLD = {k: RAW["knowledge"][k] for k in ("seed", "names", "attributes", "templates")}
+
+
+def parse(cfg):
+    return C.experiment.parse(cfg, "knowledge.yaml")
+
+
+def test_every_individual_is_seen_exposures_times_with_its_own_facts():
+    bios = make_bios(WORLD)
+    docs = list(bios_documents(None, 3, knowledge=WORLD, n=20, exposures=5))
+    assert len(docs) == 100
+    seen = Counter(d.split(" ")[0].removesuffix("'s") for d in docs)
+    assert set(seen.values()) == {5} and set(seen) == set(bios.names[:20])
+    for d in docs:   # every attribute stated once, with the individual's value
+        i = bios.names.index(d.split(" ")[0].removesuffix("'s"))
+        assert all(d.count(" " + bios.value(i, a) + ".") == 1 for a in range(len(bios.attributes)))
+    orders = {tuple(sorted(range(4), key=lambda a, d=d, i=i: d.index(bios.value(i, a))))
+              for d in docs for i in [bios.names.index(d.split(" ")[0].removesuffix("'s"))]}
+    assert len(orders) > 6   # a fresh attribute order per exposure
+    assert docs == list(bios_documents(None, 3, knowledge=WORLD, n=20, exposures=5))   # deterministic
+    # the worlds are nested: N's individuals are the pool's first N, whatever N
+    assert make_bios(WORLD).facts[:20] == bios.facts[:20]
+    # each fact carries log2 |set| bits; the values are uniform over their set
+    assert bios.bits_per_individual() == sum(math.log2(s) for s in WORLD["attributes"].values())
+    assert {len(v) for v in bios.values} == set(WORLD["attributes"].values())
+
+
+def test_names_are_one_token_and_the_control_s_are_several(tmp_path):
+    one, multi = make_bios(WORLD), make_bios({**WORLD, "name_kind": "multi"})
+    docs = list(bios_documents(None, 0, knowledge=WORLD, n=50, exposures=2))
+    docs += list(bios_documents(None, 0, knowledge=WORLD, n=50, exposures=2, name_kind="multi"))
+    path = tmp_path / "tokenizer.json"
+    train_bpe(iter(docs), 300, path)
+    add_words(path, one.words)
+    tok = load_tokenizer(path)
+    assert tok.vocab_size == 300 + WORLD["names"]
+    for i in range(50):
+        name = one.names[i]
+        assert len(tok.encode_batch([name])[0]) == 1 and len(tok.encode_batch([" " + name])[0]) == 1
+        assert tok.encode_batch([f"{name}'s school"])[0][0] == tok.encode_batch([name])[0][0]
+        assert len(tok.encode_batch([" " + multi.names[i]])[0]) >= 2
+    assert len(set(multi.names)) == len(multi.names) and multi.facts == one.facts   # same facts, other names
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda c: c["sources"]["n0800"].update(n=900), "sources.n0800.n"),
+    (lambda c: c["knowledge"]["templates"]["city"].append("{name} lives somewhere."), "knowledge.templates.city[3]"),
+    (lambda c: c["knowledge"]["templates"]["major"].append("Born in {value}."), "knowledge.templates.major[3]"),
+    (lambda c: c["sources"]["n0100"].update(exposures=10), "sources.n0100.exposures"),
+    (lambda c: c["knowledge"]["variants"].append("nosuch"), "knowledge.variants"),
+    (lambda c: c["archs"]["350m"].update(vocab_size=1200), "archs.350m.vocab_size"),
+    (lambda c: c["tokenizer"]["350m"].pop("add_names"), "tokenizer.350m.add_names"),
+    (lambda c: c["knowledge"].update(sources=["n0100", "web"]), "knowledge.sources[1]"),
+])
+def test_bad_knowledge_config_is_one_line_naming_the_key(edit, key):
+    cfg = copy.deepcopy(RAW)
+    cfg["sources"]["web"] = {"kind": "synth", "generator": "web", "bytes": 1000}
+    edit(cfg)
+    with pytest.raises(C.ConfigError) as e:
+        parse(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("knowledge.yaml: ") and f"'{key}'" in msg, msg
+
+
+def test_points_are_train_jobs_of_one_source_one_pass_each():
+    exp = parse(copy.deepcopy(RAW))
+    kn, points = exp.knowledge, K.points(exp)
+    seeded = [p for p in points if K.split(p)[2]]
+    assert len(points) == len(kn.sources) * len(kn.variants) + len(seeded)
+    assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at)
+    spec = C.train_spec(exp, "350m", "k__n0100__stem__s2", "pretrain")
+    st = exp.stages["pretrain"]["350m"]
+    assert list(spec["data"]) == ["n0100"] and spec["seed"] == exp.seed + 2
+    assert spec["train"]["steps"] == math.ceil(100 * 100 * kn.tokens_per_bio / (st.batch_size * st.seq_len))
+    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__n0100__stem__s2/pretrain")
+    assert C.train_spec(exp, "350m", "k__n0400__stem", "pretrain")["train"]["steps"] == \
+        math.ceil(400 * 100 * kn.tokens_per_bio / (st.batch_size * st.seq_len))
+    assert C.train_spec(exp, "350m", "k__n0100__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
+    with pytest.raises(C.ConfigError, match="not a point"):
+        C.train_spec(exp, "350m", "k__n0400__stem__s1", "pretrain")   # seeds only where seeds_at says
+    a = job_spec(exp, "350m", "k__multi_n0100__dense", "pretrain", "knowledge")
+    assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (100, "multi", "dense", 800)
+    targets = K.targets(exp)
+    edited = [p for p in points if K.split(p)[0] in RAW["analysis"]["knowledge_edit"]["sources"]]
+    assert len(targets) == 2 * len(points) + len(edited) and all(re.search(r"results/knowledge/350m/k__\w+/pretrain/", t)
+                                                   for t in targets)
+
+
+def _model(vocab):
+    cfg = model_config({"vocab_size": vocab, "d_model": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
+                        "d_ff": 64, "max_seq_len": 64}, {"ffn": "stem", "placement": [1]})
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    m.init_weights(0)
+    return m.eval()
+
+
+def test_bits_and_recall_are_the_value_tokens_cross_entropy_and_argmax(tmp_path):
+    bios = make_bios(WORLD)
+    path = tmp_path / "tokenizer.json"
+    train_bpe(iter(bios_documents(None, 0, knowledge=WORLD, n=30, exposures=2)), 300, path)
+    add_words(path, bios.words)
+    tok = load_tokenizer(path)
+    model = _model(tok.vocab_size)
+    items = AK.probes(bios, 6, tok)
+    scored = AK.score(model, items, batch=5)
+    for (i, a, p, v), (ce, hit) in zip(items, scored):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + v]))[0], -1)
+        want = -sum(float(logp[len(p) - 1 + j, t]) for j, t in enumerate(v)) / math.log(2)
+        assert ce == pytest.approx(want, abs=1e-4)
+        assert hit == all(int(logp[len(p) - 1 + j].argmax()) == t for j, t in enumerate(v))
+        assert tok.decode(v) == " " + bios.value(i, a)
+    counts = AK.param_counts(model)
+    assert counts["params_total"] == sum(p.numel() for p in model.parameters())
+    assert counts["params_activated"] == counts["params_active"] + 64   # one row of the one STEM table
+
+
+def test_the_capacity_ratio_interval_and_the_validity_rule():
+    items = lambda bits: [{"bits": b} for b in bits]   # noqa: E731
+    base = [{"items": items([1.0] * 50 + [0.5] * 50)}]
+    ci = RK.ratio_ci(base, [{"items": items([2.0] * 50 + [1.0] * 50)}])
+    assert ci["delta"] == pytest.approx(1.0) and ci["lo"] == pytest.approx(1.0) and ci["n"] == 100
+    noisy = RK.ratio_ci(base, [{"items": items([1.0, 0.0] * 50)}])
+    assert noisy["lo"] < noisy["delta"] < noisy["hi"]
+    exp = parse(copy.deepcopy(RAW))
+    smallest = {K.point_id("n0100", v): {"recall": 0.95, "n": 100} for v in exp.knowledge.variants}
+    assert RK.validity(exp, smallest)[0]
+    smallest[K.point_id("n0100", "stem")]["recall"] = 0.5
+    ok, why = RK.validity(exp, smallest)
+    assert not ok and "invalid" in why and "stem 0.50" in why
+
+
+def test_an_edit_of_every_token_indexed_row_is_the_positive_control_and_is_undone_bit_for_bit(tmp_path):
+    """A's embedding and STEM rows <- B's: A's prompts then read exactly B's rows, so A answers B's values exactly
+    as often as B does; B's own facts are untouched; the model is restored bit for bit."""
+    from stem.analysis.common import state_digest, table_sites
+
+    bios = make_bios(WORLD)
+    path = tmp_path / "tokenizer.json"
+    train_bpe(iter(bios_documents(None, 0, knowledge=WORLD, n=30, exposures=2)), 300, path)
+    add_words(path, bios.words)
+    tok = load_tokenizer(path)
+    model = _model(tok.vocab_size)
+    with torch.no_grad():   # a model that answers something: the head biased towards some value tokens
+        model.lm_head.weight[tok.encode_batch([" " + bios.values[0][3]])[0][0]] += 0.5
+    before = {i: AK._hits(model, AK.probes_of(bios, tok, [i])) for i in range(8)}
+    digest = state_digest(model)
+    params = [model.tok_emb.weight, *(p for _, p in table_sites(model))]
+    e = AK._edit(model, bios, tok, params, 1, 2, [3, 4, 5], before)
+    as_b = [(1, a, p, v) for (_, a, p, _), (_, _, _, v) in zip(AK.probes_of(bios, tok, [1]), AK.probes_of(bios, tok, [2]))]
+    b_prompts = AK.probes_of(bios, tok, [2])
+    assert [x[2][1:] for x in as_b] == [x[2][1:] for x in b_prompts]   # the prompts differ in the name token only
+    assert e["success"] == sum(before[2]) / len(before[2]) and e["b_unaffected"] == 1.0 and e["collateral"] == 0.0
+    assert state_digest(model) == digest
