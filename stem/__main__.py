@@ -366,17 +366,27 @@ def insertion_step0_arguments(p):
     p.add_argument("manifest", help="a tokens manifest.json (its validation split, tokenised like the checkpoint)")
     p.add_argument("out", help="the JSON to write (atomically)")
     p.add_argument("--placements", default="1/3,1/2", help="of 1/3, 1/2, full (comma-separated)")
-    p.add_argument("--inits", default="projected,raw,xavier", help="of projected, raw, xavier (comma-separated)")
+    p.add_argument("--inits", default="projected,raw,xavier",
+                   help="of projected, raw, xavier, calibrated (comma-separated)")
     p.add_argument("--seq-len", type=A.whole(1, "tokens"), default=256)
     p.add_argument("--windows", type=A.whole(1, "windows"), default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibration-manifest", help="init calibrated: a tokens manifest.json whose train split is the "
+                   "calibration text (default: MANIFEST's; the same tokenizer)")
+    p.add_argument("--calibration-tokens", type=A.whole(1, "tokens"), default=16384)
+    p.add_argument("--calibration-unseen", default="mean", help="rows the calibration never saw: mean or raw")
+    p.add_argument("--sequential", action="store_true", help="calibrate layer after layer (earlier STEM inserted)")
+    p.add_argument("--per-layer", action="store_true", help="add rows with one calibrated STEM layer at a time")
 
 
 def cmd_insertion_step0(args):
     from stem.analysis.insertion import step0
     from stem.io import atomic_write_json
     out = step0(args.checkpoint, args.manifest, seq_len=args.seq_len, windows=args.windows,
-                placements=args.placements.split(","), inits=args.inits.split(","), seed=args.seed)
+                placements=args.placements.split(","), inits=args.inits.split(","), seed=args.seed,
+                calibration={"manifest": args.calibration_manifest, "tokens": args.calibration_tokens,
+                             "unseen": args.calibration_unseen, "sequential": args.sequential,
+                             "per_layer": args.per_layer})
     atomic_write_json(args.out, out)
     for r in out["rows"]:
         print(f"{r['placement']:>6} {r['init'] or '-':>9}: held-out loss {r['mean_loss']:.4f} "

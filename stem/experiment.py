@@ -359,6 +359,16 @@ class HFParity:
 
 
 @dataclass(frozen=True)
+class InsertCalibration:
+    """Init ``calibrated``'s settings (stem.models.calibrate): calibration tokens of the source's train split, the
+    rule for tokens it never saw, layer after layer or not, the one-layer-at-a-time decomposition rows."""
+    tokens: int = field(default=16384, metadata=POSITIVE)
+    unseen: str = field(default="mean", metadata=expect(lambda v: v in ("mean", "raw"), "mean or raw"))
+    sequential: bool = False
+    per_layer: bool = False
+
+
+@dataclass(frozen=True)
 class InsertionStep0:
     """stem/analysis/insertion.py: STEM inserted into a dense checkpoint, at step 0."""
     source: str
@@ -367,6 +377,9 @@ class InsertionStep0:
     placements: dict = field(metadata=items(1, "placements"))   # name -> a placement ({every, offset}, {start}, a list)
     inits: tuple[InsertInit, ...] = field(metadata=items(1, "inits"))
     seed: int | None = None
+    # init ``calibrated`` (stem.models.calibrate): {tokens, unseen: mean | raw, sequential, per_layer}, read from the
+    # source's train split (the same tokenizer as ``source``)
+    calibration: InsertCalibration | None = None
 
 
 @dataclass(frozen=True)
@@ -713,6 +726,10 @@ class Experiment:
                               f"init: {' | '.join(inits)}}}")
         if ins.get("init", InsertInit.PROJECTED) not in inits:
             raise ConfigError(f"{where}: key 'insert.init': {ins['init']!r}; expected one of {', '.join(inits)}")
+        if ins.get("init") == InsertInit.CALIBRATED:   # the training path has no calibration source yet (issue 41)
+            raise ConfigError(f"{where}: key 'insert.init': 'calibrated' needs a calibration source, which only "
+                              f"analysis.insertion_step0 has (its key 'calibration'); expected one of "
+                              f"{', '.join(i for i in inits if i != InsertInit.CALIBRATED)} for a trained insertion")
         if spec.get("ffn", "dense") != "stem":
             raise ConfigError(f"{where}: key 'ffn': {spec.get('ffn', 'dense')!r}; an insertion builds ffn kind 'stem'")
         src = self.variant(ins["from"])

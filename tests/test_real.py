@@ -278,3 +278,18 @@ def test_real_experiment_dag(tmp_path):
                  "reports/real/tables/real_step0.md", "reports/real/figures/real_loss_curves.png"):
         assert path in r.stdout, path
     assert "results/real/350m/stem_insert/pretrain" not in r.stdout   # inserted at midtrain: no pretraining
+
+
+def test_calibrated_insertion_step0_on_real_weights(smol, essay_tokens):
+    """STEM calibrated from SmolLM2's own activations (stem.models.calibrate) on 4,096 train-split essay tokens,
+    inserted at layer 2: on a held-out window its step-0 loss is nearer the dense model's than ``projected``'s and
+    ``raw``'s (measured on the 4 x 256 windows of docs/real.md: see the step-0 table there)."""
+    from stem.analysis.insertion import calibration_windows
+    _, _, dense, _ = smol
+    manifest = essay_tokens[0] / "manifest.json"
+    _, x = val_windows(manifest, 65, 1)
+    cal = {"x": calibration_windows(manifest, None, 4096, 64, 49152), "unseen": "mean"}
+    rows = step0_rows(dense, x, placements={"layer 2": [2]}, inits=["calibrated", "projected", "raw"], cal=cal)
+    d, c, p, r = (row["delta_vs_dense"] for row in rows)
+    assert d == 0 and c < min(p, r) and c < 1.0
+    assert cal["record"]["rows_calibrated"] > 500 and 0.5 < cal["record"]["heldout_coverage"] <= 1

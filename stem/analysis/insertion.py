@@ -12,19 +12,31 @@ drawn from the seed). Whole tables would be n_stem x V x d_ff fp32: SmolLM2 at 1
 full, 8.7 GB; the rows of 4 windows of 256 tokens: ~600 of them, ~3.7 MB a layer.
 
 The workflow's analysis ``insertion_step0`` (config ``analysis.insertion_step0``: source, windows, seq_len,
-placements, inits) runs it on a dense checkpoint (config/real.yaml: the imported SmolLM2).
+placements, inits, calibration) runs it on a dense checkpoint (config/real.yaml: the imported SmolLM2).
+
+Init ``calibrated`` (stem.models.calibrate): the tables from the dense model's activations on ``calibration.tokens``
+tokens of the source's train split (windows of ``seq_len``, evenly spaced; a manifest of the same tokenizer),
+unseen tokens by ``calibration.unseen``; ``sequential`` calibrates each placement layer after layer; ``per_layer``
+adds rows ``layer i`` (only layer i inserted, calibrated) for every STEM layer of the placements: the decomposition.
+The output's ``calibration`` records the rows calibrated and the share of held-out tokens they cover.
 """
 from __future__ import annotations
 
 import dataclasses
-
+import json
 import math
+import time
+from pathlib import Path
+
+import numpy as np
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from stem.analysis.common import load, manifest_dir, val_windows
+from stem.data.shards import ShardSet
+from stem.models.calibrate import Calibration, calibrate
 from stem.models.config import resolve_placement
 from stem.models.insert import INSERT_INITS, insert_stem, projected_table
 from stem.models.offload import token_tables
@@ -46,43 +58,93 @@ def window_losses(model, x: torch.Tensor, batch: int = 4) -> list[float]:
 
 
 def step0(ckpt_dir, manifest, seq_len: int = 256, windows: int = 8, placements=("1/3", "1/2"),
-          inits=INSERT_INITS, seed: int = 0) -> dict:
+          inits=INSERT_INITS, seed: int = 0, calibration: dict | None = None) -> dict:
     """{"rows": [{placement, init, stem_layers, mean_loss, delta_vs_dense, window_loss}], ...}; the first row is the
-    dense model. ``placements``: names of ``PLACEMENTS`` or {name: placement spec}."""
+    dense model. ``placements``: names of ``PLACEMENTS`` or {name: placement spec}. ``calibration``: init
+    ``calibrated``'s settings ({tokens, unseen, sequential, per_layer, manifest}; manifest: ``manifest``'s train
+    split by default)."""
     manifest_dir(manifest)   # a wrong manifest is named before the model loads
     dense, _, _ = load(ckpt_dir, "cpu")
     starts, x = val_windows(manifest, min(seq_len, dense.cfg.max_seq_len) + 1, windows)
-    return {"checkpoint": str(ckpt_dir), "manifest": str(manifest), "seq_len": int(x.shape[1] - 1),
-            "windows": len(starts), "starts": starts.tolist(), "seed": seed,
-            "rows": step0_rows(dense, x, placements, inits, seed, str(ckpt_dir))}
+    cal = None
+    if "calibrated" in inits:
+        cal = dict(calibration or {}, x=calibration_windows(manifest, (calibration or {}).get("manifest"),
+                                                            (calibration or {}).get("tokens", 16384),
+                                                            int(x.shape[1] - 1), dense.cfg.vocab_size))
+    out = {"checkpoint": str(ckpt_dir), "manifest": str(manifest), "seq_len": int(x.shape[1] - 1),
+           "windows": len(starts), "starts": starts.tolist(), "seed": seed}
+    out["rows"] = step0_rows(dense, x, placements, inits, seed, str(ckpt_dir), cal)
+    if cal is not None:
+        out["calibration"] = cal["record"]
+    return out
 
 
 def run(ckpt_dir, spec: dict) -> dict:
     """The workflow's analysis ``insertion_step0`` of a dense checkpoint (config ``analysis.insertion_step0``)."""
     out = step0(ckpt_dir, spec["manifest"], spec["seq_len"], spec["windows"], spec["placements"], spec["inits"],
-                spec.get("seed", 0))
+                spec.get("seed", 0), spec.get("calibration"))
     return {"analysis": "insertion_step0", "source": spec["source"], **out}
 
 
-def step0_rows(dense, x: torch.Tensor, placements=("1/3", "1/2"), inits=INSERT_INITS, seed: int = 0,
-               where: str = "dense model") -> list[dict]:
-    """The rows of ``step0`` for a loaded dense model (eval mode) and held-out windows ``x`` (B, T + 1)."""
-    bad = [i for i in inits if i not in INSERT_INITS]
-    if bad:
-        raise ValueError(f"insertion init {bad[0]!r}: expected one of {', '.join(INSERT_INITS)}")
-    named = placements if isinstance(placements, dict) else {}
+def calibration_windows(manifest, source, tokens: int, seq_len: int, vocab_size: int) -> torch.Tensor:
+    """Windows of ``seq_len`` tokens, ``tokens`` in all, evenly spaced over the train split of ``source`` (a
+    manifest; default ``manifest``), which must be tokenised as ``manifest`` is (same tokenizer hash and vocab)."""
+    source = Path(source or manifest)
+    if not source.is_file():
+        raise ValueError(f"calibration.manifest: {source}: no such file (expected a tokens manifest.json)")
+    want, have = (json.loads(Path(m).read_text()) for m in (manifest, source))
+    for key in ("tokenizer_sha256", "vocab_size"):
+        if have.get(key) != want.get(key):
+            raise ValueError(f"calibration.manifest: {source}: {key} {have.get(key)!r}, expected {want.get(key)!r} "
+                             f"(the tokenizer of {manifest})")
+    if int(have["vocab_size"]) != vocab_size:
+        raise ValueError(f"calibration.manifest: {source}: vocab_size {have['vocab_size']}, expected the model's "
+                         f"{vocab_size}")
+    if not isinstance(tokens, int) or tokens < seq_len:
+        raise ValueError(f"calibration.tokens: {tokens!r}; expected a whole number >= seq_len {seq_len}")
+    shards = ShardSet(manifest_dir(source), "train")
+    n = min(tokens // seq_len, len(shards) // seq_len)
+    if n < 1:
+        raise ValueError(f"calibration.manifest: {source}: train split has {len(shards)} tokens, fewer than one "
+                         f"window of {seq_len}")
+    starts = np.linspace(0, len(shards) - seq_len, n).astype(int)
+    return torch.from_numpy(np.stack([shards.get(s, seq_len) for s in starts]).astype(np.int64))
+
+
+def _named(placements) -> dict:
+    named = dict(placements) if isinstance(placements, dict) else {}
     for p in placements if not named else ():
         if p not in PLACEMENTS:
             raise ValueError(f"placement {p!r}: expected one of {', '.join(PLACEMENTS)}")
         named[p] = PLACEMENTS[p]
+    return named
+
+
+def step0_rows(dense, x: torch.Tensor, placements=("1/3", "1/2"), inits=INSERT_INITS, seed: int = 0,
+               where: str = "dense model", cal: dict | None = None) -> list[dict]:
+    """The rows of ``step0`` for a loaded dense model (eval mode) and held-out windows ``x`` (B, T + 1); ``cal``:
+    init ``calibrated``'s settings and windows (key ``x``); its record is written to its key ``record``."""
+    bad = [i for i in inits if i not in INSERT_INITS]
+    if bad:
+        raise ValueError(f"insertion init {bad[0]!r}: expected one of {', '.join(INSERT_INITS)}")
+    named = {name: resolve_placement(spec, dense.cfg.n_layers) for name, spec in _named(placements).items()}
+    if "calibrated" in inits and cal is None:
+        raise ValueError("insertion init 'calibrated' without a calibration source (expected calibration windows)")
     rows = [{"placement": "dense", "init": None, "stem_layers": [], "window_loss": window_losses(dense, x)}]
     state = dense.state_dict()
-    for name, spec in named.items():
-        layers = resolve_placement(spec, dense.cfg.n_layers)
+    shared = _calibrate(dense, cal, sorted({i for v in named.values() for i in v}), x) if cal else None
+    runs = [(name, layers, inits) for name, layers in named.items()]
+    if cal and cal.get("per_layer"):   # the decomposition: one calibrated STEM layer at a time
+        runs += [(f"layer {i}", [i], ["calibrated"]) for i in sorted({i for v in named.values() for i in v})]
+    for name, layers, these in runs:
         cfg = dataclasses.replace(dense.cfg, ffn=tuple("stem" if i in layers else "dense"
                                                        for i in range(dense.cfg.n_layers)))
-        for init in inits:
-            model = inserted_rows(cfg, state, init, x.unique(), seed, where)
+        for init in these:
+            calib = None
+            if init == "calibrated":
+                seq = cal.get("sequential") and len(layers) > 1
+                calib = _calibrate(dense, cal, layers, x) if seq else shared
+            model = inserted_rows(cfg, state, init, x.unique(), seed, where, calib)
             rows.append({"placement": name, "init": init, "stem_layers": layers,
                          "window_loss": window_losses(model, x)})
             del model
@@ -107,8 +169,23 @@ class TableRows(nn.Module):
         return self.rows[self.index[ids]]
 
 
+def _calibrate(dense, cal: dict, layers: list[int], x: torch.Tensor) -> Calibration:
+    """``layers`` calibrated on ``cal["x"]``; the record (rows, held-out coverage, CPU seconds) in ``cal["record"]``."""
+    t0 = time.process_time()
+    out = calibrate(dense, cal["x"], layers, cal.get("unseen", "mean"), bool(cal.get("sequential")))
+    rec = cal.setdefault("record", {"tokens": int(cal["x"].numel()), "unseen": cal.get("unseen", "mean"),
+                                    "sequential": bool(cal.get("sequential")), "rows_calibrated": len(out.ids),
+                                    "vocab_size": dense.cfg.vocab_size, "heldout_coverage": out.coverage(x[:, :-1]),
+                                    "cpu_seconds": {}})
+    rec["cpu_seconds"][",".join(map(str, layers))] = round(time.process_time() - t0, 1)
+    print(f"calibrated layers {layers}: {len(out.ids):,} rows of {dense.cfg.vocab_size:,}, covering "
+          f"{rec['heldout_coverage']:.1%} of the held-out lookups (the windows' input tokens)")
+    return out
+
+
 @torch.no_grad()
-def inserted_rows(cfg, dense_state: dict, init: str, ids: torch.Tensor, seed: int = 0, where: str = "dense model"):
+def inserted_rows(cfg, dense_state: dict, init: str, ids: torch.Tensor, seed: int = 0, where: str = "dense model",
+                  calibration: Calibration | None = None):
     """The STEM model ``cfg`` inserted into ``dense_state`` by ``init`` (stem.models.insert), its tables holding only
     the rows of token ids ``ids`` (eval mode, CPU): every other weight is the dense model's, bit for bit."""
     model = build_model(cfg, "meta")
@@ -122,7 +199,11 @@ def inserted_rows(cfg, dense_state: dict, init: str, ids: torch.Tensor, seed: in
     gen = torch.Generator().manual_seed(seed)
     for (parent, attr, _), i in zip(found, layers):
         w_up = dense_state[f"layers.{i}.ffn.w_up.weight"]
-        if init == "projected":
+        if init == "calibrated":
+            if calibration is None:
+                raise ValueError(f"{where}: insertion init 'calibrated' without a calibration source")
+            u = calibration.table(i, ids, dense_state)
+        elif init == "projected":
             u = projected_table(emb, dense_state[f"layers.{i}.ffn_norm.weight"], w_up, cfg.norm_eps)
         elif init == "raw":
             u = F.linear(emb.float(), w_up.float())
