@@ -74,7 +74,7 @@ def _train(spec, strategy, ctx, state_dir=None, kill=False, resume=False) -> dic
     sparse = spec.optim.row_sparse_tables(model)
     plan = ParallelPlan.of(spec.train, ctx.world, strategy, sparse, row_shardable(model))
     use_row_sparse(model, plan.row_sparse)
-    to_host(model, plan.host_tables)
+    to_host(model, plan.host_tables, plan.sparse_rows)
     distributed.parallelize(model, ctx, plan)
     opt = step.make_optimizer(model, spec, plan, fused=False)
     off = torch.autocast("cpu", enabled=False)
@@ -221,7 +221,7 @@ def test_host_tables_equal_resident_tables(tmp_path, variant="stem"):
         _close(ref["params"][k], got["params"][k], k)
     model = build_model(spec.model)
     plan = ParallelPlan.of(spec.train, 1, tables=row_shardable(model))
-    to_host(model, plan.host_tables)
+    to_host(model, plan.host_tables, plan.sparse_rows)
     opt = step.make_optimizer(model, spec, plan, fused=False)
     assert distributed.load_state(tmp_path / "state", model, opt, distributed.DistContext())["step"] == SAVE_AT
     for n, tensors in ref["saved"].items():

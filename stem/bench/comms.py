@@ -52,7 +52,7 @@ def _setup(spec, ctx):
     torch.manual_seed(0)
     model = build_model(spec.model, ctx.device)
     plan = ParallelPlan.of(spec.train, ctx.world, tables=row_shardable(model))
-    to_host(model, plan.host_tables)
+    to_host(model, plan.host_tables, plan.sparse_rows)
     distributed.parallelize(model, ctx, plan)
     return model, step.make_optimizer(model, spec, plan, fused=False), plan
 

@@ -11,6 +11,14 @@ registered kind adds: ``stem.models.registry.OPTIM_GROUPS``), as ``stem.optim.Op
   weight decay, no momentum step); the group's step count (bias correction) counts every optimizer step.
   A row touched at every step gets exactly dense AdamW's update; at the first step every row does.
 
+Host tables (``train.tables: host``, ``stem.train.tables``) always have a row gradient: (unique ids, rows) as a
+sparse COO gradient, never a dense table-sized one. A module announcing its reads (``register_read_hook``) says
+how its rows are updated (``row_update``): ``sparse`` (``table_update: sparse``: the row-sparse update above) or
+``lazy``: dense AdamW made lazy and exact (``LazyRows``): a row not read for k steps gets, when it is next read and
+at every save (``settle``: the optimizer's ``state_dict`` and the module's), exactly the k zero-gradient AdamW
+steps dense AdamW would have given it (decoupled weight decay, decayed moments, bias corrections, eps), so the
+results are dense AdamW's at the cost of the rows a step touched plus their replays.
+
 Which modules are trained row-sparse is explicit data: ``row_sparse_tables`` names them (the job's
 ``stem.train.plan.ParallelPlan`` carries the names to the sharding and the memory estimate), and
 ``use_row_sparse`` switches those modules' lookups before the model is wrapped.
@@ -66,6 +74,47 @@ def _coalesce_grad(p):
         p.grad = p.grad.coalesce()
 
 
+class LazyRows:
+    """The bookkeeping of a ``lazy`` table (module docstring): ``last[i]``, the optimizer step row i is current
+    at, and each step's (lr, weight decay, beta1, beta2, eps) since the oldest row not current (``hist``)."""
+
+    def __init__(self, rows: int, device):
+        self.last = torch.zeros(rows, dtype=torch.long, device=device)
+        self.hist: dict[int, tuple] = {}
+
+    def replay(self, p, state: dict, rows: torch.Tensor) -> int:
+        """Bring ``rows`` (unique ids) of ``p`` current at the step ``state`` has counted: each row not current
+        gets the zero-gradient AdamW steps it missed, in order (torch's AdamW formula with g = 0:
+        p *= 1 - lr wd; m *= b1; v *= b2; p -= lr / (1 - b1^s) m / (sqrt(v) / sqrt(1 - b2^s) + eps)).
+        Returns the row-steps replayed."""
+        t = int(state["step"]) if state else 0
+        last = self.last.index_select(0, rows)
+        behind = last < t
+        if not bool(behind.any()):
+            return 0
+        last, order = last[behind].sort()
+        rows = rows[behind][order]                 # oldest first: the rows behind at step s are a prefix
+        tensors = (p, state["exp_avg"], state["exp_avg_sq"])
+        w, m, v = (x.index_select(0, rows) for x in tensors)
+        for s in range(int(last[0]) + 1, t + 1):
+            n = int(torch.searchsorted(last, s))   # rows current before step s
+            lr, wd, b1, b2, eps = self.hist[s]
+            ws, ms, vs = w[:n], m[:n], v[:n]
+            ws.mul_(1 - lr * wd)
+            ms.mul_(b1)
+            vs.mul_(b2)
+            denom = (vs.sqrt() / math.sqrt(1 - b2 ** s)).add_(eps)
+            ws.addcdiv_(ms, denom, value=-lr / (1 - b1 ** s))
+        for x, y in zip(tensors, (w, m, v)):
+            x.index_copy_(0, rows, y)
+        self.last.index_fill_(0, rows, t)
+        return int((t - last).sum())
+
+    def forget_before(self, step: int):
+        """Drop the steps no row still needs (every row current at ``step`` or later)."""
+        self.hist = {s: h for s, h in self.hist.items() if s > step}
+
+
 class RowSparseAdamW(torch.optim.AdamW):
     """AdamW whose parameters with a sparse (COO) gradient get a row-wise update of the rows present in it.
 
@@ -76,7 +125,45 @@ class RowSparseAdamW(torch.optim.AdamW):
     shapes (step, exp_avg, exp_avg_sq), so checkpoints, DCP resharding and stage carry-over are unchanged.
     A row-sharded table (``stem.train.tables``, several ranks) has a dense gradient on its shard and marks the
     rows its step asked of this rank (``touched_rows``): those rows get the same update, on the shard.
-    Other dense gradients go through torch's AdamW."""
+    Other dense gradients go through torch's AdamW. A ``lazy`` table (``track``: a host table) is dense AdamW
+    made lazy and exact (``LazyRows``): its step count and hyper-parameters are recorded every step, its
+    touched rows updated, the others replayed when read (``catch_up``) or saved (``settle``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy: dict = {}            # parameter -> LazyRows
+
+    def track(self, module):
+        """A table module announcing its reads (``register_read_hook``, ``row_update``: sparse | lazy): its
+        gradient comes as rows; a lazy one's rows are brought current before each read."""
+        p = module.weight
+        if module.row_update == "lazy":
+            self.lazy[p] = LazyRows(p.shape[0], p.device)
+            module.register_read_hook(lambda ids, p=p: self.catch_up(p, ids))
+        module.register_state_dict_pre_hook(lambda *_: self.settle())   # every save sees every row current
+
+    @torch.no_grad()
+    def catch_up(self, p, ids: torch.Tensor) -> int:
+        """Before rows ``ids`` (unique) of a lazy table are read: the steps they missed (``LazyRows.replay``)."""
+        return self.lazy[p].replay(p, self.state[p], ids)
+
+    @torch.no_grad()
+    def settle(self):
+        """Every row of every lazy table current (before a save)."""
+        for p, lazy in self.lazy.items():
+            if self.state[p]:
+                lazy.replay(p, self.state[p], torch.arange(p.shape[0], device=p.device))
+                lazy.forget_before(int(self.state[p]["step"]))
+
+    def state_dict(self):
+        self.settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for p, lazy in self.lazy.items():   # a saved state is settled: every row current at its step
+            lazy.last.fill_(int(self.state[p]["step"]) if self.state[p] else 0)
+            lazy.hist = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -85,7 +172,7 @@ class RowSparseAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         sparse = [(g, p) for g in self.param_groups for p in g["params"]
-                  if p.grad is not None and (p.grad.is_sparse or hasattr(p, "touched_rows"))]
+                  if p in self.lazy or p.grad is not None and (p.grad.is_sparse or hasattr(p, "touched_rows"))]
         held = [(p, p.grad) for _, p in sparse]
         for p, _ in held:
             p.grad = None               # torch's AdamW skips them
@@ -112,22 +199,35 @@ class RowSparseAdamW(torch.optim.AdamW):
             rows = p.touched_rows.nonzero().squeeze(1)
             g = p.grad.to_local().index_select(0, rows)
             p.touched_rows.zero_()
+        elif p.grad is None:             # a lazy table none of whose rows the step read
+            rows, g = torch.zeros(0, dtype=torch.long, device=p.device), p.new_zeros(0, p.shape[1])
         else:
             grad = p.grad.coalesce()
             rows, g = grad.indices()[0], grad.values()
-        param, exp_avg, exp_avg_sq = local
+        lazy = self.lazy.get(p)
+        if lazy is not None:             # its touched rows current before their update (read this step: they are)
+            lazy.replay(p, state, rows)
         state["step"] += 1
-        t = float(state["step"])
+        t = int(state["step"])
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         b1, b2 = group["betas"]
-        m = exp_avg.index_select(0, rows).lerp_(g, 1 - b1)
-        v = exp_avg_sq.index_select(0, rows).mul_(b2).addcmul_(g, g, value=1 - b2)
-        w = param.index_select(0, rows).mul_(1 - lr * wd)
-        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
-        w.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
-        exp_avg.index_copy_(0, rows, m)
-        exp_avg_sq.index_copy_(0, rows, v)
-        param.index_copy_(0, rows, w)
+        if lazy is not None:
+            lazy.hist[t] = (lr, wd, b1, b2, eps)
+            lazy.last.index_fill_(0, rows, t)
+        _adamw_rows(local, rows, g, t, lr, wd, b1, b2, eps)
+
+
+def _adamw_rows(local: list, rows, g, t: int, lr: float, wd: float, b1: float, b2: float, eps: float):
+    """torch's AdamW step ``t`` on ``rows`` of (param, exp_avg, exp_avg_sq) with their gradient rows ``g``."""
+    param, exp_avg, exp_avg_sq = local
+    m = exp_avg.index_select(0, rows).lerp_(g, 1 - b1)
+    v = exp_avg_sq.index_select(0, rows).mul_(b2).addcmul_(g, g, value=1 - b2)
+    w = param.index_select(0, rows).mul_(1 - lr * wd)
+    denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+    w.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+    exp_avg.index_copy_(0, rows, m)
+    exp_avg_sq.index_copy_(0, rows, v)
+    param.index_copy_(0, rows, w)
 
 
 def build_optimizer(model, optim, lr: float, fused: bool = False) -> torch.optim.AdamW:
@@ -140,8 +240,12 @@ def build_optimizer(model, optim, lr: float, fused: bool = False) -> torch.optim
         lr_mult = o.get("lr_mult", lr_mult)
         wd = o.get("weight_decay", optim.weight_decay if wd is None else wd)
         groups.append({"params": params, "name": name, "lr_mult": lr_mult, "weight_decay": wd, "lr": lr * lr_mult})
-    cls = RowSparseAdamW if optim.sparse_tables else torch.optim.AdamW
-    return cls(groups, lr=lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused)
+    tables = [m for m in model.modules() if hasattr(m, "register_read_hook") and m.row_update is not None]
+    cls = RowSparseAdamW if optim.sparse_tables or tables else torch.optim.AdamW
+    opt = cls(groups, lr=lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused)
+    for m in tables:   # host tables (stem.train.tables): their gradients come as rows
+        opt.track(m)
+    return opt
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float):

@@ -176,7 +176,7 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     model.set_training_options(activation_checkpointing=plan.activation_checkpointing,
                                flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
     use_row_sparse(model, plan.row_sparse)
-    to_host(model, plan.host_tables)   # train.tables: host
+    to_host(model, plan.host_tables, plan.sparse_rows)   # train.tables: host
     if tc.compile:   # torchtitan's order: activation checkpointing (set above), compile each block, then FSDP
         compile_blocks(model)
     # before sharding: the model's full shapes; this process's node has local_world of the job's GPUs

@@ -91,7 +91,8 @@ def candidates(plan: ParallelPlan, batch_size: int, tables: tuple[str, ...] = ()
     checkpointing, then (one GPU, lookup ``tables`` resident) all of these with the tables in host memory."""
     micros = [m for m in range(plan.micro_batch, 0, -1) if batch_size % (m * plan.world) == 0]
     ckpts = (True,) if plan.activation_checkpointing else (False, True)
-    hosts = [plan] + ([replace(plan, row_sharded=(), host_tables=tuple(t for t in tables if t not in plan.row_sparse))]
+    hosts = [plan] + ([replace(plan, row_sharded=(), host_tables=tables, sparse_rows=tuple(t for t in tables if t in plan.row_sparse),
+                               row_sparse=tuple(t for t in plan.row_sparse if t not in tables))]
                       if plan.world == 1 and tables and not plan.host_tables else [])
     return [replace(p, micro_batch=m, accum=batch_size // m, activation_checkpointing=c)
             for p in hosts for c in ckpts for m in micros]

@@ -123,14 +123,17 @@ def _laid_out(cfg, plan: ParallelPlan, ctx, mixed_precision: bool):
     model = build_model(cfg, ctx.device)
     model.set_training_options(activation_checkpointing=plan.activation_checkpointing)
     tables = use_row_sparse(model, plan.row_sparse)   # sparse: replicated, outside FSDP
-    host = to_host(model, plan.host_tables)           # host: off the GPU (subtracted below)
+    host = to_host(model, plan.host_tables, plan.sparse_rows)   # host: off the GPU (subtracted below)
     distributed.parallelize(model, ctx, plan, mixed_precision=mixed_precision)
     for m in tables:   # traced with a dense V x d_ff gradient, the sparse one's upper bound (a fake tensor
         m.row_sparse = False   # cannot run the lookup's torch.unique: its output shape depends on the data)
     for name in plan.row_sharded + plan.host_tables:   # likewise: each micro-batch's ids all distinct (the
         model.get_submodule(name).trace_bound = True    # bound), evenly owned
     for name in plan.sparse_rows:   # and row-sharded row-sparse tables updated as dense ones (every row)
-        del model.get_submodule(name).weight.touched_rows
+        if name in plan.row_sharded:
+            del model.get_submodule(name).weight.touched_rows
+    for name in plan.host_tables:   # host tables: a dense host gradient and plain AdamW (off the GPU either way)
+        model.get_submodule(name).row_update = None
     return model, tables, host
 
 

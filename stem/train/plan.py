@@ -48,7 +48,8 @@ class ParallelPlan:
     row-sparse (``optim.table_update: sparse``), replicated on every rank outside FSDP, ``row_sharded``: the
     lookup tables sharded by rows outside FSDP (``train.tables: rows``, ``stem.train.tables``; on several ranks
     the row-sparse ones too, named in ``sparse_rows`` and not in ``row_sparse``: sharded, not replicated), and
-    ``host_tables``: those kept in host memory (``train.tables: host``, one rank only). Every other
+    ``host_tables``: those kept in host memory (``train.tables: host``, one rank only; the row-sparse ones too,
+    named in ``sparse_rows``: their host update is row-sparse AdamW, the others' dense AdamW made lazy). Every other
     module declaring ``shard_unit`` (STEM/DSE tables, Hash-MoE FFNs, routed-MoE experts) with a parameter left
     is its own FSDP unit over all ranks whatever the strategy."""
     world: int
@@ -72,15 +73,16 @@ class ParallelPlan:
         """The plan of a job with ``train`` settings (a TrainSettings) at ``world`` ranks; ``strategy`` overrides
         the spec's ``train.parallel``; ``row_sparse``: ``OptimSpec.row_sparse_tables`` of the job's model;
         ``tables``: its lookup tables (``stem.train.tables.row_shardable``), row-sharded if ``train.tables`` is
-        ``rows`` (the row-sparse ones too on several ranks), in host memory if it is ``host`` (not the row-sparse
-        ones)."""
+        ``rows`` (the row-sparse ones too on several ranks), in host memory if it is ``host`` (the row-sparse ones
+        too, updated row-sparse there: ``sparse_rows``)."""
         micro, accum = local_micro_batch(train.batch_size, train.micro_batch, world)
         if train.tables == "host" and world > 1:
             raise ValueError(f"train.tables: host keeps the whole tables in one host's memory, for a job of one GPU; "
                              f"this one has {world} (use rows)")
         sharded = train.tables == "rows" and world > 1
-        sparse_rows = tuple(t for t in tables if t in row_sparse) if sharded else ()
-        tables = tuple(t for t in tables if sharded or t not in row_sparse)
+        outside = sharded or train.tables == "host"   # the row-sparse tables row-sharded or in host memory too
+        sparse_rows = tuple(t for t in tables if t in row_sparse) if outside else ()
+        tables = tuple(t for t in tables if outside or t not in row_sparse)
         return cls(world, strategy or train.parallel, micro, accum, train.seq_len, train.activation_checkpointing,
                    tuple(t for t in row_sparse if t not in sparse_rows), tables if train.tables == "rows" else (),
                    tables if train.tables == "host" else (), sparse_rows)

@@ -199,16 +199,18 @@ def logical_full(model, msd: dict | None = None, osd: dict | None = None, invers
 
 # ----------------------------------------------------------------------------- host tables
 
-def _fetch(weight, ids, bound: bool = False) -> tuple:
-    """(inverse, host ids, rows on ``ids``' device) of a host table's lookup of ``ids``: the unique ids' rows
-    gathered on the host and copied to the device (pinned, non-blocking on CUDA: queued on the current stream,
-    so the host's gather of the next micro-batch overlaps the device's work on this one)."""
+def _fetch(m, ids, bound: bool = False) -> tuple:
+    """(inverse, host ids, rows on ``ids``' device) of host table ``m``'s lookup of ``ids``: the unique ids' rows,
+    brought current first (``m.before_read``: a lazy table's missed steps), gathered on the host and copied to the
+    device (pinned, non-blocking on CUDA: queued on the current stream, so the host's gather of the next
+    micro-batch overlaps the device's work on this one)."""
     if bound:   # the memory trace (as RowShardedLookup's): every id distinct
         uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
     else:
         uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
-    host_ids = uniq.to(weight.device)
-    rows = weight.detach().index_select(0, host_ids)
+    host_ids = uniq.to(m.weight.device)
+    m.before_read(host_ids)
+    rows = m.weight.detach().index_select(0, host_ids)
     if ids.device.type == "cuda":
         rows = rows.pin_memory()
     return inverse, host_ids, rows.to(ids.device, non_blocking=True)
@@ -216,42 +218,61 @@ def _fetch(weight, ids, bound: bool = False) -> tuple:
 
 class HostLookup(torch.autograd.Function):
     """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
-    to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward adds each
-    unique row's summed gradient, copied back, into the table's host gradient (made here: the dense gradient
-    AdamW expects, never a V x d_ff one on the device), and gives autograd none."""
+    to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward returns each
+    unique row's summed gradient, copied back, as the table's gradient: (unique ids, rows), a sparse COO tensor
+    added to the step's (coalesced: at most V rows), never a dense table-sized one (``rows``: False, the memory
+    trace's upper bound, a dense host gradient); autograd gets none."""
 
     @staticmethod
-    def forward(ctx, weight, ids, bound: bool = False, fetched=None):
-        inverse, host_ids, rows = fetched or _fetch(weight, ids, bound)
+    def forward(ctx, weight, ids, fetched, rows: bool = True):
+        inverse, host_ids, got = fetched
         ctx.save_for_backward(inverse, host_ids)
-        ctx.weight, ctx.n_uniq = weight, host_ids.numel()
-        return rows.index_select(0, inverse).reshape(*ids.shape, weight.shape[1])
+        ctx.weight, ctx.n_uniq, ctx.rows = weight, host_ids.numel(), rows
+        return got.index_select(0, inverse).reshape(*ids.shape, weight.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out):
         inverse, host_ids = ctx.saved_tensors
         weight, d = ctx.weight, grad_out.shape[-1]
         rows = grad_out.new_zeros(ctx.n_uniq, d, dtype=weight.dtype).index_add_(0, inverse, grad_out.reshape(-1, d).to(weight.dtype))
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, host_ids, rows.to(weight.device))
+        rows = rows.to(weight.device)
+        if not ctx.rows:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            weight.grad.index_add_(0, host_ids, rows)
+            return None, None, None, None
+        g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows, weight.shape, is_coalesced=True, check_invariants=False)
+        weight.grad = g if weight.grad is None else (weight.grad + g).coalesce()
         return None, None, None, None
 
 
 class _Host:
     """The forward put on top of a host table's own class (``to_host``); ``trace_bound`` as ``_RowSharded``'s;
     ``ahead``: (ids, fetched) from ``prefetch``, used by the forward whose ids are those very ids (a recomputed
-    forward, under activation checkpointing, fetches its own); ``prefetched``: how many forwards used one."""
+    forward, under activation checkpointing, fetches its own); ``prefetched``: how many forwards used one.
+    ``row_update`` (``stem.optim.adamw``): how the optimizer updates its rows, ``lazy`` (dense AdamW, exact) or
+    ``sparse`` (row-sparse AdamW), or None (the memory trace: a dense gradient, plain AdamW); the optimizer
+    registers ``register_read_hook`` to bring rows current before they are read."""
     trace_bound = False
     ahead = None
     prefetched = 0
+    row_update = "lazy"
+
+    def register_read_hook(self, fn):
+        """``fn(host ids)`` runs before those rows of the table are read (``stem.optim.adamw``)."""
+        self.__dict__.setdefault("read_hooks", []).append(fn)
+
+    def before_read(self, ids):
+        for fn in self.__dict__.get("read_hooks", ()):
+            fn(ids)
 
     def forward(self, ids):
         fetched = None
         if self.ahead is not None and self.ahead[0] is ids:
             fetched, self.ahead = self.ahead[1], None
             self.prefetched += 1
-        return HostLookup.apply(self.weight, ids, self.trace_bound, fetched)
+        return HostLookup.apply(self.weight, ids, fetched or _fetch(self, ids, self.trace_bound),
+                                self.row_update is not None)
 
 
 def prefetch(model, ids: torch.Tensor):
@@ -262,18 +283,21 @@ def prefetch(model, ids: torch.Tensor):
     (``trace_bound``) holds the bound's rows ahead likewise."""
     for m in model.modules():
         if isinstance(m, _Host) and m.token_ids:
-            m.ahead = (ids, _fetch(m.weight, ids, m.trace_bound))
+            m.ahead = (ids, _fetch(m, ids, m.trace_bound))
 
 
-def to_host(model, names) -> list:
+def to_host(model, names, sparse=()) -> list:
     """Move the tables ``names`` (``row_shardable``) of ``model`` to host memory (pinned when CUDA is there) with
-    the ``HostLookup`` forward; their AdamW moments follow their weights there. Returns their weights."""
+    the ``HostLookup`` forward; their AdamW moments follow their weights there. Those in ``sparse`` (the plan's
+    ``sparse_rows``: ``optim.table_update: sparse``) get the row-sparse update, the others dense AdamW's, lazy
+    and exact (``stem.optim.adamw``). Returns their weights."""
     roles, out = param_roles(model), []
     for name in names:
         m = model.get_submodule(name)
         m.token_ids = getattr(roles.get(id(m.weight)), "group", None) != "dse_table"   # looked up by token id
         cls = type(m)
         m.__class__ = type(f"Host{cls.__name__}", (_Host, cls), {})
+        m.row_update = "sparse" if name in sparse else "lazy"
         w = m.weight.detach().cpu()
         m.weight = nn.Parameter(w.pin_memory() if torch.cuda.is_available() else w.clone())
         out.append(m.weight)

@@ -1,0 +1,144 @@
+"""Host tables' optimizer (``train.tables: host``; stem.train.tables, stem.optim.adamw): gradients kept as (unique
+ids, rows), the update applied to the rows a step touched. Lazy-exact AdamW (``table_update: dense``) against
+dense AdamW on resident tables after 20 steps in which most rows are skipped for several steps (fails with the
+replay removed); row-sparse AdamW (``table_update: sparse``) against the resident row-sparse update; a save
+settles every row and a resume continues exactly; the host gradient is never dense."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stem import config as C  # noqa: E402
+from stem.models.model import build_model  # noqa: E402
+from stem.optim import adamw  # noqa: E402
+from stem.optim.adamw import use_row_sparse  # noqa: E402
+from stem.train import distributed, step  # noqa: E402
+from stem.train.plan import ParallelPlan  # noqa: E402
+from stem.train.tables import row_shardable, to_host  # noqa: E402
+from conftest import reshaped  # noqa: E402
+
+V, T, STEPS = 64, 8, 20
+
+
+def _spec(tables: str, variant: str = "stem", clip: float = 0.05):
+    cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
+    cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16)
+    cfg["variant_overrides"] = {"dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
+    cfg["stages"]["pretrain"]["350m"].update(batch_size=4, micro_batch=2, seq_len=T, lr=3e-3)
+    cfg["optim"]["grad_clip"] = clip
+    cfg["cluster"] = {"tables": tables}
+    return C.train_job(reshaped(cfg, f"tiny.yaml (a small 350m, tables {tables})"), "350m", variant, "pretrain")
+
+
+def _batches(i: int) -> list:
+    """Step ``i``'s 2 micro-batches: ids from a window of 12 of the 64 that moves by 5 a step, so most rows are
+    skipped for several steps and then read again (every other step also the window 40 further on)."""
+    g = torch.Generator().manual_seed(100 + i)
+    lo = 5 * i % V
+    out = []
+    for k in range(2):
+        base = lo + (40 * (i % 2) if k else 0)
+        x = (base + torch.randint(0, 12, (2, T), generator=g)) % V
+        out.append((x, torch.roll(x, -1, 1), None))
+    return out
+
+
+def _model(spec, world_plan=True):
+    torch.manual_seed(0)
+    model = build_model(spec.model)
+    plan = ParallelPlan.of(spec.train, 1, row_sparse=spec.optim.row_sparse_tables(model), tables=row_shardable(model))
+    use_row_sparse(model, plan.row_sparse)
+    to_host(model, plan.host_tables, plan.sparse_rows)
+    return model, plan, step.make_optimizer(model, spec, plan, fused=False)
+
+
+def _train(spec, steps=STEPS, start=0, state=None, save_at=None):
+    model, plan, opt = _model(spec)
+    ctx, off = distributed.DistContext(), torch.autocast("cpu", enabled=False)
+    if state is not None:
+        start = distributed.load_state(state, model, opt, ctx)["step"]
+    losses = []
+    for i in range(start, steps):
+        losses.append(step.train_step(model, opt, _batches(i), ctx, off, spec.train.lr, spec.optim.grad_clip, i)[0])
+        if save_at is not None and i + 1 == save_at:
+            distributed.save_state(save_at and state_dir_of(save_at), i + 1, model, opt, {}, ctx)
+    return model, plan, opt, losses
+
+
+def state_dir_of(_):
+    return _STATE[0]
+
+
+_STATE: list = []
+
+
+def _weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}   # settles a lazy table first
+
+
+def _close(ref: dict, got: dict, tol: float = 1e-6):
+    assert ref.keys() == got.keys()
+    for k in ref:
+        err = (ref[k].double() - got[k].double()).abs().max().item()
+        assert err <= tol * max(1.0, ref[k].abs().max().item()), f"{k}: max |diff| {err:.3g}"
+
+
+def test_lazy_exact_host_tables_equal_dense_adamw_on_resident_tables():
+    """20 steps, rows skipped for up to 12 steps, clipping active: every parameter to 1e-6 (the tables'
+    rows brought current by their replays, on read and at the save), the moments too."""
+    _, _, ref_opt, ref_losses = (ref := _train(_spec("fsdp")))
+    model, plan, opt, losses = _train(_spec("host"))
+    assert plan.host_tables and not plan.sparse_rows
+    assert [m.row_update for m in (model.get_submodule(n) for n in plan.host_tables)] == ["lazy"] * len(plan.host_tables)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    _close(_weights(ref[0]), _weights(model))
+    for n in plan.host_tables:   # the moments, settled by the save above
+        a, b = ref_opt.state[ref[0].get_submodule(n).weight], opt.state[model.get_submodule(n).weight]
+        _close({"m": a["exp_avg"], "v": a["exp_avg_sq"]}, {"m": b["exp_avg"], "v": b["exp_avg_sq"]})
+
+
+def test_without_the_replay_lazy_tables_differ_from_dense_adamw(monkeypatch):
+    """The check above can fail: with the replay removed (rows left as they were when skipped, as the row-sparse
+    update does) the tables are far from dense AdamW's."""
+    ref = _weights(_train(_spec("fsdp"))[0])
+    monkeypatch.setattr(adamw.LazyRows, "replay", lambda self, p, state, rows: 0)
+    got = _weights(_train(_spec("host"))[0])
+    tables = [k for k in ref if "table" in k]
+    assert tables and max((ref[k] - got[k]).abs().max().item() for k in tables) > 1e-4
+
+
+def test_row_sparse_host_tables_equal_resident_row_sparse_tables():
+    """``table_update: sparse`` with host tables: the resident row-sparse update (stem_sparse) to 1e-6."""
+    ref = _train(_spec("fsdp", "stem_sparse"))
+    model, plan, _, losses = _train(_spec("host", "stem_sparse"))
+    assert plan.host_tables and plan.sparse_rows == plan.host_tables and not plan.row_sparse
+    assert losses == pytest.approx(ref[3], rel=1e-6)
+    _close(_weights(ref[0]), _weights(model))
+
+
+def test_host_gradient_is_the_touched_rows_only():
+    """After a step's backward a host table's gradient is a sparse (ids, rows) tensor of the unique ids read."""
+    spec = _spec("host", clip=1e3)
+    model, plan, opt = _model(spec)
+    batches = _batches(3)
+    step.accumulate_gradients(model, batches, distributed.DistContext(), "cpu", torch.autocast("cpu", enabled=False))
+    ids = torch.cat([x.reshape(-1) for x, _, _ in batches]).unique()
+    for n in plan.host_tables:
+        g = model.get_submodule(n).weight.grad
+        assert g.is_sparse and g.is_coalesced() and torch.equal(g.indices()[0], ids)
+
+
+def test_a_saved_lazy_state_resumes_exactly(tmp_path):
+    """A state saved after 7 steps (every row settled) resumed for the remaining 13: the uninterrupted run."""
+    spec = _spec("host")
+    _STATE[:] = [tmp_path / "state"]
+    straight = _weights(_train(spec)[0])
+    _train(spec, steps=7, save_at=7)
+    resumed = _weights(_train(spec, state=tmp_path / "state")[0])
+    _close(straight, resumed, 1e-7)
