@@ -1,5 +1,6 @@
 import contextlib
 import doctest
+import functools
 import io
 import itertools
 import json
@@ -12,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+import yaml
 
 from stem.data.synth import (
     GENERATORS, Country, Person, World, code_documents, long_documents, make_world,
@@ -148,9 +150,19 @@ def test_long_documents_structure(world):
         next(long_documents(world, 0, 10, 5))
 
 
+def _generator_keys(kind: str) -> dict:
+    """A generator's own keys (``gen(world, seed, **kw)``): the bios generator's world is config/knowledge.yaml's
+    ``knowledge:`` section, with a source's n and exposures; the others need none."""
+    if kind != "bios":
+        return {}
+    kn = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "knowledge.yaml").read_text())["knowledge"]
+    spec = {k: kn[k] for k in ("seed", "names", "attributes", "templates")}
+    return {"knowledge": spec, "n": 100, "exposures": 20}
+
+
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 def test_write_jsonl_deterministic(tmp_path, world, kind):
-    gen = GENERATORS[kind]
+    gen = functools.partial(GENERATORS[kind], **_generator_keys(kind))
     a = write_jsonl(tmp_path / "a.jsonl", gen(world, 0), 30_000)
     b = write_jsonl(tmp_path / "b.jsonl", gen(make_world(0), 0), 30_000)
     c = write_jsonl(tmp_path / "c.jsonl", gen(world, 1), 30_000)
