@@ -51,32 +51,28 @@ def number(minimum: float, what: str):
     return parse
 
 
-def fraction(what: str):
-    """A float in (0, 1]."""
+def _unit_interval(what: str, name: str, top_included: bool, expected: str):
+    """A float in (0, 1], or in (0, 1) where ``top_included`` is False."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = None
-        if value is None or not 0 < value <= 1:
-            raise argparse.ArgumentTypeError(f"{text}: expected a fraction in (0, 1] ({what})")
+        if value is None or not (0 < value <= 1 if top_included else 0 < value < 1):
+            raise argparse.ArgumentTypeError(f"{text}: expected {expected} ({what})")
         return value
-    parse.__name__ = "fraction"
+    parse.__name__ = name
     return parse
+
+
+def fraction(what: str):
+    """A float in (0, 1]."""
+    return _unit_interval(what, "fraction", True, "a fraction in (0, 1]")
 
 
 def open_fraction(what: str):
     """A float in (0, 1), both ends excluded."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = None
-        if value is None or not 0 < value < 1:
-            raise argparse.ArgumentTypeError(f"{text}: expected a number in (0, 1) ({what})")
-        return value
-    parse.__name__ = "open_fraction"
-    return parse
+    return _unit_interval(what, "open_fraction", False, "a number in (0, 1)")
 
 
 def one_of(names, what: str):

@@ -117,13 +117,18 @@ def _model(vocab):
     return m.eval()
 
 
-def test_bits_and_recall_are_the_value_tokens_cross_entropy_and_argmax(tmp_path):
+def _world_model(tmp_path):
+    """The test world, a BPE over its biographies with every name one token, and a small STEM model of its size."""
     bios = make_bios(WORLD)
     path = tmp_path / "tokenizer.json"
     train_bpe(iter(bios_documents(None, 0, knowledge=WORLD, n=30, exposures=2)), 300, path)
     add_words(path, bios.words)
     tok = load_tokenizer(path)
-    model = _model(tok.vocab_size)
+    return bios, tok, _model(tok.vocab_size)
+
+
+def test_bits_and_recall_are_the_value_tokens_cross_entropy_and_argmax(tmp_path):
+    bios, tok, model = _world_model(tmp_path)
     items = AK.probes(bios, 6, tok)
     scored = AK.score(model, items, batch=5)
     for (i, a, p, v), (ce, hit) in zip(items, scored):
@@ -158,12 +163,7 @@ def test_an_edit_of_every_token_indexed_row_is_the_positive_control_and_is_undon
     as often as B does; B's own facts are untouched; the model is restored bit for bit."""
     from stem.analysis.common import state_digest, table_sites
 
-    bios = make_bios(WORLD)
-    path = tmp_path / "tokenizer.json"
-    train_bpe(iter(bios_documents(None, 0, knowledge=WORLD, n=30, exposures=2)), 300, path)
-    add_words(path, bios.words)
-    tok = load_tokenizer(path)
-    model = _model(tok.vocab_size)
+    bios, tok, model = _world_model(tmp_path)
     with torch.no_grad():   # a model that answers something: the head biased towards some value tokens
         model.lm_head.weight[tok.encode_batch([" " + bios.values[0][3]])[0][0]] += 0.5
     before = {i: AK._hits(model, AK.probes_of(bios, tok, [i])) for i in range(8)}
