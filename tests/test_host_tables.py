@@ -49,7 +49,7 @@ def _batches(i: int) -> list:
     return out
 
 
-def _model(spec, world_plan=True):
+def _model(spec):
     torch.manual_seed(0)
     model = build_model(spec.model)
     plan = ParallelPlan.of(spec.train, 1, row_sparse=spec.optim.row_sparse_tables(model), tables=row_shardable(model))
@@ -58,7 +58,8 @@ def _model(spec, world_plan=True):
     return model, plan, step.make_optimizer(model, spec, plan, fused=False)
 
 
-def _train(spec, steps=STEPS, start=0, state=None, save_at=None):
+def _train(spec, steps=STEPS, start=0, state=None, save=None):
+    """``steps`` steps (``state``: resumed from that state folder; ``save``: the state saved there at the end)."""
     model, plan, opt = _model(spec)
     ctx, off = distributed.DistContext(), torch.autocast("cpu", enabled=False)
     if state is not None:
@@ -66,16 +67,9 @@ def _train(spec, steps=STEPS, start=0, state=None, save_at=None):
     losses = []
     for i in range(start, steps):
         losses.append(step.train_step(model, opt, _batches(i), ctx, off, spec.train.lr, spec.optim.grad_clip, i)[0])
-        if save_at is not None and i + 1 == save_at:
-            distributed.save_state(save_at and state_dir_of(save_at), i + 1, model, opt, {}, ctx)
+    if save is not None:
+        distributed.save_state(save, steps, model, opt, {}, ctx)
     return model, plan, opt, losses
-
-
-def state_dir_of(_):
-    return _STATE[0]
-
-
-_STATE: list = []
 
 
 def _weights(model) -> dict:
@@ -137,8 +131,7 @@ def test_host_gradient_is_the_touched_rows_only():
 def test_a_saved_lazy_state_resumes_exactly(tmp_path):
     """A state saved after 7 steps (every row settled) resumed for the remaining 13: the uninterrupted run."""
     spec = _spec("host")
-    _STATE[:] = [tmp_path / "state"]
     straight = _weights(_train(spec)[0])
-    _train(spec, steps=7, save_at=7)
+    _train(spec, steps=7, save=tmp_path / "state")
     resumed = _weights(_train(spec, state=tmp_path / "state")[0])
     _close(straight, resumed, 1e-7)
