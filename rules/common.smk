@@ -42,6 +42,11 @@ def train_inputs(w):
     spec = C.train_spec(EXPERIMENT, w.scale, w.variant, w.stage)
     inputs = {"tokenizer": spec["tokenizer"]}
     inputs.update({f"tokens_{src}": L.tokens_manifest(EXP, w.scale, src) for src in spec["data"]})
+    cal = (spec.get("insert") or {}).get("calibration")
+    if cal and cal["source"] not in spec["data"]:   # init calibrated on another source than the stage's data
+        inputs[f"tokens_{cal['source']}"] = cal["manifest"]
+    if cal and cal.get("step0"):   # init calibrated's choice: the best of the step-0 analysis (stem.train.calibration)
+        inputs["step0"] = cal["step0"]
     if spec["init_from"] and not spec["init_from"].startswith(C.HF_PREFIX):   # hf: read when the job starts
         inputs["init"] = spec["init_from"]
     return inputs

@@ -14,7 +14,7 @@ from stem.experiment import dataclass_mapping as mapping
 from stem.io import ConfigError, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
 from stem.io import deep_merge
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
-from stem.layout import GGUF_SEP, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
+from stem.layout import GGUF_SEP, analysis_json, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.models.config import model_config
 from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
 from stem.seeds import JobId
@@ -102,7 +102,12 @@ def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | Non
         spec = mapping(exp.stages[stage][scale])   # a key written null is kept, as the config writes it
         arch.update({key: spec[key] for key in ("max_seq_len", "rope_scaling") if key in spec})
     spec = {k: v for k, v in variant_spec(exp, variant).items() if k not in ("stage", "seed_index")}
-    return model_config(arch, spec)
+    try:
+        return model_config(arch, spec)
+    except ConfigError:
+        raise
+    except ValueError as e:   # e.g. a placement outside the model's layers
+        raise ConfigError(f"variant {variant!r} at {scale} (config/variants.yaml + variant_overrides): {e}") from None
 
 
 # ---- paths: stem.layout ------------------------------------------------------------------------
@@ -237,7 +242,7 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
     optim = deep_merge(mapping(exp.optim), vspec.get("optim", {}))   # a variant may set e.g. table_update
     if table_group:
         optim = deep_merge(optim, {"groups": {"table": table_group}})
-    extra = {} if ins is None else {"insert": {"from": ins["from"], "init": ins.get("init", InsertInit.PROJECTED)}}
+    extra = {} if ins is None else {"insert": _insert_spec(exp, scale, variant, ins, data, init)}
     return TrainSpec.from_dict({**extra,
         "experiment": exp.experiment, "scale": scale, "variant": variant, "stage": stage,
         "seed": exp.seed + vspec.get("seed_index", 0), "device": exp.device,
@@ -251,6 +256,25 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
         "out_dir": stage_dir(exp.experiment, scale, variant, stage),
         **plugins.spec_key(exp),
     })
+
+
+def _insert_spec(exp: Experiment, scale: str, variant: str, ins: dict, data: dict, init) -> dict:
+    """A train job's ``insert``: the dense variant and the init; init ``calibrated`` also its calibration source's
+    manifest (``insert.calibration.source``, default the stage's first data source) and settings; with
+    ``from_step0``, the step-0 analysis of the dense checkpoint it starts from (its best choice is taken)."""
+    out = {"from": ins["from"], "init": ins.get("init", InsertInit.PROJECTED)}
+    if out["init"] != InsertInit.CALIBRATED:
+        return out
+    cal = {"tokens": 16384, "unseen": "mean", "sequential": False, **(ins.get("calibration") or {})}
+    cal["source"] = cal.get("source") or next(iter(data))
+    if cal.pop("from_step0", False):
+        stages = (exp.analysis.stages or {}).get(scale) or []
+        if exp.analysis.insertion_step0 is None or isinstance(init, dict) or init not in stages:
+            raise ConfigError(f"variant {variant!r}: key 'insert.calibration.from_step0': true, but no step-0 "
+                              f"analysis of {ins['from']!r} at {scale} / {init!r}; expected analysis.insertion_step0 "
+                              f"and {init!r} in analysis.stages.{scale}")
+        cal["step0"] = analysis_json(exp.experiment, scale, ins["from"], init, "insertion_step0")
+    return {**out, "calibration": {**cal, "manifest": tokens_manifest(exp.experiment, scale, cal["source"])}}
 
 
 def train_spec(exp: Experiment, scale: str, variant: str, stage: str) -> dict:

@@ -365,7 +365,19 @@ class InsertCalibration:
     tokens: int = field(default=16384, metadata=POSITIVE)
     unseen: str = field(default="mean", metadata=expect(lambda v: v in ("mean", "raw"), "mean or raw"))
     sequential: bool = False
-    per_layer: bool = False
+    per_layer: bool | tuple[str, ...] = False   # true: every STEM layer of the placements; a list: those placements'
+    compare: tuple[str, ...] = ()   # placements where the other choices (unseen mean / raw x sequential) are measured
+
+
+@dataclass(frozen=True)
+class TrainCalibration:
+    """A trained insertion's ``insert.calibration`` (init ``calibrated``; stem.train.calibration): ``tokens`` of
+    ``source``'s train split (null: the insertion stage's first data source), the unseen rule, sequential or not."""
+    source: str | None = None
+    tokens: int = field(default=16384, metadata=POSITIVE)
+    unseen: str = field(default="mean", metadata=expect(lambda v: v in ("mean", "raw"), "mean or raw"))
+    sequential: bool = False
+    from_step0: bool = False   # unseen and sequential: the best calibrated row of the step-0 analysis at these layers
 
 
 @dataclass(frozen=True)
@@ -380,6 +392,14 @@ class InsertionStep0:
     # init ``calibrated`` (stem.models.calibrate): {tokens, unseen: mean | raw, sequential, per_layer}, read from the
     # source's train split (the same tokenizer as ``source``)
     calibration: InsertCalibration | None = None
+
+    def __post_init__(self):
+        cal = self.calibration
+        for key in ("per_layer", "compare"):
+            names = getattr(cal, key) if cal is not None and not isinstance(getattr(cal, key), bool) else ()
+            unknown = [n for n in names if n not in self.placements]
+            fail(not unknown, f"calibration.{key}", f"{unknown[0]!r} is not a placement; expected some of "
+                 f"{', '.join(self.placements)}" if unknown else "")
 
 
 @dataclass(frozen=True)
@@ -726,10 +746,7 @@ class Experiment:
                               f"init: {' | '.join(inits)}}}")
         if ins.get("init", InsertInit.PROJECTED) not in inits:
             raise ConfigError(f"{where}: key 'insert.init': {ins['init']!r}; expected one of {', '.join(inits)}")
-        if ins.get("init") == InsertInit.CALIBRATED:   # the training path has no calibration source yet (issue 41)
-            raise ConfigError(f"{where}: key 'insert.init': 'calibrated' needs a calibration source, which only "
-                              f"analysis.insertion_step0 has (its key 'calibration'); expected one of "
-                              f"{', '.join(i for i in inits if i != InsertInit.CALIBRATED)} for a trained insertion")
+        self._check_calibration(where, ins)
         if spec.get("ffn", "dense") != "stem":
             raise ConfigError(f"{where}: key 'ffn': {spec.get('ffn', 'dense')!r}; an insertion builds ffn kind 'stem'")
         src = self.variant(ins["from"])
@@ -740,6 +757,26 @@ class Experiment:
             what = f"ffn {src['ffn']!r}" if src.get("ffn", "dense") != "dense" else "a DSE memory"
             raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} has {what}; expected a dense variant "
                               "(the insertion builds the STEM tables from its dense up-projections)")
+
+    def _check_calibration(self, where: str, ins: dict):
+        """Init ``calibrated`` has a calibration source (``insert.calibration``: a source of ``sources``, or null:
+        the stage's first data source); any other init has none."""
+        cal = ins.get("calibration", {} if ins.get("init") == InsertInit.CALIBRATED else None)
+        if ins.get("init") != InsertInit.CALIBRATED:
+            if cal is not None:
+                raise ConfigError(f"{where}: key 'insert.calibration': set, but insert.init is "
+                                  f"{ins.get('init', InsertInit.PROJECTED)!r}; expected it only with init 'calibrated'")
+            return
+        if not isinstance(cal, dict):
+            raise ConfigError(f"{where}: key 'insert.calibration': {cal!r}; init 'calibrated' needs a calibration "
+                              f"source: expected {{source: <a source of 'sources'>, tokens, unseen, sequential}}")
+        try:
+            c = node(TrainCalibration, cal, "insert.calibration")
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if c.source is not None and c.source not in self.sources:
+            raise ConfigError(f"{where}: key 'insert.calibration.source': {c.source!r} is not a source; expected "
+                              f"one of {sorted(self.sources)} (or null: the stage's first data source)")
 
     def _check_cell(self, scale: Scale, m: MatrixEntry):
         """A matrix entry's scale has an arch and a tokenizer; each of its stages is defined, starts from an

@@ -164,14 +164,19 @@ class TrainSpec(_Spec):
     init_stage: str | None   # ... and that stage's name
     out_dir: str             # the stage folder (stem.layout.stage_dir)
     # mid-training insertion (stem.models.insert): {"from": the dense variant init_from belongs to, "init":
-    # projected | raw | xavier}; only in the insertion stage's spec
+    # projected | raw | xavier | calibrated, and for calibrated "calibration": {source, manifest, tokens, unseen,
+    # sequential} (stem.train.calibration)}; only in the insertion stage's spec
     insert: dict | None = field(default=None, metadata=OPTIONAL)
     plugins: NAMES = field(default=(), metadata=OPTIONAL)   # the config's plugin modules (stem.plugins)
 
     def __post_init__(self):
-        _check(self.insert is None or (set(self.insert) == {"from", "init"}
-                                       and self.insert["init"] in values(InsertInit)),
-               "insert", f"null or {{from: <variant>, init: {' | '.join(values(InsertInit))}}}", self.insert)
+        ins = self.insert
+        _check(ins is None or (set(ins) == {"from", "init"} | ({"calibration"} if ins.get("init") == "calibrated"
+                                                                 else set())
+                               and ins["init"] in values(InsertInit)
+                               and (ins["init"] != "calibrated" or isinstance(ins["calibration"], dict))),
+               "insert", f"null or {{from: <variant>, init: {' | '.join(values(InsertInit))}}} (calibrated: and "
+               f"calibration: {{source, manifest, tokens, unseen, sequential}})", ins)
         _check(self.device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", self.device)
         _check(len(self.data) > 0, "data", "at least one source", self.data)
 

@@ -446,6 +446,12 @@ def test_niah_run_refuses_a_cell_longer_than_the_context(short_lm):
                        "STEM tables from its dense up-projections)"),
     ({"from": "dse"}, "key 'insert.from': 'dse' has a DSE memory; expected a dense variant"),
     ({"init": "zeros"}, "key 'insert.init': 'zeros'; expected one of projected, raw, xavier"),
+    ({"init": "calibrated", "calibration": None}, "key 'insert.calibration': None; init 'calibrated' needs a "
+                                                  "calibration source"),
+    ({"init": "calibrated", "calibration": {"source": "essays"}}, "key 'insert.calibration.source': 'essays' is not "
+                                                                  "a source; expected one of"),
+    ({"init": "xavier", "calibration": {"tokens": 64}}, "key 'insert.calibration': set, but insert.init is 'xavier'"),
+    ({"init": "calibrated", "calibration": {"tokens": 0}}, "key 'insert.calibration.tokens': 0; expected"),
 ])
 def test_insertion_from_a_non_dense_variant_or_with_a_bad_init_is_refused_by_the_config_check(tmp_path, capsys,
                                                                                                 insert, message):

@@ -125,20 +125,28 @@ def test_bad_input_is_one_line(dense, tmp_path):
         calibration_windows(ours, tmp_path / "nope.json", 64, 8, 97)
 
 
-def test_a_trained_insertion_cannot_be_calibrated_yet():
-    """The training path has no calibration source: a variant with insert.init calibrated is refused at parse time,
-    naming the key; the step-0 analysis's calibration settings are checked key by key."""
+def test_a_trained_calibrated_insertion_gets_its_calibration_source_in_the_job_spec():
+    """A variant with insert.init calibrated: the train job's spec carries the calibration source's manifest (the
+    stage's first data source by default) and settings; the step-0 analysis's calibration settings are checked key
+    by key, its compare / per_layer lists name placements."""
     import copy
     from stem import config as C
     raw = C.read_yaml(C.REPO / "config" / "tiny.yaml")
-    bad = copy.deepcopy(raw)
-    bad.setdefault("variant_overrides", {})["stem_insert"] = {"insert": {"init": "calibrated"}}
-    with pytest.raises(C.ConfigError, match=r"key 'insert.init': 'calibrated' needs a calibration source"):
-        C.experiment.parse(bad, "tiny.yaml")
+    raw.setdefault("variant_overrides", {})["stem_insert"] = {"insert": {"init": "calibrated",
+                                                                         "calibration": {"tokens": 512}}}
+    exp = C.experiment.parse(copy.deepcopy(raw), "tiny.yaml")
+    spec = C.train_spec(exp, "1b", "stem_insert", "midtrain")
+    src = next(iter(spec["data"]))
+    assert spec["insert"]["calibration"] == {"source": src, "manifest": spec["data"][src]["manifest"], "tokens": 512,
+                                             "unseen": "mean", "sequential": False}
     real = C.read_yaml(C.REPO / "config" / "real.yaml")
-    real["analysis"]["insertion_step0"]["calibration"] = {"unseen": "never"}
-    with pytest.raises(C.ConfigError, match=r"calibration.unseen': 'never'; expected mean or raw"):
-        C.experiment.parse(real, "real.yaml")
+    for cal, message in [({"unseen": "never"}, r"calibration.unseen': 'never'; expected mean or raw"),
+                         ({"compare": ["2/3"]}, r"calibration.compare': '2/3' is not a placement"),
+                         ({"per_layer": ["x"]}, r"calibration.per_layer': 'x' is not a placement")]:
+        bad = copy.deepcopy(real)
+        bad["analysis"]["insertion_step0"]["calibration"] = cal
+        with pytest.raises(C.ConfigError, match=message):
+            C.experiment.parse(bad, "real.yaml")
 
 
 def test_step0_rows_calibrated_with_the_per_layer_decomposition(dense):
@@ -154,3 +162,29 @@ def test_step0_rows_calibrated_with_the_per_layer_decomposition(dense):
     assert rec["rows_calibrated"] == len(cal["x"].unique())
     assert rec["heldout_coverage"] == pytest.approx(float(
         torch.isin(x[:, :-1], cal["x"]).float().mean()))
+
+
+def test_step0_compare_rows_and_the_trained_insertion_takes_the_best(dense, tmp_path):
+    """calibration.compare adds the other choices (unseen raw, sequential) at a placement, equal to calibrating with
+    them directly; stem.train.calibration.best_choice picks the lowest at the trained layers, and refuses layers the
+    analysis has no calibrated row for, in one line."""
+    from stem.analysis.insertion import step0_rows
+    from stem.train.calibration import best_choice
+    x = torch.randint(0, 60, (2, 17))
+    cal = {"x": torch.randint(0, 40, (4, 16)), "compare": ["p"], "per_layer": ["p"]}
+    rows = step0_rows(dense, x, {"p": [1, 3], "q": [2]}, ["calibrated"], cal=cal)
+    got = [(r["placement"], r.get("choice")) for r in rows[1:]]
+    assert got == [("p", None), ("q", None), ("p", {"unseen": "mean", "sequential": True}),
+                   ("p", {"unseen": "raw", "sequential": False}), ("p", {"unseen": "raw", "sequential": True}),
+                   ("layer 1", None), ("layer 3", None)]
+    seq = step0_rows(dense, x, {"p": [1, 3]}, ["calibrated"], cal={"x": cal["x"], "sequential": True,
+                                                                      "unseen": "raw"})
+    assert seq[1]["window_loss"] == rows[5]["window_loss"]
+    path = tmp_path / "step0.json"
+    path.write_text(json.dumps({"rows": rows, "calibration": cal["record"]}))
+    best = best_choice(path, [1, 3])
+    assert best["heldout_loss"] == min(r["mean_loss"] for r in rows if r["placement"] == "p")
+    assert len(best["compared"]) == 4
+    with pytest.raises(ValueError, match=r"insert.calibration.step0: .*step0.json: no calibrated row at STEM "
+                                         r"layers \[0, 1\]"):
+        best_choice(path, [0, 1])

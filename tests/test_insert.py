@@ -70,6 +70,37 @@ def test_xavier_init_keeps_the_tables_own_init(spec_factory, dense_ckpt, tmp_pat
     assert torch.equal(state["layers.2.ffn.w_gate.weight"], dense["layers.2.ffn.w_gate.weight"])
 
 
+def test_calibrated_insertion_trains_from_the_calibration_of_its_train_split(spec_factory, dense_ckpt, tmp_path):
+    """Init calibrated on the training path (stem.train.calibration): the job calibrates the tables on windows of
+    the stage's train split (the same tables stem.models.calibrate gives on them), trains, and its summary records
+    the calibration; a source tokenised with another tokenizer is one line naming calibration.manifest."""
+    from stem.models.calibrate import calibrate
+    from stem.train.calibration import calibration_windows
+    ckpt, dense = dense_ckpt
+    spec = insert_spec(spec_factory, tmp_path / "ins", ckpt, init="calibrated", steps=2, eval_interval=2)
+    manifest = spec["data"]["web"]["manifest"]
+    spec["insert"]["calibration"] = {"source": "web", "manifest": manifest, "tokens": 256, "unseen": "mean",
+                                     "sequential": False}
+    model = setup(TrainSpec.coerce(spec)).model
+    ref = build_model(TrainSpec.coerce(spec_factory(tmp_path / "d", variant="dense")).model).eval()
+    ref.load_state_dict(dense)
+    x = calibration_windows(manifest, manifest, 256, 32, ref.cfg.vocab_size)
+    want = calibrate(ref, x, [2], log=lambda m: None).table(2, torch.arange(ref.cfg.vocab_size), dense)
+    torch.testing.assert_close(model.state_dict()["layers.2.ffn.table.weight"], want)
+    rec = train(spec, threads=1)["insertion"]
+    assert rec["tokens"] == 256 and rec["rows_calibrated"] == len(x.unique()) and rec["stem_layers"] == [2]
+    assert 0 < rec["heldout_coverage"] <= 1 and rec["memory_bound_bytes"] == 128 * 48 * 8
+    other = tmp_path / "other" / "manifest.json"
+    other.parent.mkdir()
+    other.write_text(json.dumps({**json.loads(open(manifest).read()), "tokenizer_sha256": "0" * 64}))
+    spec = insert_spec(spec_factory, tmp_path / "ins2", ckpt, init="calibrated", steps=2)
+    spec["insert"]["calibration"] = {"source": "other", "manifest": str(other), "tokens": 256}
+    with pytest.raises(TrainingError, match=r"calibration.manifest: .*other/manifest.json: tokenizer_sha256 '0+', "
+                                            r"expected '[0-9a-f]+'"):
+        train(spec, threads=1)
+    assert not (tmp_path / "ins2" / "summary.json").exists()
+
+
 def test_insertion_refuses_a_non_dense_source(spec_factory, dense_ckpt, tmp_path):
     ckpt, _ = dense_ckpt
     spec = json.loads((ckpt / "config.json").read_text())

@@ -17,7 +17,9 @@ placements, inits, calibration) runs it on a dense checkpoint (config/real.yaml:
 Init ``calibrated`` (stem.models.calibrate): the tables from the dense model's activations on ``calibration.tokens``
 tokens of the source's train split (windows of ``seq_len``, evenly spaced; a manifest of the same tokenizer),
 unseen tokens by ``calibration.unseen``; ``sequential`` calibrates each placement layer after layer; ``per_layer``
-adds rows ``layer i`` (only layer i inserted, calibrated) for every STEM layer of the placements: the decomposition.
+adds rows ``layer i`` (only layer i inserted, calibrated) for every STEM layer of the placements (true) or of the
+placements it lists: the decomposition; ``compare`` (placement names) adds there the rows of the other choices of
+init calibrated (unseen mean / raw x sequential or not; key ``choice`` of the row), which ``make real`` picks from.
 The output's ``calibration`` records the rows calibrated and the share of held-out tokens they cover.
 """
 from __future__ import annotations
@@ -28,19 +30,17 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from stem.analysis.common import load, manifest_dir, val_windows
-from stem.data.shards import ShardSet
-from stem.models.calibrate import Calibration, calibrate
+from stem.models.calibrate import UNSEEN, Calibration, calibrate
 from stem.models.config import resolve_placement
 from stem.models.insert import INSERT_INITS, insert_stem, projected_table
 from stem.models.offload import token_tables
 from stem.models.model import build_model
+from stem.train.calibration import calibration_windows  # noqa: F401 (the step-0 windows; re-exported)
 
 # the paper's placements (config/variants.yaml: stem, stem_half, stem_full)
 PLACEMENTS = {"1/3": {"every": 3, "offset": 2}, "1/2": {"every": 2, "offset": 1}, "full": {"start": 1}}
@@ -86,31 +86,6 @@ def run(ckpt_dir, spec: dict) -> dict:
     return {"analysis": "insertion_step0", "source": spec["source"], **out}
 
 
-def calibration_windows(manifest, source, tokens: int, seq_len: int, vocab_size: int) -> torch.Tensor:
-    """Windows of ``seq_len`` tokens, ``tokens`` in all, evenly spaced over the train split of ``source`` (a
-    manifest; default ``manifest``), which must be tokenised as ``manifest`` is (same tokenizer hash and vocab)."""
-    source = Path(source or manifest)
-    if not source.is_file():
-        raise ValueError(f"calibration.manifest: {source}: no such file (expected a tokens manifest.json)")
-    want, have = (json.loads(Path(m).read_text()) for m in (manifest, source))
-    for key in ("tokenizer_sha256", "vocab_size"):
-        if have.get(key) != want.get(key):
-            raise ValueError(f"calibration.manifest: {source}: {key} {have.get(key)!r}, expected {want.get(key)!r} "
-                             f"(the tokenizer of {manifest})")
-    if int(have["vocab_size"]) != vocab_size:
-        raise ValueError(f"calibration.manifest: {source}: vocab_size {have['vocab_size']}, expected the model's "
-                         f"{vocab_size}")
-    if not isinstance(tokens, int) or tokens < seq_len:
-        raise ValueError(f"calibration.tokens: {tokens!r}; expected a whole number >= seq_len {seq_len}")
-    shards = ShardSet(manifest_dir(source), "train")
-    n = min(tokens // seq_len, len(shards) // seq_len)
-    if n < 1:
-        raise ValueError(f"calibration.manifest: {source}: train split has {len(shards)} tokens, fewer than one "
-                         f"window of {seq_len}")
-    starts = np.linspace(0, len(shards) - seq_len, n).astype(int)
-    return torch.from_numpy(np.stack([shards.get(s, seq_len) for s in starts]).astype(np.int64))
-
-
 def _named(placements) -> dict:
     named = dict(placements) if isinstance(placements, dict) else {}
     for p in placements if not named else ():
@@ -133,25 +108,47 @@ def step0_rows(dense, x: torch.Tensor, placements=("1/3", "1/2"), inits=INSERT_I
     rows = [{"placement": "dense", "init": None, "stem_layers": [], "window_loss": window_losses(dense, x)}]
     state = dense.state_dict()
     shared = _calibrate(dense, cal, sorted({i for v in named.values() for i in v}), x) if cal else None
-    runs = [(name, layers, inits) for name, layers in named.items()]
-    if cal and cal.get("per_layer"):   # the decomposition: one calibrated STEM layer at a time
-        runs += [(f"layer {i}", [i], ["calibrated"]) for i in sorted({i for v in named.values() for i in v})]
-    for name, layers, these in runs:
+    seqs = {}   # (placement, layers) -> its sequential calibration, shared by the unseen rules
+    for name, layers, init, choice in _runs(named, inits, cal):
         cfg = dataclasses.replace(dense.cfg, ffn=tuple("stem" if i in layers else "dense"
                                                        for i in range(dense.cfg.n_layers)))
-        for init in these:
-            calib = None
-            if init == "calibrated":
-                seq = cal.get("sequential") and len(layers) > 1
-                calib = _calibrate(dense, cal, layers, x) if seq else shared
-            model = inserted_rows(cfg, state, init, x.unique(), seed, where, calib)
-            rows.append({"placement": name, "init": init, "stem_layers": layers,
-                         "window_loss": window_losses(model, x)})
-            del model
+        calib = None
+        if init == "calibrated":
+            unseen, seq = choice or (cal.get("unseen", "mean"), bool(cal.get("sequential")))
+            if seq and len(layers) > 1 and name not in seqs:
+                seqs[name] = _calibrate(dense, {**cal, "sequential": True}, layers, x)
+            calib = (seqs[name] if seq and len(layers) > 1 else shared).with_unseen(unseen)
+        model = inserted_rows(cfg, state, init, x.unique(), seed, where, calib)
+        rows.append({"placement": name, "init": init, "stem_layers": layers, "window_loss": window_losses(model, x),
+                     **({"choice": {"unseen": choice[0], "sequential": choice[1]}} if choice else {})})
+        del model
     for r in rows:
         r["mean_loss"] = sum(r["window_loss"]) / len(r["window_loss"])
         r["delta_vs_dense"] = r["mean_loss"] - rows[0]["mean_loss"]
     return rows
+
+
+def _runs(named: dict, inits, cal: dict | None) -> list[tuple]:
+    """(placement, layers, init, choice) of each row after the dense one: every placement x init; with ``cal``'s
+    ``compare`` (placement names), init calibrated's other choices (unseen rule x sequential) there, choice = (unseen,
+    sequential); with ``per_layer`` (true: every STEM layer of the placements; a list: those placements'), one
+    calibrated STEM layer at a time, the decomposition (choice None: the configured one)."""
+    runs = [(name, layers, init, None) for name, layers in named.items() for init in inits]
+    cal = cal or {}
+    primary = (cal.get("unseen", "mean"), bool(cal.get("sequential")))
+    for name in cal.get("compare") or ():
+        if name not in named:
+            raise ValueError(f"calibration.compare: placement {name!r} is not one of the placements "
+                             f"({', '.join(named)})")
+        runs += [(name, named[name], "calibrated", (u, s)) for u in UNSEEN for s in (False, True) if (u, s) != primary]
+    per = cal.get("per_layer")
+    for name in per if isinstance(per, (list, tuple)) else ():
+        if name not in named:
+            raise ValueError(f"calibration.per_layer: placement {name!r} is not one of the placements "
+                             f"({', '.join(named)})")
+    keep = named if per is True else {n: named[n] for n in per} if isinstance(per, (list, tuple)) else {}
+    runs += [(f"layer {i}", [i], "calibrated", None) for i in sorted({i for v in keep.values() for i in v})]
+    return runs
 
 
 class TableRows(nn.Module):
@@ -177,7 +174,8 @@ def _calibrate(dense, cal: dict, layers: list[int], x: torch.Tensor) -> Calibrat
                                     "sequential": bool(cal.get("sequential")), "rows_calibrated": len(out.ids),
                                     "vocab_size": dense.cfg.vocab_size, "heldout_coverage": out.coverage(x[:, :-1]),
                                     "cpu_seconds": {}})
-    rec["cpu_seconds"][",".join(map(str, layers))] = round(time.process_time() - t0, 1)
+    rec["cpu_seconds"][",".join(map(str, layers)) + (" sequential" if cal.get("sequential") else "")] = \
+        round(time.process_time() - t0, 1)
     print(f"calibrated layers {layers}: {len(out.ids):,} rows of {dense.cfg.vocab_size:,}, covering "
           f"{rec['heldout_coverage']:.1%} of the held-out lookups (the windows' input tokens)")
     return out

@@ -67,6 +67,14 @@ class Calibration:
         out[seen] = self.rows[layer][k[seen]]
         return out
 
+    def with_unseen(self, unseen: str) -> "Calibration":
+        """The same rows with another rule for unseen tokens (no copy of the rows)."""
+        if unseen not in UNSEEN:
+            raise ValueError(f"calibration unseen={unseen!r}: expected one of {', '.join(UNSEEN)}")
+        out = Calibration.__new__(Calibration)
+        out.ids, out.rows, out.mean, out.index, out.unseen = self.ids, self.rows, self.mean, self.index, unseen
+        return out
+
     def coverage(self, tokens: torch.Tensor) -> float:
         """The share of ``tokens`` whose row was calibrated."""
         return float((self.index[tokens.reshape(-1)] >= 0).float().mean())

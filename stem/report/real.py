@@ -61,6 +61,9 @@ def step0_long(exp: Experiment, res):
         dense = r["rows"][0]["window_loss"]
         for row in r["rows"]:
             name = "dense (no insertion)" if row["init"] is None else f"{row['placement']} x {row['init']}"
+            if row.get("choice"):   # init calibrated's other choices (calibration.compare)
+                c = row["choice"]
+                name += f" ({c['unseen']}{', sequential' if c['sequential'] else ''})"
             ci = paired_bootstrap(dense, row["window_loss"])   # over the windows: coarse with a few of them
             vals = {"stem_layers": len(row["stem_layers"]), "layers": " ".join(map(str, row["stem_layers"])) or "-",
                     "heldout_loss": row["mean_loss"], "vs_dense": row["delta_vs_dense"],

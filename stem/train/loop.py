@@ -53,6 +53,7 @@ from stem.train import lifecycle
 from stem.train import memory
 from stem.train import optstate
 from stem.train import throughput, torchfloor
+from stem.train.calibration import calibrate_insertion
 from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
 from stem.train.plan import ParallelPlan
 from stem.train.schedule import get_lr
@@ -103,6 +104,7 @@ class Run:
     meter: throughput.Meter     # tokens/s per GPU and MFU
     comms: dict                 # the modelled communication of a step (stem.train.comms.model_step)
     import_parity: dict | None = None   # a transformers checkpoint's logits vs ours (load_init); into the summary
+    insertion: dict | None = None       # init calibrated's record (stem.train.calibration); into the summary
     step: int = 0
     wall_before: float = 0.0    # wall time of the attempts before a resume
     val_loss: float = float("nan")
@@ -160,7 +162,8 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     model = build_model(spec.model, ctx.device)
     if spec.model.dse is not None:
         model.set_dse_vocabulary(load_tokenizer(spec.tokenizer))
-    parity = load_init(model, spec, parity=ctx.is_main) if spec.init_from else None
+    loaded = load_init(model, spec, parity=ctx.is_main) if spec.init_from else None
+    parity, insertion = (None, loaded) if spec.insert is not None else (loaded, None)
     accounting = model_accounting(model)
     # the job's layout, decided once: micro-batches, strategy, the tables optim.table_update: sparse trains row-sparse
     sparse = spec.optim.row_sparse_tables(model)
@@ -191,7 +194,7 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     meter = throughput.Meter(flops_per_token(accounting, spec.model, tc.seq_len), ctx.world,
                              *throughput.device_peak(ctx.device, tc.peak_tflops))
     return Run(spec, ctx, model, opt, loader, val, mixed_precision(ctx.device), plan, accounting, t0, meter, comm,
-               import_parity=parity)
+               import_parity=parity, insertion=insertion)
 
 
 def _data(spec: TrainSpec, micro: int) -> tuple[MixtureLoader, list]:
@@ -329,6 +332,8 @@ def finish(run: Run) -> dict:
     }
     if run.import_parity is not None:
         summary["import_parity"] = run.import_parity
+    if run.insertion is not None:
+        summary["insertion"] = run.insertion
     full = distributed.full_model_view(run.model, ctx)   # gathers the full weights to rank 0's CPU when sharded
     optim_dir = None
     if spec.train.save_optimizer:          # a later stage carries this optimizer state (reset_optimizer: false)
@@ -405,16 +410,15 @@ def load_init(model, spec: TrainSpec, parity: bool = False) -> dict | None:
     """The stage's initial weights: the previous stage's checkpoint, or a transformers checkpoint (``hf:``). With
     ``parity`` (the main rank), a transformers checkpoint loaded as it is (no insertion) is checked: the returned
     import parity is the max |logit difference| against transformers' own forward on the first held-out window
-    (up to 256 tokens) of the stage's data (``stem.hf.importer.ids_parity``); else None."""
+    (up to 256 tokens) of the stage's data (``stem.hf.importer.ids_parity``); an insertion returns init
+    ``calibrated``'s record (``_insert``); else None."""
     if spec.init_from.startswith(HF_PREFIX):
         src = spec.init_from[len(HF_PREFIX):]
         ids = _parity_ids(spec) if parity and spec.insert is None else None
         try:
             state, hf_model = hf_import.load_for_stage(src, spec.model, hf_import.log_stderr, keep_hf=ids is not None)
             if spec.insert is not None:   # the official insertion path: a published dense model into STEM
-                layers = insert_stem(model, state, spec.insert["init"], src)
-                print(f"[{spec.out_dir}] STEM inserted into {src}: tables of layers {layers} initialised "
-                      f"{spec.insert['init']}, their up-projections dropped", file=sys.stderr)
+                return _insert(model, state, spec, src)
             else:
                 hf_import.load_into(model, state, src)
         except ValueError as e:
@@ -428,16 +432,28 @@ def load_init(model, spec: TrainSpec, parity: bool = False) -> dict | None:
               f"{out['argmax_agreement']:.3f}", file=sys.stderr)
         return out
     if spec.insert is not None:   # mid-training insertion: a dense checkpoint into this STEM model
+        where = str(Path(spec.init_from) / "model.safetensors")
         try:
-            layers = insert_stem(model, ck.read_weights(Path(spec.init_from) / "model.safetensors"),
-                                 spec.insert["init"], str(Path(spec.init_from) / "model.safetensors"))
+            return _insert(model, ck.read_weights(where), spec, f"{spec.insert['from']} ({where})")
         except ValueError as e:
             raise TrainingError(str(e)) from None
-        print(f"[{spec.out_dir}] STEM inserted into {spec.insert['from']} ({spec.init_from}): tables of layers "
-              f"{layers} initialised {spec.insert['init']}, their up-projections dropped", file=sys.stderr)
-        return
     ck.load_weights(model, Path(spec.init_from) / "model.safetensors")
     return None
+
+
+def _insert(model, state: dict, spec: TrainSpec, where: str) -> dict | None:
+    """STEM inserted into ``model`` from the dense weights ``state`` by ``spec.insert``'s init; ``calibrated``
+    first calibrates the tables on the calibration source (stem.train.calibration): its record is returned (the
+    summary's ``insertion``), else None."""
+    init, calib, rec = spec.insert["init"], None, None
+    if init == "calibrated":
+        log = lambda line: print(f"[{spec.out_dir}] {line}", file=sys.stderr)   # noqa: E731
+        calib, rec = calibrate_insertion(model.cfg, state, spec.insert["calibration"],
+                                         next(iter(spec.data.values())).manifest, spec.train.seq_len, log)
+    layers = insert_stem(model, state, init, where, calib)
+    print(f"[{spec.out_dir}] STEM inserted into {where}: tables of layers {layers} initialised {init}, their "
+          f"up-projections dropped", file=sys.stderr)
+    return rec
 
 
 def _parity_ids(spec: TrainSpec) -> torch.Tensor | None:
