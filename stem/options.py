@@ -69,7 +69,7 @@ class Truncation(StrEnum):
 class InsertInit(StrEnum):
     """A mid-training insertion's table init (stem.models.insert): U = RMSNorm(E) W_up^T, E W_up^T (the
     official script before RMSNorm), the table's own, or calibrated from the dense model's activations on
-    calibration text (stem.models.calibrate; analysis ``insertion_step0`` only, so far)."""
+    calibration text (stem.models.calibrate; trained: stem.train.calibration, step 0: analysis ``insertion_step0``)."""
     PROJECTED = "projected"
     RAW = "raw"
     XAVIER = "xavier"
