@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 from stem import fields, knowledge, plugins, sweeps
 from stem.fields import FieldError, Parser, expect
-from stem.io import ConfigError, dataclass_mapping, deep_merge, read_yaml, variant, variants, variants_file
+from stem.io import ConfigError, dataclass_mapping, read_yaml, variant, variants, variants_file
 from stem.models.config import DSEConfig
-from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, NameKind, OptimGroup,
+from stem.optim import Group, OptimSpec
+from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, NameKind,
                           RopeKind, RopeRamp, Scale, SourceKind, Stage, Strategy, TableInit, TableLayout,
-                          TableUpdate, TokenizerKind, Truncation, values)
+                          TokenizerKind, Truncation, values)
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS   # names only: entries load on use
 from stem.specs import StageSchedule, TrainSettings
 
@@ -76,6 +77,13 @@ def node(cls, d, key: str = ""):
     return fields.node(cls, d, key, CONFIG)
 
 
+def override(obj, over, key: str = ""):
+    """Node ``obj`` with mapping ``over``'s keys set over its own (``stem.fields.override``: typed and checked as
+    ``node``, ``dataclasses.replace``); ConfigError ``key 'a.b': ...`` otherwise. A variant's and a sweep's
+    overrides of the config's nodes (stem.config.train_job)."""
+    return fields.override(obj, over, key, CONFIG)
+
+
 def fail(ok: bool, key: str, problem: str):
     """A node's own check: ``FieldError`` naming ``key`` (under the node's own key) unless ``ok``."""
     if not ok:
@@ -113,13 +121,6 @@ class RopeScaling:
     beta_fast: float | None = None
     beta_slow: float | None = None
     ramp: RopeRamp | None = None
-
-
-@dataclass(frozen=True)
-class Group:
-    """An optimizer group's settings over the registry's defaults (stem.optim.adamw)."""
-    lr_mult: float | None = field(default=None, metadata=at_least(0, "a number"))
-    weight_decay: float | None = field(default=None, metadata=at_least(0, "a number"))
 
 
 @dataclass(frozen=True)
@@ -235,16 +236,9 @@ class Source:
              f"unknown generator {self.generator!r}; expected one of {', '.join(GENERATORS)}")
 
 
-@dataclass(frozen=True)
-class Optim:
-    """``optim``: AdamW's settings (stem.optim.OptimSpec); a variant's ``optim:`` is merged over them."""
-    betas: tuple[float, float]
-    weight_decay: float = field(metadata=at_least(0, "a number"))
-    eps: float = field(metadata=above(0))
-    grad_clip: float = field(metadata=at_least(0, "a number"))
-    # the STEM tables' update: dense (the paper: AdamW on every row) or sparse (the batch's rows only)
-    table_update: TableUpdate | None = None
-    groups: dict[OptimGroup, Group] = field(default_factory=dict)
+# ``optim``: AdamW's settings, and a stage's ``table_group``: the job spec's own classes (stem.optim), one
+# declaration from the YAML to the optimizer; a variant's ``optim:`` is set over them (stem.fields.override).
+Optim = OptimSpec
 
 
 def _default(name: str):
@@ -702,8 +696,7 @@ class Experiment:
         where = f"variant '{name}' (config/variants.yaml + variant_overrides)"
         if "optim" in spec:
             try:
-                node(Optim, deep_merge(dataclass_mapping(self.optim), spec["optim"])
-                     if isinstance(spec["optim"], dict) else spec["optim"], "optim")
+                override(self.optim, spec["optim"], "optim")
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
         if spec.get("dse") is not None:

@@ -115,8 +115,8 @@ class TrainSettings(StageSchedule):
     tensorboard: bool = False
     schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
-    parallel: str = field(default=Strategy.FSDP, metadata=OPTIONAL)   # the backbone's strategy under torchrun
-    tables: str = field(default=TableLayout.FSDP, metadata=OPTIONAL)  # lookup tables: fsdp units | rows | host
+    parallel: Strategy = field(default=Strategy.FSDP, metadata=OPTIONAL)   # the backbone's strategy under torchrun
+    tables: TableLayout = field(default=TableLayout.FSDP, metadata=OPTIONAL)  # lookup tables: fsdp units | rows | host
     peak_tflops: float | None = field(default=None, metadata=OPTIONAL)   # MFU's peak (stem.train.throughput)
     wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
     compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)

@@ -10,7 +10,8 @@ import pytest
 
 from stem import experiment, seeds
 from stem.config import REPO
-from stem.specs import TrainSettings
+from stem.config import train_job
+from stem.specs import TrainSettings, TrainSpec
 
 _spec = importlib.util.spec_from_file_location("dagdump", REPO / "scripts" / "dagdump.py")
 dagdump = importlib.util.module_from_spec(_spec)
@@ -65,6 +66,15 @@ def test_every_train_jobs_spec_is_its_trees_values(name, monkeypatch):
         assert spec["optim"]["weight_decay"] == wd and tuple(spec["optim"]["betas"]) == exp.optim.betas, where
         if node.table_group is not None and node.table_group.lr_mult is not None:
             assert spec["optim"]["groups"]["table"]["lr_mult"] == node.table_group.lr_mult, where
+        table_update = want["optim"].get("table_update", exp.optim.table_update)
+        assert spec["optim"].get("table_update", "dense") == table_update, where
+        # the JSON at the rule boundary round-trips the tree's own types (one schema: the stage's fields, the
+        # config's OptimSpec), and is the spec the resolver built
+        typed = TrainSpec.from_dict(spec)
+        assert typed.to_dict() == spec and typed == train_job(exp, scale, variant, stage), where
+        for key in STAGE_KEYS:
+            assert type(getattr(typed.train, key)) is type(want[key]), f"{where}: train.{key}'s type"
+        assert (type(typed.optim), type(typed.train.tables)) == (type(exp.optim), type(exp.cluster.tables)), where
         seen_sweep |= job_id.sweep is not None
     assert seen_sweep == (name in ("tiny", "paper"))   # the sweeps' points were built too
 

@@ -236,9 +236,9 @@ def build_optimizer(model, optim, lr: float, fused: bool = False) -> torch.optim
     groups = []
     for name, params in model.param_groups().items():
         lr_mult, wd = GROUP_DEFAULTS[name]
-        o = optim.groups.get(name, {})
-        lr_mult = o.get("lr_mult", lr_mult)
-        wd = o.get("weight_decay", optim.weight_decay if wd is None else wd)
+        o = optim.groups.get(name)   # a stem.optim.Group: the keys it sets over the registry's
+        lr_mult = lr_mult if o is None or o.lr_mult is None else o.lr_mult
+        wd = (optim.weight_decay if wd is None else wd) if o is None or o.weight_decay is None else o.weight_decay
         groups.append({"params": params, "name": name, "lr_mult": lr_mult, "weight_decay": wd, "lr": lr * lr_mult})
     tables = [m for m in model.modules() if hasattr(m, "register_read_hook") and m.row_update is not None]
     cls = RowSparseAdamW if optim.sparse_tables or tables else torch.optim.AdamW
