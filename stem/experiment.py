@@ -30,7 +30,7 @@ from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as Exp
                           RopeKind, RopeRamp, Scale, SourceKind, Stage, Strategy, TableInit, TableLayout,
                           TokenizerKind, Truncation, values)
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS   # names only: entries load on use
-from stem.specs import StageSchedule, TrainSettings
+from stem.specs import RunSettings, StageSchedule, TrainSettings
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")                                  # a variant's name
 MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")   # a plugin module
@@ -241,26 +241,9 @@ class Source:
 Optim = OptimSpec
 
 
-def _default(name: str):
-    """A training setting's default: the job spec's (stem.specs.TrainSettings), written there once."""
-    return next(f.default for f in dataclasses.fields(TrainSettings) if f.name == name)
-
-
-@dataclass(frozen=True)
-class Train:
-    """``train``: logging, evaluation and checkpoint intervals of every training job."""
-    log_interval: int = field(default=_default("log_interval"), metadata=POSITIVE)
-    eval_interval: int = field(default=_default("eval_interval"), metadata=POSITIVE)
-    eval_batches: int = field(default=_default("eval_batches"), metadata=POSITIVE)
-    checkpoint_interval: int = field(default=_default("checkpoint_interval"), metadata=POSITIVE)
-    tensorboard: bool = _default("tensorboard")   # also log metrics.jsonl's scalars to {stage dir}/tensorboard
-    peak_tflops: float | None = field(default=None, metadata=above(0))   # the GPU's bf16 peak for MFU
-    wandb: str | None = field(default=None, metadata=expect(bool, "a project name"))   # a W&B project
-    compile: bool | None = None   # torch.compile each block (stem.train.compile)
-
-    def settings(self) -> dict:
-        """What a job's TrainSettings takes from here: the intervals always, the others where set."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+# ``train``: logging, evaluation and checkpoint intervals of every training job: the job spec's own class
+# (stem.specs.RunSettings, its defaults and ranges), one declaration from the YAML to the loop.
+Train = RunSettings
 
 
 @dataclass(frozen=True)

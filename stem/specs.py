@@ -101,39 +101,51 @@ class StageSchedule:
     steps: int = field(metadata=expect(lambda v: v >= 0, "an integer >= 0 (0: a stage that only imports)"))
 
 
+AT_LEAST_1 = expect(lambda v: v >= 1, "an integer >= 1")
+
+
 @dataclass(frozen=True, kw_only=True)
-class TrainSettings(StageSchedule):
-    """The ``train`` section: one stage's schedule and batch layout (``StageSchedule``), logging, checkpoints,
-    parallelism."""
+class RunSettings:
+    """Logging, evaluation and checkpoint intervals and the run's reporting: declared once, here; the experiment
+    config's ``train`` section (``stem.experiment.Train`` is this class) and the job spec's ``train`` section
+    (``TrainSettings``) are both this class. ``peak_tflops``, ``wandb``, ``compile``: left out of a job's spec at
+    their default."""
+    log_interval: int = field(default=10, metadata=AT_LEAST_1)
+    eval_interval: int = field(default=100, metadata=AT_LEAST_1)
+    eval_batches: int = field(default=4, metadata=AT_LEAST_1)
+    checkpoint_interval: int = field(default=100, metadata=AT_LEAST_1)
+    tensorboard: bool = False   # also log metrics.jsonl's scalars to {stage dir}/tensorboard
+    # the GPU's bf16 peak for MFU (stem.train.throughput)
+    peak_tflops: float | None = field(default=None, metadata={**OPTIONAL, **expect(lambda v: v > 0, "a number > 0")})
+    # a Weights & Biases project (rank 0 logs there)
+    wandb: str | None = field(default=None, metadata={**OPTIONAL, **expect(lambda v: bool(v.strip()), "a project name")})
+    compile: bool = field(default=False, metadata=OPTIONAL)   # torch.compile each block (stem.train.compile)
+
+    def settings(self) -> dict:
+        """What a job's TrainSettings takes from the config's ``train``: every key but those not set."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RunSettings)
+                if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings(RunSettings, StageSchedule):
+    """The ``train`` section: one stage's schedule and batch layout (``StageSchedule``), logging and checkpoints
+    (``RunSettings``), parallelism."""
     cross_doc_mask: bool = False
     reset_optimizer: bool = True    # false: carry init_from's optimizer state (checkpoint/optimizer/)
     save_optimizer: bool = False    # true: a later stage carries this one's optimizer state
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_batches: int = 4
-    checkpoint_interval: int = 100
-    tensorboard: bool = False
     schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
     parallel: Strategy = field(default=Strategy.FSDP, metadata=OPTIONAL)   # the backbone's strategy under torchrun
     tables: TableLayout = field(default=TableLayout.FSDP, metadata=OPTIONAL)  # lookup tables: fsdp units | rows | host
-    peak_tflops: float | None = field(default=None, metadata=OPTIONAL)   # MFU's peak (stem.train.throughput)
-    wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
-    compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)
     fit_gib: float | None = field(default=None, metadata=OPTIONAL)   # per-GPU GiB the plan fits the layout to (stem.train.memory.fit)
 
     def __post_init__(self):
         _check(self.parallel in STRATEGIES, "parallel", f"one of {', '.join(STRATEGIES)}", self.parallel)
         _check(self.tables in TABLE_LAYOUTS, "tables", f"one of {', '.join(TABLE_LAYOUTS)}", self.tables)
-        for key in ("log_interval", "eval_interval", "checkpoint_interval"):
-            _check(getattr(self, key) >= 1, key, "an integer >= 1", getattr(self, key))
-        _check(self.eval_batches >= 0, "eval_batches", "an integer >= 0", self.eval_batches)
         _check(self.schedule_steps is None or self.schedule_steps >= 1, "schedule_steps", "an integer >= 1 or null",
                self.schedule_steps)
-        _check(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops", "a number > 0 or null",
-               self.peak_tflops)
         _check(self.fit_gib is None or self.fit_gib > 0, "fit_gib", "a number > 0 or null", self.fit_gib)
-        _check(self.wandb is None or bool(self.wandb.strip()), "wandb", "a project name or null", self.wandb)
 
     def lr_schedule(self) -> dict:
         """Keyword arguments of stem.train.schedule.get_lr."""
