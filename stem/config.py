@@ -34,9 +34,9 @@ def variant_spec(exp: Experiment, variant: str) -> dict:
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
     it overrides)."""
     all_variants = exp.variants()
-    base, k = seeds.split(variant)   # a seed of a matrix cell (stem.seeds): the variant's own spec
-    if k and base in all_variants:
-        return all_variants[base]
+    job = JobId.parse("", variant, "")   # a seed of a matrix cell (stem.seeds): the variant's own spec
+    if job.seed and job.variant in all_variants:
+        return all_variants[job.variant]
     if variant in all_variants:
         return all_variants[variant]
     if exp.knowledge and knowledge.is_point(variant):   # a point of the knowledge sweep (stem.knowledge)
@@ -44,7 +44,7 @@ def variant_spec(exp: Experiment, variant: str) -> dict:
             return knowledge.variant_spec(exp, variant)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if exp.sweeps and sweeps.is_sweep_id(variant):
+    if exp.sweeps and job.sweep:
         points = sweeps.variant_specs(sweeps.spec(exp))
         if variant in points:
             return points[variant]
@@ -105,6 +105,14 @@ def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | Non
     return model_config(arch, spec)
 
 
+def config_part(exp: Experiment, keys) -> dict:
+    """The top-level sections ``keys`` of the experiment's config as it writes them (only those it writes; a node
+    as its mapping, ``dataclass_mapping``): the ``params`` and sweep jobs' specs (rules/report.smk, rules/sweep.smk),
+    read from the typed tree like every other rule's."""
+    written = getattr(exp, "_written", frozenset(keys))   # the keys the config writes (stem.fields.node)
+    return {k: mapping(getattr(exp, k)) for k in keys if k in written}
+
+
 # ---- paths: stem.layout ------------------------------------------------------------------------
 # Keys of a source that steer its tokenize jobs rather than describe its documents.
 TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample", "val_fraction")
@@ -162,7 +170,7 @@ def train_targets(exp: Experiment) -> list[tuple[str, str, str]]:
 
 def seed_targets(exp: Experiment) -> list[tuple[str, str, str]]:
     """The training jobs of seeds beyond the matrix's own (stem.seeds): (scale, '{variant}_seed{k}', stage)."""
-    return [(scale, seeds.seed_id(v, k), stage) for scale, m in exp.matrix.items() for v in m.variants
+    return [(scale, JobId(scale, v, stage, k).slot, stage) for scale, m in exp.matrix.items() for v in m.variants
             for k in seeds.seeds_of(exp, scale, v) if k for stage in variant_stages(exp, v, m.stages)]
 
 

@@ -5,6 +5,7 @@ the resolver that wrote it: the stage's settings after the variant's ``stage:`` 
 ``sweeps.train``, the config's optimizer after the variant's ``optim:``, the cluster's table layout."""
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -89,4 +90,14 @@ def test_every_train_jobs_spec_is_its_trees_values(name, monkeypatch):
 ])
 def test_a_job_id_has_one_string_form_and_one_parser(slot, job):
     assert seeds.JobId.parse("350m", slot, "pretrain") == job and job.slot == slot
-    assert (seeds.split(slot), seeds.seed_id(job.variant, job.seed)) == ((job.variant, job.seed), slot)
+    assert seeds.JobId(job.scale, job.variant, job.stage, job.seed, job.sweep).slot == slot   # the one string form
+
+
+def test_rules_read_the_typed_tree_not_snakemakes_config():
+    """rules/common.smk parses Snakemake's ``config`` into the tree once; no other rule reads the raw mapping
+    (issue 38 item 5: report.smk's params and sweep.smk's sweep specs come from ``C.config_part``)."""
+    raw = re.compile(r"\bconfig\s*(\[|\.get\b|\.items\b|\.keys\b)|\bin config\b")
+    for path in [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]:
+        hits = [n for n, line in enumerate(path.read_text().splitlines(), 1)
+                if raw.search(line.split("#")[0])]
+        assert not hits, f"{path.name} lines {hits} read Snakemake's config mapping"
