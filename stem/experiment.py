@@ -310,6 +310,10 @@ class Cluster:
     fit_memory: bool = False   # true: each job's plan picks the micro-batch, checkpointing, host tables that fit
     state_write_mb_s: float = field(default=500, metadata=above(0))   # MB/s one node writes a checkpoint at
     stop_margin_s: int = field(default=120, metadata=at_least(0))      # seconds on top of the write (stop warning)
+    # host tables' host side (stem.train.comms.host_update): a node's host memory bandwidth, and one core's (GB/s;
+    # a job's is the first, at most its cluster.train cpus x the second)
+    host_mem_gbs: float = field(default=100.0, metadata=above(0))
+    host_core_gbs: float = field(default=10.0, metadata=above(0))
     train: dict[Scale, TrainJob] = field(default_factory=dict)
     eval: Job | None = None
     cpu: Job | None = None

@@ -560,3 +560,13 @@ def test_a_tied_model_from_an_untied_source_refuses_to_drop_its_trained_head(tmp
     with pytest.raises(ValueError, match=re.escape(f"{src}: tie_word_embeddings is true, but its lm_head.weight is "
                                                    "not its embedding (max |lm_head - embed_tokens| ")):
         importer.pipeline_state(src, True, keep_tied=True, weights=weights)
+
+
+@pytest.mark.parametrize("key", ["host_mem_gbs", "host_core_gbs"])
+def test_host_bandwidth_settings_below_zero_are_refused_in_one_line(key):
+    """Issue 42 item 1: the host side's stated bandwidths (stem.train.comms.host_update) must be positive."""
+    cfg = C.read_yaml(C.REPO / "config" / "rehearsal.yaml")
+    cfg["cluster"][key] = 0
+    with pytest.raises(C.ConfigError) as e:
+        C.experiment.parse(copy.deepcopy(cfg), origin="bad.yaml")
+    assert str(e.value).startswith(f"bad.yaml: key 'cluster.{key}': 0") and "\n" not in str(e.value)

@@ -135,3 +135,88 @@ def test_a_saved_lazy_state_resumes_exactly(tmp_path):
     _train(spec, steps=7, save=tmp_path / "state")
     resumed = _weights(_train(spec, state=tmp_path / "state")[0])
     _close(straight, resumed, 1e-7)
+
+
+def _table_after(steps: list) -> torch.Tensor:
+    """A 50 x 4 host table (stem.bench.host's) trained by lazy AdamW on ``steps`` (each a list of id tensors), its
+    weights after a save's settle."""
+    from stem.bench.host import _Holder
+    from stem.train.tables import _fetch
+    torch.manual_seed(0)
+    holder = _Holder(50, 4)
+    to_host(holder, ("table",))
+    m, w = holder.table, holder.table.weight
+    opt = adamw.RowSparseAdamW([{"params": [w], "lr": 1e-2, "weight_decay": 0.1}], betas=(0.9, 0.95), eps=1e-8)
+    opt.track(m)
+    for micro in steps:
+        for ids in micro:
+            _, host_ids, rows = _fetch(m, ids)
+            g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows.sin(), w.shape, is_coalesced=True,
+                                        check_invariants=False)
+            w.grad = g if w.grad is None else (w.grad + g).coalesce()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.settle()
+    return w.detach().clone()
+
+
+def _steps() -> list:
+    g = torch.Generator().manual_seed(3)
+    return [[(torch.randint(0, 30, (16,), generator=g) + 5 * i) % 50 for _ in range(2)] for i in range(6)]
+
+
+def test_a_save_settles_in_chunks_exactly(monkeypatch):
+    """``settle`` brings rows current ``SETTLE_ROWS`` at a time (no second copy of a whole table): the same weights,
+    bit for bit, as all rows at once; and not those of a table never settled (the check can fail)."""
+    whole = _table_after(_steps())
+    monkeypatch.setattr(adamw, "SETTLE_ROWS", 7)
+    assert torch.equal(whole, _table_after(_steps()))
+    monkeypatch.setattr(adamw.RowSparseAdamW, "settle", lambda self: None)
+    assert not torch.equal(whole, _table_after(_steps()))
+
+
+def test_every_missed_row_step_is_replayed_once():
+    """The step-time model's replay count (stem.train.comms.host_update: V - u row-steps a step) against the real
+    lazy update (stem.bench.host.run: the replays counted as they run, a final save included)."""
+    from types import SimpleNamespace
+    from stem.bench import host
+    args, steps = SimpleNamespace(rows=50, width=4), _steps()
+    r = host.run(args, "lazy", steps)
+    missed = sum(args.rows - torch.cat(micro).unique().numel() for micro in steps)
+    assert r["replayed_row_steps_per_step"] * (len(steps) - 1) == missed
+    assert host.run(args, "sparse", steps)["replayed_row_steps_per_step"] == 0
+
+
+@pytest.fixture(scope="module")
+def rehearsal_1b_stem():
+    from stem.train import comms
+    exp = C.experiment.load(REPO / "config" / "rehearsal.yaml")
+    return exp, comms.experiment(exp, [("1b", "stem", "pretrain")])[0]
+
+
+def test_the_step_time_model_counts_the_host_side(rehearsal_1b_stem):
+    """config/rehearsal.yaml's 1b/stem/pretrain (fitted: host tables, 4 micro-batches of 2 x 4,096): the host side
+    counts the step's unique rows of its 5 tables, the V - u rows each lazy table replays, at min(100 GB/s,
+    8 cpus x 10 GB/s), and the step over the compute adds it to the copies."""
+    from stem.train import comms
+    _, r = rehearsal_1b_stem
+    h, u = r["host"], comms.zipf_unique(4 * 2 * 4096, 128256)
+    assert h["gbs"] == 80.0 and h["touched_params"] == 5 * u * 8192
+    assert h["replayed_param_steps"] == 5 * (128256 - u) * 8192
+    assert h["total_s"] == pytest.approx(sum(h["bytes"].values()) / 80e9)
+    assert r["step_vs_compute"] == pytest.approx((r["compute_s"] + r["comm_s"] + h["total_s"]) / r["compute_s"])
+
+
+def test_host_memory_holds_no_dense_gradient(rehearsal_1b_stem):
+    """The host tables' host memory: weights and moments (12 B a parameter) and the touched rows, not the 21 GB
+    dense gradient (4 B a parameter) they had."""
+    from stem.models.model import build_model
+    from stem.train import comms, memory, memtrace
+    exp, _ = rehearsal_1b_stem
+    spec, plan = memtrace.job(C.train_spec(exp, "1b", "stem", "pretrain"), 1, "fsdp")
+    model = build_model(spec.model, "meta")
+    counts = comms.host_update(model, plan, 1.0)
+    h = memory.host_estimate(model, plan, counts["touched_params"], counts["fetched_params"])
+    n = 5 * 128256 * 8192
+    assert plan.host_tables and h["table_params"] == n and h["tables"] == 12 * n and h["dense_grad"] == 4 * n
+    assert h["gradient_rows"] == 8 * counts["touched_params"] < h["dense_grad"] / 5

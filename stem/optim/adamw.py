@@ -34,6 +34,7 @@ from stem.models.registry import OPTIM_GROUPS, param_roles
 # LR multiplier and weight decay per group unless the config overrides them (see the registry).
 GROUP_DEFAULTS = OPTIM_GROUPS
 SPARSE_GROUP = "table"     # the group optim.table_update: sparse trains row-sparse
+SETTLE_ROWS = 4096         # rows of a lazy table brought current at once by a save (``RowSparseAdamW.settle``)
 
 # ``optim`` below is a ``stem.optim.OptimSpec`` (not imported: that module imports this one to build).
 
@@ -149,10 +150,13 @@ class RowSparseAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def settle(self):
-        """Every row of every lazy table current (before a save)."""
+        """Every row of every lazy table current (before a save), ``SETTLE_ROWS`` rows at a time: a replay works on
+        copies of the rows it brings current, so a whole table at once would hold a second copy of it and its
+        moments (rows are independent: the same result)."""
         for p, lazy in self.lazy.items():
             if self.state[p]:
-                lazy.replay(p, self.state[p], torch.arange(p.shape[0], device=p.device))
+                for rows in torch.arange(p.shape[0], device=p.device).split(SETTLE_ROWS):
+                    lazy.replay(p, self.state[p], rows)
                 lazy.forget_before(int(self.state[p]["step"]))
 
     def state_dict(self):
