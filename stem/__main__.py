@@ -70,6 +70,9 @@ def bench_arguments(p):
     h.add_argument("--host-steps", type=A.whole(1, "steps"), default=20, help="host: optimizer steps")
     h.add_argument("--accum", type=A.whole(1, "micro-batches"), default=4, help="host: micro-batches a step")
     h.add_argument("--host-micro-tokens", type=A.whole(1, "tokens"), default=8192, help="host: ids a micro-batch")
+    h.add_argument("--workers", type=A.whole(1, "threads"), default=1, help="host: the overlapped update's threads")
+    h.add_argument("--device-s", type=A.number(0, "seconds"), help="host: the simulated device's seconds a step "
+                   "(default: the synchronous row-sparse step's host seconds)")
     o = p.add_argument_group("bench offload (stem.bench.offload)")
     o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
     o.add_argument("--batch", type=A.whole(1, "rows"), default=8, help="rows of held-out text decoded together")

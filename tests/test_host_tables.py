@@ -26,13 +26,13 @@ from conftest import reshaped  # noqa: E402
 V, T, STEPS = 64, 8, 20
 
 
-def _spec(tables: str, variant: str = "stem", clip: float = 0.05):
+def _spec(tables: str, variant: str = "stem", clip: float = 0.05, workers: int | None = None):
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
     cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16)
     cfg["variant_overrides"] = {"dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
     cfg["stages"]["pretrain"]["350m"].update(batch_size=4, micro_batch=2, seq_len=T, lr=3e-3)
     cfg["optim"]["grad_clip"] = clip
-    cfg["cluster"] = {"tables": tables}
+    cfg["cluster"] = {"tables": tables, **({"host_workers": workers} if workers else {})}
     return C.train_job(reshaped(cfg, f"tiny.yaml (a small 350m, tables {tables})"), "350m", variant, "pretrain")
 
 
@@ -137,17 +137,19 @@ def test_a_saved_lazy_state_resumes_exactly(tmp_path):
     _close(straight, resumed, 1e-7)
 
 
-def _table_after(steps: list) -> torch.Tensor:
-    """A 50 x 4 host table (stem.bench.host's) trained by lazy AdamW on ``steps`` (each a list of id tensors), its
-    weights after a save's settle."""
+def _table_after(steps: list, update: str = "lazy", workers: int | None = None) -> torch.Tensor:
+    """A 50 x 4 host table (stem.bench.host's) trained by lazy (or row-sparse) AdamW on ``steps`` (each a list of id
+    tensors), its update on ``workers`` threads if given, its weights after a save's settle."""
     from stem.bench.host import _Holder
     from stem.train.tables import _fetch
     torch.manual_seed(0)
     holder = _Holder(50, 4)
-    to_host(holder, ("table",))
+    to_host(holder, ("table",), sparse=("table",) if update == "sparse" else ())
     m, w = holder.table, holder.table.weight
     opt = adamw.RowSparseAdamW([{"params": [w], "lr": 1e-2, "weight_decay": 0.1}], betas=(0.9, 0.95), eps=1e-8)
     opt.track(m)
+    if workers:
+        opt.overlap(workers)
     for micro in steps:
         for ids in micro:
             _, host_ids, rows = _fetch(m, ids)
@@ -220,3 +222,23 @@ def test_host_memory_holds_no_dense_gradient(rehearsal_1b_stem):
     n = 5 * 128256 * 8192
     assert plan.host_tables and h["table_params"] == n and h["tables"] == 12 * n and h["dense_grad"] == 4 * n
     assert h["gradient_rows"] == 8 * counts["touched_params"] < h["dense_grad"] / 5
+
+
+@pytest.mark.parametrize("update", ["lazy", "sparse"])
+def test_an_overlapped_host_update_equals_the_synchronous_one(monkeypatch, update):
+    """Issue 42 item 3: the row update on 2 worker threads, 3 rows a task, each read waiting for its own rows only:
+    the synchronous update's weights, bit for bit (the same arithmetic on the same rows)."""
+    sync = _table_after(_steps(), update)
+    monkeypatch.setattr(adamw, "OVERLAP_ROWS", 3)
+    assert torch.equal(sync, _table_after(_steps(), update, workers=2))
+
+
+def test_host_workers_overlap_a_training_jobs_update():
+    """``cluster.host_workers`` reaches the job's optimizer (stem.train.step.make_optimizer): after a step the host
+    tables' updates are pending on the worker, and 8 steps end where the synchronous job does, bit for bit."""
+    spec = _spec("host", workers=1)
+    assert spec.train.host_workers == 1 and _spec("host").train.host_workers is None
+    model, _, opt = _model(spec)
+    step.train_step(model, opt, _batches(0), distributed.DistContext(), torch.autocast("cpu", enabled=False), 1e-3, 1.0)
+    assert opt.pool is not None and opt.pending
+    _close(_weights(_train(_spec("host"), steps=3)[0]), _weights(_train(spec, steps=3)[0]), 0.0)

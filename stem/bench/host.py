@@ -26,7 +26,7 @@ from stem.optim.adamw import RowSparseAdamW
 from stem.train.comms import zipf_seen
 from stem.train.tables import _fetch, to_host
 
-PHASES = ("fetch", "accumulate", "update", "zero", "settle")
+PHASES = ("fetch", "device", "accumulate", "update", "zero", "settle")
 
 
 class _Holder(nn.Module):
@@ -60,8 +60,9 @@ def _clock(times: dict, phase: str, t0: float) -> float:
     return t
 
 
-def run(args, update: str, steps: list) -> dict:
-    """``steps`` (per step, its micro-batches' ids) on one host table under ``update`` (lazy | sparse)."""
+def _table(args, update: str, workers: int | None):
+    """(module, weight, optimizer) of one host table under ``update`` (lazy | sparse), its update on ``workers``
+    threads if given (``RowSparseAdamW.overlap``)."""
     torch.manual_seed(0)
     holder = _Holder(args.rows, args.width)
     to_host(holder, ("table",), sparse=("table",) if update == "sparse" else ())
@@ -69,6 +70,31 @@ def run(args, update: str, steps: list) -> dict:
     opt = RowSparseAdamW([{"params": [w], "lr": 1e-3, "lr_mult": 1.0, "weight_decay": 0.1}], betas=(0.9, 0.95),
                          eps=1e-8)
     opt.track(m)
+    if workers:
+        opt.overlap(workers)
+    return m, w, opt
+
+
+def _micro(m, w, ids, times: dict, device_s: float) -> int:
+    """One micro-batch: its rows fetched (waiting for their own pending update, if any), the device's forward and
+    backward as a timed wait of ``device_s``, the rows' gradient accumulated; returns the rows fetched."""
+    t = time.perf_counter()
+    _, host_ids, _ = _fetch(m, ids)
+    t = _clock(times, "fetch", t)
+    time.sleep(device_s)
+    t = _clock(times, "device", t)
+    grad = torch.randn(host_ids.numel(), w.shape[1])   # the unique rows' summed gradient, back from the device
+    t = time.perf_counter()
+    g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), grad, w.shape, is_coalesced=True, check_invariants=False)
+    w.grad = g if w.grad is None else (w.grad + g).coalesce()
+    _clock(times, "accumulate", t)
+    return host_ids.numel()
+
+
+def run(args, update: str, steps: list, workers: int | None = None, device_s: float = 0.0) -> dict:
+    """``steps`` (per step, its micro-batches' ids) on one host table under ``update`` (lazy | sparse), the update on
+    ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches)."""
+    m, w, opt = _table(args, update, workers)
     replays = []
     if update == "lazy":   # counted as they run (LazyRows.replay returns the row-steps it replayed)
         lazy = opt.lazy[w]
@@ -78,16 +104,7 @@ def run(args, update: str, steps: list) -> dict:
     for i, micro in enumerate(steps):
         if i == 1:   # step 0 (the moments allocated) is not timed
             times, touched, fetched, replays[:] = dict.fromkeys(PHASES, 0.0), 0, 0, []
-        for ids in micro:
-            t = time.perf_counter()
-            _, host_ids, _ = _fetch(m, ids)
-            t = _clock(times, "fetch", t)
-            grad = torch.randn(host_ids.numel(), args.width)   # the unique rows' summed gradient, back from the device
-            t = time.perf_counter()
-            g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), grad, w.shape, is_coalesced=True, check_invariants=False)
-            w.grad = g if w.grad is None else (w.grad + g).coalesce()
-            _clock(times, "accumulate", t)
-            fetched += host_ids.numel()
+        fetched += sum(_micro(m, w, ids, times, device_s / len(micro)) for ids in micro)
         touched += w.grad.indices().shape[1]
         t = time.perf_counter()
         opt.step()
@@ -99,9 +116,10 @@ def run(args, update: str, steps: list) -> dict:
     _clock(times, "settle", t)
     n = len(steps) - 1
     replayed = sum(replays)   # missed row-steps of the timed steps and step 0's, every one replayed by the end
-    return {"update": update, "steps": n, "rows": args.rows, "width": args.width,
-            "touched_rows_per_step": touched / n, "fetched_rows_per_step": fetched / n,
+    return {"update": update, "steps": n, "rows": args.rows, "width": args.width, "workers": workers,
+            "device_s": device_s, "touched_rows_per_step": touched / n, "fetched_rows_per_step": fetched / n,
             "replayed_row_steps_per_step": replayed / n, "seconds_per_step": {k: v / n for k, v in times.items()},
+            "host_s_per_step": sum(v for k, v in times.items() if k != "device") / n,
             "total_s_per_step": sum(times.values()) / n}
 
 
@@ -124,11 +142,14 @@ def main(args):
     runs = {u: run(args, u, steps) for u in ("sparse", "lazy")}
     sp, lz = runs["sparse"], runs["lazy"]
     touch = factors(sp, gbs)
-    extra = lz["total_s_per_step"] - sp["total_s_per_step"]   # the replays: the lazy update's only extra work
+    extra = lz["host_s_per_step"] - sp["host_s_per_step"]   # the replays: the lazy update's only extra work
     replay_b = extra * gbs * 1e9 / (lz["replayed_row_steps_per_step"] * args.width)
+    device_s = sp["host_s_per_step"] if args.device_s is None else args.device_s
+    overlap = [(run(args, u, steps, None, device_s), run(args, u, steps, args.workers, device_s)) for u in runs]
     out = {"threads": torch.get_num_threads(), "bandwidth_gbs": gbs, "runs": runs,
-           "bytes_per_param": {**touch, "replay_b": replay_b}}
+           "bytes_per_param": {**touch, "replay_b": replay_b}, "overlap": overlap}
     _print(out, args)
+    _print_overlap(overlap, args)
     if args.json:
         atomic_write_json(args.json, out)
     return out
@@ -139,12 +160,12 @@ def _print(out: dict, args):
           f"{out['bandwidth_gbs']:.1f} GB/s, c = a + b): one {args.rows:,} x {args.width:,} fp32 table, "
           f"{args.steps} steps of {args.accum} x {args.micro_tokens:,} Zipf(1) ids, then a save (settle). Seconds per "
           "step; seconds per 1e9 parameters of what each phase touches.")
-    print("| update | touched rows / step | replayed row-steps / step | fetch | accumulate | update | zero | settle "
-          "(per step) | total s / step | s per 1e9 touched params |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| update | touched rows / step | replayed row-steps / step | fetch | device | accumulate | update | zero | "
+          "settle (per step) | total s / step | host s per 1e9 touched params |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["runs"].values():
         s = r["seconds_per_step"]
-        per = r["total_s_per_step"] / (r["touched_rows_per_step"] * r["width"]) * 1e9
+        per = r["host_s_per_step"] / (r["touched_rows_per_step"] * r["width"]) * 1e9
         print(f"| {r['update']} | {r['touched_rows_per_step']:,.0f} | {r['replayed_row_steps_per_step']:,.0f} | "
               + " | ".join(f"{s[k]:.4f}" for k in PHASES) + f" | {r['total_s_per_step']:.4f} | {per:.2f} |")
     b = out["bytes_per_param"]
@@ -152,3 +173,13 @@ def _print(out: dict, args):
           f"{b['fetch_accumulate_b']:.1f} B a fetched parameter, update + zero {b['update_b']:.1f} B a touched "
           f"parameter, lazy replay {b['replay_b']:.1f} B a replayed parameter-step "
           "(stem.train.comms.HOST_BYTES_PER_PARAM states them)")
+
+
+def _print_overlap(pairs: list, args):
+    print(f"\nThe update off the critical path (RowSparseAdamW.overlap, {args.workers} worker(s)): each step's device "
+          "work a timed wait (default: the synchronous row-sparse step's host seconds), wall seconds a step.")
+    print("| update | device wait s | synchronous step s | overlapped step s | overlapped / synchronous |")
+    print("|---|---|---|---|---|")
+    for sync, over in pairs:
+        print(f"| {sync['update']} | {sync['device_s']:.3f} | {sync['total_s_per_step']:.3f} | "
+              f"{over['total_s_per_step']:.3f} | {over['total_s_per_step'] / sync['total_s_per_step']:.2f} |")

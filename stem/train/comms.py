@@ -69,7 +69,7 @@ PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s n
 # parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
 # ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``).
 HOST_MEM_GBS = Cluster.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
-HOST_BYTES_PER_PARAM = {"fetch_accumulate": 98.2, "update": 446.3, "replay": 371.8}
+HOST_BYTES_PER_PARAM = {"fetch_accumulate": 128.6, "update": 383.7, "replay": 147.2}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
          "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
 
