@@ -319,7 +319,7 @@ def _functions(value):
         return {k: _functions(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_functions(v) for v in value]
-    if isinstance(value, str) and value.startswith(f"{TASKS_DIR}/"):
+    if isinstance(value, str) and value.startswith(f"{TASKS_DIR.resolve()}/"):   # load_yaml resolves its path
         return _Function("lm_eval." + value.split("/lm_eval/", 1)[1].replace("/", "."))
     return value
 
