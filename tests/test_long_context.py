@@ -166,7 +166,8 @@ def test_ruler_stand_in_is_lm_evals_task_on_its_own_data(ruler_fx):
     tasks, group = loaded["tasks"], loaded["groups"]["ruler"]
     assert sorted(tasks) == sorted(ruler_data.TASKS)
     for name, task in tasks.items():
-        real, ours = load_yaml(fixtures.real_yaml(name), resolve_func=False), load_yaml(ruler_fx / f"{name}.yaml", resolve_func=False)
+        real = load_yaml(fixtures.real_yaml(name), resolve_func=False)
+        ours = load_yaml(ruler_fx / f"{name}.yaml", resolve_func=False)
         assert set(ours) == set(real) - {"custom_dataset"} | {"dataset_kwargs"}, name
         assert {k: ours[k] for k in ("tag", "metadata")} == {k: real[k] for k in ("tag", "metadata")}
         for key in set(real) - {"custom_dataset", "dataset_path", "dataset_name", "tag", "metadata"}:
