@@ -33,6 +33,10 @@ a ring crosses: the inter-node bandwidth when the job spans nodes, else the intr
 below, overridable); a host table's copies (``host_copy``: not a collective) cross PCIe at a stated bandwidth;
 no overlap with compute is assumed in the ratio (it is comm time / compute time). Compute
 is the step's FLOPs per GPU (``stem.models.accounting.flops_per_token``) at a stated MFU of a stated peak.
+Host tables' host side (``host_update``: fetches, gradient accumulation, row update, a lazy table's replays) is
+bytes of host memory traffic measured per parameter on a CPU (``HOST_BYTES_PER_PARAM``, ``python -m stem bench
+host``) over the node's stated host memory bandwidth; ``step_vs_compute`` adds it and the communication to the
+compute, none overlapped.
 """
 from __future__ import annotations
 
