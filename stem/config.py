@@ -284,7 +284,9 @@ def _train_settings(exp: Experiment, scale: str, stage: str, st, intervals, poin
                                          for s in exp.matrix[scale].stages),
         parallel=exp.cluster.strategy, tables=exp.cluster.tables,   # backbone's, tables' (torchrun)
         # the plan picks a micro-batch / checkpointing / host tables that fit
-        **({"fit_gib": exp.cluster.gpu_mem_gib} if exp.cluster.fit_memory else {}))
+        **({"fit_gib": exp.cluster.gpu_mem_gib} if exp.cluster.fit_memory else {}),
+        # host tables' update overlapped with the next step
+        **({"host_workers": exp.cluster.host_workers} if exp.cluster.host_workers is not None else {}))
 
 
 def train_spec(exp: Experiment, scale: str, variant: str, stage: str) -> dict:
