@@ -190,3 +190,21 @@ def test_the_smoke_s_knowledge_points_are_one_world_dense_and_stem_one_seed_at_t
     assert spec["tokenizer"].endswith("data/tiny/bios/tokenizer/tokenizer.json")
     targets = K.targets(exp)
     assert len(targets) == 4 and all(t.startswith("results/tiny/bios/k__kn_n0032__") for t in targets)
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """Snakemake's merge of a second --configfile over the first: mappings key by key, anything else replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def test_the_gpu_overlay_scales_n_and_the_model_and_keeps_the_experiment():
+    exp = parse(_merged(copy.deepcopy(RAW), C.read_yaml(REPO / "config" / "knowledge-gpu.yaml")))
+    kn = exp.knowledge
+    assert max(K.world_size(exp, s) for s in kn.sources) == kn.names == 6400 and exp.archs["350m"].d_model == 32
+    assert exp.archs["350m"].vocab_size == exp.tokenizer["350m"].vocab_size + kn.names
+    assert (kn.variants, kn.attributes, kn.templates) == (parse(copy.deepcopy(RAW)).knowledge.variants,
+                                                          RAW["knowledge"]["attributes"], parse(copy.deepcopy(RAW)).knowledge.templates)
+    assert K.point_id("n6400", "stem", 2) in K.points(exp)
