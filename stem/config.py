@@ -234,6 +234,8 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
     train["parallel"], train["tables"] = exp.cluster.strategy, exp.cluster.tables   # backbone's, tables' (torchrun)
     if exp.cluster.fit_memory:   # the plan picks a micro-batch / checkpointing / host tables that fit
         train["fit_gib"] = exp.cluster.gpu_mem_gib
+    if exp.cluster.host_workers is not None:   # host tables' update overlapped with the next step
+        train["host_workers"] = exp.cluster.host_workers
     optim = deep_merge(mapping(exp.optim), vspec.get("optim", {}))   # a variant may set e.g. table_update
     if table_group:
         optim = deep_merge(optim, {"groups": {"table": table_group}})

@@ -310,6 +310,13 @@ class Cluster:
     fit_memory: bool = False   # true: each job's plan picks the micro-batch, checkpointing, host tables that fit
     state_write_mb_s: float = field(default=500, metadata=above(0))   # MB/s one node writes a checkpoint at
     stop_margin_s: int = field(default=120, metadata=at_least(0))      # seconds on top of the write (stop warning)
+    # host tables' host side (stem.train.comms.host_update): a node's host memory bandwidth, and one core's (GB/s;
+    # a job's is the first, at most its cluster.train cpus x the second)
+    host_mem_gbs: float = field(default=100.0, metadata=above(0))
+    host_core_gbs: float = field(default=10.0, metadata=above(0))
+    # host tables' row update: null in the step (synchronous), or on this many worker threads while the device
+    # computes the next step (stem.optim.adamw.RowSparseAdamW.overlap)
+    host_workers: int | None = field(default=None, metadata=at_least(1))
     train: dict[Scale, TrainJob] = field(default_factory=dict)
     eval: Job | None = None
     cpu: Job | None = None
@@ -322,6 +329,9 @@ class Cluster:
             fail(self.tables != TableLayout.HOST or t.gpus <= 1, "tables",
                  f"host keeps the tables in one host's memory, for jobs of one GPU; cluster.train.{scale} gives "
                  f"{t.nodes} x {t.gpus_per_node} GPUs (expected rows or fsdp)")
+        fail(self.host_workers is None or self.tables == TableLayout.HOST or self.fit_memory, "host_workers",
+             f"{self.host_workers} overlaps the host tables' update; expected cluster.tables: host (or "
+             "cluster.fit_memory: true, which may choose them), or no host_workers")
         for key in ("eval", "cpu"):
             fail(getattr(self, key) is None or getattr(self, key).runtime is not None, f"{key}.runtime",
                  "missing (expected an integer)")

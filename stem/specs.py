@@ -7,7 +7,7 @@ the jobs whose spec changed). The job builds the dataclass with ``from_dict`` on
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
 
 Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
-``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``fit_gib``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``fit_gib``, ``host_workers``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
 JSON of the jobs that do not use it unchanged.
 """
 from __future__ import annotations
@@ -121,6 +121,7 @@ class TrainSettings(StageSchedule):
     wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
     compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)
     fit_gib: float | None = field(default=None, metadata=OPTIONAL)   # per-GPU GiB the plan fits the layout to (stem.train.memory.fit)
+    host_workers: int | None = field(default=None, metadata=OPTIONAL)   # host tables' update threads (None: in the step)
 
     def __post_init__(self):
         _check(self.parallel in STRATEGIES, "parallel", f"one of {', '.join(STRATEGIES)}", self.parallel)
@@ -133,6 +134,8 @@ class TrainSettings(StageSchedule):
         _check(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops", "a number > 0 or null",
                self.peak_tflops)
         _check(self.fit_gib is None or self.fit_gib > 0, "fit_gib", "a number > 0 or null", self.fit_gib)
+        _check(self.host_workers is None or self.host_workers >= 1, "host_workers", "an integer >= 1 or null",
+               self.host_workers)
         _check(self.wandb is None or bool(self.wandb.strip()), "wandb", "a project name or null", self.wandb)
 
     def lr_schedule(self) -> dict:

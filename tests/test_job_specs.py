@@ -56,6 +56,7 @@ def test_every_train_jobs_spec_is_its_trees_values(name, monkeypatch):
         # written only where not the job spec's default (stem.specs.TrainSettings)
         got = (t.get("tables", TrainSettings.tables), t.get("parallel", TrainSettings.parallel))
         assert got == (exp.cluster.tables, exp.cluster.strategy), where
+        assert t.get("host_workers", TrainSettings.host_workers) == exp.cluster.host_workers, where
         node = exp.stages[stage][scale]
         job_id = seeds.JobId.parse(scale, variant, stage)
         assert job_id.slot == variant and (job_id.seed > 0) == ("_seed" in variant), where   # one string form
