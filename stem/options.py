@@ -18,7 +18,6 @@ class Experiment(StrEnum):
 class Scale(StrEnum):
     S350M = "350m"
     S1B = "1b"
-    BIOS = "bios"   # the knowledge experiment's models inside another experiment (config/tiny.yaml; docs/knowledge.md)
 
 
 class Stage(StrEnum):

@@ -178,20 +178,6 @@ def test_an_edit_of_every_token_indexed_row_is_the_positive_control_and_is_undon
     assert state_digest(model) == digest
 
 
-def test_the_smoke_s_knowledge_points_are_one_world_dense_and_stem_one_seed_at_their_own_scale():
-    """config/tiny.yaml's reduced knowledge experiment (make smoke): one N, dense and STEM, one seed, trained at
-    the scale `bios` (its own tokenizer, the names added as tokens), for at least knowledge.min_steps steps."""
-    exp = C.experiment.load(REPO / "config" / "tiny.yaml")
-    kn = exp.knowledge
-    assert K.points(exp) == ["k__kn_n0032__dense", "k__kn_n0032__stem"] and kn.scale == "bios"
-    assert exp.tokenizer["bios"].add_names and exp.tokenizer["bios"].sources == ("kn_n0032",)
-    spec = C.train_spec(exp, "bios", "k__kn_n0032__stem", "pretrain")
-    assert spec["train"]["steps"] == kn.min_steps and list(spec["data"]) == ["kn_n0032"]
-    assert spec["tokenizer"].endswith("data/tiny/bios/tokenizer/tokenizer.json")
-    targets = K.targets(exp)
-    assert len(targets) == 4 and all(t.startswith("results/tiny/bios/k__kn_n0032__") for t in targets)
-
-
 def _merged(base: dict, over: dict) -> dict:
     """Snakemake's merge of a second --configfile over the first: mappings key by key, anything else replaced."""
     out = dict(base)
