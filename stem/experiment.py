@@ -528,6 +528,9 @@ class Knowledge:
     # the training budget below which the smallest world is not learnt (docs/knowledge.md: measured, dense at
     # N 100 recalls 0.97 at E 100); a source with fewer exposures fails the config check
     min_exposures: int = field(default=100, metadata=POSITIVE)
+    # a floor on a point's optimizer steps (docs/knowledge.md: one pass over a small world is too few steps to
+    # learn it; above the floor a point trains for one pass)
+    min_steps: int = field(default=1, metadata=POSITIVE)
 
     def __post_init__(self):
         fail(set(self.templates) == set(self.attributes), "templates",
