@@ -24,7 +24,7 @@ rule params:
         csv=L.params_file("{experiment}", "csv"),
         md=L.params_file("{experiment}", "md"),
     params:
-        cfg=lambda w: as_json({k: config[k] for k in ("experiment", "archs", "variant_overrides") if k in config}),
+        cfg=lambda w: as_json(C.config_part(EXPERIMENT, ("experiment", "archs", "variant_overrides"))),
     log:
         L.experiment_log("{experiment}", "params"),
     conda:

@@ -22,8 +22,7 @@ rule sweep_report:
     wildcard_constraints:
         kind="|".join(SW.KINDS),
     params:
-        spec=lambda w: as_json({k: config[k] for k in ("experiment", "archs", "variant_overrides", "sweeps")
-                                if k in config}),
+        spec=lambda w: as_json(C.config_part(EXPERIMENT, ("experiment", "archs", "variant_overrides", "sweeps"))),
     log:
         L.sweep_log("{experiment}", "{kind}"),
     conda:

@@ -12,8 +12,8 @@ versions are used; the manifest names them). Where the registry has no wheel for
 is built into a wheel here, which must then be pure Python. The folder gets the wheels,
 ``requirements.txt`` (``name==version --hash=sha256:...``: pip checks every wheel's hash on install) and
 ``manifest.json`` (Python, platforms, every wheel's name, version, file, bytes and SHA-256, what was left
-out). Written to a temporary folder (``.OUT.tmp-*``) and moved into place at the end; an interrupted run's
-temporary folder is removed by the next run.
+out). Written to a temporary folder (``.OUT.tmp-*``, holding a marker file written first) and moved into place
+at the end; an interrupted run's temporary folder is removed by the next run (only a folder with the marker).
 Standard library only: it runs before any venv exists.
 """
 from __future__ import annotations
@@ -101,12 +101,25 @@ def check_inputs(args):
                          "freeze of the target environment)")
 
 
+# Written first into every temporary folder of a run (naming the output it is for): the next run removes a folder
+# beside the output only when it holds this file, never a look-alike it did not make
+MARKER = ".wheelhouse-tmp"
+
+
+def make_tmp(out: Path) -> Path:
+    """A temporary folder beside ``out`` (``.NAME.tmp-*``), marked as this script's before anything else is in it."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    (tmp / MARKER).write_text(f"{out}\n")
+    return tmp
+
+
 def remove_leftovers(out: Path):
-    """The temporary folders of an interrupted earlier run beside ``out`` (``.NAME.tmp-*``; and ``.NAME.XXXXXXXX``,
-    the name before they had the tmp- prefix)."""
-    legacy = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}")
-    for stale in out.parent.glob(f".{out.name}.*"):
-        if stale.is_dir() and (stale.name.startswith(f".{out.name}.tmp-") or legacy.fullmatch(stale.name)):
+    """The temporary folders an interrupted earlier run left beside ``out``: ``.NAME.tmp-*`` holding the marker
+    that names ``out``. A folder named alike without it is left alone (not made here, or killed between its
+    creation and the marker's write: then empty)."""
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        marker = stale / MARKER
+        if stale.is_dir() and not stale.is_symlink() and marker.is_file() and marker.read_text() == f"{out}\n":
             shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -151,7 +164,7 @@ def build(args) -> dict:
         left_out = {chosen[k][0]: freeze[k] for k in sorted(chosen) if k in freeze}
         chosen = {k: v for k, v in chosen.items() if k not in freeze}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = make_tmp(out)
     try:
         reqs = tmp / "wanted.txt"
         reqs.write_text("".join(f"{n}=={v}\n" for n, v in chosen.values()))

@@ -53,7 +53,7 @@ def cmd_params(args):
 
 
 def bench_arguments(p):
-    p.add_argument("what", choices=["ffn", "attention", "train", "offload", "comms"])
+    p.add_argument("what", choices=["ffn", "attention", "train", "offload", "comms", "host"])
     p.add_argument("--scale", default="350m", type=A.scale)
     p.add_argument("--tokens", type=A.whole(1, "tokens per call"), default=2048)
     p.add_argument("--repeats", type=A.whole(1, "timed repeats"), default=5)
@@ -64,6 +64,15 @@ def bench_arguments(p):
                    metavar=("N1", "N2"),
                    help="train: the two micro-batch sizes of a step (tokens), which also split the cost per token "
                         "from the cost per micro-batch")
+    h = p.add_argument_group("bench host (stem.bench.host)")
+    h.add_argument("--table-rows", type=A.whole(1, "rows"), default=128256, help="host: the table's rows")
+    h.add_argument("--table-width", type=A.whole(1, "columns"), default=1024, help="host: the table's width")
+    h.add_argument("--host-steps", type=A.whole(1, "steps"), default=20, help="host: optimizer steps")
+    h.add_argument("--accum", type=A.whole(1, "micro-batches"), default=4, help="host: micro-batches a step")
+    h.add_argument("--host-micro-tokens", type=A.whole(1, "tokens"), default=8192, help="host: ids a micro-batch")
+    h.add_argument("--workers", type=A.whole(1, "threads"), default=1, help="host: the overlapped update's threads")
+    h.add_argument("--device-s", type=A.number(0, "seconds"), help="host: the simulated device's seconds a step "
+                   "(default: the synchronous row-sparse step's host seconds)")
     o = p.add_argument_group("bench offload (stem.bench.offload)")
     o.add_argument("--checkpoint", default="results/tiny/350m/stem/pretrain/checkpoint", help="a STEM checkpoint")
     o.add_argument("--batch", type=A.whole(1, "rows"), default=8, help="rows of held-out text decoded together")
@@ -82,6 +91,9 @@ def cmd_bench(args):
     if args.what == "comms":
         from stem.bench import comms
         return comms.main(args)
+    if args.what == "host":
+        from stem.bench import host
+        return host.main(args)
     from stem.bench import train as bench
     {"attention": bench.main_attention, "train": bench.main_train}.get(args.what, bench.main)(args)
 
@@ -256,6 +268,7 @@ def memory_arguments(p):
     _training_jobs_arguments(p)
     p.add_argument("--cache", default=L.MEMORY_TRACES, help="folder of cached traces (one file per job spec)")
     p.add_argument("--workers", type=A.whole(1, "processes"), default=1, help="jobs traced at once (one process each)")
+    p.add_argument("--closed-form", action="store_true", help="the closed forms only (device and host), no trace")
     p.add_argument("--as-written", action="store_true", help="trace each job's layout as its spec writes it, not the one "
                    "cluster.fit_memory fits to cluster.gpu_mem_gib (stem.train.memory.fit)")
 
@@ -277,21 +290,46 @@ def cmd_memory(args):
                                 f"{'/'.join(job)}: {e}") from None
     print(f"Per-GPU peak memory of each training job, experiment '{args.experiment}' (strategy {strategy}): traced = "
           "one real training step under FakeTensorMode (stem.train.memtrace.trace); closed form = memory.estimate, "
-          "kept where within 10 % of the trace; limit = cluster.gpu_mem_gib")
+          "kept where within 10 % of the trace; limit = cluster.gpu_mem_gib; host = the host tables' host memory "
+          "(memory.host_estimate) against the job's cluster.train mem_mb")
+    traces = [None] * len(specs) if args.closed_form else memtrace.traced(specs, args.cache, args.workers)
     over = 0
-    for (scale, variant, stage), (spec, plan), r in zip(jobs, specs, memtrace.traced(specs, args.cache, args.workers)):
-        est = memory.estimate(build_model(spec.model, "meta"), plan)["total_gib"]
+    for (scale, variant, stage), (spec, plan), r in zip(jobs, specs, traces):
+        model = build_model(spec.model, "meta")
+        est = memory.estimate(model, plan)["total_gib"]
+        head = (f"{scale}/{variant}/{stage}: world {plan.world}, micro-batch {plan.micro_batch} x {plan.seq_len}"
+                f"{', act. ckpt' if plan.activation_checkpointing else ''}{', host tables' if plan.host_tables else ''}"
+                f"{'' if args.as_written or not spec.train.fit_gib else ' (fitted)'}: ")
+        if r is None:
+            print(head + f"device: closed form {est:5.1f} GiB, limit {'-' if limit is None else f'{limit} GiB'}"
+                  + _host_memory(exp, scale, model, plan))
+            continue
         dev = est / r["peak_gib"] - 1
         closed = f"{est:5.1f} GiB ({dev:+.1%})" if abs(dev) <= 0.10 else f"not kept ({est:.1f} GiB, {dev:+.1%})"
         fits = "" if limit is None else ("  fits" if r["peak_gib"] <= limit else "  EXCEEDS THE LIMIT")
         over += limit is not None and r["peak_gib"] > limit
-        print(f"{scale}/{variant}/{stage}: world {plan.world}, micro-batch {r['micro_batch']} x {r['seq_len']}"
-              f"{', act. ckpt' if r['activation_checkpointing'] else ''}{', host tables' if plan.host_tables else ''}"
-              f"{'' if args.as_written or not spec.train.fit_gib else ' (fitted)'}: traced {r['peak_gib']:5.1f} GiB, "
-              f"closed form {closed}, limit {'-' if limit is None else f'{limit} GiB'}{fits}")
+        print(head + f"device: traced {r['peak_gib']:5.1f} GiB, closed form {closed}, limit "
+              f"{'-' if limit is None else f'{limit} GiB'}{fits}" + _host_memory(exp, scale, model, plan))
     if over:
         print(f"{over} job(s) exceed cluster.gpu_mem_gib = {limit} GiB", file=sys.stderr)
         sys.exit(2)
+
+
+def _host_memory(exp: Experiment, scale: str, model, plan) -> str:
+    """``cmd_memory``'s host part of a job's line: its host tables' host memory (``memory.host_estimate``) against
+    its request (``cluster.train.<scale>.mem_mb``); empty for a job without host tables."""
+    if not plan.host_tables:
+        return ""
+    from stem.train import comms, memory
+    from stem.train.plan import cluster_train
+    counts = comms.host_update(model, plan, 1.0)
+    h = memory.host_estimate(model, plan, counts["touched_params"], counts["fetched_params"])
+    job = cluster_train(exp, scale)
+    asked = job.mem_mb or (job.mem_mb_per_gpu or 0) * max(job.gpus, 1)
+    return (f"; host: tables {h['total'] / 1e9:.1f} GB (weights + moments {h['tables'] / 1e9:.1f}, touched rows' "
+            f"gradient {h['gradient_rows'] / 1e9:.2f}, fetched rows {h['fetched_rows'] / 1e9:.2f}, lazy steps "
+            f"{h['lazy_steps'] / 1e9:.3f}; a dense gradient's {h['dense_grad'] / 1e9:.1f} GB not held), request "
+            f"{f'{asked / 1000:g} GB (cluster.train.{scale}.mem_mb)' if asked else 'none'}")
 
 
 def comms_arguments(p):

@@ -6,19 +6,20 @@ the jobs whose spec changed (it is passed as a rule parameter).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from functools import lru_cache
 
 from stem import experiment, knowledge, plugins, seeds, sweeps
-from stem.experiment import Experiment, Source
+from stem.experiment import Experiment, HFInit, Source
 from stem.experiment import dataclass_mapping as mapping
-from stem.io import ConfigError, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.read_yaml)
-from stem.io import deep_merge
+from stem.io import ConfigError, deep_merge, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.deep_merge, C.read_yaml)
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import GGUF_SEP, analysis_json, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.models.config import model_config
 from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
 from stem.seeds import JobId
-from stem.specs import TrainSpec
+from stem.specs import DataSource, StageSchedule, TrainSettings, TrainSpec
 
 HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
 SCALES = values(Scale)
@@ -34,9 +35,9 @@ def variant_spec(exp: Experiment, variant: str) -> dict:
     ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
     it overrides)."""
     all_variants = exp.variants()
-    base, k = seeds.split(variant)   # a seed of a matrix cell (stem.seeds): the variant's own spec
-    if k and base in all_variants:
-        return all_variants[base]
+    job = JobId.parse("", variant, "")   # a seed of a matrix cell (stem.seeds): the variant's own spec
+    if job.seed and job.variant in all_variants:
+        return all_variants[job.variant]
     if variant in all_variants:
         return all_variants[variant]
     if exp.knowledge and knowledge.is_point(variant):   # a point of the knowledge sweep (stem.knowledge)
@@ -44,7 +45,7 @@ def variant_spec(exp: Experiment, variant: str) -> dict:
             return knowledge.variant_spec(exp, variant)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if exp.sweeps and sweeps.is_sweep_id(variant):
+    if exp.sweeps and job.sweep:
         points = sweeps.variant_specs(sweeps.spec(exp))
         if variant in points:
             return points[variant]
@@ -110,6 +111,14 @@ def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | Non
         raise ConfigError(f"variant {variant!r} at {scale} (config/variants.yaml + variant_overrides): {e}") from None
 
 
+def config_part(exp: Experiment, keys) -> dict:
+    """The top-level sections ``keys`` of the experiment's config as it writes them (only those it writes; a node
+    as its mapping, ``dataclass_mapping``): the ``params`` and sweep jobs' specs (rules/report.smk, rules/sweep.smk),
+    read from the typed tree like every other rule's."""
+    written = getattr(exp, "_written", frozenset(keys))   # the keys the config writes (stem.fields.node)
+    return {k: mapping(getattr(exp, k)) for k in keys if k in written}
+
+
 # ---- paths: stem.layout ------------------------------------------------------------------------
 # Keys of a source that steer its tokenize jobs rather than describe its documents.
 TOKENIZE_KEYS = ("max_tokens", "parts", "doc_keys", "sample", "val_fraction")
@@ -125,8 +134,20 @@ def source_of(exp: Experiment, source: str) -> Source:
 
 
 def source_mapping(src: Source) -> dict:
-    """A source as the config writes it (its reader's keys beside the typed ones)."""
-    return {k: v for k, v in {**mapping(src), **src.reader}.items() if k != "reader"}
+    """A source as the config writes it (its reader's keys beside the typed ones): a fresh copy of a mapping made
+    once per source node (the paper DAG asks for it once per tokenize job: 2,560 times)."""
+    return copy.deepcopy(_source_mapping(src))
+
+
+def _source_mapping(src: Source) -> dict:
+    hit = _SOURCE_MAPPINGS.get(id(src))
+    if hit is None or hit[0] is not src:   # the node is kept in the entry, so its id is not reused
+        hit = _SOURCE_MAPPINGS[id(src)] = (src, {k: v for k, v in {**mapping(src), **src.reader}.items()
+                                                 if k != "reader"})
+    return hit[1]
+
+
+_SOURCE_MAPPINGS: dict[int, tuple[Source, dict]] = {}
 
 
 def source_parts(exp: Experiment, source: str) -> int:
@@ -167,7 +188,7 @@ def train_targets(exp: Experiment) -> list[tuple[str, str, str]]:
 
 def seed_targets(exp: Experiment) -> list[tuple[str, str, str]]:
     """The training jobs of seeds beyond the matrix's own (stem.seeds): (scale, '{variant}_seed{k}', stage)."""
-    return [(scale, seeds.seed_id(v, k), stage) for scale, m in exp.matrix.items() for v in m.variants
+    return [(scale, JobId(scale, v, stage, k).slot, stage) for scale, m in exp.matrix.items() for v in m.variants
             for k in seeds.seeds_of(exp, scale, v) if k for stage in variant_stages(exp, v, m.stages)]
 
 
@@ -177,11 +198,11 @@ def _seed_job(exp: Experiment, job: JobId) -> TrainSpec:
     if k not in seeds.seeds_of(exp, scale, base):
         raise ConfigError(f"variant {variant!r}: seed {k} of {base!r} at {scale} is not asked for by the "
                           f"{exp.experiment} config (seeds: {seeds.seeds_of(exp, scale, base)})")
-    d = train_job(exp, scale, base, stage).to_dict()
-    init = d.get("init_stage")
-    return TrainSpec.from_dict({**d, "variant": variant, "seed": exp.seed + k,
-                                "out_dir": stage_dir(exp.experiment, scale, variant, stage),
-                                "init_from": checkpoint(exp.experiment, scale, variant, init) if init else None})
+    spec = train_job(exp, scale, base, stage)
+    init = spec.init_stage
+    return dataclasses.replace(spec, variant=variant, seed=exp.seed + k,
+                               out_dir=stage_dir(exp.experiment, scale, variant, stage),
+                               init_from=checkpoint(exp.experiment, scale, variant, init) if init else None)
 
 
 def _check_job(exp: Experiment, job: JobId):
@@ -206,56 +227,71 @@ def _check_job(exp: Experiment, job: JobId):
 def _init_from(exp: Experiment, scale: str, variant: str, init, ins) -> str | None:
     """The job spec's init_from: a transformers checkpoint (stem.hf; a GGUF file in it), the checkpoint of an
     earlier stage (of the dense variant an insertion starts from), or None."""
-    if isinstance(init, dict):
-        return HF_PREFIX + init["hf"] + (GGUF_SEP + init["gguf_file"] if init.get("gguf_file") else "")
+    if isinstance(init, HFInit):
+        return HF_PREFIX + init.hf + (GGUF_SEP + init.gguf_file if init.gguf_file else "")
     return checkpoint(exp.experiment, scale, ins["from"] if ins else variant, init) if init else None
 
 
 def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpec:
-    """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec)."""
+    """The fully resolved, checked spec of one training job (a stem.specs.TrainSpec), built from the tree's own
+    nodes: the stage's ``StageSettings`` with the variant's (or sweep or knowledge point's) ``stage:`` keys set over
+    it, ``Train`` with a sweep's ``sweeps.train`` intervals, the config's ``optim`` (an ``OptimSpec``) with the
+    variant's ``optim:`` and the stage's ``table_group`` (``experiment.override``: ``dataclasses.replace``)."""
     job = JobId.parse(scale, variant, stage)   # the wildcards' one parser (stem.seeds)
     if job.seed:
         return _seed_job(exp, job)
     _check_job(exp, job)
     point = job.sweep is not None or bool(exp.knowledge and knowledge.is_point(variant))
     vspec = variant_spec(exp, variant)
-    st = {**mapping(exp.stages[stage][scale]), **vspec.get("stage", {})}   # a sweep point's (sweeps.train)
-    init, data = st.pop("init_from", None), st.pop("data")
-    table_group = st.pop("table_group", None)   # this stage's table-group LR multiplier / weight decay
+    over = dict(vspec.get("stage") or {})
+    intervals = {k: over.pop(k) for k in list(over) if k not in STAGE_KEYS}   # a sweep's eval_batches (Train)
+    st = experiment.override(exp.stages[stage][scale], over, f"stages.{stage}.{scale}")
     ins = vspec.get("insert") if not point and stage == (vspec.get("insert") or {}).get("stage") else None
-    if ins is not None and (not init or st.get("reset_optimizer") is False):
+    if ins is not None and (not st.init_from or st.reset_optimizer is False):
         raise ConfigError(f"variant {variant!r}: insert.stage {stage!r} needs stages.{stage}.{scale}.init_from (an "
                           "earlier stage of the dense variant, or {hf: ...}) and a fresh optimizer "
                           "(reset_optimizer: true)")
-    for key in ("max_seq_len", "rope_scaling"):
-        st.pop(key, None)
-    train = {**exp.train.settings(), **st}
-    # reset_optimizer (default true): false carries the optimizer state of init_from's stage, which then
-    # saves it in its checkpoint (checkpoint/optimizer/)
-    train["reset_optimizer"] = bool(st.get("reset_optimizer", True)) if init else True
-    train["save_optimizer"] = not point and any(
-        exp.stages[s][scale].init_from == stage and exp.stages[s][scale].reset_optimizer is False
-        for s in exp.matrix[scale].stages)
-    train["parallel"], train["tables"] = exp.cluster.strategy, exp.cluster.tables   # backbone's, tables' (torchrun)
-    if exp.cluster.fit_memory:   # the plan picks a micro-batch / checkpointing / host tables that fit
-        train["fit_gib"] = exp.cluster.gpu_mem_gib
-    optim = deep_merge(mapping(exp.optim), vspec.get("optim", {}))   # a variant may set e.g. table_update
-    if table_group:
-        optim = deep_merge(optim, {"groups": {"table": table_group}})
-    extra = {} if ins is None else {"insert": _insert_spec(exp, scale, variant, ins, data, init)}
-    return TrainSpec.from_dict({**extra,
-        "experiment": exp.experiment, "scale": scale, "variant": variant, "stage": stage,
-        "seed": exp.seed + vspec.get("seed_index", 0), "device": exp.device,
-        "model": model_config_for(exp, scale, variant, stage).to_dict(),
-        "optim": optim, "train": train,
-        "data": {src: {"weight": w, "manifest": tokens_manifest(exp.experiment, scale, src)}
-                 for src, w in data.items()},
-        "tokenizer": tokenizer_path(exp.experiment, scale),
-        "init_from": _init_from(exp, scale, variant, init, ins),
-        "init_stage": None if isinstance(init, dict) else init,
-        "out_dir": stage_dir(exp.experiment, scale, variant, stage),
-        **plugins.spec_key(exp),
-    })
+    optim = experiment.override(exp.optim, vspec.get("optim", {}), "optim")   # a variant may set e.g. table_update
+    if st.table_group:   # this stage's table-group LR multiplier / weight decay
+        group = {k: getattr(st.table_group, k) for k in ("lr_mult", "weight_decay")
+                 if getattr(st.table_group, k) is not None}
+        optim = experiment.override(optim, {"groups": {"table": group}}, "optim")
+    init = st.init_from
+    return TrainSpec(
+        experiment=exp.experiment, scale=scale, variant=variant, stage=stage,
+        seed=exp.seed + vspec.get("seed_index", 0), device=exp.device,
+        model=model_config_for(exp, scale, variant, stage), optim=optim,
+        train=_train_settings(exp, scale, stage, st, experiment.override(exp.train, intervals, "train"), point),
+        data={src: DataSource(w, tokens_manifest(exp.experiment, scale, src)) for src, w in st.data.items()},
+        tokenizer=tokenizer_path(exp.experiment, scale), init_from=_init_from(exp, scale, variant, init, ins),
+        init_stage=None if isinstance(init, HFInit) else init,
+        out_dir=stage_dir(exp.experiment, scale, variant, stage),
+        insert=None if ins is None else _insert_spec(exp, scale, variant, ins, st.data, init),
+        plugins=tuple(plugins.spec_key(exp).get("plugins", ())))
+
+
+# A stage's keys the job's train section takes where the stage sets them (the others: StageSchedule's, always).
+STAGE_OPTIONAL = ("schedule_steps", "cross_doc_mask", "activation_checkpointing")
+STAGE_KEYS = tuple(f.name for f in dataclasses.fields(experiment.StageSettings))
+SCHEDULE_KEYS = tuple(f.name for f in dataclasses.fields(StageSchedule))
+
+
+def _train_settings(exp: Experiment, scale: str, stage: str, st, intervals, point: bool) -> TrainSettings:
+    """The job's ``train`` section: the stage's schedule (``StageSchedule``: the same fields), the config's
+    intervals (``Train``), the cluster's layout. reset_optimizer (default true): false carries the optimizer state
+    of init_from's stage, which then saves it in its checkpoint (checkpoint/optimizer/)."""
+    return TrainSettings(
+        **{k: getattr(st, k) for k in SCHEDULE_KEYS}, **intervals.settings(),
+        **{k: getattr(st, k) for k in STAGE_OPTIONAL if getattr(st, k) is not None},
+        reset_optimizer=st.reset_optimizer is not False if st.init_from else True,
+        save_optimizer=not point and any(exp.stages[s][scale].init_from == stage
+                                         and exp.stages[s][scale].reset_optimizer is False
+                                         for s in exp.matrix[scale].stages),
+        parallel=exp.cluster.strategy, tables=exp.cluster.tables,   # backbone's, tables' (torchrun)
+        # the plan picks a micro-batch / checkpointing / host tables that fit
+        **({"fit_gib": exp.cluster.gpu_mem_gib} if exp.cluster.fit_memory else {}),
+        # host tables' update overlapped with the next step
+        **({"host_workers": exp.cluster.host_workers} if exp.cluster.host_workers is not None else {}))
 
 
 def _insert_spec(exp: Experiment, scale: str, variant: str, ins: dict, data: dict, init) -> dict:
@@ -269,7 +305,7 @@ def _insert_spec(exp: Experiment, scale: str, variant: str, ins: dict, data: dic
     cal["source"] = cal.get("source") or next(iter(data))
     if cal.pop("from_step0", False):
         stages = (exp.analysis.stages or {}).get(scale) or []
-        if exp.analysis.insertion_step0 is None or isinstance(init, dict) or init not in stages:
+        if exp.analysis.insertion_step0 is None or isinstance(init, HFInit) or init not in stages:
             raise ConfigError(f"variant {variant!r}: key 'insert.calibration.from_step0': true, but no step-0 "
                               f"analysis of {ins['from']!r} at {scale} / {init!r}; expected analysis.insertion_step0 "
                               f"and {init!r} in analysis.stages.{scale}")

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 
 from stem import fields, knowledge, plugins, sweeps
 from stem.fields import FieldError, Parser, expect
-from stem.io import ConfigError, dataclass_mapping, deep_merge, read_yaml, variant, variants, variants_file
+from stem.io import ConfigError, dataclass_mapping, read_yaml, variant, variants, variants_file
 from stem.models.config import DSEConfig
-from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, NameKind, OptimGroup,
+from stem.optim import Group, OptimSpec
+from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, NameKind,
                           RopeKind, RopeRamp, Scale, SourceKind, Stage, Strategy, TableInit, TableLayout,
-                          TableUpdate, TokenizerKind, Truncation, values)
+                          TokenizerKind, Truncation, values)
 from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS   # names only: entries load on use
-from stem.specs import StageSchedule, TrainSettings
+from stem.specs import RunSettings, StageSchedule, TrainSettings
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")                                  # a variant's name
 MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")   # a plugin module
@@ -76,6 +77,13 @@ def node(cls, d, key: str = ""):
     return fields.node(cls, d, key, CONFIG)
 
 
+def override(obj, over, key: str = ""):
+    """Node ``obj`` with mapping ``over``'s keys set over its own (``stem.fields.override``: typed and checked as
+    ``node``, ``dataclasses.replace``); ConfigError ``key 'a.b': ...`` otherwise. A variant's and a sweep's
+    overrides of the config's nodes (stem.config.train_job)."""
+    return fields.override(obj, over, key, CONFIG)
+
+
 def fail(ok: bool, key: str, problem: str):
     """A node's own check: ``FieldError`` naming ``key`` (under the node's own key) unless ``ok``."""
     if not ok:
@@ -113,13 +121,6 @@ class RopeScaling:
     beta_fast: float | None = None
     beta_slow: float | None = None
     ramp: RopeRamp | None = None
-
-
-@dataclass(frozen=True)
-class Group:
-    """An optimizer group's settings over the registry's defaults (stem.optim.adamw)."""
-    lr_mult: float | None = field(default=None, metadata=at_least(0, "a number"))
-    weight_decay: float | None = field(default=None, metadata=at_least(0, "a number"))
 
 
 @dataclass(frozen=True)
@@ -235,38 +236,14 @@ class Source:
              f"unknown generator {self.generator!r}; expected one of {', '.join(GENERATORS)}")
 
 
-@dataclass(frozen=True)
-class Optim:
-    """``optim``: AdamW's settings (stem.optim.OptimSpec); a variant's ``optim:`` is merged over them."""
-    betas: tuple[float, float]
-    weight_decay: float = field(metadata=at_least(0, "a number"))
-    eps: float = field(metadata=above(0))
-    grad_clip: float = field(metadata=at_least(0, "a number"))
-    # the STEM tables' update: dense (the paper: AdamW on every row) or sparse (the batch's rows only)
-    table_update: TableUpdate | None = None
-    groups: dict[OptimGroup, Group] = field(default_factory=dict)
+# ``optim``: AdamW's settings, and a stage's ``table_group``: the job spec's own classes (stem.optim), one
+# declaration from the YAML to the optimizer; a variant's ``optim:`` is set over them (stem.fields.override).
+Optim = OptimSpec
 
 
-def _default(name: str):
-    """A training setting's default: the job spec's (stem.specs.TrainSettings), written there once."""
-    return next(f.default for f in dataclasses.fields(TrainSettings) if f.name == name)
-
-
-@dataclass(frozen=True)
-class Train:
-    """``train``: logging, evaluation and checkpoint intervals of every training job."""
-    log_interval: int = field(default=_default("log_interval"), metadata=POSITIVE)
-    eval_interval: int = field(default=_default("eval_interval"), metadata=POSITIVE)
-    eval_batches: int = field(default=_default("eval_batches"), metadata=POSITIVE)
-    checkpoint_interval: int = field(default=_default("checkpoint_interval"), metadata=POSITIVE)
-    tensorboard: bool = _default("tensorboard")   # also log metrics.jsonl's scalars to {stage dir}/tensorboard
-    peak_tflops: float | None = field(default=None, metadata=above(0))   # the GPU's bf16 peak for MFU
-    wandb: str | None = field(default=None, metadata=expect(bool, "a project name"))   # a W&B project
-    compile: bool | None = None   # torch.compile each block (stem.train.compile)
-
-    def settings(self) -> dict:
-        """What a job's TrainSettings takes from here: the intervals always, the others where set."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+# ``train``: logging, evaluation and checkpoint intervals of every training job: the job spec's own class
+# (stem.specs.RunSettings, its defaults and ranges), one declaration from the YAML to the loop.
+Train = RunSettings
 
 
 @dataclass(frozen=True)
@@ -310,6 +287,13 @@ class Cluster:
     fit_memory: bool = False   # true: each job's plan picks the micro-batch, checkpointing, host tables that fit
     state_write_mb_s: float = field(default=500, metadata=above(0))   # MB/s one node writes a checkpoint at
     stop_margin_s: int = field(default=120, metadata=at_least(0))      # seconds on top of the write (stop warning)
+    # host tables' host side (stem.train.comms.host_update): a node's host memory bandwidth, and one core's (GB/s;
+    # a job's is the first, at most its cluster.train cpus x the second)
+    host_mem_gbs: float = field(default=100.0, metadata=above(0))
+    host_core_gbs: float = field(default=10.0, metadata=above(0))
+    # host tables' row update: null in the step (synchronous), or on this many worker threads while the device
+    # computes the next step (stem.optim.adamw.RowSparseAdamW.overlap)
+    host_workers: int | None = field(default=None, metadata=at_least(1))
     train: dict[Scale, TrainJob] = field(default_factory=dict)
     eval: Job | None = None
     cpu: Job | None = None
@@ -322,6 +306,9 @@ class Cluster:
             fail(self.tables != TableLayout.HOST or t.gpus <= 1, "tables",
                  f"host keeps the tables in one host's memory, for jobs of one GPU; cluster.train.{scale} gives "
                  f"{t.nodes} x {t.gpus_per_node} GPUs (expected rows or fsdp)")
+        fail(self.host_workers is None or self.tables == TableLayout.HOST or self.fit_memory, "host_workers",
+             f"{self.host_workers} overlaps the host tables' update; expected cluster.tables: host (or "
+             "cluster.fit_memory: true, which may choose them), or no host_workers")
         for key in ("eval", "cpu"):
             fail(getattr(self, key) is None or getattr(self, key).runtime is not None, f"{key}.runtime",
                  "missing (expected an integer)")
@@ -561,6 +548,9 @@ class Knowledge:
     # the training budget below which the smallest world is not learnt (docs/knowledge.md: measured, dense at
     # N 100 recalls 0.97 at E 100); a source with fewer exposures fails the config check
     min_exposures: int = field(default=100, metadata=POSITIVE)
+    # a floor on a point's optimizer steps (docs/knowledge.md: one pass over a small world is too few steps to
+    # learn it; above the floor a point trains for one pass)
+    min_steps: int = field(default=1, metadata=POSITIVE)
 
     def __post_init__(self):
         fail(set(self.templates) == set(self.attributes), "templates",
@@ -722,8 +712,7 @@ class Experiment:
         where = f"variant '{name}' (config/variants.yaml + variant_overrides)"
         if "optim" in spec:
             try:
-                node(Optim, deep_merge(dataclass_mapping(self.optim), spec["optim"])
-                     if isinstance(spec["optim"], dict) else spec["optim"], "optim")
+                override(self.optim, spec["optim"], "optim")
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
         if spec.get("dse") is not None:

@@ -164,3 +164,41 @@ def node(cls, d, key: str, parser: Parser):
         raise parser.error(f"key '{prefix}{e.field}'{sep}{e}") from None
     object.__setattr__(out, "_written", frozenset(kw))   # the keys the mapping writes (a null one too)
     return out
+
+
+def override(obj, over: dict, key: str, parser: Parser):
+    """Node ``obj`` (a dataclass, found at ``key``) with the keys of mapping ``over`` set over its own
+    (``dataclasses.replace``): each value converted to its field's type and checked against its range as ``node``
+    does; a nested node or a mapping of nodes is overridden key by key (a variant's ``optim: {groups: {table:
+    {lr_mult: ...}}}`` keeps the group's other settings); then the node's own checks. The result's ``_written``
+    are ``obj``'s and ``over``'s keys."""
+    if not isinstance(over, dict):
+        raise parser.fail(key or "<top level>", over, "a mapping")
+    prefix = f"{key}." if key else ""
+    fields = {f.name: f for f in dataclasses.fields(obj) if f.init}
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    kw = {}
+    for name, value in over.items():
+        if name not in fields:
+            raise parser.error(parser.unknown.format(key=prefix + name, names=", ".join(fields)))
+        kw[name] = _override_value(hints[name], getattr(obj, name), value, prefix + name, parser)
+        if "ok" in fields[name].metadata and kw[name] is not None and not fields[name].metadata["ok"](kw[name]):
+            raise parser.fail(prefix + name, value, fields[name].metadata["expected"])
+    try:
+        out = dataclasses.replace(obj, **kw)
+    except FieldError as e:
+        raise parser.error(f"key '{prefix}{e.field}': {e}") from None
+    object.__setattr__(out, "_written", frozenset(getattr(obj, "_written", ())) | frozenset(kw))
+    return out
+
+
+def _override_value(tp, old, value, key: str, parser: Parser):
+    """One overridden field: a node under a mapping is overridden, a mapping of nodes key by key, else converted."""
+    if dataclasses.is_dataclass(old) and isinstance(value, dict):
+        return override(old, value, key, parser)
+    args = typing.get_args(tp)
+    if isinstance(old, dict) and isinstance(value, dict) and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+        new = convert(tp, {k: v for k, v in value.items() if k not in old}, key, parser)
+        kept = {k: override(n, value[k], f"{key}.{k}", parser) if k in value else n for k, n in old.items()}
+        return {**kept, **new}
+    return convert(tp, value, key, parser)

@@ -55,7 +55,7 @@ from stem.bench.offload import decode_seconds
 from stem.checkpoint import save_checkpoint
 from stem.data.synth import make_world, web_documents
 from stem.data.tokenizer import train_bpe
-from stem.experiment import Experiment, dataclass_mapping, parse
+from stem.experiment import Experiment, parse
 from stem.io import atomic_write_json, atomic_write_text
 from stem.models.accounting import accounting, flops_per_token
 from stem.models.model import build_model
@@ -138,7 +138,7 @@ def _batch(vocab: int, rows: int, seq: int, device, seed: int = 0):
 
 
 def _optim(cfg: Experiment) -> OptimSpec:
-    return OptimSpec.coerce(dataclass_mapping(cfg.optim))
+    return cfg.optim   # the config's optim section is the job spec's class (stem.optim.OptimSpec)
 
 
 def _optimizer(model, cfg: Experiment, lr: float, ctx: Ctx):

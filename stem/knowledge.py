@@ -61,10 +61,11 @@ def points(exp) -> list[str]:
 
 
 def steps(exp, source: str) -> int:
-    """One pass over the source: N x E biographies of ``tokens_per_bio`` tokens in batches of the stage's."""
+    """One pass over the source (N x E biographies of ``tokens_per_bio`` tokens in batches of the stage's), at
+    least ``knowledge.min_steps`` (a small world gets more passes, the loader cycling over its windows)."""
     kn, r = exp.knowledge, _reader(exp, source)
     st = exp.stages[kn.stage][kn.scale]
-    return max(1, math.ceil(int(r["n"]) * int(r["exposures"]) * kn.tokens_per_bio / (st.batch_size * st.seq_len)))
+    return max(kn.min_steps, math.ceil(int(r["n"]) * int(r["exposures"]) * kn.tokens_per_bio / (st.batch_size * st.seq_len)))
 
 
 def variant_spec(exp, name: str) -> dict:

@@ -45,17 +45,6 @@ class JobId:
         return self.variant if self.seed == 0 else f"{self.variant}_seed{self.seed}"
 
 
-def seed_id(variant: str, k: int) -> str:
-    """The variant id of seed ``k`` (seed 0: the variant itself): ``JobId``'s string form."""
-    return JobId("", variant, "", k).slot
-
-
-def split(variant: str) -> tuple[str, int]:
-    """(base variant, seed index) of a variant id; (variant, 0) for a plain variant (``JobId.parse``)."""
-    job = JobId.parse("", variant, "")
-    return job.variant, job.seed
-
-
 def seeds_of(exp, scale: str, variant: str) -> list[int]:
     """The seed indices the config (``exp``: its typed tree, stem.experiment.Experiment, read by attribute: this
     module is below it) runs for one matrix cell (always including 0, the matrix's own job)."""

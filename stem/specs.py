@@ -7,7 +7,7 @@ the jobs whose spec changed). The job builds the dataclass with ``from_dict`` on
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
 
 Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
-``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``fit_gib``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``fit_gib``, ``host_workers``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
 JSON of the jobs that do not use it unchanged.
 """
 from __future__ import annotations
@@ -101,39 +101,54 @@ class StageSchedule:
     steps: int = field(metadata=expect(lambda v: v >= 0, "an integer >= 0 (0: a stage that only imports)"))
 
 
+AT_LEAST_1 = expect(lambda v: v >= 1, "an integer >= 1")
+
+
 @dataclass(frozen=True, kw_only=True)
-class TrainSettings(StageSchedule):
-    """The ``train`` section: one stage's schedule and batch layout (``StageSchedule``), logging, checkpoints,
-    parallelism."""
+class RunSettings:
+    """Logging, evaluation and checkpoint intervals and the run's reporting: declared once, here; the experiment
+    config's ``train`` section (``stem.experiment.Train`` is this class) and the job spec's ``train`` section
+    (``TrainSettings``) are both this class. ``peak_tflops``, ``wandb``, ``compile``: left out of a job's spec at
+    their default."""
+    log_interval: int = field(default=10, metadata=AT_LEAST_1)
+    eval_interval: int = field(default=100, metadata=AT_LEAST_1)
+    eval_batches: int = field(default=4, metadata=AT_LEAST_1)
+    checkpoint_interval: int = field(default=100, metadata=AT_LEAST_1)
+    tensorboard: bool = False   # also log metrics.jsonl's scalars to {stage dir}/tensorboard
+    # the GPU's bf16 peak for MFU (stem.train.throughput)
+    peak_tflops: float | None = field(default=None, metadata={**OPTIONAL, **expect(lambda v: v > 0, "a number > 0")})
+    # a Weights & Biases project (rank 0 logs there)
+    wandb: str | None = field(default=None, metadata={**OPTIONAL, **expect(lambda v: bool(v.strip()), "a project name")})
+    compile: bool = field(default=False, metadata=OPTIONAL)   # torch.compile each block (stem.train.compile)
+
+    def settings(self) -> dict:
+        """What a job's TrainSettings takes from the config's ``train``: every key but those not set."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RunSettings)
+                if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings(RunSettings, StageSchedule):
+    """The ``train`` section: one stage's schedule and batch layout (``StageSchedule``), logging and checkpoints
+    (``RunSettings``), parallelism."""
     cross_doc_mask: bool = False
     reset_optimizer: bool = True    # false: carry init_from's optimizer state (checkpoint/optimizer/)
     save_optimizer: bool = False    # true: a later stage carries this one's optimizer state
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_batches: int = 4
-    checkpoint_interval: int = 100
-    tensorboard: bool = False
     schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
-    parallel: str = field(default=Strategy.FSDP, metadata=OPTIONAL)   # the backbone's strategy under torchrun
-    tables: str = field(default=TableLayout.FSDP, metadata=OPTIONAL)  # lookup tables: fsdp units | rows | host
-    peak_tflops: float | None = field(default=None, metadata=OPTIONAL)   # MFU's peak (stem.train.throughput)
-    wandb: str | None = field(default=None, metadata=OPTIONAL)   # a Weights & Biases project (rank 0 logs there)
-    compile: bool = field(default=False, metadata=OPTIONAL)      # torch.compile each block (stem.train.compile)
+    parallel: Strategy = field(default=Strategy.FSDP, metadata=OPTIONAL)   # the backbone's strategy under torchrun
+    tables: TableLayout = field(default=TableLayout.FSDP, metadata=OPTIONAL)  # lookup tables: fsdp units | rows | host
     fit_gib: float | None = field(default=None, metadata=OPTIONAL)   # per-GPU GiB the plan fits the layout to (stem.train.memory.fit)
+    host_workers: int | None = field(default=None, metadata=OPTIONAL)   # host tables' update threads (None: in the step)
 
     def __post_init__(self):
         _check(self.parallel in STRATEGIES, "parallel", f"one of {', '.join(STRATEGIES)}", self.parallel)
         _check(self.tables in TABLE_LAYOUTS, "tables", f"one of {', '.join(TABLE_LAYOUTS)}", self.tables)
-        for key in ("log_interval", "eval_interval", "checkpoint_interval"):
-            _check(getattr(self, key) >= 1, key, "an integer >= 1", getattr(self, key))
-        _check(self.eval_batches >= 0, "eval_batches", "an integer >= 0", self.eval_batches)
         _check(self.schedule_steps is None or self.schedule_steps >= 1, "schedule_steps", "an integer >= 1 or null",
                self.schedule_steps)
-        _check(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops", "a number > 0 or null",
-               self.peak_tflops)
         _check(self.fit_gib is None or self.fit_gib > 0, "fit_gib", "a number > 0 or null", self.fit_gib)
-        _check(self.wandb is None or bool(self.wandb.strip()), "wandb", "a project name or null", self.wandb)
+        _check(self.host_workers is None or self.host_workers >= 1, "host_workers", "an integer >= 1 or null",
+               self.host_workers)
 
     def lr_schedule(self) -> dict:
         """Keyword arguments of stem.train.schedule.get_lr."""

@@ -33,12 +33,10 @@ from stem import layout as L
 from stem.io import ConfigError, dataclass_mapping, variants
 from stem.io import deep_merge as _deep_merge
 from stem.models.config import VARIANT_KEYS, ModelConfig, resolve_placement, table_rows
-from stem.seeds import SWEEP_ID
 
 MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
 KINDS = ("rho", "slots")
-ID = SWEEP_ID   # a point's id (rho_id, slots_id): one pattern, stem.seeds.JobId parses it too
 TOLERANCE = {"p_tot": 0.001, "p_act": 0.03}   # relative deviations from the rho = 1 model's, default
 CLAIMS = {
     "rho": ("DSE paper Sec. 3.1 / Fig. 2 left: validation loss vs rho is U-shaped; the pure MoE (rho = 1) is not "
@@ -62,10 +60,6 @@ def rho_id(rho: float) -> str:
 
 def slots_id(rows_per_head: int) -> str:
     return f"slots_{int(rows_per_head)}"
-
-
-def is_sweep_id(name: str) -> bool:
-    return bool(ID.match(name))
 
 
 # ---- parameter arithmetic (torch-free) --------------------------------------------------------------------

@@ -10,6 +10,18 @@ from stem.pipeline import make_corpus, make_tokenizer, tokenize
 
 SOURCES = {"web": 150_000, "math": 40_000, "long": 120_000}
 
+# The slowest test files, slowest first (`pytest --durations`, session 11, whole file): pytest-xdist's loadfile
+# hands files to its workers in collection order, so a long file collected last is the suite's tail
+# (test_wheelhouse.py: ~150 s, two thirds of it waiting on pip's downloads, was collected second to last).
+SLOW_FIRST = ["test_wheelhouse.py", "test_workflow.py", "test_memory.py", "test_paper_data_path.py", "test_real.py",
+              "test_tables.py"]
+
+
+def pytest_collection_modifyitems(items):
+    """The files of SLOW_FIRST first, in its order; every file's tests keep their order."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):

@@ -566,3 +566,29 @@ def test_a_tied_model_from_an_untied_source_refuses_to_drop_its_trained_head(tmp
     with pytest.raises(ValueError, match=re.escape(f"{src}: tie_word_embeddings is true, but its lm_head.weight is "
                                                    "not its embedding (max |lm_head - embed_tokens| ")):
         importer.pipeline_state(src, True, keep_tied=True, weights=weights)
+
+
+@pytest.mark.parametrize("key", ["host_mem_gbs", "host_core_gbs"])
+def test_host_bandwidth_settings_below_zero_are_refused_in_one_line(key):
+    """Issue 42 item 1: the host side's stated bandwidths (stem.train.comms.host_update) must be positive."""
+    cfg = C.read_yaml(C.REPO / "config" / "rehearsal.yaml")
+    cfg["cluster"][key] = 0
+    with pytest.raises(C.ConfigError) as e:
+        C.experiment.parse(copy.deepcopy(cfg), origin="bad.yaml")
+    assert str(e.value).startswith(f"bad.yaml: key 'cluster.{key}': 0") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("cluster, message", [
+    ({"host_workers": 0}, "key 'cluster.host_workers': 0"),
+    ({"tables": "rows", "fit_memory": False, "host_workers": 2},
+     "key 'cluster.host_workers': 2 overlaps the host tables' update; expected cluster.tables: host (or "
+     "cluster.fit_memory: true, which may choose them), or no host_workers")])
+def test_host_workers_below_one_or_without_host_tables_are_refused(cluster, message):
+    """Issue 42: the host update's worker threads (cluster.host_workers, RowSparseAdamW.overlap): at least one, and
+    only where host tables may be used; one line naming the key, at the config check (nothing runs, nothing is
+    written)."""
+    cfg = C.read_yaml(C.REPO / "config" / "rehearsal.yaml")
+    cfg["cluster"].update(cluster)
+    with pytest.raises(C.ConfigError) as e:
+        C.experiment.parse(copy.deepcopy(cfg), origin="bad.yaml")
+    assert str(e.value).startswith(f"bad.yaml: {message}") and "\n" not in str(e.value)

@@ -17,9 +17,19 @@ QUOTED = [
      lambda: [PRE["350m"]["steps"]]),
     ("docs/confidence.md", r"the tiny STEM-dagger model trains (\d+) steps", lambda: [PRE["350m"]["steps"]]),
     ("docs/evaluation.md", r"after (\d+) steps of context extension", lambda: [TINY["stages"]["extend"]["1b"]["steps"]]),
+    ("docs/training.md", r"fetch \+ accumulation\s+([\d.]+) B a fetched parameter .*?update \+ zeroing ([\d.]+) B a touched "
+     r"parameter .*?replay ([\d.]+) B a replayed parameter-step", lambda: _host_bytes()),
     ("config/accepted/tiny.yaml", r"experiment tiny: (\d+) pretraining steps of d=(\d+) \(350m\) or d=(\d+) \(1b\)",
      lambda: [PRE["350m"]["steps"], ARCHS["350m"]["d_model"], ARCHS["1b"]["d_model"]]),
 ]
+
+
+def _host_bytes() -> list:
+    """stem.train.comms.HOST_BYTES_PER_PARAM as docs/training.md quotes them (read from the source: no torch here)."""
+    text = (REPO / "stem" / "train" / "comms.py").read_text()
+    found = re.search(r'HOST_BYTES_PER_PARAM = \{"fetch_accumulate": ([\d.]+), "update": ([\d.]+), "replay": ([\d.]+)\}',
+                      text)
+    return list(found.groups())
 
 
 @pytest.mark.parametrize("path, pattern, expected", QUOTED, ids=[q[0] + ":" + q[1][:30] for q in QUOTED])

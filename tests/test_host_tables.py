@@ -26,13 +26,13 @@ from conftest import reshaped  # noqa: E402
 V, T, STEPS = 64, 8, 20
 
 
-def _spec(tables: str, variant: str = "stem", clip: float = 0.05):
+def _spec(tables: str, variant: str = "stem", clip: float = 0.05, workers: int | None = None):
     cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
     cfg["archs"]["350m"].update(vocab_size=V, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16)
     cfg["variant_overrides"] = {"dse": {"dse": {"rows_per_head": 31, "d_mem": 16, "heads": 2}}}
     cfg["stages"]["pretrain"]["350m"].update(batch_size=4, micro_batch=2, seq_len=T, lr=3e-3)
     cfg["optim"]["grad_clip"] = clip
-    cfg["cluster"] = {"tables": tables}
+    cfg["cluster"] = {"tables": tables, **({"host_workers": workers} if workers else {})}
     return C.train_job(reshaped(cfg, f"tiny.yaml (a small 350m, tables {tables})"), "350m", variant, "pretrain")
 
 
@@ -135,3 +135,110 @@ def test_a_saved_lazy_state_resumes_exactly(tmp_path):
     _train(spec, steps=7, save=tmp_path / "state")
     resumed = _weights(_train(spec, state=tmp_path / "state")[0])
     _close(straight, resumed, 1e-7)
+
+
+def _table_after(steps: list, update: str = "lazy", workers: int | None = None) -> torch.Tensor:
+    """A 50 x 4 host table (stem.bench.host's) trained by lazy (or row-sparse) AdamW on ``steps`` (each a list of id
+    tensors), its update on ``workers`` threads if given, its weights after a save's settle."""
+    from stem.bench.host import _Holder
+    from stem.train.tables import _fetch
+    torch.manual_seed(0)
+    holder = _Holder(50, 4)
+    to_host(holder, ("table",), sparse=("table",) if update == "sparse" else ())
+    m, w = holder.table, holder.table.weight
+    opt = adamw.RowSparseAdamW([{"params": [w], "lr": 1e-2, "weight_decay": 0.1}], betas=(0.9, 0.95), eps=1e-8)
+    opt.track(m)
+    if workers:
+        opt.overlap(workers)
+    for micro in steps:
+        for ids in micro:
+            _, host_ids, rows = _fetch(m, ids)
+            g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows.sin(), w.shape, is_coalesced=True,
+                                        check_invariants=False)
+            w.grad = g if w.grad is None else (w.grad + g).coalesce()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.settle()
+    return w.detach().clone()
+
+
+def _steps() -> list:
+    g = torch.Generator().manual_seed(3)
+    return [[(torch.randint(0, 30, (16,), generator=g) + 5 * i) % 50 for _ in range(2)] for i in range(6)]
+
+
+def test_a_save_settles_in_chunks_exactly(monkeypatch):
+    """``settle`` brings rows current ``SETTLE_ROWS`` at a time (no second copy of a whole table): the same weights,
+    bit for bit, as all rows at once; and not those of a table never settled (the check can fail)."""
+    whole = _table_after(_steps())
+    monkeypatch.setattr(adamw, "SETTLE_ROWS", 7)
+    assert torch.equal(whole, _table_after(_steps()))
+    monkeypatch.setattr(adamw.RowSparseAdamW, "settle", lambda self: None)
+    assert not torch.equal(whole, _table_after(_steps()))
+
+
+def test_every_missed_row_step_is_replayed_once():
+    """The step-time model's replay count (stem.train.comms.host_update: V - u row-steps a step) against the real
+    lazy update (stem.bench.host.run: the replays counted as they run, a final save included)."""
+    from types import SimpleNamespace
+    from stem.bench import host
+    args, steps = SimpleNamespace(rows=50, width=4), _steps()
+    r = host.run(args, "lazy", steps)
+    missed = sum(args.rows - torch.cat(micro).unique().numel() for micro in steps)
+    assert r["replayed_row_steps_per_step"] * (len(steps) - 1) == missed
+    assert host.run(args, "sparse", steps)["replayed_row_steps_per_step"] == 0
+
+
+@pytest.fixture(scope="module")
+def rehearsal_1b_stem():
+    from stem.train import comms
+    exp = C.experiment.load(REPO / "config" / "rehearsal.yaml")
+    return exp, comms.experiment(exp, [("1b", "stem", "pretrain")])[0]
+
+
+def test_the_step_time_model_counts_the_host_side(rehearsal_1b_stem):
+    """config/rehearsal.yaml's 1b/stem/pretrain (fitted: host tables, 4 micro-batches of 2 x 4,096): the host side
+    counts the step's unique rows of its 5 tables, the V - u rows each lazy table replays, at min(100 GB/s,
+    8 cpus x 10 GB/s), and the step over the compute adds it to the copies."""
+    from stem.train import comms
+    _, r = rehearsal_1b_stem
+    h, u = r["host"], comms.zipf_unique(4 * 2 * 4096, 128256)
+    assert h["gbs"] == 80.0 and h["touched_params"] == 5 * u * 8192
+    assert h["replayed_param_steps"] == 5 * (128256 - u) * 8192
+    assert h["total_s"] == pytest.approx(sum(h["bytes"].values()) / 80e9)
+    assert r["step_vs_compute"] == pytest.approx((r["compute_s"] + r["comm_s"] + h["total_s"]) / r["compute_s"])
+
+
+def test_host_memory_holds_no_dense_gradient(rehearsal_1b_stem):
+    """The host tables' host memory: weights and moments (12 B a parameter) and the touched rows, not the 21 GB
+    dense gradient (4 B a parameter) they had."""
+    from stem.models.model import build_model
+    from stem.train import comms, memory, memtrace
+    exp, _ = rehearsal_1b_stem
+    spec, plan = memtrace.job(C.train_spec(exp, "1b", "stem", "pretrain"), 1, "fsdp")
+    model = build_model(spec.model, "meta")
+    counts = comms.host_update(model, plan, 1.0)
+    h = memory.host_estimate(model, plan, counts["touched_params"], counts["fetched_params"])
+    n = 5 * 128256 * 8192
+    assert plan.host_tables and h["table_params"] == n and h["tables"] == 12 * n and h["dense_grad"] == 4 * n
+    assert h["gradient_rows"] == 8 * counts["touched_params"] < h["dense_grad"] / 5
+
+
+@pytest.mark.parametrize("update", ["lazy", "sparse"])
+def test_an_overlapped_host_update_equals_the_synchronous_one(monkeypatch, update):
+    """Issue 42 item 3: the row update on 2 worker threads, 3 rows a task, each read waiting for its own rows only:
+    the synchronous update's weights, bit for bit (the same arithmetic on the same rows)."""
+    sync = _table_after(_steps(), update)
+    monkeypatch.setattr(adamw, "OVERLAP_ROWS", 3)
+    assert torch.equal(sync, _table_after(_steps(), update, workers=2))
+
+
+def test_host_workers_overlap_a_training_jobs_update():
+    """``cluster.host_workers`` reaches the job's optimizer (stem.train.step.make_optimizer): after a step the host
+    tables' updates are pending on the worker, and 8 steps end where the synchronous job does, bit for bit."""
+    spec = _spec("host", workers=1)
+    assert spec.train.host_workers == 1 and _spec("host").train.host_workers is None
+    model, _, opt = _model(spec)
+    step.train_step(model, opt, _batches(0), distributed.DistContext(), torch.autocast("cpu", enabled=False), 1e-3, 1.0)
+    assert opt.pool is not None and opt.pending
+    _close(_weights(_train(_spec("host"), steps=3)[0]), _weights(_train(spec, steps=3)[0]), 0.0)

@@ -9,6 +9,7 @@ import torch
 
 from stem import config as C
 from stem.models.model import build_model
+from stem.optim import Group
 from stem.specs import TrainSpec
 from stem.checkpoint import save_checkpoint
 from stem.train.loop import setup, train
@@ -138,7 +139,7 @@ def test_stem_insert_variant_and_stage_table_group():
     cfg2["stages"]["midtrain"]["1b"]["table_group"] = {"lr_mult": 50, "weight_decay": 0.0}
     cfg2 = C.experiment.parse(cfg2, "tiny.yaml (a table group)")
     spec = C.train_job(cfg2, "1b", "stem_insert", "midtrain")
-    assert spec.optim.groups["table"] == {"lr_mult": 50, "weight_decay": 0.0}
+    assert spec.optim.groups["table"] == Group(lr_mult=50, weight_decay=0.0)
     from stem.optim import build_optimizer
     opt = build_optimizer(build_model(spec.model, "meta"), spec.to_dict()["optim"], 1e-5)
     table = next(g for g in opt.param_groups if g["name"] == "table")
@@ -183,7 +184,7 @@ def test_official_blocks_in_the_docs():
     assert job.init_from == "hf:meta-llama/Llama-3.2-1B" and job.insert == {"from": "dense", "init": "projected"}
     assert [i for i, k in enumerate(job.model.ffn) if k == "stem"] == [2, 6, 10, 14]
     assert (job.train.lr, job.train.steps, job.train.seq_len, job.optim.weight_decay) == (1e-5, 60000, 4096, 0.033)
-    assert job.optim.groups["table"] == {"lr_mult": 50, "weight_decay": 0.0}   # 5e-4 = 50 x 1e-5, no decay
+    assert job.optim.groups["table"] == Group(lr_mult=50, weight_decay=0.0)   # 5e-4 = 50 x 1e-5, no decay
     assert (job.train.warmup, job.train.min_lr_ratio) == (0.0333, 1e-6)   # 2000 of 60k steps; lr_min_ratio
     cfg = C.experiment.parse(deep_merge(copy.deepcopy(paper), _docs_block("official-350m")))
     job = C.train_job(cfg, "350m", "stem", "pretrain")

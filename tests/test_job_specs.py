@@ -5,12 +5,14 @@ the resolver that wrote it: the stage's settings after the variant's ``stage:`` 
 ``sweeps.train``, the config's optimizer after the variant's ``optim:``, the cluster's table layout."""
 import importlib.util
 import json
+import re
 
 import pytest
 
 from stem import experiment, seeds
 from stem.config import REPO
-from stem.specs import TrainSettings
+from stem.config import train_job
+from stem.specs import TrainSettings, TrainSpec
 
 _spec = importlib.util.spec_from_file_location("dagdump", REPO / "scripts" / "dagdump.py")
 dagdump = importlib.util.module_from_spec(_spec)
@@ -56,6 +58,7 @@ def test_every_train_jobs_spec_is_its_trees_values(name, monkeypatch):
         # written only where not the job spec's default (stem.specs.TrainSettings)
         got = (t.get("tables", TrainSettings.tables), t.get("parallel", TrainSettings.parallel))
         assert got == (exp.cluster.tables, exp.cluster.strategy), where
+        assert t.get("host_workers", TrainSettings.host_workers) == exp.cluster.host_workers, where
         node = exp.stages[stage][scale]
         job_id = seeds.JobId.parse(scale, variant, stage)
         assert job_id.slot == variant and (job_id.seed > 0) == ("_seed" in variant), where   # one string form
@@ -65,6 +68,15 @@ def test_every_train_jobs_spec_is_its_trees_values(name, monkeypatch):
         assert spec["optim"]["weight_decay"] == wd and tuple(spec["optim"]["betas"]) == exp.optim.betas, where
         if node.table_group is not None and node.table_group.lr_mult is not None:
             assert spec["optim"]["groups"]["table"]["lr_mult"] == node.table_group.lr_mult, where
+        table_update = want["optim"].get("table_update", exp.optim.table_update)
+        assert spec["optim"].get("table_update", "dense") == table_update, where
+        # the JSON at the rule boundary round-trips the tree's own types (one schema: the stage's fields, the
+        # config's OptimSpec), and is the spec the resolver built
+        typed = TrainSpec.from_dict(spec)
+        assert typed.to_dict() == spec and typed == train_job(exp, scale, variant, stage), where
+        for key in STAGE_KEYS:
+            assert type(getattr(typed.train, key)) is type(want[key]), f"{where}: train.{key}'s type"
+        assert (type(typed.optim), type(typed.train.tables)) == (type(exp.optim), type(exp.cluster.tables)), where
         seen_sweep |= job_id.sweep is not None
     assert seen_sweep == (name in ("tiny", "paper"))   # the sweeps' points were built too
 
@@ -79,4 +91,14 @@ def test_every_train_jobs_spec_is_its_trees_values(name, monkeypatch):
 ])
 def test_a_job_id_has_one_string_form_and_one_parser(slot, job):
     assert seeds.JobId.parse("350m", slot, "pretrain") == job and job.slot == slot
-    assert (seeds.split(slot), seeds.seed_id(job.variant, job.seed)) == ((job.variant, job.seed), slot)
+    assert seeds.JobId(job.scale, job.variant, job.stage, job.seed, job.sweep).slot == slot   # the one string form
+
+
+def test_rules_read_the_typed_tree_not_snakemakes_config():
+    """rules/common.smk parses Snakemake's ``config`` into the tree once; no other rule reads the raw mapping
+    (issue 38 item 5: report.smk's params and sweep.smk's sweep specs come from ``C.config_part``)."""
+    raw = re.compile(r"\bconfig\s*(\[|\.get\b|\.items\b|\.keys\b)|\bin config\b")
+    for path in [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]:
+        hits = [n for n, line in enumerate(path.read_text().splitlines(), 1)
+                if raw.search(line.split("#")[0])]
+        assert not hits, f"{path.name} lines {hits} read Snakemake's config mapping"

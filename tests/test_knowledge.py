@@ -65,14 +65,14 @@ def test_names_are_one_token_and_the_control_s_are_several(tmp_path):
 
 
 @pytest.mark.parametrize("edit, key", [
-    (lambda c: c["sources"]["n0800"].update(n=900), "sources.n0800.n"),
+    (lambda c: c["sources"]["n0400"].update(n=900), "sources.n0400.n"),
     (lambda c: c["knowledge"]["templates"]["city"].append("{name} lives somewhere."), "knowledge.templates.city[3]"),
     (lambda c: c["knowledge"]["templates"]["major"].append("Born in {value}."), "knowledge.templates.major[3]"),
-    (lambda c: c["sources"]["n0100"].update(exposures=10), "sources.n0100.exposures"),
+    (lambda c: c["sources"]["n0050"].update(exposures=10), "sources.n0050.exposures"),
     (lambda c: c["knowledge"]["variants"].append("nosuch"), "knowledge.variants"),
     (lambda c: c["archs"]["350m"].update(vocab_size=1200), "archs.350m.vocab_size"),
     (lambda c: c["tokenizer"]["350m"].pop("add_names"), "tokenizer.350m.add_names"),
-    (lambda c: c["knowledge"].update(sources=["n0100", "web"]), "knowledge.sources[1]"),
+    (lambda c: c["knowledge"].update(sources=["n0050", "web"]), "knowledge.sources[1]"),
 ])
 def test_bad_knowledge_config_is_one_line_naming_the_key(edit, key):
     cfg = copy.deepcopy(RAW)
@@ -90,18 +90,19 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     seeded = [p for p in points if K.split(p)[2]]
     assert len(points) == len(kn.sources) * len(kn.variants) + len(seeded)
     assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at)
-    spec = C.train_spec(exp, "350m", "k__n0100__stem__s2", "pretrain")
+    spec = C.train_spec(exp, "350m", "k__n0050__stem__s2", "pretrain")
     st = exp.stages["pretrain"]["350m"]
-    assert list(spec["data"]) == ["n0100"] and spec["seed"] == exp.seed + 2
-    assert spec["train"]["steps"] == math.ceil(100 * 100 * kn.tokens_per_bio / (st.batch_size * st.seq_len))
-    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__n0100__stem__s2/pretrain")
+    assert list(spec["data"]) == ["n0050"] and spec["seed"] == exp.seed + 2
+    one_pass = math.ceil(50 * 100 * kn.tokens_per_bio / (st.batch_size * st.seq_len))
+    assert one_pass < kn.min_steps and spec["train"]["steps"] == kn.min_steps   # the floor: a small world
+    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__n0050__stem__s2/pretrain")
     assert C.train_spec(exp, "350m", "k__n0400__stem", "pretrain")["train"]["steps"] == \
         math.ceil(400 * 100 * kn.tokens_per_bio / (st.batch_size * st.seq_len))
-    assert C.train_spec(exp, "350m", "k__n0100__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
+    assert C.train_spec(exp, "350m", "k__n0050__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
     with pytest.raises(C.ConfigError, match="not a point"):
         C.train_spec(exp, "350m", "k__n0400__stem__s1", "pretrain")   # seeds only where seeds_at says
-    a = job_spec(exp, "350m", "k__multi_n0100__dense", "pretrain", "knowledge")
-    assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (100, "multi", "dense", 800)
+    a = job_spec(exp, "350m", "k__n0200__dense", "pretrain", "knowledge")
+    assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (200, "one", "dense", 800)
     targets = K.targets(exp)
     edited = [p for p in points if K.split(p)[0] in RAW["analysis"]["knowledge_edit"]["sources"]]
     assert len(targets) == 2 * len(points) + len(edited) and all(re.search(r"results/knowledge/350m/k__\w+/pretrain/", t)
@@ -151,9 +152,9 @@ def test_the_capacity_ratio_interval_and_the_validity_rule():
     noisy = RK.ratio_ci(base, [{"items": items([1.0, 0.0] * 50)}])
     assert noisy["lo"] < noisy["delta"] < noisy["hi"]
     exp = parse(copy.deepcopy(RAW))
-    smallest = {K.point_id("n0100", v): {"recall": 0.95, "n": 100} for v in exp.knowledge.variants}
+    smallest = {K.point_id("n0050", v): {"recall": 0.95, "n": 50} for v in exp.knowledge.variants}
     assert RK.validity(exp, smallest)[0]
-    smallest[K.point_id("n0100", "stem")]["recall"] = 0.5
+    smallest[K.point_id("n0050", "stem")]["recall"] = 0.5
     ok, why = RK.validity(exp, smallest)
     assert not ok and "invalid" in why and "stem 0.50" in why
 
@@ -175,3 +176,21 @@ def test_an_edit_of_every_token_indexed_row_is_the_positive_control_and_is_undon
     assert [x[2][1:] for x in as_b] == [x[2][1:] for x in b_prompts]   # the prompts differ in the name token only
     assert e["success"] == sum(before[2]) / len(before[2]) and e["b_unaffected"] == 1.0 and e["collateral"] == 0.0
     assert state_digest(model) == digest
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """Snakemake's merge of a second --configfile over the first: mappings key by key, anything else replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def test_the_gpu_overlay_scales_n_and_the_model_and_keeps_the_experiment():
+    exp = parse(_merged(copy.deepcopy(RAW), C.read_yaml(REPO / "config" / "knowledge-gpu.yaml")))
+    kn = exp.knowledge
+    assert max(K.world_size(exp, s) for s in kn.sources) == kn.names == 6400 and exp.archs["350m"].d_model == 32
+    assert exp.archs["350m"].vocab_size == exp.tokenizer["350m"].vocab_size + kn.names
+    assert (kn.variants, kn.attributes, kn.templates) == (parse(copy.deepcopy(RAW)).knowledge.variants,
+                                                          RAW["knowledge"]["attributes"], parse(copy.deepcopy(RAW)).knowledge.templates)
+    assert K.point_id("n6400", "stem", 2) in K.points(exp)

@@ -2,15 +2,18 @@
 definition, the RULER stand-in items (stem.eval.ruler_data) scored by lm-eval's own RULER code, the config's keys,
 and the report's ``dse_long`` table with its direction rows."""
 import copy
+import inspect
 import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 pytest.importorskip("lm_eval")
 
@@ -100,19 +103,25 @@ def test_longppl_key_tokens_are_the_packages(ckpt, tmp_path):
     assert out["provenance"]["data"]["documents"].keys() == {str(corpus)}
 
 
-def test_ruler_stand_in_items_fit_and_score_with_lm_evals_code(ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def ruler_fx(ckpt):
+    """The 13 RULER stand-in tasks and their group, one 1,024-token item a task, sized with ckpt's tokenizer."""
+    tasks = list(ruler_data.TASKS)
+    spec = {"world": WORLD, "seed": 0, "items": 1, "train_items": 1, "tasks": tasks, "groups": {"ruler": tasks},
+            "ruler": {"tokenizer": str(ckpt / "tokenizer.json"), "lengths": [1024], "max_gen_toks": 16}}
+    fixtures.write_fixtures(spec, ckpt.parent / "fx")
+    return ckpt.parent / "fx"
+
+
+def test_ruler_stand_in_items_fit_and_score_with_lm_evals_code(ckpt, ruler_fx, tmp_path):
     """Every item of the 13 tasks fits its length with the tokenizer it was sized with, holds its answers, and
-    lm-eval's RULER scoring gives a perfect answer 1 and an empty one 0; the task YAMLs load in lm-eval."""
-    from lm_eval.tasks import TaskManager
+    lm-eval's RULER scoring gives a perfect answer 1 and an empty one 0."""
     from lm_eval.tasks.ruler.common_utils import process_results, process_results_part
     tok_path = ckpt / "tokenizer.json"
     tasks = list(ruler_data.TASKS)
-    spec = {"world": WORLD, "seed": 0, "items": 1, "train_items": 1, "tasks": tasks,
-            "groups": {"ruler": tasks}, "ruler": {"tokenizer": str(tok_path), "lengths": [1024], "max_gen_toks": 16}}
-    fixtures.write_fixtures(spec, tmp_path / "fx")
     tok = load_tokenizer(tok_path)
     for task in tasks:
-        (doc,) = [json.loads(x) for x in (tmp_path / "fx" / task / "test.jsonl").read_text().splitlines()]
+        (doc,) = [json.loads(x) for x in (ruler_fx / task / "test.jsonl").read_text().splitlines()]
         n = len(tok.encode_batch([f"{doc['input']}\n{doc['gen_prefix']}"])[0])
         assert n + 16 == doc["length"] <= doc["max_length"] == 1024, task
         assert doc["outputs"] and all(isinstance(o, str) and o for o in doc["outputs"]), task
@@ -121,7 +130,7 @@ def test_ruler_stand_in_items_fit_and_score_with_lm_evals_code(ckpt, tmp_path):
         score = process_results_part if task.startswith("ruler_qa") else process_results
         assert score(doc, [" ".join(doc["outputs"])])["1024"] == 1.0
         assert score(doc, [""])["1024"] == 0.0
-    fwe = json.loads((tmp_path / "fx" / "ruler_fwe" / "test.jsonl").read_text())
+    fwe = json.loads((ruler_fx / "ruler_fwe" / "test.jsonl").read_text())
     words = fwe["input"].split("Find the three most frequently appeared coded words. ")[1].split("\n")[0].split()
     top = sorted({x for x in words if x != "..."}, key=words.count, reverse=True)[:3]
     assert sorted(top) == sorted(fwe["outputs"])
@@ -130,11 +139,63 @@ def test_ruler_stand_in_items_fit_and_score_with_lm_evals_code(ckpt, tmp_path):
     from lm_eval.tasks.ruler.common_utils import get_tokenizer
     from stem.hf.tokenizer import save_tokenizer
     save_tokenizer(tok_path, tok.eos_token, 256, tmp_path / "hf_tok")
-    text = json.loads((tmp_path / "fx" / "niah_single_2" / "test.jsonl").read_text())["input"]
+    text = json.loads((ruler_fx / "niah_single_2" / "test.jsonl").read_text())["input"]
     assert get_tokenizer(str(tmp_path / "hf_tok"))(text).input_ids == tok.encode_batch([text])[0]
-    loaded = TaskManager(include_path=str(tmp_path / "fx"), include_defaults=False).load(tasks)["tasks"]
-    assert {t.config.task for t in loaded.values()} == set(tasks)
-    assert all(t.config.process_results.__module__.endswith("ruler.common_utils") for t in loaded.values())
+
+
+def as_read(value):
+    """A loaded task config's value as lm-eval reads its YAML with ``resolve_func=False``: a function as
+    ``<its module's file without .py>.<name>``."""
+    if callable(value):
+        return f"{Path(inspect.getfile(value)).resolve().with_suffix('')}.{value.__name__}"
+    if isinstance(value, dict):
+        return {k: as_read(v) for k, v in value.items()}
+    return [as_read(v) for v in value] if isinstance(value, list) else value
+
+
+def test_ruler_stand_in_is_lm_evals_task_on_its_own_data(ruler_fx):
+    """Issue 43 item 9: each stand-in task, as lm-eval loads it, is lm-eval's installed RULER task (with its
+    includes) key for key, the same prompt fields, generation settings and functions, but for its data
+    (``custom_dataset`` dropped: lm-eval imports it on reading the YAML, docs/evaluation.md) and lm-eval's metric
+    list extended by the stand-in's length; the group includes lm-eval's, aggregated at that length. On the same
+    items, per-item scores and the task and group aggregates are those of lm-eval's own RULER functions."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+    from lm_eval.tasks.ruler import common_utils as lm_ruler
+    loaded = TaskManager(include_path=str(ruler_fx), include_defaults=False).load(["ruler"])
+    tasks, group = loaded["tasks"], loaded["groups"]["ruler"]
+    assert sorted(tasks) == sorted(ruler_data.TASKS)
+    for name, task in tasks.items():
+        real = load_yaml(fixtures.real_yaml(name), resolve_func=False)
+        ours = load_yaml(ruler_fx / f"{name}.yaml", resolve_func=False)
+        assert set(ours) == set(real) - {"custom_dataset"} | {"dataset_kwargs"}, name
+        assert {k: ours[k] for k in ("tag", "metadata")} == {k: real[k] for k in ("tag", "metadata")}
+        for key in set(real) - {"custom_dataset", "dataset_path", "dataset_name", "tag", "metadata"}:
+            want = real[key] + [{**real[key][0], "metric": "1024"}] if key == "metric_list" else real[key]
+            assert as_read(getattr(task.config, key)) == want, (name, key)
+        assert task.config.custom_dataset is None and task.config.dataset_path == "json"
+    real_group = yaml.safe_load(fixtures.real_yaml("ruler").read_text())
+    assert yaml.safe_load((ruler_fx / "_ruler.yaml").read_text())["include"] == str(fixtures.real_yaml("ruler"))
+    assert [(a.metric, a.weight_by_size) for a in group.aggregate_metric_list] == [
+        ("1024", e["weight_by_size"]) for e in real_group["aggregate_metric_list"]]
+    scores, metrics = {}, {}
+    for i, (name, task) in enumerate(sorted(tasks.items())):
+        real_fn = getattr(lm_ruler, load_yaml(fixtures.real_yaml(name), resolve_func=False)["process_results"]
+                          .rsplit(".", 1)[1])
+        (doc,) = task.test_docs()
+        outs = list(doc["outputs"])
+        preds = [" ".join(outs), "", outs[0], " ".join(outs).upper(), f"no {outs[-1][::-1]}"][:1 + i % 5]
+        got = [task.process_results(doc, [p]) for p in preds]
+        assert got == [real_fn(doc, [p]) for p in preds], name
+        assert got[0] == {"4096": -1.0, "1024": 1.0} and all(g["1024"] == 0.0 for g in got[1:2]), name
+        scores[name] = [g["1024"] for g in got]
+        agg = task.aggregation()["1024"](scores[name])
+        assert agg == lm_ruler.aggregate_metrics(scores[name]) == sum(scores[name]) / len(preds), name
+        assert task.aggregation()["4096"]([g["4096"] for g in got]) == -1   # lm-eval's: no item of that length
+        metrics[name] = {"1024,none": agg, "sample_len": len(preds)}
+    assert {round(x, 2) for x in scores["niah_multiquery"] + scores["ruler_cwe"]} > {0.0, 1.0}   # partial credit
+    want = sum(m["1024,none"] for m in metrics.values()) / len(metrics)   # lm-eval's ruler: unweighted
+    assert group.aggregate(metrics)["1024,none"] == pytest.approx(want, abs=1e-12)
 
 
 def test_long_context_suites_run_for_dense_and_dse_only():

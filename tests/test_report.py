@@ -37,7 +37,7 @@ def eval_json(cfg, scale, variant, stage, suite, offset):
     base = {"experiment": cfg.experiment, "scale": scale, "variant": variant, "stage": stage, "suite": suite,
             "checkpoint": "x", "limit": None, "tasks": {}, "groups": {}}
     entry = lambda v: {"metric": "acc,none", "value": v, "stderr": 1.0, "n": 40}  # noqa: E731
-    named = seeds.split(variant)[0]   # a seed job (stem.seeds) scores like its variant
+    named = seeds.JobId.parse("", variant, "").variant   # a seed job (stem.seeds) scores like its variant
     paper_row = {"dse": "dense", "stem_sparse": "stem", "stem_insert": "stem"}.get(named, named)   # not paper variants
     p3 = paper_scores("table3", "1b" if scale == "1b" else "350m", paper_row, offset)
     p5 = paper_scores("table5", "1b", "stem" if named != "dense" else "dense", offset)
@@ -99,11 +99,12 @@ def write_results(root, cfg, skip=(MISSING,)):
         (d / "checkpoint" / "config.json").write_text(json.dumps(
             {"experiment": cfg.experiment, "scale": scale, "variant": variant, "stage": stage}))
         (d / "checkpoint" / "accounting.json").write_text(json.dumps(T.accounting(cfg, scale, variant)))
-        long_context = [s for s in ("longppl", "ruler") if s in ES.suites_for(cfg, stage, seeds.split(variant)[0])]
+        named = seeds.JobId.parse(scale, variant, stage).variant   # a seed job scores like its variant
+        long_context = [s for s in ("longppl", "ruler") if s in ES.suites_for(cfg, stage, named)]
         for suite in stage_suites[stage] + long_context:   # the DSE paper's Table 2: dense and DSE only
             if (scale, variant) in skip and suite == "commonsense":
                 continue
-            offset = {"dense": 0.0}.get(seeds.split(variant)[0], 1.0)
+            offset = {"dense": 0.0}.get(named, 1.0)
             (d / "eval" / f"{suite}.json").write_text(json.dumps(eval_json(cfg, scale, variant, stage, suite, offset)))
 
 

@@ -15,6 +15,7 @@ from conftest import job_counts
 from stem import config as C
 from stem import provenance
 from stem import sweeps as S
+from stem.seeds import JobId
 from stem.report import sweeps as SR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,8 +156,8 @@ def test_variant_ids():
     assert [S.rho_id(r) for r in (1.0, 1, 0.75, 0.8, 0.833, 0.05, 0)] == \
         ["rho_1", "rho_1", "rho_0p75", "rho_0p8", "rho_0p833", "rho_0p05", "rho_0"]
     assert S.slots_id(4093) == "slots_4093"
-    assert all(S.is_sweep_id(v) for v in ("rho_0p75", "rho_1", "slots_4093"))
-    assert not any(S.is_sweep_id(v) for v in ("dse", "rho_", "rho_0.75", "slots_x", "stem_half"))
+    assert all(JobId.parse("350m", v, "pretrain").sweep for v in ("rho_0p75", "rho_1", "slots_4093"))
+    assert not any(JobId.parse("350m", v, "pretrain").sweep for v in ("dse", "rho_", "rho_0.75", "slots_x", "stem_half"))
     for bad in (0.8333, 1.5, -0.1):
         with pytest.raises(S.SweepError, match=r"expected a number in \[0, 1\] with at most three decimals"):
             S.rho_id(bad)

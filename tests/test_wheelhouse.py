@@ -5,6 +5,7 @@ run at tiny shapes in it. The node's PyTorch is torch and its requirements alone
 system provides it); nothing else of this environment is visible to the venv. Nothing is cached between runs
 (pip's own HTTP cache speeds the download, the wheels are checked against their SHA-256 on install)."""
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import platform
@@ -77,6 +78,14 @@ def test_offline_gpucheck_install_on_system_torch(tmp_path):
     assert r.returncode != 0 and "gpucheck: 1/2 passed on cpu" in r.stdout and "failed: e" in r.stdout
 
 
+def _script_module(name: str):
+    """scripts/NAME.py as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _wheelhouse(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "wheelhouse.py"), *args], capture_output=True,
                           text=True, timeout=60)
@@ -84,8 +93,8 @@ def _wheelhouse(*args) -> subprocess.CompletedProcess:
 
 def test_wheelhouse_inputs_are_checked_before_any_download_and_leftovers_removed(tmp_path):
     """Issue 43 items 4 and 6 (no network: each run stops before pip): a nonsense WHEEL_PLATFORM and a LEAVE_OUT
-    that does not exist are refused in one line naming them; an interrupted run's temporary folders beside the
-    output are removed by the next run."""
+    that does not exist are refused in one line naming them; an interrupted run's temporary folder beside the
+    output is removed by the next run, and only a folder the script made (its marker file)."""
     out = tmp_path / "wh"
     r = _wheelhouse("--out", str(out), "--platform", "nonsense_x86")
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
@@ -96,10 +105,17 @@ def test_wheelhouse_inputs_are_checked_before_any_download_and_leftovers_removed
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"wheelhouse: --leave-out (LEAVE_OUT) {tmp_path / 'freeze.txt'}: no such file (expected a pip freeze of "
         "the target environment)"]
-    for stale in (".wh.tmp-k2j4_x9a", ".wh.k2j4_x9a"):   # this name and the one before the tmp- prefix
-        (tmp_path / stale / "dl").mkdir(parents=True)
-        (tmp_path / stale / "dl" / "numpy-2.0.whl").write_bytes(b"partial")
+    # an interrupted run's temporary folder, made as the script makes it, and look-alikes it did not make (no
+    # marker; a marker naming another output; the name before the tmp- prefix): only the first is removed
+    wheelhouse = _script_module("wheelhouse")
+    left = wheelhouse.make_tmp(out.resolve())
+    alike = {".wh.tmp-k2j4_x9a": None, ".wh.tmp-3kq0_7zb": "elsewhere\n", ".wh.k2j4_x9a": None}
+    for folder, marker in [(left, None), *((tmp_path / name, m) for name, m in alike.items())]:
+        (folder / "dl").mkdir(parents=True)
+        (folder / "dl" / "numpy-2.0.whl").write_bytes(b"partial")
+        if marker:
+            (folder / wheelhouse.MARKER).write_text(marker)
     (tmp_path / "bad.txt").write_text("numpy>=1\n")   # stops at the constraints, before pip
     r = _wheelhouse("--out", str(out), "--constraints", str(tmp_path / "bad.txt"))
     assert r.returncode == 1 and "is not a 'name==version' pin" in r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["bad.txt", *alike])

@@ -14,43 +14,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stem.fields import OPTIONAL, FieldError, check, is_number
-from stem.options import TableUpdate, values
+from stem.fields import OPTIONAL, Parser, expect, node
+from stem.options import OptimGroup, TableUpdate
 
-TABLE_UPDATES = values(TableUpdate)        # optim.table_update
+AT_LEAST_0 = expect(lambda v: v >= 0, "a number >= 0")
+OPTIM = Parser(ValueError, wrong="key '{key}': expected {expected}, got {value}",
+               unknown="key '{key}': unknown (expected one of {names})")
+
+
+@dataclass(frozen=True)
+class Group:
+    """An optimizer group's settings over the registry's defaults (``stem.models.registry.OPTIM_GROUPS``): the
+    config's ``optim.groups.<group>`` and a stage's ``table_group``; a key not set is left out of the job spec."""
+    lr_mult: float | None = field(default=None, metadata={**OPTIONAL, **AT_LEAST_0})
+    weight_decay: float | None = field(default=None, metadata={**OPTIONAL, **AT_LEAST_0})
 
 
 @dataclass(frozen=True)
 class OptimSpec:
-    """AdamW (``build``); ``groups``: per optimizer group ``lr_mult`` / ``weight_decay`` overrides of the
-    registry's defaults (``stem.models.registry.OPTIM_GROUPS``); ``table_update``: how the ``table`` group is
-    updated (``stem.optim.adamw``: dense, the paper, or sparse)."""
+    """AdamW (``build``): the experiment config's ``optim`` section (``stem.experiment.Optim`` is this class) and
+    a training job's spec's, one declaration; a variant's ``optim:`` keys are set over it
+    (``stem.fields.override``). ``groups``: per optimizer group ``lr_mult`` / ``weight_decay`` overrides of the
+    registry's defaults; ``table_update``: how the ``table`` group is updated (``stem.optim.adamw``: dense, the
+    paper, or sparse: the batch's rows only)."""
     betas: tuple[float, float]
-    weight_decay: float
-    eps: float
-    grad_clip: float | None
-    groups: dict = field(default_factory=dict)
-    table_update: str = field(default="dense", metadata=OPTIONAL)
-
-    def __post_init__(self):
-        check(self.table_update in TABLE_UPDATES, "table_update", f"one of {', '.join(TABLE_UPDATES)}",
-              self.table_update)
-        for name, o in self.groups.items():
-            check(isinstance(o, dict) and set(o) <= {"lr_mult", "weight_decay"}
-                  and all(is_number(v) for v in o.values()), f"groups.{name}",
-                  "a mapping of lr_mult and/or weight_decay numbers", o)
+    weight_decay: float = field(metadata=AT_LEAST_0)
+    eps: float = field(metadata=expect(lambda v: v > 0, "a number > 0"))
+    grad_clip: float = field(metadata=AT_LEAST_0)   # the training step's gradient-norm clip (0: none)
+    groups: dict[OptimGroup, Group] = field(default_factory=dict)
+    table_update: TableUpdate = field(default=TableUpdate.DENSE, metadata=OPTIONAL)
 
     @classmethod
     def coerce(cls, optim) -> "OptimSpec":
-        """An OptimSpec given as itself or as the experiment config's ``optim`` mapping (tools and tests that
-        hold the config, not a job spec; a job passes its TrainSpec's ``optim``). The mapping may leave out
-        ``grad_clip`` (the training step's, not the optimizer's: None)."""
+        """An OptimSpec given as itself or as its mapping (the config's ``optim`` or a job spec's JSON; tools and
+        tests that hold a mapping). The mapping may leave out ``grad_clip`` (the training step's, not the
+        optimizer's: 0)."""
         if isinstance(optim, cls):
             return optim
         try:
-            return cls(**{"grad_clip": None, **optim, "betas": tuple(optim["betas"])})
-        except FieldError as e:
-            raise ValueError(f"optim.{e.field}: {e}") from None
+            return node(cls, {"grad_clip": 0, **optim}, "optim", OPTIM)
+        except ValueError as e:
+            raise ValueError(str(e).replace("key '", "", 1).replace("'", "", 1)) from None
 
     @property
     def sparse_tables(self) -> bool:

@@ -26,6 +26,8 @@ Which modules are trained row-sparse is explicit data: ``row_sparse_tables`` nam
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -34,6 +36,8 @@ from stem.models.registry import OPTIM_GROUPS, param_roles
 # LR multiplier and weight decay per group unless the config overrides them (see the registry).
 GROUP_DEFAULTS = OPTIM_GROUPS
 SPARSE_GROUP = "table"     # the group optim.table_update: sparse trains row-sparse
+SETTLE_ROWS = 4096         # rows of a lazy table brought current at once by a save (``RowSparseAdamW.settle``)
+OVERLAP_ROWS = 1024        # rows of a host table's update a worker task carries (``RowSparseAdamW.overlap``)
 
 # ``optim`` below is a ``stem.optim.OptimSpec`` (not imported: that module imports this one to build).
 
@@ -132,27 +136,59 @@ class RowSparseAdamW(torch.optim.AdamW):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.lazy: dict = {}            # parameter -> LazyRows
+        self.tracked: set = set()       # the tables' parameters (``track``)
+        self.pool = None                # ``overlap``'s workers
+        self.pending: dict = {}         # parameter -> (its update's rows, the futures of their chunks)
 
     def track(self, module):
         """A table module announcing its reads (``register_read_hook``, ``row_update``: sparse | lazy): its
-        gradient comes as rows; a lazy one's rows are brought current before each read."""
+        gradient comes as rows; before a read the rows wait for their update if it runs on a worker (``overlap``),
+        and a lazy one's are brought current."""
         p = module.weight
+        self.tracked.add(p)
         if module.row_update == "lazy":
             self.lazy[p] = LazyRows(p.shape[0], p.device)
-            module.register_read_hook(lambda ids, p=p: self.catch_up(p, ids))
+        module.register_read_hook(lambda ids, p=p: self.catch_up(p, ids))
         module.register_state_dict_pre_hook(lambda *_: self.settle())   # every save sees every row current
+
+    def overlap(self, workers: int = 1):
+        """From now on the tracked tables' row updates run on ``workers`` threads, ``OVERLAP_ROWS`` rows a task, while
+        the caller goes on (the next step's forward and backward); a read of rows waits for their own tasks only
+        (``catch_up``), the next ``step`` and a save for all. The bookkeeping (step counts, a lazy table's history
+        and rows' steps) stays in ``step``, so the results are the synchronous update's."""
+        if workers < 1:
+            raise ValueError(f"host update workers: {workers}; expected at least 1")
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="host-adamw")
+
+    def drain(self):
+        """Every pending row update done (its errors raised here)."""
+        pending, self.pending = self.pending, {}
+        for rows in pending.values():
+            rows.wait()
+
+    def _wait_rows(self, p, ids: torch.Tensor):
+        """Rows ``ids`` of ``p`` current: those of a pending update not yet taken by a worker updated here, those a
+        worker has taken waited for (``PendingRows.need``)."""
+        if p in self.pending:
+            self.pending[p].need(ids)
 
     @torch.no_grad()
     def catch_up(self, p, ids: torch.Tensor) -> int:
-        """Before rows ``ids`` (unique) of a lazy table are read: the steps they missed (``LazyRows.replay``)."""
-        return self.lazy[p].replay(p, self.state[p], ids)
+        """Before rows ``ids`` (unique) of a table are read: their pending update done (``overlap``), and a lazy
+        table's missed steps replayed (``LazyRows.replay``)."""
+        self._wait_rows(p, ids)
+        return self.lazy[p].replay(p, self.state[p], ids) if p in self.lazy else 0
 
     @torch.no_grad()
     def settle(self):
-        """Every row of every lazy table current (before a save)."""
+        """Every row of every lazy table current (before a save), ``SETTLE_ROWS`` rows at a time: a replay works on
+        copies of the rows it brings current, so a whole table at once would hold a second copy of it and its
+        moments (rows are independent: the same result)."""
+        self.drain()
         for p, lazy in self.lazy.items():
             if self.state[p]:
-                lazy.replay(p, self.state[p], torch.arange(p.shape[0], device=p.device))
+                for rows in torch.arange(p.shape[0], device=p.device).split(SETTLE_ROWS):
+                    lazy.replay(p, self.state[p], rows)
                 lazy.forget_before(int(self.state[p]["step"]))
 
     def state_dict(self):
@@ -160,6 +196,7 @@ class RowSparseAdamW(torch.optim.AdamW):
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
+        self.drain()
         super().load_state_dict(state_dict)
         for p, lazy in self.lazy.items():   # a saved state is settled: every row current at its step
             lazy.last.fill_(int(self.state[p]["step"]) if self.state[p] else 0)
@@ -171,6 +208,7 @@ class RowSparseAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.drain()                    # the previous step's host updates (``overlap``)
         sparse = [(g, p) for g in self.param_groups for p in g["params"]
                   if p in self.lazy or p.grad is not None and (p.grad.is_sparse or hasattr(p, "touched_rows"))]
         held = [(p, p.grad) for _, p in sparse]
@@ -214,7 +252,55 @@ class RowSparseAdamW(torch.optim.AdamW):
         if lazy is not None:
             lazy.hist[t] = (lr, wd, b1, b2, eps)
             lazy.last.index_fill_(0, rows, t)
-        _adamw_rows(local, rows, g, t, lr, wd, b1, b2, eps)
+        if self.pool is None or p not in self.tracked:
+            _adamw_rows(local, rows, g, t, lr, wd, b1, b2, eps)
+            return
+        self.pending[p] = PendingRows(self.pool, local, rows, g, (t, lr, wd, b1, b2, eps))
+
+
+class PendingRows:
+    """One table's row update of a step off the critical path (``RowSparseAdamW.overlap``): its rows (sorted ids)
+    in tasks of ``OVERLAP_ROWS``, each row updated once, by the worker that takes its task or by a read that needs
+    it before (``need``); a row's update is ``_adamw_rows``' whoever runs it, so the results are the same."""
+
+    def __init__(self, pool, local: list, rows: torch.Tensor, g: torch.Tensor, hyper: tuple):
+        self.local, self.rows, self.g, self.hyper = local, rows, g, hyper
+        self.todo = torch.ones(rows.numel(), dtype=torch.bool)   # not yet taken, by position
+        self.lock = threading.Lock()
+        self.done = [threading.Event() for _ in range(0, rows.numel(), OVERLAP_ROWS)]
+        self.futures = [pool.submit(self._task, k) for k in range(len(self.done))]
+
+    def _take(self, pos: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            pos = pos[self.todo[pos]]
+            self.todo[pos] = False
+        return pos
+
+    @torch.no_grad()   # grad mode is per thread: a worker's own
+    def _update(self, pos: torch.Tensor):
+        if pos.numel():
+            _adamw_rows(self.local, self.rows[pos], self.g[pos], *self.hyper)
+
+    def _task(self, k: int):
+        try:
+            self._update(self._take(torch.arange(k * OVERLAP_ROWS, min((k + 1) * OVERLAP_ROWS, self.rows.numel()))))
+        finally:
+            self.done[k].set()
+
+    def need(self, ids: torch.Tensor):
+        """Before ``ids`` (unique) are read: those of this update not yet taken updated here, then the tasks that
+        took the others waited for."""
+        if not self.rows.numel():
+            return
+        pos = torch.searchsorted(self.rows, ids).clamp_(max=self.rows.numel() - 1)
+        pos = pos[self.rows[pos] == ids]
+        self._update(self._take(pos))
+        for k in (pos // OVERLAP_ROWS).unique().tolist():
+            self.done[k].wait()
+
+    def wait(self):
+        for f in self.futures:
+            f.result()
 
 
 def _adamw_rows(local: list, rows, g, t: int, lr: float, wd: float, b1: float, b2: float, eps: float):
@@ -236,9 +322,9 @@ def build_optimizer(model, optim, lr: float, fused: bool = False) -> torch.optim
     groups = []
     for name, params in model.param_groups().items():
         lr_mult, wd = GROUP_DEFAULTS[name]
-        o = optim.groups.get(name, {})
-        lr_mult = o.get("lr_mult", lr_mult)
-        wd = o.get("weight_decay", optim.weight_decay if wd is None else wd)
+        o = optim.groups.get(name)   # a stem.optim.Group: the keys it sets over the registry's
+        lr_mult = lr_mult if o is None or o.lr_mult is None else o.lr_mult
+        wd = (optim.weight_decay if wd is None else wd) if o is None or o.weight_decay is None else o.weight_decay
         groups.append({"params": params, "name": name, "lr_mult": lr_mult, "weight_decay": wd, "lr": lr * lr_mult})
     tables = [m for m in model.modules() if hasattr(m, "register_read_hook") and m.row_update is not None]
     cls = RowSparseAdamW if optim.sparse_tables or tables else torch.optim.AdamW

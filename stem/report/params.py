@@ -39,7 +39,7 @@ def model_of(exp: Experiment | Accounted, scale: str, variant: str) -> tuple[dic
     variant's model)."""
     if scale not in exp.archs:
         raise C.ConfigError(f"scale {scale!r}: expected one of {sorted(map(str, exp.archs))}")
-    spec = exp.variant(seeds.split(variant)[0])
+    spec = exp.variant(seeds.JobId.parse(scale, variant, "").variant)
     if spec is None:
         raise C.ConfigError(f"variant {variant!r}: expected one of {sorted(exp.variants())}")
     return dataclass_mapping(exp.archs[scale]), {k: v for k, v in spec.items() if k != "stage"}

@@ -238,7 +238,7 @@ def checkpoints_of(table: str):
 def seed_scores(exp: Experiment, res: Results, scale, variant, stages, suites) -> tuple[dict, str, list[float]]:
     """A matrix cell's scores over its seeds (stem.seeds): the per-task mean over the seeds that have the task,
     their sources, and each seed's Avg (seeds with a complete Avg only). One seed: ``_scores`` and its Avg."""
-    per = [_scores(res, scale, seeds.seed_id(variant, k), stages, suites)
+    per = [_scores(res, scale, seeds.JobId(scale, variant, "", k).slot, stages, suites)
            for k in seeds.seeds_of(exp, scale, variant)]
     tasks = {t for sc, _ in per for t in sc}
     mean = {t: float(np.mean([sc[t] for sc, _ in per if t in sc])) for t in tasks}
@@ -259,7 +259,7 @@ def seed_spread(exp: Experiment, scale, variant, avgs) -> list[tuple]:
 
 def seed_val_loss(exp: Experiment, res: Results, scale, variant, stage) -> tuple[list[float], str]:
     """Each seed's final validation loss (training summaries of ``stage`` that have one) and their sources."""
-    vids = [seeds.seed_id(variant, k) for k in seeds.seeds_of(exp, scale, variant)]
+    vids = [seeds.JobId(scale, variant, stage, k).slot for k in seeds.seeds_of(exp, scale, variant)]
     got = [(v, (res.summary(scale, v, stage) or {}).get("final_val_loss")) for v in vids]
     got = [(v, x) for v, x in got if x is not None]
     return [x for _, x in got], "; ".join(f"{scale}/{v}/{stage}/summary.json" for v, _ in got) or "missing"

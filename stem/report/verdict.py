@@ -192,9 +192,9 @@ def table_directions(exp: Experiment, root=".", results=None) -> list[dict]:
                 for k in sorted(both):
                     pairs = []
                     for t in tasks:
-                        a = _task_items(results, name, scale, seeds.seed_id(base, k), stage, suite_of[t], t,
+                        a = _task_items(results, name, scale, seeds.JobId(scale, base, stage, k).slot, stage, suite_of[t], t,
                                         groups.get(t))
-                        b = _task_items(results, name, scale, seeds.seed_id(variant, k), stage, suite_of[t], t,
+                        b = _task_items(results, name, scale, seeds.JobId(scale, variant, stage, k).slot, stage, suite_of[t], t,
                                         groups.get(t))
                         if a is None or b is None:
                             pairs = []

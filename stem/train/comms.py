@@ -33,6 +33,10 @@ a ring crosses: the inter-node bandwidth when the job spans nodes, else the intr
 below, overridable); a host table's copies (``host_copy``: not a collective) cross PCIe at a stated bandwidth;
 no overlap with compute is assumed in the ratio (it is comm time / compute time). Compute
 is the step's FLOPs per GPU (``stem.models.accounting.flops_per_token``) at a stated MFU of a stated peak.
+Host tables' host side (``host_update``: fetches, gradient accumulation, row update, a lazy table's replays) is
+bytes of host memory traffic measured per parameter on a CPU (``HOST_BYTES_PER_PARAM``, ``python -m stem bench
+host``) over the node's stated host memory bandwidth; ``step_vs_compute`` adds it and the communication to the
+compute, none overlapped.
 """
 from __future__ import annotations
 
@@ -62,6 +66,14 @@ MFU = 0.40                 # the compute side of the ratio (the paper config's c
 PEAK_TFLOPS = 989.0        # H100 SXM dense bf16 (stem.train.throughput.PEAK_BF16_TFLOPS)
 
 PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s nominal), what a copy achieves
+# Host tables' host side (``host_update``): bytes of host memory traffic per table parameter, measured on a CPU by
+# ``python -m stem bench host`` (stem.bench.host; the run is named in docs/training.md) as seconds x that CPU's
+# measured bandwidth: a micro-batch's fetch and gradient accumulation per fetched parameter, the optimizer's row
+# update and zeroing per touched parameter (the step's unique rows), a lazy table's replay per replayed
+# parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
+# ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``).
+HOST_MEM_GBS = Cluster.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
+HOST_BYTES_PER_PARAM = {"fetch_accumulate": 128.6, "update": 383.7, "replay": 147.2}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
          "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
 
@@ -218,13 +230,38 @@ def host_copy_bytes(model, plan: ParallelPlan) -> float:
     return float(sum(4 * uniq * d * (fwd + 1) for d, uniq, _ in expected_lookups(model, plan, plan.host_tables)))
 
 
+def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | None = None) -> dict:
+    """The host side of a step of host tables (``train.tables: host``) at ``gbs`` GB/s of host memory bandwidth
+    (``HOST_BYTES_PER_PARAM``): the micro-batches' fetches and gradient accumulation (fetched parameters: each
+    micro-batch's unique rows, again when a checkpointed block recomputes its forward), the row update and zeroing
+    (touched parameters: the step's unique rows; ``expected_lookups``' estimate, over the step's tokens), and for
+    a lazy table (``table_update: dense``) the replays: each of the V - u rows the step did not touch misses one
+    step, which its next read (or a save) replays, so in the steady state V - u row-steps a step."""
+    b = bytes_per_param or HOST_BYTES_PER_PARAM
+    fwd = 2 if plan.activation_checkpointing else 1
+    fetched = touched = replayed = 0
+    step_plan = replace(plan, micro_batch=plan.micro_batch * plan.accum, accum=1)   # the step's tokens as one draw
+    for name in plan.host_tables:
+        (d, u_step, _), = expected_lookups(model, step_plan, (name,))
+        fetched += fwd * sum(u * d for d, u, _ in expected_lookups(model, plan, (name,)))
+        touched += u_step * d
+        if name not in plan.sparse_rows:
+            replayed += (model.get_submodule(name).weight.shape[0] - u_step) * d
+    traffic = {"fetch_accumulate": fetched * b["fetch_accumulate"], "update": touched * b["update"],
+               "replay": replayed * b["replay"]}
+    seconds = {k: v / (gbs * 1e9) for k, v in traffic.items()}
+    return {"gbs": gbs, "fetched_params": fetched, "touched_params": touched, "replayed_param_steps": replayed,
+            "bytes": traffic, "seconds": seconds, "total_s": sum(seconds.values())}
+
+
 def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixed_precision: bool = True,
                unique_rows: int | None = None, intra_gbs: float = INTRA_NODE_GBS, inter_gbs: float = INTER_NODE_GBS,
                mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, acct: dict | None = None,
-               pcie_gbs: float = PCIE_GBS) -> dict:
+               pcie_gbs: float = PCIE_GBS, host_gbs: float = HOST_MEM_GBS) -> dict:
     """One step of ``model`` laid out as ``plan``: bytes per GPU by kind, the comm time at the link bandwidth the
     job's ring crosses (the host tables' copies at ``pcie_gbs``), the compute time at ``mfu`` of
-    ``peak_tflops``, and their ratio. ``unique_rows`` (row-sparse tables): default ``zipf_unique`` of a rank's
+    ``peak_tflops``, and their ratio; host tables' host side (``host_update``) at ``host_gbs`` of host memory
+    bandwidth, and the step (compute + comm + host side, none overlapped) over the compute. ``unique_rows`` (row-sparse tables): default ``zipf_unique`` of a rank's
     tokens a step; ``acct``: the model's accounting, if already at hand."""
     w = plan.world
     if unique_rows is None and plan.row_sparse:
@@ -240,13 +277,15 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     tokens_per_gpu = plan.accum * plan.micro_batch * seq_len / w
     compute_s = flops_per_token(acct or accounting(model), model.cfg, seq_len) * tokens_per_gpu / (mfu * peak_tflops * 1e12)
     comm_s = (total - by_kind["host_copy"]) / (gbs * 1e9) + by_kind["host_copy"] / (pcie_gbs * 1e9)
+    host = host_update(model, plan, host_gbs) if plan.host_tables else None
     return {"world": w, "nodes": nodes, "strategy": plan.strategy, "bytes_per_gpu": by_kind, "total_bytes": total,
             "table_bytes": sum(by_kind[k] for k in ("table_all_gather", "table_reduce_scatter", "row_sharded_lookup",
                                                     "row_sparse_gather")),
             "unique_rows": unique_rows if plan.row_sparse else None, "link_gbs": gbs if w > 1 else None,
             "comm_s": comm_s, "compute_s": compute_s, "mfu": mfu, "peak_tflops": peak_tflops,
             "intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "pcie_gbs": pcie_gbs,
-            "comm_compute_ratio": comm_s / compute_s}
+            "comm_compute_ratio": comm_s / compute_s, "host": host,
+            "step_vs_compute": (compute_s + comm_s + (host["total_s"] if host else 0.0)) / compute_s}
 
 
 def describe(r: dict) -> str:
@@ -255,8 +294,13 @@ def describe(r: dict) -> str:
         host = r["bytes_per_gpu"]["host_copy"]
         copies = (f"host tables' copies {host / 1e9:.3g} GB = {r['comm_s']:.3g} s at {r['pcie_gbs']:g} GB/s (PCIe)"
                   if host else "none")
+        h = r.get("host")
+        host_side = "" if not h else (
+            f"; host side {h['total_s']:.3g} s at {h['gbs']:g} GB/s (fetch + accumulate "
+            f"{h['seconds']['fetch_accumulate']:.3g}, update {h['seconds']['update']:.3g}, replay "
+            f"{h['seconds']['replay']:.3g}): step / compute {r['step_vs_compute']:.2f} (not overlapped)")
         return (f"communication per step: {copies} (world 1); compute {r['compute_s']:.3g} s at {r['mfu']:.0%} MFU: "
-                f"comm/compute {r['comm_compute_ratio']:.2f}")
+                f"comm/compute {r['comm_compute_ratio']:.2f}{host_side}")
     kinds = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in r["bytes_per_gpu"].items() if v)
     return (f"communication per GPU per step at world {r['world']} ({r['nodes']} node(s), {r['strategy']}): "
             f"{r['total_bytes'] / 1e9:.3g} GB ({kinds} GB) = {r['comm_s']:.3g} s at {r['link_gbs']:g} GB/s vs "
@@ -317,7 +361,7 @@ def experiment(exp: Experiment, jobs, gpus: int | None = None, strategy: str | N
     from stem import config as C
     from stem.models.model import build_model
     from stem.train.memtrace import job as traced_job
-    from stem.train.plan import job_layout
+    from stem.train.plan import cluster_train, job_layout
     strategy = strategy or exp.cluster.strategy
     if tables:   # the cluster section checked with them (host tables: jobs of one GPU), one line naming the key
         exp = replace(exp, cluster=node(Cluster, {**dataclass_mapping(exp.cluster), "tables": tables}, "cluster"))
@@ -327,33 +371,42 @@ def experiment(exp: Experiment, jobs, gpus: int | None = None, strategy: str | N
         world = gpus or world
         spec, plan = traced_job(C.train_spec(exp, scale, variant, stage), world, strategy)
         model = build_model(spec.model, "meta")
-        r = model_step(model, plan, spec.train.seq_len, per_node or world, exp.device == Device.CUDA, **link)
+        r = model_step(model, plan, spec.train.seq_len, per_node or world, exp.device == Device.CUDA,
+                       host_gbs=host_bandwidth(exp.cluster, cluster_train(exp, scale)), **link)
         steps = spec.train.steps
         r.update(job=f"{scale}/{variant}/{stage}", scale=scale, variant=variant, stage=stage, steps=steps,
                  gpu_hours=steps * world * r["compute_s"] / 3600,
-                 gpu_hours_no_overlap=steps * world * (r["compute_s"] + r["comm_s"]) / 3600)
+                 gpu_hours_no_overlap=steps * world * r["compute_s"] * r["step_vs_compute"] / 3600)
         rows.append(r)
     dense = {(r["scale"], r["stage"]): r for r in rows if r["variant"] == "dense"}
     for r in rows:
         d = dense.get((r["scale"], r["stage"]))
         if d is not None and d["total_bytes"]:
             r["comm_vs_dense"] = r["total_bytes"] / d["total_bytes"]
-            r["step_vs_dense"] = (r["compute_s"] + r["comm_s"]) / (d["compute_s"] + d["comm_s"])
+            r["step_vs_dense"] = r["compute_s"] * r["step_vs_compute"] / (d["compute_s"] * d["step_vs_compute"])
     return rows
+
+
+def host_bandwidth(cluster: Cluster, job) -> float:
+    """A training job's host memory bandwidth, GB/s: ``cluster.host_mem_gbs``, at most its cores (``job``: its
+    ``cluster.train.<scale>``, ``cpus`` or ``cpus_per_gpu`` x GPUs) x ``cluster.host_core_gbs``."""
+    cores = job.cpus or (job.cpus_per_gpu or 0) * max(job.gpus, 1)
+    return min(cluster.host_mem_gbs, cores * cluster.host_core_gbs) if cores else cluster.host_mem_gbs
 
 
 def render(rows: list[dict], title: str) -> str:
     """The experiment's table (GB per GPU per step by kind; seconds), then the whole DAG's GPU-hours."""
     head = ("job", "world", "backbone AG", "backbone RS", "table AG", "table RS", "row lookups", "row-sparse", "DP AR",
             "host copy", "total GB",
-            "comm s", "compute s", "comm/compute", "comm vs dense", "step vs dense")
+            "comm s", "host side s", "compute s", "comm/compute", "step/compute", "comm vs dense", "step vs dense")
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         b = r["bytes_per_gpu"]
         cells = [r["job"], f"{r['world']} ({r['nodes']} node{'s' if r['nodes'] > 1 else ''})"]
         cells += [f"{b[k] / 1e9:.3g}" for k in KINDS[:-1]]
-        cells += [f"{r['total_bytes'] / 1e9:.3g}", f"{r['comm_s']:.3g}", f"{r['compute_s']:.3g}",
-                  f"{r['comm_compute_ratio']:.2f}"]
+        cells += [f"{r['total_bytes'] / 1e9:.3g}", f"{r['comm_s']:.3g}",
+                  f"{r['host']['total_s']:.3g}" if r["host"] else "-", f"{r['compute_s']:.3g}",
+                  f"{r['comm_compute_ratio']:.2f}", f"{r['step_vs_compute']:.2f}"]
         cells += [f"{r[k]:.2f}x" if k in r else "-" for k in ("comm_vs_dense", "step_vs_dense")]
         lines.append("| " + " | ".join(cells) + " |")
     if rows:

@@ -74,6 +74,20 @@ def estimate(model, plan: ParallelPlan) -> dict:
     return out
 
 
+def host_estimate(model, plan: ParallelPlan, touched_params: int, fetched_params: int) -> dict:
+    """Host memory of a job's host tables (``train.tables: host``), bytes: their weights and two AdamW moments (12 B
+    a table parameter), the step's gradient kept as its touched rows (``touched_params``: the step's unique rows x
+    width, 4 B each, twice while an accumulation coalesces), the rows fetched for a micro-batch and for the next
+    one (``fetched_params``: a step's, over its micro-batches), a lazy table's step of each row (8 B a row). The
+    dense gradient the tables had before (4 B a table parameter) is no longer held: ``dense_grad``."""
+    tables = [model.get_submodule(n).weight for n in plan.host_tables]
+    n = sum(w.numel() for w in tables)
+    lazy_rows = sum(w.shape[0] for name, w in zip(plan.host_tables, tables) if name not in plan.sparse_rows)
+    out = {"tables": 12 * n, "gradient_rows": 8 * touched_params, "fetched_rows": 2 * 4 * fetched_params / plan.accum,
+           "lazy_steps": 8 * lazy_rows}
+    return {**out, "total": sum(out.values()), "dense_grad": 4 * n, "table_params": n}
+
+
 def describe(e: dict) -> str:
     return (f"per-GPU memory estimate at world {e['world']} ({e['strategy']}, micro-batch {e['micro_batch']} x "
             f"{e['seq_len']}{', act. ckpt' if e['activation_checkpointing'] else ''}): {e['total_gib']:.1f} GiB = "

@@ -17,8 +17,11 @@ class TrainingError(RuntimeError):
 
 def make_optimizer(model, spec, plan: ParallelPlan, fused: bool):
     """The job's AdamW over the model's parameter groups (``spec``: a TrainSpec; ``OptimSpec.build``), ready
-    for the sharding ``plan`` gave the model."""
-    return distributed.optimizer_for_dtensors(spec.optim.build(model, spec.train.lr, fused=fused), plan)
+    for the sharding ``plan`` gave the model; host tables' updates on ``train.host_workers`` threads if set."""
+    opt = distributed.optimizer_for_dtensors(spec.optim.build(model, spec.train.lr, fused=fused), plan)
+    if plan.host_tables and spec.train.host_workers and hasattr(opt, "overlap"):   # not the memory trace's AdamW
+        opt.overlap(spec.train.host_workers)
+    return opt
 
 
 def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, counts=None, on_backward=None,

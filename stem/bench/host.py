@@ -1,0 +1,185 @@
+"""``python -m stem bench host``: the host side of a host-table step (``train.tables: host``, ``stem.train.tables``,
+``stem.optim.adamw``) measured on this CPU, for the step-time model (``stem.train.comms.host_update``).
+
+One table of ``--rows`` x ``--width`` fp32 (default the 1B vocabulary, 128,256 rows, at width 1,024 so that it,
+its two AdamW moments and the replays' copies fit a 24 GB machine beside other work) in host memory, trained by
+the real code for ``--steps`` steps of ``--accum`` micro-batches of ``--micro-tokens`` token ids drawn from a
+Zipf(1) law (``stem.train.comms.zipf_seen``'s; config/rehearsal.yaml's 1b/stem/pretrain as fitted: 4 x 8,192).
+Per micro-batch: the fetch (``_fetch``: unique ids, a lazy table's missed steps replayed for them, the rows
+gathered) and the gradient's accumulation (the rows' sparse gradient added and coalesced, as
+``HostLookup.backward``: the device's index_add left out); per step the optimizer (``RowSparseAdamW.step``: the
+touched rows' AdamW update) and the zeroing; at the end ``settle`` (a save: every row brought current), so that
+the replays are counted in full, amortised over the steps. Both updates: ``lazy`` (dense AdamW made lazy and
+exact, ``table_update: dense``) and ``sparse`` (row-sparse AdamW). Beside them the CPU's memory bandwidth,
+measured the same way (``c = a + b`` on 512 MB arrays, 3 x 4 B an element), to turn seconds into bytes of
+traffic per parameter: the factors the model extrapolates by a node's bandwidth.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+from stem.io import atomic_write_json
+from stem.optim.adamw import RowSparseAdamW
+from stem.train.comms import zipf_seen
+from stem.train.tables import _fetch, to_host
+
+PHASES = ("fetch", "device", "accumulate", "update", "zero", "settle")
+
+
+class _Holder(nn.Module):
+    def __init__(self, rows: int, width: int):
+        super().__init__()
+        self.table = nn.Embedding(rows, width)
+        nn.init.normal_(self.table.weight, std=0.02)
+
+
+def bandwidth_gbs(n: int = 1 << 27, repeats: int = 5) -> float:
+    """This CPU's memory bandwidth at the current thread count: ``c = a + b`` on ``n`` fp32 elements (3 x 4 B
+    an element), best of ``repeats``; GB/s."""
+    a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.add(a, b, out=c)
+        best = min(best, time.perf_counter() - t)
+    return 12 * n / best / 1e9
+
+
+def _draws(args, g) -> list[list[torch.Tensor]]:
+    p = zipf_seen(1, args.rows).float()   # the probability of each id (one draw)
+    return [[torch.multinomial(p, args.micro_tokens, replacement=True, generator=g) for _ in range(args.accum)]
+            for _ in range(args.steps)]
+
+
+def _clock(times: dict, phase: str, t0: float) -> float:
+    t = time.perf_counter()
+    times[phase] += t - t0
+    return t
+
+
+def _table(args, update: str, workers: int | None):
+    """(module, weight, optimizer) of one host table under ``update`` (lazy | sparse), its update on ``workers``
+    threads if given (``RowSparseAdamW.overlap``)."""
+    torch.manual_seed(0)
+    holder = _Holder(args.rows, args.width)
+    to_host(holder, ("table",), sparse=("table",) if update == "sparse" else ())
+    m, w = holder.table, holder.table.weight
+    opt = RowSparseAdamW([{"params": [w], "lr": 1e-3, "lr_mult": 1.0, "weight_decay": 0.1}], betas=(0.9, 0.95),
+                         eps=1e-8)
+    opt.track(m)
+    if workers:
+        opt.overlap(workers)
+    return m, w, opt
+
+
+def _micro(m, w, ids, times: dict, device_s: float) -> int:
+    """One micro-batch: its rows fetched (waiting for their own pending update, if any), the device's forward and
+    backward as a timed wait of ``device_s``, the rows' gradient accumulated; returns the rows fetched."""
+    t = time.perf_counter()
+    _, host_ids, _ = _fetch(m, ids)
+    t = _clock(times, "fetch", t)
+    time.sleep(device_s)
+    t = _clock(times, "device", t)
+    grad = torch.randn(host_ids.numel(), w.shape[1])   # the unique rows' summed gradient, back from the device
+    t = time.perf_counter()
+    g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), grad, w.shape, is_coalesced=True, check_invariants=False)
+    w.grad = g if w.grad is None else (w.grad + g).coalesce()
+    _clock(times, "accumulate", t)
+    return host_ids.numel()
+
+
+def run(args, update: str, steps: list, workers: int | None = None, device_s: float = 0.0) -> dict:
+    """``steps`` (per step, its micro-batches' ids) on one host table under ``update`` (lazy | sparse), the update on
+    ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches)."""
+    m, w, opt = _table(args, update, workers)
+    replays = []
+    if update == "lazy":   # counted as they run (LazyRows.replay returns the row-steps it replayed)
+        lazy = opt.lazy[w]
+        replay = lazy.replay
+        lazy.replay = lambda *a: replays.append(replay(*a)) or replays[-1]
+    times, touched, fetched = dict.fromkeys(PHASES, 0.0), 0, 0
+    for i, micro in enumerate(steps):
+        if i == 1:   # step 0 (the moments allocated) is not timed
+            times, touched, fetched, replays[:] = dict.fromkeys(PHASES, 0.0), 0, 0, []
+        fetched += sum(_micro(m, w, ids, times, device_s / len(micro)) for ids in micro)
+        touched += w.grad.indices().shape[1]
+        t = time.perf_counter()
+        opt.step()
+        t = _clock(times, "update", t)
+        opt.zero_grad(set_to_none=True)
+        _clock(times, "zero", t)
+    t = time.perf_counter()
+    opt.settle()
+    _clock(times, "settle", t)
+    n = len(steps) - 1
+    replayed = sum(replays)   # missed row-steps of the timed steps and step 0's, every one replayed by the end
+    return {"update": update, "steps": n, "rows": args.rows, "width": args.width, "workers": workers,
+            "device_s": device_s, "touched_rows_per_step": touched / n, "fetched_rows_per_step": fetched / n,
+            "replayed_row_steps_per_step": replayed / n, "seconds_per_step": {k: v / n for k, v in times.items()},
+            "host_s_per_step": sum(v for k, v in times.items() if k != "device") / n,
+            "total_s_per_step": sum(times.values()) / n}
+
+
+def factors(r: dict, gbs: float) -> dict:
+    """Bytes of memory traffic per parameter at this CPU's bandwidth ``gbs`` of a row-sparse run's phases: fetch
+    and accumulation per fetched parameter (a micro-batch's unique rows), update and zeroing per touched one (the
+    step's unique rows)."""
+    s, d = r["seconds_per_step"], r["width"]
+    return {"fetch_accumulate_b": (s["fetch"] + s["accumulate"]) * gbs * 1e9 / (r["fetched_rows_per_step"] * d),
+            "update_b": (s["update"] + s["zero"]) * gbs * 1e9 / (r["touched_rows_per_step"] * d)}
+
+
+def main(args):
+    torch.set_num_threads(args.threads or 1)
+    g = torch.Generator().manual_seed(1)
+    args.rows, args.width = args.table_rows, args.table_width
+    args.steps, args.accum, args.micro_tokens = args.host_steps, args.accum, args.host_micro_tokens
+    steps = _draws(args, g)
+    gbs = bandwidth_gbs()
+    runs = {u: run(args, u, steps) for u in ("sparse", "lazy")}
+    sp, lz = runs["sparse"], runs["lazy"]
+    touch = factors(sp, gbs)
+    extra = lz["host_s_per_step"] - sp["host_s_per_step"]   # the replays: the lazy update's only extra work
+    replay_b = extra * gbs * 1e9 / (lz["replayed_row_steps_per_step"] * args.width)
+    device_s = sp["host_s_per_step"] if args.device_s is None else args.device_s
+    overlap = [(run(args, u, steps, None, device_s), run(args, u, steps, args.workers, device_s)) for u in runs]
+    out = {"threads": torch.get_num_threads(), "bandwidth_gbs": gbs, "runs": runs,
+           "bytes_per_param": {**touch, "replay_b": replay_b}, "overlap": overlap}
+    _print(out, args)
+    _print_overlap(overlap, args)
+    if args.json:
+        atomic_write_json(args.json, out)
+    return out
+
+
+def _print(out: dict, args):
+    print(f"Host side of a host-table step on this CPU ({out['threads']} thread(s); memory bandwidth "
+          f"{out['bandwidth_gbs']:.1f} GB/s, c = a + b): one {args.rows:,} x {args.width:,} fp32 table, "
+          f"{args.steps} steps of {args.accum} x {args.micro_tokens:,} Zipf(1) ids, then a save (settle). Seconds per "
+          "step; seconds per 1e9 parameters of what each phase touches.")
+    print("| update | touched rows / step | replayed row-steps / step | fetch | device | accumulate | update | zero | "
+          "settle (per step) | total s / step | host s per 1e9 touched params |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in out["runs"].values():
+        s = r["seconds_per_step"]
+        per = r["host_s_per_step"] / (r["touched_rows_per_step"] * r["width"]) * 1e9
+        print(f"| {r['update']} | {r['touched_rows_per_step']:,.0f} | {r['replayed_row_steps_per_step']:,.0f} | "
+              + " | ".join(f"{s[k]:.4f}" for k in PHASES) + f" | {r['total_s_per_step']:.4f} | {per:.2f} |")
+    b = out["bytes_per_param"]
+    print(f"Traffic factors (s x {out['bandwidth_gbs']:.1f} GB/s / parameters): fetch + accumulate "
+          f"{b['fetch_accumulate_b']:.1f} B a fetched parameter, update + zero {b['update_b']:.1f} B a touched "
+          f"parameter, lazy replay {b['replay_b']:.1f} B a replayed parameter-step "
+          "(stem.train.comms.HOST_BYTES_PER_PARAM states them)")
+
+
+def _print_overlap(pairs: list, args):
+    print(f"\nThe update off the critical path (RowSparseAdamW.overlap, {args.workers} worker(s)): each step's device "
+          "work a timed wait (default: the synchronous row-sparse step's host seconds), wall seconds a step.")
+    print("| update | device wait s | synchronous step s | overlapped step s | overlapped / synchronous |")
+    print("|---|---|---|---|---|")
+    for sync, over in pairs:
+        print(f"| {sync['update']} | {sync['device_s']:.3f} | {sync['total_s_per_step']:.3f} | "
+              f"{over['total_s_per_step']:.3f} | {over['total_s_per_step'] / sync['total_s_per_step']:.2f} |")
