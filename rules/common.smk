@@ -7,7 +7,7 @@ from stem import config as C  # noqa: E402
 from stem import layout as L  # noqa: E402  (every path of the workflow)
 from stem.train.plan import cluster_train  # noqa: E402  (torch-free: a training job's nodes and GPUs)
 
-try:  # the typed tree (stem.experiment), built once: types, ranges, cross-references; one line naming the key
+try:  # the typed tree (stem.config.experiment), built once: types, ranges, cross-references; one line naming the key
     EXPERIMENT = C.experiment.parse(config, origin="workflow config")
 except C.ConfigError as e:
     raise WorkflowError(str(e))
@@ -81,7 +81,7 @@ def cluster_resources(kind, scale=None):
 def state_bytes(scale, variant, stage):
     """Bytes of a training job's saved state: fp32 weights + AdamW's two fp32 moments, 12 B per parameter
     (stem.checkpoint / distributed.save_state; DCP writes the same total, shared over the ranks)."""
-    from stem.models.config import ModelConfig, param_count   # torch-free: the closed form
+    from stem.models.spec import ModelConfig, param_count   # torch-free: the closed form
 
     model = C.train_spec(EXPERIMENT, scale, variant, stage)["model"]
     n = param_count(ModelConfig.from_dict(model))

@@ -35,7 +35,7 @@ from pathlib import Path
 from safetensors.numpy import load_file
 
 from stem import config as C
-from stem import experiment
+from stem.config import experiment
 from stem import layout as L
 
 STANDINS = {"reference": ({}, 1, True), "again": ({}, 1, True), "threads=2": ({}, 2, True),

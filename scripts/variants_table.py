@@ -23,7 +23,7 @@ ORDINAL = {1: "", 2: "second ", 3: "third "}
 
 
 def layers(placement) -> str:
-    """A variant's ``placement`` in words (stem.models.config.layers_for reads it)."""
+    """A variant's ``placement`` in words (stem.models.spec.layers_for reads it)."""
     if placement is None:
         return "-"
     if isinstance(placement, list):

@@ -8,7 +8,7 @@ from pathlib import Path
 from stem import cli_args as A
 from stem import config as C
 from stem import layout as L
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.options import Strategy, TableLayout, values
 
 # Each command imports the code it runs inside its function (cmd_*): torch, lm_eval, transformers, pandas

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from stem.io import atomic_dir, atomic_write_json, atomic_write_text
 from stem.layout import IDENTITY, checkpoint_identity
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model, loaded_state, saved_state
 from stem.models.offload import dse_tables, offload, token_tables
 

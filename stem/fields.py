@@ -1,4 +1,4 @@
-"""Typed dataclasses from mappings: the one parser of the experiment config (``stem.experiment``) and the job
+"""Typed dataclasses from mappings: the one parser of the experiment config (``stem.config.experiment``) and the job
 specs (``stem.specs``; ``stem.optim.OptimSpec`` below them), and the checks a dataclass runs on its own fields
 (``__post_init__``). Torch-free and importing nothing of stem: the lowest layer.
 

@@ -55,7 +55,7 @@ from stem.bench.offload import decode_seconds
 from stem.checkpoint import save_checkpoint
 from stem.data.synth import make_world, web_documents
 from stem.data.tokenizer import train_bpe
-from stem.experiment import Experiment, parse
+from stem.config.experiment import Experiment, parse
 from stem.io import atomic_write_json, atomic_write_text
 from stem.models.accounting import accounting, flops_per_token
 from stem.models.model import build_model

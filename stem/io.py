@@ -130,7 +130,7 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 
 def dataclass_mapping(obj) -> dict:
-    """A node of the experiment config's typed tree (stem.experiment) as the mapping the config writes (unset keys
+    """A node of the experiment config's typed tree (stem.config.experiment) as the mapping the config writes (unset keys
     left out, a key written null kept)."""
     if dataclasses.is_dataclass(obj):
         written = getattr(obj, "_written", ())

@@ -14,7 +14,7 @@ import math
 import re
 
 from stem import layout as L
-from stem.data.bios import template_problem  # noqa: F401 (re-exported for stem.experiment)
+from stem.data.bios import template_problem  # noqa: F401 (re-exported for stem.config.experiment)
 from stem.fields import FieldError
 from stem.options import NameKind, values
 

@@ -1,5 +1,5 @@
 """The project's option lists, each defined once (``StrEnum``: a member is its string, so specs, JSON and
-comparisons with plain strings are unchanged). The experiment config's typed tree (``stem.experiment``) types its
+comparisons with plain strings are unchanged). The experiment config's typed tree (``stem.config.experiment``) types its
 fields with them; ``tests/test_options.py`` checks that no option list is written as a literal there."""
 from __future__ import annotations
 

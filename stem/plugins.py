@@ -3,7 +3,7 @@
 ``BUILTIN`` names the project's own modules per registry; a registry imports its own on its first lookup (so
 an FFN lookup in a training job does not import the report's pandas and matplotlib). An experiment config's
 ``plugins: [module, ...]`` names a user's own modules (importable from the repository root or PYTHONPATH),
-imported whole by ``load``: by the config's parse (stem.experiment.parse, which the Snakefile runs
+imported whole by ``load``: by the config's parse (stem.config.experiment.parse, which the Snakefile runs
 first), and by every job, whose spec carries the config's ``plugins`` (workflow_scripts/_entry.spec_of). A
 plugin module registers with ``stem.registry`` (``FFN_KINDS.add("name", "module:Class")`` keeps torch out
 of the DAG). This module imports nothing of the project (its imports are by name, at run time).
@@ -50,7 +50,7 @@ def load(modules=(), origin: str = "plugins"):
 
 
 def spec_key(exp) -> dict:
-    """What a job spec carries of the config's plugins (``exp``: the config's typed tree, stem.experiment.Experiment,
+    """What a job spec carries of the config's plugins (``exp``: the config's typed tree, stem.config.experiment.Experiment,
     read by attribute: this module is below it): ``{"plugins": [...]}``, nothing without any (so the specs of a
     config without plugins are unchanged)."""
     return {"plugins": list(exp.plugins)} if exp.plugins else {}

@@ -46,7 +46,7 @@ class JobId:
 
 
 def seeds_of(exp, scale: str, variant: str) -> list[int]:
-    """The seed indices the config (``exp``: its typed tree, stem.experiment.Experiment, read by attribute: this
+    """The seed indices the config (``exp``: its typed tree, stem.config.experiment.Experiment, read by attribute: this
     module is below it) runs for one matrix cell (always including 0, the matrix's own job)."""
     m = exp.matrix.get(scale)
     if m is None or variant not in m.variants:

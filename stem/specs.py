@@ -20,7 +20,7 @@ from typing import Annotated
 
 from stem.fields import OPTIONAL, Parser, check as _check, expect, node
 from stem.layout import REPO
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
 from stem.options import InsertInit, Schedule, Strategy, TableLayout, Truncation, values
 from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
@@ -88,7 +88,7 @@ IN_01 = expect(lambda v: 0 <= v <= 1, "a number in [0, 1]")
 @dataclass(frozen=True, kw_only=True)
 class StageSchedule:
     """A stage's schedule and batch layout: declared once, here; the config's node of a stage
-    (``stem.experiment.StageSettings``, ``stages.<stage>.<scale>``) and a training job's ``train`` section
+    (``stem.config.experiment.StageSettings``, ``stages.<stage>.<scale>``) and a training job's ``train`` section
     (``TrainSettings``) are both this class, so a key has one type and one range from the YAML to the loop."""
     lr: float = field(metadata=expect(lambda v: v > 0, "a number > 0"))
     schedule: Schedule
@@ -107,7 +107,7 @@ AT_LEAST_1 = expect(lambda v: v >= 1, "an integer >= 1")
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """Logging, evaluation and checkpoint intervals and the run's reporting: declared once, here; the experiment
-    config's ``train`` section (``stem.experiment.Train`` is this class) and the job spec's ``train`` section
+    config's ``train`` section (``stem.config.experiment.Train`` is this class) and the job spec's ``train`` section
     (``TrainSettings``) are both this class. ``peak_tflops``, ``wandb``, ``compile``: left out of a job's spec at
     their default."""
     log_interval: int = field(default=10, metadata=AT_LEAST_1)
@@ -313,7 +313,7 @@ class ReportSpec(_Spec):
     @classmethod
     def from_config(cls, experiment: str, report: dict | None) -> "ReportSpec":
         """The defaults (registry stages, tolerances, spike rule) under experiment ``experiment``'s ``report:``
-        section (stem.experiment.Experiment.report: untyped, checked here)."""
+        section (stem.config.experiment.Experiment.report: untyped, checked here)."""
         rep = report or {}
         if not isinstance(rep, dict):
             raise SpecError(f"report spec: key 'report': expected a mapping, got {rep!r}")

@@ -32,7 +32,7 @@ from functools import lru_cache
 from stem import layout as L
 from stem.io import ConfigError, dataclass_mapping, variants
 from stem.io import deep_merge as _deep_merge
-from stem.models.config import VARIANT_KEYS, ModelConfig, resolve_placement, table_rows
+from stem.models.spec import VARIANT_KEYS, ModelConfig, resolve_placement, table_rows
 
 MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
@@ -129,7 +129,7 @@ def counts(m: dict) -> Counts:
 # sweep_report job's --spec too (rules/sweep.smk).
 def spec(exp) -> dict:
     """What a config's sweep points depend on, as the config writes it: its experiment, archs, variant_overrides
-    and sweeps (``exp``: the typed tree, stem.experiment.Experiment, read by attribute as this module is below it;
+    and sweeps (``exp``: the typed tree, stem.config.experiment.Experiment, read by attribute as this module is below it;
     its nodes as mappings by ``dataclass_mapping``: the points' cache key is this mapping's JSON)."""
     return {"experiment": str(exp.experiment), "archs": dataclass_mapping(exp.archs),
             "variant_overrides": exp.variant_overrides, "sweeps": dataclass_mapping(exp.sweeps)}

@@ -49,7 +49,7 @@ def tiny_data(tmp_path_factory):
 
 def checked_yaml(path) -> dict:
     """A config file's mapping as written, for tests that reshape or compare it, after the whole check
-    (stem.experiment.load: the pipeline itself reads only the typed tree)."""
+    (stem.config.experiment.load: the pipeline itself reads only the typed tree)."""
     C.experiment.load(path)
     return C.read_yaml(path)
 

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from stem import experiment
+from stem.config import experiment
 from stem.analysis import editing as E
 from stem.analysis import heaps as H
 from stem.analysis import spread as S
 from stem.layout import REPO
 from stem.report import verdict as V
 from stem.analysis.common import state_digest, table_sites
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 from conftest import checked_yaml
 

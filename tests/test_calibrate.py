@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from stem.models.calibrate import calibrate
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.insert import insert_stem
 from stem.models.model import build_model
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import make_spec
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 from stem.train.compile import compile_blocks, describe_breaks, graph_breaks
 from stem.train.loop import train

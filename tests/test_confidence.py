@@ -292,7 +292,7 @@ def test_compare_two_checkpoints_item_by_item(tmp_path, cfg, capsys):
     from stem.eval import compare as K
     from stem.eval import fixtures, run
     from stem.eval import spec as ES
-    from stem.models.config import ModelConfig
+    from stem.models.spec import ModelConfig
     from stem.models.model import build_model
     from stem.checkpoint import save_checkpoint
     world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}

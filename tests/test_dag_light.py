@@ -1,5 +1,5 @@
 """The workflow's DAG builds without torch (issue 20 item 6): the FFN kinds' registered facts
-(stem.models.registry.FFNFacts) and the closed-form parameter count (stem.models.config.param_count) stand in
+(stem.models.registry.FFNFacts) and the closed-form parameter count (stem.models.spec.param_count) stand in
 for the meta-device models, and must agree with them exactly; the paper DAG built by Snakemake imports no
 torch, lm_eval or matplotlib."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from stem import config as C  # noqa: E402
 from stem.analysis import workflow as AW  # noqa: E402
 from stem.models import registry  # noqa: E402
 from stem.models.accounting import accounting  # noqa: E402
-from stem.models.config import ModelConfig, param_count  # noqa: E402
+from stem.models.spec import ModelConfig, param_count  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 
 BUILTIN = ("dense", "stem", "stem_gate", "stem_dagger", "hashmoe", "moe")

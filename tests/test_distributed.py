@@ -175,7 +175,7 @@ def test_final_checkpoints_match_across_world_sizes(runs, variant):
 @pytest.mark.parametrize("variant", ["stem", "stem_sparse"])
 def test_optimizer_state_saved_at_two_ranks_loads_at_one(runs, variant):
     """checkpoint/optimizer/ (DCP, sharded at 2 ranks) loads into a single process like the 1-rank one."""
-    from stem.models.config import ModelConfig
+    from stem.models.spec import ModelConfig
     from stem.checkpoint import read_checkpoint_spec
     from stem.train.optstate import load_optimizer
     from stem.optim import build_optimizer

@@ -12,7 +12,7 @@ from stem.eval import fixtures, harness, run  # noqa: E402
 from stem.eval import spec as ES  # noqa: E402
 from stem.eval.generate import greedy_generate  # noqa: E402
 from stem.eval.lm import StemLM, cut_at_stop  # noqa: E402
-from stem.models.config import ModelConfig  # noqa: E402
+from stem.models.spec import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 from stem.checkpoint import save_checkpoint  # noqa: E402
 from conftest import reshaped  # noqa: E402

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import toy_ffn  # noqa: E402
 from conftest import make_spec  # noqa: E402
 from stem import config as C  # noqa: E402
-from stem import experiment  # noqa: E402
+from stem.config import experiment  # noqa: E402
 from stem.report import registry  # noqa: E402
 from stem.report import tables as T  # noqa: E402
 from stem.report.results import Results, task_score  # noqa: E402
@@ -94,7 +94,7 @@ import torch
 from torch.distributed.tensor import DTensor
 import toy_ffn
 toy_ffn.register()   # every rank registers the kind, from the test's module
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 from stem.train import distributed
 from stem.train.loop import train
@@ -136,7 +136,7 @@ def _reference_nll(ckpt: Path, ctx: str, cont: str) -> float:
 
 def test_toy_kinds_and_table_from_training_to_the_report(toys, tiny_data, tmp_path, monkeypatch):
     from stem.models.accounting import accounting
-    from stem.models.config import ModelConfig
+    from stem.models.spec import ModelConfig
     from stem.models.model import build_model
     from stem.report import build as B
     from stem.report import figures

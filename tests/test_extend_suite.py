@@ -50,7 +50,7 @@ def ckpt(tmp_path_factory):
     """A small random STEM model saved as the checkpoint of job test/1b/stem/pretrain."""
     from stem.data import synth
     from stem.data.tokenizer import train_bpe
-    from stem.models.config import ModelConfig
+    from stem.models.spec import ModelConfig
     from stem.models.model import build_model
     from stem.checkpoint import save_checkpoint
     d = tmp_path_factory.mktemp("ckpt")

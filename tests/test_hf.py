@@ -18,7 +18,7 @@ from stem.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from stem.hf.export import REMOTE, REMOTE_FILES, export_hf  # noqa: E402
 from conftest import reshaped  # noqa: E402
 from stem.hf.importer import HF_KEY, import_hf  # noqa: E402
-from stem.models.config import ModelConfig  # noqa: E402
+from stem.models.spec import ModelConfig  # noqa: E402
 from stem.models import registry  # noqa: E402
 from stem.models.ffn import StemTable  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
@@ -333,7 +333,7 @@ def test_llama3_rope_matches_transformers():
     """stem.models.rope's llama3 frequencies against transformers' own function (Llama-3.2-1B's settings too)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from stem.models.config import RopeScaling
+    from stem.models.spec import RopeScaling
     from stem.models.rope import inv_frequencies
     for hd, theta, f, lo, hi, length in [(64, 500000.0, 32.0, 1.0, 4.0, 8192), (16, 1e4, 8.0, 1.0, 4.0, 64),
                                          (32, 1e4, 4.0, 2.0, 8.0, 100)]:

@@ -200,7 +200,7 @@ def test_step0_rows_model_gives_the_whole_tables_logits(tied):
     dense model's, and a token it was not built for is refused."""
     import dataclasses
     from stem.analysis.insertion import inserted_rows
-    from stem.models.config import ModelConfig
+    from stem.models.spec import ModelConfig
     from stem.models.insert import insert_stem
     cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64,
                       tie_embeddings=tied)

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from stem import experiment, seeds
+from stem import seeds
+from stem.config import experiment
 from stem.config import REPO
 from stem.config import train_job
 from stem.specs import TrainSettings, TrainSpec

@@ -15,7 +15,7 @@ from stem.analysis.workflow import job_spec
 from stem.data.bios import bios_documents, make_bios
 from stem.data.tokenizer import add_words, load_tokenizer, train_bpe
 from stem.layout import REPO
-from stem.models.config import model_config
+from stem.models.spec import model_config
 from stem.models.model import build_model
 from stem.report import knowledge as RK
 

@@ -30,7 +30,7 @@ LAYERS = [
     ("hf", "stem.hf"),
     ("specs", "stem.specs"),
     ("sweep points", "stem.sweeps stem.knowledge"),
-    ("config", "stem.experiment stem.config"),
+    ("config", "stem.config"),
     ("train", "stem.train"),
     ("eval", "stem.eval"),
     ("analysis", "stem.analysis"),

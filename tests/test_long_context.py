@@ -23,7 +23,7 @@ from stem.data import synth  # noqa: E402
 from stem.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from stem.eval import fixtures, longppl, ruler_data, run  # noqa: E402
 from stem.eval import spec as ES  # noqa: E402
-from stem.models.config import ModelConfig  # noqa: E402
+from stem.models.spec import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 from conftest import checked_yaml, reshaped  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch
 
 from stem.analysis import cka as CKA
 from stem.analysis import logitlens as LL
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 
 

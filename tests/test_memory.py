@@ -152,7 +152,7 @@ def test_hashmoe_traces_with_balanced_experts(tmp_path):
     cfg["archs"]["350m"]["n_layers"] = 3
     spec = C.train_spec(reshaped(cfg), "350m", "hashmoe", "pretrain")
     r = memtrace.traced([memtrace.job(spec, WORLD, "fsdp")], tmp_path, workers=1)[0]
-    from stem.models.config import ModelConfig
+    from stem.models.spec import ModelConfig
     n = sum(p.numel() for p in build_model(ModelConfig.from_dict(spec["model"]), "meta").parameters())
     assert r["peak_gib"] * GIB > 16 * n / WORLD
 

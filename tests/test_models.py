@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from stem import config as C
-from stem.models.config import ModelConfig, RopeScaling, model_config, resolve_placement
+from stem.models.spec import ModelConfig, RopeScaling, model_config, resolve_placement
 from stem.models.ffn import HashMoEFFN, balanced_expert_map, build_ffn
 from stem.models.model import KVCache, build_model
 from conftest import reshaped

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from stem import config as C
-from stem.models.config import ModelConfig, RopeScaling
+from stem.models.spec import ModelConfig, RopeScaling
 from stem.models.model import build_model
 from stem.models.rope import inv_frequencies
 from stem.train.loop import mixed_precision

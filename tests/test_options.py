@@ -7,7 +7,7 @@ from enum import StrEnum
 import pytest
 
 from stem import config as C
-from stem import experiment as E
+from stem.config import experiment as E
 from stem.options import (Device, DocKeys, DSEMode, Experiment, RopeKind, RopeRamp, Scale, Schedule, Stage, Strategy,
                           TableInit, TableLayout, TableUpdate, values)
 

@@ -19,7 +19,7 @@ import toy_ffn  # noqa: E402
 from stem import config as C  # noqa: E402
 from stem.models import registry  # noqa: E402
 from stem.models.accounting import accounting  # noqa: E402
-from stem.models.config import ModelConfig  # noqa: E402
+from stem.models.spec import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.optim import build_optimizer  # noqa: E402
@@ -114,7 +114,7 @@ import torch
 from torch.distributed.tensor import DTensor
 import toy_ffn
 toy_ffn.register()   # the child registers the kind from the test module too
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 from stem.train import distributed as dist_
 from stem.optim import build_optimizer

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from stem import config as C
-from stem import experiment
+from stem.config import experiment
 from stem import seeds
 from stem.eval import spec as ES
 from stem.report import build as B
@@ -538,7 +538,7 @@ def test_real_eval_outputs_pass_the_check(tmp_path, tiny_cfg):
     from stem.data.tokenizer import train_bpe
     from stem.eval import fixtures, run
     from stem.eval import spec as ES
-    from stem.models.config import ModelConfig
+    from stem.models.spec import ModelConfig
     from stem.models.model import build_model
     from stem.checkpoint import save_checkpoint
     world = {"seed": 3, "n_countries": 8, "n_people": 20, "n_filler": 100}

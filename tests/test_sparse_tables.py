@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from stem import config as C
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 from stem.models.registry import Role
 from stem.train import distributed

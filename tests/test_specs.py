@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from stem import config as C
-from stem import experiment as E
+from stem.config import experiment as E
 from stem import layout as L
 from stem.options import Device
 from stem.specs import EvalSpec, SpecError, TrainSpec
@@ -146,7 +146,7 @@ def test_memory_trace_runs_the_loops_training_step(monkeypatch):
 def test_the_model_sets_its_dse_vocabulary_from_the_tokenizer():
     """Ids whose texts share a normal form (NFKC, accents stripped, lowercase, whitespace collapsed) share the
     smallest such id; ids past the tokenizer's vocabulary are their own (map written by hand)."""
-    from stem.models.config import ModelConfig
+    from stem.models.spec import ModelConfig
     from stem.models.model import build_model
 
     class Tok:

@@ -72,7 +72,7 @@ def test_counts_against_a_hand_computation():
 
 
 def test_table_rows_are_the_dse_modules_primes():
-    from stem.models.config import DSEConfig, ModelConfig
+    from stem.models.spec import DSEConfig, ModelConfig
     from stem.models.dse import DSEMemory
     for start, n in [(2, 4), (64, 8), (1021, 16), (65536, 16)]:   # n tables = 2 orders x n / 2 heads, 1 dim each
         cfg = ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=8, max_seq_len=8,

@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_spec
 from stem.models.accounting import accounting, attention_flops_per_token, flops_per_token
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 from stem.specs import SpecError, TrainSpec
 from stem.train import throughput

@@ -11,7 +11,7 @@ import torch
 
 from stem.data.loader import MixtureLoader
 from stem.data.shards import ShardSet
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 from stem.train import distributed
 from stem.train.step import TrainingError, accumulate_gradients

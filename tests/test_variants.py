@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
-from stem import experiment  # noqa: E402
+from stem.config import experiment  # noqa: E402
 from stem import io as stem_io  # noqa: E402
 from stem.registry import FFN_KINDS  # noqa: E402
 from stem.report import build as B  # noqa: E402
@@ -67,7 +67,7 @@ def test_no_python_file_lists_the_variants_labels_or_colours():
             assert not re.search(rf"[\"']{name}[\"']\s*:\s*[\"']({values})[\"']", text), f"{py.relative_to(REPO)}: {name}"
             if len(spec["label"]) > 4:
                 assert not re.search(rf"[\"']{re.escape(spec['label'])}[\"']", text), f"{py.relative_to(REPO)}: {name}"
-    tree = (REPO / "stem" / "experiment.py").read_text()
+    tree = (REPO / "stem" / "config" / "experiment.py").read_text()
     for line in tree.splitlines():   # a list of the variants (an enum, a pattern) would name several on a line
         assert len([n for n in variants if re.search(rf"\b{n}\b", line)]) < 3, line
 

@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from stem import experiment, plugins
+from stem import plugins
+from stem.config import experiment
 from stem.cli_args import OneLineParser  # a bad argument: one line, exit 1 (torch-free)
 from stem.config import ConfigError
 
@@ -43,5 +44,5 @@ def spec_of(args) -> dict:
 
 def experiment_of(args):
     """``--spec`` as an experiment config (the report's jobs get the whole config): its typed tree, parsed once
-    (stem.experiment; one ConfigError line ``--spec: key '...': ...`` otherwise)."""
+    (stem.config.experiment; one ConfigError line ``--spec: key '...': ...`` otherwise)."""
     return experiment.parse(spec_of(args), origin="--spec")

@@ -32,7 +32,7 @@ WORLD_TASKS = ("world_closed_book", "world_in_context")
 
 
 def resolve_spec(exp, spec: dict):
-    """Completes the job spec (stem.analysis.workflow) from the config's typed tree (stem.experiment.Experiment):
+    """Completes the job spec (stem.analysis.workflow) from the config's typed tree (stem.config.experiment.Experiment):
     the eval suite whose fixtures, shots and metric the ablation runs with; each category's tasks must be in it
     (or be the world tasks, with a ``world:``)."""
     spec["eval"] = suite_spec(exp, spec["suite"])

@@ -16,7 +16,7 @@ import numpy as np
 from stem.analysis.common import table_sites
 from stem.checkpoint import read_checkpoint_spec
 from stem.data.shards import ShardSet
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 
 

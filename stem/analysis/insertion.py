@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from stem.analysis.common import load, manifest_dir, val_windows
 from stem.models.calibrate import UNSEEN, Calibration, calibrate
-from stem.models.config import resolve_placement
+from stem.models.spec import resolve_placement
 from stem.models.insert import INSERT_INITS, insert_stem, projected_table
 from stem.models.offload import token_tables
 from stem.models.model import build_model

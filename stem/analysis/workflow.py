@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Callable
 
 from stem import config as C
-from stem import experiment as E
+from stem.config import experiment as E
 from stem import knowledge as K
 from stem import layout as L
 from stem import plugins
 from stem.analysis import dse_disabled   # torch-free module (its imports sit in its functions)
-from stem.experiment import Experiment
-from stem.models.config import ModelConfig
+from stem.config.experiment import Experiment
+from stem.models.spec import ModelConfig
 from stem.models.registry import ffn_facts, param_roles
 from stem.registry import ANALYSES
 

@@ -30,9 +30,9 @@ from stem import layout as L
 from stem import provenance
 from stem.data.shards import ShardSet
 from stem.eval.lm import load_for_eval
-from stem.experiment import load
+from stem.config.experiment import load
 from stem.io import atomic_write_json
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import Attention, KVCache, build_model
 from stem.models.offload import (LFUCache, OffloadedHashedTable, OffloadedTable, dse_row_ids, dse_tables, offload,
                                  token_tables)

@@ -20,9 +20,9 @@ import torch
 
 from stem import config as C
 from stem.data.loader import positions_from_docs
-from stem.experiment import baseline_variant, load
+from stem.config.experiment import baseline_variant, load
 from stem.models.accounting import accounting
-from stem.models.config import model_config
+from stem.models.spec import model_config
 from stem.models.ffn import build_ffn
 from stem.models.model import build_model, document_ids
 from stem.models.rope import rope_cos_sin

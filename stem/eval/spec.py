@@ -24,7 +24,7 @@ from typing import Callable
 
 from stem import config as C
 from stem import layout, plugins, seeds
-from stem.experiment import POSITIVE, Experiment, at_least, fail, items
+from stem.config.experiment import POSITIVE, Experiment, at_least, fail, items
 from stem.fields import expect
 from stem.options import Truncation
 from stem.registry import SUITE_KINDS, resolve as _import
@@ -38,7 +38,7 @@ from stem.specs import EvalSpec
 PROTOCOL_TRUNCATION = {"longbench": Truncation.MIDDLE, "ruler": Truncation.ERROR, "niah": Truncation.ERROR}
 
 
-# ---- a suite's settings: the keys of ``eval.suites.<name>``, each kind's own (the config check, stem.experiment) ----
+# ---- a suite's settings: the keys of ``eval.suites.<name>``, each kind's own (the config check, stem.config.experiment) ----
 @dataclass(frozen=True, kw_only=True)
 class SuiteSettings:
     """The keys every suite may set, whatever its kind. A kind's settings class adds its own keys (type, default,
@@ -137,7 +137,7 @@ class LongPPLSettings(SuiteSettings):
 class SuiteKind:
     """How a kind of suite runs: ``runner(lm, spec, limit) -> (result fields, raw output, harness label)`` (a
     function or a ``"module:function"`` string); ``resolve(exp, spec)`` completes the suite's spec from the
-    experiment config's typed tree (``stem.experiment.Experiment``; in place); ``inputs(exp, spec)`` are the files
+    experiment config's typed tree (``stem.config.experiment.Experiment``; in place); ``inputs(exp, spec)`` are the files
     its eval job reads besides the checkpoint (rules/eval.smk); ``settings`` the class of its keys (a
     ``SuiteSettings``; the config check refuses any other key), ``OpenSuiteSettings`` where a kind states none."""
     runner: Callable[..., tuple[dict, dict, str]] | str

@@ -33,7 +33,7 @@ from stem.hf.remote.configuration_stem import StemLlamaConfig
 from stem.hf.remote.modeling_stem import MODULES
 from stem.hf.tokenizer import save_tokenizer
 from stem.io import atomic_dir
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import saved_state
 from stem.models.registry import FFN_FACTS, ffn_facts
 from stem.checkpoint import load_checkpoint

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from stem.hf.keys import from_hf
-from stem.models.config import ModelConfig, RopeScaling
+from stem.models.spec import ModelConfig, RopeScaling
 from stem.models.model import build_model, loaded_state
 from stem.checkpoint import save_checkpoint
 from stem.layout import GGUF_SEP

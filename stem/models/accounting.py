@@ -28,7 +28,7 @@ import dataclasses
 
 import torch.nn as nn
 
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.model import build_model
 from stem.models.registry import param_roles
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stem.models.config import DSEConfig, ModelConfig, table_rows
+from stem.models.spec import DSEConfig, ModelConfig, table_rows
 from stem.models.registry import Role
 
 

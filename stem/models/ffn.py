@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.registry import Role, ffn_class
 
 # A STEM table is read by token id: its own optimizer group, zero FLOPs, added to the dense total in the

@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stem.models.attention import flex_document_mask
-from stem.models.config import LOSS_CHUNK, ModelConfig
+from stem.models.spec import LOSS_CHUNK, ModelConfig
 from stem.models.dse import DSE_MODES, DSEMemory, token_compression
 from stem.models.ffn import build_ffn
 from stem.models.registry import OPTIM_GROUPS, check_facts, param_roles

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stem.models.config import ModelConfig
+from stem.models.spec import ModelConfig
 from stem.models.ffn import DenseFFN
 from stem.models.registry import Role
 

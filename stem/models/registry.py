@@ -74,7 +74,7 @@ class FFNFacts:
         picks a checkpoint's default analyses (stem.analysis.workflow.model_kind).
     lookup: any ``lookup``-role parameter (a DSE memory is not an FFN: ``ModelConfig.dse`` says it).
     params: ``params(cfg) -> int``, the parameters of one layer's FFN in closed form (exact); the workflow's
-        state bytes (stem.models.config.param_count).
+        state bytes (stem.models.spec.param_count).
     activations: ``activations(cfg) -> int``, the bytes per token one layer's FFN saves for backward under bf16
         autocast (stem.train.memory.estimate, the closed form; None: counted as a SwiGLU FFN's, ``swiglu_activations``).
     hf: the module a layer of this kind becomes in an exported transformers model (``python -m stem export-hf``;

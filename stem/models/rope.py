@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from stem.models.config import RopeScaling
+from stem.models.spec import RopeScaling
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:

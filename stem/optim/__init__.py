@@ -32,7 +32,7 @@ class Group:
 
 @dataclass(frozen=True)
 class OptimSpec:
-    """AdamW (``build``): the experiment config's ``optim`` section (``stem.experiment.Optim`` is this class) and
+    """AdamW (``build``): the experiment config's ``optim`` section (``stem.config.experiment.Optim`` is this class) and
     a training job's spec's, one declaration; a variant's ``optim:`` keys are set over it
     (``stem.fields.override``). ``groups``: per optimizer group ``lr_mult`` / ``weight_decay`` overrides of the
     registry's defaults; ``table_update``: how the ``table`` group is updated (``stem.optim.adamw``: dense, the

@@ -28,7 +28,7 @@ import pandas as pd
 from stem import config as C
 from stem import layout as L
 from stem.analysis.workflow import analyses, checkpoints, targets
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.report import figures as F
 from stem.report import registry
 from stem.report import tables as T

@@ -16,9 +16,9 @@ from pathlib import Path
 import pandas as pd
 
 from stem import config as C
-from stem import experiment
+from stem.config import experiment
 from stem import layout as L
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.io import atomic_write_text
 from stem.report import diff, page, registry
 from stem.report import paper_data as P

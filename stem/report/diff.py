@@ -19,7 +19,7 @@ import yaml
 
 from stem import config as C
 from stem import provenance
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.io import atomic_write_text
 from stem.report import page, registry
 from stem.report import paper_data as P

@@ -15,7 +15,7 @@ import pandas as pd
 
 from stem import config as C
 from stem import layout as L
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.io import atomic_path
 from stem.report import paper_data as P
 from stem.report import registry

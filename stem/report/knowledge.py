@@ -21,7 +21,7 @@ import pandas as pd
 
 from stem import knowledge as K
 from stem import layout as L
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.options import NameKind
 from stem.report import analyses as A
 from stem.report import figures as F

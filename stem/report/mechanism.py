@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.report import analyses as AR
 from stem.report import figures as F
 from stem.report import registry

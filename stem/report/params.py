@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 from stem import config as C
 from stem import seeds
-from stem.experiment import Arch, Experiment, dataclass_mapping, node
-from stem.models.config import model_config
+from stem.config.experiment import Arch, Experiment, dataclass_mapping, node
+from stem.models.spec import model_config
 from stem.options import Experiment as ExperimentName
 from stem.options import Scale
 

@@ -11,7 +11,7 @@ import hashlib
 import pandas as pd
 
 from stem import config as C
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.report import registry
 from stem.report import tables as T
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from stem import config as C
 from stem import layout as L
 from stem.analysis.workflow import targets
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.report import figures as F
 from stem.report import registry
 from stem.report import tables as T

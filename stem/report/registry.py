@@ -35,7 +35,7 @@ class PaperTable:
     name: file name under ``reports/{experiment}/tables/`` and the ``table`` column of its cells.
     title: heading of its Markdown, LaTeX, README and HTML versions.
     build(exp, res) -> long DataFrame in ``paper_data.COLUMNS`` (value NaN where there is no result yet);
-        ``exp``: the experiment config's typed tree (stem.experiment.Experiment).
+        ``exp``: the experiment config's typed tree (stem.config.experiment.Experiment).
     csv: the paper's cells, ``reference/paper/{csv}.csv``; None for a table the paper does not print.
     labels: {column id: printed column label}.
     stages: the training stages whose results feed it, first with a result wins (the config's

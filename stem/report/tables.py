@@ -16,7 +16,7 @@ import pandas as pd
 from stem import config as C
 from stem import layout
 from stem import seeds
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.report import paper_data as P
 from stem.report import registry
 from stem.report.page import Table, md_table

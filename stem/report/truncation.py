@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from stem import config as C
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.report import registry
 from stem.report import tables as T
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from stem import config as C
 from stem import seeds
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.models.registry import ffn_facts
 from stem.report import paper_data as P
 

@@ -3,7 +3,7 @@ figures comes from the registry (stem.report.registry)."""
 from __future__ import annotations
 
 from stem import layout as L
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.report import registry
 
 

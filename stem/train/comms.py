@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from stem.experiment import Cluster, Experiment, dataclass_mapping, node
+from stem.config.experiment import Cluster, Experiment, dataclass_mapping, node
 from stem.models.accounting import accounting, flops_per_token
 from stem.models.registry import param_roles
 from stem.options import Device

@@ -5,7 +5,7 @@ workflow run, so torch loads only when there is a GPU job to trace."""
 from __future__ import annotations
 
 from stem import config as C
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.options import Device
 from stem.train.memory import FIT_MARGIN, estimate, option
 from stem.train.plan import job_layout

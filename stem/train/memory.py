@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from stem.models.config import LOSS_CHUNK
+from stem.models.spec import LOSS_CHUNK
 from stem.models.registry import ffn_facts, swiglu_activations
 from stem.train.plan import ParallelPlan
 

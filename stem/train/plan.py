@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stem.experiment import Experiment, TrainJob
+from stem.config.experiment import Experiment, TrainJob
 from stem.options import Device, Strategy, values
 
 STRATEGIES = values(Strategy)

@@ -1,6 +1,6 @@
 """A report table as a plugin module (config ``plugins: [toy_report_table]``; tests/test_plugins.py): each
 trained model's lookup (non-active) parameters from its checkpoint's accounting. Reported only (no paper CSV)."""
-from stem.experiment import Experiment
+from stem.config.experiment import Experiment
 from stem.report import tables as T
 from stem.report.registry import paper_table
 

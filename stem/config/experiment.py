@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from stem import fields, knowledge, plugins, sweeps
 from stem.fields import FieldError, Parser, expect
 from stem.io import ConfigError, dataclass_mapping, read_yaml, variant, variants, variants_file
-from stem.models.config import DSEConfig
+from stem.models.spec import DSEConfig
 from stem.optim import Group, OptimSpec
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, NameKind,
                           RopeKind, RopeRamp, Scale, SourceKind, Stage, Strategy, TableInit, TableLayout,
@@ -93,7 +93,7 @@ def fail(ok: bool, key: str, problem: str):
 # ---- the nodes, leaves first ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Arch:
-    """``archs.<scale>``: the backbone (stem.models.config.ModelConfig's architecture keys)."""
+    """``archs.<scale>``: the backbone (stem.models.spec.ModelConfig's architecture keys)."""
     vocab_size: int = field(metadata=at_least(2))
     d_model: int = field(metadata=POSITIVE)
     n_layers: int = field(metadata=POSITIVE)

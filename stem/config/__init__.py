@@ -1,4 +1,4 @@
-"""Experiment configs: load, validate (the typed tree of stem.experiment), and resolve into job specs.
+"""Experiment configs: load, validate (the typed tree of stem.config.experiment), and resolve into job specs.
 
 A *job spec* is everything one workflow job needs, fully resolved (model config, optimisation,
 data paths), so that entry points never read config files themselves and Snakemake can rerun exactly
@@ -10,13 +10,14 @@ import copy
 import dataclasses
 from functools import lru_cache
 
-from stem import experiment, knowledge, plugins, seeds, sweeps
-from stem.experiment import Experiment, HFInit, Source
-from stem.experiment import dataclass_mapping as mapping
+from stem import knowledge, plugins, seeds, sweeps
+from stem.config import experiment
+from stem.config.experiment import Experiment, HFInit, Source
+from stem.config.experiment import dataclass_mapping as mapping
 from stem.io import ConfigError, deep_merge, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.deep_merge, C.read_yaml)
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import GGUF_SEP, analysis_json, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
-from stem.models.config import model_config
+from stem.models.spec import model_config
 from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
 from stem.seeds import JobId
 from stem.specs import DataSource, StageSchedule, TrainSettings, TrainSpec
@@ -26,7 +27,7 @@ SCALES = values(Scale)
 STAGES = values(Stage)
 
 
-# The resolvers below take the typed tree (stem.experiment.Experiment).
+# The resolvers below take the typed tree (stem.config.experiment.Experiment).
 
 
 # ---- variants and models -------------------------------------------------------------------------
