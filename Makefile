@@ -90,15 +90,17 @@ clean-knowledge:
 	rm -rf results/knowledge data/knowledge reports/knowledge logs/knowledge
 
 test: $(STAMP)
-	@# Two pytest runs side by side (docs/environment.md): the real-Slurm tests (marker `slurm`: they mostly wait
-	@# on the scheduler) and the rest of the suite, itself spread over $(CORES) workers (pytest-xdist, one test file
-	@# per worker at a time: module fixtures are built once); the Slurm run's output is printed after the other's.
+	@# Two pytest runs side by side (docs/environment.md): the tests that mostly wait (markers `slurm`: on the
+	@# scheduler; `waits`: on the package registry's downloads) and the rest of the suite, itself spread over $(CORES)
+	@# workers (pytest-xdist, one test file per worker at a time: module fixtures are built once); the waiting run's
+	@# output is printed after the other's.
 	@# One intra-op thread per worker ($(CORES) workers on $(CORES) cores): two workers' OpenMP pools on the same cores
 	@# slow small-op tests (the host tables' row updates) by up to 17x, measured under load.
 	@export PATH=$(abspath $(VENV))/bin:$$PATH; log=$$(mktemp); \
-	$(PY) -m pytest -p no:cacheprovider -m slurm > $$log 2>&1 & pid=$$!; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -p no:cacheprovider -n $(CORES) --dist loadfile -m "not slurm"; rest=$$?; \
-	wait $$pid; slurm=$$?; echo "== the real-Slurm tests (pytest -m slurm) =="; cat $$log; rm -f $$log; \
+	$(PY) -m pytest -p no:cacheprovider -m "slurm or waits" > $$log 2>&1 & pid=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -p no:cacheprovider -n $(CORES) --dist loadfile -m "not slurm and not waits"; \
+	rest=$$?; wait $$pid; slurm=$$?; echo "== the tests that mostly wait (pytest -m 'slurm or waits') =="; \
+	cat $$log; rm -f $$log; \
 	test $$rest -eq 0 && test $$slurm -eq 0
 
 gpu-check: $(GPUCHECK_STAMP)

@@ -11,10 +11,9 @@ from stem.pipeline import make_corpus, make_tokenizer, tokenize
 SOURCES = {"web": 150_000, "math": 40_000, "long": 120_000}
 
 # The slowest test files, slowest first (`pytest --durations`, session 11, whole file): pytest-xdist's loadfile
-# hands files to its workers in collection order, so a long file collected last is the suite's tail
-# (test_wheelhouse.py: ~150 s, two thirds of it waiting on pip's downloads, was collected second to last).
-SLOW_FIRST = ["test_wheelhouse.py", "test_workflow.py", "test_memory.py", "test_paper_data_path.py", "test_real.py",
-              "test_tables.py"]
+# hands files to its workers in collection order, so a long file collected last is the suite's tail.
+SLOW_FIRST = ["test_workflow.py", "test_paper_data_path.py", "test_memory.py", "test_real.py", "test_tables.py",
+              "test_distributed.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from packaging.requirements import Requirement
 
 from stem.config import REPO
@@ -42,6 +43,7 @@ def system_torch(folder):
     return folder
 
 
+@pytest.mark.waits   # its wheelhouse download waits on the registry: make test runs it beside the rest
 def test_offline_gpucheck_install_on_system_torch(tmp_path):
     system = system_torch(tmp_path / "system")
     freeze = tmp_path / "freeze.txt"
