@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,8 +61,8 @@ def val_windows(manifest, n: int, windows: int):
     shards = ShardSet(manifest_dir(manifest), "val")
     if len(shards) < n:
         raise ValueError(f"{manifest}: validation split has {len(shards)} tokens, fewer than one window of {n}")
-    starts = np.linspace(0, len(shards) - n, windows).astype(int)
-    return starts, torch.from_numpy(np.stack([shards.get(s, n) for s in starts]).astype(np.int64))
+    starts, rows = shards.windows(n, windows)
+    return starts, torch.from_numpy(rows)
 
 
 @torch.no_grad()

@@ -456,6 +456,11 @@ class ShardSet:
                              "(corrupt shard, or shards of another tokenizer)")
         return out
 
+    def windows(self, length: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ``count`` windows of ``length`` tokens as int64 rows) at evenly spaced offsets of the split."""
+        starts = np.linspace(0, len(self) - length, count).astype(int)
+        return starts, np.stack([self.get(s, length) for s in starts]).astype(np.int64)
+
     @cached_property
     def doc_starts(self) -> np.ndarray:
         """Global token offsets (int64) of every document start in the split."""

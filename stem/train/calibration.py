@@ -44,8 +44,7 @@ def calibration_windows(manifest, source, tokens: int, seq_len: int, vocab_size:
     if n < 1:
         raise ValueError(f"calibration.manifest: {source}: train split has {len(shards)} tokens, fewer than one "
                          f"window of {seq_len}")
-    starts = np.linspace(0, len(shards) - seq_len, n).astype(int)
-    return torch.from_numpy(np.stack([shards.get(s, seq_len) for s in starts]).astype(np.int64))
+    return torch.from_numpy(shards.windows(seq_len, n)[1])
 
 
 def heldout_tokens(manifest) -> torch.Tensor:
