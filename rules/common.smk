@@ -47,6 +47,8 @@ def train_inputs(w):
         inputs[f"tokens_{cal['source']}"] = cal["manifest"]
     if cal and cal.get("step0"):   # init calibrated's choice: the best of the step-0 analysis (stem.train.calibration)
         inputs["step0"] = cal["step0"]
+    if cal and cal.get("entities"):   # the dense model's texts about the facts' entities (rule entity_text)
+        inputs["entity_text"] = cal["entities"]["out"]
     if spec["init_from"] and not spec["init_from"].startswith(C.HF_PREFIX):   # hf: read when the job starts
         inputs["init"] = spec["init_from"]
     return inputs

@@ -77,3 +77,25 @@ onstart:
     _too_big = gate.check(EXPERIMENT, L.MEMORY_TRACES, workers=min(os.cpu_count() or 1, 8), only=_train_jobs)
     if _too_big:
         raise WorkflowError("\n".join(_too_big))
+
+
+# Init calibrated's entity texts (insert.calibration.entities; stem.train.entity_text, docs/real.md): the dense
+# checkpoint an insertion starts from writes a few sampled tokens after short prompts naming each entity of a facts
+# file; the insertion's train job (train_inputs) calibrates on them beside its source's windows. One job per dense
+# checkpoint, so it runs once whatever reads it.
+rule entity_text:
+    input:
+        checkpoint=L.checkpoint(*L.STAGE),
+        facts=lambda w: C.entity_text_spec(EXPERIMENT, w.scale, w.variant, w.stage)["facts"],
+    output:
+        L.entity_text(*L.STAGE),
+    params:
+        spec=lambda w: as_json(C.entity_text_spec(EXPERIMENT, w.scale, w.variant, w.stage)),
+    threads: 1
+    log:
+        L.entity_text_log(*L.STAGE),
+    conda:
+        ENV
+    shell:
+        "python -m workflow_scripts.entity_text --spec {params.spec:q} --checkpoint {input.checkpoint}"
+        " --out {output} --threads {threads} 2> {log}"

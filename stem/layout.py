@@ -97,6 +97,15 @@ def analysis_json(exp: str, scale: str, variant: str, stage: str, name: str) -> 
     return f"{stage_dir(exp, scale, variant, stage)}/analysis/{name}.json"
 
 
+def entity_text(exp: str, scale: str, variant: str, stage: str) -> str:
+    """The texts a dense checkpoint writes about the facts' entities (insert.calibration.entities)."""
+    return f"{stage_dir(exp, scale, variant, stage)}/entity_text.json"
+
+
+def entity_text_log(exp: str, scale: str, variant: str, stage: str) -> str:
+    return f"logs/{exp}/{scale}/{variant}/{stage}/entity_text.log"
+
+
 def analysis_log(exp: str, scale: str, variant: str, stage: str, name: str) -> str:
     return f"logs/{exp}/{scale}/{variant}/{stage}/analysis/{name}.log"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from functools import lru_cache
 
 from stem import knowledge, plugins, seeds, sweeps
@@ -16,7 +17,8 @@ from stem.config.experiment import Experiment, HFInit, Source
 from stem.config.experiment import dataclass_mapping as mapping
 from stem.io import ConfigError, deep_merge, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.deep_merge, C.read_yaml)
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
-from stem.layout import GGUF_SEP, analysis_json, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
+from stem.layout import (GGUF_SEP, analysis_json, checkpoint, corpus_path, entity_text, stage_dir, tokenizer_path,
+                         tokens_manifest)
 from stem.models.spec import model_config
 from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
 from stem.seeds import JobId
@@ -311,7 +313,38 @@ def _insert_spec(exp: Experiment, scale: str, variant: str, ins: dict, data: dic
                               f"analysis of {ins['from']!r} at {scale} / {init!r}; expected analysis.insertion_step0 "
                               f"and {init!r} in analysis.stages.{scale}")
         cal["step0"] = analysis_json(exp.experiment, scale, ins["from"], init, "insertion_step0")
+    if cal.get("entities"):   # texts the dense checkpoint writes about the facts' entities (rule entity_text)
+        cal["entities"] = _entity_spec(variant, cal["entities"], entity_text(exp.experiment, scale, ins["from"], init)
+                                       if not isinstance(init, HFInit) else None)
     return {**out, "calibration": {**cal, "manifest": tokens_manifest(exp.experiment, scale, cal["source"])}}
+
+
+def _entity_spec(variant: str, ent: dict, out: str | None) -> dict:
+    """``insert.calibration.entities`` as the jobs read it: the facts file's path in the repository, and ``out``, the
+    entity_text job's JSON (stem.layout.entity_text) of the dense checkpoint the insertion starts from."""
+    facts = ent["facts"] if os.path.isabs(ent["facts"]) else str(REPO / ent["facts"])
+    if not os.path.isfile(facts):
+        raise ConfigError(f"variant {variant!r}: key 'insert.calibration.entities.facts': {ent['facts']!r}: no such "
+                          f"file (expected a facts file such as reference/real/facts.yaml)")
+    if out is None:
+        raise ConfigError(f"variant {variant!r}: key 'insert.calibration.entities': the insertion starts from a "
+                          f"transformers checkpoint; expected a dense stage of this experiment to write the texts")
+    return {**ent, "prompts": list(ent["prompts"]), "facts": facts, "out": out}
+
+
+def entity_text_spec(exp: Experiment, scale: str, variant: str, stage: str) -> dict:
+    """The entity_text job of the dense checkpoint ``variant``/``stage``: the ``entities`` settings of the first
+    insertion that reads it (ConfigError if two read it with different settings)."""
+    out, found = entity_text(exp.experiment, scale, variant, stage), []
+    for v, st in ((v, st) for sc, v, st in train_targets(exp) if sc == scale):
+        ins = train_spec(exp, scale, v, st).get("insert") or {}
+        ent = (ins.get("calibration") or {}).get("entities")
+        if ent and ent["out"] == out and ent not in found:
+            found.append(ent)
+    if len(found) != 1:
+        why = "no insertion reads it" if not found else "two insertions read it with different settings"
+        raise ConfigError(f"{out}: {why}; expected one insert.calibration.entities")
+    return {k: v for k, v in found[0].items() if k != "out"}
 
 
 def train_spec(exp: Experiment, scale: str, variant: str, stage: str) -> dict:

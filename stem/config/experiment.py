@@ -357,6 +357,20 @@ class InsertCalibration:
 
 
 @dataclass(frozen=True)
+class EntityText:
+    """``insert.calibration.entities`` (stem.train.entity_text): the dense model writes ``new_tokens`` sampled tokens
+    (``temperature``, seed ``seed``) after each prompt (a ``{e}`` template) for each entity of ``facts``, ``samples``
+    times; the calibration reads these texts beside its source's windows."""
+    facts: str = field(metadata=expect(lambda v: bool(v), "a facts file (e.g. reference/real/facts.yaml)"))
+    prompts: tuple[str, ...] = field(metadata=expect(lambda v: len(v) >= 1 and all("{e}" in p for p in v),
+                                                     "at least one prompt, each with {e} (the entity)"))
+    new_tokens: int = field(default=48, metadata=POSITIVE)
+    samples: int = field(default=1, metadata=POSITIVE)
+    seed: int = 0
+    temperature: float = field(default=0.8, metadata=above(0))
+
+
+@dataclass(frozen=True)
 class TrainCalibration:
     """A trained insertion's ``insert.calibration`` (init ``calibrated``; stem.train.calibration): ``tokens`` of
     ``source``'s train split (null: the insertion stage's first data source), the unseen rule, sequential or not."""
@@ -365,6 +379,7 @@ class TrainCalibration:
     unseen: str = field(default="mean", metadata=expect(lambda v: v in ("mean", "raw"), "mean or raw"))
     sequential: bool = False
     from_step0: bool = False   # unseen and sequential: the best calibrated row of the step-0 analysis at these layers
+    entities: EntityText | None = None   # texts the dense model writes about the facts' entities, calibrated on too
 
 
 @dataclass(frozen=True)

@@ -106,20 +106,23 @@ def _replace_hook(rows: torch.Tensor, index: torch.Tensor, fallback: torch.Tenso
 @torch.no_grad()
 def calibrate(model, tokens: torch.Tensor, layers: list[int], unseen: str = "mean", sequential: bool = False,
               batch: int = 4, log=print) -> Calibration:
-    """Calibrate ``layers`` of the dense ``model`` (eval mode) on ``tokens`` (B, T) windows, ``batch`` at a time."""
+    """Calibrate ``layers`` of the dense ``model`` (eval mode) on ``tokens`` (B, T) windows, ``batch`` at a time
+    (``tokens`` may be a list of such tensors, each its own windows' length: the entity texts beside the source's
+    windows, stem.train.entity_text)."""
     if unseen not in UNSEEN:
         raise ValueError(f"calibration unseen={unseen!r}: expected one of {', '.join(UNSEEN)}")
     n = model.cfg.n_layers
     bad = [i for i in layers if not 0 <= i < n]
     if bad:
         raise ValueError(f"calibration layers {bad}: outside the model's {n} layers (expected 0..{n - 1})")
-    if tokens.numel() == 0:
+    parts = [t for t in (tokens if isinstance(tokens, (list, tuple)) else [tokens]) if t.numel()]
+    if not parts:
         raise ValueError("calibration tokens: none (expected a calibration source with at least one window)")
-    ids = tokens.unique()
+    ids = torch.cat([t.reshape(-1) for t in parts]).unique()
     index = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
     index[ids] = torch.arange(len(ids))
     d_ff = model.cfg.d_ff
-    log(f"calibration: {tokens.numel():,} tokens, {len(ids):,} distinct; running sums {len(layers)} x {len(ids):,} "
+    log(f"calibration: {sum(t.numel() for t in parts):,} tokens, {len(ids):,} distinct; running sums {len(layers)} x {len(ids):,} "
         f"x {d_ff:,} x 2 fp32 = {len(layers) * len(ids) * d_ff * 8 / 2 ** 20:,.0f} MiB"
         f"{', sequential' if sequential else ''}")
     stats = {i: Stats(len(ids), d_ff) for i in layers}
@@ -129,9 +132,9 @@ def calibrate(model, tokens: torch.Tensor, layers: list[int], unseen: str = "mea
         hooks += [model.layers[i].ffn.register_forward_hook(_replace_hook(rows[i], index, mean[i])) for i in rows]
         hooks.append(model.layers[max(group)].register_forward_hook(_stop_hook))
         try:
-            for b in range(0, len(tokens), batch):
+            for x in (t[b:b + batch] for t in parts for b in range(0, len(t), batch)):
                 try:
-                    model(tokens[b:b + batch])
+                    model(x)
                 except _Stop:
                     pass
         finally:

@@ -18,6 +18,7 @@ import torch
 from stem.data.shards import ShardSet
 from stem.models.calibrate import Calibration, calibrate
 from stem.models.model import build_model, loaded_state
+from stem.train.entity_text import entity_windows
 
 
 def calibration_windows(manifest, source, tokens: int, seq_len: int, vocab_size: int) -> torch.Tensor:
@@ -91,7 +92,8 @@ def calibrate_insertion(model_cfg, dense_state: dict, cal: dict, manifest, seq_l
     dense = build_model(dense_cfg, "cpu")
     dense.load_state_dict(loaded_state(dense_state, dense_cfg))
     dense.eval()
-    out = calibrate(dense, x, layers, cal.get("unseen", "mean"), bool(cal.get("sequential")), log=log)
+    ents, ent_rec = entity_windows(cal["entities"]["out"]) if cal.get("entities") else ([], None)
+    out = calibrate(dense, [x, *ents], layers, cal.get("unseen", "mean"), bool(cal.get("sequential")), log=log)
     del dense
     held = heldout_tokens(manifest)
     rec = {"init": "calibrated", "source": cal.get("source"), "manifest": str(cal.get("manifest") or manifest),
@@ -100,10 +102,29 @@ def calibrate_insertion(model_cfg, dense_state: dict, cal: dict, manifest, seq_l
            "rows_calibrated": len(out.ids), "vocab_size": model_cfg.vocab_size,
            "heldout_tokens": int(held.numel()), "heldout_coverage": out.coverage(held) if held.numel() else None,
            "memory_bound_bytes": len(layers) * len(out.ids) * model_cfg.d_ff * 8,
-           "cpu_seconds": round(time.process_time() - t0, 1), **({"choice": choice} if choice else {})}
+           "cpu_seconds": round(time.process_time() - t0, 1), **({"choice": choice} if choice else {}),
+           **({"entities": entity_record(ent_rec, ents, x, out)} if ent_rec else {})}
     cover = "no held-out split" if rec["heldout_coverage"] is None else \
         f"covering {rec['heldout_coverage']:.1%} of the {rec['heldout_tokens']:,} held-out lookups"
     log(f"calibrated STEM layers {layers} on {rec['tokens']:,} tokens: {rec['rows_calibrated']:,} rows of "
         f"{rec['vocab_size']:,}, {cover}; running sums {rec['memory_bound_bytes'] / 2 ** 20:,.1f} MiB; "
         f"{rec['cpu_seconds']} CPU-s")
+    if ent_rec:
+        e = rec["entities"]
+        log(f"entity texts: {e['texts_tokens']:,} tokens, {e['rows_added']:,} rows the source did not calibrate; "
+            f"entities whose row is calibrated: {e['entity_rows_calibrated']} of {e['entities']} "
+            f"({e['entity_rows_in_source']} from the source alone)")
     return out, rec
+
+
+def entity_record(rec: dict, ents: list, source: torch.Tensor, out: Calibration) -> dict:
+    """What the entity texts (stem.train.entity_text) added: their tokens, the rows they calibrated that the
+    source's windows did not, and per entity (its first token in the texts' prompts) whether its row is calibrated
+    with and without them."""
+    from_source = set(source.reshape(-1).tolist())
+    ent_ids = set(torch.cat([e.reshape(-1) for e in ents]).tolist()) if ents else set()
+    names = rec["entity_ids"]   # name -> its token ids as the prompts write it (" Spain")
+    return {"texts_tokens": rec["tokens"], "spec": rec["spec"], "generation_cpu_seconds": rec["cpu_seconds"],
+            "rows_added": len(ent_ids - from_source), "entities": len(names),
+            "entity_rows_calibrated": sum(all(out.index[t] >= 0 for t in ids) for ids in names.values()),
+            "entity_rows_in_source": sum(all(t in from_source for t in ids) for ids in names.values())}
