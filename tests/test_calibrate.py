@@ -188,3 +188,35 @@ def test_step0_compare_rows_and_the_trained_insertion_takes_the_best(dense, tmp_
     with pytest.raises(ValueError, match=r"insert.calibration.step0: .*step0.json: no calibrated row at STEM "
                                          r"layers \[0, 1\]"):
         best_choice(path, [0, 1])
+
+
+def test_windows_of_several_lengths_calibrate_as_one_text(dense):
+    """calibrate on a list of (B, T) tensors (the source's windows and the entity texts, stem.train.entity_text): the
+    same tables as on their windows stacked; a token only in the shorter texts gets the rows those texts alone give."""
+    x, y = torch.randint(0, 40, (6, 32)), torch.randint(60, 70, (3, 11))
+    whole, state = calibrate(dense, x, [1, 3], log=lambda m: None), dense.state_dict()
+    both = calibrate(dense, [x[:2], x[2:], y], [1, 3], log=lambda m: None)
+    alone = calibrate(dense, y, [1, 3], log=lambda m: None)
+    for layer in (1, 3):
+        torch.testing.assert_close(both.table(layer, x.unique(), state), whole.table(layer, x.unique(), state))
+        torch.testing.assert_close(both.table(layer, y.unique(), state), alone.table(layer, y.unique(), state))
+
+
+def test_entity_texts_config_bad_input_is_one_line():
+    """insert.calibration.entities: the job spec carries its settings, the facts file's path and the entity_text
+    job's output (the dense checkpoint's stage folder); a prompt without {e}, a missing facts file: one line."""
+    import copy
+    from stem import config as C
+    real = C.read_yaml(C.REPO / "config" / "real.yaml")
+    exp = C.experiment.parse(copy.deepcopy(real), "real.yaml")
+    ent = C.train_spec(exp, "350m", "stem_insert", "midtrain")["insert"]["calibration"]["entities"]
+    assert ent["out"] == "results/real/350m/dense/pretrain/entity_text.json" and ent["facts"].endswith("facts.yaml")
+    assert C.entity_text_spec(exp, "350m", "dense", "pretrain") == {k: v for k, v in ent.items() if k != "out"}
+    where = real["variant_overrides"]["stem_insert"]["insert"]["calibration"]
+    for key, value, message in [("prompts", ["no entity"], r"calibration.entities.prompts': .*each with \{e\}"),
+                                ("facts", "nope.yaml", r"calibration.entities.facts': 'nope.yaml': no such file")]:
+        bad = copy.deepcopy(real)
+        bad["variant_overrides"]["stem_insert"]["insert"]["calibration"]["entities"] = {**where["entities"],
+                                                                                        key: value}
+        with pytest.raises(C.ConfigError, match=message):
+            C.train_spec(C.experiment.parse(bad, "real.yaml"), "350m", "stem_insert", "midtrain")

@@ -102,6 +102,33 @@ def test_calibrated_insertion_trains_from_the_calibration_of_its_train_split(spe
     assert not (tmp_path / "ins2" / "summary.json").exists()
 
 
+def test_entity_texts_are_seeded_and_calibrate_the_entities_rows(spec_factory, dense_ckpt, tmp_path):
+    """insert.calibration.entities (stem.train.entity_text): the dense checkpoint writes ``new_tokens`` sampled
+    tokens after every prompt for every entity, ``samples`` times, the same ids for the same seed and never EOS; the
+    insertion's calibration reads them beside its windows and records that every entity's row is calibrated."""
+    from stem.data.tokenizer import load_tokenizer
+    from stem.train.calibration import calibrate_insertion
+    from stem.train.entity_text import generate
+    ckpt, dense = dense_ckpt
+    facts = tmp_path / "facts.yaml"
+    facts.write_text("kinds:\n  place:\n    templates: {capital: 'The capital of {e} is'}\n"
+                     "    entities: {Zorland: {capital: ' Zed'}, Quux: {capital: ' Q'}}\n")
+    ent = {"facts": str(facts), "prompts": ["About {e}.", "The {e} story of"], "new_tokens": 3, "samples": 2,
+           "seed": 3, "temperature": 1.0}
+    rec = generate(ckpt, ent, tmp_path / "a.json")
+    assert generate(ckpt, ent, tmp_path / "b.json")["texts"] == rec["texts"]
+    eos = load_tokenizer(ckpt / "tokenizer.json").eos_id
+    assert len(rec["texts"]) == 2 * 2 * 2 and rec["tokens"] == sum(t["prompt_tokens"] + 3 for t in rec["texts"])
+    assert all(eos not in t["ids"][t["prompt_tokens"]:] for t in rec["texts"])
+    spec = insert_spec(spec_factory, tmp_path / "ins", ckpt, init="calibrated")
+    manifest = spec["data"]["web"]["manifest"]
+    cal = spec["insert"]["calibration"] = {"source": "web", "manifest": manifest, "tokens": 64, "unseen": "mean",
+                                           "sequential": False, "entities": {**ent, "out": str(tmp_path / "a.json")}}
+    _, out = calibrate_insertion(TrainSpec.coerce(spec).model, dense, cal, manifest, 32, log=lambda m: None)
+    assert out["entities"]["entities"] == 2 and out["entities"]["entity_rows_calibrated"] == 2
+    assert out["rows_calibrated"] >= out["entities"]["rows_added"] and out["entities"]["texts_tokens"] == rec["tokens"]
+
+
 def test_insertion_refuses_a_non_dense_source(spec_factory, dense_ckpt, tmp_path):
     ckpt, _ = dense_ckpt
     spec = json.loads((ckpt / "config.json").read_text())
