@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from stem.analysis.common import load
+from stem.checkpoint import load_checkpoint
+from stem.data.tokenizer import load_tokenizer
 from stem.io import atomic_write_json
 from stem.models.model import KVCache
 
@@ -59,7 +60,10 @@ def generate(ckpt_dir, spec: dict, out) -> dict:
     bad = [p for p in spec["prompts"] if "{e}" not in p]
     if bad:
         raise ValueError(f"insert.calibration.entities.prompts: {bad[0]!r} has no {{e}} (expected the entity's place)")
-    model, tok, _ = load(ckpt_dir)
+    if not (Path(ckpt_dir) / "tokenizer.json").is_file():
+        raise ValueError(f"checkpoint {ckpt_dir}: tokenizer.json is missing (not a finished checkpoint folder)")
+    model = load_checkpoint(ckpt_dir, "cpu")[0].float().eval()
+    tok = load_tokenizer(Path(ckpt_dir) / "tokenizer.json")
     gen = torch.Generator().manual_seed(int(spec["seed"]))
     texts = []
     for template in spec["prompts"]:
