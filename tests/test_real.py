@@ -265,9 +265,10 @@ def test_real_experiment_dag(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     counts = job_counts(r.stdout)
     # analyze: insertion_step0 of the import, editing of the import and the 2 continued models, hf_parity of those 2
-    assert (counts["tokenizer"], counts["train"], counts["eval"], counts["analyze"], counts["export_hf"]) == \
-        (1, 3, 4, 6, 2)
-    for path in ("results/real/350m/stem_insert/midtrain/analysis/editing.json",
+    # entity_text: the import's texts about the 26 countries, which the insertion calibrates on (issue 41 item 3)
+    assert (counts["tokenizer"], counts["train"], counts["eval"], counts["analyze"], counts["export_hf"],
+            counts["entity_text"]) == (1, 3, 4, 6, 2, 1)
+    for path in ("results/real/350m/dense/pretrain/entity_text.json","results/real/350m/stem_insert/midtrain/analysis/editing.json",
                  "results/real/350m/dense/pretrain/analysis/editing.json",
                  "results/real/350m/stem_insert/midtrain/analysis/hf_parity.json",
                  "results/real/350m/stem_insert/midtrain/hf",
