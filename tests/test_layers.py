@@ -71,10 +71,12 @@ def entries(tree: ast.AST):
             yield node, m[1], m[2]
 
 
+@lru_cache(maxsize=None)
 def imports(packages=PACKAGES) -> list[tuple[str, str, str]]:
     """(importing module, imported module, 'file:line') for every import of the packages' modules anywhere in
     their source, function-level ones included (relative imports resolved; ``from stem import config`` names
-    ``stem.config``), and for every ``"module:attr"`` string (a registry entry, imported on first use)."""
+    ``stem.config``), and for every ``"module:attr"`` string (a registry entry, imported on first use). Scanned once
+    per package tuple for this file's tests: callers do not mutate the list."""
     mods = _modules(packages)
     top = {p.name for p in packages}
     out = []
