@@ -107,6 +107,12 @@ def runs(tmp_path_factory):
     # token-mean accumulation: 2 ranks x 2 micro-batches of 2 packed rows vs one micro-batch of 8 rows
     one += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w1packed"), 8)}]
     two += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w2packed"), 2)}]
+    # gradients reduce-scattered every micro-batch: batch 8 in micro-batches of 2, 3 steps (4 a step at world 1,
+    # 2 a rank at world 2)
+    for jobs, world in ((one, 1), (two, 2)):
+        spec = _spec("stem", tok, manifest, tmp / f"accum{world}", steps=3)
+        spec["train"].update(micro_batch=2)
+        jobs.append({"spec": spec})
     # saved at world size 2 after 4 steps (a DCP state), resumed below at world size 1
     two += [{"spec": _spec(v, tok, manifest, tmp / "reshard" / v), "max_steps": 4} for v in ("stem", "stem_sparse")]
     _run(two, tmp, 2, "two")
@@ -134,6 +140,13 @@ def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
     # the modelled communication (stem.train.comms, checked against counted bytes in test_comms.py)
     assert s1["comms"]["total_bytes"] == 0 and s2["comms"]["world"] == 2 and s2["comms"]["total_bytes"] > 0
     assert (s2["comms"]["table_bytes"] > 0) == (variant not in ("dense", "dense_tied"))
+
+
+def test_two_ranks_accumulating_micro_batches_follow_one_rank(runs):
+    """Gradients reduce-scattered every micro-batch (2 per rank per step here) give one rank's loss curve. (Was
+    tests/test_memory.py's, with a torchrun of its own; here it shares this file's two runs.)"""
+    (l1, _), (l2, _) = _losses(runs / "accum1"), _losses(runs / "accum2")
+    assert len(l1) == 3 and l2 == pytest.approx(l1, rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["dense", "stem", "stem_sparse", "moe"])
