@@ -93,10 +93,18 @@ def serve(path: str, preload=PRELOAD, ready=None):
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(64)
+    server.settimeout(2.0)
+    parent = os.getppid()
     if ready:
         ready()
     while True:
-        conn, _ = server.accept()
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            if os.getppid() != parent:     # the command's wrapper is gone (killed): so is the server
+                raise SystemExit(0)
+            continue
+        conn.setblocking(True)
         if os.fork() == 0:
             server.close()
             _monitor(conn)
