@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # bottom -> top; a unit may import its own layer's units and every layer below
 LAYERS = [
     ("base", "stem stem.options stem.fields stem.plugins stem.registry stem.layout stem.io stem.provenance stem.seeds "
-             "stem.resources"),
+             "stem.resources stem.warm"),
     ("models", "stem.models"),
     ("optim", "stem.optim"),
     ("checkpoint", "stem.checkpoint"),
