@@ -14,9 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
 
 
-def snakemake(*args, cwd):
+def snakemake(*args, cwd, warm=False):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    return subprocess.run([*SNAKEMAKE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    warm_start = [sys.executable, "-m", "stem.warm", "--"] if warm else []   # as make smoke runs it (stem/warm.py)
+    return subprocess.run([*warm_start, *SNAKEMAKE, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
 
 
 GATE_TASKS = ["arc_easy", "boolq", "piqa"]
@@ -71,7 +73,7 @@ def reduced_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("reduced")
     cfg = _reduced_config(tmp_path)
     args = ["--configfile", str(cfg), "--replace-workflow-config", "-d", str(tmp_path), "--cores", "2"]
-    r = snakemake(*args, *TARGETS, cwd=tmp_path)
+    r = snakemake(*args, *TARGETS, cwd=tmp_path, warm=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp_path, cfg, args
 
