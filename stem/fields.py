@@ -131,6 +131,12 @@ def convert(tp, value, key: str, parser: Parser):
     return value
 
 
+def key_of(f: dataclasses.Field) -> str:
+    """The key a mapping writes for field ``f``: its name, or ``metadata["key"]`` where the key is not a Python
+    name (a variant's ``insert.from``: field ``from_``)."""
+    return f.metadata.get("key", f.name)
+
+
 def node(cls, d, key: str, parser: Parser):
     """Build dataclass ``cls`` from mapping ``d`` found at ``key`` (``""``: the top): unknown and missing keys,
     types, ranges (``expect`` metadata), then its own checks (``__post_init__``; a ``FieldError`` names its key).
@@ -139,7 +145,7 @@ def node(cls, d, key: str, parser: Parser):
     if not isinstance(d, dict):
         raise parser.fail(key or "<top level>", d, "a mapping")
     prefix = f"{key}." if key else ""
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {key_of(f): f for f in dataclasses.fields(cls) if f.init}   # by the key a mapping writes
     extra = getattr(cls, "EXTRA", None)
     unknown = sorted(k for k in d if k not in fields or k == extra)
     if unknown and not extra:
@@ -151,12 +157,12 @@ def node(cls, d, key: str, parser: Parser):
             continue
         if name not in d:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise parser.error(f"key '{prefix}{name}' missing (expected {describe(hints[name])})")
+                raise parser.error(f"key '{prefix}{name}' missing (expected {describe(hints[f.name])})")
             continue
-        value = convert(hints[name], d[name], prefix + name, parser)
+        value = convert(hints[f.name], d[name], prefix + name, parser)
         if "ok" in f.metadata and value is not None and not f.metadata["ok"](value):
             raise parser.fail(prefix + name, d[name], f.metadata["expected"])
-        kw[name] = value
+        kw[f.name] = value
     try:
         out = cls(**kw)
     except FieldError as e:

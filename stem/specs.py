@@ -16,14 +16,16 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Annotated
 
-from stem.fields import OPTIONAL, Parser, check as _check, expect, node
-from stem.layout import REPO
-from stem.models.spec import ModelConfig
+from stem.fields import OPTIONAL, FieldError, Parser, check as _check, expect, key_of, node
+from stem.io import ConfigError, deep_merge, variants_file
+from stem.layout import REPO, VARIANTS
+from stem.models.spec import DSEConfig, ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
 from stem.options import InsertInit, Schedule, Strategy, TableLayout, Truncation, values
-from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
+from stem.registry import FFN_KINDS, REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
 TABLE_LAYOUTS = values(TableLayout)       # where a multi-rank job keeps its lookup tables (stem.train.tables)
@@ -198,6 +200,136 @@ class TrainSpec(_Spec):
     @property
     def name(self) -> str:
         return f"{self.scale}/{self.variant}/{self.stage}"
+
+
+# ---- variants (config/variants.yaml + an experiment's variant_overrides) -------------------------------------
+# Parsed once per version of the file and set of overrides (``variants``): the experiment parse
+# (stem.config.experiment) checks them, the sweeps and the knowledge sweep (stem.sweeps, stem.knowledge) emit their
+# points as ``Variant``s, and every job, report and tool reads the node. Adding a key is one field line.
+VARIANT_FILE = "config/variants.yaml + variant_overrides"
+
+
+@dataclass(frozen=True)
+class TrainCalibration:
+    """A trained insertion's ``insert.calibration`` (init ``calibrated``; stem.train.calibration): ``tokens`` of
+    ``source``'s train split (null: the insertion stage's first data source), the unseen rule, sequential or not.
+    The job's ``insert.calibration`` (``Insert.spec``) has every field but ``from_step0``; an ``OPTIONAL`` one only
+    where it differs from its default."""
+    source: str | None = None
+    tokens: int = field(default=16384, metadata=AT_LEAST_1)
+    unseen: str = field(default="mean", metadata=expect(lambda v: v in ("mean", "raw"), "mean or raw"))
+    sequential: bool = False
+    # unseen and sequential: the best calibrated row of the step-0 analysis at these layers
+    from_step0: bool = field(default=False, metadata=OPTIONAL)
+
+
+@dataclass(frozen=True)
+class Insert:
+    """A variant's ``insert``: a mid-training insertion (stem.models.insert) starting at ``stage`` from the
+    ``from`` variant's checkpoint of the stage before, with init ``init`` (``calibrated``: ``calibration``)."""
+    from_: str = field(metadata={"key": "from"})   # the dense variant it starts from
+    stage: str
+    init: InsertInit = InsertInit.PROJECTED
+    calibration: TrainCalibration | None = None   # init calibrated only (absent: the defaults)
+
+    def __post_init__(self):
+        if self.init != InsertInit.CALIBRATED and self.calibration is not None:
+            raise FieldError("calibration", f"set, but insert.init is {str(self.init)!r}; expected it only with init "
+                             "'calibrated'")
+
+    @property
+    def settings(self) -> TrainCalibration:
+        """Init calibrated's settings (the defaults where ``calibration`` is not written)."""
+        return self.calibration or TrainCalibration()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named variant (config/variants.yaml with variant_overrides) or a generated one (a sweep or knowledge
+    point): its FFN kind and placement, DSE memory, insertion, optimizer and stage overrides (mappings set over the
+    config's nodes, ``stem.fields.override``), presentation; the keys it does not type are ModelConfig keys
+    (``model``: n_experts, moe_*, ...), handed to the model as written."""
+    EXTRA: typing.ClassVar[str] = "model"
+    ffn: str = "dense"   # a registered FFN kind (stem.registry.FFN_KINDS)
+    # {every: k, offset: o} | {start: s} | a list of layers | {positions: [f, ...]} (stem.models.spec.resolve_placement)
+    placement: dict | tuple[int, ...] | None = None
+    # the sibling paper's hashed N-gram memory: {placement, and stem.models.spec.DSEConfig's keys}
+    dse: dict | None = None
+    insert: Insert | None = None
+    optim: dict | None = None      # set over the config's optim (stem.optim.OptimSpec's keys)
+    stage: dict | None = None      # set over the stage's settings (a point's: its data, steps, eval_batches)
+    seed_index: int = field(default=0, metadata=expect(lambda k: k >= 0, "an integer >= 0"))   # a knowledge point's
+    label: str | None = None          # the paper's row label (tables, legends)
+    figure_label: str | None = None   # the figures' legend label where they say more
+    color: str | None = None          # the figures' colour
+    baseline: bool = False            # the one variant every other is compared with
+    figures: tuple[str, ...] = ()     # the report figures that draw it
+    model: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.ffn not in FFN_KINDS:
+            raise FieldError("ffn", f"{self.ffn!r} is not a registered FFN kind; expected one of "
+                             f"{', '.join(FFN_KINDS)}")
+        if self.dse is not None:
+            _check_dse(self.dse)
+        if self.insert is not None and self.ffn != "stem":
+            raise FieldError("ffn", f"{self.ffn!r}; an insertion builds ffn kind 'stem'")
+
+    def model_spec(self) -> dict:
+        """What stem.models.spec.model_config reads of it: FFN kind, placement, DSE memory, the model keys."""
+        return {"ffn": self.ffn, "placement": self.placement, "dse": self.dse, **self.model}
+
+    def mapping(self) -> dict:
+        """The variant as a mapping (the keys it sets; the sweeps' arithmetic and cache key, stem.sweeps)."""
+        return {**_set_keys(self), **self.model}
+
+
+def _set_keys(obj) -> dict:
+    """A node's fields that differ from their defaults, by the keys a mapping writes (nested nodes likewise)."""
+    return {key_of(f): _set_keys(v) if dataclasses.is_dataclass(v) else v for f in dataclasses.fields(obj)
+            if f.name != getattr(obj, "EXTRA", None) and (v := getattr(obj, f.name)) != f.default}
+
+
+def _check_dse(dse):
+    """A variant's ``dse``: placement plus DSEConfig's keys, checked by DSEConfig's own checks."""
+    if not isinstance(dse, dict):
+        raise FieldError("dse", f"{dse!r}; expected a mapping (placement, orders, heads, ...)")
+    given = {k: tuple(v) if k == "orders" and isinstance(v, list) else v for k, v in dse.items() if k != "placement"}
+    known = [f for f in DSEConfig.__dataclass_fields__ if f != "layers"]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise FieldError(f"dse.{unknown[0]}", f"unknown; expected placement or one of {', '.join(known)}")
+    try:
+        DSEConfig(**given)
+    except (TypeError, ValueError) as e:
+        raise FieldError(str(e).split("=")[0], str(e)) from None
+
+
+VARIANT = Parser(ConfigError, wrong="key '{key}': {value}; expected {expected}",
+                 unknown="key '{key}': unknown; expected one of {names}")
+
+
+def variants(overrides: dict) -> dict[str, Variant]:
+    """{name: Variant} of config/variants.yaml with ``overrides`` (an experiment's variant_overrides) merged over
+    each, in the file's order; the first bad one is one ConfigError line ``variant 'x' (config/variants.yaml +
+    variant_overrides): key '...': ...``. Parsed once per version of the file and of the overrides (shared nodes:
+    frozen; the mapping is a copy)."""
+    return dict(_variants(str(VARIANTS), VARIANTS.stat().st_mtime_ns, json.dumps(overrides or {}, sort_keys=True)))
+
+
+@lru_cache(maxsize=8)
+def _variants(path: str, mtime_ns: int, overrides: str) -> tuple:
+    over = json.loads(overrides)
+    return tuple((name, variant_node(name, deep_merge(spec, over.get(name) or {})))
+                 for name, spec in variants_file().items())
+
+
+def variant_node(name: str, spec: dict, parser: Parser = VARIANT) -> Variant:
+    """One variant from its mapping; ``parser``'s one line ``variant 'name' (...): key ...`` otherwise."""
+    try:
+        return node(Variant, spec, "", parser)
+    except parser.error as e:
+        raise parser.error(f"variant {name!r} ({VARIANT_FILE}): {e}") from None
 
 
 # ---- evaluation -----------------------------------------------------------------------------------------

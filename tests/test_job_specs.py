@@ -34,9 +34,9 @@ def _expected(exp, scale: str, variant: str, stage: str) -> dict:
         over = {k: v for k, v in vars(exp.sweeps.train or experiment.SweepTrain()).items() if v is not None}
         want.update({k: v for k, v in over.items() if k in want})
         return {**want, "eval_batches": over.get("eval_batches", exp.train.eval_batches), "optim": {}}
-    vspec = exp.variant(base) or {}
-    want.update({k: v for k, v in (vspec.get("stage") or {}).items() if k in want})
-    return {**want, "eval_batches": exp.train.eval_batches, "optim": vspec.get("optim") or {}}
+    vspec = exp.variant(base)
+    want.update({k: v for k, v in (vspec.stage or {}).items() if k in want})
+    return {**want, "eval_batches": exp.train.eval_batches, "optim": vspec.optim or {}}
 
 
 @pytest.mark.parametrize("name", list(DAGS))
@@ -63,7 +63,7 @@ def test_every_train_jobs_spec_is_its_trees_values(name, monkeypatch):
         node = exp.stages[stage][scale]
         job_id = seeds.JobId.parse(scale, variant, stage)
         assert job_id.slot == variant and (job_id.seed > 0) == ("_seed" in variant), where   # one string form
-        if "data" not in (((exp.variant(job_id.variant) or {}).get("stage")) or {}):
+        if "data" not in ((getattr(exp.variant(job_id.variant), "stage", None)) or {}):
             assert {s: d["weight"] for s, d in spec["data"].items()} == node.data, where
         wd = want["optim"].get("weight_decay", exp.optim.weight_decay)
         assert spec["optim"]["weight_decay"] == wd and tuple(spec["optim"]["betas"]) == exp.optim.betas, where
