@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from stem.fields import key_of
 from stem.layout import VARIANTS
 
 
@@ -134,7 +135,7 @@ def dataclass_mapping(obj) -> dict:
     left out, a key written null kept)."""
     if dataclasses.is_dataclass(obj):
         written = getattr(obj, "_written", ())
-        return {f.name: dataclass_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+        return {key_of(f, type(obj)): dataclass_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
                 if getattr(obj, f.name) is not None or f.name in written}
     if isinstance(obj, dict):
         return {k: dataclass_mapping(v) for k, v in obj.items()}

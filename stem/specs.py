@@ -130,27 +130,49 @@ class RunSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainSettings(RunSettings, StageSchedule):
-    """The ``train`` section: one stage's schedule and batch layout (``StageSchedule``), logging and checkpoints
-    (``RunSettings``), parallelism."""
-    cross_doc_mask: bool = False
-    reset_optimizer: bool = True    # false: carry init_from's optimizer state (checkpoint/optimizer/)
-    save_optimizer: bool = False    # true: a later stage carries this one's optimizer state
-    schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
+class StageOptions:
+    """A stage's options beside its schedule: declared once, here; the config's node of a stage
+    (``stem.config.experiment.StageSettings``) and a training job's ``train`` section (``TrainSettings``) are both
+    this class. ``schedule_steps``, ``activation_checkpointing``: left out of a job's spec at their default."""
+    cross_doc_mask: bool = False    # attention within each packed document only (flex attention on CUDA)
+    # true: a fresh AdamW; false: init_from's optimizer state (saved in that checkpoint's optimizer/)
+    reset_optimizer: bool = True
+    # the horizon the decay is laid over (default: steps)
+    schedule_steps: int | None = field(default=None, metadata={**OPTIONAL, **AT_LEAST_1})
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
+
+
+POSITIVE_NUMBER = expect(lambda v: v > 0, "a number > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A training job's parallel layout and host tables: declared once, here; the experiment config's ``cluster``
+    (``stem.config.experiment.Cluster`` extends it and writes ``parallel`` as ``strategy``) and a training job's
+    ``train`` section (``TrainSettings``) are both this class; left out of a job's spec at their defaults."""
     parallel: Strategy = field(default=Strategy.FSDP, metadata=OPTIONAL)   # the backbone's strategy under torchrun
     tables: TableLayout = field(default=TableLayout.FSDP, metadata=OPTIONAL)  # lookup tables: fsdp units | rows | host
-    fit_gib: float | None = field(default=None, metadata=OPTIONAL)   # per-GPU GiB the plan fits the layout to (stem.train.memory.fit)
-    host_workers: int | None = field(default=None, metadata=OPTIONAL)   # host tables' update threads (None: in the step)
+    # host tables' row update: null in the step (synchronous), or on this many worker threads while the device
+    # computes the next step (stem.optim.adamw.RowSparseAdamW.overlap)
+    host_workers: int | None = field(default=None, metadata={**OPTIONAL, **AT_LEAST_1})
+    # host tables' host side (stem.train.comms.host_update): a node's host memory bandwidth, and one core's (GB/s;
+    # a job's is the first, at most its cores x the second: stem.train.comms.host_bandwidth)
+    host_mem_gbs: float = field(default=100.0, metadata={**OPTIONAL, **POSITIVE_NUMBER})
+    host_core_gbs: float = field(default=10.0, metadata={**OPTIONAL, **POSITIVE_NUMBER})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings(Layout, StageOptions, RunSettings, StageSchedule):
+    """The ``train`` section: one stage's schedule and batch layout (``StageSchedule``) and options
+    (``StageOptions``), logging and checkpoints (``RunSettings``), the cluster's layout (``Layout``); each key
+    declared once, in its class."""
+    save_optimizer: bool = False    # true: a later stage carries this one's optimizer state
+    # per-GPU GiB the plan fits the layout to (stem.train.memory.fit): cluster.gpu_mem_gib where cluster.fit_memory
+    fit_gib: float | None = field(default=None, metadata={**OPTIONAL, **POSITIVE_NUMBER})
 
     def __post_init__(self):
         _check(self.parallel in STRATEGIES, "parallel", f"one of {', '.join(STRATEGIES)}", self.parallel)
         _check(self.tables in TABLE_LAYOUTS, "tables", f"one of {', '.join(TABLE_LAYOUTS)}", self.tables)
-        _check(self.schedule_steps is None or self.schedule_steps >= 1, "schedule_steps", "an integer >= 1 or null",
-               self.schedule_steps)
-        _check(self.fit_gib is None or self.fit_gib > 0, "fit_gib", "a number > 0 or null", self.fit_gib)
-        _check(self.host_workers is None or self.host_workers >= 1, "host_workers", "an integer >= 1 or null",
-               self.host_workers)
 
     def lr_schedule(self) -> dict:
         """Keyword arguments of stem.train.schedule.get_lr."""

@@ -20,7 +20,7 @@ from stem.layout import GGUF_SEP, analysis_json, checkpoint, corpus_path, stage_
 from stem.models.spec import model_config
 from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
 from stem.seeds import JobId
-from stem.specs import DataSource, Insert, StageSchedule, TrainSettings, TrainSpec, Variant
+from stem.specs import DataSource, Insert, Layout, StageOptions, StageSchedule, TrainSettings, TrainSpec, Variant
 
 HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
 SCALES = values(Scale)
@@ -270,28 +270,25 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
         plugins=tuple(plugins.spec_key(exp).get("plugins", ())))
 
 
-# A stage's keys the job's train section takes where the stage sets them (the others: StageSchedule's, always).
-STAGE_OPTIONAL = ("schedule_steps", "cross_doc_mask", "activation_checkpointing")
 STAGE_KEYS = tuple(f.name for f in dataclasses.fields(experiment.StageSettings))
-SCHEDULE_KEYS = tuple(f.name for f in dataclasses.fields(StageSchedule))
+# the job's train section takes these of the stage node, the intervals and the cluster: the same fields
+STAGE_FIELDS = tuple(f.name for f in (*dataclasses.fields(StageSchedule), *dataclasses.fields(StageOptions)))
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
 
 
 def _train_settings(exp: Experiment, scale: str, stage: str, st, intervals, point: bool) -> TrainSettings:
-    """The job's ``train`` section: the stage's schedule (``StageSchedule``: the same fields), the config's
-    intervals (``Train``), the cluster's layout. reset_optimizer (default true): false carries the optimizer state
-    of init_from's stage, which then saves it in its checkpoint (checkpoint/optimizer/)."""
+    """The job's ``train`` section: the stage's schedule and options (``StageSchedule``, ``StageOptions``: the
+    same fields), the config's intervals (``Train``), the cluster's layout (``Layout``: the same fields).
+    reset_optimizer false carries the optimizer state of init_from's stage, which then saves it in its checkpoint
+    (checkpoint/optimizer/)."""
     return TrainSettings(
-        **{k: getattr(st, k) for k in SCHEDULE_KEYS}, **intervals.settings(),
-        **{k: getattr(st, k) for k in STAGE_OPTIONAL if getattr(st, k) is not None},
-        reset_optimizer=st.reset_optimizer is not False if st.init_from else True,
+        **{k: getattr(st, k) for k in STAGE_FIELDS}, **intervals.settings(),
+        **{k: getattr(exp.cluster, k) for k in LAYOUT_FIELDS},
         save_optimizer=not point and any(exp.stages[s][scale].init_from == stage
                                          and exp.stages[s][scale].reset_optimizer is False
                                          for s in exp.matrix[scale].stages),
-        parallel=exp.cluster.strategy, tables=exp.cluster.tables,   # backbone's, tables' (torchrun)
         # the plan picks a micro-batch / checkpointing / host tables that fit
-        **({"fit_gib": exp.cluster.gpu_mem_gib} if exp.cluster.fit_memory else {}),
-        # host tables' update overlapped with the next step
-        **({"host_workers": exp.cluster.host_workers} if exp.cluster.host_workers is not None else {}))
+        **({"fit_gib": exp.cluster.gpu_mem_gib} if exp.cluster.fit_memory else {}))
 
 
 def _insert_spec(exp: Experiment, scale: str, variant: str, ins: Insert, data: dict, init) -> dict:

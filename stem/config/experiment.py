@@ -26,11 +26,11 @@ from stem.fields import FieldError, Parser, expect
 from stem.io import ConfigError, dataclass_mapping, read_yaml, variants_file
 from stem.optim import Group, OptimSpec
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, NameKind,
-                          RopeKind, RopeRamp, Scale, SourceKind, Stage, Strategy, TableInit, TableLayout,
+                          RopeKind, RopeRamp, Scale, SourceKind, Stage, TableInit, TableLayout,
                           TokenizerKind, Truncation, values)
 from stem.registry import ANALYSES, GENERATORS, SUITE_KINDS   # names only: entries load on use
-from stem.specs import (VARIANT_FILE, Insert, RunSettings, StageSchedule, TrainCalibration,  # noqa: F401 (C.experiment.TrainCalibration)
-                        TrainSettings, Variant, variants)
+from stem.specs import (VARIANT_FILE, Insert, Layout, RunSettings, StageOptions, StageSchedule,
+                        TrainCalibration, Variant, variants)  # noqa: F401 (C.experiment.TrainCalibration)
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")                                  # a variant's name
 MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")   # a plugin module
@@ -132,21 +132,17 @@ class HFInit:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageSettings(StageSchedule):
+class StageSettings(StageOptions, StageSchedule):
     """``stages.<stage>.<scale>``: one stage's data mixture, and its schedule and batch layout (lr, schedule,
-    warmup, min_lr_ratio, batch_size, micro_batch, seq_len, steps: ``stem.specs.StageSchedule``, the same
-    fields a training job's spec has)."""
+    warmup, min_lr_ratio, batch_size, micro_batch, seq_len, steps: ``stem.specs.StageSchedule``) and options
+    (cross_doc_mask, reset_optimizer, schedule_steps, activation_checkpointing: ``stem.specs.StageOptions``), the
+    same fields a training job's spec has."""
     data: dict[str, float] = field(metadata=expect(lambda d: len(d) >= 1 and all(w > 0 for w in d.values()),
                                                    "a mapping of at least one source to a weight > 0"))
     # a stage name, or {hf: ...}: a transformers checkpoint (HFInit)
     init_from: Stage | HFInit | None = None
-    # true (default): a fresh AdamW; false: init_from's optimizer state (saved in that checkpoint's optimizer/)
-    reset_optimizer: bool | None = None
     # this stage's table-group optimizer settings over optim.groups.table (stem.optim.adamw)
     table_group: Group | None = None
-    schedule_steps: int | None = field(default=None, metadata=POSITIVE)
-    cross_doc_mask: bool | None = None
-    activation_checkpointing: bool | None = None
     max_seq_len: int | None = field(default=None, metadata=POSITIVE)
     rope_scaling: RopeScaling | None = None
 
@@ -276,24 +272,18 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Cluster:
-    """``cluster``: Slurm resources per job kind (rules/common.smk) and the training jobs' parallel layout."""
+class Cluster(Layout):
+    """``cluster``: Slurm resources per job kind (rules/common.smk) and the training jobs' parallel layout
+    (``stem.specs.Layout``, the job spec's own class: ``strategy`` (its ``parallel``), ``tables``, ``host_workers``,
+    ``host_mem_gbs``, ``host_core_gbs``)."""
+    KEYS: typing.ClassVar[dict] = {"parallel": "strategy"}   # written ``strategy`` here (stem.fields.key_of)
     partition: str | None = None
     account: str | None = None
     constraint: str | None = None
-    strategy: Strategy = TrainSettings.parallel    # the backbone's, under torchrun (the job spec's default)
-    tables: TableLayout = TrainSettings.tables     # lookup tables: own FSDP units, row-sharded, host memory
     gpu_mem_gib: float | None = field(default=None, metadata=above(0))   # per-GPU budget for a job's traced peak
     fit_memory: bool = False   # true: each job's plan picks the micro-batch, checkpointing, host tables that fit
     state_write_mb_s: float = field(default=500, metadata=above(0))   # MB/s one node writes a checkpoint at
     stop_margin_s: int = field(default=120, metadata=at_least(0))      # seconds on top of the write (stop warning)
-    # host tables' host side (stem.train.comms.host_update): a node's host memory bandwidth, and one core's (GB/s;
-    # a job's is the first, at most its cluster.train cpus x the second)
-    host_mem_gbs: float = field(default=100.0, metadata=above(0))
-    host_core_gbs: float = field(default=10.0, metadata=above(0))
-    # host tables' row update: null in the step (synchronous), or on this many worker threads while the device
-    # computes the next step (stem.optim.adamw.RowSparseAdamW.overlap)
-    host_workers: int | None = field(default=None, metadata=at_least(1))
     train: dict[Scale, TrainJob] = field(default_factory=dict)
     eval: Job | None = None
     cpu: Job | None = None
