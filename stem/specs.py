@@ -20,8 +20,9 @@ from functools import lru_cache
 from typing import Annotated
 
 from stem.fields import OPTIONAL, FieldError, Parser, check as _check, expect, key_of, node
-from stem.io import ConfigError, deep_merge, variants_file
-from stem.layout import REPO, VARIANTS
+from stem import io
+from stem.io import ConfigError, deep_merge
+from stem.layout import REPO
 from stem.models.spec import DSEConfig, ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
 from stem.options import InsertInit, Schedule, Strategy, TableLayout, Truncation, values
@@ -336,14 +337,15 @@ def variants(overrides: dict) -> dict[str, Variant]:
     each, in the file's order; the first bad one is one ConfigError line ``variant 'x' (config/variants.yaml +
     variant_overrides): key '...': ...``. Parsed once per version of the file and of the overrides (shared nodes:
     frozen; the mapping is a copy)."""
-    return dict(_variants(str(VARIANTS), VARIANTS.stat().st_mtime_ns, json.dumps(overrides or {}, sort_keys=True)))
+    path = io.VARIANTS   # the file io.variants_file reads (a test may point it elsewhere)
+    return dict(_variants(str(path), path.stat().st_mtime_ns, json.dumps(overrides or {}, sort_keys=True)))
 
 
 @lru_cache(maxsize=8)
 def _variants(path: str, mtime_ns: int, overrides: str) -> tuple:
     over = json.loads(overrides)
     return tuple((name, variant_node(name, deep_merge(spec, over.get(name) or {})))
-                 for name, spec in variants_file().items())
+                 for name, spec in io.variants_file().items())
 
 
 def variant_node(name: str, spec: dict, parser: Parser = VARIANT) -> Variant:
