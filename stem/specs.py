@@ -7,8 +7,14 @@ the jobs whose spec changed). The job builds the dataclass with ``from_dict`` on
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
 
 Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
-``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``fit_gib``, ``host_workers``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``fit_gib``, ``host_workers``,
+``host_mem_gbs``, ``host_core_gbs``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
 JSON of the jobs that do not use it unchanged.
+
+The experiment config's nodes extend these classes where a job reads the same keys (``StageSchedule``,
+``StageOptions``, ``RunSettings``, ``Layout``), so a key is declared once; the variants of config/variants.yaml
+(with an experiment's variant_overrides) are ``Variant`` nodes, parsed here (``variants``) below the sweeps that
+emit them.
 """
 from __future__ import annotations
 

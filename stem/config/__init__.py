@@ -14,7 +14,7 @@ from stem import knowledge, plugins, seeds, specs, sweeps
 from stem.config import experiment
 from stem.config.experiment import Experiment, HFInit, Source
 from stem.config.experiment import dataclass_mapping as mapping
-from stem.io import ConfigError, deep_merge, read_yaml, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.deep_merge, C.read_yaml)
+from stem.io import ConfigError, deep_merge, read_yaml  # noqa: F401 (re-exported: C.ConfigError, C.deep_merge, C.read_yaml)
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import GGUF_SEP, analysis_json, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.models.spec import model_config
