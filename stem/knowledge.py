@@ -10,6 +10,7 @@ figure read them (stem.report.knowledge). This module reads the typed tree by at
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -68,15 +69,15 @@ def steps(exp, source: str) -> int:
     return max(kn.min_steps, math.ceil(int(r["n"]) * int(r["exposures"]) * kn.tokens_per_bio / (st.batch_size * st.seq_len)))
 
 
-def variant_spec(exp, name: str) -> dict:
-    """A point's variant spec: its base variant's, with the stage settings it overrides (``stage``: its source
+def variant_spec(exp, name: str):
+    """A point's Variant (stem.specs.Variant): its base variant's, with the stage settings it overrides (``stage``: its source
     alone, its steps) and its seed index (``seed_index``)."""
     source, variant, k = split(name)
     if name not in points(exp):
         raise ValueError(f"variant {name!r}: not a point of the config's knowledge: section")
     base = exp.variant(variant)
-    return {**base, "stage": {**base.get("stage", {}), "data": {source: 1.0}, "steps": steps(exp, source)},
-            "seed_index": k}
+    return dataclasses.replace(base, stage={**(base.stage or {}), "data": {source: 1.0}, "steps": steps(exp, source)},
+                               seed_index=k)
 
 
 def targets(exp) -> list[str]:
