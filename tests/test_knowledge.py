@@ -73,6 +73,8 @@ def test_names_are_one_token_and_the_control_s_are_several(tmp_path):
     (lambda c: c["archs"]["350m"].update(vocab_size=1200), "archs.350m.vocab_size"),
     (lambda c: c["tokenizer"]["350m"].pop("add_names"), "tokenizer.350m.add_names"),
     (lambda c: c["knowledge"].update(sources=["n0050", "web"]), "knowledge.sources[1]"),
+    (lambda c: c["analysis"]["knowledge_edit"]["inject"].update(people=751), "analysis.knowledge_edit.inject.people"),
+    (lambda c: c["analysis"]["knowledge_edit"]["inject"].update(steps=0), "analysis.knowledge_edit.inject.steps"),
 ])
 def test_bad_knowledge_config_is_one_line_naming_the_key(edit, key):
     cfg = copy.deepcopy(RAW)
@@ -194,3 +196,33 @@ def test_the_gpu_overlay_scales_n_and_the_model_and_keeps_the_experiment():
     assert (kn.variants, kn.attributes, kn.templates) == (parse(copy.deepcopy(RAW)).knowledge.variants,
                                                           RAW["knowledge"]["attributes"], parse(copy.deepcopy(RAW)).knowledge.templates)
     assert K.point_id("n6400", "stem", 2) in K.points(exp)
+
+
+def test_injection_fits_only_the_new_token_s_rows_and_is_undone(tmp_path):
+    """A held-out individual (never in the world of N): fitting its rows lowers the loss of its biography and moves
+    nothing but those rows; its rows are restored after; too many held-out individuals is a one-line error."""
+    import random
+
+    from stem.analysis.common import state_digest, table_sites
+
+    bios, tok, model = _world_model(tmp_path)
+    params = [model.tok_emb.weight, *(p for _, p in table_sites(model))]
+    x = AK.held_out(bios, 30, 1)[0]
+    tx = tok.encode_batch([" " + bios.names[x]])[0][0]
+    others = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = AK._bio_batch(bios, tok, x, 2, "t")
+    loss = AK.fit_rows(model, params, tx, batch, 8, 0.05)
+    assert loss[1] < loss[0]
+    for k, v in model.state_dict().items():
+        changed = (v != others[k]).reshape(v.shape[0], -1).any(-1) if v.dim() else v != others[k]
+        assert k in ("tok_emb.weight", *(n for n, _ in table_sites(model))) and changed.nonzero().flatten().tolist() \
+            == [tx] if changed.any() else True, k
+    model.load_state_dict(others)
+    digest = state_digest(model)
+    before = {i: AK._hits(model, AK.probes_of(bios, tok, [i])) for i in range(4)}
+    sites = {"stem": params[1:], "embedding": params[:1], "all": params}
+    out = AK.inject(model, bios, tok, sites, 4, {"people": 2, "steps": 2, "docs": 2, "lr": 0.05}, random.Random(0), before)
+    assert out["undo_bit_exact"] and state_digest(model) == digest and set(out["sites"]) == set(sites)
+    assert all(p["x"] >= 4 and p["fit"]["collateral"] == 0.0 for p in out["sites"]["all"]["people"])
+    with pytest.raises(ValueError, match="inject.people: 800; expected at most"):
+        AK.held_out(bios, 4, len(bios.names))
