@@ -65,7 +65,7 @@ def test_names_are_one_token_and_the_control_s_are_several(tmp_path):
 
 
 @pytest.mark.parametrize("edit, key", [
-    (lambda c: c["sources"]["n0400"].update(n=900), "sources.n0400.n"),
+    (lambda c: c["sources"]["n0200"].update(n=900), "sources.n0200.n"),
     (lambda c: c["knowledge"]["templates"]["city"].append("{name} lives somewhere."), "knowledge.templates.city[3]"),
     (lambda c: c["knowledge"]["templates"]["major"].append("Born in {value}."), "knowledge.templates.major[3]"),
     (lambda c: c["sources"]["n0050"].update(exposures=10), "sources.n0050.exposures"),
@@ -92,17 +92,19 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     seeded = [p for p in points if K.split(p)[2]]
     assert len(points) == len(kn.sources) * len(kn.variants) + len(seeded)
     assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at)
-    spec = C.train_spec(exp, "350m", "k__n0050__stem__s2", "pretrain")
+    spec = C.train_spec(exp, "350m", "k__n0200__stem__s2", "pretrain")
     st = exp.stages["pretrain"]["350m"]
-    assert list(spec["data"]) == ["n0050"] and spec["seed"] == exp.seed + 2
-    one_pass = math.ceil(50 * 100 * kn.tokens_per_bio / (st.batch_size * st.seq_len))
-    assert one_pass < kn.min_steps and spec["train"]["steps"] == kn.min_steps   # the floor: a small world
-    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__n0050__stem__s2/pretrain")
-    assert C.train_spec(exp, "350m", "k__n0400__stem", "pretrain")["train"]["steps"] == \
-        math.ceil(400 * 100 * kn.tokens_per_bio / (st.batch_size * st.seq_len))
+    assert list(spec["data"]) == ["n0200"] and spec["seed"] == exp.seed + 2
+    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__n0200__stem__s2/pretrain")
+    # equal exposures: every world is seen E times by one pass (no step floor confounding N with exposures)
+    assert len({exp.sources[s].reader["exposures"] for s in kn.sources}) == 1
+    for s in kn.sources:
+        r = exp.sources[s].reader
+        assert C.train_spec(exp, "350m", K.point_id(s, "dense"), "pretrain")["train"]["steps"] == \
+            math.ceil(r["n"] * r["exposures"] * kn.tokens_per_bio / (st.batch_size * st.seq_len))
     assert C.train_spec(exp, "350m", "k__n0050__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__n0400__stem__s1", "pretrain")   # seeds only where seeds_at says
+        C.train_spec(exp, "350m", "k__n0050__stem__s1", "pretrain")   # seeds only where seeds_at says
     a = job_spec(exp, "350m", "k__n0200__dense", "pretrain", "knowledge")
     assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (200, "one", "dense", 800)
     targets = K.targets(exp)
