@@ -150,7 +150,8 @@ def _check_inject(exp, edit: dict):
           f"{inj!r}; expected a mapping of people, steps, docs, lr")
     for k in ("people", "steps", "docs"):
         v = inj[k]
-        _fail(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{key}.{k}", f"{v!r}; expected an integer >= 1")
+        _fail(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{key}.{k}",
+              f"{v!r}; expected an integer >= 1")
     _fail(isinstance(inj["lr"], (int, float)) and inj["lr"] > 0, f"{key}.lr", f"{inj['lr']!r}; expected a number > 0")
     for s in edit.get("sources") or ():
         room = exp.knowledge.names - world_size(exp, s)

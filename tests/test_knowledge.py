@@ -223,7 +223,8 @@ def test_injection_fits_only_the_new_token_s_rows_and_is_undone(tmp_path):
     digest = state_digest(model)
     before = {i: AK._hits(model, AK.probes_of(bios, tok, [i])) for i in range(4)}
     sites = {"stem": params[1:], "embedding": params[:1], "all": params}
-    out = AK.inject(model, bios, tok, sites, 4, {"people": 2, "steps": 2, "docs": 2, "lr": 0.05}, random.Random(0), before)
+    out = AK.inject(model, bios, tok, sites, 4, {"people": 2, "steps": 2, "docs": 2, "lr": 0.05}, random.Random(0),
+                    before)
     assert out["undo_bit_exact"] and state_digest(model) == digest and set(out["sites"]) == set(sites)
     assert all(p["x"] >= 4 and p["fit"]["collateral"] == 0.0 for p in out["sites"]["all"]["people"])
     with pytest.raises(ValueError, match="inject.people: 800; expected at most"):

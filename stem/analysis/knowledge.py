@@ -238,7 +238,8 @@ def fit_rows(model, params, row: int, batch: torch.Tensor, steps: int, lr: float
 
 def _measure(model, bios, tok, x: int, facts_of: int, others: list[int], before: dict) -> dict:
     """X's prompts scored against ``facts_of``'s values (recall, bits), and the others' hits changed."""
-    own = [(x, a, p, v) for (_, a, p, _), (_, _, _, v) in zip(probes_of(bios, tok, [x]), probes_of(bios, tok, [facts_of]))]
+    own = [(x, a, p, v) for (_, a, p, _), (_, _, _, v) in zip(probes_of(bios, tok, [x]),
+                                                               probes_of(bios, tok, [facts_of]))]
     scored = score(model, own)
     rest = _hits(model, probes_of(bios, tok, others))
     return {"recall": sum(h for _, h in scored) / len(scored),
