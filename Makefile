@@ -82,8 +82,8 @@ real: $(STAMP)
 
 # The experiment `knowledge` (config/knowledge.yaml, docs/knowledge.md): a bioS-style world of N individuals with
 # one-token names, dense / STEM (two placements) / Hash-MoE / DSE trained on it at each N, the bits each stores
-# (Allen-Zhu & Li's lower bound), reported in reports/knowledge. CPU, offline. A reduced version (N 32, dense and
-# STEM, one seed: config/tiny.yaml, scale bios) runs in `make smoke`.
+# (Allen-Zhu & Li's lower bound), editing and injection, reported in reports/knowledge. CPU, offline. No reduced
+# version runs in `make smoke` yet (docs/knowledge.md "Inside make smoke").
 knowledge: $(STAMP)
 	@start=$$(date +%s); \
 	PATH=$(abspath $(VENV))/bin:$$PATH $(WARM) snakemake --profile profiles/local --configfile config/knowledge.yaml \
