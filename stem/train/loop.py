@@ -193,7 +193,11 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     if tc.compile:   # torchtitan's order: activation checkpointing (set above), compile each block, then FSDP
         compile_blocks(model)
     # before sharding: the model's full shapes; this process's node has local_world of the job's GPUs
-    comm = comms.model_step(model, plan, tc.seq_len, ctx.local_world, ctx.device.type == "cuda", acct=accounting)
+    # host tables' host side at the cluster's host bandwidth (the spec's train: cluster.host_mem_gbs, at most this
+    # job's cores x cluster.host_core_gbs)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    comm = comms.model_step(model, plan, tc.seq_len, ctx.local_world, ctx.device.type == "cuda", acct=accounting,
+                            host_gbs=comms.host_bandwidth(tc, cores=cores))
     if ctx.is_main:
         print(f"[{spec.out_dir}] " + memory.describe(memory.estimate(model, plan)), file=sys.stderr)
         print(f"[{spec.out_dir}] " + comms.describe(comm), file=sys.stderr)
