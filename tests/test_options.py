@@ -32,7 +32,7 @@ def test_the_tree_is_typed_with_the_option_lists():
     found = _option_fields(E.Experiment)
     expected = {("Experiment", "experiment"): Experiment, ("Experiment", "archs"): Scale,
                 ("Experiment", "stages"): Stage,
-                ("Experiment", "device"): Device, ("Cluster", "strategy"): Strategy, ("Cluster", "tables"): TableLayout,
+                ("Experiment", "device"): Device, ("Cluster", "parallel"): Strategy, ("Cluster", "tables"): TableLayout,
                 ("StageSettings", "schedule"): Schedule, ("OptimSpec", "table_update"): TableUpdate,
                 ("Arch", "table_init"): TableInit, ("RopeScaling", "kind"): RopeKind, ("RopeScaling", "ramp"): RopeRamp,
                 ("Source", "doc_keys"): DocKeys, ("DSEDisabled", "modes"): DSEMode}
