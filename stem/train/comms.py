@@ -296,6 +296,22 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
             / compute_s}
 
 
+CKPT_RECOMPUTE = 1 / 3   # activation checkpointing's recomputed forward, of a step's compute (forward 1 of 3)
+
+
+def fit_step_s(model, seq_len: int, gpus_per_node: int, mixed_precision: bool, host_workers: int | None = None):
+    """A layout's modelled step seconds, for ``stem.train.memory.fit`` to weigh the layouts that fit: ``model_step``'s
+    compute (+ ``CKPT_RECOMPUTE`` of it under activation checkpointing), communication and host side (the row update
+    hidden if ``host_workers``), at the stated default bandwidths (the job spec carries no cluster bandwidths)."""
+    acct = accounting(model)
+
+    def step_s(plan: ParallelPlan) -> float:
+        r = model_step(model, plan, seq_len, gpus_per_node, mixed_precision, acct=acct, host_workers=host_workers)
+        ratio = r["step_vs_compute_overlapped"] if host_workers else r["step_vs_compute"]
+        return r["compute_s"] * (ratio + (CKPT_RECOMPUTE if plan.activation_checkpointing else 0.0))
+    return step_s
+
+
 def describe(r: dict) -> str:
     """One line: the step's bytes per GPU by kind, times and ratio."""
     if r["world"] == 1:
