@@ -12,7 +12,9 @@ touched rows' AdamW update) and the zeroing; at the end ``settle`` (a save: ever
 the replays are counted in full, amortised over the steps. Both updates: ``lazy`` (dense AdamW made lazy and
 exact, ``table_update: dense``) and ``sparse`` (row-sparse AdamW). Beside them the CPU's memory bandwidth,
 measured the same way (``c = a + b`` on 512 MB arrays, 3 x 4 B an element), to turn seconds into bytes of
-traffic per parameter: the factors the model extrapolates by a node's bandwidth.
+traffic per parameter: the factors the model extrapolates by a node's bandwidth. Each update runs with the row
+update fused and unfused (``stem.optim.adamw.FUSED_ROWS``), timed in this thread's CPU seconds (the bandwidth too);
+the overlap's comparison in wall seconds.
 """
 from __future__ import annotations
 

@@ -19,6 +19,12 @@ at every save (``settle``: the optimizer's ``state_dict`` and the module's), exa
 steps dense AdamW would have given it (decoupled weight decay, decayed moments, bias corrections, eps), so the
 results are dense AdamW's at the cost of the rows a step touched plus their replays.
 
+Every row update (row-sparse, a lazy table's touched rows and its replays, a row-sharded shard's rows) is fused
+(``_adamw_rows``, ``_row_blocks``, ``_adamw_block``): the rows gathered a block at a time into a reused per-thread
+workspace, updated there in one pass by torch's fused AdamW kernel (its unfused formula where this torch lacks the
+kernel, or ``FUSED_ROWS`` is off), scattered once; a replay does all of a block's missed steps between its gather and
+its scatter. A row's result does not depend on the blocks (docs/training.md, "Host tables' host side").
+
 Which modules are trained row-sparse is explicit data: ``row_sparse_tables`` names them (the job's
 ``stem.train.plan.ParallelPlan`` carries the names to the sharding and the memory estimate), and
 ``use_row_sparse`` switches those modules' lookups before the model is wrapped.

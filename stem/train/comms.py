@@ -36,7 +36,8 @@ is the step's FLOPs per GPU (``stem.models.accounting.flops_per_token``) at a st
 Host tables' host side (``host_update``: fetches, gradient accumulation, row update, a lazy table's replays) is
 bytes of host memory traffic measured per parameter on a CPU (``HOST_BYTES_PER_PARAM``, ``python -m stem bench
 host``) over the node's stated host memory bandwidth; ``step_vs_compute`` adds it and the communication to the
-compute, none overlapped.
+compute, none overlapped (``step_vs_compute_overlapped``: the row update hidden behind the compute, as
+``train.host_workers`` runs it); ``fit_step_s`` ranks the layouts ``stem.train.memory.fit`` may choose by it.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s n
 # parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
 # ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``).
 HOST_MEM_GBS = Cluster.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
-HOST_BYTES_PER_PARAM = {"fetch_accumulate": 128.6, "update": 383.7, "replay": 147.2}
+HOST_BYTES_PER_PARAM = {"fetch_accumulate": 168.4, "update": 145.9, "replay": 40.2}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
          "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
 
