@@ -48,6 +48,7 @@ import socket
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -187,10 +188,11 @@ def expected_lookups(model, plan: ParallelPlan, names: tuple[str, ...] | None = 
     return out
 
 
+@lru_cache(maxsize=64)
 def zipf_seen(tokens: int, vocab: int) -> torch.Tensor:
     """The probability that each of ``vocab`` ids occurs among ``tokens`` draws of a Zipf(1) law (natural text's
     rank-frequency law, id i the (i+1)-th most frequent): 1 - (1 - p_i)^tokens. An estimate, used where no
-    batch is at hand."""
+    batch is at hand. Cached (the fit weighs every layout by it): read it, do not write it."""
     p = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     p /= p.sum()
     return 1 - (1 - p) ** tokens
