@@ -61,9 +61,13 @@ $(GPUCHECK_STAMP): scripts/gpucheck-requirements.txt $(CONSTRAINTS)
 	$(PY) -m pip install -q $(if $(WHEELHOUSE),$(OFFLINE),--no-deps -c $(CONSTRAINTS) -r scripts/gpucheck-requirements.txt)
 	touch $@
 
+# WARM: Snakemake runs under stem.warm (docs/design.md "Warm starts"): each job is forked from a process that imported
+# torch and lm-eval once, instead of importing them anew (same code, same results). WARM= starts every job cold.
+WARM ?= $(PY) -m stem.warm --
+
 smoke: $(STAMP)
 	@start=$$(date +%s); \
-	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --profile profiles/local --cores $(CORES) && \
+	PATH=$(abspath $(VENV))/bin:$$PATH $(WARM) snakemake --profile profiles/local --cores $(CORES) && \
 	echo "smoke: workflow finished in $$(( $$(date +%s) - start )) s; results in results/tiny;" \
 	     "report: reports/tiny/README.md and reports/tiny/report.html"
 
@@ -72,17 +76,17 @@ smoke: $(STAMP)
 # venv installs; HF_HUB_OFFLINE: nothing is fetched), <= 25 min on a 2-core CPU. Not part of `make smoke`.
 real: $(STAMP)
 	@start=$$(date +%s); \
-	PATH=$(abspath $(VENV))/bin:$$PATH HF_HUB_OFFLINE=1 snakemake --profile profiles/local --configfile config/real.yaml \
+	PATH=$(abspath $(VENV))/bin:$$PATH HF_HUB_OFFLINE=1 $(WARM) snakemake --profile profiles/local --configfile config/real.yaml \
 	  --cores $(CORES) && \
 	echo "real: workflow finished in $$(( $$(date +%s) - start )) s; report: reports/real/README.md and reports/real/report.html"
 
 # The experiment `knowledge` (config/knowledge.yaml, docs/knowledge.md): a bioS-style world of N individuals with
 # one-token names, dense / STEM (two placements) / Hash-MoE / DSE trained on it at each N, the bits each stores
-# (Allen-Zhu & Li's lower bound), reported in reports/knowledge. CPU, offline. A reduced version (N 32, dense and
-# STEM, one seed: config/tiny.yaml, scale bios) runs in `make smoke`.
+# (Allen-Zhu & Li's lower bound), editing and injection, reported in reports/knowledge. CPU, offline. No reduced
+# version runs in `make smoke` yet (docs/knowledge.md "Inside make smoke").
 knowledge: $(STAMP)
 	@start=$$(date +%s); \
-	PATH=$(abspath $(VENV))/bin:$$PATH snakemake --profile profiles/local --configfile config/knowledge.yaml \
+	PATH=$(abspath $(VENV))/bin:$$PATH $(WARM) snakemake --profile profiles/local --configfile config/knowledge.yaml \
 	  --cores $(CORES) && \
 	echo "knowledge: workflow finished in $$(( $$(date +%s) - start )) s; report: reports/knowledge/README.md and reports/knowledge/report.html"
 

@@ -95,8 +95,8 @@ def chain_jobs(exp, scale: str, variant: str, stage: str) -> list[tuple[str, str
     upto = stages[:stages.index(stage) + 1]
     base = C.baseline_variant(exp)
     return [(v, st) for v in (base, variant) for st in upto if st in exp.matrix[scale].stages
-            and not (v != base and st in stages[:stages.index((C.variant_spec(exp, v).get("insert") or {}).get(
-                "stage", stages[0]))])]
+            and not (v != base and st in stages[:stages.index(getattr(C.variant_spec(exp, v).insert, "stage",
+                                                                          stages[0]))])]
 
 
 def chain(args, name: str):

@@ -278,7 +278,7 @@ def cmd_memory(args):
     from stem.train import memory, memtrace
     from stem.train.plan import job_layout
     exp = experiment_config(args.experiment)
-    strategy, limit = args.strategy or exp.cluster.strategy, exp.cluster.gpu_mem_gib
+    strategy, limit = args.strategy or exp.cluster.parallel, exp.cluster.gpu_mem_gib
     jobs = _matching_jobs(exp, args)
     specs = []   # (TrainSpec, ParallelPlan) of each job: traced and estimated alike
     for job in jobs:   # before tracing: a world the batch does not split over

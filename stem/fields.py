@@ -131,6 +131,13 @@ def convert(tp, value, key: str, parser: Parser):
     return value
 
 
+def key_of(f: dataclasses.Field, cls=None) -> str:
+    """The key a mapping writes for field ``f`` (of class ``cls``): its name, or ``metadata["key"]`` where the key
+    is not a Python name (a variant's ``insert.from``: field ``from_``), or ``cls.KEYS[name]`` where a class writes
+    an inherited field under its own key (``cluster.strategy``: the job's ``parallel``, stem.specs.Layout)."""
+    return getattr(cls, "KEYS", {}).get(f.name) or f.metadata.get("key", f.name)
+
+
 def node(cls, d, key: str, parser: Parser):
     """Build dataclass ``cls`` from mapping ``d`` found at ``key`` (``""``: the top): unknown and missing keys,
     types, ranges (``expect`` metadata), then its own checks (``__post_init__``; a ``FieldError`` names its key).
@@ -139,7 +146,7 @@ def node(cls, d, key: str, parser: Parser):
     if not isinstance(d, dict):
         raise parser.fail(key or "<top level>", d, "a mapping")
     prefix = f"{key}." if key else ""
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {key_of(f, cls): f for f in dataclasses.fields(cls) if f.init}   # by the key a mapping writes
     extra = getattr(cls, "EXTRA", None)
     unknown = sorted(k for k in d if k not in fields or k == extra)
     if unknown and not extra:
@@ -151,12 +158,12 @@ def node(cls, d, key: str, parser: Parser):
             continue
         if name not in d:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise parser.error(f"key '{prefix}{name}' missing (expected {describe(hints[name])})")
+                raise parser.error(f"key '{prefix}{name}' missing (expected {describe(hints[f.name])})")
             continue
-        value = convert(hints[name], d[name], prefix + name, parser)
+        value = convert(hints[f.name], d[name], prefix + name, parser)
         if "ok" in f.metadata and value is not None and not f.metadata["ok"](value):
             raise parser.fail(prefix + name, d[name], f.metadata["expected"])
-        kw[name] = value
+        kw[f.name] = value
     try:
         out = cls(**kw)
     except FieldError as e:
@@ -175,15 +182,16 @@ def override(obj, over: dict, key: str, parser: Parser):
     if not isinstance(over, dict):
         raise parser.fail(key or "<top level>", over, "a mapping")
     prefix = f"{key}." if key else ""
-    fields = {f.name: f for f in dataclasses.fields(obj) if f.init}
+    fields = {key_of(f, type(obj)): f for f in dataclasses.fields(obj) if f.init}
     hints = typing.get_type_hints(type(obj), include_extras=True)
     kw = {}
     for name, value in over.items():
         if name not in fields:
             raise parser.error(parser.unknown.format(key=prefix + name, names=", ".join(fields)))
-        kw[name] = _override_value(hints[name], getattr(obj, name), value, prefix + name, parser)
-        if "ok" in fields[name].metadata and kw[name] is not None and not fields[name].metadata["ok"](kw[name]):
-            raise parser.fail(prefix + name, value, fields[name].metadata["expected"])
+        f = fields[name]
+        kw[f.name] = _override_value(hints[f.name], getattr(obj, f.name), value, prefix + name, parser)
+        if "ok" in f.metadata and kw[f.name] is not None and not f.metadata["ok"](kw[f.name]):
+            raise parser.fail(prefix + name, value, f.metadata["expected"])
     try:
         out = dataclasses.replace(obj, **kw)
     except FieldError as e:

@@ -69,7 +69,7 @@ from stem.train.step import accumulate_gradients, make_optimizer, train_step
 
 # Item a's variants: every variant of config/variants.yaml that is a model of its own, trained from scratch (not a
 # mid-training insertion, not another optimizer setting of a listed model); the dense comparisons use the baseline.
-VARIANTS = tuple(name for name, spec in C.variants_file().items() if not spec.get("insert") and not spec.get("optim"))
+VARIANTS = tuple(name for name, v in C.specs.variants({}).items() if v.insert is None and v.optim is None)
 BASELINE = C.baseline_variant()
 ITEMS = "abcdefg"
 VALUE_ORDER = "aebdfgc"   # --budget: training of every variant, throughput, masks, memory, offload, eval, resume

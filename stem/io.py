@@ -1,5 +1,5 @@
 """Atomic writes: a file or folder appears whole under its final name, or not at all. And the reading of the
-YAML configs (``read_yaml``, ``deep_merge``, the named variants of config/variants.yaml), whose problems are a
+YAML configs (``read_yaml``, ``deep_merge``, config/variants.yaml as read), whose problems are a
 one-line ``ConfigError`` (stem.config re-exports these; stem.seeds and stem.sweeps, below it, use them here).
 
 Every output of the pipeline is written through these (a killed job leaves no half-written file for
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from stem.fields import key_of
 from stem.layout import VARIANTS
 
 
@@ -134,7 +135,7 @@ def dataclass_mapping(obj) -> dict:
     left out, a key written null kept)."""
     if dataclasses.is_dataclass(obj):
         written = getattr(obj, "_written", ())
-        return {f.name: dataclass_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+        return {key_of(f, type(obj)): dataclass_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
                 if getattr(obj, f.name) is not None or f.name in written}
     if isinstance(obj, dict):
         return {k: dataclass_mapping(v) for k, v in obj.items()}
@@ -143,22 +144,9 @@ def dataclass_mapping(obj) -> dict:
     return obj
 
 
-def variants(cfg: dict) -> dict:
-    """config/variants.yaml with the experiment's ``variant_overrides`` merged over each variant (copies)."""
-    return {name: deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {}))
-            for name, spec in variants_file().items()}
-
-
-def variant(cfg: dict, name: str) -> dict | None:
-    """One variant of ``variants(cfg)`` (None for a name config/variants.yaml does not define), without copying
-    the others (the DAG asks for one variant's stages hundreds of times)."""
-    spec = variants_file().get(name)
-    return None if spec is None else deep_merge(spec, cfg.get("variant_overrides", {}).get(name, {}))
-
-
 def variants_file() -> dict:
-    """config/variants.yaml as read, cached per version of the file (the DAG resolves hundreds of job specs).
-    Shared: read it, never change it (``variants`` / ``variant`` give copies)."""
+    """config/variants.yaml as read, cached per version of the file; shared: read it, never change it (the typed
+    nodes, with an experiment's variant_overrides: ``stem.specs.variants``)."""
     return _variants_file(str(VARIANTS), VARIANTS.stat().st_mtime_ns)
 
 

@@ -10,6 +10,7 @@ figure read them (stem.report.knowledge). This module reads the typed tree by at
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -68,15 +69,15 @@ def steps(exp, source: str) -> int:
     return max(kn.min_steps, math.ceil(int(r["n"]) * int(r["exposures"]) * kn.tokens_per_bio / (st.batch_size * st.seq_len)))
 
 
-def variant_spec(exp, name: str) -> dict:
-    """A point's variant spec: its base variant's, with the stage settings it overrides (``stage``: its source
+def variant_spec(exp, name: str):
+    """A point's Variant (stem.specs.Variant): its base variant's, with the stage settings it overrides (``stage``: its source
     alone, its steps) and its seed index (``seed_index``)."""
     source, variant, k = split(name)
     if name not in points(exp):
         raise ValueError(f"variant {name!r}: not a point of the config's knowledge: section")
     base = exp.variant(variant)
-    return {**base, "stage": {**base.get("stage", {}), "data": {source: 1.0}, "steps": steps(exp, source)},
-            "seed_index": k}
+    return dataclasses.replace(base, stage={**(base.stage or {}), "data": {source: 1.0}, "steps": steps(exp, source)},
+                               seed_index=k)
 
 
 def targets(exp) -> list[str]:
@@ -121,6 +122,7 @@ def validate(exp):
     for s in edit.get("sources") or ():
         _fail(s in kn.sources and exp.sources[s].reader.get("name_kind", kn.name_kind) == NameKind.ONE,
               f"analysis.{EDIT}.sources", f"{s!r}; expected one-token sources of knowledge.sources")
+    _check_inject(exp, edit)
     for s in kn.seeds_at or ():
         _fail(s in kn.sources, "knowledge.seeds_at", f"{s!r}; expected sources of knowledge.sources")
     scale, stage = kn.scale, kn.stage
@@ -136,6 +138,26 @@ def validate(exp):
         _fail(tok.vocab_size + kn.names <= exp.archs[scale].vocab_size, f"archs.{scale}.vocab_size",
               f"{exp.archs[scale].vocab_size}; expected at least tokenizer.{scale}.vocab_size + knowledge.names "
               f"= {tok.vocab_size + kn.names}")
+
+
+def _check_inject(exp, edit: dict):
+    """``analysis.knowledge_edit.inject`` (people, steps, docs, lr): positive, and every edited world leaves
+    ``people`` held-out names in the pool (the individuals after its N)."""
+    inj = edit.get("inject")
+    if inj is None:
+        return
+    key = f"analysis.{EDIT}.inject"
+    _fail(isinstance(inj, dict) and set(inj) == {"people", "steps", "docs", "lr"}, key,
+          f"{inj!r}; expected a mapping of people, steps, docs, lr")
+    for k in ("people", "steps", "docs"):
+        v = inj[k]
+        _fail(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{key}.{k}",
+              f"{v!r}; expected an integer >= 1")
+    _fail(isinstance(inj["lr"], (int, float)) and inj["lr"] > 0, f"{key}.lr", f"{inj['lr']!r}; expected a number > 0")
+    for s in edit.get("sources") or ():
+        room = exp.knowledge.names - world_size(exp, s)
+        _fail(inj["people"] <= room, f"{key}.people", f"{inj['people']}; expected at most knowledge.names - N = {room} "
+              f"at {s} (the held-out individuals are the pool's after the world's N)")
 
 
 def _fail(ok: bool, key: str, problem: str):

@@ -30,7 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]      # the repository (the workflow's working directory)
-VARIANTS = REPO / "config" / "variants.yaml"     # the named variants (stem.io.variants reads it)
+VARIANTS = REPO / "config" / "variants.yaml"     # the named variants (stem.specs.variants parses it)
 IDENTITY = ("experiment", "scale", "variant", "stage")
 STAGE = tuple("{" + k + "}" for k in IDENTITY)   # wildcards: stage_dir(*STAGE) is the rules' pattern
 # what a training job writes in its stage folder (a train spec's ``out_dir``)

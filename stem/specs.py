@@ -7,8 +7,14 @@ the jobs whose spec changed). The job builds the dataclass with ``from_dict`` on
 JSON back in the same shape: a training job saves it with its checkpoint (``checkpoint/config.json``).
 
 Keys added after the first specs were written (``OPTIONAL``: ``parallel``, ``schedule_steps``,
-``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``fit_gib``, ``host_workers``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
+``tables``, ``activation_checkpointing``, ``peak_tflops``, ``wandb``, ``compile``, ``fit_gib``, ``host_workers``,
+``host_mem_gbs``, ``host_core_gbs``, ``optim.table_update``) are written only when they differ from their default, so adding one leaves the
 JSON of the jobs that do not use it unchanged.
+
+The experiment config's nodes extend these classes where a job reads the same keys (``StageSchedule``,
+``StageOptions``, ``RunSettings``, ``Layout``), so a key is declared once; the variants of config/variants.yaml
+(with an experiment's variant_overrides) are ``Variant`` nodes, parsed here (``variants``) below the sweeps that
+emit them.
 """
 from __future__ import annotations
 
@@ -16,14 +22,17 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Annotated
 
-from stem.fields import OPTIONAL, Parser, check as _check, expect, node
+from stem.fields import OPTIONAL, FieldError, Parser, check as _check, expect, key_of, node
+from stem import io
+from stem.io import ConfigError, deep_merge
 from stem.layout import REPO
-from stem.models.spec import ModelConfig
+from stem.models.spec import DSEConfig, ModelConfig
 from stem.optim import OptimSpec  # the train spec's optim section (torch-free; its build() imports torch lazily)
 from stem.options import InsertInit, Schedule, Strategy, TableLayout, Truncation, values
-from stem.registry import REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
+from stem.registry import FFN_KINDS, REPORT_TABLES, SUITE_KINDS   # names only: entries load on use
 
 STRATEGIES = values(Strategy)             # the backbone's parallel strategy (stem.train.distributed)
 TABLE_LAYOUTS = values(TableLayout)       # where a multi-rank job keeps its lookup tables (stem.train.tables)
@@ -128,27 +137,49 @@ class RunSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainSettings(RunSettings, StageSchedule):
-    """The ``train`` section: one stage's schedule and batch layout (``StageSchedule``), logging and checkpoints
-    (``RunSettings``), parallelism."""
-    cross_doc_mask: bool = False
-    reset_optimizer: bool = True    # false: carry init_from's optimizer state (checkpoint/optimizer/)
-    save_optimizer: bool = False    # true: a later stage carries this one's optimizer state
-    schedule_steps: int | None = field(default=None, metadata=OPTIONAL)   # the horizon the decay is laid over
+class StageOptions:
+    """A stage's options beside its schedule: declared once, here; the config's node of a stage
+    (``stem.config.experiment.StageSettings``) and a training job's ``train`` section (``TrainSettings``) are both
+    this class. ``schedule_steps``, ``activation_checkpointing``: left out of a job's spec at their default."""
+    cross_doc_mask: bool = False    # attention within each packed document only (flex attention on CUDA)
+    # true: a fresh AdamW; false: init_from's optimizer state (saved in that checkpoint's optimizer/)
+    reset_optimizer: bool = True
+    # the horizon the decay is laid over (default: steps)
+    schedule_steps: int | None = field(default=None, metadata={**OPTIONAL, **AT_LEAST_1})
     activation_checkpointing: bool = field(default=False, metadata=OPTIONAL)
+
+
+POSITIVE_NUMBER = expect(lambda v: v > 0, "a number > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A training job's parallel layout and host tables: declared once, here; the experiment config's ``cluster``
+    (``stem.config.experiment.Cluster`` extends it and writes ``parallel`` as ``strategy``) and a training job's
+    ``train`` section (``TrainSettings``) are both this class; left out of a job's spec at their defaults."""
     parallel: Strategy = field(default=Strategy.FSDP, metadata=OPTIONAL)   # the backbone's strategy under torchrun
     tables: TableLayout = field(default=TableLayout.FSDP, metadata=OPTIONAL)  # lookup tables: fsdp units | rows | host
-    fit_gib: float | None = field(default=None, metadata=OPTIONAL)   # per-GPU GiB the plan fits the layout to (stem.train.memory.fit)
-    host_workers: int | None = field(default=None, metadata=OPTIONAL)   # host tables' update threads (None: in the step)
+    # host tables' row update: null in the step (synchronous), or on this many worker threads while the device
+    # computes the next step (stem.optim.adamw.RowSparseAdamW.overlap)
+    host_workers: int | None = field(default=None, metadata={**OPTIONAL, **AT_LEAST_1})
+    # host tables' host side (stem.train.comms.host_update): a node's host memory bandwidth, and one core's (GB/s;
+    # a job's is the first, at most its cores x the second: stem.train.comms.host_bandwidth)
+    host_mem_gbs: float = field(default=100.0, metadata={**OPTIONAL, **POSITIVE_NUMBER})
+    host_core_gbs: float = field(default=10.0, metadata={**OPTIONAL, **POSITIVE_NUMBER})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings(Layout, StageOptions, RunSettings, StageSchedule):
+    """The ``train`` section: one stage's schedule and batch layout (``StageSchedule``) and options
+    (``StageOptions``), logging and checkpoints (``RunSettings``), the cluster's layout (``Layout``); each key
+    declared once, in its class."""
+    save_optimizer: bool = False    # true: a later stage carries this one's optimizer state
+    # per-GPU GiB the plan fits the layout to (stem.train.memory.fit): cluster.gpu_mem_gib where cluster.fit_memory
+    fit_gib: float | None = field(default=None, metadata={**OPTIONAL, **POSITIVE_NUMBER})
 
     def __post_init__(self):
         _check(self.parallel in STRATEGIES, "parallel", f"one of {', '.join(STRATEGIES)}", self.parallel)
         _check(self.tables in TABLE_LAYOUTS, "tables", f"one of {', '.join(TABLE_LAYOUTS)}", self.tables)
-        _check(self.schedule_steps is None or self.schedule_steps >= 1, "schedule_steps", "an integer >= 1 or null",
-               self.schedule_steps)
-        _check(self.fit_gib is None or self.fit_gib > 0, "fit_gib", "a number > 0 or null", self.fit_gib)
-        _check(self.host_workers is None or self.host_workers >= 1, "host_workers", "an integer >= 1 or null",
-               self.host_workers)
 
     def lr_schedule(self) -> dict:
         """Keyword arguments of stem.train.schedule.get_lr."""
@@ -198,6 +229,137 @@ class TrainSpec(_Spec):
     @property
     def name(self) -> str:
         return f"{self.scale}/{self.variant}/{self.stage}"
+
+
+# ---- variants (config/variants.yaml + an experiment's variant_overrides) -------------------------------------
+# Parsed once per version of the file and set of overrides (``variants``): the experiment parse
+# (stem.config.experiment) checks them, the sweeps and the knowledge sweep (stem.sweeps, stem.knowledge) emit their
+# points as ``Variant``s, and every job, report and tool reads the node. Adding a key is one field line.
+VARIANT_FILE = "config/variants.yaml + variant_overrides"
+
+
+@dataclass(frozen=True)
+class TrainCalibration:
+    """A trained insertion's ``insert.calibration`` (init ``calibrated``; stem.train.calibration): ``tokens`` of
+    ``source``'s train split (null: the insertion stage's first data source), the unseen rule, sequential or not.
+    The job's ``insert.calibration`` (``Insert.spec``) has every field but ``from_step0``; an ``OPTIONAL`` one only
+    where it differs from its default."""
+    source: str | None = None
+    tokens: int = field(default=16384, metadata=AT_LEAST_1)
+    unseen: str = field(default="mean", metadata=expect(lambda v: v in ("mean", "raw"), "mean or raw"))
+    sequential: bool = False
+    # unseen and sequential: the best calibrated row of the step-0 analysis at these layers
+    from_step0: bool = field(default=False, metadata=OPTIONAL)
+
+
+@dataclass(frozen=True)
+class Insert:
+    """A variant's ``insert``: a mid-training insertion (stem.models.insert) starting at ``stage`` from the
+    ``from`` variant's checkpoint of the stage before, with init ``init`` (``calibrated``: ``calibration``)."""
+    from_: str = field(metadata={"key": "from"})   # the dense variant it starts from
+    stage: str
+    init: InsertInit = InsertInit.PROJECTED
+    calibration: TrainCalibration | None = None   # init calibrated only (absent: the defaults)
+
+    def __post_init__(self):
+        if self.init != InsertInit.CALIBRATED and self.calibration is not None:
+            raise FieldError("calibration", f"set, but insert.init is {str(self.init)!r}; expected it only with init "
+                             "'calibrated'")
+
+    @property
+    def settings(self) -> TrainCalibration:
+        """Init calibrated's settings (the defaults where ``calibration`` is not written)."""
+        return self.calibration or TrainCalibration()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named variant (config/variants.yaml with variant_overrides) or a generated one (a sweep or knowledge
+    point): its FFN kind and placement, DSE memory, insertion, optimizer and stage overrides (mappings set over the
+    config's nodes, ``stem.fields.override``), presentation; the keys it does not type are ModelConfig keys
+    (``model``: n_experts, moe_*, ...), handed to the model as written."""
+    EXTRA: typing.ClassVar[str] = "model"
+    ffn: str = "dense"   # a registered FFN kind (stem.registry.FFN_KINDS)
+    # {every: k, offset: o} | {start: s} | a list of layers | {positions: [f, ...]} (stem.models.spec.resolve_placement)
+    placement: dict | tuple[int, ...] | None = None
+    # the sibling paper's hashed N-gram memory: {placement, and stem.models.spec.DSEConfig's keys}
+    dse: dict | None = None
+    insert: Insert | None = None
+    optim: dict | None = None      # set over the config's optim (stem.optim.OptimSpec's keys)
+    stage: dict | None = None      # set over the stage's settings (a point's: its data, steps, eval_batches)
+    seed_index: int = field(default=0, metadata=expect(lambda k: k >= 0, "an integer >= 0"))   # a knowledge point's
+    label: str | None = None          # the paper's row label (tables, legends)
+    figure_label: str | None = None   # the figures' legend label where they say more
+    color: str | None = None          # the figures' colour
+    baseline: bool = False            # the one variant every other is compared with
+    figures: tuple[str, ...] = ()     # the report figures that draw it
+    model: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.ffn not in FFN_KINDS:
+            raise FieldError("ffn", f"{self.ffn!r} is not a registered FFN kind; expected one of "
+                             f"{', '.join(FFN_KINDS)}")
+        if self.dse is not None:
+            _check_dse(self.dse)
+        if self.insert is not None and self.ffn != "stem":
+            raise FieldError("ffn", f"{self.ffn!r}; an insertion builds ffn kind 'stem'")
+
+    def model_spec(self) -> dict:
+        """What stem.models.spec.model_config reads of it: FFN kind, placement, DSE memory, the model keys."""
+        return {"ffn": self.ffn, "placement": self.placement, "dse": self.dse, **self.model}
+
+    def mapping(self) -> dict:
+        """The variant as a mapping (the keys it sets; the sweeps' arithmetic and cache key, stem.sweeps)."""
+        return {**_set_keys(self), **self.model}
+
+
+def _set_keys(obj) -> dict:
+    """A node's fields that differ from their defaults, by the keys a mapping writes (nested nodes likewise)."""
+    return {key_of(f): _set_keys(v) if dataclasses.is_dataclass(v) else v for f in dataclasses.fields(obj)
+            if f.name != getattr(obj, "EXTRA", None) and (v := getattr(obj, f.name)) != f.default}
+
+
+def _check_dse(dse):
+    """A variant's ``dse``: placement plus DSEConfig's keys, checked by DSEConfig's own checks."""
+    if not isinstance(dse, dict):
+        raise FieldError("dse", f"{dse!r}; expected a mapping (placement, orders, heads, ...)")
+    given = {k: tuple(v) if k == "orders" and isinstance(v, list) else v for k, v in dse.items() if k != "placement"}
+    known = [f for f in DSEConfig.__dataclass_fields__ if f != "layers"]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise FieldError(f"dse.{unknown[0]}", f"unknown; expected placement or one of {', '.join(known)}")
+    try:
+        DSEConfig(**given)
+    except (TypeError, ValueError) as e:
+        raise FieldError(str(e).split("=")[0], str(e)) from None
+
+
+VARIANT = Parser(ConfigError, wrong="key '{key}': {value}; expected {expected}",
+                 unknown="key '{key}': unknown; expected one of {names}")
+
+
+def variants(overrides: dict) -> dict[str, Variant]:
+    """{name: Variant} of config/variants.yaml with ``overrides`` (an experiment's variant_overrides) merged over
+    each, in the file's order; the first bad one is one ConfigError line ``variant 'x' (config/variants.yaml +
+    variant_overrides): key '...': ...``. Parsed once per version of the file and of the overrides (shared nodes:
+    frozen; the mapping is a copy)."""
+    path = io.VARIANTS   # the file io.variants_file reads (a test may point it elsewhere)
+    return dict(_variants(str(path), path.stat().st_mtime_ns, json.dumps(overrides or {}, sort_keys=True)))
+
+
+@lru_cache(maxsize=8)
+def _variants(path: str, mtime_ns: int, overrides: str) -> tuple:
+    over = json.loads(overrides)
+    return tuple((name, variant_node(name, deep_merge(spec, over.get(name) or {})))
+                 for name, spec in io.variants_file().items())
+
+
+def variant_node(name: str, spec: dict, parser: Parser = VARIANT) -> Variant:
+    """One variant from its mapping; ``parser``'s one line ``variant 'name' (...): key ...`` otherwise."""
+    try:
+        return node(Variant, spec, "", parser)
+    except parser.error as e:
+        raise parser.error(f"variant {name!r} ({VARIANT_FILE}): {e}") from None
 
 
 # ---- evaluation -----------------------------------------------------------------------------------------

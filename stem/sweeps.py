@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
 from stem import layout as L
-from stem.io import ConfigError, dataclass_mapping, variants
+from stem.io import ConfigError, dataclass_mapping
 from stem.io import deep_merge as _deep_merge
 from stem.models.spec import VARIANT_KEYS, ModelConfig, resolve_placement, table_rows
+from stem.specs import Variant, variant_node, variants
 
 MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
@@ -163,10 +164,10 @@ def _resolve(cfg: dict, spec: dict) -> dict:
 
 def _named(cfg: dict, kind: str, key: str) -> dict:
     name = section(cfg, kind)[key]
-    named = variants(cfg)
+    named = variants(cfg.get("variant_overrides") or {})
     if name not in named:
         raise SweepError(f"key 'sweeps.{kind}.{key}': {name!r} is not a variant; expected one of {sorted(named)}")
-    return named[name]
+    return named[name].mapping()   # the arithmetic below reads the variant as a mapping (also the cache key)
 
 
 def _memory(cfg: dict, kind: str) -> dict:
@@ -309,15 +310,25 @@ def points(cfg: dict, kind: str, strict: bool = True) -> list[dict]:
     return rho_points(cfg, strict) if kind == "rho" else slots_points(cfg)
 
 
-def variant_specs(cfg: dict, strict: bool = True) -> dict[str, dict]:
-    """{variant id: variant spec} of every sweep point of the config; a point's spec carries ``stage`` (the
-    stage settings it overrides, ``sweeps.train``)."""
+def variant_specs(cfg: dict, strict: bool = True) -> dict[str, Variant]:
+    """{variant id: its Variant} of every sweep point of the config; a point's ``stage`` is the stage settings it
+    overrides (``sweeps.train``)."""
     out = {}
     for kind in KINDS:
         if kind in (cfg.get("sweeps") or {}):
             for p in points(cfg, kind, strict):
-                out[p["variant"]] = {**p["spec"], "stage": train_settings(cfg)}
+                out[p["variant"]] = _point_variant(p["variant"], {**p["spec"], "stage": train_settings(cfg)})
     return out
+
+
+@lru_cache(maxsize=256)
+def _point_node(name: str, key: str) -> Variant:
+    return variant_node(name, json.loads(key))
+
+
+def _point_variant(name: str, spec: dict) -> Variant:
+    """A point's node (parsed once per spec: the DAG asks for each point's spec per job)."""
+    return _point_node(name, json.dumps(spec, sort_keys=True))
 
 
 def variant_ids(cfg: dict, kind: str) -> list[str]:
@@ -346,10 +357,10 @@ def validate(exp, origin: str):
     try:
         specs = variant_specs(cfg, strict=False)
         for name, point in specs.items():
-            if name in variants(cfg):
+            if name in variants(cfg.get("variant_overrides") or {}):
                 raise SweepError(f"sweep point {name!r}: clashes with the variant of that name")
             try:
-                ModelConfig.from_dict(_resolve(cfg, point))
+                ModelConfig.from_dict(_resolve(cfg, point.mapping()))
             except (TypeError, ValueError) as e:
                 raise SweepError(f"sweep point {name!r}: {e}") from None
     except SweepError as e:

@@ -1,12 +1,11 @@
 """The workflow's DAG builds without torch (issue 20 item 6): the FFN kinds' registered facts
 (stem.models.registry.FFNFacts) and the closed-form parameter count (stem.models.spec.param_count) stand in
-for the meta-device models, and must agree with them exactly; the paper DAG built by Snakemake imports no
-torch, lm_eval or matplotlib."""
+for the meta-device models, and must agree with them exactly. That the paper DAG built by Snakemake imports
+no torch, lm_eval or matplotlib: tests/test_slurm.py's test_paper_dag_imports_no_torch (on that file's dry run
+of the paper DAG, built once for both)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -91,25 +90,3 @@ def test_a_kind_declaring_nothing_is_built_to_find_out():
         assert AW._kind(json.dumps(mc.to_dict(), sort_keys=True)) == {"tables": False, "lookups": True, "dse": False}
     finally:
         toy_ffn.unregister()
-
-
-DAG = r'''
-import json, sys
-from snakemake.cli import main
-try:
-    main(["--profile", "profiles/slurm", "--dry-run", "--quiet", "all"])
-except SystemExit as e:
-    code = e.code
-print(json.dumps({"code": code, "loaded": [m for m in ("torch", "lm_eval", "matplotlib", "transformers")
-                                            if m in sys.modules]}))
-'''
-
-
-def test_the_paper_dag_imports_no_torch():
-    """Snakemake builds the paper DAG (profiles/slurm: config check, every job spec, targets, the Slurm stop
-    warnings) in a fresh process: torch, lm_eval, matplotlib and transformers are never imported (pandas is:
-    Snakemake's own API imports it)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", DAG], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"code": 0, "loaded": []}, out.stderr[-2000:]

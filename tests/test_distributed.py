@@ -1,40 +1,40 @@
 """Distributed training on the CPU (gloo): 2 processes == 1 process, checkpoints reshard across world sizes.
 
-One torchrun (2 ranks) and one plain python process each run a list of small jobs (dense, STEM, Hash-MoE,
-routed MoE, FSDP and the DDP-backbone strategy) to amortise start-up; the tests compare their metrics. ~30 s in all.
+Two ranks and one process, forked from the test's (no interpreter to start), each run a list of small jobs (dense,
+STEM, Hash-MoE, routed MoE, FSDP and the DDP-backbone strategy) through the training loop to amortise start-up; the
+tests compare their metrics.
 """
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported before the ranks fork: FSDP2 would import it in each of them)
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from stem import config as C  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
-from stem.train import memory  # noqa: E402
+from stem.train import comms, memory  # noqa: E402
+from stem.train.loop import train  # noqa: E402
 from stem.train.plan import ParallelPlan, local_micro_batch  # noqa: E402
 from conftest import reshaped  # noqa: E402
 
-WORKER = r'''
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-import torch.distributed as dist
-from stem.train.loop import train
-jobs = json.load(open(sys.argv[2]))
-if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-    dist.init_process_group("gloo")        # one group for all jobs (train() joins it, does not destroy it)
-for job in jobs:
-    job["spec"]["train"]["parallel"] = job.get("strategy", "fsdp")   # the backbone's strategy travels in the spec
-    train(job["spec"], threads=1, max_steps=job.get("max_steps"))
-'''
+
+def _jobs_rank(jobs: list):
+    """One rank (forked from the test's process, torch imported: no interpreter to start): the jobs in turn through
+    the real training loop, in one gloo group for all of them (train() joins it, does not destroy it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    for job in jobs:
+        job["spec"]["train"]["parallel"] = job.get("strategy", "fsdp")   # the backbone's strategy travels in the spec
+        train(job["spec"], threads=1, max_steps=job.get("max_steps"))
 
 
 def _make_data(root: Path) -> tuple[str, str]:
@@ -67,18 +67,11 @@ def _spec(variant, tok, manifest, out_dir, steps=6):
     return spec
 
 
-def _run(jobs, tmp: Path, nproc: int, name: str):
-    jobs_file, worker = tmp / f"{name}.json", tmp / "worker.py"
-    jobs_file.write_text(json.dumps(jobs))
-    worker.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, str(worker), str(REPO), str(jobs_file)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(worker), str(REPO), str(jobs_file)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+def _run(jobs, nproc: int):
+    """The jobs at world size ``nproc``: that many ranks forked from this process (stem.train.comms.fork_ranks
+    sets each one's RANK, WORLD_SIZE, MASTER_ADDR/PORT as torchrun would; the launcher's own command line is
+    tests/test_slurm.py's)."""
+    assert comms.fork_ranks(_jobs_rank, nproc, json.loads(json.dumps(jobs))) == [0] * nproc
 
 
 def _packed(spec, micro):
@@ -107,16 +100,22 @@ def runs(tmp_path_factory):
     # token-mean accumulation: 2 ranks x 2 micro-batches of 2 packed rows vs one micro-batch of 8 rows
     one += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w1packed"), 8)}]
     two += [{"spec": _packed(_spec("stem", tok, manifest, tmp / "w2packed"), 2)}]
+    # gradients reduce-scattered every micro-batch: batch 8 in micro-batches of 2, 3 steps (4 a step at world 1,
+    # 2 a rank at world 2)
+    for jobs, world in ((one, 1), (two, 2)):
+        spec = _spec("stem", tok, manifest, tmp / f"accum{world}", steps=3)
+        spec["train"].update(micro_batch=2)
+        jobs.append({"spec": spec})
     # saved at world size 2 after 4 steps (a DCP state), resumed below at world size 1
     two += [{"spec": _spec(v, tok, manifest, tmp / "reshard" / v), "max_steps": 4} for v in ("stem", "stem_sparse")]
-    _run(two, tmp, 2, "two")
+    _run(two, 2)
     for v in ("stem", "stem_sparse"):
         state = tmp / "reshard" / v / "_state"
         saved = state / (state / "latest").read_text().strip()
         (tmp / f"saved_at_two_{v}.json").write_text(json.dumps(
             {"dcp": (saved / "dcp").is_dir(), **json.loads((saved / "extra.json").read_text())}))
         one += [{"spec": _spec(v, tok, manifest, tmp / "reshard" / v)}]
-    _run(one, tmp, 1, "one")
+    _run(one, 1)
     return tmp
 
 
@@ -134,6 +133,13 @@ def test_two_ranks_follow_one_rank_loss_curve(runs, variant):
     # the modelled communication (stem.train.comms, checked against counted bytes in test_comms.py)
     assert s1["comms"]["total_bytes"] == 0 and s2["comms"]["world"] == 2 and s2["comms"]["total_bytes"] > 0
     assert (s2["comms"]["table_bytes"] > 0) == (variant not in ("dense", "dense_tied"))
+
+
+def test_two_ranks_accumulating_micro_batches_follow_one_rank(runs):
+    """Gradients reduce-scattered every micro-batch (2 per rank per step here) give one rank's loss curve. (Was
+    tests/test_memory.py's, with a torchrun of its own; here it shares this file's two runs.)"""
+    (l1, _), (l2, _) = _losses(runs / "accum1"), _losses(runs / "accum2")
+    assert len(l1) == 3 and l2 == pytest.approx(l1, rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["dense", "stem", "stem_sparse", "moe"])

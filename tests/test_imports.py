@@ -1,13 +1,16 @@
 """The package's import graph, lazy (function-level) imports included, has no cycle."""
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@functools.cache
 def _graph(package: Path = REPO / "stem") -> dict[str, set[str]]:
     """Module -> the stem modules it imports anywhere in its source (``from stem.x import y`` counts as
-    ``stem.x.y`` when that is a module, else ``stem.x``)."""
+    ``stem.x.y`` when that is a module, else ``stem.x``). Built once for this file's tests (the sources do not
+    change while they run): do not mutate it."""
     mods = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
             for p in package.rglob("*.py")}
     graph = {}

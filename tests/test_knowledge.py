@@ -65,7 +65,7 @@ def test_names_are_one_token_and_the_control_s_are_several(tmp_path):
 
 
 @pytest.mark.parametrize("edit, key", [
-    (lambda c: c["sources"]["n0400"].update(n=900), "sources.n0400.n"),
+    (lambda c: c["sources"]["n0200"].update(n=900), "sources.n0200.n"),
     (lambda c: c["knowledge"]["templates"]["city"].append("{name} lives somewhere."), "knowledge.templates.city[3]"),
     (lambda c: c["knowledge"]["templates"]["major"].append("Born in {value}."), "knowledge.templates.major[3]"),
     (lambda c: c["sources"]["n0050"].update(exposures=10), "sources.n0050.exposures"),
@@ -73,6 +73,8 @@ def test_names_are_one_token_and_the_control_s_are_several(tmp_path):
     (lambda c: c["archs"]["350m"].update(vocab_size=1200), "archs.350m.vocab_size"),
     (lambda c: c["tokenizer"]["350m"].pop("add_names"), "tokenizer.350m.add_names"),
     (lambda c: c["knowledge"].update(sources=["n0050", "web"]), "knowledge.sources[1]"),
+    (lambda c: c["analysis"]["knowledge_edit"]["inject"].update(people=751), "analysis.knowledge_edit.inject.people"),
+    (lambda c: c["analysis"]["knowledge_edit"]["inject"].update(steps=0), "analysis.knowledge_edit.inject.steps"),
 ])
 def test_bad_knowledge_config_is_one_line_naming_the_key(edit, key):
     cfg = copy.deepcopy(RAW)
@@ -90,17 +92,19 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     seeded = [p for p in points if K.split(p)[2]]
     assert len(points) == len(kn.sources) * len(kn.variants) + len(seeded)
     assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at)
-    spec = C.train_spec(exp, "350m", "k__n0050__stem__s2", "pretrain")
+    spec = C.train_spec(exp, "350m", "k__n0200__stem__s2", "pretrain")
     st = exp.stages["pretrain"]["350m"]
-    assert list(spec["data"]) == ["n0050"] and spec["seed"] == exp.seed + 2
-    one_pass = math.ceil(50 * 100 * kn.tokens_per_bio / (st.batch_size * st.seq_len))
-    assert one_pass < kn.min_steps and spec["train"]["steps"] == kn.min_steps   # the floor: a small world
-    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__n0050__stem__s2/pretrain")
-    assert C.train_spec(exp, "350m", "k__n0400__stem", "pretrain")["train"]["steps"] == \
-        math.ceil(400 * 100 * kn.tokens_per_bio / (st.batch_size * st.seq_len))
+    assert list(spec["data"]) == ["n0200"] and spec["seed"] == exp.seed + 2
+    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__n0200__stem__s2/pretrain")
+    # equal exposures: every world is seen E times by one pass (no step floor confounding N with exposures)
+    assert len({exp.sources[s].reader["exposures"] for s in kn.sources}) == 1
+    for s in kn.sources:
+        r = exp.sources[s].reader
+        assert C.train_spec(exp, "350m", K.point_id(s, "dense"), "pretrain")["train"]["steps"] == \
+            math.ceil(r["n"] * r["exposures"] * kn.tokens_per_bio / (st.batch_size * st.seq_len))
     assert C.train_spec(exp, "350m", "k__n0050__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__n0400__stem__s1", "pretrain")   # seeds only where seeds_at says
+        C.train_spec(exp, "350m", "k__n0050__stem__s1", "pretrain")   # seeds only where seeds_at says
     a = job_spec(exp, "350m", "k__n0200__dense", "pretrain", "knowledge")
     assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (200, "one", "dense", 800)
     targets = K.targets(exp)
@@ -194,3 +198,34 @@ def test_the_gpu_overlay_scales_n_and_the_model_and_keeps_the_experiment():
     assert (kn.variants, kn.attributes, kn.templates) == (parse(copy.deepcopy(RAW)).knowledge.variants,
                                                           RAW["knowledge"]["attributes"], parse(copy.deepcopy(RAW)).knowledge.templates)
     assert K.point_id("n6400", "stem", 2) in K.points(exp)
+
+
+def test_injection_fits_only_the_new_token_s_rows_and_is_undone(tmp_path):
+    """A held-out individual (never in the world of N): fitting its rows lowers the loss of its biography and moves
+    nothing but those rows; its rows are restored after; too many held-out individuals is a one-line error."""
+    import random
+
+    from stem.analysis.common import state_digest, table_sites
+
+    bios, tok, model = _world_model(tmp_path)
+    params = [model.tok_emb.weight, *(p for _, p in table_sites(model))]
+    x = AK.held_out(bios, 30, 1)[0]
+    tx = tok.encode_batch([" " + bios.names[x]])[0][0]
+    others = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = AK._bio_batch(bios, tok, x, 2, "t")
+    loss = AK.fit_rows(model, params, tx, batch, 8, 0.05)
+    assert loss[1] < loss[0]
+    for k, v in model.state_dict().items():
+        changed = (v != others[k]).reshape(v.shape[0], -1).any(-1) if v.dim() else v != others[k]
+        assert k in ("tok_emb.weight", *(n for n, _ in table_sites(model))) and changed.nonzero().flatten().tolist() \
+            == [tx] if changed.any() else True, k
+    model.load_state_dict(others)
+    digest = state_digest(model)
+    before = {i: AK._hits(model, AK.probes_of(bios, tok, [i])) for i in range(4)}
+    sites = {"stem": params[1:], "embedding": params[:1], "all": params}
+    out = AK.inject(model, bios, tok, sites, 4, {"people": 2, "steps": 2, "docs": 2, "lr": 0.05}, random.Random(0),
+                    before)
+    assert out["undo_bit_exact"] and state_digest(model) == digest and set(out["sites"]) == set(sites)
+    assert all(p["x"] >= 4 and p["fit"]["collateral"] == 0.0 for p in out["sites"]["all"]["people"])
+    with pytest.raises(ValueError, match="inject.people: 800; expected at most"):
+        AK.held_out(bios, 4, len(bios.names))

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # bottom -> top; a unit may import its own layer's units and every layer below
 LAYERS = [
     ("base", "stem stem.options stem.fields stem.plugins stem.registry stem.layout stem.io stem.provenance stem.seeds "
-             "stem.resources"),
+             "stem.resources stem.warm"),
     ("models", "stem.models"),
     ("optim", "stem.optim"),
     ("checkpoint", "stem.checkpoint"),
@@ -71,10 +71,12 @@ def entries(tree: ast.AST):
             yield node, m[1], m[2]
 
 
+@lru_cache(maxsize=None)
 def imports(packages=PACKAGES) -> list[tuple[str, str, str]]:
     """(importing module, imported module, 'file:line') for every import of the packages' modules anywhere in
     their source, function-level ones included (relative imports resolved; ``from stem import config`` names
-    ``stem.config``), and for every ``"module:attr"`` string (a registry entry, imported on first use)."""
+    ``stem.config``), and for every ``"module:attr"`` string (a registry entry, imported on first use). Scanned once
+    per package tuple for this file's tests: callers do not mutate the list."""
     mods = _modules(packages)
     top = {p.name for p in packages}
     out = []

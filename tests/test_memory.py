@@ -106,7 +106,11 @@ def test_check_names_the_job_peak_and_limit(traces):
 def test_workflow_refuses_an_oversize_job_before_running_anything(traces):
     work = traces["cache"].parents[1]
     path = work / "small.yaml"
-    path.write_text(yaml.safe_dump(traces[3]["cfg"]))
+    # olmo_mix in one tokenize part, not the paper's 1,024: the same training job (its spec names the gathered
+    # manifest only, so the trace cached above is its trace) in a DAG of 4 jobs instead of 1,028 to build
+    cfg = traces[3]["cfg"]
+    path.write_text(yaml.safe_dump({**cfg, "sources": {**cfg["sources"], "olmo_mix": {**cfg["sources"]["olmo_mix"],
+                                                                                      "parts": 1}}}))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
                         "--replace-workflow-config", "-d", str(work), "--cores", "1",
@@ -117,20 +121,6 @@ def test_workflow_refuses_an_oversize_job_before_running_anything(traces):
     assert f"training job 1b/stem/pretrain: traced peak {traces[3]['peak_gib']:.1f} GiB per GPU exceeds " \
            "cluster.gpu_mem_gib = 1.0 GiB" in out
     assert not (work / "data").exists() and not (work / "results" / "paper").exists()   # nothing ran
-
-
-def test_two_ranks_accumulating_micro_batches_follow_one_rank(tmp_path):
-    """Gradients reduce-scattered every micro-batch (2 per rank per step here) give one rank's loss curve."""
-    import test_distributed as T
-    tok, manifest = T._make_data(tmp_path / "data")
-    jobs = {}
-    for world in (1, 2):
-        spec = T._spec("stem", tok, manifest, tmp_path / f"w{world}", steps=3)
-        spec["train"].update(micro_batch=2)            # batch 8: 4 micro-batches a step, 2 per rank at world 2
-        jobs[world] = [{"spec": spec}]
-        T._run(jobs[world], tmp_path, world, f"w{world}")
-    (l1, _), (l2, _) = T._losses(tmp_path / "w1"), T._losses(tmp_path / "w2")
-    assert len(l1) == 3 and l2 == pytest.approx(l1, rel=1e-4, abs=1e-5)
 
 
 def test_memory_command_prints_trace_closed_form_and_limit(traces, monkeypatch, capsys):

@@ -229,9 +229,11 @@ def test_sampling_is_a_seeded_document_hash_over_the_whole_source(world, tmp_pat
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
 
 
-def snakemake(*args, cwd, **kw):
+def snakemake(*args, cwd, warm=False, **kw):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    return subprocess.run([*SNAKEMAKE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, **kw)
+    warm_start = [sys.executable, "-m", "stem.warm", "--"] if warm else []   # as make smoke runs it (stem/warm.py)
+    return subprocess.run([*warm_start, *SNAKEMAKE, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600, **kw)
 
 
 def reduced_paper_config(world, tmp_path) -> Path:
@@ -270,7 +272,7 @@ def test_reduced_paper_config_runs_tokenize_to_niah_through_snakemake(world, tmp
     cfg = reduced_paper_config(world, tmp_path)
     args = ["--configfile", str(cfg), "--replace-workflow-config", "-d", str(tmp_path), "--cores", "2"]
     target = "results/paper/1b/stem/extend/eval/niah.json"
-    r = snakemake(*args, target, cwd=tmp_path)
+    r = snakemake(*args, target, cwd=tmp_path, warm=True)
     assert r.returncode == 0, r.stderr[-3000:]
     niah = json.loads((tmp_path / target).read_text())
     assert niah["tasks"]["niah"]["n"] == 2 * 3 * 1

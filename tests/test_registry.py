@@ -3,13 +3,12 @@ through accounting, optimizer groups, init and sharding on 2 gloo ranks; config 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported before the ranks fork: FSDP2 would import it in each of them)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -21,6 +20,7 @@ from stem.models import registry  # noqa: E402
 from stem.models.accounting import accounting  # noqa: E402
 from stem.models.spec import ModelConfig  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
+from stem.train import comms  # noqa: E402
 from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.optim import build_optimizer  # noqa: E402
 
@@ -107,47 +107,35 @@ def test_variants_checked_against_registry(tmp_path):
         C.experiment.parse(cfg, origin="tiny.yaml")
 
 
-WORKER = r'''
-import json, sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
-import torch
-from torch.distributed.tensor import DTensor
-import toy_ffn
-toy_ffn.register()   # the child registers the kind from the test module too
-from stem.models.spec import ModelConfig
-from stem.models.model import build_model
-from stem.train import distributed as dist_
-from stem.optim import build_optimizer
-cfg = ModelConfig.from_dict(json.loads(sys.argv[2]))
-ctx = dist_.setup(torch.device("cpu"))
-torch.manual_seed(0)
-model = build_model(cfg, "cpu")
-from stem.train.plan import ParallelPlan
-dist_.parallelize(model, ctx, ParallelPlan(ctx.world, "fsdp", 1, ctx.world, 16))
-opt = build_optimizer(model, json.loads(sys.argv[3]), lr=1e-2)
-bias = model.layers[1].ffn.bias.weight
-out = {"sharded": isinstance(bias, DTensor), "local_rows": bias.to_local().shape[0],
-       "groups": [g["name"] for g in opt.param_groups], "losses": []}
-g = torch.Generator().manual_seed(1)
-for _ in range(2):
-    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
-    loss = model(ids[:, :-1], ids[:, 1:]); loss.backward(); opt.step(); opt.zero_grad()
-    out["losses"].append(loss.item())
-out["bias_abs_sum"] = bias.full_tensor().abs().sum().item()
-if ctx.rank == 0:
-    json.dump(out, open(sys.argv[4], "w"))
-dist_.teardown(ctx)
-'''
+def _toy_rank(cfg: ModelConfig, out: Path):
+    """One of 2 gloo ranks (forked from the test's process, the toy kind registered there): the toy model under
+    FSDP, its bias table its own shard unit, 2 optimizer steps; rank 0 writes what it saw."""
+    from torch.distributed.tensor import DTensor
+    from stem.train import distributed as dist_
+    ctx = dist_.setup(torch.device("cpu"))
+    torch.manual_seed(0)
+    model = build_model(cfg, "cpu")
+    dist_.parallelize(model, ctx, ParallelPlan(ctx.world, "fsdp", 1, ctx.world, 16))
+    opt = build_optimizer(model, OPTIM, lr=1e-2)
+    bias = model.layers[1].ffn.bias.weight
+    got = {"sharded": isinstance(bias, DTensor), "local_rows": bias.to_local().shape[0],
+           "groups": [g["name"] for g in opt.param_groups], "losses": []}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
+        loss = model(ids[:, :-1], ids[:, 1:]); loss.backward(); opt.step(); opt.zero_grad()
+        got["losses"].append(loss.item())
+    got["bias_abs_sum"] = bias.full_tensor().abs().sum().item()
+    if ctx.rank == 0:
+        out.write_text(json.dumps(got))
+    dist_.teardown(ctx)
 
 
 def test_toy_kind_sharded_on_two_gloo_ranks(toy, tmp_path):
     cfg = _cfg()
-    worker, out = tmp_path / "worker.py", tmp_path / "out.json"
-    worker.write_text(WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker),
-           str(REPO), json.dumps(cfg.to_dict()), json.dumps(OPTIM), str(out)]
-    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    out = tmp_path / "out.json"
+    # two ranks forked from this process (no torchrun or fresh interpreter to start: torch is imported)
+    assert comms.fork_ranks(_toy_rank, 2, cfg, out) == [0, 0]
     got = json.loads(out.read_text())
     assert got["sharded"] and got["local_rows"] == V // 2   # the bias table is its own unit over both ranks
     assert got["groups"] == ["matrix", "norm", toy_ffn.GROUP]

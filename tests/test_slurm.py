@@ -60,11 +60,26 @@ def test_launcher_commands(monkeypatch):
     assert {"--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=node017:29734"} <= set(mn)
 
 
+# A dry run in a fresh process: Snakemake's own command line (snakemake.cli.main, what the `snakemake` script runs),
+# then one last line naming which heavy modules building the DAG imported.
+DRY_RUN = r'''
+import json, sys
+from snakemake.cli import main
+try:
+    main(sys.argv[1:] + ["--dry-run"])
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "loaded": [m for m in ("torch", "lm_eval", "matplotlib", "transformers")
+                                            if m in sys.modules]}))
+'''
+
+
 def _dry_run_resources(*args):
-    """({rule: resources of its first job}, {(rule, wildcards): resources}, stdout) of a dry run."""
-    r = subprocess.run(["snakemake", *args, "--dry-run"], cwd=REPO, env=_env(), capture_output=True, text=True,
+    """({rule: resources of its first job}, {(rule, wildcards): resources}, stdout, {code, loaded}) of a dry run."""
+    r = subprocess.run([sys.executable, "-c", DRY_RUN, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    done = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and done["code"] == 0, r.stderr[-3000:] + r.stdout[-3000:]
     seen, jobs, rule, wildcards = {}, {}, None, ""
     for line in r.stdout.splitlines():
         if line.startswith(("rule ", "localrule ")):
@@ -75,7 +90,13 @@ def _dry_run_resources(*args):
             res = dict(kv.split("=", 1) for kv in line.split(":", 1)[1].strip().split(", "))
             seen.setdefault(rule, res)
             jobs[(rule, wildcards)] = res
-    return seen, jobs, r.stdout
+    return seen, jobs, r.stdout, done
+
+
+@pytest.fixture(scope="module")
+def paper_dry_run():
+    """One dry run of the paper DAG through the Slurm profile (it takes ~10 s to build), for the tests below."""
+    return _dry_run_resources("--profile", "profiles/slurm")
 
 
 def _dense_params(V, d, L, kv_dim, d_ff):
@@ -83,9 +104,17 @@ def _dense_params(V, d, L, kv_dim, d_ff):
     return 2 * V * d + L * (2 * d * d + 2 * d * kv_dim + 3 * d * d_ff + 2 * d) + d
 
 
-def test_paper_dag_dry_run_through_the_slurm_profile_shows_sbatch_resources():
-    """One dry run of the paper DAG (it takes ~20 s to build): the jobs it holds, then their sbatch resources."""
-    res, jobs, out = _dry_run_resources("--profile", "profiles/slurm")
+def test_paper_dag_imports_no_torch(paper_dry_run):
+    """Snakemake builds the paper DAG (profiles/slurm: config check, every job spec, targets, the Slurm stop
+    warnings) and prints every job in a fresh process: torch, lm_eval, matplotlib and transformers are never
+    imported (pandas is: Snakemake's own API imports it). (Was tests/test_dag_light.py's; it shares this file's
+    dry run.)"""
+    assert paper_dry_run[3] == {"code": 0, "loaded": []}
+
+
+def test_paper_dag_dry_run_through_the_slurm_profile_shows_sbatch_resources(paper_dry_run):
+    """The paper DAG's dry run: the jobs it holds, then their sbatch resources."""
+    res, jobs, out, _ = paper_dry_run
     counts = job_counts(out)
     # all 350M variants; 1B dense and STEM through three stages, STEM inserted at midtrain (stem_insert: midtrain,
     # extend) (1B jobs span nodes: rule train_multinode)

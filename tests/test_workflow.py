@@ -14,9 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
 
 
-def snakemake(*args, cwd):
+def snakemake(*args, cwd, warm=False):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    return subprocess.run([*SNAKEMAKE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    warm_start = [sys.executable, "-m", "stem.warm", "--"] if warm else []   # as make smoke runs it (stem/warm.py)
+    return subprocess.run([*warm_start, *SNAKEMAKE, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
 
 
 GATE_TASKS = ["arc_easy", "boolq", "piqa"]
@@ -71,7 +73,7 @@ def reduced_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("reduced")
     cfg = _reduced_config(tmp_path)
     args = ["--configfile", str(cfg), "--replace-workflow-config", "-d", str(tmp_path), "--cores", "2"]
-    r = snakemake(*args, *TARGETS, cwd=tmp_path)
+    r = snakemake(*args, *TARGETS, cwd=tmp_path, warm=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp_path, cfg, args
 
@@ -84,11 +86,11 @@ def test_reduced_tiny_dag_runs_for_real_and_reruns_nothing(reduced_run):
     assert mid["stage"] == "midtrain" and mid["steps"] == 6 and set(mid["tokens_by_source"]) == {"web", "math", "code"}
     assert (tmp_path / "results/tiny/1b/stem/midtrain/checkpoint/model.safetensors").is_file()
     assert "| 350m | stem_full |" in (tmp_path / "reports/tiny/params.md").read_text()
-    # nothing left to do; and one more target runs only its own job
-    r = snakemake(*args, "-n", *TARGETS, cwd=tmp_path)
-    assert "Nothing to be done" in r.stdout + r.stderr
-    r = snakemake(*args, "-n", "results/tiny/350m/stem_full/pretrain/summary.json", cwd=tmp_path)
-    assert job_counts(r.stdout) == {"train": 1, "total": 1}
+    # nothing left to do for the targets, and one more target runs only its own job: one dry run of both (one
+    # Snakemake start-up, not two)
+    r = snakemake(*args, "-n", *TARGETS, "results/tiny/350m/stem_full/pretrain/summary.json", cwd=tmp_path)
+    assert job_counts(r.stdout) == {"train": 1, "total": 1}, r.stdout[-3000:]
+    assert "results/tiny/350m/stem_full/pretrain/summary.json" in r.stdout
 
 
 # What carries no provenance, by design (docs/confidence.md): a checkpoint's own files (its job spec and
@@ -166,7 +168,7 @@ def test_the_same_job_twice_is_bit_identical(reduced_run):
         {t: [x["acc"] for x in v] for t, v in samples[1].items()}
 
 
-@pytest.mark.parametrize("edit, message", [
+BAD_CONFIGS = [
     (lambda c: c["stages"]["pretrain"]["350m"].update(lrr=1.0), "key 'stages.pretrain.350m.lrr': unknown"),
     (lambda c: c["matrix"]["350m"].update(variants=["dense", "stem_quarter"]), "key 'matrix.350m.variants': 'stem_quarter' is not a variant of config/variants.yaml"),
     (lambda c: c["stages"]["pretrain"]["350m"].update(data={"web": 0.5}), "mixture weights sum to 0.5, expected 1"),
@@ -175,12 +177,31 @@ def test_the_same_job_twice_is_bit_identical(reduced_run):
     (lambda c: c["tokenizer"]["350m"].update(vocab_size=100000), "exceeds archs.350m.vocab_size"),
     (lambda c: c["eval"]["suites"]["ppl"].update(kind="perplexity"),
      "key 'eval.suites.ppl.kind': unknown suite kind 'perplexity'; expected one of ['lm_eval', 'longppl', 'niah', 'ppl']"),
-])
-def test_bad_config_stops_with_one_clear_line(tmp_path, edit, message):
+]
+
+
+def _bad_config(edit) -> dict:
     cfg = yaml.safe_load((REPO / "config/tiny.yaml").read_text())
     edit(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("edit, message", BAD_CONFIGS)
+def test_bad_config_stops_with_one_clear_line(edit, message):
+    """The workflow's config check (rules/common.smk: the typed tree, parsed once as the Snakefile is read) names
+    each bad key in one line; the test below runs one of them through Snakemake itself."""
+    from stem import config as C
+    with pytest.raises(C.ConfigError) as e:
+        C.experiment.parse(_bad_config(edit), origin="workflow config")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_bad_config_stops_the_workflow_before_any_job(tmp_path):
+    """Through Snakemake (one of the cases above, a process of its own): non-zero exit, the check's line, nothing
+    written."""
+    edit, message = BAD_CONFIGS[0]
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(_bad_config(edit)))
     r = snakemake("-n", "--configfile", str(path), "--replace-workflow-config", "-d", str(tmp_path), cwd=tmp_path)
     assert r.returncode != 0
     assert message in r.stdout + r.stderr

@@ -20,11 +20,12 @@ row per STEM table the token reads). A model is ``valid`` at the smallest world 
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 import torch.nn.functional as F
 
-from stem.analysis.common import load, table_sites
+from stem.analysis.common import load, state_digest, table_sites
 from stem.data.bios import make_bios
 from stem.models.accounting import accounting
 from stem.options import NameKind
@@ -142,11 +143,8 @@ def probes_of(bios, tok, people: list[int]) -> list:
 
 def run_edit(ckpt_dir, spec: dict) -> dict:
     """Per site (the STEM tables' rows, the token-embedding rows, both): over ``pairs`` random pairs (A, B), success,
-    B unaffected, collateral on ``collateral`` other individuals, and whether the model is restored bit for bit."""
-    import random
-
-    from stem.analysis.common import state_digest
-
+    B unaffected, collateral on ``collateral`` other individuals, and whether the model is restored bit for bit;
+    with ``inject`` set, the injection of individuals the model never saw (``inject``, below)."""
     model, tok, _ = load(ckpt_dir, spec.get("device", "cpu"))
     bios, n = make_bios({**spec["knowledge"], "name_kind": spec["name_kind"]}), int(spec["n"])
     if any(len(tok.encode_batch([" " + bios.names[i]])[0]) != 1 for i in range(n)):
@@ -170,11 +168,122 @@ def run_edit(ckpt_dir, spec: dict) -> dict:
                        before) for a, b in pairs]
         out[site] = {k: sum(e[k] for e in edits) / len(edits) for k in ("success", "b_unaffected", "collateral")}
         out[site]["edits"] = edits
+    injected = inject(model, bios, tok, sites, n, spec["inject"], rng, before) if spec.get("inject") else None
     return {"analysis": "knowledge_edit", "source": spec["source"], "n": n, "base_variant": spec["base_variant"],
             "seed_index": spec["seed_index"], "pairs": len(pairs),
             "recall_before": sum(map(sum, before.values())) / (n * len(bios.attributes)),
-            "sites": out, "undo_bit_exact": state_digest(model) == digest}
+            "sites": out, "inject": injected, "undo_bit_exact": state_digest(model) == digest}
 
 
 def _chunks(xs: list, k: int) -> list[list]:
     return [xs[i:i + k] for i in range(0, len(xs), k)]
+
+
+# ---- injection (issue 40 item 5): an individual the model never saw gets rows ------------------------------
+# The world of N is the pool's first N individuals; individual N + j (its name a token of the tokenizer, never in
+# the training data) is held out. Two ways to give it knowledge, each at a site (its embedding row, its STEM rows,
+# both): ``copy`` (its rows <- a known donor's: it then answers the donor's facts) and ``fit`` (its rows alone
+# fitted by Adam on its own biographies, everything else frozen, for a stated budget: ``steps`` full-batch steps
+# over ``docs`` biographies at ``lr``), measured on its own facts (recall, bits) and on the others' (collateral).
+def held_out(bios, n: int, people: int) -> list[int]:
+    """The first ``people`` individuals after the world's N (never in its training data)."""
+    if n + people > len(bios.names):
+        raise ValueError(f"analysis.knowledge_edit.inject.people: {people}; expected at most knowledge.names - N "
+                         f"= {len(bios.names) - n} (the held-out individuals are the pool's after the world's N)")
+    return list(range(n, n + people))
+
+
+def _bio_batch(bios, tok, x: int, docs: int, seed: str) -> torch.Tensor:
+    """``docs`` biographies of individual ``x`` (a random paraphrase and order each), right-padded with -1."""
+    from stem.data.bios import biography
+
+    rng = random.Random(seed)
+    rows = [tok.encode_batch([biography(rng, bios, x)])[0] for _ in range(docs)]
+    out = torch.full((docs, max(map(len, rows))), -1, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        out[r, :len(ids)] = torch.tensor(ids)
+    return out
+
+
+def fit_rows(model, params, row: int, batch: torch.Tensor, steps: int, lr: float) -> list[float]:
+    """Row ``row`` (a token id) of each of ``params`` fitted by Adam (betas 0.9/0.999, no weight decay) on the
+    next-token loss of ``batch`` (-1: padding) but the token's own occurrences, every other parameter and row left as
+    it is; returns the loss before and after."""
+    flags = {id(p): p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(any(p is q for q in params))
+    batch = batch[:, :model.cfg.max_seq_len + 1]   # a biography longer than the context: its start
+    x, y = batch[:, :-1].clamp(min=0), batch[:, 1:].clone()
+    y[y == row] = -1   # the name itself is not scored: its output row (the head's, frozen) was never trained
+    state = [(torch.zeros_like(p[row]), torch.zeros_like(p[row])) for p in params]
+    losses = []
+    try:
+        for t in range(1, steps + 2):
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-1)
+            losses.append(float(loss.detach()))
+            if t > steps:
+                break
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for p, g, (m, v) in zip(params, grads, state):
+                    m.mul_(0.9).add_(g[row], alpha=0.1)
+                    v.mul_(0.999).addcmul_(g[row], g[row], value=0.001)
+                    p[row] -= lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(flags[id(p)])
+    return [losses[0], losses[-1]]
+
+
+def _measure(model, bios, tok, x: int, facts_of: int, others: list[int], before: dict) -> dict:
+    """X's prompts scored against ``facts_of``'s values (recall, bits), and the others' hits changed."""
+    own = [(x, a, p, v) for (_, a, p, _), (_, _, _, v) in zip(probes_of(bios, tok, [x]),
+                                                               probes_of(bios, tok, [facts_of]))]
+    scored = score(model, own)
+    rest = _hits(model, probes_of(bios, tok, others))
+    return {"recall": sum(h for _, h in scored) / len(scored),
+            "bits": sum(math.log2(len(bios.values[a])) - ce for (_, a, _, _), (ce, _) in zip(own, scored)),
+            "collateral": sum(a != b for a, b in zip(rest, [h for i in others for h in before[i]])) / max(1, len(rest))}
+
+
+def _inject_one(model, bios, tok, params, x: int, donor: int, others: list[int], before: dict, cfg: dict) -> dict:
+    """Copy then fit at one site for held-out ``x``; its rows restored after each."""
+    tx, td = (tok.encode_batch([" " + bios.names[i]])[0][0] for i in (x, donor))
+    out = {"x": x, "donor": donor, "before": _measure(model, bios, tok, x, x, others, before)}
+    saved = _copy_rows(params, td, tx)
+    try:
+        out["copy"] = _measure(model, bios, tok, x, donor, others, before)
+    finally:
+        _restore(params, tx, saved)
+    batch = _bio_batch(bios, tok, x, int(cfg["docs"]), f"knowledge-inject:{x}")
+    saved = [p[tx].clone() for p in params]
+    try:
+        loss = fit_rows(model, params, tx, batch, int(cfg["steps"]), float(cfg["lr"]))
+        out["fit"] = {**_measure(model, bios, tok, x, x, others, before), "loss": loss}
+    finally:
+        _restore(params, tx, saved)
+    return out
+
+
+def _restore(params, row: int, saved: list[torch.Tensor]):
+    with torch.no_grad():
+        for p, old in zip(params, saved):
+            p[row] = old
+
+
+def inject(model, bios, tok, sites: dict, n: int, cfg: dict, rng: random.Random, before: dict) -> dict:
+    """Per site: the held-out individuals (``cfg["people"]``), each copied from a random known donor and fitted on
+    its own biographies (``fit_rows``); means of recall, bits and collateral, per-person records; undo checked."""
+    people = held_out(bios, n, int(cfg["people"]))
+    donors = [rng.randrange(n) for _ in people]
+    others = rng.sample(range(n), min(int(cfg.get("collateral", 10)), n))
+    digest, out = state_digest(model), {}
+    for site, params in sites.items():
+        if params and not (site == "all" and not sites.get("stem")):   # without STEM rows "all" is the embedding
+            recs = [_inject_one(model, bios, tok, params, x, d, others, before, cfg) for x, d in zip(people, donors)]
+            out[site] = {f"{how}_{k}": sum(r[how][k] for r in recs) / len(recs) for how in ("before", "copy", "fit")
+                         for k in ("recall", "bits", "collateral")}
+            out[site]["people"] = recs
+    return {"sites": out, "steps": int(cfg["steps"]), "docs": int(cfg["docs"]), "lr": float(cfg["lr"]),
+            "people": len(people), "undo_bit_exact": state_digest(model) == digest}

@@ -137,7 +137,7 @@ def _train_models(scale: str, n_layers: int, dev):
     out = {}
     for name, variant, update in TRAIN_PATHS:
         torch.manual_seed(0)
-        model = build_model(model_config(arch, variants[variant or C.baseline_variant(exp)]), dev)
+        model = build_model(model_config(arch, variants[variant or C.baseline_variant(exp)].model_spec()), dev)
         optim = {**C.mapping(exp.optim), "table_update": update}
         configure_table_update(model, optim)
         out[name] = (model, build_optimizer(model, optim, 1e-4, fused=dev.type == "cuda"), optim)

@@ -10,17 +10,17 @@ import copy
 import dataclasses
 from functools import lru_cache
 
-from stem import knowledge, plugins, seeds, sweeps
+from stem import knowledge, plugins, seeds, specs, sweeps
 from stem.config import experiment
 from stem.config.experiment import Experiment, HFInit, Source
 from stem.config.experiment import dataclass_mapping as mapping
-from stem.io import ConfigError, deep_merge, read_yaml, variant, variants, variants_file  # noqa: F401 (re-exported: C.ConfigError, C.deep_merge, C.read_yaml)
+from stem.io import ConfigError, deep_merge, read_yaml  # noqa: F401 (re-exported: C.ConfigError, C.deep_merge, C.read_yaml)
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import GGUF_SEP, analysis_json, checkpoint, corpus_path, stage_dir, tokenizer_path, tokens_manifest
 from stem.models.spec import model_config
 from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
 from stem.seeds import JobId
-from stem.specs import DataSource, StageSchedule, TrainSettings, TrainSpec
+from stem.specs import DataSource, Insert, Layout, StageOptions, StageSchedule, TrainSettings, TrainSpec, Variant
 
 HF_PREFIX = "hf:"   # a job spec's init_from "hf:<hub id or folder>": a transformers checkpoint (stem.hf.importer)
 SCALES = values(Scale)
@@ -31,10 +31,10 @@ STAGES = values(Stage)
 
 
 # ---- variants and models -------------------------------------------------------------------------
-def variant_spec(exp: Experiment, variant: str) -> dict:
-    """A variant's spec: one of config/variants.yaml (with variant_overrides), or a point of the config's
-    ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` key holds the stage settings
-    it overrides)."""
+def variant_spec(exp: Experiment, variant: str) -> Variant:
+    """A variant's node (stem.specs.Variant): one of config/variants.yaml (with variant_overrides), or a point of
+    the config's ``sweeps:`` section (stem.sweeps: ``rho_0p75``, ``slots_4096``; its ``stage`` holds the stage
+    settings it overrides) or of its knowledge sweep (stem.knowledge)."""
     all_variants = exp.variants()
     job = JobId.parse("", variant, "")   # a seed of a matrix cell (stem.seeds): the variant's own spec
     if job.seed and job.variant in all_variants:
@@ -61,10 +61,9 @@ def _overrides(exp: Experiment | None) -> dict:
 
 
 def _presentation(exp: Experiment | None, key: str) -> dict:
-    """{variant: its ``key`` (label, figure_label, color, baseline, figures) or None}, variant_overrides over
-    config/variants.yaml, in that file's order; read without copying the variants (the report asks per label)."""
-    over = _overrides(exp)
-    return {name: (over.get(name) or {}).get(key, spec.get(key)) for name, spec in variants_file().items()}
+    """{variant: its ``key`` (label, figure_label, color, figures)}, the nodes of config/variants.yaml with the
+    config's variant_overrides (stem.specs.variants), in that file's order."""
+    return {name: getattr(v, key) for name, v in specs.variants(_overrides(exp)).items()}
 
 
 def variant_labels(exp: Experiment | None = None) -> dict[str, str]:
@@ -103,9 +102,8 @@ def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | Non
     if stage is not None:
         spec = mapping(exp.stages[stage][scale])   # a key written null is kept, as the config writes it
         arch.update({key: spec[key] for key in ("max_seq_len", "rope_scaling") if key in spec})
-    spec = {k: v for k, v in variant_spec(exp, variant).items() if k not in ("stage", "seed_index")}
     try:
-        return model_config(arch, spec)
+        return model_config(arch, variant_spec(exp, variant).model_spec())
     except ConfigError:
         raise
     except ValueError as e:   # e.g. a placement outside the model's layers
@@ -178,8 +176,9 @@ def part_index(exp: Experiment, source: str, part: str) -> tuple[int, int]:
 def variant_stages(exp: Experiment, name: str, stages) -> list[str]:
     """The stages a variant trains: all, except for a mid-training insertion (``insert:``), which starts at
     ``insert.stage`` (from another variant's checkpoint of the stage before)."""
-    ins = (exp.variant(name) or {}).get("insert")
-    return list(stages[stages.index(ins["stage"]):]) if ins and ins["stage"] in stages else list(stages)
+    v = exp.variant(name)
+    ins = v.insert if v is not None else None
+    return list(stages[stages.index(ins.stage):]) if ins and ins.stage in stages else list(stages)
 
 
 def train_targets(exp: Experiment) -> list[tuple[str, str, str]]:
@@ -221,7 +220,7 @@ def _check_job(exp: Experiment, job: JobId):
     elif m is None or stage not in m.stages:
         raise ConfigError(f"stage {stage!r} at scale {scale!r} is not in the {exp.experiment} experiment's matrix")
     elif stage not in variant_stages(exp, variant, m.stages):
-        raise ConfigError(f"variant {variant!r}: inserted at stage {variant_spec(exp, variant)['insert']['stage']!r}; "
+        raise ConfigError(f"variant {variant!r}: inserted at stage {variant_spec(exp, variant).insert.stage!r}; "
                           f"it has no {stage!r} stage of its own")
 
 
@@ -230,7 +229,7 @@ def _init_from(exp: Experiment, scale: str, variant: str, init, ins) -> str | No
     earlier stage (of the dense variant an insertion starts from), or None."""
     if isinstance(init, HFInit):
         return HF_PREFIX + init.hf + (GGUF_SEP + init.gguf_file if init.gguf_file else "")
-    return checkpoint(exp.experiment, scale, ins["from"] if ins else variant, init) if init else None
+    return checkpoint(exp.experiment, scale, ins.from_ if ins else variant, init) if init else None
 
 
 def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpec:
@@ -244,15 +243,15 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
     _check_job(exp, job)
     point = job.sweep is not None or bool(exp.knowledge and knowledge.is_point(variant))
     vspec = variant_spec(exp, variant)
-    over = dict(vspec.get("stage") or {})
+    over = dict(vspec.stage or {})
     intervals = {k: over.pop(k) for k in list(over) if k not in STAGE_KEYS}   # a sweep's eval_batches (Train)
     st = experiment.override(exp.stages[stage][scale], over, f"stages.{stage}.{scale}")
-    ins = vspec.get("insert") if not point and stage == (vspec.get("insert") or {}).get("stage") else None
+    ins = vspec.insert if not point and vspec.insert is not None and stage == vspec.insert.stage else None
     if ins is not None and (not st.init_from or st.reset_optimizer is False):
         raise ConfigError(f"variant {variant!r}: insert.stage {stage!r} needs stages.{stage}.{scale}.init_from (an "
                           "earlier stage of the dense variant, or {hf: ...}) and a fresh optimizer "
                           "(reset_optimizer: true)")
-    optim = experiment.override(exp.optim, vspec.get("optim", {}), "optim")   # a variant may set e.g. table_update
+    optim = experiment.override(exp.optim, vspec.optim or {}, "optim")   # a variant may set e.g. table_update
     if st.table_group:   # this stage's table-group LR multiplier / weight decay
         group = {k: getattr(st.table_group, k) for k in ("lr_mult", "weight_decay")
                  if getattr(st.table_group, k) is not None}
@@ -260,7 +259,7 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
     init = st.init_from
     return TrainSpec(
         experiment=exp.experiment, scale=scale, variant=variant, stage=stage,
-        seed=exp.seed + vspec.get("seed_index", 0), device=exp.device,
+        seed=exp.seed + vspec.seed_index, device=exp.device,
         model=model_config_for(exp, scale, variant, stage), optim=optim,
         train=_train_settings(exp, scale, stage, st, experiment.override(exp.train, intervals, "train"), point),
         data={src: DataSource(w, tokens_manifest(exp.experiment, scale, src)) for src, w in st.data.items()},
@@ -271,46 +270,46 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
         plugins=tuple(plugins.spec_key(exp).get("plugins", ())))
 
 
-# A stage's keys the job's train section takes where the stage sets them (the others: StageSchedule's, always).
-STAGE_OPTIONAL = ("schedule_steps", "cross_doc_mask", "activation_checkpointing")
 STAGE_KEYS = tuple(f.name for f in dataclasses.fields(experiment.StageSettings))
-SCHEDULE_KEYS = tuple(f.name for f in dataclasses.fields(StageSchedule))
+# the job's train section takes these of the stage node, the intervals and the cluster: the same fields
+STAGE_FIELDS = tuple(f.name for f in (*dataclasses.fields(StageSchedule), *dataclasses.fields(StageOptions)))
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
 
 
 def _train_settings(exp: Experiment, scale: str, stage: str, st, intervals, point: bool) -> TrainSettings:
-    """The job's ``train`` section: the stage's schedule (``StageSchedule``: the same fields), the config's
-    intervals (``Train``), the cluster's layout. reset_optimizer (default true): false carries the optimizer state
-    of init_from's stage, which then saves it in its checkpoint (checkpoint/optimizer/)."""
+    """The job's ``train`` section: the stage's schedule and options (``StageSchedule``, ``StageOptions``: the
+    same fields), the config's intervals (``Train``), the cluster's layout (``Layout``: the same fields).
+    reset_optimizer false carries the optimizer state of init_from's stage, which then saves it in its checkpoint
+    (checkpoint/optimizer/)."""
     return TrainSettings(
-        **{k: getattr(st, k) for k in SCHEDULE_KEYS}, **intervals.settings(),
-        **{k: getattr(st, k) for k in STAGE_OPTIONAL if getattr(st, k) is not None},
-        reset_optimizer=st.reset_optimizer is not False if st.init_from else True,
+        **{k: getattr(st, k) for k in STAGE_FIELDS}, **intervals.settings(),
+        **{k: getattr(exp.cluster, k) for k in LAYOUT_FIELDS},
         save_optimizer=not point and any(exp.stages[s][scale].init_from == stage
                                          and exp.stages[s][scale].reset_optimizer is False
                                          for s in exp.matrix[scale].stages),
-        parallel=exp.cluster.strategy, tables=exp.cluster.tables,   # backbone's, tables' (torchrun)
         # the plan picks a micro-batch / checkpointing / host tables that fit
-        **({"fit_gib": exp.cluster.gpu_mem_gib} if exp.cluster.fit_memory else {}),
-        # host tables' update overlapped with the next step
-        **({"host_workers": exp.cluster.host_workers} if exp.cluster.host_workers is not None else {}))
+        **({"fit_gib": exp.cluster.gpu_mem_gib} if exp.cluster.fit_memory else {}))
 
 
-def _insert_spec(exp: Experiment, scale: str, variant: str, ins: dict, data: dict, init) -> dict:
+def _insert_spec(exp: Experiment, scale: str, variant: str, ins: Insert, data: dict, init) -> dict:
     """A train job's ``insert``: the dense variant and the init; init ``calibrated`` also its calibration source's
-    manifest (``insert.calibration.source``, default the stage's first data source) and settings; with
-    ``from_step0``, the step-0 analysis of the dense checkpoint it starts from (its best choice is taken)."""
-    out = {"from": ins["from"], "init": ins.get("init", InsertInit.PROJECTED)}
-    if out["init"] != InsertInit.CALIBRATED:
+    manifest (``insert.calibration.source``, default the stage's first data source) and settings (every key of
+    ``TrainCalibration`` but ``from_step0``; an OPTIONAL one where it is not at its default); with ``from_step0``,
+    the step-0 analysis of the dense checkpoint it starts from (its best choice is taken)."""
+    out = {"from": ins.from_, "init": ins.init}
+    if ins.init != InsertInit.CALIBRATED:
         return out
-    cal = {"tokens": 16384, "unseen": "mean", "sequential": False, **(ins.get("calibration") or {})}
-    cal["source"] = cal.get("source") or next(iter(data))
-    if cal.pop("from_step0", False):
+    c = ins.settings
+    cal = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "from_step0"
+           and not (f.metadata.get("omit_default") and getattr(c, f.name) == f.default)}
+    cal["source"] = c.source or next(iter(data))
+    if c.from_step0:
         stages = (exp.analysis.stages or {}).get(scale) or []
         if exp.analysis.insertion_step0 is None or isinstance(init, HFInit) or init not in stages:
             raise ConfigError(f"variant {variant!r}: key 'insert.calibration.from_step0': true, but no step-0 "
-                              f"analysis of {ins['from']!r} at {scale} / {init!r}; expected analysis.insertion_step0 "
+                              f"analysis of {ins.from_!r} at {scale} / {init!r}; expected analysis.insertion_step0 "
                               f"and {init!r} in analysis.stages.{scale}")
-        cal["step0"] = analysis_json(exp.experiment, scale, ins["from"], init, "insertion_step0")
+        cal["step0"] = analysis_json(exp.experiment, scale, ins.from_, init, "insertion_step0")
     return {**out, "calibration": {**cal, "manifest": tokens_manifest(exp.experiment, scale, cal["source"])}}
 
 

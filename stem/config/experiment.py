@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 
 from stem import fields, knowledge, plugins, sweeps
 from stem.fields import FieldError, Parser, expect
-from stem.io import ConfigError, dataclass_mapping, read_yaml, variant, variants, variants_file
-from stem.models.spec import DSEConfig
+from stem.io import ConfigError, dataclass_mapping, read_yaml, variants_file
 from stem.optim import Group, OptimSpec
 from stem.options import (CKATokens, Device, DocKeys, DSEMode, Experiment as ExperimentName, InsertInit, NameKind,
-                          RopeKind, RopeRamp, Scale, SourceKind, Stage, Strategy, TableInit, TableLayout,
+                          RopeKind, RopeRamp, Scale, SourceKind, Stage, TableInit, TableLayout,
                           TokenizerKind, Truncation, values)
-from stem.registry import ANALYSES, FFN_KINDS, GENERATORS, SUITE_KINDS   # names only: entries load on use
-from stem.specs import RunSettings, StageSchedule, TrainSettings
+from stem.registry import ANALYSES, GENERATORS, SUITE_KINDS   # names only: entries load on use
+from stem.specs import (VARIANT_FILE, Insert, Layout, RunSettings, StageOptions, StageSchedule,
+                        TrainCalibration, Variant, variants)  # noqa: F401 (C.experiment.TrainCalibration)
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")                                  # a variant's name
 MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")   # a plugin module
@@ -132,21 +132,17 @@ class HFInit:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageSettings(StageSchedule):
+class StageSettings(StageOptions, StageSchedule):
     """``stages.<stage>.<scale>``: one stage's data mixture, and its schedule and batch layout (lr, schedule,
-    warmup, min_lr_ratio, batch_size, micro_batch, seq_len, steps: ``stem.specs.StageSchedule``, the same
-    fields a training job's spec has)."""
+    warmup, min_lr_ratio, batch_size, micro_batch, seq_len, steps: ``stem.specs.StageSchedule``) and options
+    (cross_doc_mask, reset_optimizer, schedule_steps, activation_checkpointing: ``stem.specs.StageOptions``), the
+    same fields a training job's spec has."""
     data: dict[str, float] = field(metadata=expect(lambda d: len(d) >= 1 and all(w > 0 for w in d.values()),
                                                    "a mapping of at least one source to a weight > 0"))
     # a stage name, or {hf: ...}: a transformers checkpoint (HFInit)
     init_from: Stage | HFInit | None = None
-    # true (default): a fresh AdamW; false: init_from's optimizer state (saved in that checkpoint's optimizer/)
-    reset_optimizer: bool | None = None
     # this stage's table-group optimizer settings over optim.groups.table (stem.optim.adamw)
     table_group: Group | None = None
-    schedule_steps: int | None = field(default=None, metadata=POSITIVE)
-    cross_doc_mask: bool | None = None
-    activation_checkpointing: bool | None = None
     max_seq_len: int | None = field(default=None, metadata=POSITIVE)
     rope_scaling: RopeScaling | None = None
 
@@ -276,24 +272,18 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Cluster:
-    """``cluster``: Slurm resources per job kind (rules/common.smk) and the training jobs' parallel layout."""
+class Cluster(Layout):
+    """``cluster``: Slurm resources per job kind (rules/common.smk) and the training jobs' parallel layout
+    (``stem.specs.Layout``, the job spec's own class: ``strategy`` (its ``parallel``), ``tables``, ``host_workers``,
+    ``host_mem_gbs``, ``host_core_gbs``)."""
+    KEYS: typing.ClassVar[dict] = {"parallel": "strategy"}   # written ``strategy`` here (stem.fields.key_of)
     partition: str | None = None
     account: str | None = None
     constraint: str | None = None
-    strategy: Strategy = TrainSettings.parallel    # the backbone's, under torchrun (the job spec's default)
-    tables: TableLayout = TrainSettings.tables     # lookup tables: own FSDP units, row-sharded, host memory
     gpu_mem_gib: float | None = field(default=None, metadata=above(0))   # per-GPU budget for a job's traced peak
     fit_memory: bool = False   # true: each job's plan picks the micro-batch, checkpointing, host tables that fit
     state_write_mb_s: float = field(default=500, metadata=above(0))   # MB/s one node writes a checkpoint at
     stop_margin_s: int = field(default=120, metadata=at_least(0))      # seconds on top of the write (stop warning)
-    # host tables' host side (stem.train.comms.host_update): a node's host memory bandwidth, and one core's (GB/s;
-    # a job's is the first, at most its cluster.train cpus x the second)
-    host_mem_gbs: float = field(default=100.0, metadata=above(0))
-    host_core_gbs: float = field(default=10.0, metadata=above(0))
-    # host tables' row update: null in the step (synchronous), or on this many worker threads while the device
-    # computes the next step (stem.optim.adamw.RowSparseAdamW.overlap)
-    host_workers: int | None = field(default=None, metadata=at_least(1))
     train: dict[Scale, TrainJob] = field(default_factory=dict)
     eval: Job | None = None
     cpu: Job | None = None
@@ -354,17 +344,6 @@ class InsertCalibration:
     sequential: bool = False
     per_layer: bool | tuple[str, ...] = False   # true: every STEM layer of the placements; a list: those placements'
     compare: tuple[str, ...] = ()   # placements where the other choices (unseen mean / raw x sequential) are measured
-
-
-@dataclass(frozen=True)
-class TrainCalibration:
-    """A trained insertion's ``insert.calibration`` (init ``calibrated``; stem.train.calibration): ``tokens`` of
-    ``source``'s train split (null: the insertion stage's first data source), the unseen rule, sequential or not."""
-    source: str | None = None
-    tokens: int = field(default=16384, metadata=POSITIVE)
-    unseen: str = field(default="mean", metadata=expect(lambda v: v in ("mean", "raw"), "mean or raw"))
-    sequential: bool = False
-    from_step0: bool = False   # unseen and sequential: the best calibrated row of the step-0 analysis at these layers
 
 
 @dataclass(frozen=True)
@@ -602,6 +581,7 @@ class Experiment:
             fail(isinstance(spec, dict), f"analysis.{name}", f"{spec!r}; expected a mapping")
         for name, spec in self.variants().items():
             self._check_variant(name, spec)
+        baseline_variant(self.variant_overrides)   # exactly one, the overrides included
         for scale, m in self.matrix.items():
             self._check_cell(scale, m)
         for scale, tok in self.tokenizer.items():
@@ -609,17 +589,23 @@ class Experiment:
                 fail(tok.vocab_size <= self.archs[scale].vocab_size, f"tokenizer.{scale}.vocab_size",
                      f"{tok.vocab_size} exceeds archs.{scale}.vocab_size {self.archs[scale].vocab_size}")
 
-    def variants(self) -> dict[str, dict]:
-        """config/variants.yaml with this config's variant_overrides (copies)."""
-        return variants({"variant_overrides": self.variant_overrides})
+    def variants(self) -> dict[str, Variant]:
+        """{name: Variant} of config/variants.yaml with this config's variant_overrides, in the file's order
+        (stem.specs.variants: parsed once per file version and overrides)."""
+        return variants(self.variant_overrides)
 
-    def variant(self, name: str) -> dict | None:
+    def variant_names(self) -> tuple[str, ...]:
+        """The named variants (config/variants.yaml's, in its order), without parsing them: the checks of the names
+        a config gives run before the variants' own (``_check_variant``)."""
+        return tuple(variants_file())
+
+    def variant(self, name: str) -> Variant | None:
         """One variant (None for a name config/variants.yaml does not define)."""
-        return variant({"variant_overrides": self.variant_overrides}, name)
+        return self.variants().get(name)
 
     def _check_variant_names(self):
         """Every variant the config names is one of config/variants.yaml."""
-        known = self.variants()
+        known = self.variant_names()
         named = [(f"matrix.{s}.variants", v) for s, m in self.matrix.items() for v in m.variants]
         named += [(f"variant_overrides.{v}", v) for v in self.variant_overrides]
         named += [(f"analysis.{a}.baseline", spec.baseline) for a, spec in self.analyses().items()
@@ -628,7 +614,6 @@ class Experiment:
                   if isinstance(spec, dict) and "baseline" in spec]
         for key, v in named:
             fail(v in known, key, f"{v!r} is not a variant of config/variants.yaml; expected one of {', '.join(known)}")
-        baseline_variant(self.variant_overrides)   # exactly one, the overrides included
 
     def analyses(self) -> dict:
         return self.analysis.sections() if self.analysis else {}
@@ -684,7 +669,7 @@ class Experiment:
         """The long-context evaluation's keys (the DSE paper's Table 2): a suite's ``variants`` (only those variants'
         checkpoints get it) and ``metadata``, and the fixtures' RULER stand-in (``eval.fixtures.ruler``: the scale
         whose tokenizer sizes its items, lengths, generation room)."""
-        ev, known = self.eval or {}, set(self.variants())
+        ev, known = self.eval or {}, set(self.variant_names())
         whole = lambda v, lo: isinstance(v, int) and not isinstance(v, bool) and v >= lo   # noqa: E731
         for name, suite in (ev.get("suites") or {}).items():
             where = f"eval.suites.{name}"
@@ -706,66 +691,36 @@ class Experiment:
         fail(whole(ruler.get("max_gen_toks"), 1), "eval.fixtures.ruler.max_gen_toks",
              f"{ruler.get('max_gen_toks')!r}; expected an integer >= 1")
 
-    def _check_variant(self, name: str, spec: dict):
-        """A variant (config/variants.yaml with variant_overrides): its optim keys merged over the config's,
-        its DSE memory, its insertion, its FFN kind; found here, not when a job builds it."""
-        where = f"variant '{name}' (config/variants.yaml + variant_overrides)"
-        if "optim" in spec:
-            try:
-                override(self.optim, spec["optim"], "optim")
-            except ConfigError as e:
-                raise ConfigError(f"{where}: {e}") from None
-        if spec.get("dse") is not None:
-            _check_dse(where, spec["dse"])
-        if spec.get("insert") is not None:
-            self._check_insert(where, spec)
-        kind = spec.get("ffn", "dense")
-        if kind not in FFN_KINDS:
-            raise ConfigError(f"{where}: key 'ffn': {kind!r} is not a registered FFN kind; expected one of "
-                              f"{', '.join(FFN_KINDS)}")
-
-    def _check_insert(self, where: str, spec: dict):
-        """A mid-training insertion (stem.models.insert) builds STEM tables from a dense model's up-projections:
-        its ``insert.from`` is a dense variant (no other FFN kind, no DSE memory), its ``init`` a known one, its
-        own FFN kind ``stem``."""
-        ins = spec["insert"]
-        inits = values(InsertInit)
-        if not isinstance(ins, dict) or not {"from", "stage"} <= set(ins):
-            raise ConfigError(f"{where}: key 'insert': {ins!r}; expected {{from: <dense variant>, stage: <stage>, "
-                              f"init: {' | '.join(inits)}}}")
-        if ins.get("init", InsertInit.PROJECTED) not in inits:
-            raise ConfigError(f"{where}: key 'insert.init': {ins['init']!r}; expected one of {', '.join(inits)}")
-        self._check_calibration(where, ins)
-        if spec.get("ffn", "dense") != "stem":
-            raise ConfigError(f"{where}: key 'ffn': {spec.get('ffn', 'dense')!r}; an insertion builds ffn kind 'stem'")
-        src = self.variant(ins["from"])
-        if src is None:
-            raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} is not a variant of config/variants.yaml; "
-                              f"expected a dense one")
-        if src.get("ffn", "dense") != "dense" or src.get("dse") is not None:
-            what = f"ffn {src['ffn']!r}" if src.get("ffn", "dense") != "dense" else "a DSE memory"
-            raise ConfigError(f"{where}: key 'insert.from': {ins['from']!r} has {what}; expected a dense variant "
-                              "(the insertion builds the STEM tables from its dense up-projections)")
-
-    def _check_calibration(self, where: str, ins: dict):
-        """Init ``calibrated`` has a calibration source (``insert.calibration``: a source of ``sources``, or null:
-        the stage's first data source); any other init has none."""
-        cal = ins.get("calibration", {} if ins.get("init") == InsertInit.CALIBRATED else None)
-        if ins.get("init") != InsertInit.CALIBRATED:
-            if cal is not None:
-                raise ConfigError(f"{where}: key 'insert.calibration': set, but insert.init is "
-                                  f"{ins.get('init', InsertInit.PROJECTED)!r}; expected it only with init 'calibrated'")
-            return
-        if not isinstance(cal, dict):
-            raise ConfigError(f"{where}: key 'insert.calibration': {cal!r}; init 'calibrated' needs a calibration "
-                              f"source: expected {{source: <a source of 'sources'>, tokens, unseen, sequential}}")
+    def _check_variant(self, name: str, v: Variant):
+        """A variant's optim keys set over the config's, its insertion's source and calibration (what crosses
+        sections; the node checked its own keys when it was parsed, stem.specs.Variant); found here, not when a
+        job builds it."""
+        where = f"variant '{name}' ({VARIANT_FILE})"
         try:
-            c = node(TrainCalibration, cal, "insert.calibration")
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        if c.source is not None and c.source not in self.sources:
-            raise ConfigError(f"{where}: key 'insert.calibration.source': {c.source!r} is not a source; expected "
-                              f"one of {sorted(self.sources)} (or null: the stage's first data source)")
+            if v.optim is not None:
+                override(self.optim, v.optim, "optim")
+            if v.insert is not None:
+                self._check_insert(v.insert)
+        except (ConfigError, FieldError) as e:
+            raise ConfigError(f"{where}: {e if isinstance(e, ConfigError) else f'key {e.field!r}: {e}'}") from None
+
+    def _check_insert(self, ins: Insert):
+        """A mid-training insertion (stem.models.insert) builds STEM tables from a dense model's up-projections:
+        its ``insert.from`` is a dense variant (no other FFN kind, no DSE memory); init ``calibrated`` reads a
+        source of ``sources`` (null: the stage's first data source) and needs its settings (written null: none)."""
+        if ins.init == InsertInit.CALIBRATED and ins.calibration is None and "calibration" in ins._written:
+            raise FieldError("insert.calibration", "None; init 'calibrated' needs a calibration source: expected "
+                             "{source: <a source of 'sources'>, tokens, unseen, sequential}")
+        src = self.variant(ins.from_)
+        fail(src is not None, "insert.from", f"{ins.from_!r} is not a variant of config/variants.yaml; expected a "
+             "dense one")
+        what = f"ffn {src.ffn!r}" if src.ffn != "dense" else "a DSE memory" if src.dse is not None else None
+        fail(what is None, "insert.from", f"{ins.from_!r} has {what}; expected a dense variant (the insertion builds "
+             "the STEM tables from its dense up-projections)")
+        source = ins.settings.source
+        fail(source is None or source in self.sources, "insert.calibration.source",
+             f"{source!r} is not a source; expected one of {sorted(self.sources)} (or null: the stage's first data "
+             "source)")
 
     def _check_cell(self, scale: Scale, m: MatrixEntry):
         """A matrix entry's scale has an arch and a tokenizer; each of its stages is defined, starts from an
@@ -785,12 +740,12 @@ class Experiment:
                  f"{where}.init_from", f"{spec.init_from_mapping!r} must be an earlier stage of matrix.{scale}.stages "
                  f"{list(map(str, m.stages))}")
             for v in m.variants:   # a mid-training insertion starts from a matrix variant's earlier stage
-                vspec = self.variant(v) or {}
-                ins, v_init = vspec.get("insert"), (vspec.get("stage") or {}).get("init_from", init)
-                fail(not (ins and ins["stage"] == stage and (not v_init or (not isinstance(v_init, (dict, HFInit))
-                                                                            and ins["from"] not in m.variants))),
-                     f"matrix.{scale}.variants", f"{v} is inserted into {ins and ins['from']!r} at {stage}; expected "
-                     f"{ins and ins['from']!r} in the matrix and stages.{stage}.{scale}.init_from an earlier stage "
+                vspec = self.variant(v)
+                ins, v_init = vspec.insert, (vspec.stage or {}).get("init_from", init)
+                fail(not (ins and ins.stage == stage and (not v_init or (not isinstance(v_init, (dict, HFInit))
+                                                                         and ins.from_ not in m.variants))),
+                     f"matrix.{scale}.variants", f"{v} is inserted into {ins and ins.from_!r} at {stage}; expected "
+                     f"{ins and ins.from_!r} in the matrix and stages.{stage}.{scale}.init_from an earlier stage "
                      "(or {hf: ...})")
             max_len = spec.max_seq_len or self.archs[scale].max_seq_len
             fail(spec.seq_len <= max_len, f"{where}.seq_len", f"{spec.seq_len} exceeds the model's max_seq_len "
@@ -800,26 +755,11 @@ class Experiment:
 def baseline_variant(overrides: dict) -> str:
     """The variant every other is compared with: the one config/variants.yaml marks ``baseline: true`` (with
     ``overrides``, a config's variant_overrides)."""
-    marked = [name for name, spec in variants_file().items() if (overrides.get(name) or {}).get("baseline",
-                                                                                                 spec.get("baseline"))]
+    marked = [name for name, v in variants(overrides).items() if v.baseline]
     if len(marked) != 1:
         raise ConfigError(f"key 'baseline': expected exactly one variant with baseline: true in config/variants.yaml "
                           f"and variant_overrides (the report's baseline), found {', '.join(marked) or 'none'}")
     return marked[0]
-
-
-def _check_dse(where: str, dse):
-    if not isinstance(dse, dict):
-        raise ConfigError(f"{where}: key 'dse': {dse!r}; expected a mapping (placement, orders, heads, ...)")
-    fields = {k: tuple(v) if k == "orders" and isinstance(v, list) else v for k, v in dse.items() if k != "placement"}
-    known = [f for f in DSEConfig.__dataclass_fields__ if f != "layers"]
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise ConfigError(f"{where}: key 'dse.{unknown[0]}': unknown; expected placement or one of {', '.join(known)}")
-    try:
-        DSEConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: key {str(e).split('=')[0]!r}: {e}") from None
 
 
 # ---- reading a config ----------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ class LongPPLSettings(SuiteSettings):
         return list(self.categories.values())
 
     def check(self, exp: Experiment) -> None:
-        fail(self.evaluator is None or self.evaluator in {*exp.variants(), "self"}, "evaluator",
+        fail(self.evaluator is None or self.evaluator in {*exp.variant_names(), "self"}, "evaluator",
              f"{self.evaluator!r}; expected self or a variant of config/variants.yaml")
 
 

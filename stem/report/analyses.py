@@ -227,7 +227,7 @@ def directions_frame(exp: Experiment, results, res: dict) -> pd.DataFrame:
     if len(dirs_df):
         # Tables 3/4 (and the knowledge rows) fold each cell's seeds; the held-out loss and the analyses read
         # seed 0 (SEED0)
-        accuracy = dirs_df["table"].isin(["table3", "table4", "knowledge", "knowledge_edit"])
+        accuracy = dirs_df["table"].isin(["table3", "table4", "knowledge", "knowledge_edit", "knowledge_inject"])
         dirs_df["seeds"] = dirs_df["seeds"].where(accuracy, 1) if "seeds" in dirs_df else np.where(accuracy, 0, 1)
         # Only Tables 3/4 print an effect size; elsewhere the paper states a direction (paper_delta is its sign).
         half = (dirs_df["hi"].astype(float) - dirs_df["lo"].astype(float)) / 2

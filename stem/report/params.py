@@ -42,7 +42,7 @@ def model_of(exp: Experiment | Accounted, scale: str, variant: str) -> tuple[dic
     spec = exp.variant(seeds.JobId.parse(scale, variant, "").variant)
     if spec is None:
         raise C.ConfigError(f"variant {variant!r}: expected one of {sorted(exp.variants())}")
-    return dataclass_mapping(exp.archs[scale]), {k: v for k, v in spec.items() if k != "stage"}
+    return dataclass_mapping(exp.archs[scale]), spec.model_spec()
 
 
 def model_accounting(arch: dict, spec: dict) -> dict:
@@ -62,7 +62,7 @@ def accounting_rows(exp: Experiment | Accounted) -> list[dict]:
     for scale in map(str, exp.archs):
         for variant, spec in exp.variants().items():
             a = accounting_for(exp, scale, variant)
-            rows.append({"scale": scale, "variant": variant, "label": spec["label"], **a,
+            rows.append({"scale": scale, "variant": variant, "label": spec.label, **a,
                          "n_sparse_layers": len(a["sparse_layers"] or a["dse_layers"]),
                          "sparse_layers": " ".join(map(str, a["sparse_layers"] or a["dse_layers"]))})
     return rows

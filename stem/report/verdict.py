@@ -283,9 +283,9 @@ def loss_claim(exp: Experiment, variant: str) -> tuple[float, str] | None:
     DSE memory, the STEM paper's for one whose FFN kind has a token-indexed table (its registered facts,
     stem.models.registry); None for the others (no claim)."""
     spec = C.variant_spec(exp, variant)
-    if spec.get("dse"):
+    if spec.dse:
         return dse_loss_claim()
-    return (-1.0, LOSS_SOURCE) if spec.get("ffn") and ffn_facts(spec["ffn"]).table else None
+    return (-1.0, LOSS_SOURCE) if ffn_facts(spec.ffn).table else None
 
 
 LOSS_TABLE = "heldout_loss"   # the held-out loss directions' table name (no paper table of its own)

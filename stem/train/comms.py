@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from stem.config.experiment import Cluster, Experiment, dataclass_mapping, node
 from stem.models.accounting import accounting, flops_per_token
 from stem.models.registry import param_roles
+from stem.specs import Layout
 from stem.options import Device
 from stem.train.plan import ParallelPlan
 from stem.train.tables import owner_load
@@ -74,7 +75,7 @@ PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s n
 # update and zeroing per touched parameter (the step's unique rows), a lazy table's replay per replayed
 # parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
 # ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``).
-HOST_MEM_GBS = Cluster.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
+HOST_MEM_GBS = Layout.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
 HOST_BYTES_PER_PARAM = {"fetch_accumulate": 168.4, "update": 145.9, "replay": 40.2}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
          "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
@@ -302,14 +303,16 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
 CKPT_RECOMPUTE = 1 / 3   # activation checkpointing's recomputed forward, of a step's compute (forward 1 of 3)
 
 
-def fit_step_s(model, seq_len: int, gpus_per_node: int, mixed_precision: bool, host_workers: int | None = None):
+def fit_step_s(model, seq_len: int, gpus_per_node: int, mixed_precision: bool, host_workers: int | None = None,
+               host_gbs: float = HOST_MEM_GBS):
     """A layout's modelled step seconds, for ``stem.train.memory.fit`` to weigh the layouts that fit: ``model_step``'s
-    compute (+ ``CKPT_RECOMPUTE`` of it under activation checkpointing), communication and host side (the row update
-    hidden if ``host_workers``), at the stated default bandwidths (the job spec carries no cluster bandwidths)."""
+    compute (+ ``CKPT_RECOMPUTE`` of it under activation checkpointing), communication at the stated link
+    bandwidths and host side at ``host_gbs`` (the row update hidden if ``host_workers``)."""
     acct = accounting(model)
 
     def step_s(plan: ParallelPlan) -> float:
-        r = model_step(model, plan, seq_len, gpus_per_node, mixed_precision, acct=acct, host_workers=host_workers)
+        r = model_step(model, plan, seq_len, gpus_per_node, mixed_precision, acct=acct, host_workers=host_workers,
+                       host_gbs=host_gbs)
         ratio = r["step_vs_compute_overlapped"] if host_workers else r["step_vs_compute"]
         return r["compute_s"] * (ratio + (CKPT_RECOMPUTE if plan.activation_checkpointing else 0.0))
     return step_s
@@ -391,7 +394,7 @@ def experiment(exp: Experiment, jobs, gpus: int | None = None, strategy: str | N
     from stem.models.model import build_model
     from stem.train.memtrace import job as traced_job
     from stem.train.plan import cluster_train, job_layout
-    strategy = strategy or exp.cluster.strategy
+    strategy = strategy or exp.cluster.parallel
     if tables:   # the cluster section checked with them (host tables: jobs of one GPU), one line naming the key
         exp = replace(exp, cluster=node(Cluster, {**dataclass_mapping(exp.cluster), "tables": tables}, "cluster"))
     rows = []
@@ -417,11 +420,14 @@ def experiment(exp: Experiment, jobs, gpus: int | None = None, strategy: str | N
     return rows
 
 
-def host_bandwidth(cluster: Cluster, job) -> float:
-    """A training job's host memory bandwidth, GB/s: ``cluster.host_mem_gbs``, at most its cores (``job``: its
-    ``cluster.train.<scale>``, ``cpus`` or ``cpus_per_gpu`` x GPUs) x ``cluster.host_core_gbs``."""
-    cores = job.cpus or (job.cpus_per_gpu or 0) * max(job.gpus, 1)
-    return min(cluster.host_mem_gbs, cores * cluster.host_core_gbs) if cores else cluster.host_mem_gbs
+def host_bandwidth(layout: Layout, job=None, cores: int | None = None) -> float:
+    """A training job's host memory bandwidth, GB/s: ``host_mem_gbs``, at most its cores x ``host_core_gbs``
+    (``layout``: the config's ``cluster`` or a job spec's ``train``, both a ``stem.specs.Layout``). Its cores: its
+    ``cluster.train.<scale>`` (``job``: ``cpus`` or ``cpus_per_gpu`` x GPUs) when planned, or ``cores`` (the job's
+    own, at run time)."""
+    if job is not None:
+        cores = job.cpus or (job.cpus_per_gpu or 0) * max(job.gpus, 1)
+    return min(layout.host_mem_gbs, cores * layout.host_core_gbs) if cores else layout.host_mem_gbs
 
 
 def _step_cell(r: dict) -> str:

@@ -33,7 +33,7 @@ def check(exp: Experiment, cache_dir, workers: int = 1, only=None) -> list[str]:
     # on every run (the tiny DAG has no GPU job)
     from stem.models.model import build_model
     from stem.train import memtrace
-    strategy = cluster.strategy
+    strategy = cluster.parallel
     opts = [memtrace.options(C.train_spec(exp, *j), job_layout(exp, j[0])[0], strategy) for j in jobs]
     traces = memtrace.traced([(spec, run) for spec, (_, run), _ in opts], cache_dir, workers)
     out = []

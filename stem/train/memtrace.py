@@ -68,7 +68,8 @@ def options(spec: TrainSpec | dict, world: int, strategy: str | None = None):
     tables = row_shardable(model)
     plan = ParallelPlan.of(spec.train, world, strategy, sparse, tables)
     # the fastest layout that fits, ranked as on the GPU within one node (bf16 collectives; the job ranks alike)
-    step_s = comms.fit_step_s(model, spec.train.seq_len, world, True, spec.train.host_workers)
+    step_s = comms.fit_step_s(model, spec.train.seq_len, world, True, spec.train.host_workers,
+                              comms.host_bandwidth(spec.train))
     run = memory.fit(model, plan, spec.train.batch_size, spec.train.fit_gib, tables, step_s) if spec.train.fit_gib else plan
     return spec, (plan, run), memory.candidates(plan, spec.train.batch_size, tables)
 
