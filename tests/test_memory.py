@@ -11,7 +11,7 @@ import yaml
 
 from stem import config as C
 from stem.models.model import build_model
-from stem.train import gate, memory, memtrace
+from stem.train import comms, gate, memory, memtrace
 from stem.train.plan import ParallelPlan
 from conftest import reshaped
 
@@ -235,3 +235,27 @@ def test_the_gate_fits_a_job_by_its_plan_and_names_the_option_that_fits(tmp_path
     (line,) = gate.check(reshaped({**fitted, "cluster": {**fitted["cluster"], "gpu_mem_gib": 1e-3}}), cache, workers=0)
     assert line.endswith("no smaller micro-batch, activation checkpointing or host tables fit it: give it more GPUs "
                          "(cluster.train.350m)")
+
+
+def test_the_fit_takes_the_fastest_layout_that_fits():
+    """Issue 42 goal 2: with a step-time model (stem.train.comms.fit_step_s) ``memory.fit`` takes, of the layouts
+    within the limit, the fastest (the first of equals: least change), and the log line prints its modelled step
+    and the least-change one's; a made-up model preferring activation checkpointing is followed (the check can
+    fail)."""
+    cfg = C.read_yaml(REPO / "config" / "tiny.yaml")
+    cfg = {**cfg, "device": "cuda", "matrix": {"350m": {"variants": ["stem"], "stages": ["pretrain"]}},
+           "archs": {"350m": {**cfg["archs"]["350m"], "n_layers": 3}},
+           "cluster": {**cfg["cluster"], "train": {"350m": {"nodes": 1, "gpus_per_node": 1, "runtime": 30}}}}
+    exp = reshaped(cfg)
+    model = build_model(C.model_config_for(exp, "350m", "stem", "pretrain"), "meta")
+    spec, plan = memtrace.job(C.train_spec(exp, "350m", "stem", "pretrain"), 1)
+    tables = memtrace.row_shardable(model)
+    step_s = comms.fit_step_s(model, plan.seq_len, 1, True)
+    first = memory.fit(model, plan, 16, 1e9, tables)
+    assert first == plan and memory.fit(model, plan, 16, 1e9, tables, step_s) == plan   # equals: least change
+    ckpt = replace(plan, activation_checkpointing=True)
+    assert step_s(ckpt) == pytest.approx(step_s(plan) * (1 + comms.CKPT_RECOMPUTE))
+    likes_ckpt = memory.fit(model, plan, 16, 1e9, tables, lambda p: -p.activation_checkpointing - p.micro_batch)
+    assert likes_ckpt.activation_checkpointing and likes_ckpt.micro_batch == 16
+    line = memory.describe_fit(plan, likes_ckpt, 16, step_s, first)
+    assert line.endswith(f"modelled step {step_s(likes_ckpt):.3g} s (the least change that fits: {step_s(plan):.3g} s)")

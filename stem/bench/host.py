@@ -12,7 +12,9 @@ touched rows' AdamW update) and the zeroing; at the end ``settle`` (a save: ever
 the replays are counted in full, amortised over the steps. Both updates: ``lazy`` (dense AdamW made lazy and
 exact, ``table_update: dense``) and ``sparse`` (row-sparse AdamW). Beside them the CPU's memory bandwidth,
 measured the same way (``c = a + b`` on 512 MB arrays, 3 x 4 B an element), to turn seconds into bytes of
-traffic per parameter: the factors the model extrapolates by a node's bandwidth.
+traffic per parameter: the factors the model extrapolates by a node's bandwidth. Each update runs with the row
+update fused and unfused (``stem.optim.adamw.FUSED_ROWS``), timed in this thread's CPU seconds (the bandwidth too);
+the overlap's comparison in wall seconds.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from stem.io import atomic_write_json
+from stem.optim import adamw
 from stem.optim.adamw import RowSparseAdamW
 from stem.train.comms import zipf_seen
 from stem.train.tables import _fetch, to_host
@@ -38,13 +41,13 @@ class _Holder(nn.Module):
 
 def bandwidth_gbs(n: int = 1 << 27, repeats: int = 5) -> float:
     """This CPU's memory bandwidth at the current thread count: ``c = a + b`` on ``n`` fp32 elements (3 x 4 B
-    an element), best of ``repeats``; GB/s."""
+    an element), best of ``repeats`` in this thread's CPU seconds (as the synchronous runs); GB/s."""
     a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
     best = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = time.thread_time()
         torch.add(a, b, out=c)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, time.thread_time() - t)
     return 12 * n / best / 1e9
 
 
@@ -54,8 +57,8 @@ def _draws(args, g) -> list[list[torch.Tensor]]:
             for _ in range(args.steps)]
 
 
-def _clock(times: dict, phase: str, t0: float) -> float:
-    t = time.perf_counter()
+def _clock(times: dict, phase: str, t0: float, now=time.perf_counter) -> float:
+    t = now()
     times[phase] += t - t0
     return t
 
@@ -75,25 +78,38 @@ def _table(args, update: str, workers: int | None):
     return m, w, opt
 
 
-def _micro(m, w, ids, times: dict, device_s: float) -> int:
+def _micro(m, w, ids, times: dict, device_s: float, now) -> int:
     """One micro-batch: its rows fetched (waiting for their own pending update, if any), the device's forward and
     backward as a timed wait of ``device_s``, the rows' gradient accumulated; returns the rows fetched."""
-    t = time.perf_counter()
+    t = now()
     _, host_ids, _ = _fetch(m, ids)
-    t = _clock(times, "fetch", t)
+    t = _clock(times, "fetch", t, now)
     time.sleep(device_s)
-    t = _clock(times, "device", t)
+    t = _clock(times, "device", t, now)
     grad = torch.randn(host_ids.numel(), w.shape[1])   # the unique rows' summed gradient, back from the device
-    t = time.perf_counter()
+    t = now()
     g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), grad, w.shape, is_coalesced=True, check_invariants=False)
     w.grad = g if w.grad is None else (w.grad + g).coalesce()
-    _clock(times, "accumulate", t)
+    _clock(times, "accumulate", t, now)
     return host_ids.numel()
 
 
-def run(args, update: str, steps: list, workers: int | None = None, device_s: float = 0.0) -> dict:
+def run(args, update: str, steps: list, workers: int | None = None, device_s: float = 0.0, fused: bool = True,
+        cpu: bool = False) -> dict:
     """``steps`` (per step, its micro-batches' ids) on one host table under ``update`` (lazy | sparse), the update on
-    ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches)."""
+    ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches); the row
+    update through torch's fused kernel or (``fused`` False) the same formula in unfused ops
+    (``stem.optim.adamw.FUSED_ROWS``); timed in this thread's CPU seconds (``cpu``: a synchronous run on a loaded
+    machine, where wall seconds count the other processes' turns) or wall seconds."""
+    was, adamw.FUSED_ROWS = adamw.FUSED_ROWS, fused
+    try:
+        return _run(args, update, steps, workers, device_s, time.thread_time if cpu else time.perf_counter) | {
+            "fused": fused, "clock": "thread CPU" if cpu else "wall"}
+    finally:
+        adamw.FUSED_ROWS = was
+
+
+def _run(args, update: str, steps: list, workers: int | None, device_s: float, now) -> dict:
     m, w, opt = _table(args, update, workers)
     replays = []
     if update == "lazy":   # counted as they run (LazyRows.replay returns the row-steps it replayed)
@@ -104,16 +120,16 @@ def run(args, update: str, steps: list, workers: int | None = None, device_s: fl
     for i, micro in enumerate(steps):
         if i == 1:   # step 0 (the moments allocated) is not timed
             times, touched, fetched, replays[:] = dict.fromkeys(PHASES, 0.0), 0, 0, []
-        fetched += sum(_micro(m, w, ids, times, device_s / len(micro)) for ids in micro)
+        fetched += sum(_micro(m, w, ids, times, device_s / len(micro), now) for ids in micro)
         touched += w.grad.indices().shape[1]
-        t = time.perf_counter()
+        t = now()
         opt.step()
-        t = _clock(times, "update", t)
+        t = _clock(times, "update", t, now)
         opt.zero_grad(set_to_none=True)
-        _clock(times, "zero", t)
-    t = time.perf_counter()
+        _clock(times, "zero", t, now)
+    t = now()
     opt.settle()
-    _clock(times, "settle", t)
+    _clock(times, "settle", t, now)
     n = len(steps) - 1
     replayed = sum(replays)   # missed row-steps of the timed steps and step 0's, every one replayed by the end
     return {"update": update, "steps": n, "rows": args.rows, "width": args.width, "workers": workers,
@@ -132,6 +148,14 @@ def factors(r: dict, gbs: float) -> dict:
             "update_b": (s["update"] + s["zero"]) * gbs * 1e9 / (r["touched_rows_per_step"] * d)}
 
 
+def bytes_per_param(runs: dict, gbs: float) -> dict:
+    """``factors`` of the row-sparse run and the lazy run's replay: its extra host seconds over the row-sparse
+    run's (the replays are its only extra work) per replayed parameter-step."""
+    sp, lz = runs["sparse"], runs["lazy"]
+    extra = lz["host_s_per_step"] - sp["host_s_per_step"]
+    return {**factors(sp, gbs), "replay_b": extra * gbs * 1e9 / (lz["replayed_row_steps_per_step"] * lz["width"])}
+
+
 def main(args):
     torch.set_num_threads(args.threads or 1)
     g = torch.Generator().manual_seed(1)
@@ -139,15 +163,13 @@ def main(args):
     args.steps, args.accum, args.micro_tokens = args.host_steps, args.accum, args.host_micro_tokens
     steps = _draws(args, g)
     gbs = bandwidth_gbs()
-    runs = {u: run(args, u, steps) for u in ("sparse", "lazy")}
-    sp, lz = runs["sparse"], runs["lazy"]
-    touch = factors(sp, gbs)
-    extra = lz["host_s_per_step"] - sp["host_s_per_step"]   # the replays: the lazy update's only extra work
-    replay_b = extra * gbs * 1e9 / (lz["replayed_row_steps_per_step"] * args.width)
-    device_s = sp["host_s_per_step"] if args.device_s is None else args.device_s
+    unfused = {u: run(args, u, steps, fused=False, cpu=True) for u in ("sparse", "lazy")}
+    runs = {u: run(args, u, steps, cpu=True) for u in ("sparse", "lazy")}
+    device_s = runs["sparse"]["host_s_per_step"] if args.device_s is None else args.device_s
     overlap = [(run(args, u, steps, None, device_s), run(args, u, steps, args.workers, device_s)) for u in runs]
-    out = {"threads": torch.get_num_threads(), "bandwidth_gbs": gbs, "runs": runs,
-           "bytes_per_param": {**touch, "replay_b": replay_b}, "overlap": overlap}
+    out = {"threads": torch.get_num_threads(), "bandwidth_gbs": gbs, "runs": runs, "unfused_runs": unfused,
+           "bytes_per_param": bytes_per_param(runs, gbs), "unfused_bytes_per_param": bytes_per_param(unfused, gbs),
+           "overlap": overlap}
     _print(out, args)
     _print_overlap(overlap, args)
     if args.json:
@@ -160,19 +182,21 @@ def _print(out: dict, args):
           f"{out['bandwidth_gbs']:.1f} GB/s, c = a + b): one {args.rows:,} x {args.width:,} fp32 table, "
           f"{args.steps} steps of {args.accum} x {args.micro_tokens:,} Zipf(1) ids, then a save (settle). Seconds per "
           "step; seconds per 1e9 parameters of what each phase touches.")
-    print("| update | touched rows / step | replayed row-steps / step | fetch | device | accumulate | update | zero | "
-          "settle (per step) | total s / step | host s per 1e9 touched params |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in out["runs"].values():
+    print("| update | row update | touched rows / step | replayed row-steps / step | fetch | device | accumulate | "
+          "update | zero | settle (per step) | total s / step | host s per 1e9 touched params |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in list(out["unfused_runs"].values()) + list(out["runs"].values()):
         s = r["seconds_per_step"]
         per = r["host_s_per_step"] / (r["touched_rows_per_step"] * r["width"]) * 1e9
-        print(f"| {r['update']} | {r['touched_rows_per_step']:,.0f} | {r['replayed_row_steps_per_step']:,.0f} | "
-              + " | ".join(f"{s[k]:.4f}" for k in PHASES) + f" | {r['total_s_per_step']:.4f} | {per:.2f} |")
-    b = out["bytes_per_param"]
-    print(f"Traffic factors (s x {out['bandwidth_gbs']:.1f} GB/s / parameters): fetch + accumulate "
-          f"{b['fetch_accumulate_b']:.1f} B a fetched parameter, update + zero {b['update_b']:.1f} B a touched "
-          f"parameter, lazy replay {b['replay_b']:.1f} B a replayed parameter-step "
-          "(stem.train.comms.HOST_BYTES_PER_PARAM states them)")
+        print(f"| {r['update']} | {'fused' if r['fused'] else 'unfused'} | {r['touched_rows_per_step']:,.0f} | "
+              f"{r['replayed_row_steps_per_step']:,.0f} | " + " | ".join(f"{s[k]:.4f}" for k in PHASES)
+              + f" | {r['total_s_per_step']:.4f} | {per:.2f} |")
+    for key, route in (("unfused_bytes_per_param", "unfused"), ("bytes_per_param", "fused")):
+        b = out[key]
+        print(f"Traffic factors, {route} (s x {out['bandwidth_gbs']:.1f} GB/s / parameters): fetch + accumulate "
+              f"{b['fetch_accumulate_b']:.1f} B a fetched parameter, update + zero {b['update_b']:.1f} B a touched "
+              f"parameter, lazy replay {b['replay_b']:.1f} B a replayed parameter-step")
+    print("(stem.train.comms.HOST_BYTES_PER_PARAM states the fused ones)")
 
 
 def _print_overlap(pairs: list, args):

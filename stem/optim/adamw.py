@@ -19,6 +19,12 @@ at every save (``settle``: the optimizer's ``state_dict`` and the module's), exa
 steps dense AdamW would have given it (decoupled weight decay, decayed moments, bias corrections, eps), so the
 results are dense AdamW's at the cost of the rows a step touched plus their replays.
 
+Every row update (row-sparse, a lazy table's touched rows and its replays, a row-sharded shard's rows) is fused
+(``_adamw_rows``, ``_row_blocks``, ``_adamw_block``): the rows gathered a block at a time into a reused per-thread
+workspace, updated there in one pass by torch's fused AdamW kernel (its unfused formula where this torch lacks the
+kernel, or ``FUSED_ROWS`` is off), scattered once; a replay does all of a block's missed steps between its gather and
+its scatter. A row's result does not depend on the blocks (docs/training.md, "Host tables' host side").
+
 Which modules are trained row-sparse is explicit data: ``row_sparse_tables`` names them (the job's
 ``stem.train.plan.ParallelPlan`` carries the names to the sharding and the memory estimate), and
 ``use_row_sparse`` switches those modules' lookups before the model is wrapped.
@@ -38,6 +44,11 @@ GROUP_DEFAULTS = OPTIM_GROUPS
 SPARSE_GROUP = "table"     # the group optim.table_update: sparse trains row-sparse
 SETTLE_ROWS = 4096         # rows of a lazy table brought current at once by a save (``RowSparseAdamW.settle``)
 OVERLAP_ROWS = 1024        # rows of a host table's update a worker task carries (``RowSparseAdamW.overlap``)
+ROW_BLOCK_BYTES = 1 << 20  # bytes of a tensor's rows a fused row update gathers at once on a CPU (``_row_blocks``)
+FUSED_ROWS = True          # the row update through torch's fused AdamW kernel where this torch has it (``_adamw_block``)
+FUSED_ALIGN = 64           # elements a CPU call of the fused kernel is a multiple of (its widest vector: no scalar tail)
+_FUSED = getattr(torch, "_fused_adamw_", None)   # private in torch (2.x); without it the unfused formula
+_local = threading.local()                       # each thread's row workspace (``_workspace``)
 
 # ``optim`` below is a ``stem.optim.OptimSpec`` (not imported: that module imports this one to build).
 
@@ -89,8 +100,8 @@ class LazyRows:
     def replay(self, p, state: dict, rows: torch.Tensor) -> int:
         """Bring ``rows`` (unique ids) of ``p`` current at the step ``state`` has counted: each row not current
         gets the zero-gradient AdamW steps it missed, in order (torch's AdamW formula with g = 0:
-        p *= 1 - lr wd; m *= b1; v *= b2; p -= lr / (1 - b1^s) m / (sqrt(v) / sqrt(1 - b2^s) + eps)).
-        Returns the row-steps replayed."""
+        p *= 1 - lr wd; m *= b1; v *= b2; p -= lr / (1 - b1^s) m / (sqrt(v) / sqrt(1 - b2^s) + eps); the fused
+        kernel's ``_adamw_block``), a block of rows at a time (``_row_blocks``). Returns the row-steps replayed."""
         t = int(state["step"]) if state else 0
         last = self.last.index_select(0, rows)
         behind = last < t
@@ -98,21 +109,24 @@ class LazyRows:
             return 0
         last, order = last[behind].sort()
         rows = rows[behind][order]                 # oldest first: the rows behind at step s are a prefix
-        tensors = (p, state["exp_avg"], state["exp_avg_sq"])
-        w, m, v = (x.index_select(0, rows) for x in tensors)
-        for s in range(int(last[0]) + 1, t + 1):
-            n = int(torch.searchsorted(last, s))   # rows current before step s
-            lr, wd, b1, b2, eps = self.hist[s]
-            ws, ms, vs = w[:n], m[:n], v[:n]
-            ws.mul_(1 - lr * wd)
-            ms.mul_(b1)
-            vs.mul_(b2)
-            denom = (vs.sqrt() / math.sqrt(1 - b2 ** s)).add_(eps)
-            ws.addcdiv_(ms, denom, value=-lr / (1 - b1 ** s))
-        for x, y in zip(tensors, (w, m, v)):
-            x.index_copy_(0, rows, y)
+        local = [p, state["exp_avg"], state["exp_avg_sq"]]
+        n = block_rows(p)
+        for k, ((w, m, v), rs, _) in enumerate(_row_blocks(local, rows)):
+            self._replay_block(w, m, v, last[k * n:k * n + rs.numel()], t)
+            for x, y in zip(local, (w, m, v)):
+                x.index_copy_(0, rs, y)
         self.last.index_fill_(0, rows, t)
         return int((t - last).sum())
+
+    def _replay_block(self, w, m, v, last: torch.Tensor, t: int):
+        """Rows ``w`` (moments ``m``, ``v``), current at steps ``last`` (ascending), brought to step ``t``: for each
+        missed step s, the rows behind at s (a prefix) get AdamW's step with a zero gradient, on the block while it
+        sits in the workspace (one gather and one scatter for all its missed steps)."""
+        first, zero = int(last[0]) + 1, _zeros(w, w.shape[0])
+        ends = torch.searchsorted(last, torch.arange(first, t + 1, device=last.device)).tolist()
+        for s, e in zip(range(first, t + 1), ends):   # e: rows current before step s
+            lr, wd, b1, b2, eps = self.hist[s]
+            _adamw_block(w[:e], zero[:e], m[:e], v[:e], s, lr, wd, b1, b2, eps)
 
     def forget_before(self, step: int):
         """Drop the steps no row still needs (every row current at ``step`` or later)."""
@@ -304,16 +318,102 @@ class PendingRows:
 
 
 def _adamw_rows(local: list, rows, g, t: int, lr: float, wd: float, b1: float, b2: float, eps: float):
-    """torch's AdamW step ``t`` on ``rows`` of (param, exp_avg, exp_avg_sq) with their gradient rows ``g``."""
-    param, exp_avg, exp_avg_sq = local
-    m = exp_avg.index_select(0, rows).lerp_(g, 1 - b1)
-    v = exp_avg_sq.index_select(0, rows).mul_(b2).addcmul_(g, g, value=1 - b2)
-    w = param.index_select(0, rows).mul_(1 - lr * wd)
-    denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
-    w.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
-    exp_avg.index_copy_(0, rows, m)
-    exp_avg_sq.index_copy_(0, rows, v)
-    param.index_copy_(0, rows, w)
+    """torch's AdamW step ``t`` on ``rows`` of (param, exp_avg, exp_avg_sq) with their gradient rows ``g``, fused
+    (``_row_blocks``): each block of rows gathered once into this thread's workspace, updated in one pass, scattered
+    once."""
+    for (w, m, v), rs, gs in _row_blocks(local, rows, g):
+        _adamw_block(w, gs, m, v, t, lr, wd, b1, b2, eps)
+        for x, y in zip(local, (w, m, v)):
+            x.index_copy_(0, rs, y)
+
+
+def _row_blocks(local: list, rows, g=None):
+    """((param, exp_avg, exp_avg_sq) rows, their ids, their gradient rows) of ``rows`` of ``local`` in blocks of
+    ``block_rows``, gathered into this thread's workspace (``_workspace``): reused, so no allocation (whose page
+    faults cost more than the update on a CPU) and, on a CPU, small enough to stay in its cache between the gather,
+    the update and the scatter."""
+    n = block_rows(local[0])
+    for lo in range(0, rows.numel(), n):
+        rs = rows[lo:lo + n]
+        out = _workspace(local[0], rs.numel(), 3)
+        for x, y in zip(local, out):
+            torch.index_select(x, 0, rs, out=y)
+        yield out, rs, None if g is None else g[lo:lo + n]
+
+
+def block_rows(x: torch.Tensor) -> int:
+    """Rows of ``x`` a fused row update takes at once: ``ROW_BLOCK_BYTES`` of them on a CPU, all on a GPU."""
+    if x.device.type != "cpu":
+        return max(1, x.shape[0])
+    return max(1, ROW_BLOCK_BYTES // max(1, x[0].numel() * x.element_size()))
+
+
+def _workspace(like: torch.Tensor, n: int, k: int, use: str = "rows") -> list:
+    """``k`` buffers of ``n`` rows shaped as ``like``'s: on a CPU this thread's own (a worker's of ``overlap`` too),
+    reused; on a GPU new ones (its caching allocator reuses them, and no memory stays held between steps)."""
+    if like.device.type != "cpu":
+        return [like.new_empty(n, *like.shape[1:]) for _ in range(k)]
+    bufs = _local.__dict__.setdefault("bufs", {})
+    key = (like.shape[1:], like.dtype, k, use)
+    have = bufs.get(key)
+    if have is None or have[0].shape[0] < n:
+        have = bufs[key] = [like.new_empty(max(n, block_rows(like)) if use == "rows" else n, *like.shape[1:]) for _ in range(k)]
+    return [x[:n] for x in have]
+
+
+def _zeros(like: torch.Tensor, n: int) -> torch.Tensor:
+    """A zero gradient of ``n`` rows shaped as ``like``'s (a replay's), kept per thread on a CPU (nothing writes it)."""
+    if like.device.type != "cpu":
+        return like.new_zeros(n, *like.shape[1:])
+    bufs = _local.__dict__.setdefault("zeros", {})
+    key = (like.shape[1:], like.dtype)
+    if key not in bufs or bufs[key].shape[0] < n:
+        bufs[key] = like.new_zeros(max(n, block_rows(like)), *like.shape[1:])
+    return bufs[key][:n]
+
+
+def _adamw_block(w, g, m, v, t: int, lr: float, wd: float, b1: float, b2: float, eps: float):
+    """torch's AdamW step ``t`` in place on rows ``w`` with gradient ``g`` and moments ``m``, ``v``: torch's fused
+    kernel (``torch._fused_adamw_``: one pass; its step count is per tensor, here the group's ``t`` for every row,
+    as the row-sparse semantics want) where this torch has it and ``FUSED_ROWS`` is on, else the same formula in
+    torch's unfused ops (the two agree to a few ulps: ``tests/test_host_tables.py``). On a CPU the kernel's
+    vectorised loop and its scalar tail round differently, so every call is given a multiple of ``FUSED_ALIGN``
+    elements: whole blocks of rows, the rest through a zero-padded side buffer (``_aligned``); a row's result is
+    then the same however its rows are split into calls (the overlap's tasks, a replay's prefixes)."""
+    if not (FUSED_ROWS and _FUSED is not None):
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        w.mul_(1 - lr * wd)
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+        return
+    step = torch.tensor(float(t), device=w.device)
+    for pw, pg, pm, pv in _aligned(w, g, m, v):
+        _FUSED([pw], [pg], [pm], [pv], [], [step], lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+               amsgrad=False, maximize=False)
+
+
+def _aligned(w, g, m, v):
+    """(w, g, m, v) in parts of a multiple of ``FUSED_ALIGN`` elements each (``_adamw_block``): the leading whole
+    rows, then the last few rows copied into a zero-padded side buffer (zero rows stay zero under AdamW), copied
+    back once the caller has updated it. On a GPU: the tensors as they are."""
+    n = w.shape[0]
+    if w.device.type != "cpu" or not n:
+        yield w, g, m, v
+        return
+    r0 = FUSED_ALIGN // math.gcd(FUSED_ALIGN, w[0].numel())   # rows holding a multiple of FUSED_ALIGN elements
+    e0 = n // r0 * r0
+    if e0:
+        yield w[:e0], g[:e0], m[:e0], v[:e0]
+    if e0 == n:
+        return
+    side = _workspace(w, r0, 4, "side")
+    for y, x in zip(side, (w, g, m, v)):
+        y[:n - e0].copy_(x[e0:])
+        y[n - e0:].zero_()
+    yield side
+    for x, y in zip((w, m, v), (side[0], side[2], side[3])):
+        x[e0:].copy_(y[:n - e0])
 
 
 def build_optimizer(model, optim, lr: float, fused: bool = False) -> torch.optim.AdamW:

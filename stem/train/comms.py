@@ -36,7 +36,8 @@ is the step's FLOPs per GPU (``stem.models.accounting.flops_per_token``) at a st
 Host tables' host side (``host_update``: fetches, gradient accumulation, row update, a lazy table's replays) is
 bytes of host memory traffic measured per parameter on a CPU (``HOST_BYTES_PER_PARAM``, ``python -m stem bench
 host``) over the node's stated host memory bandwidth; ``step_vs_compute`` adds it and the communication to the
-compute, none overlapped.
+compute, none overlapped (``step_vs_compute_overlapped``: the row update hidden behind the compute, as
+``train.host_workers`` runs it); ``fit_step_s`` ranks the layouts ``stem.train.memory.fit`` may choose by it.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ import socket
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -74,7 +76,7 @@ PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s n
 # parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
 # ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``).
 HOST_MEM_GBS = Layout.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
-HOST_BYTES_PER_PARAM = {"fetch_accumulate": 128.6, "update": 383.7, "replay": 147.2}
+HOST_BYTES_PER_PARAM = {"fetch_accumulate": 168.4, "update": 145.9, "replay": 40.2}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
          "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
 
@@ -187,10 +189,11 @@ def expected_lookups(model, plan: ParallelPlan, names: tuple[str, ...] | None = 
     return out
 
 
+@lru_cache(maxsize=64)
 def zipf_seen(tokens: int, vocab: int) -> torch.Tensor:
     """The probability that each of ``vocab`` ids occurs among ``tokens`` draws of a Zipf(1) law (natural text's
     rank-frequency law, id i the (i+1)-th most frequent): 1 - (1 - p_i)^tokens. An estimate, used where no
-    batch is at hand."""
+    batch is at hand. Cached (the fit weighs every layout by it): read it, do not write it."""
     p = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     p /= p.sum()
     return 1 - (1 - p) ** tokens
@@ -258,12 +261,15 @@ def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | N
 def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixed_precision: bool = True,
                unique_rows: int | None = None, intra_gbs: float = INTRA_NODE_GBS, inter_gbs: float = INTER_NODE_GBS,
                mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, acct: dict | None = None,
-               pcie_gbs: float = PCIE_GBS, host_gbs: float = HOST_MEM_GBS) -> dict:
+               pcie_gbs: float = PCIE_GBS, host_gbs: float = HOST_MEM_GBS, host_workers: int | None = None) -> dict:
     """One step of ``model`` laid out as ``plan``: bytes per GPU by kind, the comm time at the link bandwidth the
     job's ring crosses (the host tables' copies at ``pcie_gbs``), the compute time at ``mfu`` of
     ``peak_tflops``, and their ratio; host tables' host side (``host_update``) at ``host_gbs`` of host memory
-    bandwidth, and the step (compute + comm + host side, none overlapped) over the compute. ``unique_rows`` (row-sparse tables): default ``zipf_unique`` of a rank's
-    tokens a step; ``acct``: the model's accounting, if already at hand."""
+    bandwidth, and the step (compute + comm + host side, none overlapped) over the compute; with ``host_workers``
+    (``train.host_workers``: the row update on worker threads while the device computes the next step) the row
+    update's seconds up to the compute's are hidden (``step_vs_compute_overlapped``; the fetches, accumulation and
+    a lazy table's replays, read on the critical path, are not). ``unique_rows`` (row-sparse tables): default
+    ``zipf_unique`` of a rank's tokens a step; ``acct``: the model's accounting, if already at hand."""
     w = plan.world
     if unique_rows is None and plan.row_sparse:
         unique_rows = zipf_unique(plan.accum // w * plan.micro_batch * seq_len, model.cfg.vocab_size)
@@ -279,6 +285,9 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     compute_s = flops_per_token(acct or accounting(model), model.cfg, seq_len) * tokens_per_gpu / (mfu * peak_tflops * 1e12)
     comm_s = (total - by_kind["host_copy"]) / (gbs * 1e9) + by_kind["host_copy"] / (pcie_gbs * 1e9)
     host = host_update(model, plan, host_gbs) if plan.host_tables else None
+    if host:   # what the overlap would hide (and hides when host_workers is set)
+        host["hidden_s"] = min(host["seconds"]["update"], compute_s)
+        host["workers"] = host_workers
     return {"world": w, "nodes": nodes, "strategy": plan.strategy, "bytes_per_gpu": by_kind, "total_bytes": total,
             "table_bytes": sum(by_kind[k] for k in ("table_all_gather", "table_reduce_scatter", "row_sharded_lookup",
                                                     "row_sparse_gather")),
@@ -286,7 +295,27 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
             "comm_s": comm_s, "compute_s": compute_s, "mfu": mfu, "peak_tflops": peak_tflops,
             "intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "pcie_gbs": pcie_gbs,
             "comm_compute_ratio": comm_s / compute_s, "host": host,
-            "step_vs_compute": (compute_s + comm_s + (host["total_s"] if host else 0.0)) / compute_s}
+            "step_vs_compute": (compute_s + comm_s + (host["total_s"] if host else 0.0)) / compute_s,
+            "step_vs_compute_overlapped": (compute_s + comm_s + (host["total_s"] - host["hidden_s"] if host else 0.0))
+            / compute_s}
+
+
+CKPT_RECOMPUTE = 1 / 3   # activation checkpointing's recomputed forward, of a step's compute (forward 1 of 3)
+
+
+def fit_step_s(model, seq_len: int, gpus_per_node: int, mixed_precision: bool, host_workers: int | None = None,
+               host_gbs: float = HOST_MEM_GBS):
+    """A layout's modelled step seconds, for ``stem.train.memory.fit`` to weigh the layouts that fit: ``model_step``'s
+    compute (+ ``CKPT_RECOMPUTE`` of it under activation checkpointing), communication at the stated link
+    bandwidths and host side at ``host_gbs`` (the row update hidden if ``host_workers``)."""
+    acct = accounting(model)
+
+    def step_s(plan: ParallelPlan) -> float:
+        r = model_step(model, plan, seq_len, gpus_per_node, mixed_precision, acct=acct, host_workers=host_workers,
+                       host_gbs=host_gbs)
+        ratio = r["step_vs_compute_overlapped"] if host_workers else r["step_vs_compute"]
+        return r["compute_s"] * (ratio + (CKPT_RECOMPUTE if plan.activation_checkpointing else 0.0))
+    return step_s
 
 
 def describe(r: dict) -> str:
@@ -299,7 +328,9 @@ def describe(r: dict) -> str:
         host_side = "" if not h else (
             f"; host side {h['total_s']:.3g} s at {h['gbs']:g} GB/s (fetch + accumulate "
             f"{h['seconds']['fetch_accumulate']:.3g}, update {h['seconds']['update']:.3g}, replay "
-            f"{h['seconds']['replay']:.3g}): step / compute {r['step_vs_compute']:.2f} (not overlapped)")
+            f"{h['seconds']['replay']:.3g}): step / compute {r['step_vs_compute']:.2f} not overlapped, "
+            f"{r['step_vs_compute_overlapped']:.2f} with the row update ({h['hidden_s']:.3g} s) hidden behind the "
+            f"compute (train.host_workers: {h['workers'] or 'not set'})")
         return (f"communication per step: {copies} (world 1); compute {r['compute_s']:.3g} s at {r['mfu']:.0%} MFU: "
                 f"comm/compute {r['comm_compute_ratio']:.2f}{host_side}")
     kinds = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in r["bytes_per_gpu"].items() if v)
@@ -373,7 +404,8 @@ def experiment(exp: Experiment, jobs, gpus: int | None = None, strategy: str | N
         spec, plan = traced_job(C.train_spec(exp, scale, variant, stage), world, strategy)
         model = build_model(spec.model, "meta")
         r = model_step(model, plan, spec.train.seq_len, per_node or world, exp.device == Device.CUDA,
-                       host_gbs=host_bandwidth(exp.cluster, cluster_train(exp, scale)), **link)
+                       host_gbs=host_bandwidth(exp.cluster, cluster_train(exp, scale)),
+                       host_workers=spec.train.host_workers, **link)
         steps = spec.train.steps
         r.update(job=f"{scale}/{variant}/{stage}", scale=scale, variant=variant, stage=stage, steps=steps,
                  gpu_hours=steps * world * r["compute_s"] / 3600,
@@ -398,6 +430,15 @@ def host_bandwidth(layout: Layout, job=None, cores: int | None = None) -> float:
     return min(layout.host_mem_gbs, cores * layout.host_core_gbs) if cores else layout.host_mem_gbs
 
 
+def _step_cell(r: dict) -> str:
+    """The step/compute cell: not overlapped; for host tables also with the row update hidden (``model_step``),
+    the figure the job runs at when ``train.host_workers`` is set."""
+    h = r.get("host")
+    if not h:
+        return f"{r['step_vs_compute']:.2f}"
+    return f"{r['step_vs_compute']:.2f} ({r['step_vs_compute_overlapped']:.2f} update hidden)"
+
+
 def render(rows: list[dict], title: str) -> str:
     """The experiment's table (GB per GPU per step by kind; seconds), then the whole DAG's GPU-hours."""
     head = ("job", "world", "backbone AG", "backbone RS", "table AG", "table RS", "row lookups", "row-sparse", "DP AR",
@@ -410,7 +451,7 @@ def render(rows: list[dict], title: str) -> str:
         cells += [f"{b[k] / 1e9:.3g}" for k in KINDS[:-1]]
         cells += [f"{r['total_bytes'] / 1e9:.3g}", f"{r['comm_s']:.3g}",
                   f"{r['host']['total_s']:.3g}" if r["host"] else "-", f"{r['compute_s']:.3g}",
-                  f"{r['comm_compute_ratio']:.2f}", f"{r['step_vs_compute']:.2f}"]
+                  f"{r['comm_compute_ratio']:.2f}", _step_cell(r)]
         cells += [f"{r[k]:.2f}x" if k in r else "-" for k in ("comm_vs_dense", "step_vs_dense")]
         lines.append("| " + " | ".join(cells) + " |")
     if rows:

@@ -182,9 +182,12 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
         plan = ParallelPlan.of(tc, ctx.world, row_sparse=sparse, tables=tables)
     except ValueError as e:   # a batch that does not split over the ranks, host tables on several
         raise TrainingError(f"[{spec.out_dir}] {e}") from None
-    if tc.fit_gib:   # the layout that fits the GPU (the workflow's gate traced this one): the same maths
-        planned, plan = plan, memory.fit(model, plan, tc.batch_size, tc.fit_gib, tables)
-        if ctx.is_main and (note := memory.describe_fit(planned, plan, tc.batch_size)):
+    if tc.fit_gib:   # the fastest layout that fits the GPU (the workflow's gate traced this one): the same maths
+        step_s = comms.fit_step_s(model, tc.seq_len, ctx.world, True, tc.host_workers,   # as memtrace.options
+                                  comms.host_bandwidth(tc))
+        planned, plan = plan, memory.fit(model, plan, tc.batch_size, tc.fit_gib, tables, step_s)
+        first = memory.fit(model, planned, tc.batch_size, tc.fit_gib, tables)
+        if ctx.is_main and (note := memory.describe_fit(planned, plan, tc.batch_size, step_s, first)):
             print(f"[{spec.out_dir}] {note}", file=sys.stderr)
     model.set_training_options(activation_checkpointing=plan.activation_checkpointing,
                                flex_attention=ctx.device.type == "cuda" and tc.cross_doc_mask)
@@ -197,7 +200,7 @@ def setup(spec: TrainSpec, threads: int | None = None) -> Run:
     # job's cores x cluster.host_core_gbs)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     comm = comms.model_step(model, plan, tc.seq_len, ctx.local_world, ctx.device.type == "cuda", acct=accounting,
-                            host_gbs=comms.host_bandwidth(tc, cores=cores))
+                            host_gbs=comms.host_bandwidth(tc, cores=cores), host_workers=tc.host_workers)
     if ctx.is_main:
         print(f"[{spec.out_dir}] " + memory.describe(memory.estimate(model, plan)), file=sys.stderr)
         print(f"[{spec.out_dir}] " + comms.describe(comm), file=sys.stderr)

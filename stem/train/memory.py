@@ -115,24 +115,33 @@ def candidates(plan: ParallelPlan, batch_size: int, tables: tuple[str, ...] = ()
 FIT_MARGIN = 1.1   # the closed form's tolerance against the trace (python -m stem memory keeps it within 10 %)
 
 
-def fit(model, plan: ParallelPlan, batch_size: int, limit_gib: float, tables: tuple[str, ...] = ()) -> ParallelPlan:
-    """The first of ``candidates`` whose closed-form peak (``estimate``) is within ``limit_gib`` (the spec's
-    ``train.fit_gib``) less the closed form's tolerance, else the leanest of them: the workflow's gate traces
-    the one chosen against ``limit_gib`` and refuses the job if even that one does not fit."""
+def fit(model, plan: ParallelPlan, batch_size: int, limit_gib: float, tables: tuple[str, ...] = (),
+        step_s=None) -> ParallelPlan:
+    """Of ``candidates`` whose closed-form peak (``estimate``) is within ``limit_gib`` (the spec's ``train.fit_gib``)
+    less the closed form's tolerance, the first (least change), or with ``step_s`` (a layout's modelled step
+    seconds, ``stem.train.comms.fit_step_s``) the fastest (the first of equals); if none is within, the leanest of
+    all: the workflow's gate traces the one chosen against ``limit_gib`` and refuses the job if even that one does
+    not fit."""
     peaks = [(estimate(model, p)["total_gib"], p) for p in candidates(plan, batch_size, tables)]
-    return next((p for gib, p in peaks if gib * FIT_MARGIN <= limit_gib), min(peaks, key=lambda t: t[0])[1])
+    fitting = [p for gib, p in peaks if gib * FIT_MARGIN <= limit_gib]
+    if not fitting:
+        return min(peaks, key=lambda t: t[0])[1]
+    return fitting[0] if step_s is None else min(fitting, key=step_s)
 
 
-def describe_fit(old: ParallelPlan, new: ParallelPlan, batch_size: int) -> str | None:
-    """The log line of a layout ``fit`` changed (None if it did not)."""
+def describe_fit(old: ParallelPlan, new: ParallelPlan, batch_size: int, step_s=None, first=None) -> str | None:
+    """The log line of a layout ``fit`` changed (None if it did not); with ``step_s`` (``fit``'s) the modelled step
+    seconds of the layout chosen and of ``first``, the least change that fits, when they differ."""
     if new == old:
         return None
     change = [f"micro-batch {old.micro_batch} -> {new.micro_batch} per GPU"] if new.micro_batch != old.micro_batch else []
     change += ["activation checkpointing on"] if new.activation_checkpointing != old.activation_checkpointing else []
     change += ["tables in host memory"] if new.host_tables != old.host_tables else []
+    timed = "" if step_s is None else f"; modelled step {step_s(new):.3g} s" + (
+        "" if first is None or first == new else f" (the least change that fits: {step_s(first):.3g} s)")
     return (f"memory fit (train.fit_gib): {', '.join(change)}; the same global batch of {batch_size} sequences an "
             f"optimizer step, its gradients accumulated over {new.accum} micro-batches instead of {old.accum} (the "
-            f"loss is the token mean over the whole batch either way): the maths is unchanged")
+            f"loss is the token mean over the whole batch either way): the maths is unchanged{timed}")
 
 
 def option(spec_plan: ParallelPlan, p: ParallelPlan, scale: str, stage: str) -> str:

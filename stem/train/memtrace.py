@@ -43,7 +43,7 @@ from stem.io import atomic_write_json
 from stem.models.model import build_model
 from stem.optim.adamw import use_row_sparse
 from stem.specs import TrainSpec
-from stem.train import distributed, memory
+from stem.train import comms, distributed, memory
 from stem.train.plan import ParallelPlan
 from stem.train import step
 from stem.train.tables import row_shardable, to_host
@@ -67,7 +67,10 @@ def options(spec: TrainSpec | dict, world: int, strategy: str | None = None):
     sparse = spec.optim.row_sparse_tables(model) if spec.optim.sparse_tables else ()
     tables = row_shardable(model)
     plan = ParallelPlan.of(spec.train, world, strategy, sparse, tables)
-    run = memory.fit(model, plan, spec.train.batch_size, spec.train.fit_gib, tables) if spec.train.fit_gib else plan
+    # the fastest layout that fits, ranked as on the GPU within one node (bf16 collectives; the job ranks alike)
+    step_s = comms.fit_step_s(model, spec.train.seq_len, world, True, spec.train.host_workers,
+                              comms.host_bandwidth(spec.train))
+    run = memory.fit(model, plan, spec.train.batch_size, spec.train.fit_gib, tables, step_s) if spec.train.fit_gib else plan
     return spec, (plan, run), memory.candidates(plan, spec.train.batch_size, tables)
 
 
