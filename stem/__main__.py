@@ -345,7 +345,7 @@ def comms_arguments(p):
 
 
 def cmd_comms(args):
-    from stem.train import comms
+    from stem.train import comms, memtrace
     exp = experiment_config(args.experiment)
     jobs = _matching_jobs(exp, args)
     if not (args.scale or args.variant):
@@ -354,7 +354,7 @@ def cmd_comms(args):
         raise C.ConfigError(f"--mfu {args.mfu:g}: expected a fraction of the peak, in (0, 1]")
     link = {k: getattr(args, k) for k in ("intra_gbs", "inter_gbs", "mfu", "peak_tflops") if getattr(args, k) is not None}
     try:
-        rows = comms.experiment(exp, jobs, args.gpus, args.strategy, args.tables, **link)
+        rows = memtrace.experiment_steps(exp, jobs, args.gpus, args.strategy, args.tables, **link)
     except ValueError as e:   # a world size the batch does not split over
         raise C.ConfigError(f"{'--gpus' if args.gpus else 'world size'}: {e}") from None
     print(json.dumps(rows, indent=1) if args.json else comms.render(

@@ -20,7 +20,7 @@ from stem import config as C  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 from stem.models.offload import dse_row_ids  # noqa: E402
 from stem.optim.adamw import use_row_sparse  # noqa: E402
-from stem.train import comms, distributed, step  # noqa: E402
+from stem.train import comms, distributed, memtrace, step  # noqa: E402
 from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.train.tables import row_shardable  # noqa: E402
 from conftest import reshaped  # noqa: E402
@@ -117,8 +117,8 @@ def test_paper_table_traffic_is_the_hand_count():
     from stem.__main__ import main
     cfg = C.experiment.load(REPO / "config" / "paper.yaml")
     jobs = [("1b", "dense", "pretrain"), ("1b", "stem", "pretrain")]
-    rows = {r["job"]: r for r in comms.experiment(cfg, jobs)}
-    units = {r["job"]: r for r in comms.experiment(cfg, jobs, tables="fsdp")}
+    rows = {r["job"]: r for r in memtrace.experiment_steps(cfg, jobs)}
+    units = {r["job"]: r for r in memtrace.experiment_steps(cfg, jobs, tables="fsdp")}
     stem, dense, rows = units["1b/stem/pretrain"], units["1b/dense/pretrain"], rows["1b/stem/pretrain"]
     table = 128256 * 8192
     assert (stem["world"], stem["nodes"], stem["link_gbs"]) == (32, 4, comms.INTER_NODE_GBS)

@@ -18,7 +18,7 @@ from stem import config as C  # noqa: E402
 from stem.models.model import build_model  # noqa: E402
 from stem.optim import adamw  # noqa: E402
 from stem.optim.adamw import use_row_sparse  # noqa: E402
-from stem.train import distributed, step  # noqa: E402
+from stem.train import distributed, memtrace, step  # noqa: E402
 from stem.train.plan import ParallelPlan  # noqa: E402
 from stem.train.tables import row_shardable, to_host  # noqa: E402
 from conftest import reshaped  # noqa: E402
@@ -191,9 +191,8 @@ def test_every_missed_row_step_is_replayed_once():
 
 @pytest.fixture(scope="module")
 def rehearsal_1b_stem():
-    from stem.train import comms
     exp = C.experiment.load(REPO / "config" / "rehearsal.yaml")
-    return exp, comms.experiment(exp, [("1b", "stem", "pretrain")])[0]
+    return exp, memtrace.experiment_steps(exp, [("1b", "stem", "pretrain")])[0]
 
 
 def test_the_step_time_model_counts_the_host_side(rehearsal_1b_stem):

@@ -380,46 +380,6 @@ def count_collectives():
         yield mode.seen
 
 
-# ----------------------------------------------------------------------------- jobs of an experiment
-
-def experiment(exp: Experiment, jobs, gpus: int | None = None, strategy: str | None = None, tables: str | None = None,
-               **link) -> list[dict]:
-    """``model_step`` of each training job (scale, variant, stage) of ``exp`` at its ``cluster.train`` layout
-    (``gpus``: another world size; ``strategy``: another backbone strategy; ``tables``: another table layout,
-    ``cluster.tables``), with the job's steps, its GPU-hours
-    at the stated MFU (compute only, and with the communication not overlapped: an upper bound) and, for every
-    job whose scale and stage have a dense job, the ratio of its communication and step time to dense's.
-    ``link``: ``model_step``'s bandwidth / MFU / peak overrides."""
-    from stem import config as C
-    from stem.models.model import build_model
-    from stem.train.memtrace import job as traced_job
-    from stem.train.plan import cluster_train, job_layout
-    strategy = strategy or exp.cluster.parallel
-    if tables:   # the cluster section checked with them (host tables: jobs of one GPU), one line naming the key
-        exp = replace(exp, cluster=node(Cluster, {**dataclass_mapping(exp.cluster), "tables": tables}, "cluster"))
-    rows = []
-    for scale, variant, stage in jobs:
-        world, per_node = job_layout(exp, scale)
-        world = gpus or world
-        spec, plan = traced_job(C.train_spec(exp, scale, variant, stage), world, strategy)
-        model = build_model(spec.model, "meta")
-        r = model_step(model, plan, spec.train.seq_len, per_node or world, exp.device == Device.CUDA,
-                       host_gbs=host_bandwidth(exp.cluster, cluster_train(exp, scale)),
-                       host_workers=spec.train.host_workers, **link)
-        steps = spec.train.steps
-        r.update(job=f"{scale}/{variant}/{stage}", scale=scale, variant=variant, stage=stage, steps=steps,
-                 gpu_hours=steps * world * r["compute_s"] / 3600,
-                 gpu_hours_no_overlap=steps * world * r["compute_s"] * r["step_vs_compute"] / 3600)
-        rows.append(r)
-    dense = {(r["scale"], r["stage"]): r for r in rows if r["variant"] == "dense"}
-    for r in rows:
-        d = dense.get((r["scale"], r["stage"]))
-        if d is not None and d["total_bytes"]:
-            r["comm_vs_dense"] = r["total_bytes"] / d["total_bytes"]
-            r["step_vs_dense"] = r["compute_s"] * r["step_vs_compute"] / (d["compute_s"] * d["step_vs_compute"])
-    return rows
-
-
 def host_bandwidth(layout: Layout, job=None, cores: int | None = None) -> float:
     """A training job's host memory bandwidth, GB/s: ``host_mem_gbs``, at most its cores x ``host_core_gbs``
     (``layout``: the config's ``cluster`` or a job spec's ``train``, both a ``stem.specs.Layout``). Its cores: its
