@@ -7,7 +7,7 @@ import sys
 
 from stem import plugins
 from stem.config import experiment
-from stem.cli_args import OneLineParser  # a bad argument: one line, exit 1 (torch-free)
+from stem.cli_args import OneLineParser, whole  # a bad argument: one line, exit 1 (torch-free)
 from stem.config import ConfigError
 
 
@@ -15,6 +15,23 @@ def parser(description: str) -> argparse.ArgumentParser:
     p = OneLineParser(description=description)
     p.add_argument("--spec", required=True, help="the job spec as JSON (resolved by the workflow)")
     return p
+
+
+def checkpoint_parser(description: str) -> argparse.ArgumentParser:
+    """``parser`` with the arguments of a job that reads one checkpoint: --checkpoint, --out, --threads."""
+    p = parser(description)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=whole(1, "CPU threads"), default=None)
+    return p
+
+
+def set_threads(threads: int | None):
+    """Import torch (only once the arguments are checked: a bad one fails before it loads) and give it
+    ``threads`` intra-op threads when set."""
+    import torch   # heavy: after the arguments' check (see above)
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def run(main):

@@ -1,19 +1,13 @@
 """Texts a dense checkpoint writes about the entities of a facts file (stem.train.entity_text; rule entity_text)."""
-from stem.cli_args import whole
-from workflow_scripts._entry import parser, run, spec_of
+from workflow_scripts._entry import checkpoint_parser, run, set_threads, spec_of
 
 # Deliberately lazy, as workflow_scripts/analyze.py: a bad argument fails in one line before torch loads.
 
 
 def main():
-    p = parser(__doc__)
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--threads", type=whole(1, "CPU threads"), default=None)
+    p = checkpoint_parser(__doc__)
     args = p.parse_args()
-    import torch
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     from stem.train.entity_text import generate
     r = generate(args.checkpoint, spec_of(args), args.out)
     print(f"entity texts: {args.out}: {len(r['texts'])} texts, {r['tokens']:,} tokens ({r['generated_tokens']:,} "
