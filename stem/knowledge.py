@@ -50,14 +50,15 @@ def world_size(exp, source: str) -> int:
 
 def points(exp) -> list[str]:
     """Every point of the config's knowledge sweep (sources x variants x seeds; ``seeds_at``: the sources whose
-    points get every seed, the others seed 0 only)."""
+    points get every seed, ``seeds_for``: the variants that get them there; the others seed 0 only)."""
     kn = exp.knowledge
     if kn is None:
         return []
     out = []
     for source in kn.sources:
-        ks = kn.seeds if kn.seeds_at is None or source in kn.seeds_at else (0,)
-        out += [point_id(source, v, k) for v in kn.variants for k in ks]
+        at = kn.seeds_at is None or source in kn.seeds_at
+        out += [point_id(source, v, k) for v in kn.variants
+                for k in (kn.seeds if at and (kn.seeds_for is None or v in kn.seeds_for) else (0,))]
     return out
 
 
@@ -125,6 +126,8 @@ def validate(exp):
     _check_inject(exp, edit)
     for s in kn.seeds_at or ():
         _fail(s in kn.sources, "knowledge.seeds_at", f"{s!r}; expected sources of knowledge.sources")
+    for v in kn.seeds_for or ():
+        _fail(v in kn.variants, "knowledge.seeds_for", f"{v!r}; expected variants of knowledge.variants")
     scale, stage = kn.scale, kn.stage
     settings = exp.stages.get(stage, {}).get(scale)
     _fail(scale in exp.archs and scale in exp.tokenizer, "knowledge.scale", f"{scale!r}; expected a scale with "

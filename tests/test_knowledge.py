@@ -70,6 +70,7 @@ def test_names_are_one_token_and_the_control_s_are_several(tmp_path):
     (lambda c: c["knowledge"]["templates"]["major"].append("Born in {value}."), "knowledge.templates.major[3]"),
     (lambda c: c["sources"]["n0050"].update(exposures=10), "sources.n0050.exposures"),
     (lambda c: c["knowledge"]["variants"].append("nosuch"), "knowledge.variants"),
+    (lambda c: c["knowledge"]["seeds_for"].append("moe"), "knowledge.seeds_for"),
     (lambda c: c["archs"]["350m"].update(vocab_size=1200), "archs.350m.vocab_size"),
     (lambda c: c["tokenizer"]["350m"].pop("add_names"), "tokenizer.350m.add_names"),
     (lambda c: c["knowledge"].update(sources=["n0050", "web"]), "knowledge.sources[1]"),
@@ -91,7 +92,7 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     kn, points = exp.knowledge, K.points(exp)
     seeded = [p for p in points if K.split(p)[2]]
     assert len(points) == len(kn.sources) * len(kn.variants) + len(seeded)
-    assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at)
+    assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at) and {K.split(p)[1] for p in seeded} == set(kn.seeds_for)
     spec = C.train_spec(exp, "350m", "k__n0200__stem__s2", "pretrain")
     st = exp.stages["pretrain"]["350m"]
     assert list(spec["data"]) == ["n0200"] and spec["seed"] == exp.seed + 2
@@ -104,7 +105,9 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
             math.ceil(r["n"] * r["exposures"] * kn.tokens_per_bio / (st.batch_size * st.seq_len))
     assert C.train_spec(exp, "350m", "k__n0050__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__n0050__stem__s1", "pretrain")   # seeds only where seeds_at says
+        C.train_spec(exp, "350m", "k__n0100__stem__s1", "pretrain")   # seeds only where seeds_at says
+    with pytest.raises(C.ConfigError, match="not a point"):
+        C.train_spec(exp, "350m", "k__n0200__hashmoe__s1", "pretrain")   # and for the variants of seeds_for
     a = job_spec(exp, "350m", "k__n0200__dense", "pretrain", "knowledge")
     assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (200, "one", "dense", 800)
     targets = K.targets(exp)

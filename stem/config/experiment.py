@@ -523,6 +523,7 @@ class Knowledge:
     name_kind: NameKind = NameKind.ONE
     seeds: tuple[int, ...] = (0,)                              # seed k > 0: its own job (exp.seed + k)
     seeds_at: tuple[str, ...] | None = None                    # sources whose points get every seed (default all)
+    seeds_for: tuple[str, ...] | None = None                   # variants that get them there (default all)
     min_recall: float = field(default=0.9, metadata=within(0, 1))   # below it at the smallest N: invalid
     # the training budget below which the smallest world is not learnt (docs/knowledge.md: measured, dense at
     # N 100 recalls 0.97 at E 100); a source with fewer exposures fails the config check
