@@ -200,7 +200,7 @@ def test_the_gpu_overlay_scales_n_and_the_model_and_keeps_the_experiment():
     assert exp.archs["350m"].vocab_size == exp.tokenizer["350m"].vocab_size + kn.names
     assert (kn.variants, kn.attributes, kn.templates) == (parse(copy.deepcopy(RAW)).knowledge.variants,
                                                           RAW["knowledge"]["attributes"], parse(copy.deepcopy(RAW)).knowledge.templates)
-    assert K.point_id("n6400", "stem", 2) in K.points(exp)
+    assert K.point_id("n6400", "stem", 2) in K.points(exp) and K.point_id("multi_n6400", "dense") in K.points(exp)
 
 
 def test_injection_fits_only_the_new_token_s_rows_and_is_undone(tmp_path):
