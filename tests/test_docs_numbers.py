@@ -10,6 +10,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 TINY = yaml.safe_load((REPO / "config" / "tiny.yaml").read_text())
 PRE, ARCHS = TINY["stages"]["pretrain"], TINY["archs"]
+KN_STAGE = yaml.safe_load((REPO / "config" / "knowledge.yaml").read_text())["stages"]["pretrain"]["350m"]
 
 
 QUOTED = [
@@ -19,6 +20,8 @@ QUOTED = [
     ("docs/evaluation.md", r"after (\d+) steps of context extension", lambda: [TINY["stages"]["extend"]["1b"]["steps"]]),
     ("docs/training.md", r"fetch \+ accumulation\s+([\d.]+) B a fetched parameter .*?update \+ zeroing ([\d.]+) B a touched "
      r"parameter .*?replay ([\d.]+) B a replayed parameter-step", lambda: _host_bytes()),
+    ("docs/knowledge.md", r"The stage now trains batch (\d+) x (\d+) tokens at lr ([\d.e-]+)\.",
+     lambda: [KN_STAGE["batch_size"], KN_STAGE["seq_len"], f"{KN_STAGE['lr']:.1e}".replace("e-0", "e-")]),
     ("config/accepted/tiny.yaml", r"experiment tiny: (\d+) pretraining steps of d=(\d+) \(350m\) or d=(\d+) \(1b\)",
      lambda: [PRE["350m"]["steps"], ARCHS["350m"]["d_model"], ARCHS["1b"]["d_model"]]),
 ]
