@@ -134,13 +134,9 @@ def _laid_out(cfg, plan: ParallelPlan, ctx, mixed_precision: bool):
     for m in tables:   # traced with a dense V x d_ff gradient, the sparse one's upper bound (a fake tensor
         m.row_sparse = False   # cannot run the lookup's torch.unique: its output shape depends on the data)
     for name in plan.row_sharded + plan.host_tables:   # likewise: each micro-batch's ids all distinct (the
-        model.get_submodule(name).trace_bound = True    # bound), evenly owned
-    for name in plan.sparse_rows:   # and row-sharded row-sparse tables updated as dense ones (every row)
-        if name in plan.row_sharded:
-            del model.get_submodule(name).weight.touched_rows
-    for name in plan.host_tables:   # host tables: a dense host gradient and plain AdamW (off the GPU either way)
-        model.get_submodule(name).row_update = None
-    return model, tables, host
+        m = model.get_submodule(name)                   # bound), evenly owned; row-sharded row-sparse tables
+        m.trace_bound, m.row_update = True, None        # updated as dense ones (every row), host tables with a
+    return model, tables, host                          # dense host gradient and plain AdamW (off the GPU either way)
 
 
 def _peak_parts(peak: dict, tables, host) -> dict:
