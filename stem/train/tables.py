@@ -113,7 +113,7 @@ class RowShardedTable(nn.Module):
     the rows on the wire in ``wire_dtype``. ``row_update``: ``sparse`` (the plan's ``sparse_rows``): the step's
     rows asked of this rank are marked, for the optimizer (``take_touched``, ``stem.optim.adamw``), or None (a
     dense update of the shard; the memory trace's). ``trace_bound``: the memory trace's fake tensors hold no ids,
-    so it routes the upper bound (every id distinct, evenly owned)."""
+    so it routes the upper bound (every id distinct, evenly owned; ``for_trace``)."""
     trace_bound = False
 
     def __init__(self, table: nn.Embedding, mesh, mixed_precision: bool, sparse: bool = False, role=None):
@@ -130,6 +130,11 @@ class RowShardedTable(nn.Module):
         self.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
         self.row_update = "sparse" if sparse else None
         self.touched = torch.zeros(self.row_block, dtype=torch.bool, device=local.device) if sparse else None
+
+    def for_trace(self):
+        """As the memory trace runs it: the lookup's upper bound (every id distinct, evenly owned) and every row of
+        the shard updated, as a dense table's (no rows marked)."""
+        self.trace_bound, self.row_update, self.touched = True, None, None
 
     def take_touched(self) -> torch.Tensor:
         """The shard's rows the step asked of this rank (local rows, sorted), cleared for the next step."""
@@ -293,6 +298,11 @@ class HostTable(nn.Module):
         self.read_hooks: list = []
         w = table.weight.detach().cpu()
         self.weight = nn.Parameter(w.pin_memory() if torch.cuda.is_available() else w.clone())
+
+    def for_trace(self):
+        """As the memory trace runs it: the lookup's upper bound (every id distinct) and a dense host gradient with
+        plain AdamW (off the GPU either way)."""
+        self.trace_bound, self.row_update = True, None
 
     def register_read_hook(self, fn):
         """``fn(host ids)`` runs before those rows of the table are read (``stem.optim.adamw``)."""
