@@ -32,6 +32,7 @@ table gathered twice and its gradient reduce-scattered (``stem.train.comms``).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -241,9 +242,62 @@ class HostLookup(torch.autograd.Function):
                 weight.grad = torch.zeros_like(weight)
             weight.grad.index_add_(0, host_ids, rows)
             return None, None, None, None
-        g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows, weight.shape, is_coalesced=True, check_invariants=False)
-        weight.grad = g if weight.grad is None else (weight.grad + g).coalesce()
+        accumulate_rows(weight, host_ids, rows)
         return None, None, None, None
+
+
+_STEP_ROWS: dict = {}   # id of a host table's weight -> its step's gradient rows (``StepRows``), while it lives
+
+
+def accumulate_rows(weight, host_ids, rows):
+    """Add a micro-batch's gradient ``rows`` of the unique ``host_ids`` (sorted) into host table ``weight``'s gradient
+    (``HostLookup.backward``), once per row and micro-batch, without coalescing (``StepRows``); a gradient that is
+    not the step's own (none other is made here) is summed with it and coalesced, as before."""
+    acc = _STEP_ROWS.get(id(weight))
+    if acc is None:
+        acc = _STEP_ROWS[id(weight)] = StepRows(weight)
+        weakref.finalize(weight, _STEP_ROWS.pop, id(weight), None)
+    if weight.grad is not None and weight.grad is not acc.grad:
+        g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows, weight.shape, is_coalesced=True, check_invariants=False)
+        weight.grad = (weight.grad + g).coalesce()
+        return
+    weight.grad = acc.grad = acc.add(host_ids, rows, fresh=weight.grad is None)
+
+
+class StepRows:
+    """A host table's gradient over one step's micro-batches, accumulated by id: each id's slot in a buffer of the
+    step's rows (``slot``: -1 for an id not yet seen), a new id's slot zeroed, each micro-batch's rows added into
+    their slots by one ``index_add_`` (12 B a fetched parameter, instead of a sparse sum coalesced after every
+    micro-batch: issue 42). The gradient handed out is a sparse COO tensor over the buffer, ids in the order first
+    seen, marked not coalesced: its one coalesce a step (gradient clipping's or the optimizer's) sorts it into a
+    tensor of its own, so the buffer is reused from step to step (a new step: the weight's gradient None) and
+    nothing that outlives the step holds it. Each row's sum is the micro-batches' in their order, as the sparse
+    sums' were: the same values, bit for bit (``tests/test_host_tables.py``)."""
+
+    def __init__(self, weight):
+        self.shape, self.grad, self.n = weight.shape, None, 0
+        self.slot = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+        self.ids = torch.empty(0, dtype=torch.long, device=weight.device)
+        self.buf = weight.new_empty(0, weight.shape[1])
+
+    def add(self, host_ids, rows, fresh: bool) -> torch.Tensor:
+        if fresh:   # a new step: the previous one's slots freed
+            self.slot.index_fill_(0, self.ids[:self.n], -1)
+            self.n = 0
+        new = host_ids[self.slot.index_select(0, host_ids) < 0]
+        n, k = self.n, new.numel()
+        if n + k > self.buf.shape[0]:   # grown (kept for the next steps)
+            cap = min(self.shape[0], max(n + k, 2 * self.buf.shape[0]))
+            buf, ids = self.buf.new_empty(cap, self.shape[1]), self.ids.new_empty(cap)
+            buf[:n], ids[:n] = self.buf[:n], self.ids[:n]
+            self.buf, self.ids = buf, ids
+        self.ids[n:n + k] = new
+        self.slot[new] = torch.arange(n, n + k, device=new.device)
+        self.buf[n:n + k].zero_()
+        self.n = n + k
+        self.buf.index_add_(0, self.slot.index_select(0, host_ids), rows)
+        return torch.sparse_coo_tensor(self.ids[:self.n].unsqueeze(0), self.buf[:self.n], self.shape,
+                                       is_coalesced=False, check_invariants=False)
 
 
 class _Host:
