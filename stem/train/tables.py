@@ -220,8 +220,8 @@ def _fetch(m, ids, bound: bool = False) -> tuple:
 class HostLookup(torch.autograd.Function):
     """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
     to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward returns each
-    unique row's summed gradient, copied back, as the table's gradient: (unique ids, rows), a sparse COO tensor
-    added to the step's (coalesced: at most V rows), never a dense table-sized one (``rows``: False, the memory
+    unique row's summed gradient, copied back, as the table's gradient: (unique ids, rows), accumulated by id into
+    the step's (``accumulate_rows``: each id once, coalesced once a step), never a dense table-sized one (``rows``: False, the memory
     trace's upper bound, a dense host gradient); autograd gets none."""
 
     @staticmethod
@@ -286,8 +286,8 @@ class StepRows:
             self.n = 0
         new = host_ids[self.slot.index_select(0, host_ids) < 0]
         n, k = self.n, new.numel()
-        if n + k > self.buf.shape[0]:   # grown (kept for the next steps)
-            cap = min(self.shape[0], max(n + k, 2 * self.buf.shape[0]))
+        if n + k > self.buf.shape[0]:   # grown, 1/16 spare, kept for the next steps (memory: ~ the largest step's rows)
+            cap = min(self.shape[0], (n + k) * 17 // 16)
             buf, ids = self.buf.new_empty(cap, self.shape[1]), self.ids.new_empty(cap)
             buf[:n], ids[:n] = self.buf[:n], self.ids[:n]
             self.buf, self.ids = buf, ids
