@@ -282,3 +282,20 @@ def test_the_step_accumulates_by_id_bit_for_bit_as_coalesced_sums():
     ids, rows = torch.tensor([1, 2]), torch.ones(2, 4)
     accumulate_rows(w, ids, rows)
     assert w.grad.is_coalesced() and torch.equal(w.grad.to_dense(), got.to_dense().index_add(0, ids, rows))
+
+
+def test_fetches_reuse_their_buffer_and_a_prefetch_survives_a_forwards_own_fetch():
+    """``_fetch`` gathers into a reused buffer per slot (a fresh one's page faults cost more than the gather): a second
+    fetch of a slot reuses the first's memory, and the rows fetched ahead (``prefetch``'s slot) are still the table's
+    rows after a forward's own fetch (a recomputed forward under activation checkpointing) of other ids."""
+    from stem.bench.host import _Holder
+    from stem.train.tables import _fetch
+    holder = _Holder(50, 4)
+    to_host(holder, ("table",))
+    m, w = holder.table, holder.table.weight.detach()
+    a, b = torch.tensor([1, 3, 5, 7]), torch.tensor([2, 4, 6, 8, 9])
+    ahead = _fetch(m, a, slot="ahead")[2]
+    first = _fetch(m, b)[2]
+    assert torch.equal(first, w[b]) and torch.equal(ahead, w[a])
+    again = _fetch(m, a)[2]
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, w[a]) and torch.equal(ahead, w[a])

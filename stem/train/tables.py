@@ -200,18 +200,41 @@ def logical_full(model, msd: dict | None = None, osd: dict | None = None, invers
 
 # ----------------------------------------------------------------------------- host tables
 
-def _fetch(m, ids, bound: bool = False) -> tuple:
+_FETCHED: dict = {}   # (id of a host table's weight, slot) -> its reused buffer of gathered rows (``_fetch``)
+
+
+def _fetch_buffer(weight, slot: str, n: int) -> torch.Tensor:
+    """``n`` rows of host table weight ``weight``'s (the Parameter: its buffers live as long as it) reused fetch buffer
+    ``slot`` (grown with 1/16 spare): a fresh tensor of a step's rows is new pages every time (above glibc's mmap
+    threshold), which cost a CPU more than the gather itself."""
+    key = (id(weight), slot)
+    buf = _FETCHED.get(key)
+    if buf is None or buf.shape[0] < n:
+        if buf is None:
+            weakref.finalize(weight, _FETCHED.pop, key, None)
+        buf = _FETCHED[key] = weight.detach().new_empty(min(weight.shape[0], n * 17 // 16 + 1), weight.shape[1])
+    return buf[:n]
+
+
+def _fetch(m, ids, bound: bool = False, slot: str = "direct") -> tuple:
     """(inverse, host ids, rows on ``ids``' device) of host table ``m``'s lookup of ``ids``: the unique ids' rows,
     brought current first (``m.before_read``: a lazy table's missed steps), gathered on the host and copied to the
     device (pinned, non-blocking on CUDA: queued on the current stream, so the host's gather of the next
-    micro-batch overlaps the device's work on this one)."""
+    micro-batch overlaps the device's work on this one). The gather goes into a reused buffer per ``slot``
+    (``_fetch_buffer``: ``ahead`` for ``prefetch``, ``direct`` for a forward's own fetch, so a recomputed forward
+    does not overwrite the rows fetched ahead); a forward reads its rows before the same slot is fetched again (on
+    a CPU they are the buffer itself; on CUDA ``pin_memory`` copies them out first)."""
     if bound:   # the memory trace (as RowShardedLookup's): every id distinct
         uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
     else:
         uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
     host_ids = uniq.to(m.weight.device)
     m.before_read(host_ids)
-    rows = m.weight.detach().index_select(0, host_ids)
+    w = m.weight.detach()
+    if bound or w.device.type != "cpu":   # the memory trace's fake tensors: a buffer of their own
+        rows = w.index_select(0, host_ids)
+    else:
+        rows = torch.index_select(w, 0, host_ids, out=_fetch_buffer(m.weight, slot, host_ids.numel()))
     if ids.device.type == "cuda":
         rows = rows.pin_memory()
     return inverse, host_ids, rows.to(ids.device, non_blocking=True)
@@ -337,7 +360,7 @@ def prefetch(model, ids: torch.Tensor):
     (``trace_bound``) holds the bound's rows ahead likewise."""
     for m in model.modules():
         if isinstance(m, _Host) and m.token_ids:
-            m.ahead = (ids, _fetch(m, ids, m.trace_bound))
+            m.ahead = (ids, _fetch(m, ids, m.trace_bound, "ahead"))
 
 
 def to_host(model, names, sparse=()) -> list:
