@@ -41,7 +41,7 @@ def train_inputs(w):
     """Tokenizer, token shards of the stage's mixture, and the previous stage's checkpoint (if any)."""
     spec = C.train_spec(EXPERIMENT, w.scale, w.variant, w.stage)
     inputs = {"tokenizer": spec["tokenizer"]}
-    inputs.update({f"tokens_{src}": L.tokens_manifest(EXP, w.scale, src) for src in spec["data"]})
+    inputs.update({f"tokens_{src}": d["manifest"] for src, d in spec["data"].items()})   # a knowledge point: its own
     cal = (spec.get("insert") or {}).get("calibration")
     if cal and cal["source"] not in spec["data"]:   # init calibrated on another source than the stage's data
         inputs[f"tokens_{cal['source']}"] = cal["manifest"]

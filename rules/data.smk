@@ -1,4 +1,7 @@
 # Data: synthetic corpora (embedded default) -> tokenizer per scale -> token shards per (scale, source).
+# The knowledge section's points read their own tokenizer and shards (stem.layout.KNOWLEDGE in the scale's place,
+# data/{experiment}/knowledge/...): the same rules, the wildcard `scale` of these three rules a data key.
+DATA_KEYS = "|".join([*C.SCALES, L.KNOWLEDGE])
 
 
 rule corpus:
@@ -16,9 +19,11 @@ rule corpus:
 
 rule tokenizer:
     input:
-        lambda w: [p for s in EXPERIMENT.tokenizer[w.scale].sources or [] for p in C.source_inputs(EXPERIMENT, s)],
+        lambda w: [p for s in C.tokenizer_node(EXPERIMENT, w.scale).sources or [] for p in C.source_inputs(EXPERIMENT, s)],
     output:
         L.tokenizer_path("{experiment}", "{scale}"),
+    wildcard_constraints:
+        scale=DATA_KEYS,
     params:
         spec=lambda w: as_json(C.tokenizer_spec(EXPERIMENT, w.scale)),
     log:
@@ -39,6 +44,8 @@ rule tokenize_part:
         documents=lambda w: C.source_inputs(EXPERIMENT, w.source),
     output:
         directory(L.tokens_part_dir("{experiment}", "{scale}", "{source}", "{part}")),
+    wildcard_constraints:
+        scale=DATA_KEYS,
     params:
         spec=lambda w: as_json(C.tokenize_spec(EXPERIMENT, w.scale, w.source, w.part)),
     threads: EXPERIMENT.cluster.job("tokenize").cpus or 2
@@ -58,6 +65,8 @@ rule tokenize_gather:
         lambda w: [L.tokens_part_dir(EXP, w.scale, w.source, p) for p in C.part_names(EXPERIMENT, w.source)],
     output:
         L.tokens_manifest("{experiment}", "{scale}", "{source}"),
+    wildcard_constraints:
+        scale=DATA_KEYS,
     params:
         out=lambda w: L.tokens_dir(EXP, w.scale, w.source),
     localrule: True

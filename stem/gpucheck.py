@@ -64,7 +64,7 @@ from stem.optim import OptimSpec, build_optimizer, configure_table_update
 from stem.specs import TrainSpec
 from stem.train import distributed, memtrace, throughput
 from stem.train.compile import compile_blocks
-from stem.train.plan import ParallelPlan
+from stem.train.plan import ParallelPlan, place
 from stem.train.step import accumulate_gradients, make_optimizer, train_step
 
 # Item a's variants: every variant of config/variants.yaml that is a model of its own, trained from scratch (not a
@@ -278,7 +278,7 @@ def _resume_setup(ctx_device: torch.device, tiny: bool, dctx):
     mcfg = model_cfg(cfg, "350m", "stem")
     model = build_model(mcfg, ctx_device)
     plan = ParallelPlan(dctx.world, "fsdp", 1, 2 * max(dctx.world, 1), st.seq_len,
-                        row_sparse=configure_table_update(model, _optim(cfg)))
+                        tables=place("fsdp", dctx.world, row_sparse=configure_table_update(model, _optim(cfg))))
     distributed.parallelize(model, dctx, plan)
     opt = distributed.optimizer_for_dtensors(
         build_optimizer(model, _optim(cfg), st.lr, fused=ctx_device.type == "cuda"), plan)

@@ -66,18 +66,24 @@ def steps(exp, source: str) -> int:
     least ``knowledge.min_steps`` (a small world gets more passes, the loader cycling over its windows)."""
     kn, r = exp.knowledge, _reader(exp, source)
     st = exp.stages[kn.stage][kn.scale]
-    return max(kn.min_steps, math.ceil(int(r["n"]) * int(r["exposures"]) * kn.tokens_per_bio / (st.batch_size * st.seq_len)))
+    batch, seq_len = (train_settings(exp).get(k, getattr(st, k)) for k in ("batch_size", "seq_len"))
+    return max(kn.min_steps, math.ceil(int(r["n"]) * int(r["exposures"]) * kn.tokens_per_bio / (batch * seq_len)))
+
+
+def train_settings(exp) -> dict:
+    """The stage settings every point sets over its stage's (``knowledge.train``; none: the stage's own)."""
+    return exp.knowledge.train.settings() if exp.knowledge.train else {}
 
 
 def variant_spec(exp, name: str):
-    """A point's Variant (stem.specs.Variant): its base variant's, with the stage settings it overrides (``stage``: its source
-    alone, its steps) and its seed index (``seed_index``)."""
+    """A point's Variant (stem.specs.Variant): its base variant's, with the stage settings it overrides (``stage``:
+    ``knowledge.train``'s, its source alone, its steps) and its seed index (``seed_index``)."""
     source, variant, k = split(name)
     if name not in points(exp):
         raise ValueError(f"variant {name!r}: not a point of the config's knowledge: section")
     base = exp.variant(variant)
-    return dataclasses.replace(base, stage={**(base.stage or {}), "data": {source: 1.0}, "steps": steps(exp, source)},
-                               seed_index=k)
+    return dataclasses.replace(base, stage={**(base.stage or {}), **train_settings(exp), "data": {source: 1.0},
+                                            "steps": steps(exp, source)}, seed_index=k)
 
 
 def targets(exp) -> list[str]:
@@ -95,8 +101,8 @@ def targets(exp) -> list[str]:
 def validate(exp):
     """The knowledge section against the rest of the tree (one FieldError naming the key): its sources are bios
     sources of at most ``names`` individuals with whole positive ``n`` and ``exposures``, its variants known
-    (no ``__`` in a name), its scale/stage defined and trained from scratch, the tokenizer adds the names, the
-    vocabulary holds them."""
+    (no ``__`` in a name), its scale/stage defined and trained from scratch, its tokenizer (``knowledge.tokenizer``)
+    adds the names, the points' vocabulary holds them."""
     kn = exp.knowledge
     for i, source in enumerate(kn.sources):
         src = exp.sources.get(source)
@@ -127,17 +133,22 @@ def validate(exp):
         _fail(s in kn.sources, "knowledge.seeds_at", f"{s!r}; expected sources of knowledge.sources")
     scale, stage = kn.scale, kn.stage
     settings = exp.stages.get(stage, {}).get(scale)
-    _fail(scale in exp.archs and scale in exp.tokenizer, "knowledge.scale", f"{scale!r}; expected a scale with "
-          "archs and a tokenizer")
+    _fail(scale in exp.archs, "knowledge.scale", f"{scale!r}; expected a scale with archs")
     _fail(settings is not None and settings.init_from is None, "knowledge.stage",
           f"{stage!r} at {scale}; expected a stage of stages.*.{scale} trained from scratch (init_from: null)")
-    tok = exp.tokenizer[scale]
-    _fail(bool(tok.add_names) or kn.name_kind != NameKind.ONE, f"tokenizer.{scale}.add_names",
+    tok = kn.tokenizer
+    _fail(bool(tok.add_names) or kn.name_kind != NameKind.ONE, "knowledge.tokenizer.add_names",
           f"{tok.add_names!r}; expected true (knowledge.name_kind one: each name is one token)")
     if tok.add_names and tok.vocab_size:
-        _fail(tok.vocab_size + kn.names <= exp.archs[scale].vocab_size, f"archs.{scale}.vocab_size",
-              f"{exp.archs[scale].vocab_size}; expected at least tokenizer.{scale}.vocab_size + knowledge.names "
-              f"= {tok.vocab_size + kn.names}")
+        key = "knowledge.vocab_size" if kn.vocab_size else f"archs.{scale}.vocab_size"
+        _fail(tok.vocab_size + kn.names <= vocab_size(exp), key, f"{vocab_size(exp)}; expected at least "
+              f"knowledge.tokenizer.vocab_size + knowledge.names = {tok.vocab_size + kn.names}")
+
+
+def vocab_size(exp) -> int:
+    """The points' vocabulary: ``knowledge.vocab_size``, else the scale's (the rest of the architecture is the
+    scale's)."""
+    return exp.knowledge.vocab_size or exp.archs[exp.knowledge.scale].vocab_size
 
 
 def _check_inject(exp, edit: dict):

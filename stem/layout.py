@@ -4,6 +4,8 @@ the code reads and writes.
     data/{experiment}/corpus/{source}.jsonl                     synthetic corpora
     data/{experiment}/{scale}/tokenizer/tokenizer.json
     data/{experiment}/{scale}/tokens/{source}/[{part}/]manifest.json
+    data/{experiment}/knowledge/tokenizer/tokenizer.json, .../knowledge/tokens/{source}/   the knowledge section's
+                                                                own (``KNOWLEDGE`` in the scale's place: its points)
     data/{experiment}/fixtures/                                 offline eval fixtures (tiny)
     results/{experiment}/{scale}/{variant}/{stage}/             one training job ("stage folder"):
         summary.json, metrics.jsonl, checkpoint/, _state/ (resumable, undeclared), tensorboard/,
@@ -39,6 +41,12 @@ GGUF_SEP = "#gguf="   # a job spec's init_from "hf:<folder>#gguf=<file name>": a
 
 
 # ---- data ------------------------------------------------------------------------------------------
+# The key of a tokenizer and its token shards: a scale, or KNOWLEDGE, the knowledge section's own tokenizer
+# (``knowledge.tokenizer``: the one-token names added), which its points read (stem.knowledge) whatever the
+# experiment; not a scale: no architecture, no matrix cell, no report row is keyed by it.
+KNOWLEDGE = "knowledge"
+
+
 def corpus_path(exp: str, source: str) -> str:
     return f"data/{exp}/corpus/{source}.jsonl"
 
@@ -57,6 +65,16 @@ def tokens_manifest(exp: str, scale: str, source: str) -> str:
 
 def tokens_part_dir(exp: str, scale: str, source: str, part: str) -> str:
     return f"{tokens_dir(exp, scale, source)}/{part}"
+
+
+def knowledge_tokenizer(exp: str) -> str:
+    """The knowledge section's tokenizer (its points train and are probed with it)."""
+    return tokenizer_path(exp, KNOWLEDGE)
+
+
+def knowledge_tokens(exp: str, source: str) -> str:
+    """A knowledge source's token manifest, tokenized with the knowledge section's tokenizer."""
+    return tokens_manifest(exp, KNOWLEDGE, source)
 
 
 def fixtures_dir(exp: str) -> str:

@@ -117,14 +117,6 @@ class TokenizerKind(StrEnum):
     PRETRAINED = "pretrained"
 
 
-class OptimGroup(StrEnum):
-    """The optimizer groups a config's ``optim.groups`` may set lr_mult / weight_decay of."""
-    TABLE = "table"
-    DSE_TABLE = "dse_table"
-    MATRIX = "matrix"
-    NORM = "norm"
-
-
 class DSEMode(StrEnum):
     """The DSE-disabled analysis's modes (``analysis.dse_disabled.modes``): the memory switched off or forced."""
     DISABLED = "disabled"

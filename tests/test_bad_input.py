@@ -192,7 +192,7 @@ def test_a_suite_kinds_own_ranges_are_one_line(suite, edit, message):
 # ---- a target of an undefined source (what the data rules' input functions call) -----------------------------
 def test_undefined_source_in_a_target_is_one_line_naming_the_defined_ones():
     cfg = C.experiment.load(C.REPO / "config" / "tiny.yaml")
-    message = "source 'wiki': not defined in the tiny config's sources; expected one of ['code', 'long', 'math', 'web']"
+    message = "source 'wiki': not defined in the tiny config's sources; expected one of ['bios_n0032', 'code', 'long', 'math', 'web']"
     for fn in (lambda: C.part_names(cfg, "wiki"), lambda: C.source_inputs(cfg, "wiki"),
                lambda: C.corpus_spec(cfg, "wiki"), lambda: C.tokenize_spec(cfg, "350m", "wiki"),
                lambda: C.documents_spec(cfg, "wiki")):

@@ -5,7 +5,7 @@ import pytest
 
 from stem import config as C
 
-KNOWN = "expected one of ['code', 'long', 'math', 'web']"
+KNOWN = "expected one of ['bios_n0032', 'code', 'long', 'math', 'web']"
 
 
 @pytest.fixture(scope="module")

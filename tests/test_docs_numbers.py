@@ -1,6 +1,7 @@
 """Numbers the docs quote from a config are the config's (issue 39 item 5: docs/training.md said the tiny run has
 80 pretraining steps while config/tiny.yaml had 70). Each entry: a file, a pattern whose groups are the quoted
 numbers, and the values they must be, read from the config the text talks about."""
+import math
 import re
 from pathlib import Path
 
@@ -21,7 +22,20 @@ QUOTED = [
      r"parameter .*?replay ([\d.]+) B a replayed parameter-step", lambda: _host_bytes()),
     ("config/accepted/tiny.yaml", r"experiment tiny: (\d+) pretraining steps of d=(\d+) \(350m\) or d=(\d+) \(1b\)",
      lambda: [PRE["350m"]["steps"], ARCHS["350m"]["d_model"], ARCHS["1b"]["d_model"]]),
+    ("docs/knowledge.md", r"source `bios_n0032` \(N (\d+) individuals with one-token names, E (\d+) exposures each",
+     lambda: [TINY["sources"]["bios_n0032"][k] for k in ("n", "exposures")]),
+    ("docs/knowledge.md", r"d (\d+), (\d+) layers, STEM at layers 2 and 5; `knowledge.vocab_size` (\d+) for its own "
+     r"(\d+)-token BPE \+ the (\d+)\s+names\), one seed, one pass \((\d+) steps of (\d+) x (\d+) tokens",
+     lambda: [ARCHS["350m"]["d_model"], ARCHS["350m"]["n_layers"], TINY["knowledge"]["vocab_size"],
+              TINY["knowledge"]["tokenizer"]["vocab_size"], TINY["knowledge"]["names"], _knowledge_steps(),
+              TINY["knowledge"]["train"]["batch_size"], TINY["knowledge"]["train"]["seq_len"]]),
 ]
+
+
+def _knowledge_steps() -> int:
+    """One pass over tiny's reduced knowledge world (stem.knowledge.steps, by hand: N x E x tokens_per_bio tokens)."""
+    kn, src = TINY["knowledge"], TINY["sources"]["bios_n0032"]
+    return math.ceil(src["n"] * src["exposures"] * kn["tokens_per_bio"] / (kn["train"]["batch_size"] * kn["train"]["seq_len"]))
 
 
 def _host_bytes() -> list:

@@ -10,6 +10,7 @@ import torch
 
 from stem import config as C
 from stem import knowledge as K
+from stem import layout as L
 from stem.analysis import knowledge as AK
 from stem.analysis.workflow import job_spec
 from stem.data.bios import bios_documents, make_bios
@@ -71,7 +72,9 @@ def test_names_are_one_token_and_the_control_s_are_several(tmp_path):
     (lambda c: c["sources"]["n0050"].update(exposures=10), "sources.n0050.exposures"),
     (lambda c: c["knowledge"]["variants"].append("nosuch"), "knowledge.variants"),
     (lambda c: c["archs"]["350m"].update(vocab_size=1200), "archs.350m.vocab_size"),
-    (lambda c: c["tokenizer"]["350m"].pop("add_names"), "tokenizer.350m.add_names"),
+    (lambda c: c["knowledge"]["tokenizer"].pop("add_names"), "knowledge.tokenizer.add_names"),
+    (lambda c: c["knowledge"].update(vocab_size=1200), "knowledge.vocab_size"),
+    (lambda c: c["knowledge"].update(train={"lr": 0}), "knowledge.train.lr"),
     (lambda c: c["knowledge"].update(sources=["n0050", "web"]), "knowledge.sources[1]"),
     (lambda c: c["analysis"]["knowledge_edit"]["inject"].update(people=751), "analysis.knowledge_edit.inject.people"),
     (lambda c: c["analysis"]["knowledge_edit"]["inject"].update(steps=0), "analysis.knowledge_edit.inject.steps"),
@@ -111,6 +114,36 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     edited = [p for p in points if K.split(p)[0] in RAW["analysis"]["knowledge_edit"]["sources"]]
     assert len(targets) == 2 * len(points) + len(edited) and all(re.search(r"results/knowledge/350m/k__\w+/pretrain/", t)
                                                    for t in targets)
+
+
+def test_points_read_the_knowledge_section_s_tokenizer_and_leave_the_scale_s_jobs_as_they_were():
+    """config/tiny.yaml's reduced knowledge world (docs/knowledge.md "Inside make smoke"): its points train on the
+    knowledge section's own tokenizer and shards (stem.layout.KNOWLEDGE, not a scale) with the 350m stand-in's
+    architecture at the section's vocabulary and stage settings; without the section every other job's spec is
+    the same (no new scale, tiny's training jobs untouched)."""
+    raw = C.read_yaml(REPO / "config" / "tiny.yaml")
+    exp = C.experiment.parse(copy.deepcopy(raw), "tiny.yaml")
+    kn = exp.knowledge
+    point = K.point_id(kn.sources[0], "stem")
+    spec = C.train_spec(exp, kn.scale, point, kn.stage)
+    assert spec["tokenizer"] == L.knowledge_tokenizer("tiny") == "data/tiny/knowledge/tokenizer/tokenizer.json"
+    assert spec["data"] == {kn.sources[0]: {"weight": 1.0, "manifest": L.knowledge_tokens("tiny", kn.sources[0])}}
+    arch = C.experiment.dataclass_mapping(exp.archs[kn.scale])
+    assert spec["model"]["vocab_size"] == kn.vocab_size and spec["model"]["d_model"] == arch["d_model"]
+    assert (spec["train"]["lr"], spec["train"]["batch_size"], spec["train"]["seq_len"]) == (1e-2, 8, 64)
+    assert C.tokenizer_spec(exp, L.KNOWLEDGE)["add_names"] and "knowledge" in C.tokenizer_spec(exp, L.KNOWLEDGE)
+    assert C.tokenize_spec(exp, L.KNOWLEDGE, kn.sources[0])["vocab_size"] == kn.vocab_size
+    assert set(C.SCALES) >= set(exp.archs) and L.KNOWLEDGE not in C.SCALES
+    bare = {k: v for k, v in raw.items() if k != "knowledge"}
+    bare["sources"] = {k: v for k, v in raw["sources"].items() if v.get("generator") != "bios"}
+    bare["analysis"] = {k: v for k, v in raw["analysis"].items() if not k.startswith("knowledge")}
+    without = C.experiment.parse(bare, "tiny.yaml")
+    jobs = C.train_targets(exp) + C.seed_targets(exp)
+    assert jobs == C.train_targets(without) + C.seed_targets(without)
+    assert all(C.train_spec(exp, *j) == C.train_spec(without, *j) for j in jobs)
+    assert all(C.corpus_spec(exp, s) == C.corpus_spec(without, s) for s in without.sources
+               if without.sources[s].kind == "synth")
+    assert all(C.tokenizer_spec(exp, s) == C.tokenizer_spec(without, s) for s in exp.tokenizer)
 
 
 def _model(vocab):
@@ -194,7 +227,7 @@ def test_the_gpu_overlay_scales_n_and_the_model_and_keeps_the_experiment():
     exp = parse(_merged(copy.deepcopy(RAW), C.read_yaml(REPO / "config" / "knowledge-gpu.yaml")))
     kn = exp.knowledge
     assert max(K.world_size(exp, s) for s in kn.sources) == kn.names == 6400 and exp.archs["350m"].d_model == 32
-    assert exp.archs["350m"].vocab_size == exp.tokenizer["350m"].vocab_size + kn.names
+    assert exp.archs["350m"].vocab_size == kn.tokenizer.vocab_size + kn.names
     assert (kn.variants, kn.attributes, kn.templates) == (parse(copy.deepcopy(RAW)).knowledge.variants,
                                                           RAW["knowledge"]["attributes"], parse(copy.deepcopy(RAW)).knowledge.templates)
     assert K.point_id("n6400", "stem", 2) in K.points(exp)

@@ -508,7 +508,8 @@ def test_a_missing_report_file_is_rebuilt_then_the_readme(tmp_path, tiny_cfg):
              *(f"reports/tiny/figures/{f}.{ext}" for f in F.FIGURES for ext in ("png", "pdf"))]
     from stem.analysis import workflow as AW  # the analyze stage's outputs, as a finished run leaves them
     from stem import sweeps as SW   # and the sweeps' (in `rule all` when sweeps.in_all)
-    analyses = AW.targets(tiny_cfg) + SW.targets(tiny_cfg)
+    from stem import knowledge as KN   # and the knowledge section's points (summaries, analyses)
+    analyses = AW.targets(tiny_cfg) + SW.targets(tiny_cfg) + KN.targets(tiny_cfg)
     files += analyses
     for i, f in enumerate(files):
         p = tmp_path / f

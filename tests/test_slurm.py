@@ -259,6 +259,8 @@ def _test_config() -> dict:
     cfg["matrix"] = {"350m": {"variants": ["stem"], "stages": ["pretrain"]}}
     cfg["tokenizer"] = {"350m": {"kind": "train_bpe", "sources": ["web"], "vocab_size": 512}}
     cfg["sources"] = {"web": {"kind": "synth", "generator": "web", "bytes": 300000}}
+    del cfg["knowledge"]   # no reduced knowledge world here (its source is gone)
+    cfg["analysis"] = {k: v for k, v in cfg["analysis"].items() if not k.startswith("knowledge")}
     cfg["eval"]["fixtures"]["ruler"]["scale"] = "350m"   # the RULER stand-in is sized by a tokenizer the config has
     cfg["world"] = {"seed": 7, "n_countries": 10, "n_people": 30, "n_filler": 200}
     cfg["stages"] = {"pretrain": {"350m": {**cfg["stages"]["pretrain"]["350m"], "batch_size": 8, "micro_batch": 8,

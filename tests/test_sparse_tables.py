@@ -22,7 +22,7 @@ from stem.train.loop import train
 from stem.train.step import accumulate_gradients
 from stem.optim import build_optimizer, configure_table_update
 from stem.optim.adamw import RowSparseAdamW
-from stem.train.plan import ParallelPlan
+from stem.train.plan import ParallelPlan, place
 
 from killing import sigkill_after_state
 
@@ -185,7 +185,7 @@ def test_memory_estimate_counts_row_sparse_tables_as_replicated():
     dense = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
     sparse = build_model(C.model_config_for(cfg, "350m", "stem", "pretrain"), "meta")
     tables = configure_table_update(sparse, {**OPTIM, "table_update": "sparse"})
-    e_dense, e_sparse = (memory.estimate(m, ParallelPlan(8, "fsdp", 16, 32, 2048, row_sparse=r))
+    e_dense, e_sparse = (memory.estimate(m, ParallelPlan(8, "fsdp", 16, 32, 2048, tables=place("fsdp", 8, row_sparse=r)))
                          for m, r in ((dense, ()), (sparse, tables)))
     n_table = 10 * 32000 * 2560                   # 10 STEM layers of V x d_ff at 350M
     assert e_sparse["replicated_table_params"] == n_table and e_sparse["sharded_table_params"] == 0
@@ -202,7 +202,8 @@ def test_row_sparse_tables_are_listed_in_module_order():
     cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=16,
                       ffn=("stem", "dense", "stem_gate", "stem_dagger"))
     model = build_model(cfg, "meta")
-    plan = ParallelPlan(2, "fsdp", 1, 2, 16, row_sparse=configure_table_update(model, {**OPTIM, "table_update": "sparse"}))
+    plan = ParallelPlan(2, "fsdp", 1, 2, 16, tables=place("fsdp", 2, row_sparse=configure_table_update(
+        model, {**OPTIM, "table_update": "sparse"})))
     got = plan.row_sparse_params(model)
     assert isinstance(got, list)
     assert [id(p) for p in got] == [id(model.layers[i].ffn.table.weight) for i in (0, 2, 3)]

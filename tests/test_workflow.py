@@ -37,6 +37,7 @@ def _reduced_config(tmp_path) -> Path:
                                 PLANTED: {"optim": {"groups": {"matrix": {"lr_mult": 1000.0}}},
                                           "label": "planted effect: STEM, matrix LR x1000"}}
     cfg["analysis"] = {"stages": {"350m": ["pretrain"]}, "heldout": {"source": "web", "windows": 24, "seq_len": 32}}
+    del cfg["knowledge"]   # the reduced knowledge world: tests/test_knowledge.py (its specs) and make smoke
     cfg["sources"] = {"web": {"kind": "synth", "generator": "web", "bytes": 60000, "val_fraction": 0.1},
                       "math": {"kind": "synth", "generator": "math", "bytes": 15000},
                       "code": {"kind": "synth", "generator": "code", "bytes": 15000}}

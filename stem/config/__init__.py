@@ -17,8 +17,8 @@ from stem.config.experiment import Experiment, HFInit, Source
 from stem.config.experiment import dataclass_mapping as mapping
 from stem.io import ConfigError, deep_merge, read_yaml  # noqa: F401 (re-exported: C.ConfigError, C.deep_merge, C.read_yaml)
 from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
-from stem.layout import (GGUF_SEP, analysis_json, checkpoint, corpus_path, entity_text, stage_dir, tokenizer_path,
-                         tokens_manifest)
+from stem.layout import (GGUF_SEP, KNOWLEDGE, analysis_json, checkpoint, corpus_path, entity_text, stage_dir,
+                         tokenizer_path, tokens_manifest)
 from stem.models.spec import model_config
 from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
 from stem.seeds import JobId
@@ -99,8 +99,11 @@ def figure_variants(exp: Experiment | None, figure: str) -> tuple[str, ...]:
 
 
 def model_config_for(exp: Experiment, scale: str, variant: str, stage: str | None = None):
-    """The ModelConfig of a variant at a scale (and a stage's context)."""
+    """The ModelConfig of a variant at a scale (and a stage's context); a knowledge point's with the points'
+    vocabulary (stem.knowledge.vocab_size: their own tokenizer's)."""
     arch = mapping(exp.archs[scale])
+    if exp.knowledge and knowledge.is_point(variant):
+        arch["vocab_size"] = knowledge.vocab_size(exp)
     if stage is not None:
         spec = mapping(exp.stages[stage][scale])   # a key written null is kept, as the config writes it
         arch.update({key: spec[key] for key in ("max_seq_len", "rope_scaling") if key in spec})
@@ -244,6 +247,7 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
         return _seed_job(exp, job)
     _check_job(exp, job)
     point = job.sweep is not None or bool(exp.knowledge and knowledge.is_point(variant))
+    tok = KNOWLEDGE if exp.knowledge and knowledge.is_point(variant) else scale   # a knowledge point: its own
     vspec = variant_spec(exp, variant)
     over = dict(vspec.stage or {})
     intervals = {k: over.pop(k) for k in list(over) if k not in STAGE_KEYS}   # a sweep's eval_batches (Train)
@@ -264,8 +268,8 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
         seed=exp.seed + vspec.seed_index, device=exp.device,
         model=model_config_for(exp, scale, variant, stage), optim=optim,
         train=_train_settings(exp, scale, stage, st, experiment.override(exp.train, intervals, "train"), point),
-        data={src: DataSource(w, tokens_manifest(exp.experiment, scale, src)) for src, w in st.data.items()},
-        tokenizer=tokenizer_path(exp.experiment, scale), init_from=_init_from(exp, scale, variant, init, ins),
+        data={src: DataSource(w, tokens_manifest(exp.experiment, tok, src)) for src, w in st.data.items()},
+        tokenizer=tokenizer_path(exp.experiment, tok), init_from=_init_from(exp, scale, variant, init, ins),
         init_stage=None if isinstance(init, HFInit) else init,
         out_dir=stage_dir(exp.experiment, scale, variant, stage),
         insert=None if ins is None else _insert_spec(exp, scale, variant, ins, st.data, init),
@@ -356,8 +360,9 @@ def corpus_spec(exp: Experiment, source: str) -> dict:
     src = source_of(exp, source)
     if src.kind != SourceKind.SYNTH:
         raise ConfigError(f"source {source!r}: no corpus to generate (only kind 'synth' sources have one)")
+    bios = src.generator == "bios"   # only a bios corpus carries the knowledge world (tiny's others unchanged)
     return {"source": source, "world": mapping(exp.world) if exp.world else {}, "seed": exp.seed,
-            **source_mapping(src), **plugins.spec_key(exp), **_knowledge_key(exp)}
+            **source_mapping(src), **plugins.spec_key(exp), **(_knowledge_key(exp) if bios else {})}
 
 
 def _knowledge_key(exp: Experiment) -> dict:
@@ -382,8 +387,18 @@ def source_inputs(exp: Experiment, source: str) -> list[str]:
     return [corpus_path(exp.experiment, source)] if synth else []
 
 
+def tokenizer_node(exp: Experiment, key: str):
+    """The tokenizer of a data key (stem.layout): ``tokenizer.<scale>``, or ``knowledge.tokenizer`` for KNOWLEDGE."""
+    if key == KNOWLEDGE:
+        if exp.knowledge is None:
+            raise ConfigError(f"tokenizer {KNOWLEDGE!r}: the {exp.experiment} config has no knowledge: section")
+        return exp.knowledge.tokenizer
+    return exp.tokenizer[key]
+
+
 def tokenizer_spec(exp: Experiment, scale: str) -> dict:
-    tok = mapping(exp.tokenizer[scale])
+    """The tokenizer job's spec; ``scale``: a data key (a scale, or KNOWLEDGE)."""
+    tok = mapping(tokenizer_node(exp, scale))
     if tok["kind"] == TokenizerKind.TRAIN_BPE:
         tok["documents"] = [documents_spec(exp, s) for s in tok["sources"]]
     if tok.get("add_names"):   # the knowledge experiment's one-token names (stem.data.bios)
@@ -394,7 +409,8 @@ def tokenizer_spec(exp: Experiment, scale: str) -> dict:
 def tokenize_spec(exp: Experiment, scale: str, source: str, part: str | None = None) -> dict:
     """Spec of one tokenize job: part k of n of a source (``part`` as named by ``part_names``).
     ``max_tokens`` is split evenly over the parts; ``sample`` is a [lo, hi) range of the per-document
-    uniform (or a mapping scale -> range), see stem.data.shards.tokenize_to_shards."""
+    uniform (or a mapping scale -> range), see stem.data.shards.tokenize_to_shards. ``scale``: a data key (a scale,
+    or KNOWLEDGE: the shards of the knowledge section's tokenizer, at its points' vocabulary)."""
     src = source_of(exp, source)
     k, n = part_index(exp, source, part or _part_names(source_parts(exp, source))[0])
     sample = src.sample
@@ -407,7 +423,8 @@ def tokenize_spec(exp: Experiment, scale: str, source: str, part: str | None = N
                           "depends on how the source is split into parts)")
     return {"documents": documents_spec(exp, source), "seed": exp.seed,
             "max_tokens": None if src.max_tokens is None else -(-int(src.max_tokens) // n),
-            "vocab_size": exp.archs[scale].vocab_size, "part": [k, n],
+            "vocab_size": knowledge.vocab_size(exp) if scale == KNOWLEDGE else exp.archs[scale].vocab_size,
+            "part": [k, n],
             "doc_keys": src.doc_keys or DocKeys.INDEX, "sample": None if sample is None else list(sample),
             # the held-out share of documents (stem.data.shards.val_mask; only where the source sets it, so the
             # other experiments' job specs stay as they were)

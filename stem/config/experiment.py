@@ -506,6 +506,19 @@ class Sweeps:
 
 # ---- the knowledge experiment (stem.knowledge, stem.data.bios) ---------------------------------------------
 @dataclass(frozen=True)
+class KnowledgeTrain:
+    """``knowledge.train``: the stage settings the points set over ``stages.<stage>.<scale>``'s (beside their data
+    and steps): a config whose stage serves its matrix too (tiny) gives its points their own optimisation."""
+    lr: float | None = field(default=None, metadata=above(0))
+    batch_size: int | None = field(default=None, metadata=POSITIVE)
+    micro_batch: int | None = field(default=None, metadata=POSITIVE)
+    seq_len: int | None = field(default=None, metadata=POSITIVE)
+
+    def settings(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
 class Knowledge:
     """``knowledge``: the bioS-style world (a pool of ``names`` individuals, attributes with known set sizes,
     paraphrase templates) and the sweep over its sources (each a world of N individuals seen E times) x variants
@@ -520,6 +533,9 @@ class Knowledge:
     scale: Scale
     stage: Stage
     tokens_per_bio: float = field(metadata=above(0))          # measured (docs/knowledge.md): sets the steps
+    # the points' own tokenizer (the names added as tokens), keyed by the section, not by a scale (stem.layout
+    # KNOWLEDGE): the points keep the scale's architecture with ``vocab_size`` (default the scale's) over it
+    tokenizer: Tokenizer
     name_kind: NameKind = NameKind.ONE
     seeds: tuple[int, ...] = (0,)                              # seed k > 0: its own job (exp.seed + k)
     seeds_at: tuple[str, ...] | None = None                    # sources whose points get every seed (default all)
@@ -530,6 +546,8 @@ class Knowledge:
     # a floor on a point's optimizer steps (docs/knowledge.md: one pass over a small world is too few steps to
     # learn it; above the floor a point trains for one pass)
     min_steps: int = field(default=1, metadata=POSITIVE)
+    vocab_size: int | None = field(default=None, metadata=at_least(260))   # the points' vocabulary (the arch's)
+    train: KnowledgeTrain | None = None                        # the points' stage settings (default the stage's)
 
     def __post_init__(self):
         fail(set(self.templates) == set(self.attributes), "templates",
@@ -619,10 +637,13 @@ class Experiment:
         return self.analysis.sections() if self.analysis else {}
 
     def _check_sources(self):
-        """Every source a mixture, a tokenizer, an eval suite the matrix runs or an analysis uses is defined."""
+        """Every source a mixture, a tokenizer (the knowledge section's too), an eval suite the matrix runs or an
+        analysis uses is defined."""
         uses = [(f"stages.{stage}.{scale}.data", list(spec.data))
                 for stage, by_scale in self.stages.items() for scale, spec in by_scale.items()]
         uses += [(f"tokenizer.{scale}.sources", tok.sources or []) for scale, tok in self.tokenizer.items()]
+        if self.knowledge is not None:
+            uses.append(("knowledge.tokenizer.sources", self.knowledge.tokenizer.sources or []))
         ev = self.eval or {}
         run = {suite for m in self.matrix.values() for stage in m.stages
                for suite in (ev.get("stages") or {}).get(stage) or []}

@@ -13,11 +13,24 @@ config's ``optim`` mapping rather than a job spec.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from stem.fields import OPTIONAL, Parser, expect, node
-from stem.options import OptimGroup, TableUpdate
+from stem.options import TableUpdate
+from stem.registry import OPTIM_GROUPS
 
 AT_LEAST_0 = expect(lambda v: v >= 0, "a number >= 0")
+
+
+class _Registered:
+    """What ``optim.groups`` expects of a key, worded when an error is: a group registered so far (``OPTIM_GROUPS``:
+    the built-in ones, ``stem.models.registry``, and a config's plugins')."""
+
+    def __str__(self):
+        return f"a registered optimizer group (one of {', '.join(OPTIM_GROUPS)})"
+
+
+REGISTERED_GROUP = expect(lambda k: k in OPTIM_GROUPS, _Registered())
 OPTIM = Parser(ValueError, wrong="key '{key}': expected {expected}, got {value}",
                unknown="key '{key}': unknown (expected one of {names})")
 
@@ -34,14 +47,14 @@ class Group:
 class OptimSpec:
     """AdamW (``build``): the experiment config's ``optim`` section (``stem.config.experiment.Optim`` is this class) and
     a training job's spec's, one declaration; a variant's ``optim:`` keys are set over it
-    (``stem.fields.override``). ``groups``: per optimizer group ``lr_mult`` / ``weight_decay`` overrides of the
-    registry's defaults; ``table_update``: how the ``table`` group is updated (``stem.optim.adamw``: dense, the
+    (``stem.fields.override``). ``groups``: per optimizer group (any registered in ``OPTIM_GROUPS``, a plugin's
+    too) ``lr_mult`` / ``weight_decay`` overrides of the registry's defaults; ``table_update``: how the ``table`` group is updated (``stem.optim.adamw``: dense, the
     paper, or sparse: the batch's rows only)."""
     betas: tuple[float, float]
     weight_decay: float = field(metadata=AT_LEAST_0)
     eps: float = field(metadata=expect(lambda v: v > 0, "a number > 0"))
     grad_clip: float = field(metadata=AT_LEAST_0)   # the training step's gradient-norm clip (0: none)
-    groups: dict[OptimGroup, Group] = field(default_factory=dict)
+    groups: dict[Annotated[str, REGISTERED_GROUP], Group] = field(default_factory=dict)
     table_update: TableUpdate = field(default=TableUpdate.DENSE, metadata=OPTIONAL)
 
     @classmethod

@@ -141,8 +141,9 @@ class RowSparseAdamW(torch.optim.AdamW):
         p_i -= lr / (1 - b1^t) * m_i / (sqrt(v_i) / sqrt(1 - b2^t) + eps)
     (torch's AdamW formula); other rows and their moments are not touched. The state has AdamW's keys and
     shapes (step, exp_avg, exp_avg_sq), so checkpoints, DCP resharding and stage carry-over are unchanged.
-    A row-sharded table (``stem.train.tables``, several ranks) has a dense gradient on its shard and marks the
-    rows its step asked of this rank (``touched_rows``): those rows get the same update, on the shard.
+    A row-sharded table (``stem.train.tables.RowShardedTable``, several ranks; ``track``) has a dense gradient on
+    its shard and hands the rows its step asked of this rank (``take_touched``): those rows get the same update,
+    on the shard.
     Other dense gradients go through torch's AdamW. A ``lazy`` table (``track``: a host table) is dense AdamW
     made lazy and exact (``LazyRows``): its step count and hyper-parameters are recorded every step, its
     touched rows updated, the others replayed when read (``catch_up``) or saved (``settle``)."""
@@ -151,14 +152,18 @@ class RowSparseAdamW(torch.optim.AdamW):
         super().__init__(*args, **kwargs)
         self.lazy: dict = {}            # parameter -> LazyRows
         self.tracked: set = set()       # the tables' parameters (``track``)
+        self.touched: dict = {}         # a row-sharded table's parameter -> its module (``take_touched``)
         self.pool = None                # ``overlap``'s workers
         self.pending: dict = {}         # parameter -> (its update's rows, the futures of their chunks)
 
     def track(self, module):
         """A table module announcing its reads (``register_read_hook``, ``row_update``: sparse | lazy): its
         gradient comes as rows; before a read the rows wait for their update if it runs on a worker (``overlap``),
-        and a lazy one's are brought current."""
+        and a lazy one's are brought current. A row-sharded one (``take_touched``) says which rows its step asked."""
         p = module.weight
+        if hasattr(module, "take_touched"):
+            self.touched[p] = module
+            return
         self.tracked.add(p)
         if module.row_update == "lazy":
             self.lazy[p] = LazyRows(p.shape[0], p.device)
@@ -224,7 +229,7 @@ class RowSparseAdamW(torch.optim.AdamW):
                 loss = closure()
         self.drain()                    # the previous step's host updates (``overlap``)
         sparse = [(g, p) for g in self.param_groups for p in g["params"]
-                  if p in self.lazy or p.grad is not None and (p.grad.is_sparse or hasattr(p, "touched_rows"))]
+                  if p in self.lazy or p.grad is not None and (p.grad.is_sparse or p in self.touched)]
         held = [(p, p.grad) for _, p in sparse]
         for p, _ in held:
             p.grad = None               # torch's AdamW skips them
@@ -246,11 +251,10 @@ class RowSparseAdamW(torch.optim.AdamW):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         local = [p, state["exp_avg"], state["exp_avg_sq"]]
-        if hasattr(p, "touched_rows"):   # a row-sharded table: this rank's shard and the rows asked of it
+        if p in self.touched:            # a row-sharded table: this rank's shard and the rows asked of it
             local = [x.to_local() for x in local]
-            rows = p.touched_rows.nonzero().squeeze(1)
+            rows = self.touched[p].take_touched()
             g = p.grad.to_local().index_select(0, rows)
-            p.touched_rows.zero_()
         elif p.grad is None:             # a lazy table none of whose rows the step read
             rows, g = torch.zeros(0, dtype=torch.long, device=p.device), p.new_zeros(0, p.shape[1])
         else:
@@ -426,10 +430,10 @@ def build_optimizer(model, optim, lr: float, fused: bool = False) -> torch.optim
         lr_mult = lr_mult if o is None or o.lr_mult is None else o.lr_mult
         wd = (optim.weight_decay if wd is None else wd) if o is None or o.weight_decay is None else o.weight_decay
         groups.append({"params": params, "name": name, "lr_mult": lr_mult, "weight_decay": wd, "lr": lr * lr_mult})
-    tables = [m for m in model.modules() if hasattr(m, "register_read_hook") and m.row_update is not None]
+    tables = [m for m in model.modules() if getattr(m, "row_update", None) is not None]
     cls = RowSparseAdamW if optim.sparse_tables or tables else torch.optim.AdamW
     opt = cls(groups, lr=lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused)
-    for m in tables:   # host tables (stem.train.tables): their gradients come as rows
+    for m in tables:   # host and row-sharded tables (stem.train.tables): their gradients come as rows
         opt.track(m)
     return opt
 

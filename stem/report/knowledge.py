@@ -36,6 +36,14 @@ COLUMNS = ("n", "exposures", "seeds", "bits", "bits_max", "recall", "params_tota
 N_BOOT = 1000
 
 
+def claim(exp: Experiment, text: str) -> str:
+    """A direction row's claim, labelled with the run it comes from where that is not the knowledge experiment (the
+    tiny run's reduced world: config/tiny.yaml's knowledge section)."""
+    if exp.experiment == "knowledge":
+        return text
+    return f"{text} [{exp.experiment} run's reduced knowledge world: synthetic, CPU scale]"
+
+
 def load(exp: Experiment, root, name: str = K.ANALYSIS) -> dict[str, dict]:
     """{point id: its ``name`` analysis JSON} for every point whose JSON exists under ``root`` (results)."""
     kn, out = exp.knowledge, {}
@@ -128,7 +136,7 @@ def directions(exp: Experiment, got: dict) -> list[dict]:
                      "column": f"bits ratio vs dense - 1 at {source} (N {rs[0]['n']}, {rs[0]['name_kind']} names)",
                      "stage": str(exp.knowledge.stage), "paper_delta": 1.0, "ours_delta": ci["delta"], "lo": ci["lo"],
                      "hi": ci["hi"], "n": ci["n"], "seeds": ci["seeds"], "p": V.p_value(ci), "verdict": verdict,
-                     "source": CLAIM})
+                     "source": claim(exp, CLAIM)})
     return rows
 
 
@@ -173,7 +181,7 @@ def edit_directions(exp: Experiment, results) -> list[dict]:
             rows.append({"table": "knowledge_edit", "scale": str(exp.knowledge.scale), "variant": variant,
                          "column": f"{col}: STEM rows - dense embedding rows at {source}", "stage": str(exp.knowledge.stage),
                          "paper_delta": sign, **V.ci_cols(ci, sign), "seeds": min(len(base), len(rs)),
-                         "source": EDIT_CLAIM})
+                         "source": claim(exp, EDIT_CLAIM)})
     return rows
 
 
@@ -226,7 +234,7 @@ def inject_directions(exp: Experiment, results) -> list[dict]:
             rows.append({"table": "knowledge_inject", "scale": str(exp.knowledge.scale), "variant": variant,
                          "column": f"fitted {col}: new token's rows STEM - dense at {source}",
                          "stage": str(exp.knowledge.stage), "paper_delta": sign, **V.ci_cols(ci, sign), "seeds": k,
-                         "source": INJECT_CLAIM})
+                         "source": claim(exp, INJECT_CLAIM)})
     return rows
 
 

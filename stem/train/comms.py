@@ -249,7 +249,7 @@ def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | N
         (d, u_step, _), = expected_lookups(model, step_plan, (name,))
         fetched += fwd * sum(u * d for d, u, _ in expected_lookups(model, plan, (name,)))
         touched += u_step * d
-        if name not in plan.sparse_rows:
+        if not plan.tables[name].sparse:   # a lazy table
             replayed += (model.get_submodule(name).weight.shape[0] - u_step) * d
     traffic = {"fetch_accumulate": fetched * b["fetch_accumulate"], "update": touched * b["update"],
                "replay": replayed * b["replay"]}

@@ -27,7 +27,8 @@ from dataclasses import replace
 
 from stem.models.spec import LOSS_CHUNK
 from stem.models.registry import ffn_facts, swiglu_activations
-from stem.train.plan import ParallelPlan
+from stem.options import TableLayout
+from stem.train.plan import ParallelPlan, place
 
 GIB = 1024 ** 3
 
@@ -82,7 +83,7 @@ def host_estimate(model, plan: ParallelPlan, touched_params: int, fetched_params
     dense gradient the tables had before (4 B a table parameter) is no longer held: ``dense_grad``."""
     tables = [model.get_submodule(n).weight for n in plan.host_tables]
     n = sum(w.numel() for w in tables)
-    lazy_rows = sum(w.shape[0] for name, w in zip(plan.host_tables, tables) if name not in plan.sparse_rows)
+    lazy_rows = sum(w.shape[0] for name, w in zip(plan.host_tables, tables) if not plan.tables[name].sparse)
     out = {"tables": 12 * n, "gradient_rows": 8 * touched_params, "fetched_rows": 2 * 4 * fetched_params / plan.accum,
            "lazy_steps": 8 * lazy_rows}
     return {**out, "total": sum(out.values()), "dense_grad": 4 * n, "table_params": n}
@@ -105,8 +106,7 @@ def candidates(plan: ParallelPlan, batch_size: int, tables: tuple[str, ...] = ()
     checkpointing, then (one GPU, lookup ``tables`` resident) all of these with the tables in host memory."""
     micros = [m for m in range(plan.micro_batch, 0, -1) if batch_size % (m * plan.world) == 0]
     ckpts = (True,) if plan.activation_checkpointing else (False, True)
-    hosts = [plan] + ([replace(plan, row_sharded=(), host_tables=tables, sparse_rows=tuple(t for t in tables if t in plan.row_sparse),
-                               row_sparse=tuple(t for t in plan.row_sparse if t not in tables))]
+    hosts = [plan] + ([replace(plan, tables=place(TableLayout.HOST, 1, tables, plan.row_sparse))]
                       if plan.world == 1 and tables and not plan.host_tables else [])
     return [replace(p, micro_batch=m, accum=batch_size // m, activation_checkpointing=c)
             for p in hosts for c in ckpts for m in micros]

@@ -49,7 +49,7 @@ from stem.specs import TrainSpec
 from stem.train import comms, distributed, memory
 from stem.train.plan import ParallelPlan, cluster_train, job_layout
 from stem.train import step
-from stem.train.tables import row_shardable, to_host
+from stem.train.tables import HostTable, RowShardedTable, row_shardable, to_host
 
 GIB = 1024 ** 3
 STEM_DIR = Path(__file__).resolve().parents[1]
@@ -133,13 +133,10 @@ def _laid_out(cfg, plan: ParallelPlan, ctx, mixed_precision: bool):
     distributed.parallelize(model, ctx, plan, mixed_precision=mixed_precision)
     for m in tables:   # traced with a dense V x d_ff gradient, the sparse one's upper bound (a fake tensor
         m.row_sparse = False   # cannot run the lookup's torch.unique: its output shape depends on the data)
-    for name in plan.row_sharded + plan.host_tables:   # likewise: each micro-batch's ids all distinct (the
-        model.get_submodule(name).trace_bound = True    # bound), evenly owned
-    for name in plan.sparse_rows:   # and row-sharded row-sparse tables updated as dense ones (every row)
-        if name in plan.row_sharded:
-            del model.get_submodule(name).weight.touched_rows
-    for name in plan.host_tables:   # host tables: a dense host gradient and plain AdamW (off the GPU either way)
-        model.get_submodule(name).row_update = None
+    for name in plan.row_sharded + plan.host_tables:   # likewise (the bound), and updated as dense tables
+        m = model.get_submodule(name)
+        if isinstance(m, (RowShardedTable, HostTable)):   # (at world 1 a row-sharded table stays as it is)
+            m.for_trace()
     return model, tables, host
 
 

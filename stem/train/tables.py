@@ -6,16 +6,18 @@ below).
 Which tables: every ``nn.Embedding`` whose weight has a ``lookup`` role (STEM's tables, DSE's hashed tables;
 not the input embedding). Under ``optim.table_update: sparse`` the STEM tables are row-sharded too (the plan's
 ``sparse_rows``), not replicated: their owners apply the row-sparse update (``stem.optim.adamw``) to the rows a
-step asked of them. ``shard_rows`` replaces each such weight, before FSDP wraps the rest, by a DTensor sharded
-on dim 0 over the world mesh whose rows are stored interleaved: id i lives on rank i mod W, at local row
-i div W (``storage_ids``; B = ceil(V / W) local rows a rank, the last ones of some ranks padding, never read,
-zero). A vocabulary's frequent (low) ids thus spread over every rank instead of all landing on rank 0 (the
+step asked of them. Which table goes where is the job's plan (``stem.train.plan.ParallelPlan.tables``); the
+modules are made from it: ``shard_rows`` puts a ``RowShardedTable`` in place of each row-sharded table, before
+FSDP wraps the rest, ``to_host`` a ``HostTable`` in place of each host one (``model.set_submodule``: the state-dict
+key ``<name>.weight`` stays, and the new module declares its weight's role, hence its optimizer group). A
+``RowShardedTable``'s weight is a DTensor sharded on dim 0 over the world mesh whose rows are stored interleaved:
+id i lives on rank i mod W, at local row i div W (``storage_ids``; B = ceil(V / W) local rows a rank, the last
+ones of some ranks padding, never read, zero). A vocabulary's frequent (low) ids thus spread over every rank instead of all landing on rank 0 (the
 imbalance ``owner_load`` measures). Gradient clipping (a DTensor: its local squares summed over ranks), the
 optimizer (local, on the shard: the moments are DTensors too) treat the shard like an FSDP shard with no code
 of their own; what leaves the job sees the tables in id order: ``logical_state`` (DCP states and the carried
-optimizer state, resharded at another world size) and ``logical_full`` (the gathered final checkpoint). The
-module keeps its class (its parameter roles, hence its optimizer group) with this forward on top
-(``RowShardedLookup``):
+optimizer state, resharded at another world size) and ``logical_full`` (the gathered final checkpoint). Its
+forward (``RowShardedLookup``):
 
 - forward: the micro-batch's unique ids as stored rows (sorted, so grouped by owner); an all-to-all of the
   counts per owner, one of the ids, each owner gathers the asked rows from its shard (bf16 under mixed
@@ -23,7 +25,8 @@ module keeps its class (its parameter roles, hence its optimizer group) with thi
   ids' positions.
 - backward: the gradient of each unique row (summed over its positions) returns to its owner through one
   all-to-all (fp32) and is added into the shard's gradient, divided by the world size (FSDP's average: the
-  loss is scaled by W for it, ``stem.train.step``); a row-sparse table's owner marks the rows asked of it.
+  loss is scaled by W for it, ``stem.train.step``); a row-sparse table's owner marks the rows asked of it
+  (``RowShardedTable.take_touched`` hands them to the optimizer).
 
 Exact against the unsharded model (tests/test_tables.py: losses, gradient norms and parameters after 3 steps,
 fp32, gloo, 4 ranks). Traffic per micro-batch and table: 8 B a unique id + its row twice, instead of the whole
@@ -104,37 +107,65 @@ class RowShardedLookup(torch.autograd.Function):
         return grad.div_(dist.get_world_size()), None, None, None, None, None
 
 
-class _RowSharded:
-    """The forward put on top of a row-sharded table's own class (``shard_rows``). ``trace_bound``: the memory
-    trace's fake tensors hold no ids, so it routes the upper bound (every id distinct, evenly owned)."""
+class RowShardedTable(nn.Module):
+    """A lookup table whose rows are interleaved over the ranks (module docstring), made by ``shard_rows`` from the
+    ``nn.Embedding`` it replaces (``<name>.weight`` and the weight's role kept): ``weight``, this rank's shard (a
+    DTensor sharded on dim 0, ``row_block`` rows) of a ``table_rows`` x d table; the forward ``RowShardedLookup``,
+    the rows on the wire in ``wire_dtype``. ``row_update``: ``sparse`` (the plan's ``sparse_rows``): the step's
+    rows asked of this rank are marked, for the optimizer (``take_touched``, ``stem.optim.adamw``), or None (a
+    dense update of the shard; the memory trace's). ``trace_bound``: the memory trace's fake tensors hold no ids,
+    so it routes the upper bound (every id distinct, evenly owned; ``for_trace``)."""
     trace_bound = False
+
+    def __init__(self, table: nn.Embedding, mesh, mixed_precision: bool, sparse: bool = False, role=None):
+        from torch.distributed.tensor import DTensor, Shard   # multi-rank only (stem.train.distributed)
+        super().__init__()
+        world, rank = mesh.size(), mesh.get_local_rank()
+        (rows, d), w = table.weight.shape, table.weight.detach()
+        self.row_block, self.table_rows = math.ceil(rows / world), rows
+        self.wire_dtype = torch.bfloat16 if mixed_precision else table.weight.dtype
+        self.param_roles = {"weight": role} if role is not None else {}
+        local = w.new_zeros(self.row_block, d)
+        mine = w[rank::world]
+        local[:mine.shape[0]] = mine
+        self.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+        self.row_update = "sparse" if sparse else None
+        self.touched = torch.zeros(self.row_block, dtype=torch.bool, device=local.device) if sparse else None
+
+    def for_trace(self):
+        """As the memory trace runs it: the lookup's upper bound (every id distinct, evenly owned) and every row of
+        the shard updated, as a dense table's (no rows marked)."""
+        self.trace_bound, self.row_update, self.touched = True, None, None
+
+    def take_touched(self) -> torch.Tensor:
+        """The shard's rows the step asked of this rank (local rows, sorted), cleared for the next step."""
+        rows = self.touched.nonzero().squeeze(1)
+        self.touched.zero_()
+        return rows
 
     def forward(self, ids):
         return RowShardedLookup.apply(self.weight.to_local(), ids, self.row_block, self.wire_dtype, self.trace_bound,
-                                      getattr(self.weight, "touched_rows", None))
+                                      self.touched if self.row_update is not None else None)
+
+
+def _with_roles(model, names) -> list:
+    """(name, module, its weight's role) of each table ``names`` of ``model``: the role (``param_roles``, declared by
+    the table or by its parent) the module put in its place declares for its own weight (the same optimizer group
+    and accounting)."""
+    roles = param_roles(model)
+    return [(n, m, roles.get(id(m.weight))) for n, m in ((n, model.get_submodule(n)) for n in names)]
 
 
 def shard_rows(model, names, mesh, mixed_precision: bool, sparse=()) -> list:
-    """Shard the tables ``names`` (``row_shardable``) of ``model`` by rows over ``mesh``, interleaved (module
-    docstring); those in ``sparse`` (the plan's ``sparse_rows``) mark the rows a step asks of this rank
-    (``touched_rows``, read and cleared by ``stem.optim.adamw.RowSparseAdamW``). Returns their new weights
-    (DTensors), which FSDP must leave alone (``ignored_params``)."""
-    from torch.distributed.tensor import DTensor, Shard   # multi-rank only (stem.train.distributed)
-    world, rank, out = mesh.size(), mesh.get_local_rank(), []
-    for name in names:
-        m = model.get_submodule(name)
-        cls = type(m)
-        m.__class__ = type(f"RowSharded{cls.__name__}", (_RowSharded, cls), {})
-        (rows, d), w = m.weight.shape, m.weight.detach()
-        m.row_block, m.table_rows = math.ceil(rows / world), rows
-        m.wire_dtype = torch.bfloat16 if mixed_precision else m.weight.dtype
-        local = w.new_zeros(m.row_block, d)
-        mine = w[rank::world]
-        local[:mine.shape[0]] = mine
-        m.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
-        if name in sparse:
-            m.weight.touched_rows = torch.zeros(m.row_block, dtype=torch.bool, device=local.device)
-        out.append(m.weight)
+    """Put a ``RowShardedTable`` in place of each table ``names`` (``row_shardable``) of ``model``, sharded by rows
+    over ``mesh``, interleaved (module docstring); those in ``sparse`` (the plan's ``sparse_rows``) mark the rows a
+    step asks of this rank (``RowShardedTable.take_touched``, read by ``stem.optim.adamw.RowSparseAdamW``). Returns
+    their weights (DTensors), which FSDP must leave alone (``ignored_params``)."""
+    out = []
+    for name, m, role in _with_roles(model, names):
+        table = RowShardedTable(m, mesh, mixed_precision, name in sparse, role)
+        model.set_submodule(name, table)
+        out.append(table.weight)
     return out
 
 
@@ -142,7 +173,7 @@ def shard_rows(model, names, mesh, mixed_precision: bool, sparse=()) -> list:
 
 def _sharded_tables(model) -> dict:
     """State-dict key -> module of every row-sharded table of ``model``."""
-    return {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, _RowSharded)}
+    return {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, RowShardedTable)}
 
 
 def _to_blocks(x, m, inverse: bool):
@@ -323,8 +354,11 @@ class StepRows:
                                        is_coalesced=False, check_invariants=False)
 
 
-class _Host:
-    """The forward put on top of a host table's own class (``to_host``); ``trace_bound`` as ``_RowSharded``'s;
+
+class HostTable(nn.Module):
+    """A lookup table in host memory (pinned when CUDA is there), made by ``to_host`` from the ``nn.Embedding`` it
+    replaces (``<name>.weight`` and the weight's role kept), with the ``HostLookup`` forward. ``token_ids``: looked up
+    by token id (STEM's; a DSE table's ids are hashed in the forward); ``trace_bound`` as ``RowShardedTable``'s;
     ``ahead``: (ids, fetched) from ``prefetch``, used by the forward whose ids are those very ids (a recomputed
     forward, under activation checkpointing, fetches its own); ``prefetched``: how many forwards used one.
     ``row_update`` (``stem.optim.adamw``): how the optimizer updates its rows, ``lazy`` (dense AdamW, exact) or
@@ -333,14 +367,27 @@ class _Host:
     trace_bound = False
     ahead = None
     prefetched = 0
-    row_update = "lazy"
+
+    def __init__(self, table: nn.Embedding, sparse: bool = False, role=None):
+        super().__init__()
+        self.param_roles = {"weight": role} if role is not None else {}
+        self.token_ids = getattr(role, "group", None) != "dse_table"
+        self.row_update = "sparse" if sparse else "lazy"
+        self.read_hooks: list = []
+        w = table.weight.detach().cpu()
+        self.weight = nn.Parameter(w.pin_memory() if torch.cuda.is_available() else w.clone())
+
+    def for_trace(self):
+        """As the memory trace runs it: the lookup's upper bound (every id distinct) and a dense host gradient with
+        plain AdamW (off the GPU either way)."""
+        self.trace_bound, self.row_update = True, None
 
     def register_read_hook(self, fn):
         """``fn(host ids)`` runs before those rows of the table are read (``stem.optim.adamw``)."""
-        self.__dict__.setdefault("read_hooks", []).append(fn)
+        self.read_hooks.append(fn)
 
     def before_read(self, ids):
-        for fn in self.__dict__.get("read_hooks", ()):
+        for fn in self.read_hooks:
             fn(ids)
 
     def forward(self, ids):
@@ -359,23 +406,18 @@ def prefetch(model, ids: torch.Tensor):
     The weights do not change within a step, so the rows are those its forward would fetch. The memory trace
     (``trace_bound``) holds the bound's rows ahead likewise."""
     for m in model.modules():
-        if isinstance(m, _Host) and m.token_ids:
+        if isinstance(m, HostTable) and m.token_ids:
             m.ahead = (ids, _fetch(m, ids, m.trace_bound, "ahead"))
 
 
 def to_host(model, names, sparse=()) -> list:
-    """Move the tables ``names`` (``row_shardable``) of ``model`` to host memory (pinned when CUDA is there) with
-    the ``HostLookup`` forward; their AdamW moments follow their weights there. Those in ``sparse`` (the plan's
+    """Put a ``HostTable`` in place of each table ``names`` (``row_shardable``) of ``model``: in host memory with the
+    ``HostLookup`` forward; their AdamW moments follow their weights there. Those in ``sparse`` (the plan's
     ``sparse_rows``: ``optim.table_update: sparse``) get the row-sparse update, the others dense AdamW's, lazy
     and exact (``stem.optim.adamw``). Returns their weights."""
-    roles, out = param_roles(model), []
-    for name in names:
-        m = model.get_submodule(name)
-        m.token_ids = getattr(roles.get(id(m.weight)), "group", None) != "dse_table"   # looked up by token id
-        cls = type(m)
-        m.__class__ = type(f"Host{cls.__name__}", (_Host, cls), {})
-        m.row_update = "sparse" if name in sparse else "lazy"
-        w = m.weight.detach().cpu()
-        m.weight = nn.Parameter(w.pin_memory() if torch.cuda.is_available() else w.clone())
-        out.append(m.weight)
+    out = []
+    for name, m, role in _with_roles(model, names):
+        table = HostTable(m, name in sparse, role)
+        model.set_submodule(name, table)
+        out.append(table.weight)
     return out
