@@ -6,15 +6,16 @@ its two AdamW moments and the replays' copies fit a 24 GB machine beside other w
 the real code for ``--steps`` steps of ``--accum`` micro-batches of ``--micro-tokens`` token ids drawn from a
 Zipf(1) law (``stem.train.comms.zipf_seen``'s; config/rehearsal.yaml's 1b/stem/pretrain as fitted: 4 x 8,192).
 Per micro-batch: the fetch (``_fetch``: unique ids, a lazy table's missed steps replayed for them, the rows
-gathered) and the gradient's accumulation (the rows' sparse gradient added and coalesced, as
-``HostLookup.backward``: the device's index_add left out); per step the optimizer (``RowSparseAdamW.step``: the
-touched rows' AdamW update) and the zeroing; at the end ``settle`` (a save: every row brought current), so that
+gathered) and the gradient's accumulation (``HostLookup.backward``'s ``accumulate_rows``: the device's index_add
+left out); per step the optimizer (``RowSparseAdamW.step``: the gradient's one coalesce and the touched rows' AdamW
+update) and the zeroing; at the end ``settle`` (a save: every row brought current), so that
 the replays are counted in full, amortised over the steps. Both updates: ``lazy`` (dense AdamW made lazy and
 exact, ``table_update: dense``) and ``sparse`` (row-sparse AdamW). Beside them the CPU's memory bandwidth,
 measured the same way (``c = a + b`` on 512 MB arrays, 3 x 4 B an element), to turn seconds into bytes of
-traffic per parameter: the factors the model extrapolates by a node's bandwidth. Each update runs with the row
-update fused and unfused (``stem.optim.adamw.FUSED_ROWS``), timed in this thread's CPU seconds (the bandwidth too);
-the overlap's comparison in wall seconds.
+traffic per parameter: the factors the model extrapolates by a node's bandwidth. Each update runs with the gradient
+accumulated by id once a step (``accumulate_rows``, the code's) and, for comparison in the same run, as before
+(a sparse sum coalesced after every micro-batch), timed in this thread's CPU seconds (the bandwidth too); the
+overlap's comparison in wall seconds.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from stem.io import atomic_write_json
 from stem.optim import adamw
 from stem.optim.adamw import RowSparseAdamW
 from stem.train.comms import zipf_seen
-from stem.train.tables import _fetch, to_host
+from stem.train.tables import _fetch, accumulate_rows, to_host
 
 PHASES = ("fetch", "device", "accumulate", "update", "zero", "settle")
 
@@ -78,9 +79,11 @@ def _table(args, update: str, workers: int | None):
     return m, w, opt
 
 
-def _micro(m, w, ids, times: dict, device_s: float, now) -> int:
+def _micro(m, w, ids, times: dict, device_s: float, now, each: bool = False) -> int:
     """One micro-batch: its rows fetched (waiting for their own pending update, if any), the device's forward and
-    backward as a timed wait of ``device_s``, the rows' gradient accumulated; returns the rows fetched."""
+    backward as a timed wait of ``device_s``, the rows' gradient accumulated (``HostLookup.backward``'s
+    ``accumulate_rows``; ``each``: as before issue 42's change, a sparse sum coalesced after every micro-batch);
+    returns the rows fetched."""
     t = now()
     _, host_ids, _ = _fetch(m, ids)
     t = _clock(times, "fetch", t, now)
@@ -88,28 +91,32 @@ def _micro(m, w, ids, times: dict, device_s: float, now) -> int:
     t = _clock(times, "device", t, now)
     grad = torch.randn(host_ids.numel(), w.shape[1])   # the unique rows' summed gradient, back from the device
     t = now()
-    g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), grad, w.shape, is_coalesced=True, check_invariants=False)
-    w.grad = g if w.grad is None else (w.grad + g).coalesce()
+    if each:
+        g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), grad, w.shape, is_coalesced=True, check_invariants=False)
+        w.grad = g if w.grad is None else (w.grad + g).coalesce()
+    else:
+        accumulate_rows(w, host_ids, grad)
     _clock(times, "accumulate", t, now)
     return host_ids.numel()
 
 
 def run(args, update: str, steps: list, workers: int | None = None, device_s: float = 0.0, fused: bool = True,
-        cpu: bool = False) -> dict:
+        cpu: bool = False, each: bool = False) -> dict:
     """``steps`` (per step, its micro-batches' ids) on one host table under ``update`` (lazy | sparse), the update on
     ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches); the row
     update through torch's fused kernel or (``fused`` False) the same formula in unfused ops
-    (``stem.optim.adamw.FUSED_ROWS``); timed in this thread's CPU seconds (``cpu``: a synchronous run on a loaded
+    (``stem.optim.adamw.FUSED_ROWS``); the gradient accumulated by id (``each``: coalesced every micro-batch, as
+    before, ``_micro``); timed in this thread's CPU seconds (``cpu``: a synchronous run on a loaded
     machine, where wall seconds count the other processes' turns) or wall seconds."""
     was, adamw.FUSED_ROWS = adamw.FUSED_ROWS, fused
     try:
-        return _run(args, update, steps, workers, device_s, time.thread_time if cpu else time.perf_counter) | {
-            "fused": fused, "clock": "thread CPU" if cpu else "wall"}
+        return _run(args, update, steps, workers, device_s, time.thread_time if cpu else time.perf_counter, each) | {
+            "fused": fused, "clock": "thread CPU" if cpu else "wall", "accumulation": "each" if each else "step"}
     finally:
         adamw.FUSED_ROWS = was
 
 
-def _run(args, update: str, steps: list, workers: int | None, device_s: float, now) -> dict:
+def _run(args, update: str, steps: list, workers: int | None, device_s: float, now, each: bool = False) -> dict:
     m, w, opt = _table(args, update, workers)
     replays = []
     if update == "lazy":   # counted as they run (LazyRows.replay returns the row-steps it replayed)
@@ -120,8 +127,8 @@ def _run(args, update: str, steps: list, workers: int | None, device_s: float, n
     for i, micro in enumerate(steps):
         if i == 1:   # step 0 (the moments allocated) is not timed
             times, touched, fetched, replays[:] = dict.fromkeys(PHASES, 0.0), 0, 0, []
-        fetched += sum(_micro(m, w, ids, times, device_s / len(micro), now) for ids in micro)
-        touched += w.grad.indices().shape[1]
+        fetched += sum(_micro(m, w, ids, times, device_s / len(micro), now, each) for ids in micro)
+        touched += w.grad._nnz()   # unique rows: the step's accumulation holds each id once
         t = now()
         opt.step()
         t = _clock(times, "update", t, now)
@@ -163,12 +170,12 @@ def main(args):
     args.steps, args.accum, args.micro_tokens = args.host_steps, args.accum, args.host_micro_tokens
     steps = _draws(args, g)
     gbs = bandwidth_gbs()
-    unfused = {u: run(args, u, steps, fused=False, cpu=True) for u in ("sparse", "lazy")}
+    before = {u: run(args, u, steps, cpu=True, each=True) for u in ("sparse", "lazy")}
     runs = {u: run(args, u, steps, cpu=True) for u in ("sparse", "lazy")}
     device_s = runs["sparse"]["host_s_per_step"] if args.device_s is None else args.device_s
     overlap = [(run(args, u, steps, None, device_s), run(args, u, steps, args.workers, device_s)) for u in runs]
-    out = {"threads": torch.get_num_threads(), "bandwidth_gbs": gbs, "runs": runs, "unfused_runs": unfused,
-           "bytes_per_param": bytes_per_param(runs, gbs), "unfused_bytes_per_param": bytes_per_param(unfused, gbs),
+    out = {"threads": torch.get_num_threads(), "bandwidth_gbs": gbs, "runs": runs, "before_runs": before,
+           "bytes_per_param": bytes_per_param(runs, gbs), "before_bytes_per_param": bytes_per_param(before, gbs),
            "overlap": overlap}
     _print(out, args)
     _print_overlap(overlap, args)
@@ -182,21 +189,21 @@ def _print(out: dict, args):
           f"{out['bandwidth_gbs']:.1f} GB/s, c = a + b): one {args.rows:,} x {args.width:,} fp32 table, "
           f"{args.steps} steps of {args.accum} x {args.micro_tokens:,} Zipf(1) ids, then a save (settle). Seconds per "
           "step; seconds per 1e9 parameters of what each phase touches.")
-    print("| update | row update | touched rows / step | replayed row-steps / step | fetch | device | accumulate | "
+    print("| update | accumulation | touched rows / step | replayed row-steps / step | fetch | device | accumulate | "
           "update | zero | settle (per step) | total s / step | host s per 1e9 touched params |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in list(out["unfused_runs"].values()) + list(out["runs"].values()):
+    for r in list(out["before_runs"].values()) + list(out["runs"].values()):
         s = r["seconds_per_step"]
         per = r["host_s_per_step"] / (r["touched_rows_per_step"] * r["width"]) * 1e9
-        print(f"| {r['update']} | {'fused' if r['fused'] else 'unfused'} | {r['touched_rows_per_step']:,.0f} | "
+        print(f"| {r['update']} | {'coalesced each micro-batch' if r['accumulation'] == 'each' else 'by id, once a step'} | {r['touched_rows_per_step']:,.0f} | "
               f"{r['replayed_row_steps_per_step']:,.0f} | " + " | ".join(f"{s[k]:.4f}" for k in PHASES)
               + f" | {r['total_s_per_step']:.4f} | {per:.2f} |")
-    for key, route in (("unfused_bytes_per_param", "unfused"), ("bytes_per_param", "fused")):
+    for key, route in (("before_bytes_per_param", "coalesced each micro-batch"), ("bytes_per_param", "by id")):
         b = out[key]
         print(f"Traffic factors, {route} (s x {out['bandwidth_gbs']:.1f} GB/s / parameters): fetch + accumulate "
               f"{b['fetch_accumulate_b']:.1f} B a fetched parameter, update + zero {b['update_b']:.1f} B a touched "
               f"parameter, lazy replay {b['replay_b']:.1f} B a replayed parameter-step")
-    print("(stem.train.comms.HOST_BYTES_PER_PARAM states the fused ones)")
+    print("(stem.train.comms.HOST_BYTES_PER_PARAM states the by-id ones)")
 
 
 def _print_overlap(pairs: list, args):

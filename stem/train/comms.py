@@ -74,9 +74,9 @@ PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s n
 # measured bandwidth: a micro-batch's fetch and gradient accumulation per fetched parameter, the optimizer's row
 # update and zeroing per touched parameter (the step's unique rows), a lazy table's replay per replayed
 # parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
-# ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``).
+# ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``). Session 13's run, the gradient accumulated by id.
 HOST_MEM_GBS = Layout.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
-HOST_BYTES_PER_PARAM = {"fetch_accumulate": 168.4, "update": 145.9, "replay": 40.2}
+HOST_BYTES_PER_PARAM = {"fetch_accumulate": 38.0, "update": 187.9, "replay": 38.1}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
          "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
 

@@ -35,6 +35,7 @@ table gathered twice and its gradient reduce-scattered (``stem.train.comms``).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -230,18 +231,41 @@ def logical_full(model, msd: dict | None = None, osd: dict | None = None, invers
 
 # ----------------------------------------------------------------------------- host tables
 
-def _fetch(m, ids, bound: bool = False) -> tuple:
+_FETCHED: dict = {}   # (id of a host table's weight, slot) -> its reused buffer of gathered rows (``_fetch``)
+
+
+def _fetch_buffer(weight, slot: str, n: int) -> torch.Tensor:
+    """``n`` rows of host table weight ``weight``'s (the Parameter: its buffers live as long as it) reused fetch buffer
+    ``slot`` (grown with 1/16 spare): a fresh tensor of a step's rows is new pages every time (above glibc's mmap
+    threshold), which cost a CPU more than the gather itself."""
+    key = (id(weight), slot)
+    buf = _FETCHED.get(key)
+    if buf is None or buf.shape[0] < n:
+        if buf is None:
+            weakref.finalize(weight, _FETCHED.pop, key, None)
+        buf = _FETCHED[key] = weight.detach().new_empty(min(weight.shape[0], n * 17 // 16 + 1), weight.shape[1])
+    return buf[:n]
+
+
+def _fetch(m, ids, bound: bool = False, slot: str = "direct") -> tuple:
     """(inverse, host ids, rows on ``ids``' device) of host table ``m``'s lookup of ``ids``: the unique ids' rows,
     brought current first (``m.before_read``: a lazy table's missed steps), gathered on the host and copied to the
     device (pinned, non-blocking on CUDA: queued on the current stream, so the host's gather of the next
-    micro-batch overlaps the device's work on this one)."""
+    micro-batch overlaps the device's work on this one). The gather goes into a reused buffer per ``slot``
+    (``_fetch_buffer``: ``ahead`` for ``prefetch``, ``direct`` for a forward's own fetch, so a recomputed forward
+    does not overwrite the rows fetched ahead); a forward reads its rows before the same slot is fetched again (on
+    a CPU they are the buffer itself; on CUDA ``pin_memory`` copies them out first)."""
     if bound:   # the memory trace (as RowShardedLookup's): every id distinct
         uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
     else:
         uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
     host_ids = uniq.to(m.weight.device)
     m.before_read(host_ids)
-    rows = m.weight.detach().index_select(0, host_ids)
+    w = m.weight.detach()
+    if bound or w.device.type != "cpu":   # the memory trace's fake tensors: a buffer of their own
+        rows = w.index_select(0, host_ids)
+    else:
+        rows = torch.index_select(w, 0, host_ids, out=_fetch_buffer(m.weight, slot, host_ids.numel()))
     if ids.device.type == "cuda":
         rows = rows.pin_memory()
     return inverse, host_ids, rows.to(ids.device, non_blocking=True)
@@ -250,8 +274,8 @@ def _fetch(m, ids, bound: bool = False) -> tuple:
 class HostLookup(torch.autograd.Function):
     """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
     to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward returns each
-    unique row's summed gradient, copied back, as the table's gradient: (unique ids, rows), a sparse COO tensor
-    added to the step's (coalesced: at most V rows), never a dense table-sized one (``rows``: False, the memory
+    unique row's summed gradient, copied back, as the table's gradient: (unique ids, rows), accumulated by id into
+    the step's (``accumulate_rows``: each id once, coalesced once a step), never a dense table-sized one (``rows``: False, the memory
     trace's upper bound, a dense host gradient); autograd gets none."""
 
     @staticmethod
@@ -272,9 +296,63 @@ class HostLookup(torch.autograd.Function):
                 weight.grad = torch.zeros_like(weight)
             weight.grad.index_add_(0, host_ids, rows)
             return None, None, None, None
-        g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows, weight.shape, is_coalesced=True, check_invariants=False)
-        weight.grad = g if weight.grad is None else (weight.grad + g).coalesce()
+        accumulate_rows(weight, host_ids, rows)
         return None, None, None, None
+
+
+_STEP_ROWS: dict = {}   # id of a host table's weight -> its step's gradient rows (``StepRows``), while it lives
+
+
+def accumulate_rows(weight, host_ids, rows):
+    """Add a micro-batch's gradient ``rows`` of the unique ``host_ids`` (sorted) into host table ``weight``'s gradient
+    (``HostLookup.backward``), once per row and micro-batch, without coalescing (``StepRows``); a gradient that is
+    not the step's own (none other is made here) is summed with it and coalesced, as before."""
+    acc = _STEP_ROWS.get(id(weight))
+    if acc is None:
+        acc = _STEP_ROWS[id(weight)] = StepRows(weight)
+        weakref.finalize(weight, _STEP_ROWS.pop, id(weight), None)
+    if weight.grad is not None and weight.grad is not acc.grad:
+        g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows, weight.shape, is_coalesced=True, check_invariants=False)
+        weight.grad = (weight.grad + g).coalesce()
+        return
+    weight.grad = acc.grad = acc.add(host_ids, rows, fresh=weight.grad is None)
+
+
+class StepRows:
+    """A host table's gradient over one step's micro-batches, accumulated by id: each id's slot in a buffer of the
+    step's rows (``slot``: -1 for an id not yet seen), a new id's slot zeroed, each micro-batch's rows added into
+    their slots by one ``index_add_`` (12 B a fetched parameter, instead of a sparse sum coalesced after every
+    micro-batch: issue 42). The gradient handed out is a sparse COO tensor over the buffer, ids in the order first
+    seen, marked not coalesced: its one coalesce a step (gradient clipping's or the optimizer's) sorts it into a
+    tensor of its own, so the buffer is reused from step to step (a new step: the weight's gradient None) and
+    nothing that outlives the step holds it. Each row's sum is the micro-batches' in their order, as the sparse
+    sums' were: the same values, bit for bit (``tests/test_host_tables.py``)."""
+
+    def __init__(self, weight):
+        self.shape, self.grad, self.n = weight.shape, None, 0
+        self.slot = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+        self.ids = torch.empty(0, dtype=torch.long, device=weight.device)
+        self.buf = weight.new_empty(0, weight.shape[1])
+
+    def add(self, host_ids, rows, fresh: bool) -> torch.Tensor:
+        if fresh:   # a new step: the previous one's slots freed
+            self.slot.index_fill_(0, self.ids[:self.n], -1)
+            self.n = 0
+        new = host_ids[self.slot.index_select(0, host_ids) < 0]
+        n, k = self.n, new.numel()
+        if n + k > self.buf.shape[0]:   # grown, 1/16 spare, kept for the next steps (memory: ~ the largest step's rows)
+            cap = min(self.shape[0], (n + k) * 17 // 16)
+            buf, ids = self.buf.new_empty(cap, self.shape[1]), self.ids.new_empty(cap)
+            buf[:n], ids[:n] = self.buf[:n], self.ids[:n]
+            self.buf, self.ids = buf, ids
+        self.ids[n:n + k] = new
+        self.slot[new] = torch.arange(n, n + k, device=new.device)
+        self.buf[n:n + k].zero_()
+        self.n = n + k
+        self.buf.index_add_(0, self.slot.index_select(0, host_ids), rows)
+        return torch.sparse_coo_tensor(self.ids[:self.n].unsqueeze(0), self.buf[:self.n], self.shape,
+                                       is_coalesced=False, check_invariants=False)
+
 
 
 class HostTable(nn.Module):
@@ -329,7 +407,7 @@ def prefetch(model, ids: torch.Tensor):
     (``trace_bound``) holds the bound's rows ahead likewise."""
     for m in model.modules():
         if isinstance(m, HostTable) and m.token_ids:
-            m.ahead = (ids, _fetch(m, ids, m.trace_bound))
+            m.ahead = (ids, _fetch(m, ids, m.trace_bound, "ahead"))
 
 
 def to_host(model, names, sparse=()) -> list:
