@@ -67,16 +67,6 @@ def tokens_part_dir(exp: str, scale: str, source: str, part: str) -> str:
     return f"{tokens_dir(exp, scale, source)}/{part}"
 
 
-def knowledge_tokenizer(exp: str) -> str:
-    """The knowledge section's tokenizer (its points train and are probed with it)."""
-    return tokenizer_path(exp, KNOWLEDGE)
-
-
-def knowledge_tokens(exp: str, source: str) -> str:
-    """A knowledge source's token manifest, tokenized with the knowledge section's tokenizer."""
-    return tokens_manifest(exp, KNOWLEDGE, source)
-
-
 def fixtures_dir(exp: str) -> str:
     return f"data/{exp}/fixtures"
 

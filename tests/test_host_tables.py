@@ -143,7 +143,7 @@ def _table_after(steps: list, update: str = "lazy", workers: int | None = None) 
     """A 50 x 4 host table (stem.bench.host's) trained by lazy (or row-sparse) AdamW on ``steps`` (each a list of id
     tensors), its update on ``workers`` threads if given, its weights after a save's settle."""
     from stem.bench.host import _Holder
-    from stem.train.tables import _fetch, accumulate_rows
+    from stem.train.tables import _fetch
     torch.manual_seed(0)
     holder = _Holder(50, 4)
     to_host(holder, ("table",), sparse=("table",) if update == "sparse" else ())
@@ -155,7 +155,7 @@ def _table_after(steps: list, update: str = "lazy", workers: int | None = None) 
     for micro in steps:
         for ids in micro:
             _, host_ids, rows = _fetch(m, ids)
-            accumulate_rows(w, host_ids, rows.sin())
+            m.step_rows().accumulate(w, host_ids, rows.sin())
         opt.step()
         opt.zero_grad(set_to_none=True)
     opt.settle()
@@ -259,13 +259,14 @@ def test_the_fused_row_update_is_the_unfused_formula_and_independent_of_its_bloc
 
 
 def test_the_step_accumulates_by_id_bit_for_bit_as_coalesced_sums():
-    """Issue 42: a host table's gradient accumulated by id once a step (``accumulate_rows``, ``StepRows``: one
+    """Issue 42: a host table's gradient accumulated by id once a step (``StepRows.accumulate``: one
     ``index_add_`` a micro-batch into the step's rows, the buffer grown and reused from step to step) equals the sparse
     sum coalesced after every micro-batch (the code before) bit for bit, each id held once; a gradient that is not
     the step's own (clipping's coalesced one) is summed with the next micro-batch's rows as before."""
-    from stem.train.tables import _STEP_ROWS, accumulate_rows
+    from stem.train.tables import StepRows
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.zeros(50, 4))
+    acc = StepRows(w)
     for micro in _steps()[:3]:
         w.grad, ref = None, None
         for ids in micro + [micro[0] + 7]:   # three micro-batches, some ids in all of them
@@ -273,14 +274,14 @@ def test_the_step_accumulates_by_id_bit_for_bit_as_coalesced_sums():
             rows = torch.randn(ids.numel(), 4)
             g = torch.sparse_coo_tensor(ids.unsqueeze(0), rows, w.shape, is_coalesced=True, check_invariants=False)
             ref = g if ref is None else (ref + g).coalesce()
-            accumulate_rows(w, ids, rows)
+            acc.accumulate(w, ids, rows)
         got = w.grad.coalesce()
         assert w.grad._nnz() == ref._nnz()
         assert torch.equal(got.indices(), ref.indices()) and torch.equal(got.values(), ref.values())
-    assert _STEP_ROWS[id(w)].buf.shape[0] >= ref._nnz()
+    assert acc.buf.shape[0] >= ref._nnz()
     w.grad = got                              # as clipping leaves it: coalesced, not the step's own
     ids, rows = torch.tensor([1, 2]), torch.ones(2, 4)
-    accumulate_rows(w, ids, rows)
+    acc.accumulate(w, ids, rows)
     assert w.grad.is_coalesced() and torch.equal(w.grad.to_dense(), got.to_dense().index_add(0, ids, rows))
 
 

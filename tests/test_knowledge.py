@@ -129,8 +129,8 @@ def test_points_read_the_knowledge_section_s_tokenizer_and_leave_the_scale_s_job
     kn = exp.knowledge
     point = K.point_id(kn.sources[0], "stem")
     spec = C.train_spec(exp, kn.scale, point, kn.stage)
-    assert spec["tokenizer"] == L.knowledge_tokenizer("tiny") == "data/tiny/knowledge/tokenizer/tokenizer.json"
-    assert spec["data"] == {kn.sources[0]: {"weight": 1.0, "manifest": L.knowledge_tokens("tiny", kn.sources[0])}}
+    assert spec["tokenizer"] == L.tokenizer_path("tiny", L.KNOWLEDGE) == "data/tiny/knowledge/tokenizer/tokenizer.json"
+    assert spec["data"] == {kn.sources[0]: {"weight": 1.0, "manifest": L.tokens_manifest("tiny", L.KNOWLEDGE, kn.sources[0])}}
     arch = C.experiment.dataclass_mapping(exp.archs[kn.scale])
     assert spec["model"]["vocab_size"] == kn.vocab_size and spec["model"]["d_model"] == arch["d_model"]
     assert (spec["train"]["lr"], spec["train"]["batch_size"], spec["train"]["seq_len"]) == (1e-2, 8, 64)

@@ -6,14 +6,14 @@ its two AdamW moments and the replays' copies fit a 24 GB machine beside other w
 the real code for ``--steps`` steps of ``--accum`` micro-batches of ``--micro-tokens`` token ids drawn from a
 Zipf(1) law (``stem.train.comms.zipf_seen``'s; config/rehearsal.yaml's 1b/stem/pretrain as fitted: 4 x 8,192).
 Per micro-batch: the fetch (``_fetch``: unique ids, a lazy table's missed steps replayed for them, the rows
-gathered) and the gradient's accumulation (``HostLookup.backward``'s ``accumulate_rows``: the device's index_add
+gathered) and the gradient's accumulation (``HostLookup.backward``'s ``StepRows.accumulate``: the device's index_add
 left out); per step the optimizer (``RowSparseAdamW.step``: the gradient's one coalesce and the touched rows' AdamW
 update) and the zeroing; at the end ``settle`` (a save: every row brought current), so that
 the replays are counted in full, amortised over the steps. Both updates: ``lazy`` (dense AdamW made lazy and
 exact, ``table_update: dense``) and ``sparse`` (row-sparse AdamW). Beside them the CPU's memory bandwidth,
 measured the same way (``c = a + b`` on 512 MB arrays, 3 x 4 B an element), to turn seconds into bytes of
 traffic per parameter: the factors the model extrapolates by a node's bandwidth. Each update runs with the gradient
-accumulated by id once a step (``accumulate_rows``, the code's) and, for comparison in the same run, as before
+accumulated by id once a step (``StepRows.accumulate``, the code's) and, for comparison in the same run, as before
 (a sparse sum coalesced after every micro-batch), timed in this thread's CPU seconds (the bandwidth too); the
 overlap's comparison in wall seconds.
 """
@@ -28,7 +28,7 @@ from stem.io import atomic_write_json
 from stem.optim import adamw
 from stem.optim.adamw import RowSparseAdamW
 from stem.train.comms import zipf_seen
-from stem.train.tables import _fetch, accumulate_rows, to_host
+from stem.train.tables import _fetch, to_host
 
 PHASES = ("fetch", "device", "accumulate", "update", "zero", "settle")
 
@@ -82,7 +82,7 @@ def _table(args, update: str, workers: int | None):
 def _micro(m, w, ids, times: dict, device_s: float, now, each: bool = False) -> int:
     """One micro-batch: its rows fetched (waiting for their own pending update, if any), the device's forward and
     backward as a timed wait of ``device_s``, the rows' gradient accumulated (``HostLookup.backward``'s
-    ``accumulate_rows``; ``each``: as before issue 42's change, a sparse sum coalesced after every micro-batch);
+    ``StepRows.accumulate``; ``each``: as before issue 42's change, a sparse sum coalesced after every micro-batch);
     returns the rows fetched."""
     t = now()
     _, host_ids, _ = _fetch(m, ids)
@@ -95,7 +95,7 @@ def _micro(m, w, ids, times: dict, device_s: float, now, each: bool = False) -> 
         g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), grad, w.shape, is_coalesced=True, check_invariants=False)
         w.grad = g if w.grad is None else (w.grad + g).coalesce()
     else:
-        accumulate_rows(w, host_ids, grad)
+        m.step_rows().accumulate(w, host_ids, grad)
     _clock(times, "accumulate", t, now)
     return host_ids.numel()
 

@@ -246,8 +246,9 @@ def train_job(exp: Experiment, scale: str, variant: str, stage: str) -> TrainSpe
     if job.seed:
         return _seed_job(exp, job)
     _check_job(exp, job)
-    point = job.sweep is not None or bool(exp.knowledge and knowledge.is_point(variant))
-    tok = KNOWLEDGE if exp.knowledge and knowledge.is_point(variant) else scale   # a knowledge point: its own
+    kpoint = bool(exp.knowledge and knowledge.is_point(variant))
+    point = job.sweep is not None or kpoint
+    tok = KNOWLEDGE if kpoint else scale   # a knowledge point reads its own tokenizer and shards
     vspec = variant_spec(exp, variant)
     over = dict(vspec.stage or {})
     intervals = {k: over.pop(k) for k in list(over) if k not in STAGE_KEYS}   # a sweep's eval_batches (Train)

@@ -35,7 +35,6 @@ table gathered twice and its gradient reduce-scattered (``stem.train.comms``).
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -145,7 +144,7 @@ class RowShardedTable(nn.Module):
 
     def forward(self, ids):
         return RowShardedLookup.apply(self.weight.to_local(), ids, self.row_block, self.wire_dtype, self.trace_bound,
-                                      self.touched if self.row_update is not None else None)
+                                      self.touched)
 
 
 def _with_roles(model, names) -> list:
@@ -231,28 +230,12 @@ def logical_full(model, msd: dict | None = None, osd: dict | None = None, invers
 
 # ----------------------------------------------------------------------------- host tables
 
-_FETCHED: dict = {}   # (id of a host table's weight, slot) -> its reused buffer of gathered rows (``_fetch``)
-
-
-def _fetch_buffer(weight, slot: str, n: int) -> torch.Tensor:
-    """``n`` rows of host table weight ``weight``'s (the Parameter: its buffers live as long as it) reused fetch buffer
-    ``slot`` (grown with 1/16 spare): a fresh tensor of a step's rows is new pages every time (above glibc's mmap
-    threshold), which cost a CPU more than the gather itself."""
-    key = (id(weight), slot)
-    buf = _FETCHED.get(key)
-    if buf is None or buf.shape[0] < n:
-        if buf is None:
-            weakref.finalize(weight, _FETCHED.pop, key, None)
-        buf = _FETCHED[key] = weight.detach().new_empty(min(weight.shape[0], n * 17 // 16 + 1), weight.shape[1])
-    return buf[:n]
-
-
 def _fetch(m, ids, bound: bool = False, slot: str = "direct") -> tuple:
     """(inverse, host ids, rows on ``ids``' device) of host table ``m``'s lookup of ``ids``: the unique ids' rows,
     brought current first (``m.before_read``: a lazy table's missed steps), gathered on the host and copied to the
     device (pinned, non-blocking on CUDA: queued on the current stream, so the host's gather of the next
     micro-batch overlaps the device's work on this one). The gather goes into a reused buffer per ``slot``
-    (``_fetch_buffer``: ``ahead`` for ``prefetch``, ``direct`` for a forward's own fetch, so a recomputed forward
+    (``HostTable.fetch_buffer``: ``ahead`` for ``prefetch``, ``direct`` for a forward's own fetch, so a recomputed forward
     does not overwrite the rows fetched ahead); a forward reads its rows before the same slot is fetched again (on
     a CPU they are the buffer itself; on CUDA ``pin_memory`` copies them out first)."""
     if bound:   # the memory trace (as RowShardedLookup's): every id distinct
@@ -265,7 +248,7 @@ def _fetch(m, ids, bound: bool = False, slot: str = "direct") -> tuple:
     if bound or w.device.type != "cpu":   # the memory trace's fake tensors: a buffer of their own
         rows = w.index_select(0, host_ids)
     else:
-        rows = torch.index_select(w, 0, host_ids, out=_fetch_buffer(m.weight, slot, host_ids.numel()))
+        rows = torch.index_select(w, 0, host_ids, out=m.fetch_buffer(slot, host_ids.numel()))
     if ids.device.type == "cuda":
         rows = rows.pin_memory()
     return inverse, host_ids, rows.to(ids.device, non_blocking=True)
@@ -275,14 +258,14 @@ class HostLookup(torch.autograd.Function):
     """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
     to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward returns each
     unique row's summed gradient, copied back, as the table's gradient: (unique ids, rows), accumulated by id into
-    the step's (``accumulate_rows``: each id once, coalesced once a step), never a dense table-sized one (``rows``: False, the memory
-    trace's upper bound, a dense host gradient); autograd gets none."""
+    the step's (``table``: the ``HostTable``, ``StepRows``: each id once, coalesced once a step), never a dense
+    table-sized one (``table`` None: the memory trace's upper bound, a dense host gradient); autograd gets none."""
 
     @staticmethod
-    def forward(ctx, weight, ids, fetched, rows: bool = True):
+    def forward(ctx, weight, ids, fetched, table=None):
         inverse, host_ids, got = fetched
         ctx.save_for_backward(inverse, host_ids)
-        ctx.weight, ctx.n_uniq, ctx.rows = weight, host_ids.numel(), rows
+        ctx.weight, ctx.n_uniq, ctx.table = weight, host_ids.numel(), table
         return got.index_select(0, inverse).reshape(*ids.shape, weight.shape[1])
 
     @staticmethod
@@ -291,31 +274,13 @@ class HostLookup(torch.autograd.Function):
         weight, d = ctx.weight, grad_out.shape[-1]
         rows = grad_out.new_zeros(ctx.n_uniq, d, dtype=weight.dtype).index_add_(0, inverse, grad_out.reshape(-1, d).to(weight.dtype))
         rows = rows.to(weight.device)
-        if not ctx.rows:
+        if ctx.table is None:
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
             weight.grad.index_add_(0, host_ids, rows)
             return None, None, None, None
-        accumulate_rows(weight, host_ids, rows)
+        ctx.table.step_rows().accumulate(weight, host_ids, rows)
         return None, None, None, None
-
-
-_STEP_ROWS: dict = {}   # id of a host table's weight -> its step's gradient rows (``StepRows``), while it lives
-
-
-def accumulate_rows(weight, host_ids, rows):
-    """Add a micro-batch's gradient ``rows`` of the unique ``host_ids`` (sorted) into host table ``weight``'s gradient
-    (``HostLookup.backward``), once per row and micro-batch, without coalescing (``StepRows``); a gradient that is
-    not the step's own (none other is made here) is summed with it and coalesced, as before."""
-    acc = _STEP_ROWS.get(id(weight))
-    if acc is None:
-        acc = _STEP_ROWS[id(weight)] = StepRows(weight)
-        weakref.finalize(weight, _STEP_ROWS.pop, id(weight), None)
-    if weight.grad is not None and weight.grad is not acc.grad:
-        g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows, weight.shape, is_coalesced=True, check_invariants=False)
-        weight.grad = (weight.grad + g).coalesce()
-        return
-    weight.grad = acc.grad = acc.add(host_ids, rows, fresh=weight.grad is None)
 
 
 class StepRows:
@@ -333,6 +298,17 @@ class StepRows:
         self.slot = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
         self.ids = torch.empty(0, dtype=torch.long, device=weight.device)
         self.buf = weight.new_empty(0, weight.shape[1])
+
+    def accumulate(self, weight, host_ids, rows):
+        """Add a micro-batch's gradient ``rows`` of the unique ``host_ids`` (sorted) into ``weight``'s gradient
+        (``HostLookup.backward``), once per row and micro-batch, without coalescing; a gradient that is not the
+        step's own (none other is made here) is summed with it and coalesced, as before."""
+        if weight.grad is not None and weight.grad is not self.grad:
+            g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows, weight.shape, is_coalesced=True,
+                                        check_invariants=False)
+            weight.grad = (weight.grad + g).coalesce()
+            return
+        weight.grad = self.grad = self.add(host_ids, rows, fresh=weight.grad is None)
 
     def add(self, host_ids, rows, fresh: bool) -> torch.Tensor:
         if fresh:   # a new step: the previous one's slots freed
@@ -354,7 +330,6 @@ class StepRows:
                                        is_coalesced=False, check_invariants=False)
 
 
-
 class HostTable(nn.Module):
     """A lookup table in host memory (pinned when CUDA is there), made by ``to_host`` from the ``nn.Embedding`` it
     replaces (``<name>.weight`` and the weight's role kept), with the ``HostLookup`` forward. ``token_ids``: looked up
@@ -374,6 +349,8 @@ class HostTable(nn.Module):
         self.token_ids = getattr(role, "group", None) != "dse_table"
         self.row_update = "sparse" if sparse else "lazy"
         self.read_hooks: list = []
+        self.fetched: dict = {}    # slot -> its reused buffer of gathered rows (``fetch_buffer``)
+        self.grad_rows = None      # the step's gradient rows (``step_rows``), made at the first backward
         w = table.weight.detach().cpu()
         self.weight = nn.Parameter(w.pin_memory() if torch.cuda.is_available() else w.clone())
 
@@ -381,6 +358,21 @@ class HostTable(nn.Module):
         """As the memory trace runs it: the lookup's upper bound (every id distinct) and a dense host gradient with
         plain AdamW (off the GPU either way)."""
         self.trace_bound, self.row_update = True, None
+
+    def fetch_buffer(self, slot: str, n: int) -> torch.Tensor:
+        """``n`` rows of the reused fetch buffer ``slot`` (grown with 1/16 spare): a fresh tensor of a step's rows is
+        new pages every time (above glibc's mmap threshold), which cost a CPU more than the gather itself."""
+        buf = self.fetched.get(slot)
+        if buf is None or buf.shape[0] < n:
+            w = self.weight.detach()
+            buf = self.fetched[slot] = w.new_empty(min(w.shape[0], n * 17 // 16 + 1), w.shape[1])
+        return buf[:n]
+
+    def step_rows(self) -> "StepRows":
+        """The table's gradient accumulated by id over a step (``StepRows``), made at its first use."""
+        if self.grad_rows is None:
+            self.grad_rows = StepRows(self.weight)
+        return self.grad_rows
 
     def register_read_hook(self, fn):
         """``fn(host ids)`` runs before those rows of the table are read (``stem.optim.adamw``)."""
@@ -396,7 +388,7 @@ class HostTable(nn.Module):
             fetched, self.ahead = self.ahead[1], None
             self.prefetched += 1
         return HostLookup.apply(self.weight, ids, fetched or _fetch(self, ids, self.trace_bound),
-                                self.row_update is not None)
+                                self if self.row_update is not None else None)
 
 
 def prefetch(model, ids: torch.Tensor):
