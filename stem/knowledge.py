@@ -15,7 +15,7 @@ import math
 import re
 
 from stem import layout as L
-from stem.data.bios import template_problem  # noqa: F401 (re-exported for stem.config.experiment)
+from stem.data.bios import pair_pool, template_problem  # noqa: F401 (template_problem: for stem.config.experiment)
 from stem.fields import FieldError
 from stem.options import NameKind, values
 
@@ -63,12 +63,14 @@ def points(exp) -> list[str]:
 
 
 def steps(exp, source: str) -> int:
-    """One pass over the source (N x E biographies of ``tokens_per_bio`` tokens in batches of the stage's), at
-    least ``knowledge.min_steps`` (a small world gets more passes, the loader cycling over its windows)."""
+    """One pass over the source (N x E biographies of ``tokens_per_bio`` tokens, ``pair_tokens_per_bio`` with pair
+    names, in batches of the stage's), at least ``knowledge.min_steps`` (a small world gets more passes, the loader
+    cycling over its windows)."""
     kn, r = exp.knowledge, _reader(exp, source)
     st = exp.stages[kn.stage][kn.scale]
     batch, seq_len = (train_settings(exp).get(k, getattr(st, k)) for k in ("batch_size", "seq_len"))
-    return max(kn.min_steps, math.ceil(int(r["n"]) * int(r["exposures"]) * kn.tokens_per_bio / (batch * seq_len)))
+    per_bio = (kn.pair_tokens_per_bio if name_kind(exp, source) == NameKind.PAIR else None) or kn.tokens_per_bio
+    return max(kn.min_steps, math.ceil(int(r["n"]) * int(r["exposures"]) * per_bio / (batch * seq_len)))
 
 
 def train_settings(exp) -> dict:
@@ -139,13 +141,37 @@ def validate(exp):
     _fail(scale in exp.archs, "knowledge.scale", f"{scale!r}; expected a scale with archs")
     _fail(settings is not None and settings.init_from is None, "knowledge.stage",
           f"{stage!r} at {scale}; expected a stage of stages.*.{scale} trained from scratch (init_from: null)")
-    tok = kn.tokenizer
-    _fail(bool(tok.add_names) or kn.name_kind != NameKind.ONE, "knowledge.tokenizer.add_names",
-          f"{tok.add_names!r}; expected true (knowledge.name_kind one: each name is one token)")
+    _check_names(exp)
+
+
+def name_kind(exp, source: str) -> str:
+    """A source's name kind (its own ``name_kind``, else the knowledge section's)."""
+    return _reader(exp, source).get("name_kind", exp.knowledge.name_kind)
+
+
+def capacity_sources(exp) -> list[str]:
+    """The capacity sweep: the sources of ``knowledge.capacity_names``' kind, by N."""
+    kn = exp.knowledge
+    return sorted((s for s in kn.sources if name_kind(exp, s) == kn.capacity_names), key=lambda s: world_size(exp, s))
+
+
+def _check_names(exp):
+    """The tokenizer adds the names (one-token names; pair's pools where a source has pair names), the points'
+    vocabulary holds them, pair's pools give every individual a name, the capacity sweep has a source."""
+    kn, tok = exp.knowledge, exp.knowledge.tokenizer
+    pairs = any(name_kind(exp, s) == NameKind.PAIR for s in kn.sources)
+    _fail(bool(tok.add_names) or (kn.name_kind != NameKind.ONE and not pairs), "knowledge.tokenizer.add_names",
+          f"{tok.add_names!r}; expected true (one-token names and pair names' pools are tokens of their own)")
+    pool = kn.pair_pool or pair_pool(kn.names)
+    _fail(not pairs or pool * pool >= kn.names, "knowledge.pair_pool",
+          f"{pool} words a side ({pool * pool} pair names); expected at least knowledge.names ({kn.names})")
     if tok.add_names and tok.vocab_size:
-        key = "knowledge.vocab_size" if kn.vocab_size else f"archs.{scale}.vocab_size"
-        _fail(tok.vocab_size + kn.names <= vocab_size(exp), key, f"{vocab_size(exp)}; expected at least "
-              f"knowledge.tokenizer.vocab_size + knowledge.names = {tok.vocab_size + kn.names}")
+        key = "knowledge.vocab_size" if kn.vocab_size else f"archs.{kn.scale}.vocab_size"
+        need = tok.vocab_size + kn.names + (2 * pool if pairs else 0)
+        _fail(need <= vocab_size(exp), key, f"{vocab_size(exp)}; expected at least knowledge.tokenizer.vocab_size "
+              f"+ knowledge.names{' + 2 x pair_pool' if pairs else ''} = {need}")
+    _fail(bool(capacity_sources(exp)), "knowledge.capacity_names",
+          f"{str(kn.capacity_names)!r}; expected the name kind of a source of knowledge.sources")
 
 
 def vocab_size(exp) -> int:

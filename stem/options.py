@@ -134,6 +134,8 @@ def values(option: type[StrEnum]) -> tuple[str, ...]:
 
 
 class NameKind(StrEnum):
-    """The knowledge experiment's names (stem.data.bios): one token each, or first + last name (BPE tokens)."""
+    """The knowledge experiment's names (stem.data.bios): one token each, first + last name (BPE tokens), or first +
+    last name of two whole-word tokens (pools the tokenizer adds)."""
     ONE = "one"
     MULTI = "multi"
+    PAIR = "pair"

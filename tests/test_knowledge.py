@@ -65,8 +65,53 @@ def test_names_are_one_token_and_the_control_s_are_several(tmp_path):
     assert len(set(multi.names)) == len(multi.names) and multi.facts == one.facts   # same facts, other names
 
 
+def test_pair_names_are_two_whole_word_tokens_from_fixed_pools(tmp_path):
+    """The capacity sweep's names (name_kind pair): first + last from two pools the tokenizer adds as whole words,
+    so every name is exactly two tokens, each shared by many individuals; the same facts; one and multi unchanged."""
+    one, pair = make_bios(WORLD), make_bios({**WORLD, "name_kind": "pair"})
+    side = math.ceil(math.sqrt(WORLD["names"])) + 2
+    assert len(pair.words) == 2 * side and not set(pair.words) & set(one.words) and pair.facts == one.facts
+    assert len(set(pair.names)) == len(pair.names) == WORLD["names"]
+    assert make_bios({**WORLD, "name_kind": "pair", "pair_pool": 30}).words != pair.words
+    with pytest.raises(ValueError, match="pair_pool = 20"):
+        make_bios({**WORLD, "name_kind": "pair", "pair_pool": 20})
+    path = tmp_path / "tokenizer.json"
+    train_bpe(iter(bios_documents(None, 0, knowledge=WORLD, n=30, exposures=2)), 300, path)
+    add_words(path, one.words + pair.words)
+    tok = load_tokenizer(path)
+    firsts = Counter()
+    for name in pair.names[:200]:
+        ids = tok.encode_batch([" " + name])[0]
+        assert len(ids) == 2 and tok.encode_batch([f"{name}'s school"])[0][:2] == tok.encode_batch([name])[0]
+        firsts[ids[0]] += 1
+    assert len(firsts) <= side and max(firsts.values()) >= 5   # no token identifies an individual
+
+
+def test_the_tokenizer_adds_the_pair_pools_only_where_a_source_has_pair_names():
+    exp = parse(copy.deepcopy(RAW))
+    kn = exp.knowledge
+    assert C.tokenizer_spec(exp, L.KNOWLEDGE)["add_pair_names"] is True
+    assert K.capacity_sources(exp) == [s for s in kn.sources if s.startswith("p")] and kn.capacity_names == "pair"
+    for s in K.capacity_sources(exp):   # one pass at pair_tokens_per_bio, equal exposures
+        r = exp.sources[s].reader
+        assert K.steps(exp, s) == math.ceil(r["n"] * r["exposures"] * kn.pair_tokens_per_bio / (16 * 64))
+    a = job_spec(exp, "350m", "k__p0200__dense", "pretrain", "knowledge")
+    assert (a["n"], a["name_kind"]) == (200, "pair")
+    cfg = copy.deepcopy(RAW)
+    cfg["knowledge"]["sources"] = [s for s in cfg["knowledge"]["sources"] if not s.startswith("p")]
+    cfg["knowledge"].update(capacity_names="one", seeds_at=["n0050"])
+    assert "add_pair_names" not in C.tokenizer_spec(parse(cfg), L.KNOWLEDGE)
+
+
 @pytest.mark.parametrize("edit, key", [
-    (lambda c: c["sources"]["n0200"].update(n=900), "sources.n0200.n"),
+    (lambda c: c["knowledge"].update(pair_pool=20), "knowledge.pair_pool"),
+    (lambda c: c["knowledge"].update(pair_pool=1), "knowledge.pair_pool"),
+    (lambda c: c["knowledge"].update(pair_tokens_per_bio=0), "knowledge.pair_tokens_per_bio"),
+    (lambda c: c["knowledge"].update(capacity_names="multi"), "knowledge.capacity_names"),
+    (lambda c: c["knowledge"].update(capacity_names="two"), "knowledge.capacity_names"),
+    (lambda c: c["archs"]["350m"].update(vocab_size=1460), "archs.350m.vocab_size"),
+    (lambda c: c["sources"]["p0100"].update(name_kind="triple"), "sources.p0100.name_kind"),
+    (lambda c: c["sources"]["p0200"].update(n=900), "sources.p0200.n"),
     (lambda c: c["knowledge"]["templates"]["city"].append("{name} lives somewhere."), "knowledge.templates.city[3]"),
     (lambda c: c["knowledge"]["templates"]["major"].append("Born in {value}."), "knowledge.templates.major[3]"),
     (lambda c: c["sources"]["n0050"].update(exposures=10), "sources.n0050.exposures"),
@@ -96,23 +141,24 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     seeded = [p for p in points if K.split(p)[2]]
     assert len(points) == len(kn.sources) * len(kn.variants) + len(seeded)
     assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at) and {K.split(p)[1] for p in seeded} == set(kn.seeds_for)
-    spec = C.train_spec(exp, "350m", "k__n0200__stem__s2", "pretrain")
+    spec = C.train_spec(exp, "350m", "k__p0200__stem__s2", "pretrain")
     st = exp.stages["pretrain"]["350m"]
-    assert list(spec["data"]) == ["n0200"] and spec["seed"] == exp.seed + 2
-    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__n0200__stem__s2/pretrain")
+    assert list(spec["data"]) == ["p0200"] and spec["seed"] == exp.seed + 2
+    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__p0200__stem__s2/pretrain")
     # equal exposures: every world is seen E times by one pass (no step floor confounding N with exposures)
     assert len({exp.sources[s].reader["exposures"] for s in kn.sources}) == 1
     for s in kn.sources:
         r = exp.sources[s].reader
+        per_bio = kn.pair_tokens_per_bio if K.name_kind(exp, s) == "pair" else kn.tokens_per_bio
         assert C.train_spec(exp, "350m", K.point_id(s, "dense"), "pretrain")["train"]["steps"] == \
-            math.ceil(r["n"] * r["exposures"] * kn.tokens_per_bio / (st.batch_size * st.seq_len))
+            math.ceil(r["n"] * r["exposures"] * per_bio / (st.batch_size * st.seq_len))
     assert C.train_spec(exp, "350m", "k__n0050__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__n0100__stem__s1", "pretrain")   # seeds only where seeds_at says
+        C.train_spec(exp, "350m", "k__p0100__stem__s1", "pretrain")   # seeds only where seeds_at says
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__n0200__hashmoe__s1", "pretrain")   # and for the variants of seeds_for
-    a = job_spec(exp, "350m", "k__n0200__dense", "pretrain", "knowledge")
-    assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (200, "one", "dense", 800)
+        C.train_spec(exp, "350m", "k__p0200__hashmoe__s1", "pretrain")   # and for the variants of seeds_for
+    a = job_spec(exp, "350m", "k__n0050__dense", "pretrain", "knowledge")
+    assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (50, "one", "dense", 800)
     targets = K.targets(exp)
     edited = [p for p in points if K.split(p)[0] in RAW["analysis"]["knowledge_edit"]["sources"]]
     assert len(targets) == 2 * len(points) + len(edited) and all(re.search(r"results/knowledge/350m/k__\w+/pretrain/", t)
@@ -191,12 +237,24 @@ def test_the_capacity_ratio_interval_and_the_validity_rule():
     assert ci["delta"] == pytest.approx(1.0) and ci["lo"] == pytest.approx(1.0) and ci["n"] == 100
     noisy = RK.ratio_ci(base, [{"items": items([1.0, 0.0] * 50)}])
     assert noisy["lo"] < noisy["delta"] < noisy["hi"]
-    exp = parse(copy.deepcopy(RAW))
-    smallest = {K.point_id("n0050", v): {"recall": 0.95, "n": 50} for v in exp.knowledge.variants}
+    exp = parse(copy.deepcopy(RAW))   # validity: the capacity sweep's smallest world (p0050, pair names)
+    smallest = {K.point_id("p0050", v): {"recall": 0.95, "n": 50} for v in exp.knowledge.variants}
     assert RK.validity(exp, smallest)[0]
-    smallest[K.point_id("n0050", "stem")]["recall"] = 0.5
+    smallest[K.point_id("p0050", "stem")]["recall"] = 0.5
     ok, why = RK.validity(exp, smallest)
-    assert not ok and "invalid" in why and "stem 0.50" in why
+    assert not ok and "invalid" in why and "stem 0.50" in why and "p0050" in why
+    assert not RK.validity(exp, {K.point_id("n0050", v): {"recall": 1.0} for v in exp.knowledge.variants})[0]
+
+
+def test_the_capacity_ratio_rows_are_the_capacity_sweep_s():
+    exp = parse(copy.deepcopy(RAW))
+    item = lambda b: {"n": 50, "name_kind": "x", "recall": 0.95, "items": [{"bits": b}] * 20}   # noqa: E731
+    got = {K.point_id(s, v): item(2.0 if v == "stem" else 1.0) for s in exp.knowledge.sources
+           for v in exp.knowledge.variants}
+    rows = RK.directions(exp, got)
+    assert {r["column"].split(" at ")[1].split(" ")[0] for r in rows} == set(K.capacity_sources(exp))
+    assert all(r["variant"] in ("stem", "stem_half") and "two-token (pair) names" in r["source"] for r in rows)
+    assert [r["ours_delta"] for r in rows if r["variant"] == "stem"] == [pytest.approx(1.0)] * 3
 
 
 def test_an_edit_of_every_token_indexed_row_is_the_positive_control_and_is_undone_bit_for_bit(tmp_path):
@@ -213,7 +271,8 @@ def test_an_edit_of_every_token_indexed_row_is_the_positive_control_and_is_undon
     e = AK._edit(model, bios, tok, params, 1, 2, [3, 4, 5], before)
     as_b = [(1, a, p, v) for (_, a, p, _), (_, _, _, v) in zip(AK.probes_of(bios, tok, [1]), AK.probes_of(bios, tok, [2]))]
     b_prompts = AK.probes_of(bios, tok, [2])
-    assert [x[2][1:] for x in as_b] == [x[2][1:] for x in b_prompts]   # the prompts differ in the name token only
+    assert all(x[2][0] == tok.eos_id for x in as_b + b_prompts)   # a probe starts as a biography does: after EOS
+    assert [x[2][2:] for x in as_b] == [x[2][2:] for x in b_prompts]   # the prompts differ in the name token only
     assert e["success"] == sum(before[2]) / len(before[2]) and e["b_unaffected"] == 1.0 and e["collateral"] == 0.0
     assert state_digest(model) == digest
 
@@ -230,10 +289,10 @@ def test_the_gpu_overlay_scales_n_and_the_model_and_keeps_the_experiment():
     exp = parse(_merged(copy.deepcopy(RAW), C.read_yaml(REPO / "config" / "knowledge-gpu.yaml")))
     kn = exp.knowledge
     assert max(K.world_size(exp, s) for s in kn.sources) == kn.names == 6400 and exp.archs["350m"].d_model == 32
-    assert exp.archs["350m"].vocab_size == kn.tokenizer.vocab_size + kn.names
+    assert exp.archs["350m"].vocab_size == kn.tokenizer.vocab_size + kn.names + 2 * K.pair_pool(kn.names)
     assert (kn.variants, kn.attributes, kn.templates) == (parse(copy.deepcopy(RAW)).knowledge.variants,
                                                           RAW["knowledge"]["attributes"], parse(copy.deepcopy(RAW)).knowledge.templates)
-    assert K.point_id("n6400", "stem", 2) in K.points(exp) and K.point_id("multi_n6400", "dense") in K.points(exp)
+    assert K.point_id("p6400", "stem", 2) in K.points(exp) and K.capacity_sources(exp) == ["p0400", "p1600", "p6400"]
 
 
 def test_injection_fits_only_the_new_token_s_rows_and_is_undone(tmp_path):

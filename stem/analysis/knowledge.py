@@ -2,7 +2,7 @@
 
 For a checkpoint trained on a bios world of N individuals (stem.data.bios) every fact (individual i, attribute
 a, value v uniform over a set S_a) is probed with the attribute's first template cut before its value, ``{name}
-was born in``, and the value's tokens ``" v"`` scored under the model (teacher-forced, one forward per batch):
+was born in`` (after the EOS separator, as a biography starts in training), and the value's tokens ``" v"`` scored under the model (teacher-forced, one forward per batch):
 
 - exact-match recall: every value token is the model's argmax (the greedy completion is the value);
 - the capacity lower bound (Allen-Zhu & Li 2024, Part 3.3, Sec. 2's bit-complexity lower bound, written here
@@ -37,9 +37,16 @@ def probes(bios, n: int, tok) -> list[tuple[int, int, list[int], list[int]]]:
     for a, templates in enumerate(bios.templates):
         prefix = templates[0].split(" {value}")[0]
         for i in range(n):
-            prompt = tok.encode_batch([prefix.format(name=bios.names[i])])[0]
-            out.append((i, a, prompt, tok.encode_batch([" " + bios.value(i, a)])[0]))
+            out.append((i, a, prompt(tok, prefix.format(name=bios.names[i])), tok.encode_batch([" " + bios.value(i, a)])[0]))
     return out
+
+
+def prompt(tok, text: str) -> list[int]:
+    """A probe's prompt as a biography starts in training: after the document separator (EOS). Without it the name
+    sits at position 0 with no left context, which no training window's name had: DSE's N-gram memory (keyed by
+    the name and its left neighbour) then reads a row it never trained (docs/knowledge.md "Fifth config": DSE
+    recalled 0.73 of the pair world N 50 without it, 0.91 with it; dense 0.96 / 0.975)."""
+    return [tok.eos_id] + tok.encode_batch([text])[0]
 
 
 @torch.no_grad()
@@ -136,8 +143,8 @@ def probes_of(bios, tok, people: list[int]) -> list:
     out = []
     for i in people:
         for a, templates in enumerate(bios.templates):
-            prompt = tok.encode_batch([templates[0].split(" {value}")[0].format(name=bios.names[i])])[0]
-            out.append((i, a, prompt, tok.encode_batch([" " + bios.value(i, a)])[0]))
+            text = templates[0].split(" {value}")[0].format(name=bios.names[i])
+            out.append((i, a, prompt(tok, text), tok.encode_batch([" " + bios.value(i, a)])[0]))
     return out
 
 

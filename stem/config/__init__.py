@@ -20,7 +20,7 @@ from stem.layout import REPO, VARIANTS  # noqa: F401 (re-exported: C.REPO)
 from stem.layout import (GGUF_SEP, KNOWLEDGE, analysis_json, checkpoint, corpus_path, entity_text, stage_dir,
                          tokenizer_path, tokens_manifest)
 from stem.models.spec import model_config
-from stem.options import DocKeys, InsertInit, Scale, SourceKind, Stage, TokenizerKind, values
+from stem.options import DocKeys, InsertInit, NameKind, Scale, SourceKind, Stage, TokenizerKind, values
 from stem.seeds import JobId
 from stem.specs import DataSource, Insert, Layout, StageOptions, StageSchedule, TrainSettings, TrainSpec, Variant
 
@@ -372,7 +372,8 @@ def _knowledge_key(exp: Experiment) -> dict:
     if exp.knowledge is None:
         return {}
     kn = mapping(exp.knowledge)
-    return {"knowledge": {k: kn[k] for k in ("seed", "names", "name_kind", "attributes", "templates")}}
+    keys = ("seed", "names", "name_kind", "attributes", "templates") + (("pair_pool",) if kn.get("pair_pool") else ())
+    return {"knowledge": {k: kn[k] for k in keys}}
 
 
 def documents_spec(exp: Experiment, source: str) -> dict:
@@ -404,6 +405,8 @@ def tokenizer_spec(exp: Experiment, scale: str) -> dict:
         tok["documents"] = [documents_spec(exp, s) for s in tok["sources"]]
     if tok.get("add_names"):   # the knowledge experiment's one-token names (stem.data.bios)
         tok.update(_knowledge_key(exp))
+        if any(exp.sources[s].reader.get("name_kind") == NameKind.PAIR for s in exp.knowledge.sources):
+            tok["add_pair_names"] = True   # and the pools of the pair names (only then: other specs unchanged)
     return tok
 
 

@@ -549,6 +549,13 @@ class Knowledge:
     min_steps: int = field(default=1, metadata=POSITIVE)
     vocab_size: int | None = field(default=None, metadata=at_least(260))   # the points' vocabulary (the arch's)
     train: KnowledgeTrain | None = None                        # the points' stage settings (default the stage's)
+    # pair names (a source's name_kind pair): each of the two pools' words (default ceil(sqrt(names)) + 2), and the
+    # tokens of a biography with pair names (measured; default tokens_per_bio): their points' steps
+    pair_pool: int | None = field(default=None, metadata=at_least(2))
+    pair_tokens_per_bio: float | None = field(default=None, metadata=above(0))
+    # the capacity sweep: the name kind of the sources whose smallest world decides validity, whose worlds get the
+    # STEM/dense bits ratio rows and the figure's lines (docs/knowledge.md: one-token names do not saturate)
+    capacity_names: NameKind = NameKind.ONE
 
     def __post_init__(self):
         fail(set(self.templates) == set(self.attributes), "templates",

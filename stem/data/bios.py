@@ -6,7 +6,9 @@ and independently from a set of known size, so a fact carries log2|set| bits. Th
 first N individuals (the worlds are nested: one tokenizer serves every N). Names are one token each in the main
 setting (``name_kind: one``: a unique word the tokenizer adds as a token, stem.data.tokenizer.add_words) or a
 first and a last name drawn from two small pools in the control (``multi``: several BPE tokens, each shared by
-many individuals, so no single token identifies an individual).
+many individuals, so no single token identifies an individual), or a first and a last name drawn from two pools of
+``pair_pool`` words that the tokenizer adds as whole-word tokens (``pair``: exactly two tokens a name, each shared
+by many individuals: the capacity sweep's names, whose facts must sit in weights of a fixed size).
 
 A biography states every attribute once, each with a template drawn from the attribute's paraphrases, in a
 fresh random order per exposure; the generator writes every individual of the world exactly ``exposures``
@@ -38,7 +40,7 @@ class Bios:
     facts: tuple[tuple[int, ...], ...]         # per individual, per attribute: the value's index
     templates: tuple[tuple[str, ...], ...]     # per attribute, its paraphrases ("{name} ... {value}.")
     name_kind: str
-    words: tuple[str, ...]                     # the one-token names a tokenizer adds (empty for multi)
+    words: tuple[str, ...]                     # the words a tokenizer adds: one-token names, pair's pools (multi: none)
 
     def value(self, i: int, a: int) -> str:
         return self.values[a][self.facts[i][a]]
@@ -73,20 +75,34 @@ def _make(key: str) -> Bios:
     values = tuple(tuple(namer.word((2, 3), SUFFIXES.get(a, ("",)), max_len=12) for _ in range(int(spec["attributes"][a])))
                    for a in attrs)
     n, kind = int(spec["names"]), spec.get("name_kind", NameKind.ONE)
-    if kind == NameKind.ONE:
+    if kind in (NameKind.ONE, NameKind.PAIR):
         words = tuple(namer.word((2, 3), max_len=12) for _ in range(n))
         names = words
-    else:
-        side = max(2, math.ceil(math.sqrt(n)) + 2)
-        first = [namer.word((1, 2)) for _ in range(side)]
-        last = [namer.word((2, 3)) for _ in range(side)]
-        pairs = [(f, s) for f in range(side) for s in range(side)]
-        rng.shuffle(pairs)
-        names, words = tuple(f"{first[f]} {last[s]}" for f, s in pairs[:n]), ()
+    if kind == NameKind.PAIR:   # after the one-token names (so no pool word is one), the same facts
+        names, words = _pairs(rng, namer, n, int(spec.get("pair_pool") or pair_pool(n)))
+    elif kind == NameKind.MULTI:   # the pools' words are not added: several BPE tokens each
+        names, words = _pairs(rng, namer, n, pair_pool(n))[0], ()
     facts_rng = random.Random(f"bios-facts:{spec['seed']}")   # the same facts whatever the names' kind
     facts = tuple(tuple(facts_rng.randrange(len(v)) for v in values) for _ in range(n))
     templates = tuple(tuple(spec["templates"][a]) for a in attrs)
     return Bios(names, attrs, values, facts, templates, kind, words)
+
+
+def pair_pool(names: int) -> int:
+    """The default size of each of pair's two pools (the multi control's): ceil(sqrt(names)) + 2."""
+    return max(2, math.ceil(math.sqrt(names)) + 2)
+
+
+def _pairs(rng: random.Random, namer, n: int, side: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """n distinct (first, last) names from two pools of ``side`` whole words each, and the pools' words."""
+    if side * side < n:
+        raise ValueError(f"bios: pair_pool = {side} words a side gives {side * side} names; expected at least "
+                         f"knowledge.names ({n})")
+    first = [namer.word((1, 2)) for _ in range(side)]
+    last = [namer.word((2, 3)) for _ in range(side)]
+    pairs = [(f, s) for f in range(side) for s in range(side)]
+    rng.shuffle(pairs)
+    return tuple(f"{first[f]} {last[s]}" for f, s in pairs[:n]), tuple(first + last)
 
 
 def biography(rng: random.Random, bios: Bios, i: int) -> str:

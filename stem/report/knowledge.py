@@ -4,10 +4,11 @@ registry like the analyses' tables and figures:
 - table ``knowledge``: per bios source (N, name kind, exposures) and variant, over its seeds: bits stored (the
   capacity lower bound, stem.analysis.knowledge), the world's bits, exact-match recall, parameters counted both
   ways and bits per parameter both ways, and whether the point is valid (recall >= knowledge.min_recall);
-  the experiment's validity (every variant learns the smallest one-token world) in a row of its own;
+  the experiment's validity (every variant learns the capacity sweep's smallest world) in a row of its own;
 - figure ``knowledge_bits``: bits stored against N per variant (the shape of Allen-Zhu & Li's capacity plots),
   the world's information content as the ceiling;
-- direction rows (table ``directions``): STEM/dense bits stored at each N with a 95 % interval (two-level
+- direction rows (table ``directions``): STEM/dense bits stored at each N of the capacity sweep (the sources of
+  ``knowledge.capacity_names``' kind) with a 95 % interval (two-level
   bootstrap: seeds, then facts), against Sec. 3.2.1's claim that STEM stores more.
 A capacity is reported only where the experiment is valid; otherwise each row says it is invalid.
 """
@@ -30,7 +31,8 @@ from stem.report import tables as T
 from stem.report import verdict as V
 
 CLAIM = ("Sec. 3.2.1: STEM's token-indexed tables (address vectors with a large angular spread) give it a larger "
-         "knowledge storage capacity than the dense model (bits stored, one-token names; ours_delta = ratio - 1)")
+         "knowledge storage capacity than the dense model (bits stored, {names} names; ours_delta = ratio - 1)")
+NAMES = {NameKind.ONE: "one-token", NameKind.PAIR: "two-token (pair)", NameKind.MULTI: "multi-token"}
 COLUMNS = ("n", "exposures", "seeds", "bits", "bits_max", "recall", "params_total", "params_activated",
            "bits_per_param_total", "bits_per_param_activated", "valid")
 N_BOOT = 1000
@@ -64,12 +66,13 @@ def groups(got: dict[str, dict]) -> dict[tuple[str, str], list[dict]]:
 
 
 def validity(exp: Experiment, got: dict) -> tuple[bool, str]:
-    """Every variant recalls >= min_recall of the smallest one-token world (all its seeds), or why not."""
+    """Every variant recalls >= min_recall of the capacity sweep's smallest world (knowledge.capacity_names' kind;
+    all its seeds), or why not."""
     kn = exp.knowledge
-    ones = [s for s in kn.sources if exp.sources[s].reader.get("name_kind", kn.name_kind) == NameKind.ONE]
-    if not ones:
-        return False, "no one-token world in knowledge.sources"
-    smallest = min(ones, key=lambda s: K.world_size(exp, s))
+    sweep = K.capacity_sources(exp)
+    if not sweep:
+        return False, f"no {kn.capacity_names} world in knowledge.sources"
+    smallest = sweep[0]
     g = groups(got)
     missing = [v for v in kn.variants if (smallest, v) not in g]
     if missing:
@@ -124,11 +127,11 @@ def directions(exp: Experiment, got: dict) -> list[dict]:
     """STEM (each STEM variant) / dense bits stored at each N with its interval; invalid points are skipped."""
     if exp.knowledge is None or not validity(exp, got)[0]:
         return []
-    g, rows = groups(got), []
+    g, rows, sweep = groups(got), [], K.capacity_sources(exp)
     for (source, variant), rs in sorted(g.items()):
         base = g.get((source, "dense"))
-        if variant == "dense" or base is None or not variant.startswith("stem"):
-            continue
+        if variant == "dense" or base is None or not variant.startswith("stem") or source not in sweep:
+            continue   # the ratio rows: the capacity sweep's worlds only (knowledge.capacity_names)
         k = min(len(base), len(rs))
         ci = ratio_ci(base[:k], rs[:k])
         verdict = V.classify(ci, 1.0)
@@ -136,7 +139,7 @@ def directions(exp: Experiment, got: dict) -> list[dict]:
                      "column": f"bits ratio vs dense - 1 at {source} (N {rs[0]['n']}, {rs[0]['name_kind']} names)",
                      "stage": str(exp.knowledge.stage), "paper_delta": 1.0, "ours_delta": ci["delta"], "lo": ci["lo"],
                      "hi": ci["hi"], "n": ci["n"], "seeds": ci["seeds"], "p": V.p_value(ci), "verdict": verdict,
-                     "source": claim(exp, CLAIM)})
+                     "source": claim(exp, CLAIM.format(names=NAMES[exp.knowledge.capacity_names]))})
     return rows
 
 
@@ -244,16 +247,17 @@ def draw(exp: Experiment, res, ours, files):
     fig, ax = plt.subplots(figsize=(6, 4.2))
     got = load(exp, res.root) if exp.knowledge is not None else {}
     g = groups(got)
+    sweep = K.capacity_sources(exp) if exp.knowledge is not None else []
     for variant in T.ordered_variants(exp, {v for _, v in g}):
         pts = sorted((rs[0]["n"], np.mean([r["bits"] for r in rs])) for (s, v), rs in g.items()
-                     if v == variant and rs[0]["name_kind"] == NameKind.ONE)
+                     if v == variant and s in sweep)
         if pts:
             ax.plot(*zip(*pts), marker="o", label=variant)
-    ceiling = sorted({(rs[0]["n"], rs[0]["bits_max"]) for rs in g.values()})
+    ceiling = sorted({(rs[0]["n"], rs[0]["bits_max"]) for (s, _), rs in g.items() if s in sweep})
     if ceiling:
         ax.plot(*zip(*ceiling), "k:", label="the world's bits")
     ax.set_xscale("log")
-    ax.set_xlabel("individuals N")
+    ax.set_xlabel(f"individuals N ({exp.knowledge.capacity_names if exp.knowledge is not None else ''} names)")
     ax.set_ylabel("bits stored (lower bound)")
     ax.set_title(f"{T.experiment_label(exp)}\n{validity(exp, got)[1] if exp.knowledge is not None else ''}",
                  fontsize=7)
@@ -285,5 +289,6 @@ registry.paper_table("knowledge_inject", "Knowledge injection (docs/knowledge.md
                      inputs=inputs, empty="_(no rows: `analysis.knowledge_edit.inject` not set, or no results yet)_"
                      )(inject_long)
 registry.report_figure("knowledge_bits", "Knowledge capacity: bits stored (Allen-Zhu & Li's lower bound) against "
-                       "the number of individuals N per variant, one-token names; dotted: the world's bits.",
+                       "the number of individuals N per variant on the capacity sweep (knowledge.capacity_names); "
+                       "dotted: the world's bits.",
                        experiments=("knowledge",))(draw)
