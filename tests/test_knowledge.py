@@ -110,7 +110,7 @@ def test_the_tokenizer_adds_the_pair_pools_only_where_a_source_has_pair_names():
     (lambda c: c["knowledge"].update(capacity_names="multi"), "knowledge.capacity_names"),
     (lambda c: c["knowledge"].update(capacity_names="two"), "knowledge.capacity_names"),
     (lambda c: c["archs"]["350m"].update(vocab_size=1460), "archs.350m.vocab_size"),
-    (lambda c: c["sources"]["p0100"].update(name_kind="triple"), "sources.p0100.name_kind"),
+    (lambda c: c["sources"]["p0200"].update(name_kind="triple"), "sources.p0200.name_kind"),
     (lambda c: c["sources"]["p0200"].update(n=900), "sources.p0200.n"),
     (lambda c: c["knowledge"]["templates"]["city"].append("{name} lives somewhere."), "knowledge.templates.city[3]"),
     (lambda c: c["knowledge"]["templates"]["major"].append("Born in {value}."), "knowledge.templates.major[3]"),
@@ -141,10 +141,10 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     seeded = [p for p in points if K.split(p)[2]]
     assert len(points) == len(kn.sources) * len(kn.variants) + len(seeded)
     assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at) and {K.split(p)[1] for p in seeded} == set(kn.seeds_for)
-    spec = C.train_spec(exp, "350m", "k__p0200__stem__s2", "pretrain")
+    spec = C.train_spec(exp, "350m", "k__p0050__stem__s2", "pretrain")
     st = exp.stages["pretrain"]["350m"]
-    assert list(spec["data"]) == ["p0200"] and spec["seed"] == exp.seed + 2
-    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__p0200__stem__s2/pretrain")
+    assert list(spec["data"]) == ["p0050"] and spec["seed"] == exp.seed + 2
+    assert spec["model"]["ffn"] == ["dense", "dense", "stem"] and spec["out_dir"].endswith("k__p0050__stem__s2/pretrain")
     # equal exposures: every world is seen E times by one pass (no step floor confounding N with exposures)
     assert len({exp.sources[s].reader["exposures"] for s in kn.sources}) == 1
     for s in kn.sources:
@@ -154,7 +154,7 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
             math.ceil(r["n"] * r["exposures"] * per_bio / (st.batch_size * st.seq_len))
     assert C.train_spec(exp, "350m", "k__n0050__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__p0100__stem__s1", "pretrain")   # seeds only where seeds_at says
+        C.train_spec(exp, "350m", "k__p0200__stem__s1", "pretrain")   # seeds only where seeds_at says
     with pytest.raises(C.ConfigError, match="not a point"):
         C.train_spec(exp, "350m", "k__p0200__hashmoe__s1", "pretrain")   # and for the variants of seeds_for
     a = job_spec(exp, "350m", "k__n0050__dense", "pretrain", "knowledge")
@@ -254,7 +254,7 @@ def test_the_capacity_ratio_rows_are_the_capacity_sweep_s():
     rows = RK.directions(exp, got)
     assert {r["column"].split(" at ")[1].split(" ")[0] for r in rows} == set(K.capacity_sources(exp))
     assert all(r["variant"] in ("stem", "stem_half") and "two-token (pair) names" in r["source"] for r in rows)
-    assert [r["ours_delta"] for r in rows if r["variant"] == "stem"] == [pytest.approx(1.0)] * 3
+    assert [r["ours_delta"] for r in rows if r["variant"] == "stem"] == [pytest.approx(1.0)] * len(K.capacity_sources(exp))
 
 
 def test_an_edit_of_every_token_indexed_row_is_the_positive_control_and_is_undone_bit_for_bit(tmp_path):
