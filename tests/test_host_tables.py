@@ -358,3 +358,23 @@ def test_row_sum_squares_is_the_fp64_sum_in_blocks(monkeypatch):
     monkeypatch.setattr(adamw, "ROW_BLOCK_BYTES", 3 * 96 * 4)
     assert adamw.row_sum_squares(x).item() == pytest.approx(ref, rel=1e-7)
 
+
+def test_the_critical_path_model_counts_what_the_code_leaves_on_it():
+    """``comms.host_path`` (docs/training.md, "The critical path"): as built, micro-batch 0's fetch, what the others'
+    prefetch does not fit in the previous forward (a third of its compute), the accumulation, clipping, the update and
+    the copies; host workers take the update off; a side stream (not built) leaves micro-batch 0's copy in, the last
+    one's out and the last accumulation; the host's bandwidth bounds the step from below either way."""
+    from stem.train import comms
+    sec = {"fetch": 0.4, "accumulate": 0.2, "clip": 0.05, "update": 0.5, "replay": 0.0}
+    host = {"seconds": sec, "total_s": sum(sec.values())}
+    built = comms.host_path(host, 0.6, 0.12, 4, False)
+    assert built["critical"] == pytest.approx({"fetch_first": 0.1, "fetch_recompute": 0.0, "fetch_ahead": 0.3 - 0.15,
+                                               "accumulate": 0.2, "clip": 0.05, "update": 0.5, "copies": 0.12})
+    assert built["step_s"] == pytest.approx(0.6 + 1.12)
+    workers = comms.host_path(host, 0.6, 0.12, 4, False, workers=True)
+    assert workers["critical"]["update"] == 0 and workers["step_s"] == pytest.approx(0.6 + 0.62)
+    side = comms.host_path(host, 0.6, 0.12, 4, False, workers=True, side_stream=True)
+    assert side["critical"]["copies"] == pytest.approx(0.03) and side["critical"]["accumulate"] == pytest.approx(0.05)
+    assert side["step_s"] == pytest.approx(host["total_s"]) and host["total_s"] > 0.6 + side["critical_s"]   # bandwidth
+    ckpt = comms.host_path(host, 0.6, 0.12, 4, True)
+    assert ckpt["critical"]["fetch_recompute"] == pytest.approx(0.2) and ckpt["critical"]["fetch_first"] == pytest.approx(0.05)
