@@ -19,8 +19,8 @@ QUOTED = [
      lambda: [PRE["350m"]["steps"]]),
     ("docs/confidence.md", r"the tiny STEM-dagger model trains (\d+) steps", lambda: [PRE["350m"]["steps"]]),
     ("docs/evaluation.md", r"after (\d+) steps of context extension", lambda: [TINY["stages"]["extend"]["1b"]["steps"]]),
-    ("docs/training.md", r"fetch \+ accumulation\s+([\d.]+) B a fetched parameter .*?update \+ zeroing ([\d.]+) B a touched "
-     r"parameter .*?replay ([\d.]+) B a replayed parameter-step", lambda: _host_bytes()),
+    ("docs/training.md", r"fetch ([\d.]+) \+ accumulation\s+([\d.]+) B a fetched parameter, clipping ([\d.]+) and update "
+     r"\+ zeroing ([\d.]+) B a touched parameter, replay ([\d.]+) B a replayed parameter-step", lambda: _host_bytes()),
     ("docs/knowledge.md", r"The stage now trains batch (\d+) x (\d+) tokens at lr ([\d.e-]+)\.",
      lambda: [KN_STAGE["batch_size"], KN_STAGE["seq_len"], f"{KN_STAGE['lr']:.1e}".replace("e-0", "e-")]),
     ("config/accepted/tiny.yaml", r"experiment tiny: (\d+) pretraining steps of d=(\d+) \(350m\) or d=(\d+) \(1b\)",
@@ -44,8 +44,8 @@ def _knowledge_steps() -> int:
 def _host_bytes() -> list:
     """stem.train.comms.HOST_BYTES_PER_PARAM as docs/training.md quotes them (read from the source: no torch here)."""
     text = (REPO / "stem" / "train" / "comms.py").read_text()
-    found = re.search(r'HOST_BYTES_PER_PARAM = \{"fetch_accumulate": ([\d.]+), "update": ([\d.]+), "replay": ([\d.]+)\}',
-                      text)
+    found = re.search(r'HOST_BYTES_PER_PARAM = \{"fetch": ([\d.]+), "accumulate": ([\d.]+), "clip": ([\d.]+), '
+                      r'"update": ([\d.]+), "replay": ([\d.]+)\}', text)
     return list(found.groups())
 
 

@@ -118,7 +118,7 @@ def test_row_sparse_host_tables_equal_resident_row_sparse_tables():
 
 def test_host_gradient_is_the_touched_rows_only():
     """After a step's backward a host table's gradient is a sparse (ids, rows) tensor of the unique ids read, each
-    once (accumulated by id, ``StepRows``), not yet coalesced (once a step: clipping's or the optimizer's)."""
+    once (accumulated by id, ``StepRows``), not coalesced (clipping and the optimizer take it as it is)."""
     spec = _spec("host", clip=1e3)
     model, plan, opt = _model(spec)
     batches = _batches(3)
@@ -300,3 +300,81 @@ def test_fetches_reuse_their_buffer_and_a_prefetch_survives_a_forwards_own_fetch
     assert torch.equal(first, w[b]) and torch.equal(ahead, w[a])
     again = _fetch(m, a)[2]
     assert again.data_ptr() == first.data_ptr() and torch.equal(again, w[a]) and torch.equal(ahead, w[a])
+
+
+@pytest.mark.parametrize("variant, clip, tol", [("stem", 1e3, 0.0), ("stem_sparse", 0.05, 1e-6)])
+def test_rows_held_by_id_train_as_the_coalesced_gradient(monkeypatch, variant, clip, tol):
+    """Issue 42's no-coalesce lever: clipping and the update take a host table's gradient as accumulated by id (only the
+    ids sorted, the rows gathered by that order with the update's blocks; ``HostTable.held_grad``), and 4 steps end
+    where the coalesced gradient (session 13's code: ``held_grad`` off) does: bit for bit with clipping inactive (the
+    same arithmetic on the same rows; lazy), to 1e-6 with it active (the norm sums the rows in another order;
+    row-sparse); after clipping the gradient is still the step's own, its norm the coalesced one's to 1e-6."""
+    from stem.train.tables import HostTable
+    spec = _spec("host", variant, clip=clip)
+    held = _weights(_train(spec, steps=4)[0])
+    model, _, _ = _model(spec)
+    ctx, off = distributed.DistContext(), torch.autocast("cpu", enabled=False)
+    step.accumulate_gradients(model, _batches(2), ctx, "cpu", off)
+    norm = distributed.clip_grad_norm_(model, 1e3, ctx)
+    tables = [m for m in model.modules() if isinstance(m, HostTable)]
+    assert tables and all(m.held_grad() is not None and not m.weight.grad.is_coalesced() for m in tables)
+    monkeypatch.setattr(HostTable, "held_grad", lambda self, lend=False: None)
+    for m in tables:
+        m.weight.grad = m.weight.grad.coalesce()
+    assert distributed.clip_grad_norm_(model, 1e3, ctx).item() == pytest.approx(norm.item(), rel=1e-6)
+    _close(_weights(_train(spec, steps=4)[0]), held, tol)
+
+
+def test_an_overlapped_update_keeps_its_rows_while_the_next_step_accumulates():
+    """The update on a worker reads the step's rows where they were accumulated (``StepRows.lend``): the next step
+    accumulates into a second buffer, the one after into the first again (the borrower drained by then)."""
+    from stem.bench.host import _Holder
+    from stem.train.tables import _fetch
+    holder = _Holder(50, 4)
+    to_host(holder, ("table",), sparse=("table",))
+    m, w = holder.table, holder.table.weight
+    opt = adamw.RowSparseAdamW([{"params": [w], "lr": 1e-2, "weight_decay": 0.1}], betas=(0.9, 0.95), eps=1e-8)
+    opt.track(m)
+    opt.overlap(1)
+    seen = []
+    for micro in _steps()[:3]:
+        for ids in micro:
+            _, host_ids, rows = _fetch(m, ids)
+            m.step_rows().accumulate(w, host_ids, rows.sin())
+        seen.append(m.held_grad()[1].data_ptr())
+        opt.step()
+        assert m.grad_rows.lent and opt.pending
+        opt.zero_grad(set_to_none=True)
+    assert seen[0] != seen[1] and seen[2] == seen[0]
+    opt.drain()
+
+
+def test_row_sum_squares_is_the_fp64_sum_in_blocks(monkeypatch):
+    """Clipping's norm of held rows (``adamw.row_sum_squares``: squared a block at a time into a workspace, the blocks
+    summed in fp64): the fp64 sum of squares to 1e-7, in blocks of 3 rows too."""
+    x = torch.randn(1000, 96, generator=torch.Generator().manual_seed(0)) * 1e-3
+    ref = x.double().pow(2).sum().item()
+    assert adamw.row_sum_squares(x).item() == pytest.approx(ref, rel=1e-7)
+    monkeypatch.setattr(adamw, "ROW_BLOCK_BYTES", 3 * 96 * 4)
+    assert adamw.row_sum_squares(x).item() == pytest.approx(ref, rel=1e-7)
+
+
+def test_the_critical_path_model_counts_what_the_code_leaves_on_it():
+    """``comms.host_path`` (docs/training.md, "The critical path"): as built, micro-batch 0's fetch, what the others'
+    prefetch does not fit in the previous forward (a third of its compute), the accumulation, clipping, the update and
+    the copies; host workers take the update off; a side stream (not built) leaves micro-batch 0's copy in, the last
+    one's out and the last accumulation; the host's bandwidth bounds the step from below either way."""
+    from stem.train import comms
+    sec = {"fetch": 0.4, "accumulate": 0.2, "clip": 0.05, "update": 0.5, "replay": 0.0}
+    host = {"seconds": sec, "total_s": sum(sec.values())}
+    built = comms.host_path(host, 0.6, 0.12, 4, False)
+    assert built["critical"] == pytest.approx({"fetch_first": 0.1, "fetch_recompute": 0.0, "fetch_ahead": 0.3 - 0.15,
+                                               "accumulate": 0.2, "clip": 0.05, "update": 0.5, "copies": 0.12})
+    assert built["step_s"] == pytest.approx(0.6 + 1.12)
+    workers = comms.host_path(host, 0.6, 0.12, 4, False, workers=True)
+    assert workers["critical"]["update"] == 0 and workers["step_s"] == pytest.approx(0.6 + 0.62)
+    side = comms.host_path(host, 0.6, 0.12, 4, False, workers=True, side_stream=True)
+    assert side["critical"]["copies"] == pytest.approx(0.03) and side["critical"]["accumulate"] == pytest.approx(0.05)
+    assert side["step_s"] == pytest.approx(host["total_s"]) and host["total_s"] > 0.6 + side["critical_s"]   # bandwidth
+    ckpt = comms.host_path(host, 0.6, 0.12, 4, True)
+    assert ckpt["critical"]["fetch_recompute"] == pytest.approx(0.2) and ckpt["critical"]["fetch_first"] == pytest.approx(0.05)

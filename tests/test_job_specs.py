@@ -49,7 +49,7 @@ def _expected(exp, scale: str, variant: str, stage: str) -> dict:
 
 
 def _one_part_each(configfiles: list, tmp_path) -> list:
-    """The config with every source in one tokenize part (config/paper.yaml: 2,560 tokenize jobs -> 7). A train
+    """The config with every source in one tokenize part (config/paper.yaml: 832 tokenize jobs -> 7). A train
     job's spec names a source's gathered manifest, never its parts: the same train jobs, in a smaller DAG (this
     file's paper and rehearsal cases: 9.8 -> 6.7 s of CPU, loaded machine; tests/test_slurm.py dry-runs the paper
     DAG as it is)."""

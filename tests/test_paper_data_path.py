@@ -401,12 +401,12 @@ def test_tokenize_spec_splits_caps_and_picks_the_scale_sample():
     exp = C.experiment.parse(cfg, "paper.yaml")
     s = C.tokenize_spec(exp, "1b", "nemotron_code", "part00003-of-00064")
     assert s["part"] == [3, 64] and s["max_tokens"] == -(-35_000_000_000 // 64) and s["documents"]["name"] == "Synthetic-Code"
-    assert C.tokenize_spec(exp, "350m", "olmo_mix", "part00000-of-01024")["sample"] == [0.0, 0.028]
-    assert C.tokenize_spec(exp, "1b", "olmo_mix_mid", "part00000-of-00256")["sample"] == [0.28, 0.30]
+    assert C.tokenize_spec(exp, "350m", "olmo_mix", "part00000-of-00256")["sample"] == [0.0, 0.028]
+    assert C.tokenize_spec(exp, "1b", "olmo_mix_mid", "part00000-of-00064")["sample"] == [0.28, 0.30]
     with pytest.raises(C.ConfigError, match=r"key 'sources.olmo_mix_mid.sample': no range for scale '350m'"):
-        C.tokenize_spec(exp, "350m", "olmo_mix_mid", "part00000-of-00256")
+        C.tokenize_spec(exp, "350m", "olmo_mix_mid", "part00000-of-00064")
     with pytest.raises(C.ConfigError, match="part 'part00000-of-00002' is not one of its 64 parts"):
         C.tokenize_spec(exp, "1b", "nemotron_code", "part00000-of-00002")
     cfg["sources"]["olmo_mix"]["doc_keys"] = "index"
     with pytest.raises(C.ConfigError, match="key 'sources.olmo_mix.sample' needs doc_keys: content"):
-        C.tokenize_spec(C.experiment.parse(cfg, "paper.yaml (doc_keys: index)"), "1b", "olmo_mix", "part00000-of-01024")
+        C.tokenize_spec(C.experiment.parse(cfg, "paper.yaml (doc_keys: index)"), "1b", "olmo_mix", "part00000-of-00256")

@@ -124,7 +124,7 @@ def test_paper_dag_dry_run_through_the_slurm_profile_shows_sbatch_resources(pape
     # tokenize is scattered: `parts` jobs per (scale, source) the scale's stages read, one gather each
     cfg = yaml.safe_load((REPO / "config/paper.yaml").read_text())
     used = {(scale, src) for scale, m in cfg["matrix"].items() for st in m["stages"] for src in cfg["stages"][st][scale]["data"]}
-    assert counts["tokenize_part"] == sum(cfg["sources"][src]["parts"] for _, src in used) == 2560
+    assert counts["tokenize_part"] == sum(cfg["sources"][src]["parts"] for _, src in used) == 832
     assert counts["tokenize_gather"] == len(used) == 7
     # the aggregate stage, HTML report included, is part of the paper DAG (one job per registered figure)
     from stem.report import registry

@@ -7,15 +7,16 @@ the real code for ``--steps`` steps of ``--accum`` micro-batches of ``--micro-to
 Zipf(1) law (``stem.train.comms.zipf_seen``'s; config/rehearsal.yaml's 1b/stem/pretrain as fitted: 4 x 8,192).
 Per micro-batch: the fetch (``_fetch``: unique ids, a lazy table's missed steps replayed for them, the rows
 gathered) and the gradient's accumulation (``HostLookup.backward``'s ``StepRows.accumulate``: the device's index_add
-left out); per step the optimizer (``RowSparseAdamW.step``: the gradient's one coalesce and the touched rows' AdamW
-update) and the zeroing; at the end ``settle`` (a save: every row brought current), so that
+left out); per step gradient clipping (``stem.train.distributed.clip_grad_norm_``: the rows' norm and their scaling,
+as a training step clips), the optimizer (``RowSparseAdamW.step``: the touched rows' AdamW update) and the zeroing;
+at the end ``settle`` (a save: every row brought current), so that
 the replays are counted in full, amortised over the steps. Both updates: ``lazy`` (dense AdamW made lazy and
 exact, ``table_update: dense``) and ``sparse`` (row-sparse AdamW). Beside them the CPU's memory bandwidth,
 measured the same way (``c = a + b`` on 512 MB arrays, 3 x 4 B an element), to turn seconds into bytes of
 traffic per parameter: the factors the model extrapolates by a node's bandwidth. Each update runs with the gradient
-accumulated by id once a step (``StepRows.accumulate``, the code's) and, for comparison in the same run, as before
-(a sparse sum coalesced after every micro-batch), timed in this thread's CPU seconds (the bandwidth too); the
-overlap's comparison in wall seconds.
+taken as accumulated by id (``HostTable.held_grad``, the code's: never coalesced) and, for comparison in the same run,
+as session 13's code took it (coalesced once a step, by clipping), timed in this thread's CPU seconds (the bandwidth
+too); the overlap's comparison in wall seconds.
 """
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ import torch.nn as nn
 from stem.io import atomic_write_json
 from stem.optim import adamw
 from stem.optim.adamw import RowSparseAdamW
+from stem.train import distributed
 from stem.train.comms import zipf_seen
 from stem.train.tables import _fetch, to_host
 
-PHASES = ("fetch", "device", "accumulate", "update", "zero", "settle")
+PHASES = ("fetch", "device", "accumulate", "clip", "update", "zero", "settle")
+CLIP = 1.0   # the clipping norm (config/paper.yaml's optim.grad_clip): the rows are scaled whether or not it binds
 
 
 class _Holder(nn.Module):
@@ -79,11 +82,10 @@ def _table(args, update: str, workers: int | None):
     return m, w, opt
 
 
-def _micro(m, w, ids, times: dict, device_s: float, now, each: bool = False) -> int:
+def _micro(m, w, ids, times: dict, device_s: float, now) -> int:
     """One micro-batch: its rows fetched (waiting for their own pending update, if any), the device's forward and
     backward as a timed wait of ``device_s``, the rows' gradient accumulated (``HostLookup.backward``'s
-    ``StepRows.accumulate``; ``each``: as before issue 42's change, a sparse sum coalesced after every micro-batch);
-    returns the rows fetched."""
+    ``StepRows.accumulate``); returns the rows fetched."""
     t = now()
     _, host_ids, _ = _fetch(m, ids)
     t = _clock(times, "fetch", t, now)
@@ -91,34 +93,30 @@ def _micro(m, w, ids, times: dict, device_s: float, now, each: bool = False) -> 
     t = _clock(times, "device", t, now)
     grad = torch.randn(host_ids.numel(), w.shape[1])   # the unique rows' summed gradient, back from the device
     t = now()
-    if each:
-        g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), grad, w.shape, is_coalesced=True, check_invariants=False)
-        w.grad = g if w.grad is None else (w.grad + g).coalesce()
-    else:
-        m.step_rows().accumulate(w, host_ids, grad)
+    m.step_rows().accumulate(w, host_ids, grad)
     _clock(times, "accumulate", t, now)
     return host_ids.numel()
 
 
 def run(args, update: str, steps: list, workers: int | None = None, device_s: float = 0.0, fused: bool = True,
-        cpu: bool = False, each: bool = False) -> dict:
+        cpu: bool = False, coalesce: bool = False) -> dict:
     """``steps`` (per step, its micro-batches' ids) on one host table under ``update`` (lazy | sparse), the update on
     ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches); the row
     update through torch's fused kernel or (``fused`` False) the same formula in unfused ops
-    (``stem.optim.adamw.FUSED_ROWS``); the gradient accumulated by id (``each``: coalesced every micro-batch, as
-    before, ``_micro``); timed in this thread's CPU seconds (``cpu``: a synchronous run on a loaded
+    (``stem.optim.adamw.FUSED_ROWS``); the gradient taken as accumulated by id (``coalesce``: coalesced once a step
+    by clipping, as session 13's code took it); timed in this thread's CPU seconds (``cpu``: a synchronous run on a loaded
     machine, where wall seconds count the other processes' turns) or wall seconds."""
     was, adamw.FUSED_ROWS = adamw.FUSED_ROWS, fused
     try:
-        return _run(args, update, steps, workers, device_s, time.thread_time if cpu else time.perf_counter, each) | {
-            "fused": fused, "clock": "thread CPU" if cpu else "wall", "accumulation": "each" if each else "step"}
+        return _run(args, update, steps, workers, device_s, time.thread_time if cpu else time.perf_counter, coalesce) | {
+            "fused": fused, "clock": "thread CPU" if cpu else "wall", "gradient": "coalesced" if coalesce else "held"}
     finally:
         adamw.FUSED_ROWS = was
 
 
-def _run(args, update: str, steps: list, workers: int | None, device_s: float, now, each: bool = False) -> dict:
+def _run(args, update: str, steps: list, workers: int | None, device_s: float, now, coalesce: bool = False) -> dict:
     m, w, opt = _table(args, update, workers)
-    replays = []
+    ctx, replays = distributed.DistContext(), []
     if update == "lazy":   # counted as they run (LazyRows.replay returns the row-steps it replayed)
         lazy = opt.lazy[w]
         replay = lazy.replay
@@ -127,9 +125,13 @@ def _run(args, update: str, steps: list, workers: int | None, device_s: float, n
     for i, micro in enumerate(steps):
         if i == 1:   # step 0 (the moments allocated) is not timed
             times, touched, fetched, replays[:] = dict.fromkeys(PHASES, 0.0), 0, 0, []
-        fetched += sum(_micro(m, w, ids, times, device_s / len(micro), now, each) for ids in micro)
+        fetched += sum(_micro(m, w, ids, times, device_s / len(micro), now) for ids in micro)
         touched += w.grad._nnz()   # unique rows: the step's accumulation holds each id once
         t = now()
+        if coalesce:   # session 13's clipping: the gradient coalesced into a tensor of its own (held_grad: None)
+            w.grad = w.grad.coalesce()
+        distributed.clip_grad_norm_(m, CLIP, ctx)
+        t = _clock(times, "clip", t, now)
         opt.step()
         t = _clock(times, "update", t, now)
         opt.zero_grad(set_to_none=True)
@@ -148,11 +150,13 @@ def _run(args, update: str, steps: list, workers: int | None, device_s: float, n
 
 def factors(r: dict, gbs: float) -> dict:
     """Bytes of memory traffic per parameter at this CPU's bandwidth ``gbs`` of a row-sparse run's phases: fetch
-    and accumulation per fetched parameter (a micro-batch's unique rows), update and zeroing per touched one (the
-    step's unique rows)."""
+    and accumulation per fetched parameter (a micro-batch's unique rows), clipping (norm and scale), and update and
+    zeroing, per touched one (the step's unique rows)."""
     s, d = r["seconds_per_step"], r["width"]
-    return {"fetch_accumulate_b": (s["fetch"] + s["accumulate"]) * gbs * 1e9 / (r["fetched_rows_per_step"] * d),
-            "update_b": (s["update"] + s["zero"]) * gbs * 1e9 / (r["touched_rows_per_step"] * d)}
+    per_touched, per_fetched = (gbs * 1e9 / (r[k] * d) for k in ("touched_rows_per_step", "fetched_rows_per_step"))
+    return {"fetch_b": s["fetch"] * per_fetched, "accumulate_b": s["accumulate"] * per_fetched,
+            "fetch_accumulate_b": (s["fetch"] + s["accumulate"]) * per_fetched,
+            "clip_b": s["clip"] * per_touched, "update_b": (s["update"] + s["zero"]) * per_touched}
 
 
 def bytes_per_param(runs: dict, gbs: float) -> dict:
@@ -170,7 +174,7 @@ def main(args):
     args.steps, args.accum, args.micro_tokens = args.host_steps, args.accum, args.host_micro_tokens
     steps = _draws(args, g)
     gbs = bandwidth_gbs()
-    before = {u: run(args, u, steps, cpu=True, each=True) for u in ("sparse", "lazy")}
+    before = {u: run(args, u, steps, cpu=True, coalesce=True) for u in ("sparse", "lazy")}
     runs = {u: run(args, u, steps, cpu=True) for u in ("sparse", "lazy")}
     device_s = runs["sparse"]["host_s_per_step"] if args.device_s is None else args.device_s
     overlap = [(run(args, u, steps, None, device_s), run(args, u, steps, args.workers, device_s)) for u in runs]
@@ -189,21 +193,21 @@ def _print(out: dict, args):
           f"{out['bandwidth_gbs']:.1f} GB/s, c = a + b): one {args.rows:,} x {args.width:,} fp32 table, "
           f"{args.steps} steps of {args.accum} x {args.micro_tokens:,} Zipf(1) ids, then a save (settle). Seconds per "
           "step; seconds per 1e9 parameters of what each phase touches.")
-    print("| update | accumulation | touched rows / step | replayed row-steps / step | fetch | device | accumulate | "
+    print("| update | gradient | touched rows / step | replayed row-steps / step | fetch | device | accumulate | clip | "
           "update | zero | settle (per step) | total s / step | host s per 1e9 touched params |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in list(out["before_runs"].values()) + list(out["runs"].values()):
         s = r["seconds_per_step"]
         per = r["host_s_per_step"] / (r["touched_rows_per_step"] * r["width"]) * 1e9
-        print(f"| {r['update']} | {'coalesced each micro-batch' if r['accumulation'] == 'each' else 'by id, once a step'} | {r['touched_rows_per_step']:,.0f} | "
+        print(f"| {r['update']} | {'coalesced once a step' if r['gradient'] == 'coalesced' else 'held by id'} | {r['touched_rows_per_step']:,.0f} | "
               f"{r['replayed_row_steps_per_step']:,.0f} | " + " | ".join(f"{s[k]:.4f}" for k in PHASES)
               + f" | {r['total_s_per_step']:.4f} | {per:.2f} |")
-    for key, route in (("before_bytes_per_param", "coalesced each micro-batch"), ("bytes_per_param", "by id")):
+    for key, route in (("before_bytes_per_param", "coalesced once a step"), ("bytes_per_param", "held by id")):
         b = out[key]
-        print(f"Traffic factors, {route} (s x {out['bandwidth_gbs']:.1f} GB/s / parameters): fetch + accumulate "
-              f"{b['fetch_accumulate_b']:.1f} B a fetched parameter, update + zero {b['update_b']:.1f} B a touched "
-              f"parameter, lazy replay {b['replay_b']:.1f} B a replayed parameter-step")
-    print("(stem.train.comms.HOST_BYTES_PER_PARAM states the by-id ones)")
+        print(f"Traffic factors, {route} (s x {out['bandwidth_gbs']:.1f} GB/s / parameters): fetch {b['fetch_b']:.1f} + "
+              f"accumulate {b['accumulate_b']:.1f} = {b['fetch_accumulate_b']:.1f} B a fetched parameter, clip {b['clip_b']:.1f} and update + zero "
+              f"{b['update_b']:.1f} B a touched parameter, lazy replay {b['replay_b']:.1f} B a replayed parameter-step")
+    print("(stem.train.comms.HOST_BYTES_PER_PARAM states the held-by-id ones)")
 
 
 def _print_overlap(pairs: list, args):

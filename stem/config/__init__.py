@@ -139,7 +139,7 @@ def source_of(exp: Experiment, source: str) -> Source:
 
 def source_mapping(src: Source) -> dict:
     """A source as the config writes it (its reader's keys beside the typed ones): a fresh copy of a mapping made
-    once per source node (the paper DAG asks for it once per tokenize job: 2,560 times)."""
+    once per source node (the paper DAG asks for it once per tokenize job: 832 times)."""
     return copy.deepcopy(_source_mapping(src))
 
 

@@ -153,6 +153,7 @@ class RowSparseAdamW(torch.optim.AdamW):
         self.lazy: dict = {}            # parameter -> LazyRows
         self.tracked: set = set()       # the tables' parameters (``track``)
         self.touched: dict = {}         # a row-sharded table's parameter -> its module (``take_touched``)
+        self.held: dict = {}            # a host table's parameter -> its module (``held_grad``: rows held by id)
         self.pool = None                # ``overlap``'s workers
         self.pending: dict = {}         # parameter -> (its update's rows, the futures of their chunks)
 
@@ -165,6 +166,8 @@ class RowSparseAdamW(torch.optim.AdamW):
             self.touched[p] = module
             return
         self.tracked.add(p)
+        if hasattr(module, "held_grad"):
+            self.held[p] = module
         if module.row_update == "lazy":
             self.lazy[p] = LazyRows(p.shape[0], p.device)
         module.register_read_hook(lambda ids, p=p: self.catch_up(p, ids))
@@ -251,15 +254,9 @@ class RowSparseAdamW(torch.optim.AdamW):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         local = [p, state["exp_avg"], state["exp_avg_sq"]]
-        if p in self.touched:            # a row-sharded table: this rank's shard and the rows asked of it
+        if p in self.touched:            # a row-sharded table: this rank's shard
             local = [x.to_local() for x in local]
-            rows = self.touched[p].take_touched()
-            g = p.grad.to_local().index_select(0, rows)
-        elif p.grad is None:             # a lazy table none of whose rows the step read
-            rows, g = torch.zeros(0, dtype=torch.long, device=p.device), p.new_zeros(0, p.shape[1])
-        else:
-            grad = p.grad.coalesce()
-            rows, g = grad.indices()[0], grad.values()
+        rows, g, perm = self._grad_rows(p)
         lazy = self.lazy.get(p)
         if lazy is not None:             # its touched rows current before their update (read this step: they are)
             lazy.replay(p, state, rows)
@@ -271,9 +268,27 @@ class RowSparseAdamW(torch.optim.AdamW):
             lazy.hist[t] = (lr, wd, b1, b2, eps)
             lazy.last.index_fill_(0, rows, t)
         if self.pool is None or p not in self.tracked:
-            _adamw_rows(local, rows, g, t, lr, wd, b1, b2, eps)
+            _adamw_rows(local, rows, g, t, lr, wd, b1, b2, eps, perm)
             return
-        self.pending[p] = PendingRows(self.pool, local, rows, g, (t, lr, wd, b1, b2, eps))
+        self.pending[p] = PendingRows(self.pool, local, rows, g, (t, lr, wd, b1, b2, eps), perm)
+
+    def _grad_rows(self, p) -> tuple:
+        """(sorted row ids, gradient rows, None or the position in ``g`` of each id's row) of ``p``'s step: a row-sharded
+        table's rows asked of this rank (``take_touched``); a host table's rows held by id (``held_grad``: unique ids
+        in the order first seen, so only the ids are sorted and the update gathers each row from where it is, lent
+        when the update outlives the step); else the coalesced sparse gradient's; none for a lazy table not read."""
+        if p in self.touched:
+            rows = self.touched[p].take_touched()
+            return rows, p.grad.to_local().index_select(0, rows), None
+        if p.grad is None:
+            return torch.zeros(0, dtype=torch.long, device=p.device), p.new_zeros(0, p.shape[1]), None
+        held = self.held[p].held_grad(lend=self.pool is not None) if p in self.held else None
+        if held is not None:
+            ids, g = held
+            rows, perm = ids.sort()
+            return rows, g, perm
+        grad = p.grad.coalesce()
+        return grad.indices()[0], grad.values(), None
 
 
 class PendingRows:
@@ -281,8 +296,8 @@ class PendingRows:
     in tasks of ``OVERLAP_ROWS``, each row updated once, by the worker that takes its task or by a read that needs
     it before (``need``); a row's update is ``_adamw_rows``' whoever runs it, so the results are the same."""
 
-    def __init__(self, pool, local: list, rows: torch.Tensor, g: torch.Tensor, hyper: tuple):
-        self.local, self.rows, self.g, self.hyper = local, rows, g, hyper
+    def __init__(self, pool, local: list, rows: torch.Tensor, g: torch.Tensor, hyper: tuple, perm=None):
+        self.local, self.rows, self.g, self.hyper, self.perm = local, rows, g, hyper, perm
         self.todo = torch.ones(rows.numel(), dtype=torch.bool)   # not yet taken, by position
         self.lock = threading.Lock()
         self.done = [threading.Event() for _ in range(0, rows.numel(), OVERLAP_ROWS)]
@@ -297,7 +312,10 @@ class PendingRows:
     @torch.no_grad()   # grad mode is per thread: a worker's own
     def _update(self, pos: torch.Tensor):
         if pos.numel():
-            _adamw_rows(self.local, self.rows[pos], self.g[pos], *self.hyper)
+            if self.perm is None:
+                _adamw_rows(self.local, self.rows[pos], self.g[pos], *self.hyper)
+            else:
+                _adamw_rows(self.local, self.rows[pos], self.g, *self.hyper, self.perm[pos])
 
     def _task(self, k: int):
         try:
@@ -321,28 +339,47 @@ class PendingRows:
             f.result()
 
 
-def _adamw_rows(local: list, rows, g, t: int, lr: float, wd: float, b1: float, b2: float, eps: float):
-    """torch's AdamW step ``t`` on ``rows`` of (param, exp_avg, exp_avg_sq) with their gradient rows ``g``, fused
-    (``_row_blocks``): each block of rows gathered once into this thread's workspace, updated in one pass, scattered
-    once."""
-    for (w, m, v), rs, gs in _row_blocks(local, rows, g):
+def _adamw_rows(local: list, rows, g, t: int, lr: float, wd: float, b1: float, b2: float, eps: float, perm=None):
+    """torch's AdamW step ``t`` on ``rows`` of (param, exp_avg, exp_avg_sq) with their gradient rows ``g`` (``perm``:
+    row k's gradient is ``g[perm[k]]``), fused (``_row_blocks``): each block of rows gathered once into this thread's
+    workspace, updated in one pass, scattered once."""
+    for (w, m, v), rs, gs in _row_blocks(local, rows, g, perm):
         _adamw_block(w, gs, m, v, t, lr, wd, b1, b2, eps)
         for x, y in zip(local, (w, m, v)):
             x.index_copy_(0, rs, y)
 
 
-def _row_blocks(local: list, rows, g=None):
+def _row_blocks(local: list, rows, g=None, perm=None):
     """((param, exp_avg, exp_avg_sq) rows, their ids, their gradient rows) of ``rows`` of ``local`` in blocks of
     ``block_rows``, gathered into this thread's workspace (``_workspace``): reused, so no allocation (whose page
     faults cost more than the update on a CPU) and, on a CPU, small enough to stay in its cache between the gather,
-    the update and the scatter."""
+    the update and the scatter. ``perm``: the gradient rows are ``g[perm]``, gathered with the block (a host table's
+    rows held by id: ``RowSparseAdamW._grad_rows``)."""
     n = block_rows(local[0])
     for lo in range(0, rows.numel(), n):
         rs = rows[lo:lo + n]
-        out = _workspace(local[0], rs.numel(), 3)
+        out = _workspace(local[0], rs.numel(), 3 if perm is None else 4)
         for x, y in zip(local, out):
             torch.index_select(x, 0, rs, out=y)
-        yield out, rs, None if g is None else g[lo:lo + n]
+        if perm is not None:
+            yield out[:3], rs, torch.index_select(g, 0, perm[lo:lo + n], out=out[3])
+        else:
+            yield out, rs, None if g is None else g[lo:lo + n]
+
+
+def row_sum_squares(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of the squares of ``rows`` (fp32, as a 0-dim fp32 tensor), a block of ``block_rows`` at a time: each
+    block squared into this thread's workspace and summed, the blocks' sums added in fp64. Gradient clipping's norm of
+    a host table's rows (``stem.train.distributed``) without a tensor of all of them (``pow(2)`` makes one: on a CPU
+    its new pages cost ten times the sum) and as precise as torch's sum over them (a one-pass dot or
+    ``vector_norm`` in fp32 was off by 3e-4 to 9e-4 at 12 million elements)."""
+    total = torch.zeros((), dtype=torch.float64, device=rows.device)
+    n = block_rows(rows)
+    for lo in range(0, rows.shape[0], n):
+        x = rows[lo:lo + n]
+        sq, = _workspace(rows, x.shape[0], 1, "squares")
+        total += torch.mul(x, x, out=sq).sum()
+    return total.float()
 
 
 def block_rows(x: torch.Tensor) -> int:

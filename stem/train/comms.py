@@ -36,8 +36,10 @@ is the step's FLOPs per GPU (``stem.models.accounting.flops_per_token``) at a st
 Host tables' host side (``host_update``: fetches, gradient accumulation, row update, a lazy table's replays) is
 bytes of host memory traffic measured per parameter on a CPU (``HOST_BYTES_PER_PARAM``, ``python -m stem bench
 host``) over the node's stated host memory bandwidth; ``step_vs_compute`` adds it and the communication to the
-compute, none overlapped (``step_vs_compute_overlapped``: the row update hidden behind the compute, as
-``train.host_workers`` runs it); ``fit_step_s`` ranks the layouts ``stem.train.memory.fit`` may choose by it.
+compute, none overlapped; ``host_path`` splits it into what the code puts on the step's critical path and what it
+hides (``step_as_built``; ``step_vs_compute_overlapped``: the row update on ``train.host_workers``; ``step_side_stream``:
+the copies on a side stream and the accumulation off the autograd thread, not built); ``fit_step_s`` ranks the
+layouts ``stem.train.memory.fit`` may choose by it.
 """
 from __future__ import annotations
 
@@ -74,9 +76,10 @@ PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s n
 # measured bandwidth: a micro-batch's fetch and gradient accumulation per fetched parameter, the optimizer's row
 # update and zeroing per touched parameter (the step's unique rows), a lazy table's replay per replayed
 # parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
-# ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``). Session 13's run, the gradient accumulated by id.
+# ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``). Session 14's run: the gradient held by id, never
+# coalesced; clipping (the held rows' norm and scale) apart from the update, as it runs on the critical path.
 HOST_MEM_GBS = Layout.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
-HOST_BYTES_PER_PARAM = {"fetch_accumulate": 38.0, "update": 187.9, "replay": 38.1}
+HOST_BYTES_PER_PARAM = {"fetch": 15.1, "accumulate": 17.3, "clip": 15.8, "update": 103.2, "replay": 28.9}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
          "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
 
@@ -251,8 +254,8 @@ def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | N
         touched += u_step * d
         if not plan.tables[name].sparse:   # a lazy table
             replayed += (model.get_submodule(name).weight.shape[0] - u_step) * d
-    traffic = {"fetch_accumulate": fetched * b["fetch_accumulate"], "update": touched * b["update"],
-               "replay": replayed * b["replay"]}
+    traffic = {"fetch": fetched * b["fetch"], "accumulate": fetched * b["accumulate"], "clip": touched * b["clip"],
+               "update": touched * b["update"], "replay": replayed * b["replay"]}
     seconds = {k: v / (gbs * 1e9) for k, v in traffic.items()}
     return {"gbs": gbs, "fetched_params": fetched, "touched_params": touched, "replayed_param_steps": replayed,
             "bytes": traffic, "seconds": seconds, "total_s": sum(seconds.values())}
@@ -265,10 +268,10 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     """One step of ``model`` laid out as ``plan``: bytes per GPU by kind, the comm time at the link bandwidth the
     job's ring crosses (the host tables' copies at ``pcie_gbs``), the compute time at ``mfu`` of
     ``peak_tflops``, and their ratio; host tables' host side (``host_update``) at ``host_gbs`` of host memory
-    bandwidth, and the step (compute + comm + host side, none overlapped) over the compute; with ``host_workers``
-    (``train.host_workers``: the row update on worker threads while the device computes the next step) the row
-    update's seconds up to the compute's are hidden (``step_vs_compute_overlapped``; the fetches, accumulation and
-    a lazy table's replays, read on the critical path, are not). ``unique_rows`` (row-sparse tables): default
+    bandwidth, and the step (compute + comm + host side, none overlapped) over the compute; ``host_path``'s steps over
+    the compute: as the code runs (``step_as_built``), with the row update on ``host_workers`` threads
+    (``step_vs_compute_overlapped``, the figure the job runs at when ``train.host_workers`` is set) and, not built, with
+    the copies on a side stream (``step_side_stream``). ``unique_rows`` (row-sparse tables): default
     ``zipf_unique`` of a rank's tokens a step; ``acct``: the model's accounting, if already at hand."""
     w = plan.world
     if unique_rows is None and plan.row_sparse:
@@ -285,9 +288,12 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     compute_s = flops_per_token(acct or accounting(model), model.cfg, seq_len) * tokens_per_gpu / (mfu * peak_tflops * 1e12)
     comm_s = (total - by_kind["host_copy"]) / (gbs * 1e9) + by_kind["host_copy"] / (pcie_gbs * 1e9)
     host = host_update(model, plan, host_gbs) if plan.host_tables else None
-    if host:   # what the overlap would hide (and hides when host_workers is set)
-        host["hidden_s"] = min(host["seconds"]["update"], compute_s)
+    paths = dict.fromkeys(("step_as_built", "step_vs_compute_overlapped", "step_side_stream"))
+    if host:
         host["workers"] = host_workers
+        args = (host, compute_s, comm_s, plan.accum, plan.activation_checkpointing)
+        paths = host["paths"] = {"step_as_built": host_path(*args), "step_vs_compute_overlapped": host_path(*args, True),
+                                 "step_side_stream": host_path(*args, True, True)}
     return {"world": w, "nodes": nodes, "strategy": plan.strategy, "bytes_per_gpu": by_kind, "total_bytes": total,
             "table_bytes": sum(by_kind[k] for k in ("table_all_gather", "table_reduce_scatter", "row_sharded_lookup",
                                                     "row_sparse_gather")),
@@ -296,8 +302,36 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
             "intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "pcie_gbs": pcie_gbs,
             "comm_compute_ratio": comm_s / compute_s, "host": host,
             "step_vs_compute": (compute_s + comm_s + (host["total_s"] if host else 0.0)) / compute_s,
-            "step_vs_compute_overlapped": (compute_s + comm_s + (host["total_s"] - host["hidden_s"] if host else 0.0))
-            / compute_s}
+            **{k: (v["step_s"] if v else compute_s + comm_s) / compute_s for k, v in paths.items()}}
+
+
+def host_path(host: dict, compute_s: float, copies_s: float, micro: int, recompute: bool, workers: bool = False,
+              side_stream: bool = False) -> dict:
+    """Which of a host-table step's host seconds (``host_update``) and copies (``copies_s``) are on its critical path,
+    as ``stem.train.step`` runs it on a GPU (docs/training.md, "The critical path"), over ``micro`` micro-batches:
+    - micro-batch 0's fetch (and a lazy table's replays of its rows): in its forward, the device waiting for them;
+    - the other micro-batches' fetches (``prefetch``): on the host while the device runs the previous micro-batch's
+      forward (a third of its compute), critical for what exceeds it; a checkpointed block's recomputed forward
+      fetches its rows again, in backward: critical;
+    - the accumulation: ``HostLookup.backward`` on the autograd thread, after a blocking copy of the rows back, so the
+      device runs out of queued work: critical (``side_stream``: a host thread's, only the last micro-batch's);
+    - clipping (the held rows' norm and scale): critical, the update waits for the norm;
+    - the row update: critical, unless ``workers`` (``train.host_workers``: during the next step);
+    - the copies: queued on the compute stream, critical (``side_stream``, not built, CUDA only: micro-batch 0's rows
+      in and the last one's gradients out stay critical).
+    The host's memory bandwidth bounds the step too: all its host seconds fit in it. Returns the critical seconds by
+    part and ``step_s`` = max(compute + critical, host seconds)."""
+    s, fwd = host["seconds"], 2 if recompute else 1
+    read = s["fetch"] + s["replay"]
+    first = read / fwd / micro
+    window = compute_s / 3 * (micro - 1) / micro
+    crit = {"fetch_first": first, "fetch_recompute": read * (fwd - 1) / fwd,
+            "fetch_ahead": max(0.0, read / fwd - first - window),
+            "accumulate": s["accumulate"] / micro if side_stream else s["accumulate"], "clip": s["clip"],
+            "update": 0.0 if workers else s["update"],
+            "copies": copies_s * 2 / ((fwd + 1) * micro) if side_stream else copies_s}
+    return {"critical": crit, "critical_s": sum(crit.values()),
+            "step_s": max(compute_s + sum(crit.values()), host["total_s"])}
 
 
 CKPT_RECOMPUTE = 1 / 3   # activation checkpointing's recomputed forward, of a step's compute (forward 1 of 3)
@@ -326,11 +360,12 @@ def describe(r: dict) -> str:
                   if host else "none")
         h = r.get("host")
         host_side = "" if not h else (
-            f"; host side {h['total_s']:.3g} s at {h['gbs']:g} GB/s (fetch + accumulate "
-            f"{h['seconds']['fetch_accumulate']:.3g}, update {h['seconds']['update']:.3g}, replay "
-            f"{h['seconds']['replay']:.3g}): step / compute {r['step_vs_compute']:.2f} not overlapped, "
-            f"{r['step_vs_compute_overlapped']:.2f} with the row update ({h['hidden_s']:.3g} s) hidden behind the "
-            f"compute (train.host_workers: {h['workers'] or 'not set'})")
+            f"; host side {h['total_s']:.3g} s at {h['gbs']:g} GB/s ("
+            + ", ".join(f"{k} {v:.3g}" for k, v in h["seconds"].items())
+            + f"): step / compute {r['step_vs_compute']:.2f} not overlapped, {r['step_as_built']:.2f} as built "
+            f"(the prefetch), {r['step_vs_compute_overlapped']:.2f} with the row update on host workers "
+            f"(train.host_workers: {h['workers'] or 'not set'}), {r['step_side_stream']:.2f} with the copies on a side "
+            f"stream (not built)")
         return (f"communication per step: {copies} (world 1); compute {r['compute_s']:.3g} s at {r['mfu']:.0%} MFU: "
                 f"comm/compute {r['comm_compute_ratio']:.2f}{host_side}")
     kinds = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in r["bytes_per_gpu"].items() if v)
@@ -391,12 +426,14 @@ def host_bandwidth(layout: Layout, job=None, cores: int | None = None) -> float:
 
 
 def _step_cell(r: dict) -> str:
-    """The step/compute cell: not overlapped; for host tables also with the row update hidden (``model_step``),
-    the figure the job runs at when ``train.host_workers`` is set."""
+    """The step/compute cell: not overlapped; for host tables also as built (the prefetch), with the row update on
+    host workers (the figure the job runs at when ``train.host_workers`` is set) and with the copies on a side
+    stream (not built): ``model_step``, ``host_path``."""
     h = r.get("host")
     if not h:
         return f"{r['step_vs_compute']:.2f}"
-    return f"{r['step_vs_compute']:.2f} ({r['step_vs_compute_overlapped']:.2f} update hidden)"
+    return (f"{r['step_vs_compute']:.2f} ({r['step_as_built']:.2f} as built, {r['step_vs_compute_overlapped']:.2f} "
+            f"host workers, {r['step_side_stream']:.2f} side stream)")
 
 
 def render(rows: list[dict], title: str) -> str:

@@ -62,6 +62,7 @@ from safetensors.torch import load_file
 from stem import checkpoint as ck
 from stem.io import atomic_write_json, replace_dir
 from stem.models.model import loaded_state
+from stem.optim.adamw import row_sum_squares
 from stem.train import tables
 from stem.train.plan import ParallelPlan
 
@@ -214,27 +215,32 @@ def _coalesce_sparse(params):
             p.grad = p.grad.coalesce()
 
 
-def _clip_with_sparse(params, max_norm: float) -> torch.Tensor:
+def _clip_with_sparse(params, max_norm: float, held: dict) -> torch.Tensor:
     """Single process, some gradients row-sparse: the L2 norm over the dense gradients and the sparse ones'
-    rows (a row absent from a sparse gradient is zero), then torch's clipping coefficient on both."""
+    rows (a row absent from a sparse gradient is zero), then torch's clipping coefficient on both. ``held``: host
+    tables' rows held by id (``tables.held_rows``: each id once, not coalesced), their squares summed a block at a
+    time (``row_sum_squares``: no tensor of the step's rows made) and scaled in place."""
     dense = [p for p in params if not p.grad.is_sparse]
-    sparse = [p.grad for p in params if p.grad.is_sparse]
+    sparse = [p.grad.values() for p in params if p.grad.is_sparse and p not in held]
     sq = torch.nn.utils.get_total_norm([p.grad for p in dense]).float().pow(2) if dense else torch.zeros(())
-    total = (sq + sum(g.values().float().pow(2).sum() for g in sparse)).sqrt()
+    sq = sq + sum(g.float().pow(2).sum() for g in sparse)
+    total = (sq + sum(row_sum_squares(rows).to(sq.device) for _, rows in held.values())).sqrt()
     torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in sparse:
-        g.values().mul_(coef)
+    for g in sparse + [rows for _, rows in held.values()]:
+        g.mul_(coef.to(g.device))
     return total
 
 
 def clip_grad_norm_(model, max_norm: float, ctx: DistContext) -> torch.Tensor:
-    """Global L2 gradient clipping over sharded (DTensor), replicated and row-sparse gradients; returns the norm."""
+    """Global L2 gradient clipping over sharded (DTensor), replicated and row-sparse gradients; returns the norm.
+    A host table's gradient held by id (one process: ``tables.held_rows``) is not coalesced: its ids are unique."""
     params = [p for p in model.parameters() if p.grad is not None]
-    _coalesce_sparse(params)
+    held = tables.held_rows(model) if ctx.world == 1 else {}
+    _coalesce_sparse([p for p in params if p not in held])
     if ctx.world == 1:
         if any(p.grad.is_sparse for p in params):
-            return _clip_with_sparse(params, max_norm)
+            return _clip_with_sparse(params, max_norm, held)
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     from torch.distributed.tensor import DTensor   # multi-rank only (see the note above DistContext)
     sharded = torch.zeros((), dtype=torch.float32, device=ctx.device)

@@ -258,7 +258,7 @@ class HostLookup(torch.autograd.Function):
     """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
     to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward returns each
     unique row's summed gradient, copied back, as the table's gradient: (unique ids, rows), accumulated by id into
-    the step's (``table``: the ``HostTable``, ``StepRows``: each id once, coalesced once a step), never a dense
+    the step's (``table``: the ``HostTable``, ``StepRows``: each id once, never coalesced), never a dense
     table-sized one (``table`` None: the memory trace's upper bound, a dense host gradient); autograd gets none."""
 
     @staticmethod
@@ -288,16 +288,33 @@ class StepRows:
     step's rows (``slot``: -1 for an id not yet seen), a new id's slot zeroed, each micro-batch's rows added into
     their slots by one ``index_add_`` (12 B a fetched parameter, instead of a sparse sum coalesced after every
     micro-batch: issue 42). The gradient handed out is a sparse COO tensor over the buffer, ids in the order first
-    seen, marked not coalesced: its one coalesce a step (gradient clipping's or the optimizer's) sorts it into a
-    tensor of its own, so the buffer is reused from step to step (a new step: the weight's gradient None) and
-    nothing that outlives the step holds it. Each row's sum is the micro-batches' in their order, as the sparse
-    sums' were: the same values, bit for bit (``tests/test_host_tables.py``)."""
+    seen, each once, marked not coalesced; it is never coalesced: clipping and the optimizer take its (ids, rows) as
+    they are (``held``; the update gathers the rows in the ids' sorted order, ``stem.optim.adamw``), so a step makes
+    no tensor of its rows. The buffer is reused from step to step (a new step: the weight's gradient None); one lent
+    to an update that outlives the step (``lend``: ``RowSparseAdamW.overlap``'s) is kept for it, and the next step
+    accumulates into a second one (the two alternate). Each row's sum is the micro-batches' in their order, as the
+    sparse sums' were: the same values, bit for bit (``tests/test_host_tables.py``)."""
 
     def __init__(self, weight):
         self.shape, self.grad, self.n = weight.shape, None, 0
         self.slot = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
         self.ids = torch.empty(0, dtype=torch.long, device=weight.device)
         self.buf = weight.new_empty(0, weight.shape[1])
+        self.spare = weight.new_empty(0, weight.shape[1])   # the other buffer (``lend``)
+        self.lent = False
+
+    def held(self, grad) -> tuple | None:
+        """(ids, rows) of ``grad`` if it is this step's gradient: its unique ids in the order first seen and their rows,
+        the buffer itself (no copy; scaled in place by clipping); else None (a gradient made otherwise)."""
+        if grad is None or grad is not self.grad:
+            return None
+        return self.ids[:self.n], self.buf[:self.n]
+
+    def lend(self):
+        """This step's rows outlive it (an update still reading them while the next step accumulates): the next step
+        takes the other buffer (``add``). The update that borrowed them is done before the step after next
+        (``RowSparseAdamW.step`` drains it first), so two buffers suffice."""
+        self.lent = True
 
     def accumulate(self, weight, host_ids, rows):
         """Add a micro-batch's gradient ``rows`` of the unique ``host_ids`` (sorted) into ``weight``'s gradient
@@ -314,13 +331,19 @@ class StepRows:
         if fresh:   # a new step: the previous one's slots freed
             self.slot.index_fill_(0, self.ids[:self.n], -1)
             self.n = 0
+            if self.lent:   # its rows still read by an update (``lend``)
+                self.buf, self.spare, self.lent = self.spare, self.buf, False
         new = host_ids[self.slot.index_select(0, host_ids) < 0]
         n, k = self.n, new.numel()
-        if n + k > self.buf.shape[0]:   # grown, 1/16 spare, kept for the next steps (memory: ~ the largest step's rows)
-            cap = min(self.shape[0], (n + k) * 17 // 16)
-            buf, ids = self.buf.new_empty(cap, self.shape[1]), self.ids.new_empty(cap)
-            buf[:n], ids[:n] = self.buf[:n], self.ids[:n]
-            self.buf, self.ids = buf, ids
+        cap = min(self.shape[0], (n + k) * 17 // 16)   # grown, 1/16 spare, kept for the next steps (~ the largest step's rows)
+        if n + k > self.buf.shape[0]:
+            buf = self.buf.new_empty(cap, self.shape[1])
+            buf[:n] = self.buf[:n]
+            self.buf = buf
+        if n + k > self.ids.shape[0]:   # shared by both buffers (``lend``)
+            ids = self.ids.new_empty(cap)
+            ids[:n] = self.ids[:n]
+            self.ids = ids
         self.ids[n:n + k] = new
         self.slot[new] = torch.arange(n, n + k, device=new.device)
         self.buf[n:n + k].zero_()
@@ -374,6 +397,14 @@ class HostTable(nn.Module):
             self.grad_rows = StepRows(self.weight)
         return self.grad_rows
 
+    def held_grad(self, lend: bool = False) -> tuple | None:
+        """(unique ids, rows) of the weight's gradient if it is the step's accumulation by id (``StepRows.held``: no
+        coalesce needed, nothing copied), else None; ``lend``: the rows outlive the step (``StepRows.lend``)."""
+        got = None if self.grad_rows is None else self.grad_rows.held(self.weight.grad)
+        if got is not None and lend:
+            self.grad_rows.lend()
+        return got
+
     def register_read_hook(self, fn):
         """``fn(host ids)`` runs before those rows of the table are read (``stem.optim.adamw``)."""
         self.read_hooks.append(fn)
@@ -389,6 +420,16 @@ class HostTable(nn.Module):
             self.prefetched += 1
         return HostLookup.apply(self.weight, ids, fetched or _fetch(self, ids, self.trace_bound),
                                 self if self.row_update is not None else None)
+
+
+def held_rows(model) -> dict:
+    """Weight -> (unique ids, rows) of each host table of ``model`` whose gradient is its step's accumulation by id
+    (``HostTable.held_grad``): gradient clipping's norm and scale take them as they are, with no coalesce."""
+    out = {}
+    for m in model.modules():
+        if isinstance(m, HostTable) and (got := m.held_grad()) is not None:
+            out[m.weight] = got
+    return out
 
 
 def prefetch(model, ids: torch.Tensor):
