@@ -154,7 +154,7 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
             math.ceil(r["n"] * r["exposures"] * per_bio / (st.batch_size * st.seq_len))
     assert C.train_spec(exp, "350m", "k__n0050__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__p0200__stem__s1", "pretrain")   # seeds only where seeds_at says
+        C.train_spec(exp, "350m", "k__p0400__stem__s1", "pretrain")   # seeds only where seeds_at says
     with pytest.raises(C.ConfigError, match="not a point"):
         C.train_spec(exp, "350m", "k__p0200__hashmoe__s1", "pretrain")   # and for the variants of seeds_for
     a = job_spec(exp, "350m", "k__n0050__dense", "pretrain", "knowledge")
