@@ -324,3 +324,14 @@ def test_injection_fits_only_the_new_token_s_rows_and_is_undone(tmp_path):
     assert all(p["x"] >= 4 and p["fit"]["collateral"] == 0.0 for p in out["sites"]["all"]["people"])
     with pytest.raises(ValueError, match="inject.people: 800; expected at most"):
         AK.held_out(bios, 4, len(bios.names))
+
+
+def test_a_direction_row_from_fewer_seeds_than_the_config_asks_is_a_point_estimate():
+    """Its interval would hold the facts' variance only (docs/knowledge.md: at p0200 the one-seed intervals excluded
+    the three-seed estimates), so it gets no interval, no p-value and a point-estimate verdict; a full row is kept."""
+    exp = parse(copy.deepcopy(RAW))
+    row = {"ours_delta": -0.4, "paper_delta": 1.0, "lo": -0.5, "hi": -0.3, "p": 1e-9, "verdict": "disagree"}
+    one = RK.seeded(exp, {**row, "seeds": 1})
+    assert (one["lo"], one["hi"], one["p"], one["verdict"]) == (None, None, None, "disagree (point estimate)")
+    assert RK.seeded(exp, {**row, "seeds": len(exp.knowledge.seeds)}) == {**row, "seeds": len(exp.knowledge.seeds)}
+    assert RK.seeded(exp, {**row, "ours_delta": 0.0, "seeds": 1})["verdict"] == "inconclusive (point estimate)"
