@@ -98,20 +98,16 @@ def _micro(m, w, ids, times: dict, device_s: float, now) -> int:
     return host_ids.numel()
 
 
-def run(args, update: str, steps: list, workers: int | None = None, device_s: float = 0.0, fused: bool = True,
-        cpu: bool = False, coalesce: bool = False) -> dict:
+def run(args, update: str, steps: list, workers: int | None = None, device_s: float = 0.0, cpu: bool = False,
+        coalesce: bool = False) -> dict:
     """``steps`` (per step, its micro-batches' ids) on one host table under ``update`` (lazy | sparse), the update on
-    ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches); the row
-    update through torch's fused kernel or (``fused`` False) the same formula in unfused ops
-    (``stem.optim.adamw.FUSED_ROWS``); the gradient taken as accumulated by id (``coalesce``: coalesced once a step
-    by clipping, as session 13's code took it); timed in this thread's CPU seconds (``cpu``: a synchronous run on a loaded
-    machine, where wall seconds count the other processes' turns) or wall seconds."""
-    was, adamw.FUSED_ROWS = adamw.FUSED_ROWS, fused
-    try:
-        return _run(args, update, steps, workers, device_s, time.thread_time if cpu else time.perf_counter, coalesce) | {
-            "fused": fused, "clock": "thread CPU" if cpu else "wall", "gradient": "coalesced" if coalesce else "held"}
-    finally:
-        adamw.FUSED_ROWS = was
+    ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches); the gradient
+    taken as accumulated by id (``coalesce``: coalesced once a step by clipping, as session 13's code took it); timed
+    in this thread's CPU seconds (``cpu``: a synchronous run on a loaded machine, where wall seconds count the other
+    processes' turns) or wall seconds."""
+    return _run(args, update, steps, workers, device_s, time.thread_time if cpu else time.perf_counter, coalesce) | {
+        "fused": adamw.FUSED_ROWS, "clock": "thread CPU" if cpu else "wall",
+        "gradient": "coalesced" if coalesce else "held"}
 
 
 def _run(args, update: str, steps: list, workers: int | None, device_s: float, now, coalesce: bool = False) -> dict:

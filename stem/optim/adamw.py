@@ -311,11 +311,9 @@ class PendingRows:
 
     @torch.no_grad()   # grad mode is per thread: a worker's own
     def _update(self, pos: torch.Tensor):
-        if pos.numel():
-            if self.perm is None:
-                _adamw_rows(self.local, self.rows[pos], self.g[pos], *self.hyper)
-            else:
-                _adamw_rows(self.local, self.rows[pos], self.g, *self.hyper, self.perm[pos])
+        if pos.numel():   # the gradient rows by position, or (held by id) gathered through ``perm``
+            g, perm = (self.g[pos], None) if self.perm is None else (self.g, self.perm[pos])
+            _adamw_rows(self.local, self.rows[pos], g, *self.hyper, perm)
 
     def _task(self, k: int):
         try:
