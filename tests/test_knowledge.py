@@ -95,8 +95,8 @@ def test_the_tokenizer_adds_the_pair_pools_only_where_a_source_has_pair_names():
     for s in K.capacity_sources(exp):   # one pass at pair_tokens_per_bio, equal exposures
         r = exp.sources[s].reader
         assert K.steps(exp, s) == math.ceil(r["n"] * r["exposures"] * kn.pair_tokens_per_bio / (16 * 64))
-    a = job_spec(exp, "350m", "k__p0200__dense", "pretrain", "knowledge")
-    assert (a["n"], a["name_kind"]) == (200, "pair")
+    a = job_spec(exp, "350m", "k__p0150__dense", "pretrain", "knowledge")
+    assert (a["n"], a["name_kind"]) == (150, "pair")
     cfg = copy.deepcopy(RAW)
     cfg["knowledge"]["sources"] = [s for s in cfg["knowledge"]["sources"] if not s.startswith("p")]
     cfg["knowledge"].update(capacity_names="one", seeds_at=["n0050"])
@@ -115,8 +115,8 @@ def test_the_tokenizer_adds_the_pair_pools_only_where_a_source_has_pair_names():
     (lambda c: c["sources"]["n0050"].update(n=120), "sources.n0050.n"),
     (lambda c: c["knowledge"].update(variants_at={"n9999": ["dense"]}), "knowledge.variants_at"),
     (lambda c: c["knowledge"].update(variants_at={"n0050": ["moe"]}), "knowledge.variants_at.n0050"),
-    (lambda c: c["sources"]["p0200"].update(name_kind="triple"), "sources.p0200.name_kind"),
-    (lambda c: c["sources"]["p0200"].update(n=900), "sources.p0200.n"),
+    (lambda c: c["sources"]["p0150"].update(name_kind="triple"), "sources.p0150.name_kind"),
+    (lambda c: c["sources"]["p0150"].update(n=900), "sources.p0150.n"),
     (lambda c: c["knowledge"]["templates"]["city"].append("{name} lives somewhere."), "knowledge.templates.city[3]"),
     (lambda c: c["knowledge"]["templates"]["major"].append("Born in {value}."), "knowledge.templates.major[3]"),
     (lambda c: c["sources"]["n0050"].update(exposures=10), "sources.n0050.exposures"),
@@ -145,7 +145,7 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     kn, points = exp.knowledge, K.points(exp)
     seeded = [p for p in points if K.split(p)[2]]
     assert len(points) == sum(len(K.variants_at(exp, s)) for s in kn.sources) + len(seeded)
-    assert K.variants_at(exp, "n0050") == ("dense", "stem", "stem_half") and K.variants_at(exp, "p0400") == kn.variants
+    assert K.variants_at(exp, "n0050") == ("dense", "stem", "stem_half") and K.variants_at(exp, "p0300") == kn.variants
     assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at) and {K.split(p)[1] for p in seeded} == set(kn.seeds_for)
     spec = C.train_spec(exp, "350m", "k__p0050__stem__s2", "pretrain")
     st = exp.stages["pretrain"]["350m"]
@@ -162,7 +162,7 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     with pytest.raises(C.ConfigError, match="not a point"):
         C.train_spec(exp, "350m", "k__n0050__hashmoe", "pretrain")   # variants only where variants_at says
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__p0200__hashmoe__s1", "pretrain")   # seeds for the variants of seeds_for
+        C.train_spec(exp, "350m", "k__p0150__hashmoe__s1", "pretrain")   # seeds for the variants of seeds_for
     a = job_spec(exp, "350m", "k__n0050__dense", "pretrain", "knowledge")
     assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (50, "one", "dense", 800)
     targets = K.targets(exp)
