@@ -395,3 +395,70 @@ def test_the_critical_path_model_counts_what_the_code_leaves_on_it():
     assert side["step_s"] == pytest.approx(host["total_s"]) and host["total_s"] > 0.6 + side["critical_s"]   # bandwidth
     ckpt = comms.host_path(host, 0.6, 0.12, 4, True)
     assert ckpt["critical"]["fetch_recompute"] == pytest.approx(0.2) and ckpt["critical"]["fetch_first"] == pytest.approx(0.05)
+
+
+def _session14_scale(self, coef):
+    """Session 14's clipping of held rows: scaled in place, in a pass of their own (before the update's gather)."""
+    ids, rows = self.held_grad()
+    rows.mul_(coef.to(rows.device))
+
+
+@pytest.mark.parametrize("variant", ["stem", "stem_sparse"])
+def test_clippings_scale_in_the_updates_gather_is_the_in_place_scale_bit_for_bit(monkeypatch, variant):
+    """Issue 42's device-side lever: clipping records its coefficient for a host table's held rows
+    (``HostTable.scale_grad``) and the update multiplies each row by it as it gathers it (``_row_blocks``), with no
+    pass of its own: 4 steps with clipping active (0.05) end where scaling the rows in place (session 14's code) does,
+    bit for bit (the same fp32 products), lazy and row-sparse; the check can fail (no scale at all)."""
+    from stem.train.tables import HostTable
+    spec = _spec("host", variant, clip=0.05)
+    got = _weights(_train(spec, steps=4)[0])
+    monkeypatch.setattr(HostTable, "scale_grad", _session14_scale)
+    _close(_weights(_train(spec, steps=4)[0]), got, 0.0)
+    monkeypatch.setattr(HostTable, "scale_grad", lambda self, coef: None)
+    assert max((v - _weights(_train(spec, steps=4)[0])[k]).abs().max().item() for k, v in got.items()) > 1e-6
+
+
+@pytest.mark.parametrize("workers", [None, 1])
+def test_rows_accumulated_apart_from_the_host_train_bit_for_bit(monkeypatch, workers):
+    """The path a GPU takes (``StepRows`` with ``apart``: the step's rows accumulated on the lookup's device, the
+    weight's gradient an empty marker, clipping's norm on those rows, one copy of (ids, rows) to the host a step into
+    reused host buffers that alternate when an overlapped update keeps one), run on this CPU: 4 steps of lazy and
+    row-sparse host tables, clipping active, end where the rows accumulated on the host do, bit for bit (the same
+    arithmetic; only where the rows sit differs). The CUDA transfers themselves are not run here (no GPU)."""
+    from stem.train.tables import HostTable, StepRows
+    init = StepRows.__init__
+    for variant in ("stem", "stem_sparse"):
+        spec = _spec("host", variant, clip=0.05, workers=workers)
+        ref = _weights(_train(spec, steps=4)[0])
+        monkeypatch.setattr(StepRows, "__init__", lambda self, w, device=None, apart=None: init(self, w, device, True))
+        model, _, _, _ = got = _train(spec, steps=4)
+        tables = [m for m in model.modules() if isinstance(m, HostTable)]
+        assert tables and all(m.grad_rows.apart and m.grad_rows.copies[0] is not None for m in tables)
+        assert (workers is None) == all(m.grad_rows.copies[1] is None for m in tables)   # alternate when lent
+        _close(ref, _weights(got[0]), 0.0)
+        monkeypatch.setattr(StepRows, "__init__", init)
+
+
+def test_rows_apart_mark_the_step_and_copy_once_to_the_host():
+    """``StepRows`` apart from the host: the weight's gradient is an empty sparse marker of the step, the rows are read
+    where they are (``held``), clipping's coefficient waits for the update (``to_host``: the rows, unscaled, copied
+    into a host buffer, the coefficient beside them); a lent copy is kept and the next step's goes to the other."""
+    from stem.train.tables import StepRows
+    w = torch.nn.Parameter(torch.zeros(50, 4))
+    acc = StepRows(w, apart=True)
+    seen = []
+    for micro in _steps()[:3]:
+        w.grad = None
+        ref = torch.zeros(50, 4)
+        for ids in micro:
+            ids = ids.unique()
+            rows = torch.randn(ids.numel(), 4)
+            acc.accumulate(w, ids, rows)
+            ref.index_add_(0, ids, rows)
+        assert w.grad.is_sparse and w.grad._nnz() == 0 and acc.held(w.grad) is not None
+        acc.scale(torch.tensor(0.5))
+        ids, rows, coef = acc.to_host(lend=True)
+        assert rows.data_ptr() != acc.buf.data_ptr() and coef.item() == 0.5
+        assert torch.equal(torch.zeros(50, 4).index_add_(0, ids, rows), ref)
+        seen.append(rows.data_ptr())
+    assert seen[0] != seen[1] and seen[2] == seen[0]
