@@ -221,8 +221,12 @@ def test_the_step_time_model_counts_the_host_side(rehearsal_1b_stem):
     h, u = r["host"], comms.zipf_unique(4 * 2 * 4096, 128256)
     assert h["gbs"] == 80.0 and h["touched_params"] == 5 * u * 8192
     assert h["replayed_param_steps"] == 5 * (128256 - u) * 8192
-    assert h["total_s"] == pytest.approx(sum(h["bytes"].values()) / 80e9)
-    assert r["step_vs_compute"] == pytest.approx((r["compute_s"] + r["comm_s"] + h["total_s"]) / r["compute_s"])
+    assert h["total_s"] == pytest.approx(sum(h["bytes"].values()) / 80e9) and set(h["bytes"]) == {"fetch", "update", "replay"}
+    assert h["device_s"] == pytest.approx(sum(h["device_bytes"].values()) / 3350e9)   # accumulation and norm: the GPU's
+    fetched = 4 * 5 * comms.zipf_unique(2 * 4096, 128256) * 8192   # every micro-batch's rows in, the step's out once
+    assert r["bytes_per_gpu"]["host_copy"] == pytest.approx(4 * fetched + 5 * u * (4 * 8192 + 8), rel=1e-9)
+    step = r["compute_s"] + r["comm_s"] + h["total_s"] + h["device_s"]
+    assert r["step_vs_compute"] == pytest.approx(step / r["compute_s"])
 
 
 def test_host_memory_holds_no_dense_gradient(rehearsal_1b_stem):
@@ -378,23 +382,27 @@ def test_row_sum_squares_is_the_fp64_sum_in_blocks(monkeypatch):
 
 def test_the_critical_path_model_counts_what_the_code_leaves_on_it():
     """``comms.host_path`` (docs/training.md, "The critical path"): as built, micro-batch 0's fetch, what the others'
-    prefetch does not fit in the previous forward (a third of its compute), the accumulation, clipping, the update and
-    the copies; host workers take the update off; a side stream (not built) leaves micro-batch 0's copy in, the last
-    one's out and the last accumulation; the host's bandwidth bounds the step from below either way."""
+    prefetch does not fit in the previous forward (a third of its compute), the device's accumulation and norm, the
+    update and the copies (every micro-batch's rows in, the step's rows out once); host workers take the update off; a
+    side stream (CUDA, untested) leaves micro-batch 0's copy in and the last of 5 tables' rows out; the host's
+    bandwidth bounds the step from below either way."""
     from stem.train import comms
-    sec = {"fetch": 0.4, "accumulate": 0.2, "clip": 0.05, "update": 0.5, "replay": 0.0}
-    host = {"seconds": sec, "total_s": sum(sec.values())}
-    built = comms.host_path(host, 0.6, 0.12, 4, False)
+    sec = {"fetch": 0.4, "update": 0.5, "replay": 0.0}
+    host = {"seconds": sec, "total_s": sum(sec.values()), "device_s": 0.01}
+    copies = {"in": 0.08, "out": 0.05}
+    built = comms.host_path(host, 0.6, copies, 4, False, tables=5)
     assert built["critical"] == pytest.approx({"fetch_first": 0.1, "fetch_recompute": 0.0, "fetch_ahead": 0.3 - 0.15,
-                                               "accumulate": 0.2, "clip": 0.05, "update": 0.5, "copies": 0.12})
-    assert built["step_s"] == pytest.approx(0.6 + 1.12)
-    workers = comms.host_path(host, 0.6, 0.12, 4, False, workers=True)
-    assert workers["critical"]["update"] == 0 and workers["step_s"] == pytest.approx(0.6 + 0.62)
-    side = comms.host_path(host, 0.6, 0.12, 4, False, workers=True, side_stream=True)
-    assert side["critical"]["copies"] == pytest.approx(0.03) and side["critical"]["accumulate"] == pytest.approx(0.05)
+                                               "device": 0.01, "update": 0.5, "copies": 0.13})
+    assert built["step_s"] == pytest.approx(0.6 + 0.89)
+    workers = comms.host_path(host, 0.6, copies, 4, False, workers=True, tables=5)
+    assert workers["critical"]["update"] == 0 and workers["step_s"] == pytest.approx(0.6 + 0.39)
+    side = comms.host_path(host, 0.6, copies, 4, False, workers=True, side_stream=True, tables=5)
+    assert side["critical"]["copies"] == pytest.approx(0.02 + 0.01)
     assert side["step_s"] == pytest.approx(host["total_s"]) and host["total_s"] > 0.6 + side["critical_s"]   # bandwidth
-    ckpt = comms.host_path(host, 0.6, 0.12, 4, True)
+    ckpt = comms.host_path(host, 0.6, copies, 4, True, tables=5)
     assert ckpt["critical"]["fetch_recompute"] == pytest.approx(0.2) and ckpt["critical"]["fetch_first"] == pytest.approx(0.05)
+    side = comms.host_path(host, 0.6, copies, 4, True, workers=True, side_stream=True, tables=5)
+    assert side["critical"]["copies"] == pytest.approx(0.08 * (1 / 8 + 1 / 2) + 0.01)   # the recomputed forward's in
 
 
 def _session14_scale(self, coef):
@@ -426,17 +434,21 @@ def test_rows_accumulated_apart_from_the_host_train_bit_for_bit(monkeypatch, wor
     row-sparse host tables, clipping active, end where the rows accumulated on the host do, bit for bit (the same
     arithmetic; only where the rows sit differs). The CUDA transfers themselves are not run here (no GPU)."""
     from stem.train.tables import HostTable, StepRows
-    init = StepRows.__init__
+    init, to_host = StepRows.__init__, StepRows.to_host
     for variant in ("stem", "stem_sparse"):
         spec = _spec("host", variant, clip=0.05, workers=workers)
         ref = _weights(_train(spec, steps=4)[0])
         monkeypatch.setattr(StepRows, "__init__", lambda self, w, device=None, apart=None: init(self, w, device, True))
+        monkeypatch.setattr(StepRows, "to_host", lambda self, lend=False: sent.append(self.sent) or to_host(self, lend))
+        sent = []
         model, _, _, _ = got = _train(spec, steps=4)
+        assert sent and all(x is True for x in sent)   # sent by each table's last backward (``send_rows``)
         tables = [m for m in model.modules() if isinstance(m, HostTable)]
         assert tables and all(m.grad_rows.apart and m.grad_rows.copies[0] is not None for m in tables)
         assert (workers is None) == all(m.grad_rows.copies[1] is None for m in tables)   # alternate when lent
         _close(ref, _weights(got[0]), 0.0)
         monkeypatch.setattr(StepRows, "__init__", init)
+        monkeypatch.setattr(StepRows, "to_host", to_host)
 
 
 def test_rows_apart_mark_the_step_and_copy_once_to_the_host():

@@ -78,6 +78,7 @@ PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s n
 # parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
 # ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``). Session 14's run: the gradient held by id, never
 # coalesced; clipping (the held rows' norm and scale) apart from the update, as it runs on the critical path.
+DEVICE_MEM_GBS = 3350.0   # a GPU's memory bandwidth (H100 SXM datasheet, HBM3): host tables' rows accumulated and normed there
 HOST_MEM_GBS = Layout.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
 HOST_BYTES_PER_PARAM = {"fetch": 15.1, "accumulate": 17.3, "clip": 15.8, "update": 103.2, "replay": 28.9}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
@@ -229,36 +230,57 @@ def owner_imbalance(tokens, rows: int, world: int, micro_tokens: int) -> dict:
 
 
 def host_copy_bytes(model, plan: ParallelPlan) -> float:
-    """Bytes a step of host tables (``train.tables: host``, ``stem.train.tables``) moves over PCIe: each
-    micro-batch's unique rows of every host table to the GPU (fp32, as the host keeps them; again when a
-    checkpointed block recomputes its forward) and their gradients back (fp32); unique rows estimated as
-    ``expected_lookups``'s. The prefetch (one micro-batch ahead) hides the copies' latency, not their bytes."""
+    """Bytes a step of host tables (``train.tables: host``, ``stem.train.tables``) moves over PCIe (``host_copies``'
+    two directions)."""
+    return float(sum(host_copies(model, plan).values()))
+
+
+def _step_rows(model, plan: ParallelPlan, name: str) -> tuple[int, int]:
+    """(width, unique rows) of host table ``name`` over a whole step's tokens (``expected_lookups``' estimate)."""
+    step_plan = replace(plan, micro_batch=plan.micro_batch * plan.accum, accum=1)   # the step's tokens as one draw
+    (d, u, _), = expected_lookups(model, step_plan, (name,))
+    return d, u
+
+
+def host_copies(model, plan: ParallelPlan) -> dict:
+    """Bytes of a step of host tables over PCIe, by direction: ``in``, each micro-batch's unique rows of every host
+    table to the GPU (fp32, as the host keeps them; again when a checkpointed block recomputes its forward); ``out``,
+    the step's gradient rows back once a step (fp32, and their ids, 8 B a row: ``StepRows.to_host``; they are
+    accumulated on the GPU, not copied back per micro-batch). Unique rows estimated as ``expected_lookups``'s. The
+    prefetch (one micro-batch ahead) hides the copies' latency, not their bytes."""
     fwd = 2 if plan.activation_checkpointing else 1
-    return float(sum(4 * uniq * d * (fwd + 1) for d, uniq, _ in expected_lookups(model, plan, plan.host_tables)))
+    rows_in = sum(4 * uniq * d * fwd for d, uniq, _ in expected_lookups(model, plan, plan.host_tables))
+    rows_out = sum(u * (4 * d + 8) for d, u in (_step_rows(model, plan, n) for n in plan.host_tables))
+    return {"in": float(rows_in), "out": float(rows_out)}
 
 
-def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | None = None) -> dict:
+def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | None = None,
+                device_gbs: float = DEVICE_MEM_GBS) -> dict:
     """The host side of a step of host tables (``train.tables: host``) at ``gbs`` GB/s of host memory bandwidth
-    (``HOST_BYTES_PER_PARAM``): the micro-batches' fetches and gradient accumulation (fetched parameters: each
-    micro-batch's unique rows, again when a checkpointed block recomputes its forward), the row update and zeroing
-    (touched parameters: the step's unique rows; ``expected_lookups``' estimate, over the step's tokens), and for
-    a lazy table (``table_update: dense``) the replays: each of the V - u rows the step did not touch misses one
-    step, which its next read (or a save) replays, so in the steady state V - u row-steps a step."""
+    (``HOST_BYTES_PER_PARAM``): the micro-batches' fetches (fetched parameters: each micro-batch's unique rows, again
+    when a checkpointed block recomputes its forward), the row update with clipping's scale in its gather and the
+    zeroing (touched parameters: the step's unique rows; ``expected_lookups``' estimate, over the step's tokens), and
+    for a lazy table (``table_update: dense``) the replays: each of the V - u rows the step did not touch misses one
+    step, which its next read (or a save) replays, so in the steady state V - u row-steps a step. The gradient's
+    accumulation (per fetched parameter) and clipping's norm of the rows (per touched one) are the device's
+    (``StepRows`` on the lookup's device): ``device_seconds`` at ``device_gbs`` of device memory bandwidth, at the
+    factors measured on the CPU (an upper bound: a GPU's index_add and sum stream closer to their floor)."""
     b = bytes_per_param or HOST_BYTES_PER_PARAM
     fwd = 2 if plan.activation_checkpointing else 1
     fetched = touched = replayed = 0
-    step_plan = replace(plan, micro_batch=plan.micro_batch * plan.accum, accum=1)   # the step's tokens as one draw
     for name in plan.host_tables:
-        (d, u_step, _), = expected_lookups(model, step_plan, (name,))
+        d, u_step = _step_rows(model, plan, name)
         fetched += fwd * sum(u * d for d, u, _ in expected_lookups(model, plan, (name,)))
         touched += u_step * d
         if not plan.tables[name].sparse:   # a lazy table
             replayed += (model.get_submodule(name).weight.shape[0] - u_step) * d
-    traffic = {"fetch": fetched * b["fetch"], "accumulate": fetched * b["accumulate"], "clip": touched * b["clip"],
-               "update": touched * b["update"], "replay": replayed * b["replay"]}
+    traffic = {"fetch": fetched * b["fetch"], "update": touched * b["update"], "replay": replayed * b["replay"]}
+    device = {"accumulate": fetched * b["accumulate"], "norm": touched * b["clip"]}
     seconds = {k: v / (gbs * 1e9) for k, v in traffic.items()}
+    device_s = {k: v / (device_gbs * 1e9) for k, v in device.items()}
     return {"gbs": gbs, "fetched_params": fetched, "touched_params": touched, "replayed_param_steps": replayed,
-            "bytes": traffic, "seconds": seconds, "total_s": sum(seconds.values())}
+            "bytes": traffic, "seconds": seconds, "total_s": sum(seconds.values()), "device_gbs": device_gbs,
+            "device_bytes": device, "device_seconds": device_s, "device_s": sum(device_s.values())}
 
 
 def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixed_precision: bool = True,
@@ -291,9 +313,11 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     paths = dict.fromkeys(("step_as_built", "step_vs_compute_overlapped", "step_side_stream"))
     if host:
         host["workers"] = host_workers
-        args = (host, compute_s, comm_s, plan.accum, plan.activation_checkpointing)
-        paths = host["paths"] = {"step_as_built": host_path(*args), "step_vs_compute_overlapped": host_path(*args, True),
-                                 "step_side_stream": host_path(*args, True, True)}
+        copies = {k: v / (pcie_gbs * 1e9) for k, v in host_copies(model, plan).items()}
+        args = (host, compute_s, copies, plan.accum, plan.activation_checkpointing)
+        paths = host["paths"] = {"step_as_built": host_path(*args, tables=len(plan.host_tables)),
+                                 "step_vs_compute_overlapped": host_path(*args, True, tables=len(plan.host_tables)),
+                                 "step_side_stream": host_path(*args, True, True, len(plan.host_tables))}
     return {"world": w, "nodes": nodes, "strategy": plan.strategy, "bytes_per_gpu": by_kind, "total_bytes": total,
             "table_bytes": sum(by_kind[k] for k in ("table_all_gather", "table_reduce_scatter", "row_sharded_lookup",
                                                     "row_sparse_gather")),
@@ -301,35 +325,36 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
             "comm_s": comm_s, "compute_s": compute_s, "mfu": mfu, "peak_tflops": peak_tflops,
             "intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "pcie_gbs": pcie_gbs,
             "comm_compute_ratio": comm_s / compute_s, "host": host,
-            "step_vs_compute": (compute_s + comm_s + (host["total_s"] if host else 0.0)) / compute_s,
+            "step_vs_compute": (compute_s + comm_s + (host["total_s"] + host["device_s"] if host else 0.0)) / compute_s,
             **{k: (v["step_s"] if v else compute_s + comm_s) / compute_s for k, v in paths.items()}}
 
 
-def host_path(host: dict, compute_s: float, copies_s: float, micro: int, recompute: bool, workers: bool = False,
-              side_stream: bool = False) -> dict:
-    """Which of a host-table step's host seconds (``host_update``) and copies (``copies_s``) are on its critical path,
-    as ``stem.train.step`` runs it on a GPU (docs/training.md, "The critical path"), over ``micro`` micro-batches:
+def host_path(host: dict, compute_s: float, copies: dict, micro: int, recompute: bool, workers: bool = False,
+              side_stream: bool = False, tables: int = 1) -> dict:
+    """Which of a host-table step's host seconds (``host_update``), device seconds and copies (``copies``: seconds
+    ``in`` and ``out``) are on its critical path, as ``stem.train.step`` runs it on a GPU (docs/training.md, "The
+    critical path"), over ``micro`` micro-batches of ``tables`` host tables:
     - micro-batch 0's fetch (and a lazy table's replays of its rows): in its forward, the device waiting for them;
     - the other micro-batches' fetches (``prefetch``): on the host while the device runs the previous micro-batch's
       forward (a third of its compute), critical for what exceeds it; a checkpointed block's recomputed forward
       fetches its rows again, in backward: critical;
-    - the accumulation: ``HostLookup.backward`` on the autograd thread, after a blocking copy of the rows back, so the
-      device runs out of queued work: critical (``side_stream``: a host thread's, only the last micro-batch's);
-    - clipping (the held rows' norm and scale): critical, the update waits for the norm;
+    - the gradient's accumulation and clipping's norm of the rows: the device's (``StepRows`` on the GPU), on its
+      compute stream: critical (device seconds); clipping's scale is in the update's gather (no pass of its own);
     - the row update: critical, unless ``workers`` (``train.host_workers``: during the next step);
-    - the copies: queued on the compute stream, critical (``side_stream``, not built, CUDA only: micro-batch 0's rows
-      in and the last one's gradients out stay critical).
+    - the copies: queued on the compute stream, critical: every micro-batch's rows in and the step's rows out, once
+      (``side_stream``: CUDA only, untested: micro-batch 0's rows in, a recomputed forward's, and the last table's
+      rows out: each table's rows go out as its last backward ends, during the others').
     The host's memory bandwidth bounds the step too: all its host seconds fit in it. Returns the critical seconds by
     part and ``step_s`` = max(compute + critical, host seconds)."""
     s, fwd = host["seconds"], 2 if recompute else 1
     read = s["fetch"] + s["replay"]
     first = read / fwd / micro
     window = compute_s / 3 * (micro - 1) / micro
+    rows_in = copies["in"] * (1 / (fwd * micro) + (fwd - 1) / fwd) if side_stream else copies["in"]
     crit = {"fetch_first": first, "fetch_recompute": read * (fwd - 1) / fwd,
-            "fetch_ahead": max(0.0, read / fwd - first - window),
-            "accumulate": s["accumulate"] / micro if side_stream else s["accumulate"], "clip": s["clip"],
+            "fetch_ahead": max(0.0, read / fwd - first - window), "device": host["device_s"],
             "update": 0.0 if workers else s["update"],
-            "copies": copies_s * 2 / ((fwd + 1) * micro) if side_stream else copies_s}
+            "copies": rows_in + (copies["out"] / max(tables, 1) if side_stream else copies["out"])}
     return {"critical": crit, "critical_s": sum(crit.values()),
             "step_s": max(compute_s + sum(crit.values()), host["total_s"])}
 
@@ -362,6 +387,8 @@ def describe(r: dict) -> str:
         host_side = "" if not h else (
             f"; host side {h['total_s']:.3g} s at {h['gbs']:g} GB/s ("
             + ", ".join(f"{k} {v:.3g}" for k, v in h["seconds"].items())
+            + f"), on the device {h['device_s']:.3g} s at {h['device_gbs']:g} GB/s ("
+            + ", ".join(f"{k} {v:.3g}" for k, v in h["device_seconds"].items())
             + f"): step / compute {r['step_vs_compute']:.2f} not overlapped, {r['step_as_built']:.2f} as built "
             f"(the prefetch), {r['step_vs_compute_overlapped']:.2f} with the row update on host workers "
             f"(train.host_workers: {h['workers'] or 'not set'}), {r['step_side_stream']:.2f} with the copies on a side "

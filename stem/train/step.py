@@ -8,7 +8,7 @@ import math
 from stem.optim.adamw import set_lr
 from stem.train import distributed
 from stem.train.plan import ParallelPlan
-from stem.train.tables import prefetch
+from stem.train.tables import prefetch, send_rows
 
 
 class TrainingError(RuntimeError):
@@ -39,7 +39,8 @@ def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, c
     holds, so no collective is needed before backward (``counts`` gives them instead: the memory trace's
     fake tensors hold no values). Under FSDP every backward reduce-scatters its gradients, so they stay
     sharded between micro-batches (stem.train.memtrace traces that peak). Host tables fetch the next
-    micro-batch's rows between this one's forward and backward (``stem.train.tables.prefetch``).
+    micro-batch's rows between this one's forward and backward (``stem.train.tables.prefetch``) and send their step's
+    gradient rows to the host during the last backward (``send_rows``).
     ``on_backward()`` runs after each micro-batch's backward (the memory tracker's bookkeeping)."""
     counts = [int((y != -1).sum()) for _, y, _ in batches] if counts is None else counts
     total = sum(counts)
@@ -78,9 +79,13 @@ def _to(batch, device) -> tuple:
 
 
 def _prefetch(model, ahead):
-    """Host tables (``train.tables: host``): the next micro-batch's rows, fetched while this one's backward runs."""
+    """Host tables (``train.tables: host``): the next micro-batch's rows, fetched while this one's backward runs; before
+    the step's last backward, each table's rows sent to the host as soon as that backward has added them
+    (``send_rows``)."""
     if ahead is not None:
         prefetch(model, ahead[0])
+    else:
+        send_rows(model)
 
 
 def train_step(model, opt, batches, ctx, autocast, lr: float, grad_clip: float | None, step: int = 0,

@@ -230,14 +230,15 @@ def logical_full(model, msd: dict | None = None, osd: dict | None = None, invers
 
 # ----------------------------------------------------------------------------- host tables
 
-def _fetch(m, ids, bound: bool = False, slot: str = "direct") -> tuple:
+def _fetch(m, ids, bound: bool = False, slot: str = "direct", stream=None) -> tuple:
     """(inverse, host ids, rows on ``ids``' device) of host table ``m``'s lookup of ``ids``: the unique ids' rows,
     brought current first (``m.before_read``: a lazy table's missed steps), gathered on the host and copied to the
     device (pinned, non-blocking on CUDA: queued on the current stream, so the host's gather of the next
     micro-batch overlaps the device's work on this one). The gather goes into a reused buffer per ``slot``
     (``HostTable.fetch_buffer``: ``ahead`` for ``prefetch``, ``direct`` for a forward's own fetch, so a recomputed forward
     does not overwrite the rows fetched ahead); a forward reads its rows before the same slot is fetched again (on
-    a CPU they are the buffer itself; on CUDA ``pin_memory`` copies them out first)."""
+    a CPU they are the buffer itself; on CUDA ``pin_memory`` copies them out first). ``stream``: CUDA, the copy on
+    that side stream instead (``prefetch``; untested here: no GPU in these sessions)."""
     if bound:   # the memory trace (as RowShardedLookup's): every id distinct
         uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
     else:
@@ -251,7 +252,35 @@ def _fetch(m, ids, bound: bool = False, slot: str = "direct") -> tuple:
         rows = torch.index_select(w, 0, host_ids, out=m.fetch_buffer(slot, host_ids.numel()))
     if ids.device.type == "cuda":
         rows = rows.pin_memory()
-    return inverse, host_ids, rows.to(ids.device, non_blocking=True)
+    if stream is None:
+        return inverse, host_ids, rows.to(ids.device, non_blocking=True)
+    with torch.cuda.stream(stream):
+        return inverse, host_ids, rows.to(ids.device, non_blocking=True)
+
+
+_SIDE: dict = {}   # device -> its side stream for host tables' copies (``side_stream``)
+
+
+def side_stream(device: torch.device):
+    """CUDA only (untested here: no GPU in these sessions): the device's side stream for host tables' copies, the next
+    micro-batch's rows in (``prefetch``) and the step's rows out (``StepRows.send``), off the compute stream; None
+    elsewhere (a CPU: the copies are no copies)."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
+def _ready(stream, rows):
+    """CUDA: ``rows`` copied on side ``stream`` are used on the compute stream (their memory kept for it) once the
+    event returned has passed; None without a side stream."""
+    if stream is None:
+        return None
+    rows.record_stream(torch.cuda.current_stream(rows.device))
+    done = torch.cuda.Event()
+    done.record(stream)
+    return done
 
 
 class HostLookup(torch.autograd.Function):
@@ -279,7 +308,11 @@ class HostLookup(torch.autograd.Function):
             weight.grad.index_add_(0, host_ids, rows.to(weight.device))
             return None, None, None, None
         # accumulated where the rows are (the lookup's device): no copy back per micro-batch (``StepRows``)
-        ctx.table.step_rows(rows.device).accumulate(weight, host_ids.to(rows.device, non_blocking=True), rows)
+        acc = ctx.table.step_rows(rows.device)
+        acc.accumulate(weight, host_ids.to(rows.device, non_blocking=True), rows)
+        if ctx.table.send_next:   # the step's last micro-batch: this table's rows are final (``send_rows``)
+            ctx.table.send_next = False
+            acc.send()
         return None, None, None, None
 
 
@@ -308,7 +341,8 @@ class StepRows:
         self.buf = weight.new_empty(0, weight.shape[1], device=device)
         self.spare = weight.new_empty(0, weight.shape[1], device=device)   # the other buffer (``lend``, not apart)
         self.copies, self.turn = [None, None], 0   # ``apart``: host copies of a step's (ids, rows), alternating when lent
-        self.lent = False
+        self.lent, self.sent = False, None          # ``sent``: their copy begun (``send``): True, or CUDA's event
+
 
     def held(self, grad) -> tuple | None:
         """(ids, rows) of ``grad`` if it is this step's gradient: its unique ids in the order first seen and their rows,
@@ -329,25 +363,57 @@ class StepRows:
 
     def to_host(self, lend: bool = False) -> tuple:
         """(ids, rows, clipping's coefficient or None) of this step on the host, for the update: the buffer itself when
-        the device is the host, else one copy a step (blocking: the update needs them) into reused host buffers
-        (pinned where CUDA is), the two alternating when ``lend`` (the update outlives the step)."""
+        the device is the host, else one copy a step (``send``: begun by the table's last backward, or now) into
+        reused host buffers (pinned where CUDA is), waited for here; the two alternate when ``lend`` (the update
+        outlives the step)."""
         ids, rows = self.ids[:self.n], self.buf[:self.n]
         coef = None if self.coef is None else self.coef.to(self.host)
         if not self.apart:
             if lend:
                 self.lend()
             return ids, rows, coef
-        k = self.turn
-        got = self.copies[k]
-        if got is None or got[0].shape[0] < self.n:
-            pin = torch.cuda.is_available()
-            got = self.copies[k] = (torch.empty(self.buf.shape[0], dtype=torch.long, pin_memory=pin),
-                                    torch.empty(self.buf.shape[0], self.shape[1], dtype=self.buf.dtype, pin_memory=pin))
-        hi, hr = got[0][:self.n], got[1][:self.n]
-        hi.copy_(ids)
-        hr.copy_(rows)
+        if self.sent is None:
+            self.send()
+        if self.sent is not True:   # CUDA: the side stream's copy (untested here)
+            self.sent.synchronize()
+        self.sent = None
+        hi, hr = (x[:self.n] for x in self.copies[self.turn])
         self.turn ^= int(lend)   # a lent copy is kept: the next step's goes to the other one
         return hi, hr, coef
+
+    def send(self):
+        """The step's rows are final: their copy to the host (apart from it only) begins, into this turn's host
+        buffers: on CUDA on the side stream (``side_stream``) after what the compute stream has queued, so the
+        device goes on with the other tables' backward (untested here: no GPU); elsewhere (the CPU tests of this
+        path) a plain copy. ``to_host`` waits for it."""
+        if not self.apart:
+            return
+        got = self.copies[self.turn]
+        if got is None or got[0].shape[0] < self.n:
+            pin = torch.cuda.is_available()
+            got = self.copies[self.turn] = (torch.empty(self.buf.shape[0], dtype=torch.long, pin_memory=pin),
+                                            torch.empty(self.buf.shape[0], self.shape[1], dtype=self.buf.dtype,
+                                                        pin_memory=pin))
+        hi, hr = got[0][:self.n], got[1][:self.n]
+        stream = side_stream(self.buf.device)
+        if stream is None:
+            hi.copy_(self.ids[:self.n])
+            hr.copy_(self.buf[:self.n])
+            self.sent = True
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.buf.device))
+        with torch.cuda.stream(stream):
+            hi.copy_(self.ids[:self.n], non_blocking=True)
+            hr.copy_(self.buf[:self.n], non_blocking=True)
+        self.sent = torch.cuda.Event()
+        self.sent.record(stream)
+
+    def _unsend(self):
+        """Rows about to change after a copy was begun (a gradient added after ``send``, or a step that never reached
+        ``to_host``): the compute stream waits for the copy (CUDA), which no longer counts (``to_host`` copies again)."""
+        if self.sent is not None and self.sent is not True:
+            torch.cuda.current_stream(self.buf.device).wait_event(self.sent)
+        self.sent = None
 
     def accumulate(self, weight, ids, rows):
         """Add a micro-batch's gradient ``rows`` of the unique ``ids`` (sorted; on the buffer's device) into ``weight``'s
@@ -361,6 +427,7 @@ class StepRows:
         weight.grad = self.grad = self.add(ids, rows, fresh=weight.grad is None)
 
     def add(self, ids, rows, fresh: bool) -> torch.Tensor:
+        self._unsend()
         if fresh:   # a new step: the previous one's slots freed
             self.slot.index_fill_(0, self.ids[:self.n], -1)
             self.n, self.coef = 0, None
@@ -406,6 +473,7 @@ class HostTable(nn.Module):
     trace_bound = False
     ahead = None
     prefetched = 0
+    send_next = False   # the rows go to the host after the next backward (``send_rows``)
 
     def __init__(self, table: nn.Embedding, sparse: bool = False, role=None):
         super().__init__()
@@ -472,8 +540,10 @@ class HostTable(nn.Module):
     def forward(self, ids):
         fetched = None
         if self.ahead is not None and self.ahead[0] is ids:
-            fetched, self.ahead = self.ahead[1], None
+            (_, fetched, ready), self.ahead = self.ahead, None
             self.prefetched += 1
+            if ready is not None:   # CUDA: copied on the side stream (``prefetch``)
+                torch.cuda.current_stream(ids.device).wait_event(ready)
         return HostLookup.apply(self.weight, ids, fetched or _fetch(self, ids, self.trace_bound),
                                 self if self.row_update is not None else None)
 
@@ -495,9 +565,21 @@ def prefetch(model, ids: torch.Tensor):
     and its backward (``stem.train.step``), so the host gathers the next one's rows while the device computes.
     The weights do not change within a step, so the rows are those its forward would fetch. The memory trace
     (``trace_bound``) holds the bound's rows ahead likewise."""
+    side = side_stream(ids.device)
     for m in model.modules():
         if isinstance(m, HostTable) and m.token_ids:
-            m.ahead = (ids, _fetch(m, ids, m.trace_bound, "ahead"))
+            fetched = _fetch(m, ids, m.trace_bound, "ahead", side)
+            m.ahead = (ids, fetched, _ready(side, fetched[2]))
+
+
+def send_rows(model):
+    """Before a step's last micro-batch's backward (``stem.train.step``): each host table looked up by token id (one
+    lookup, hence one backward, a micro-batch) sends its step's rows to the host as soon as its backward has added
+    them (``StepRows.send``: on CUDA on the side stream, during the other tables' backward), instead of all at the
+    update (``StepRows.to_host``, which otherwise copies them)."""
+    for m in model.modules():
+        if isinstance(m, HostTable) and m.token_ids and m.row_update is not None:
+            m.send_next = True
 
 
 def to_host(model, names, sparse=()) -> list:
