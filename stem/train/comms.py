@@ -235,7 +235,7 @@ def host_copy_bytes(model, plan: ParallelPlan) -> float:
     return float(sum(host_copies(model, plan).values()))
 
 
-def _step_rows(model, plan: ParallelPlan, name: str) -> tuple[int, int]:
+def step_unique_rows(model, plan: ParallelPlan, name: str) -> tuple[int, int]:
     """(width, unique rows) of host table ``name`` over a whole step's tokens (``expected_lookups``' estimate)."""
     step_plan = replace(plan, micro_batch=plan.micro_batch * plan.accum, accum=1)   # the step's tokens as one draw
     (d, u, _), = expected_lookups(model, step_plan, (name,))
@@ -250,7 +250,7 @@ def host_copies(model, plan: ParallelPlan) -> dict:
     prefetch (one micro-batch ahead) hides the copies' latency, not their bytes."""
     fwd = 2 if plan.activation_checkpointing else 1
     rows_in = sum(4 * uniq * d * fwd for d, uniq, _ in expected_lookups(model, plan, plan.host_tables))
-    rows_out = sum(u * (4 * d + 8) for d, u in (_step_rows(model, plan, n) for n in plan.host_tables))
+    rows_out = sum(u * (4 * d + 8) for d, u in (step_unique_rows(model, plan, n) for n in plan.host_tables))
     return {"in": float(rows_in), "out": float(rows_out)}
 
 
@@ -269,7 +269,7 @@ def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | N
     fwd = 2 if plan.activation_checkpointing else 1
     fetched = touched = replayed = 0
     for name in plan.host_tables:
-        d, u_step = _step_rows(model, plan, name)
+        d, u_step = step_unique_rows(model, plan, name)
         fetched += fwd * sum(u * d for d, u, _ in expected_lookups(model, plan, (name,)))
         touched += u_step * d
         if not plan.tables[name].sparse:   # a lazy table
