@@ -76,11 +76,12 @@ PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s n
 # measured bandwidth: a micro-batch's fetch and gradient accumulation per fetched parameter, the optimizer's row
 # update and zeroing per touched parameter (the step's unique rows), a lazy table's replay per replayed
 # parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
-# ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``). Session 14's run: the gradient held by id, never
-# coalesced; clipping (the held rows' norm and scale) apart from the update, as it runs on the critical path.
+# ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``). Session 15's run: the gradient held by id, clipping's
+# scale in the update's gather; the accumulation and clipping's norm (``clip``) measured on the CPU, on a GPU the
+# device's (``host_update``'s ``device_seconds``, at ``DEVICE_MEM_GBS``).
 DEVICE_MEM_GBS = 3350.0   # a GPU's memory bandwidth (H100 SXM datasheet, HBM3): host tables' rows accumulated and normed there
 HOST_MEM_GBS = Layout.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
-HOST_BYTES_PER_PARAM = {"fetch": 15.1, "accumulate": 17.3, "clip": 15.8, "update": 103.2, "replay": 28.9}
+HOST_BYTES_PER_PARAM = {"fetch": 15.4, "accumulate": 18.0, "clip": 10.6, "update": 102.4, "replay": 29.3}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
          "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
 
