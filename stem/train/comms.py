@@ -37,9 +37,9 @@ Host tables' host side (``host_update``: fetches, gradient accumulation, row upd
 bytes of host memory traffic measured per parameter on a CPU (``HOST_BYTES_PER_PARAM``, ``python -m stem bench
 host``) over the node's stated host memory bandwidth; ``step_vs_compute`` adds it and the communication to the
 compute, none overlapped; ``host_path`` splits it into what the code puts on the step's critical path and what it
-hides (``step_as_built``; ``step_vs_compute_overlapped``: the row update on ``train.host_workers``; ``step_side_stream``:
-the copies on a side stream and the accumulation off the autograd thread, not built); ``fit_step_s`` ranks the
-layouts ``stem.train.memory.fit`` may choose by it.
+hides (``step_as_built``; ``step_vs_compute_overlapped``: the row update on ``train.host_workers``, the copies on the
+compute stream; ``step_side_stream``: with them on CUDA's side stream, built and untested: no GPU in these sessions);
+``fit_step_s`` ranks the layouts ``stem.train.memory.fit`` may choose by it (not by the untested side stream).
 """
 from __future__ import annotations
 
@@ -291,10 +291,11 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     """One step of ``model`` laid out as ``plan``: bytes per GPU by kind, the comm time at the link bandwidth the
     job's ring crosses (the host tables' copies at ``pcie_gbs``), the compute time at ``mfu`` of
     ``peak_tflops``, and their ratio; host tables' host side (``host_update``) at ``host_gbs`` of host memory
-    bandwidth, and the step (compute + comm + host side, none overlapped) over the compute; ``host_path``'s steps over
-    the compute: as the code runs (``step_as_built``), with the row update on ``host_workers`` threads
-    (``step_vs_compute_overlapped``, the figure the job runs at when ``train.host_workers`` is set) and, not built, with
-    the copies on a side stream (``step_side_stream``). ``unique_rows`` (row-sparse tables): default
+    bandwidth and the device's part of it (accumulation, norm), and the step (compute + comm + host side, none
+    overlapped) over the compute; ``host_path``'s steps over the compute: the copies on the compute stream
+    (``step_as_built``), with the row update on ``host_workers`` threads (``step_vs_compute_overlapped``, the figure
+    the fit weighs when ``train.host_workers`` is set) and with the copies on CUDA's side stream too
+    (``step_side_stream``: what a GPU job with host workers runs; untested, no GPU in these sessions). ``unique_rows`` (row-sparse tables): default
     ``zipf_unique`` of a rank's tokens a step; ``acct``: the model's accounting, if already at hand."""
     w = plan.world
     if unique_rows is None and plan.row_sparse:
@@ -392,8 +393,8 @@ def describe(r: dict) -> str:
             + ", ".join(f"{k} {v:.3g}" for k, v in h["device_seconds"].items())
             + f"): step / compute {r['step_vs_compute']:.2f} not overlapped, {r['step_as_built']:.2f} as built "
             f"(the prefetch), {r['step_vs_compute_overlapped']:.2f} with the row update on host workers "
-            f"(train.host_workers: {h['workers'] or 'not set'}), {r['step_side_stream']:.2f} with the copies on a side "
-            f"stream (not built)")
+            f"(train.host_workers: {h['workers'] or 'not set'}), {r['step_side_stream']:.2f} with host workers and the copies on "
+            f"CUDA's side stream (built, untested: no GPU in these sessions)")
         return (f"communication per step: {copies} (world 1); compute {r['compute_s']:.3g} s at {r['mfu']:.0%} MFU: "
                 f"comm/compute {r['comm_compute_ratio']:.2f}{host_side}")
     kinds = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in r["bytes_per_gpu"].items() if v)
@@ -455,8 +456,8 @@ def host_bandwidth(layout: Layout, job=None, cores: int | None = None) -> float:
 
 def _step_cell(r: dict) -> str:
     """The step/compute cell: not overlapped; for host tables also as built (the prefetch), with the row update on
-    host workers (the figure the job runs at when ``train.host_workers`` is set) and with the copies on a side
-    stream (not built): ``model_step``, ``host_path``."""
+    host workers with the copies on the compute stream and with them on CUDA's side stream (the code on a GPU,
+    untested: no GPU in these sessions): ``model_step``, ``host_path``."""
     h = r.get("host")
     if not h:
         return f"{r['step_vs_compute']:.2f}"

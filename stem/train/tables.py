@@ -285,10 +285,11 @@ def _ready(stream, rows):
 
 class HostLookup(torch.autograd.Function):
     """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
-    to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward returns each
-    unique row's summed gradient, copied back, as the table's gradient: (unique ids, rows), accumulated by id into
-    the step's (``table``: the ``HostTable``, ``StepRows``: each id once, never coalesced), never a dense
-    table-sized one (``table`` None: the memory trace's upper bound, a dense host gradient); autograd gets none."""
+    to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward adds each unique
+    row's summed gradient into the step's, accumulated by id on the device (``table``: the ``HostTable``,
+    ``StepRows``: each id once, never coalesced, no copy back per micro-batch; the step's last backward sends them to
+    the host, ``send_rows``), never a dense table-sized one (``table`` None: the memory trace's upper bound, a dense
+    host gradient, copied back); autograd gets none."""
 
     @staticmethod
     def forward(ctx, weight, ids, fetched, table=None):
