@@ -49,17 +49,24 @@ def world_size(exp, source: str) -> int:
 
 
 def points(exp) -> list[str]:
-    """Every point of the config's knowledge sweep (sources x variants x seeds; ``seeds_at``: the sources whose
-    points get every seed, ``seeds_for``: the variants that get them there; the others seed 0 only)."""
+    """Every point of the config's knowledge sweep (sources x variants x seeds; ``variants_at``: a source's own
+    variants; ``seeds_at``: the sources whose points get every seed, ``seeds_for``: the variants that get them
+    there; the others seed 0 only)."""
     kn = exp.knowledge
     if kn is None:
         return []
     out = []
     for source in kn.sources:
         at = kn.seeds_at is None or source in kn.seeds_at
-        out += [point_id(source, v, k) for v in kn.variants
+        out += [point_id(source, v, k) for v in variants_at(exp, source)
                 for k in (kn.seeds if at and (kn.seeds_for is None or v in kn.seeds_for) else (0,))]
     return out
+
+
+def variants_at(exp, source: str) -> tuple[str, ...]:
+    """A source's variants: its ``knowledge.variants_at`` entry, else ``knowledge.variants``."""
+    kn = exp.knowledge
+    return (kn.variants_at or {}).get(source, kn.variants)
 
 
 def steps(exp, source: str) -> int:
@@ -124,6 +131,9 @@ def validate(exp):
               f"({kn.names}, the name vocabulary)")
         _fail(r.get("name_kind", NameKind.ONE) in values(NameKind), f"sources.{source}.name_kind",
               f"{r.get('name_kind')!r}; expected one of {', '.join(values(NameKind))}")
+        _fail(name_kind(exp, source) != NameKind.ONE or r["n"] <= name_tokens(exp), f"sources.{source}.n",
+              f"{r['n']} individuals with one-token names; expected at most knowledge.name_tokens "
+              f"({name_tokens(exp)}, the names that are tokens)")
     for v in kn.variants:
         _fail(exp.variant(v) is not None and "__" not in v, "knowledge.variants",
               f"{v!r}; expected variants of config/variants.yaml (without '__')")
@@ -136,12 +146,21 @@ def validate(exp):
         _fail(s in kn.sources, "knowledge.seeds_at", f"{s!r}; expected sources of knowledge.sources")
     for v in kn.seeds_for or ():
         _fail(v in kn.variants, "knowledge.seeds_for", f"{v!r}; expected variants of knowledge.variants")
+    for s, vs in (kn.variants_at or {}).items():
+        _fail(s in kn.sources, "knowledge.variants_at", f"{s!r}; expected sources of knowledge.sources")
+        _fail(bool(vs) and set(vs) <= set(kn.variants), f"knowledge.variants_at.{s}",
+              f"{list(vs)!r}; expected a non-empty list of variants of knowledge.variants")
     scale, stage = kn.scale, kn.stage
     settings = exp.stages.get(stage, {}).get(scale)
     _fail(scale in exp.archs, "knowledge.scale", f"{scale!r}; expected a scale with archs")
     _fail(settings is not None and settings.init_from is None, "knowledge.stage",
           f"{stage!r} at {scale}; expected a stage of stages.*.{scale} trained from scratch (init_from: null)")
     _check_names(exp)
+
+
+def name_tokens(exp) -> int:
+    """How many of the pool's names are one token (``knowledge.name_tokens``, default every name)."""
+    return exp.knowledge.name_tokens or exp.knowledge.names
 
 
 def name_kind(exp, source: str) -> str:
@@ -159,6 +178,8 @@ def _check_names(exp):
     """The tokenizer adds the names (one-token names; pair's pools where a source has pair names), the points'
     vocabulary holds them, pair's pools give every individual a name, the capacity sweep has a source."""
     kn, tok = exp.knowledge, exp.knowledge.tokenizer
+    _fail(name_tokens(exp) <= kn.names, "knowledge.name_tokens",
+          f"{kn.name_tokens}; expected at most knowledge.names ({kn.names})")
     pairs = any(name_kind(exp, s) == NameKind.PAIR for s in kn.sources)
     _fail(bool(tok.add_names) or (kn.name_kind != NameKind.ONE and not pairs), "knowledge.tokenizer.add_names",
           f"{tok.add_names!r}; expected true (one-token names and pair names' pools are tokens of their own)")
@@ -167,9 +188,10 @@ def _check_names(exp):
           f"{pool} words a side ({pool * pool} pair names); expected at least knowledge.names ({kn.names})")
     if tok.add_names and tok.vocab_size:
         key = "knowledge.vocab_size" if kn.vocab_size else f"archs.{kn.scale}.vocab_size"
-        need = tok.vocab_size + kn.names + (2 * pool if pairs else 0)
+        need = tok.vocab_size + name_tokens(exp) + (2 * pool if pairs else 0)
+        names = "knowledge.name_tokens" if kn.name_tokens else "knowledge.names"
         _fail(need <= vocab_size(exp), key, f"{vocab_size(exp)}; expected at least knowledge.tokenizer.vocab_size "
-              f"+ knowledge.names{' + 2 x pair_pool' if pairs else ''} = {need}")
+              f"+ {names}{' + 2 x pair_pool' if pairs else ''} = {need}")
     _fail(bool(capacity_sources(exp)), "knowledge.capacity_names",
           f"{str(kn.capacity_names)!r}; expected the name kind of a source of knowledge.sources")
 
@@ -195,8 +217,9 @@ def _check_inject(exp, edit: dict):
               f"{v!r}; expected an integer >= 1")
     _fail(isinstance(inj["lr"], (int, float)) and inj["lr"] > 0, f"{key}.lr", f"{inj['lr']!r}; expected a number > 0")
     for s in edit.get("sources") or ():
-        room = exp.knowledge.names - world_size(exp, s)
-        _fail(inj["people"] <= room, f"{key}.people", f"{inj['people']}; expected at most knowledge.names - N = {room} "
+        room = name_tokens(exp) - world_size(exp, s)
+        names = "knowledge.name_tokens" if exp.knowledge.name_tokens else "knowledge.names"
+        _fail(inj["people"] <= room, f"{key}.people", f"{inj['people']}; expected at most {names} - N = {room} "
               f"at {s} (the held-out individuals are the pool's after the world's N)")
 
 

@@ -8,7 +8,7 @@ from itertools import chain
 from pathlib import Path
 
 from stem.data import synth
-from stem.data.bios import make_bios
+from stem.data.bios import make_bios, name_words
 from stem.data.shards import tokenize_to_shards
 from stem.data.sources import iter_documents
 from stem.data.tokenizer import add_words, load_tokenizer, train_bpe
@@ -39,7 +39,7 @@ def make_tokenizer(spec: dict, out_path) -> dict:
         train_bpe(docs, spec["vocab_size"], out_path)
         if spec.get("add_names"):   # the knowledge experiment: each name one token of its own (stem.data.bios)
             pair = make_bios({**spec["knowledge"], "name_kind": NameKind.PAIR}) if spec.get("add_pair_names") else None
-            add_words(out_path, make_bios(spec["knowledge"]).words + (pair.words if pair else ()))
+            add_words(out_path, name_words(spec["knowledge"]) + (pair.words if pair else ()))
     elif spec.get("gguf_file"):  # the tokenizer of a GGUF file (the stage importing it reads the same file)
         from stem.hf.importer import gguf_tokenizer   # torch and transformers: only for a GGUF tokenizer
         atomic_write_text(out_path, gguf_tokenizer(spec["path"], spec["gguf_file"]))

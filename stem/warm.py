@@ -36,7 +36,9 @@ import threading
 import traceback
 
 ENV = "STEM_WARM"
-PRELOAD = ("numpy", "torch", "lm_eval.evaluator")   # what most jobs import; lm_eval.evaluator brings `datasets`
+# what most jobs import; lm_eval.evaluator brings `datasets`; torch._dynamo: torch.optim imports it on a job's first
+# optimizer (~1.7 s of CPU a training job on this machine, docs/design.md "Warm starts")
+PRELOAD = ("numpy", "torch", "torch._dynamo", "lm_eval.evaluator")
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
            signal.SIGURG)
 _HEADER = struct.Struct("!q")

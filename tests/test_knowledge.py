@@ -109,7 +109,12 @@ def test_the_tokenizer_adds_the_pair_pools_only_where_a_source_has_pair_names():
     (lambda c: c["knowledge"].update(pair_tokens_per_bio=0), "knowledge.pair_tokens_per_bio"),
     (lambda c: c["knowledge"].update(capacity_names="multi"), "knowledge.capacity_names"),
     (lambda c: c["knowledge"].update(capacity_names="two"), "knowledge.capacity_names"),
-    (lambda c: c["archs"]["350m"].update(vocab_size=1460), "archs.350m.vocab_size"),
+    (lambda c: c["archs"]["350m"].update(vocab_size=829), "archs.350m.vocab_size"),
+    (lambda c: c["knowledge"].update(name_tokens=900), "knowledge.name_tokens"),
+    (lambda c: c["knowledge"].update(name_tokens=0), "knowledge.name_tokens"),
+    (lambda c: c["sources"]["n0050"].update(n=120), "sources.n0050.n"),
+    (lambda c: c["knowledge"].update(variants_at={"n9999": ["dense"]}), "knowledge.variants_at"),
+    (lambda c: c["knowledge"].update(variants_at={"n0050": ["moe"]}), "knowledge.variants_at.n0050"),
     (lambda c: c["sources"]["p0200"].update(name_kind="triple"), "sources.p0200.name_kind"),
     (lambda c: c["sources"]["p0200"].update(n=900), "sources.p0200.n"),
     (lambda c: c["knowledge"]["templates"]["city"].append("{name} lives somewhere."), "knowledge.templates.city[3]"),
@@ -117,12 +122,12 @@ def test_the_tokenizer_adds_the_pair_pools_only_where_a_source_has_pair_names():
     (lambda c: c["sources"]["n0050"].update(exposures=10), "sources.n0050.exposures"),
     (lambda c: c["knowledge"]["variants"].append("nosuch"), "knowledge.variants"),
     (lambda c: c["knowledge"]["seeds_for"].append("moe"), "knowledge.seeds_for"),
-    (lambda c: c["archs"]["350m"].update(vocab_size=1200), "archs.350m.vocab_size"),
+    (lambda c: c["archs"]["350m"].update(vocab_size=700), "archs.350m.vocab_size"),
     (lambda c: c["knowledge"]["tokenizer"].pop("add_names"), "knowledge.tokenizer.add_names"),
-    (lambda c: c["knowledge"].update(vocab_size=1200), "knowledge.vocab_size"),
+    (lambda c: c["knowledge"].update(vocab_size=700), "knowledge.vocab_size"),
     (lambda c: c["knowledge"].update(train={"lr": 0}), "knowledge.train.lr"),
     (lambda c: c["knowledge"].update(sources=["n0050", "web"]), "knowledge.sources[1]"),
-    (lambda c: c["analysis"]["knowledge_edit"]["inject"].update(people=751), "analysis.knowledge_edit.inject.people"),
+    (lambda c: c["analysis"]["knowledge_edit"]["inject"].update(people=51), "analysis.knowledge_edit.inject.people"),
     (lambda c: c["analysis"]["knowledge_edit"]["inject"].update(steps=0), "analysis.knowledge_edit.inject.steps"),
 ])
 def test_bad_knowledge_config_is_one_line_naming_the_key(edit, key):
@@ -139,7 +144,8 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
     exp = parse(copy.deepcopy(RAW))
     kn, points = exp.knowledge, K.points(exp)
     seeded = [p for p in points if K.split(p)[2]]
-    assert len(points) == len(kn.sources) * len(kn.variants) + len(seeded)
+    assert len(points) == sum(len(K.variants_at(exp, s)) for s in kn.sources) + len(seeded)
+    assert K.variants_at(exp, "n0050") == ("dense", "stem", "stem_half") and K.variants_at(exp, "p0400") == kn.variants
     assert {K.split(p)[0] for p in seeded} == set(kn.seeds_at) and {K.split(p)[1] for p in seeded} == set(kn.seeds_for)
     spec = C.train_spec(exp, "350m", "k__p0050__stem__s2", "pretrain")
     st = exp.stages["pretrain"]["350m"]
@@ -154,9 +160,9 @@ def test_points_are_train_jobs_of_one_source_one_pass_each():
             math.ceil(r["n"] * r["exposures"] * per_bio / (st.batch_size * st.seq_len))
     assert C.train_spec(exp, "350m", "k__n0050__stem_half", "pretrain")["model"]["ffn"] == ["dense", "stem", "dense"]
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__p0400__stem__s1", "pretrain")   # seeds only where seeds_at says
+        C.train_spec(exp, "350m", "k__n0050__hashmoe", "pretrain")   # variants only where variants_at says
     with pytest.raises(C.ConfigError, match="not a point"):
-        C.train_spec(exp, "350m", "k__p0200__hashmoe__s1", "pretrain")   # and for the variants of seeds_for
+        C.train_spec(exp, "350m", "k__p0200__hashmoe__s1", "pretrain")   # seeds for the variants of seeds_for
     a = job_spec(exp, "350m", "k__n0050__dense", "pretrain", "knowledge")
     assert (a["n"], a["name_kind"], a["base_variant"], a["knowledge"]["names"]) == (50, "one", "dense", 800)
     targets = K.targets(exp)
@@ -289,7 +295,8 @@ def test_the_gpu_overlay_scales_n_and_the_model_and_keeps_the_experiment():
     exp = parse(_merged(copy.deepcopy(RAW), C.read_yaml(REPO / "config" / "knowledge-gpu.yaml")))
     kn = exp.knowledge
     assert max(K.world_size(exp, s) for s in kn.sources) == kn.names == 6400 and exp.archs["350m"].d_model == 32
-    assert exp.archs["350m"].vocab_size == kn.tokenizer.vocab_size + kn.names + 2 * K.pair_pool(kn.names)
+    need = kn.tokenizer.vocab_size + kn.name_tokens + 2 * K.pair_pool(kn.names)   # rounded up to a multiple of 64
+    assert need <= exp.archs["350m"].vocab_size < need + 64 and K.world_size(exp, "n0400") + 4 <= kn.name_tokens
     assert (kn.variants, kn.attributes, kn.templates) == (parse(copy.deepcopy(RAW)).knowledge.variants,
                                                           RAW["knowledge"]["attributes"], parse(copy.deepcopy(RAW)).knowledge.templates)
     assert K.point_id("p6400", "stem", 2) in K.points(exp) and K.capacity_sources(exp) == ["p0400", "p1600", "p6400"]
@@ -308,7 +315,7 @@ def test_injection_fits_only_the_new_token_s_rows_and_is_undone(tmp_path):
     tx = tok.encode_batch([" " + bios.names[x]])[0][0]
     others = {k: v.clone() for k, v in model.state_dict().items()}
     batch = AK._bio_batch(bios, tok, x, 2, "t")
-    loss = AK.fit_rows(model, params, tx, batch, 8, 0.05)
+    loss = AK.fit_rows(model, params, [tx], [batch], 8, 0.05)[0]
     assert loss[1] < loss[0]
     for k, v in model.state_dict().items():
         changed = (v != others[k]).reshape(v.shape[0], -1).any(-1) if v.dim() else v != others[k]
@@ -324,6 +331,29 @@ def test_injection_fits_only_the_new_token_s_rows_and_is_undone(tmp_path):
     assert all(p["x"] >= 4 and p["fit"]["collateral"] == 0.0 for p in out["sites"]["all"]["people"])
     with pytest.raises(ValueError, match="inject.people: 800; expected at most"):
         AK.held_out(bios, 4, len(bios.names))
+
+
+def test_rows_fitted_together_are_each_fitted_as_alone(tmp_path):
+    """fit_rows fits several held-out individuals' rows in one batch on the sum of their own mean losses: each row's
+    result and losses are its own fit's (a row occurs only in its own biographies), to float rounding."""
+    from stem.analysis.common import table_sites
+
+    bios, tok, model = _world_model(tmp_path)
+    params = [model.tok_emb.weight, *(p for _, p in table_sites(model))]
+    people = AK.held_out(bios, 30, 2)
+    rows = [tok.encode_batch([" " + bios.names[x]])[0][0] for x in people]
+    batches = [AK._bio_batch(bios, tok, x, d, f"t{x}") for x, d in zip(people, (2, 3))]
+    start = {id(p): p.detach().clone() for p in params}
+    alone = []
+    for r, b in zip(rows, batches):
+        alone.append((AK.fit_rows(model, params, [r], [b], 6, 0.05)[0], [p[r].detach().clone() for p in params]))
+        with torch.no_grad():
+            for p in params:
+                p.copy_(start[id(p)])
+    together = AK.fit_rows(model, params, rows, batches, 6, 0.05)
+    for r, (loss, fitted), got in zip(rows, alone, together):
+        assert got == pytest.approx(loss, rel=1e-5)
+        assert all(torch.allclose(p[r], f, atol=1e-6) for p, f in zip(params, fitted))
 
 
 def test_a_direction_row_from_fewer_seeds_than_the_config_asks_is_a_point_estimate():

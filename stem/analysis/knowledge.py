@@ -212,35 +212,44 @@ def _bio_batch(bios, tok, x: int, docs: int, seed: str) -> torch.Tensor:
     return out
 
 
-def fit_rows(model, params, row: int, batch: torch.Tensor, steps: int, lr: float) -> list[float]:
-    """Row ``row`` (a token id) of each of ``params`` fitted by Adam (betas 0.9/0.999, no weight decay) on the
-    next-token loss of ``batch`` (-1: padding) but the token's own occurrences, every other parameter and row left as
-    it is; returns the loss before and after."""
+def fit_rows(model, params, rows: list[int], batches: list[torch.Tensor], steps: int, lr: float) -> list[list[float]]:
+    """Row ``rows[j]`` (a token id) of each of ``params`` fitted by Adam (betas 0.9/0.999, no weight decay) on the
+    next-token loss of ``batches[j]`` (-1: padding) but the token's own occurrences, every other parameter and row
+    left as it is; returns each row's loss before and after. The rows are fitted in one batch on the sum of their
+    own mean losses: a row occurs only in its own biographies, so its gradient is its own fit's (one forward for
+    all instead of one each: ~2x less CPU for 4 individuals on this machine)."""
     flags = {id(p): p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(any(p is q for q in params))
-    batch = batch[:, :model.cfg.max_seq_len + 1]   # a biography longer than the context: its start
+    width = min(model.cfg.max_seq_len + 1, max(b.shape[1] for b in batches))   # a longer biography: its start
+    batch = torch.cat([F.pad(b[:, :width], (0, width - min(width, b.shape[1])), value=-1) for b in batches])
     x, y = batch[:, :-1].clamp(min=0), batch[:, 1:].clone()
-    y[y == row] = -1   # the name itself is not scored: its output row (the head's, frozen) was never trained
-    state = [(torch.zeros_like(p[row]), torch.zeros_like(p[row])) for p in params]
+    owner = torch.cat([torch.full((len(b),), j) for j, b in enumerate(batches)])
+    for j, row in enumerate(rows):   # the name itself is not scored: its output row (the head's, frozen) never trained
+        y[(owner == j)[:, None] & (y == row)] = -1
+    counts = torch.stack([(y[owner == j] != -1).sum() for j in range(len(rows))])
+    state = [[(torch.zeros_like(p[r]), torch.zeros_like(p[r])) for p in params] for r in rows]
     losses = []
     try:
         for t in range(1, steps + 2):
             logits = model(x)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-1)
-            losses.append(float(loss.detach()))
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-1,
+                                 reduction="none").reshape(y.shape).sum(1)
+            per_row = torch.zeros(len(rows)).index_add_(0, owner, ce) / counts
+            losses.append(per_row.detach().tolist())
             if t > steps:
                 break
-            grads = torch.autograd.grad(loss, params)
+            grads = torch.autograd.grad(per_row.sum(), params)
             with torch.no_grad():
-                for p, g, (m, v) in zip(params, grads, state):
-                    m.mul_(0.9).add_(g[row], alpha=0.1)
-                    v.mul_(0.999).addcmul_(g[row], g[row], value=0.001)
-                    p[row] -= lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
+                for r, row_state in zip(rows, state):
+                    for p, g, (m, v) in zip(params, grads, row_state):
+                        m.mul_(0.9).add_(g[r], alpha=0.1)
+                        v.mul_(0.999).addcmul_(g[r], g[r], value=0.001)
+                        p[r] -= lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
     finally:
         for p in model.parameters():
             p.requires_grad_(flags[id(p)])
-    return [losses[0], losses[-1]]
+    return [[losses[0][j], losses[-1][j]] for j in range(len(rows))]
 
 
 def _measure(model, bios, tok, x: int, facts_of: int, others: list[int], before: dict) -> dict:
@@ -254,22 +263,34 @@ def _measure(model, bios, tok, x: int, facts_of: int, others: list[int], before:
             "collateral": sum(a != b for a, b in zip(rest, [h for i in others for h in before[i]])) / max(1, len(rest))}
 
 
-def _inject_one(model, bios, tok, params, x: int, donor: int, others: list[int], before: dict, cfg: dict) -> dict:
-    """Copy then fit at one site for held-out ``x``; its rows restored after each."""
-    tx, td = (tok.encode_batch([" " + bios.names[i]])[0][0] for i in (x, donor))
-    out = {"x": x, "donor": donor, "before": _measure(model, bios, tok, x, x, others, before)}
-    saved = _copy_rows(params, td, tx)
+def _inject_site(model, bios, tok, params, people: list[int], donors: list[int], others: list[int], before: dict,
+                 cfg: dict) -> list[dict]:
+    """At one site, for each held-out individual: copy a donor's rows, then (all fitted at once, ``fit_rows``) its
+    rows fitted, each measured with only its own rows changed; every row restored after each."""
+    rows = [tok.encode_batch([" " + bios.names[x]])[0][0] for x in people]
+    out = []
+    for x, d, tx in zip(people, donors, rows):
+        rec = {"x": x, "donor": d, "before": _measure(model, bios, tok, x, x, others, before)}
+        saved = _copy_rows(params, tok.encode_batch([" " + bios.names[d]])[0][0], tx)
+        try:
+            rec["copy"] = _measure(model, bios, tok, x, d, others, before)
+        finally:
+            _restore(params, tx, saved)
+        out.append(rec)
+    batches = [_bio_batch(bios, tok, x, int(cfg["docs"]), f"knowledge-inject:{x}") for x in people]
+    saved = [[p[tx].clone() for p in params] for tx in rows]
     try:
-        out["copy"] = _measure(model, bios, tok, x, donor, others, before)
+        losses = fit_rows(model, params, rows, batches, int(cfg["steps"]), float(cfg["lr"]))
+        fitted = [[p[tx].clone() for p in params] for tx in rows]
+        for tx, old in zip(rows, saved):
+            _restore(params, tx, old)
+        for rec, tx, new, old, loss in zip(out, rows, fitted, saved, losses):
+            _restore(params, tx, new)
+            rec["fit"] = {**_measure(model, bios, tok, rec["x"], rec["x"], others, before), "loss": loss}
+            _restore(params, tx, old)
     finally:
-        _restore(params, tx, saved)
-    batch = _bio_batch(bios, tok, x, int(cfg["docs"]), f"knowledge-inject:{x}")
-    saved = [p[tx].clone() for p in params]
-    try:
-        loss = fit_rows(model, params, tx, batch, int(cfg["steps"]), float(cfg["lr"]))
-        out["fit"] = {**_measure(model, bios, tok, x, x, others, before), "loss": loss}
-    finally:
-        _restore(params, tx, saved)
+        for tx, old in zip(rows, saved):
+            _restore(params, tx, old)
     return out
 
 
@@ -288,7 +309,7 @@ def inject(model, bios, tok, sites: dict, n: int, cfg: dict, rng: random.Random,
     digest, out = state_digest(model), {}
     for site, params in sites.items():
         if params and not (site == "all" and not sites.get("stem")):   # without STEM rows "all" is the embedding
-            recs = [_inject_one(model, bios, tok, params, x, d, others, before, cfg) for x, d in zip(people, donors)]
+            recs = _inject_site(model, bios, tok, params, people, donors, others, before, cfg)
             out[site] = {f"{how}_{k}": sum(r[how][k] for r in recs) / len(recs) for how in ("before", "copy", "fit")
                          for k in ("recall", "bits", "collateral")}
             out[site]["people"] = recs

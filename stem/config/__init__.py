@@ -405,6 +405,8 @@ def tokenizer_spec(exp: Experiment, scale: str) -> dict:
         tok["documents"] = [documents_spec(exp, s) for s in tok["sources"]]
     if tok.get("add_names"):   # the knowledge experiment's one-token names (stem.data.bios)
         tok.update(_knowledge_key(exp))
+        if exp.knowledge.name_tokens:   # only the pool's first one-token names are tokens (only then: specs unchanged)
+            tok["knowledge"]["name_tokens"] = exp.knowledge.name_tokens
         if any(knowledge.name_kind(exp, s) == NameKind.PAIR for s in exp.knowledge.sources):
             tok["add_pair_names"] = True   # and the pools of the pair names (only then: other specs unchanged)
     return tok

@@ -540,6 +540,9 @@ class Knowledge:
     seeds: tuple[int, ...] = (0,)                              # seed k > 0: its own job (exp.seed + k)
     seeds_at: tuple[str, ...] | None = None                    # sources whose points get every seed (default all)
     seeds_for: tuple[str, ...] | None = None                   # variants that get them there (default all)
+    # a source's own variants (default ``variants``): e.g. the editing world without the variants no direction row
+    # reads there (docs/knowledge.md "Sixth config")
+    variants_at: dict[str, tuple[str, ...]] | None = None
     min_recall: float = field(default=0.9, metadata=within(0, 1))   # below it at the smallest N: invalid
     # the training budget below which the smallest world is not learnt (docs/knowledge.md: measured, dense at
     # N 100 recalls 0.97 at E 100); a source with fewer exposures fails the config check
@@ -556,6 +559,10 @@ class Knowledge:
     # the capacity sweep: the name kind of the sources whose smallest world decides validity, whose worlds get the
     # STEM/dense bits ratio rows and the figure's lines (docs/knowledge.md: one-token names do not saturate)
     capacity_names: NameKind = NameKind.ONE
+    # how many of the pool's one-token names (its first) the tokenizer adds as tokens (default all ``names``): the
+    # one-token worlds and their injected individuals must fit in them; the rest of the pool is only ever named by
+    # pairs, so their tokens would be vocabulary (and LM-head rows) no text reads (docs/knowledge.md "Sixth config")
+    name_tokens: int | None = field(default=None, metadata=at_least(1))
 
     def __post_init__(self):
         fail(set(self.templates) == set(self.attributes), "templates",

@@ -88,6 +88,14 @@ def _make(key: str) -> Bios:
     return Bios(names, attrs, values, facts, templates, kind, words)
 
 
+def name_words(spec: Mapping) -> tuple[str, ...]:
+    """The words a tokenizer adds for the pool (``Bios.words``): with one-token names only the first
+    ``name_tokens`` of them where the spec sets it (the rest of the pool is named by pairs only)."""
+    bios = make_bios({k: v for k, v in spec.items() if k != "name_tokens"})
+    k = spec.get("name_tokens")
+    return bios.words[:k] if k and bios.name_kind == NameKind.ONE else bios.words
+
+
 def pair_pool(names: int) -> int:
     """The default size of each of pair's two pools (the multi control's): ceil(sqrt(names)) + 2."""
     return max(2, math.ceil(math.sqrt(names)) + 2)

@@ -74,10 +74,11 @@ def validity(exp: Experiment, got: dict) -> tuple[bool, str]:
         return False, f"no {kn.capacity_names} world in knowledge.sources"
     smallest = sweep[0]
     g = groups(got)
-    missing = [v for v in kn.variants if (smallest, v) not in g]
+    variants = K.variants_at(exp, smallest)
+    missing = [v for v in variants if (smallest, v) not in g]
     if missing:
         return False, f"{smallest}: no results yet for {', '.join(missing)}"
-    low = [f"{v} {min(r['recall'] for r in g[smallest, v]):.2f}" for v in kn.variants
+    low = [f"{v} {min(r['recall'] for r in g[smallest, v]):.2f}" for v in variants
            if min(r["recall"] for r in g[smallest, v]) < kn.min_recall]
     if low:
         return False, f"invalid: the smallest world ({smallest}) is not learnt (recall {', '.join(low)} < {kn.min_recall})"
