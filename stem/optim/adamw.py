@@ -156,7 +156,8 @@ class RowSparseAdamW(torch.optim.AdamW):
         self.touched: dict = {}         # a row-sharded table's parameter -> its module (``take_touched``)
         self.held: dict = {}            # a host table's parameter -> its module (``held_grad``: rows held by id)
         self.pool = None                # ``overlap``'s workers
-        self.pending: dict = {}         # parameter -> (its update's rows, the futures of their chunks)
+        self.pending: dict = {}         # parameter -> its update (``PendingRows``)
+        self.first: dict = {}           # parameter -> the ids the next step reads first (``read_first``), in that order
 
     def track(self, module):
         """A table module announcing its reads (``register_read_hook``, ``row_update``: sparse | lazy): its
@@ -182,6 +183,12 @@ class RowSparseAdamW(torch.optim.AdamW):
         if workers < 1:
             raise ValueError(f"host update workers: {workers}; expected at least 1")
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="host-adamw")
+
+    def read_first(self, reads: list):
+        """The next step's first reads, ``[(table weight, host ids (unique))]`` in the order its forward reads them
+        (``stem.train.tables.first_reads``): with ``overlap``, this step's update takes those rows first, table by
+        table in that order (``PendingRows``' ``first``), then the others; the values do not depend on the order."""
+        self.first = {p: ids for p, ids in reads if p in self.tracked}
 
     def drain(self):
         """Every pending row update done (its errors raised here)."""
@@ -244,6 +251,13 @@ class RowSparseAdamW(torch.optim.AdamW):
                 p.grad = grad
         for group, p in sparse:
             self._row_step(group, p)
+        first, self.first = self.first, {}
+        if self.pending:   # the rows the next step reads first, in the order it reads them, then the others
+            for p in first:
+                if p in self.pending:
+                    self.pending[p].submit(self.pool, 0)
+            for rows in self.pending.values():
+                rows.submit(self.pool, 1)
         return loss
 
     def _row_step(self, group: dict, p: torch.Tensor):
@@ -271,7 +285,7 @@ class RowSparseAdamW(torch.optim.AdamW):
         if self.pool is None or p not in self.tracked:
             _adamw_rows(local, rows, g, t, lr, wd, b1, b2, eps, perm, coef)
             return
-        self.pending[p] = PendingRows(self.pool, local, rows, g, (t, lr, wd, b1, b2, eps), perm, coef)
+        self.pending[p] = PendingRows(local, rows, g, (t, lr, wd, b1, b2, eps), perm, coef, self.first.get(p))
 
     def _grad_rows(self, p) -> tuple:
         """(sorted row ids, gradient rows, None or the position in ``g`` of each id's row, None or clipping's coefficient
@@ -297,14 +311,38 @@ class RowSparseAdamW(torch.optim.AdamW):
 class PendingRows:
     """One table's row update of a step off the critical path (``RowSparseAdamW.overlap``): its rows (sorted ids)
     in tasks of ``OVERLAP_ROWS``, each row updated once, by the worker that takes its task or by a read that needs
-    it before (``need``); a row's update is ``_adamw_rows``' whoever runs it, so the results are the same."""
+    it before (``need``); a row's update is ``_adamw_rows``' whoever runs it, so the results are the same, in any
+    order. ``first``: ids the next step's first micro-batch reads (``RowSparseAdamW.read_first``): those of its rows
+    make the first tasks (``parts``: the tasks of those, then the others'), so they are updated first."""
 
-    def __init__(self, pool, local: list, rows: torch.Tensor, g: torch.Tensor, hyper: tuple, perm=None, coef=None):
+    def __init__(self, local: list, rows: torch.Tensor, g: torch.Tensor, hyper: tuple, perm=None, coef=None,
+                 first: torch.Tensor | None = None):
         self.local, self.rows, self.g, self.hyper, self.perm, self.coef = local, rows, g, hyper, perm, coef
         self.todo = torch.ones(rows.numel(), dtype=torch.bool)   # not yet taken, by position
         self.lock = threading.Lock()
-        self.done = [threading.Event() for _ in range(0, rows.numel(), OVERLAP_ROWS)]
-        self.futures = [pool.submit(self._task, k) for k in range(len(self.done))]
+        head = self.positions(first) if first is not None else rows.new_zeros(0)
+        rest = torch.ones(rows.numel(), dtype=torch.bool)
+        rest[head] = False
+        chunks = [list(head.split(OVERLAP_ROWS)), list(rest.nonzero().flatten().split(OVERLAP_ROWS))]
+        self.tasks = chunks[0] + chunks[1]                   # positions, the first part's first
+        self.task_of = torch.empty(rows.numel(), dtype=torch.long)   # position -> its task
+        for k, pos in enumerate(self.tasks):
+            self.task_of[pos] = k
+        self.parts = (range(len(chunks[0])), range(len(chunks[0]), len(self.tasks)))
+        self.done = [threading.Event() for _ in self.tasks]
+        self.futures = []
+
+    def submit(self, pool, part: int | None = None):
+        """The tasks of ``parts[part]`` (None: all) to ``pool``'s workers, in their order."""
+        for k in range(len(self.tasks)) if part is None else self.parts[part]:
+            self.futures.append(pool.submit(self._task, k))
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """The positions in this update of those of ``ids`` (unique) it holds."""
+        if not self.rows.numel():
+            return self.rows.new_zeros(0)
+        pos = torch.searchsorted(self.rows, ids).clamp_(max=self.rows.numel() - 1)
+        return pos[self.rows[pos] == ids]
 
     def _take(self, pos: torch.Tensor) -> torch.Tensor:
         with self.lock:
@@ -320,19 +358,21 @@ class PendingRows:
 
     def _task(self, k: int):
         try:
-            self._update(self._take(torch.arange(k * OVERLAP_ROWS, min((k + 1) * OVERLAP_ROWS, self.rows.numel()))))
+            self._update(self._take(self.tasks[k]))
         finally:
             self.done[k].set()
 
     def need(self, ids: torch.Tensor):
-        """Before ``ids`` (unique) are read: those of this update not yet taken updated here, then the tasks that
-        took the others waited for."""
-        if not self.rows.numel():
-            return
-        pos = torch.searchsorted(self.rows, ids).clamp_(max=self.rows.numel() - 1)
-        pos = pos[self.rows[pos] == ids]
-        self._update(self._take(pos))
-        for k in (pos // OVERLAP_ROWS).unique().tolist():
+        """Before ``ids`` (unique) are read: those of this update not yet taken updated here, ``OVERLAP_ROWS`` at a
+        time (the workers meanwhile take the other tasks, or skip what this took), then the tasks that took the
+        others waited for."""
+        pos = self.positions(ids)
+        theirs = torch.ones(pos.numel(), dtype=torch.bool)   # taken by a worker (not by this read)
+        for lo in range(0, pos.numel(), OVERLAP_ROWS):
+            mine = self._take(pos[lo:lo + OVERLAP_ROWS])
+            self._update(mine)
+            theirs[lo:lo + OVERLAP_ROWS] &= ~torch.isin(pos[lo:lo + OVERLAP_ROWS], mine)
+        for k in self.task_of[pos[theirs]].unique().tolist():
             self.done[k].wait()
 
     def wait(self):

@@ -287,7 +287,8 @@ def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | N
 def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixed_precision: bool = True,
                unique_rows: int | None = None, intra_gbs: float = INTRA_NODE_GBS, inter_gbs: float = INTER_NODE_GBS,
                mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, acct: dict | None = None,
-               pcie_gbs: float = PCIE_GBS, host_gbs: float = HOST_MEM_GBS, host_workers: int | None = None) -> dict:
+               pcie_gbs: float = PCIE_GBS, host_gbs: float = HOST_MEM_GBS, host_workers: int | None = None,
+               core_gbs: float = Layout.host_core_gbs) -> dict:
     """One step of ``model`` laid out as ``plan``: bytes per GPU by kind, the comm time at the link bandwidth the
     job's ring crosses (the host tables' copies at ``pcie_gbs``), the compute time at ``mfu`` of
     ``peak_tflops``, and their ratio; host tables' host side (``host_update``) at ``host_gbs`` of host memory
@@ -295,8 +296,11 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     overlapped) over the compute; ``host_path``'s steps over the compute: the copies on the compute stream
     (``step_as_built``), with the row update on ``host_workers`` threads (``step_vs_compute_overlapped``, the figure
     the fit weighs when ``train.host_workers`` is set) and with the copies on CUDA's side stream too
-    (``step_side_stream``: what a GPU job with host workers runs; untested, no GPU in these sessions). ``unique_rows`` (row-sparse tables): default
-    ``zipf_unique`` of a rank's tokens a step; ``acct``: the model's accounting, if already at hand."""
+    (``step_side_stream``: what a GPU job with host workers runs; untested, no GPU in these sessions); with host workers
+    the next step's first micro-batch waits for the update of its rows (``first_read_wait``: the update ordered as
+    built, its rows first; ``step_workers_unordered``: session 15's order, for comparison) at ``core_gbs`` a thread.
+    ``unique_rows`` (row-sparse tables): default ``zipf_unique`` of a rank's tokens a step; ``acct``: the model's
+    accounting, if already at hand."""
     w = plan.world
     if unique_rows is None and plan.row_sparse:
         unique_rows = zipf_unique(plan.accum // w * plan.micro_batch * seq_len, model.cfg.vocab_size)
@@ -312,27 +316,31 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     compute_s = flops_per_token(acct or accounting(model), model.cfg, seq_len) * tokens_per_gpu / (mfu * peak_tflops * 1e12)
     comm_s = (total - by_kind["host_copy"]) / (gbs * 1e9) + by_kind["host_copy"] / (pcie_gbs * 1e9)
     host = host_update(model, plan, host_gbs) if plan.host_tables else None
-    paths = dict.fromkeys(("step_as_built", "step_vs_compute_overlapped", "step_side_stream"))
+    paths = dict.fromkeys(("step_as_built", "step_vs_compute_overlapped", "step_side_stream", "step_workers_unordered"))
     if host:
         host["workers"] = host_workers
         copies = {k: v / (pcie_gbs * 1e9) for k, v in host_copies(model, plan).items()}
         args = (host, compute_s, copies, plan.accum, plan.activation_checkpointing)
-        paths = host["paths"] = {"step_as_built": host_path(*args, tables=len(plan.host_tables)),
-                                 "step_vs_compute_overlapped": host_path(*args, True, tables=len(plan.host_tables)),
-                                 "step_side_stream": host_path(*args, True, True, len(plan.host_tables))}
+        reads = host["reads"] = next_reads(model, plan, host_gbs, core_gbs, host_workers)
+        n = len(plan.host_tables)
+        paths = host["paths"] = {"step_as_built": host_path(*args, tables=n),
+                                 "step_vs_compute_overlapped": host_path(*args, True, tables=n, reads=reads),
+                                 "step_side_stream": host_path(*args, True, True, n, reads=reads),
+                                 "step_workers_unordered": host_path(*args, True, tables=n,
+                                                                     reads={**reads, "first": False})}
     return {"world": w, "nodes": nodes, "strategy": plan.strategy, "bytes_per_gpu": by_kind, "total_bytes": total,
             "table_bytes": sum(by_kind[k] for k in ("table_all_gather", "table_reduce_scatter", "row_sharded_lookup",
                                                     "row_sparse_gather")),
             "unique_rows": unique_rows if plan.row_sparse else None, "link_gbs": gbs if w > 1 else None,
             "comm_s": comm_s, "compute_s": compute_s, "mfu": mfu, "peak_tflops": peak_tflops,
             "intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "pcie_gbs": pcie_gbs,
-            "comm_compute_ratio": comm_s / compute_s, "host": host,
+            "comm_compute_ratio": comm_s / compute_s, "host": host, "core_gbs": core_gbs,
             "step_vs_compute": (compute_s + comm_s + (host["total_s"] + host["device_s"] if host else 0.0)) / compute_s,
             **{k: (v["step_s"] if v else compute_s + comm_s) / compute_s for k, v in paths.items()}}
 
 
 def host_path(host: dict, compute_s: float, copies: dict, micro: int, recompute: bool, workers: bool = False,
-              side_stream: bool = False, tables: int = 1) -> dict:
+              side_stream: bool = False, tables: int = 1, reads: dict | None = None) -> dict:
     """Which of a host-table step's host seconds (``host_update``), device seconds and copies (``copies``: seconds
     ``in`` and ``out``) are on its critical path, as ``stem.train.step`` runs it on a GPU (docs/training.md, "The
     critical path"), over ``micro`` micro-batches of ``tables`` host tables:
@@ -342,7 +350,8 @@ def host_path(host: dict, compute_s: float, copies: dict, micro: int, recompute:
       fetches its rows again, in backward: critical;
     - the gradient's accumulation and clipping's norm of the rows: the device's (``StepRows`` on the GPU), on its
       compute stream: critical (device seconds); clipping's scale is in the update's gather (no pass of its own);
-    - the row update: critical, unless ``workers`` (``train.host_workers``: during the next step);
+    - the row update: critical, unless ``workers`` (``train.host_workers``: during the next step); then the next
+      step's first micro-batch waits for the update of the rows it reads (``reads``: ``first_read_wait``);
     - the copies: queued on the compute stream, critical: every micro-batch's rows in and the step's rows out, once
       (``side_stream``: CUDA only, untested: micro-batch 0's rows in, a recomputed forward's, and the last table's
       rows out: each table's rows go out as its last backward ends, during the others').
@@ -356,9 +365,55 @@ def host_path(host: dict, compute_s: float, copies: dict, micro: int, recompute:
     crit = {"fetch_first": first, "fetch_recompute": read * (fwd - 1) / fwd,
             "fetch_ahead": max(0.0, read / fwd - first - window), "device": host["device_s"],
             "update": 0.0 if workers else s["update"],
+            "update_wait": first_read_wait(s["update"], first, compute_s / micro / 3, reads) if workers and reads else 0.0,
             "copies": rows_in + (copies["out"] / max(tables, 1) if side_stream else copies["out"])}
     return {"critical": crit, "critical_s": sum(crit.values()),
             "step_s": max(compute_s + sum(crit.values()), host["total_s"])}
+
+
+def next_reads(model, plan: ParallelPlan, host_gbs: float, core_gbs: float, workers: int | None) -> dict:
+    """What the next step's first micro-batch reads of a step's host-table update (``first_read_wait``): ``share``, the
+    step's touched rows it reads (Zipf: sum over ids of P(in its micro-batch) x P(in the step), over the step's
+    unique ids); ``layers``, each host table's place in the forward (its block's index over the blocks, in the
+    forward's order); ``threads``, the update's workers (``train.host_workers``; not set: enough that they and the
+    reading thread fill the node's bandwidth); ``thread_share``, one thread's part of that bandwidth (``core_gbs`` over
+    ``host_gbs``); ``first``: the update takes those rows first (as built), else table by table in id order."""
+    vocab, n = model.cfg.vocab_size, plan.micro_batch * plan.seq_len
+    seen_mb, seen_step = zipf_seen(n, vocab), zipf_seen(n * plan.accum, vocab)
+    share = float((seen_mb * seen_step).sum() / seen_step.sum())
+    blocks = {id(m): i for i, b in enumerate(model.layers) for m in b.modules()}
+    layers = sorted(blocks.get(id(model.get_submodule(t)), 0) / len(model.layers) for t in plan.host_tables)
+    threads = workers or max(1, math.ceil(host_gbs / core_gbs) - 1)
+    return {"share": share, "layers": layers, "threads": threads, "thread_share": min(1.0, core_gbs / host_gbs),
+            "first": True}
+
+
+def first_read_wait(update_s: float, fetch_s: float, forward_s: float, reads: dict) -> float:
+    """Seconds the next step's first micro-batch's reads stall the device beyond its own fetch (``fetch_s``, counted
+    apart) while the row update of this step (``update_s`` at the node's bandwidth, tables of equal size) runs on
+    host workers (``PendingRows``). Its forward reads table k after ``layers[k]`` of its forward (``forward_s``) on
+    the device; the host reaches each read at once (it only queues the device's work) and waits there for the
+    update of that table's rows it reads (``reads['share']`` of the table's update), then fetches (``fetch_s`` over
+    the tables). As built (``first``): the workers and the reading thread update those rows first, table by table
+    in the forward's order, at min(node, (threads + 1) x one thread's bandwidth); session 15's order: the workers
+    sweep the tables in order, their rows in id order (those read spread over it), at min(node, threads x one
+    thread's, less the reading thread's share), and a read updates on its own thread those of its rows not yet swept.
+    The update does not progress while the host fetches (the same bandwidth). The device runs its forward up to
+    each read, then waits for the rows."""
+    tables, share, one = len(reads["layers"]), reads["share"], reads["thread_share"]
+    per_table, need, fetch = update_s / tables, share * update_s / tables, fetch_s / tables
+    sweep, together = min(1.0, reads["threads"] * one), min(1.0, (reads["threads"] + 1) * one)
+    host = device = fetched = last = 0.0   # fetched: the host's seconds of fetching so far (no update meanwhile)
+    for k, at in enumerate(reads["layers"]):
+        if reads["first"]:
+            host = max(host, fetched + need * (k + 1) / together)
+        else:   # the workers' sweep shares the bandwidth with the reading thread
+            swept = min(1.0, max(0.0, ((host - fetched) * min(sweep, 1 - one) - k * per_table) / per_table))
+            host += need * (1 - swept) / one
+        host, fetched = host + fetch, fetched + fetch
+        device = max(device + (at - last) * forward_s, host)
+        last = at
+    return max(0.0, device - last * forward_s - fetch_s)
 
 
 CKPT_RECOMPUTE = 1 / 3   # activation checkpointing's recomputed forward, of a step's compute (forward 1 of 3)

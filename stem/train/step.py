@@ -8,7 +8,7 @@ import math
 from stem.optim.adamw import set_lr
 from stem.train import distributed
 from stem.train.plan import ParallelPlan
-from stem.train.tables import prefetch, send_rows
+from stem.train.tables import first_reads, prefetch, send_rows
 
 
 class TrainingError(RuntimeError):
@@ -89,16 +89,20 @@ def _prefetch(model, ahead):
 
 
 def train_step(model, opt, batches, ctx, autocast, lr: float, grad_clip: float | None, step: int = 0,
-               counts=None, on_backward=None, metrics: dict | None = None):
+               counts=None, on_backward=None, metrics: dict | None = None, next_ids=None):
     """One optimizer step at learning rate ``lr``: gradients of the step's token-mean loss (above), averaged
     over replicas and clipped to ``grad_clip`` (global L2 norm; None: no clipping), then the update.
-    Returns (training loss, gradient norm before clipping); ``metrics``: as ``accumulate_gradients``."""
+    Returns (training loss, gradient norm before clipping); ``metrics``: as ``accumulate_gradients``.
+    ``next_ids``: the token ids of this rank's first micro-batch of the next step, if drawn: host tables' update on
+    workers (``train.host_workers``) takes the rows it reads first (``RowSparseAdamW.read_first``)."""
     set_lr(opt, lr)
     loss = accumulate_gradients(model, batches, ctx, ctx.device, autocast, step, counts, on_backward, metrics)
     if not math.isfinite(loss):
         raise TrainingError(f"non-finite training loss {loss} at step {step} (lr={lr:.3g})")
     distributed.sync_replicated_grads(model, ctx)
     grad_norm = distributed.clip_grad_norm_(model, grad_clip or float("inf"), ctx)
+    if next_ids is not None and hasattr(opt, "read_first"):
+        opt.read_first(first_reads(model, next_ids))
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, grad_norm

@@ -573,6 +573,19 @@ def prefetch(model, ids: torch.Tensor):
             m.ahead = (ids, fetched, _ready(side, fetched[2]))
 
 
+def first_reads(model, ids: torch.Tensor) -> list:
+    """[(weight, host ids)] of the host tables looked up by token id that a forward over token ids ``ids`` reads, in
+    the order it reads them (the modules' order: the blocks'), each table's unique ids as its fetch takes them
+    (``_fetch``): the next step's first micro-batch's, for ``RowSparseAdamW.read_first``."""
+    uniq = None
+    out = []
+    for m in model.modules():
+        if isinstance(m, HostTable) and m.token_ids:
+            uniq = torch.unique(ids.reshape(-1), sorted=True) if uniq is None else uniq
+            out.append((m.weight, uniq.to(m.weight.device)))
+    return out
+
+
 def send_rows(model):
     """Before a step's last micro-batch's backward (``stem.train.step``): each host table looked up by token id (one
     lookup, hence one backward, a micro-batch) sends its step's rows to the host as soon as its backward has added
