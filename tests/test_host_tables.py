@@ -156,9 +156,10 @@ def test_a_saved_lazy_state_resumes_exactly(tmp_path):
     _close(straight, resumed, 1e-7)
 
 
-def _table_after(steps: list, update: str = "lazy", workers: int | None = None) -> torch.Tensor:
+def _table_after(steps: list, update: str = "lazy", workers: int | None = None, first: bool = False) -> torch.Tensor:
     """A 50 x 4 host table (stem.bench.host's) trained by lazy (or row-sparse) AdamW on ``steps`` (each a list of id
-    tensors), its update on ``workers`` threads if given, its weights after a save's settle."""
+    tensors), its update on ``workers`` threads if given (``first``: the next step's first ids updated first,
+    ``read_first``), its weights after a save's settle."""
     from stem.bench.host import _Holder
     from stem.train.tables import _fetch
     torch.manual_seed(0)
@@ -169,10 +170,12 @@ def _table_after(steps: list, update: str = "lazy", workers: int | None = None) 
     opt.track(m)
     if workers:
         opt.overlap(workers)
-    for micro in steps:
+    for i, micro in enumerate(steps):
         for ids in micro:
             _, host_ids, rows = _fetch(m, ids)
             m.step_rows().accumulate(w, host_ids, rows.sin())
+        if first and i + 1 < len(steps):
+            opt.read_first([(w, steps[i + 1][0].unique())])
         opt.step()
         opt.zero_grad(set_to_none=True)
     opt.settle()
@@ -221,8 +224,12 @@ def test_the_step_time_model_counts_the_host_side(rehearsal_1b_stem):
     h, u = r["host"], comms.zipf_unique(4 * 2 * 4096, 128256)
     assert h["gbs"] == 80.0 and h["touched_params"] == 5 * u * 8192
     assert h["replayed_param_steps"] == 5 * (128256 - u) * 8192
-    assert h["total_s"] == pytest.approx(sum(h["bytes"].values()) / 80e9)
-    assert r["step_vs_compute"] == pytest.approx((r["compute_s"] + r["comm_s"] + h["total_s"]) / r["compute_s"])
+    assert h["total_s"] == pytest.approx(sum(h["bytes"].values()) / 80e9) and set(h["bytes"]) == {"fetch", "update", "replay"}
+    assert h["device_s"] == pytest.approx(sum(h["device_bytes"].values()) / 3350e9)   # accumulation and norm: the GPU's
+    fetched = 4 * 5 * comms.zipf_unique(2 * 4096, 128256) * 8192   # every micro-batch's rows in, the step's out once
+    assert r["bytes_per_gpu"]["host_copy"] == pytest.approx(4 * fetched + 5 * u * (4 * 8192 + 8), rel=1e-9)
+    step = r["compute_s"] + r["comm_s"] + h["total_s"] + h["device_s"]
+    assert r["step_vs_compute"] == pytest.approx(step / r["compute_s"])
 
 
 def test_host_memory_holds_no_dense_gradient(rehearsal_1b_stem):
@@ -247,6 +254,69 @@ def test_an_overlapped_host_update_equals_the_synchronous_one(monkeypatch, updat
     sync = _table_after(_steps(), update)
     monkeypatch.setattr(adamw, "OVERLAP_ROWS", 3)
     assert torch.equal(sync, _table_after(_steps(), update, workers=2))
+
+
+@pytest.mark.parametrize("update", ["lazy", "sparse"])
+def test_the_next_steps_first_rows_updated_first_give_the_same_table(monkeypatch, update):
+    """The update on 2 workers, 3 rows a task, the rows the next step's first micro-batch reads taken first
+    (``read_first``): the synchronous update's weights, bit for bit (independent rows: the order changes no value)."""
+    sync = _table_after(_steps(), update)
+    monkeypatch.setattr(adamw, "OVERLAP_ROWS", 3)
+    assert torch.equal(sync, _table_after(_steps(), update, workers=2, first=True))
+
+
+def test_the_rows_the_next_step_reads_are_updated_first_in_its_read_order(monkeypatch):
+    """Two host tables, the update on one worker (its tasks run in the order submitted), 3 rows a task: the rows the
+    next step's first micro-batch reads go first, table by table in the order given (the forward's: here the second
+    table's first), then the others; without ``read_first``, table by table in id order."""
+    from stem.bench.host import _Holder
+    from stem.train.tables import _fetch
+    monkeypatch.setattr(adamw, "OVERLAP_ROWS", 3)
+    done, rows_of = [], adamw._adamw_rows
+    monkeypatch.setattr(adamw, "_adamw_rows", lambda local, rows, *a: (done.append((local[0], rows.tolist())),
+                                                                       rows_of(local, rows, *a)))
+    tables = [_Holder(20, 4), _Holder(20, 4)]
+    for h in tables:
+        to_host(h, ("table",), sparse=("table",))
+    ws = [h.table.weight for h in tables]
+    opt = adamw.RowSparseAdamW([{"params": ws, "lr": 1e-2}], betas=(0.9, 0.95), eps=1e-8)
+    for h in tables:
+        opt.track(h.table)
+    opt.overlap(1)
+    ids = torch.arange(0, 20, 2)
+    for order in ([1, 0], None):
+        for h, w in zip(tables, ws):
+            _, host_ids, rows = _fetch(h.table, ids)
+            h.table.step_rows().accumulate(w, host_ids, rows.sin())
+        if order:
+            opt.read_first([(ws[k], torch.tensor([4, 10, 16, 3])) for k in order])
+        done.clear()
+        opt.step()
+        opt.drain()
+        opt.zero_grad(set_to_none=True)
+        seq = [(next(k for k, w in enumerate(ws) if w is p), r) for p, rs in done for r in rs]
+        if order:
+            assert seq == [(1, r) for r in (4, 10, 16)] + [(0, r) for r in (4, 10, 16)] + \
+                [(k, r) for k in (0, 1) for r in ids.tolist() if r not in (4, 10, 16)]
+        else:
+            assert seq == [(k, r) for k in (0, 1) for r in ids.tolist()]
+
+
+def test_a_job_drawing_its_next_batch_ahead_resumes_exactly(spec_factory, tmp_path):
+    """A training job with host workers draws each next step's batches a step ahead (``loop.draw_ahead``, for
+    ``read_first``) and saves the loader's state from before them: killed after a saved state and rerun, it ends
+    where the uninterrupted run does, and that run where the job without workers does (bit for bit)."""
+    from stem.train.loop import train
+    from killing import sigkill_after_state
+
+    def spec(name, **kw):
+        return spec_factory(tmp_path / name, steps=8, checkpoint_interval=4, tables="host", **kw)
+    plain, full = train(spec("plain"), threads=1), train(spec("full", host_workers=1), threads=1)
+    assert (full["last_step_loss"], full["final_val_loss"]) == (plain["last_step_loss"], plain["final_val_loss"])
+    killed = spec("killed", host_workers=1)
+    sigkill_after_state(killed, 4)
+    resumed = train(killed, threads=1)
+    assert (resumed["last_step_loss"], resumed["final_val_loss"]) == (full["last_step_loss"], full["final_val_loss"])
 
 
 def test_host_workers_overlap_a_training_jobs_update():
@@ -378,20 +448,125 @@ def test_row_sum_squares_is_the_fp64_sum_in_blocks(monkeypatch):
 
 def test_the_critical_path_model_counts_what_the_code_leaves_on_it():
     """``comms.host_path`` (docs/training.md, "The critical path"): as built, micro-batch 0's fetch, what the others'
-    prefetch does not fit in the previous forward (a third of its compute), the accumulation, clipping, the update and
-    the copies; host workers take the update off; a side stream (not built) leaves micro-batch 0's copy in, the last
-    one's out and the last accumulation; the host's bandwidth bounds the step from below either way."""
+    prefetch does not fit in the previous forward (a third of its compute), the device's accumulation and norm, the
+    update and the copies (every micro-batch's rows in, the step's rows out once); host workers take the update off; a
+    side stream (CUDA, untested) leaves micro-batch 0's copy in and the last of 5 tables' rows out; the host's
+    bandwidth bounds the step from below either way."""
     from stem.train import comms
-    sec = {"fetch": 0.4, "accumulate": 0.2, "clip": 0.05, "update": 0.5, "replay": 0.0}
-    host = {"seconds": sec, "total_s": sum(sec.values())}
-    built = comms.host_path(host, 0.6, 0.12, 4, False)
+    sec = {"fetch": 0.4, "update": 0.5, "replay": 0.0}
+    host = {"seconds": sec, "total_s": sum(sec.values()), "device_s": 0.01}
+    copies = {"in": 0.08, "out": 0.05}
+    built = comms.host_path(host, 0.6, copies, 4, False, tables=5)
     assert built["critical"] == pytest.approx({"fetch_first": 0.1, "fetch_recompute": 0.0, "fetch_ahead": 0.3 - 0.15,
-                                               "accumulate": 0.2, "clip": 0.05, "update": 0.5, "copies": 0.12})
-    assert built["step_s"] == pytest.approx(0.6 + 1.12)
-    workers = comms.host_path(host, 0.6, 0.12, 4, False, workers=True)
-    assert workers["critical"]["update"] == 0 and workers["step_s"] == pytest.approx(0.6 + 0.62)
-    side = comms.host_path(host, 0.6, 0.12, 4, False, workers=True, side_stream=True)
-    assert side["critical"]["copies"] == pytest.approx(0.03) and side["critical"]["accumulate"] == pytest.approx(0.05)
+                                               "device": 0.01, "update": 0.5, "update_wait": 0.0, "copies": 0.13})
+    assert built["step_s"] == pytest.approx(0.6 + 0.89)
+    workers = comms.host_path(host, 0.6, copies, 4, False, workers=True, tables=5)
+    assert workers["critical"]["update"] == 0 and workers["step_s"] == pytest.approx(0.6 + 0.39)
+    side = comms.host_path(host, 0.6, copies, 4, False, workers=True, side_stream=True, tables=5)
+    assert side["critical"]["copies"] == pytest.approx(0.02 + 0.01)
     assert side["step_s"] == pytest.approx(host["total_s"]) and host["total_s"] > 0.6 + side["critical_s"]   # bandwidth
-    ckpt = comms.host_path(host, 0.6, 0.12, 4, True)
+    ckpt = comms.host_path(host, 0.6, copies, 4, True, tables=5)
     assert ckpt["critical"]["fetch_recompute"] == pytest.approx(0.2) and ckpt["critical"]["fetch_first"] == pytest.approx(0.05)
+    side = comms.host_path(host, 0.6, copies, 4, True, workers=True, side_stream=True, tables=5)
+    assert side["critical"]["copies"] == pytest.approx(0.08 * (1 / 8 + 1 / 2) + 0.01)   # the recomputed forward's in
+
+
+def test_the_next_steps_wait_for_its_first_rows_update_is_modelled():
+    """``comms.first_read_wait`` (docs/training.md, "The critical path"): two tables read at 0 and half of a 0.1 s
+    forward, an update of 0.4 s (0.2 s a table) of which each read needs half (0.1 s), a 0.02 s fetch, one worker at half the
+    bandwidth. Those rows first (as built), the worker and the reader together at full bandwidth: the reads are
+    ready at 0.1 and 0.21 s (the update paused while the host fetches), the device waits 0.22 - 0.05 s, less the
+    fetch counted apart: 0.15 s. Session 15's order (the reader alone at half the bandwidth, the worker not yet at
+    the rows): 0.42 - 0.05 - 0.02 = 0.35 s. ``host_path`` puts it on the path with host workers only; the rehearsal's
+    1b/stem_sparse/pretrain reads the Zipf overlap of its next micro-batch with its step at the tables' blocks."""
+    from stem.train import comms
+    reads = {"share": 0.5, "layers": [0.0, 0.5], "threads": 1, "thread_share": 0.5, "first": True}
+    assert comms.first_read_wait(0.4, 0.02, 0.1, reads) == pytest.approx(0.15)
+    assert comms.first_read_wait(0.4, 0.02, 0.1, {**reads, "first": False}) == pytest.approx(0.35)
+    assert comms.first_read_wait(0.4, 0.02, 10.0, {**reads, "layers": [0.5, 0.9]}) == 0   # behind the forward
+    sec = {"fetch": 0.08, "update": 0.4, "replay": 0.0}
+    host = {"seconds": sec, "total_s": 0.48, "device_s": 0.0}
+    args = (host, 1.2, {"in": 0.0, "out": 0.0}, 4, False)
+    assert comms.host_path(*args, True, tables=2, reads=reads)["critical"]["update_wait"] == pytest.approx(0.15)
+    assert comms.host_path(*args, tables=2, reads=reads)["critical"]["update_wait"] == 0   # the update is critical
+    exp = C.experiment.load(REPO / "config" / "rehearsal.yaml")
+    r = memtrace.experiment_steps(exp, [("1b", "stem_sparse", "pretrain")])[0]
+    got = r["host"]["reads"]
+    seen, step = comms.zipf_seen(8192, 128256), comms.zipf_seen(32768, 128256)
+    assert got["share"] == pytest.approx(float((seen * step).sum() / step.sum())) and got["threads"] == 7
+    assert got["layers"] == [2 / 16, 5 / 16, 8 / 16, 11 / 16, 14 / 16]
+    paths = r["host"]["paths"]
+    assert paths["step_vs_compute_overlapped"]["critical"]["update_wait"] > 0
+    assert r["step_workers_unordered"] > r["step_vs_compute_overlapped"] > r["step_side_stream"]
+
+
+def _session14_scale(self, coef):
+    """Session 14's clipping of held rows: scaled in place, in a pass of their own (before the update's gather)."""
+    ids, rows = self.held_grad()
+    rows.mul_(coef.to(rows.device))
+
+
+@pytest.mark.parametrize("variant", ["stem", "stem_sparse"])
+def test_clippings_scale_in_the_updates_gather_is_the_in_place_scale_bit_for_bit(monkeypatch, variant):
+    """Issue 42's device-side lever: clipping records its coefficient for a host table's held rows
+    (``HostTable.scale_grad``) and the update multiplies each row by it as it gathers it (``_row_blocks``), with no
+    pass of its own: 4 steps with clipping active (0.05) end where scaling the rows in place (session 14's code) does,
+    bit for bit (the same fp32 products), lazy and row-sparse; the check can fail (no scale at all)."""
+    from stem.train.tables import HostTable
+    spec = _spec("host", variant, clip=0.05)
+    got = _weights(_train(spec, steps=4)[0])
+    monkeypatch.setattr(HostTable, "scale_grad", _session14_scale)
+    _close(_weights(_train(spec, steps=4)[0]), got, 0.0)
+    monkeypatch.setattr(HostTable, "scale_grad", lambda self, coef: None)
+    unscaled = _weights(_train(spec, steps=4)[0])
+    assert max((v - unscaled[k]).abs().max().item() for k, v in got.items()) > 1e-6
+
+
+@pytest.mark.parametrize("workers", [None, 1])
+def test_rows_accumulated_apart_from_the_host_train_bit_for_bit(monkeypatch, workers):
+    """The path a GPU takes (``StepRows`` with ``apart``: the step's rows accumulated on the lookup's device, the
+    weight's gradient an empty marker, clipping's norm on those rows, one copy of (ids, rows) to the host a step into
+    reused host buffers that alternate when an overlapped update keeps one), run on this CPU: 4 steps of lazy and
+    row-sparse host tables, clipping active, end where the rows accumulated on the host do, bit for bit (the same
+    arithmetic; only where the rows sit differs). The CUDA transfers themselves are not run here (no GPU)."""
+    from stem.train.tables import HostTable, StepRows
+    init, to_host = StepRows.__init__, StepRows.to_host
+    for variant in ("stem", "stem_sparse"):
+        spec = _spec("host", variant, clip=0.05, workers=workers)
+        ref = _weights(_train(spec, steps=4)[0])
+        monkeypatch.setattr(StepRows, "__init__", lambda self, w, device=None, apart=None: init(self, w, device, True))
+        monkeypatch.setattr(StepRows, "to_host", lambda self, lend=False: sent.append(self.sent) or to_host(self, lend))
+        sent = []
+        model, _, _, _ = got = _train(spec, steps=4)
+        assert sent and all(x is True for x in sent)   # sent by each table's last backward (``send_rows``)
+        tables = [m for m in model.modules() if isinstance(m, HostTable)]
+        assert tables and all(m.grad_rows.apart and m.grad_rows.copies[0] is not None for m in tables)
+        assert (workers is None) == all(m.grad_rows.copies[1] is None for m in tables)   # alternate when lent
+        _close(ref, _weights(got[0]), 0.0)
+        monkeypatch.setattr(StepRows, "__init__", init)
+        monkeypatch.setattr(StepRows, "to_host", to_host)
+
+
+def test_rows_apart_mark_the_step_and_copy_once_to_the_host():
+    """``StepRows`` apart from the host: the weight's gradient is an empty sparse marker of the step, the rows are read
+    where they are (``held``), clipping's coefficient waits for the update (``to_host``: the rows, unscaled, copied
+    into a host buffer, the coefficient beside them); a lent copy is kept and the next step's goes to the other."""
+    from stem.train.tables import StepRows
+    w = torch.nn.Parameter(torch.zeros(50, 4))
+    acc = StepRows(w, apart=True)
+    seen = []
+    for micro in _steps()[:3]:
+        w.grad = None
+        ref = torch.zeros(50, 4)
+        for ids in micro:
+            ids = ids.unique()
+            rows = torch.randn(ids.numel(), 4)
+            acc.accumulate(w, ids, rows)
+            ref.index_add_(0, ids, rows)
+        assert w.grad.is_sparse and w.grad._nnz() == 0 and acc.held(w.grad) is not None
+        acc.scale(torch.tensor(0.5))
+        ids, rows, coef = acc.to_host(lend=True)
+        assert rows.data_ptr() != acc.buf.data_ptr() and coef.item() == 0.5
+        assert torch.equal(torch.zeros(50, 4).index_add_(0, ids, rows), ref)
+        seen.append(rows.data_ptr())
+    assert seen[0] != seen[1] and seen[2] == seen[0]

@@ -6,17 +6,18 @@ its two AdamW moments and the replays' copies fit a 24 GB machine beside other w
 the real code for ``--steps`` steps of ``--accum`` micro-batches of ``--micro-tokens`` token ids drawn from a
 Zipf(1) law (``stem.train.comms.zipf_seen``'s; config/rehearsal.yaml's 1b/stem/pretrain as fitted: 4 x 8,192).
 Per micro-batch: the fetch (``_fetch``: unique ids, a lazy table's missed steps replayed for them, the rows
-gathered) and the gradient's accumulation (``HostLookup.backward``'s ``StepRows.accumulate``: the device's index_add
-left out); per step gradient clipping (``stem.train.distributed.clip_grad_norm_``: the rows' norm and their scaling,
-as a training step clips), the optimizer (``RowSparseAdamW.step``: the touched rows' AdamW update) and the zeroing;
+gathered) and the gradient's accumulation (``HostLookup.backward``'s ``StepRows.accumulate``: on a GPU the device's
+work, here this CPU's); per step gradient clipping (``stem.train.distributed.clip_grad_norm_``: the rows' norm, on a
+GPU the device's; its scale is the update's), the optimizer (``RowSparseAdamW.step``: the touched rows' AdamW update,
+each row scaled by clipping's coefficient as it is gathered) and the zeroing;
 at the end ``settle`` (a save: every row brought current), so that
 the replays are counted in full, amortised over the steps. Both updates: ``lazy`` (dense AdamW made lazy and
 exact, ``table_update: dense``) and ``sparse`` (row-sparse AdamW). Beside them the CPU's memory bandwidth,
 measured the same way (``c = a + b`` on 512 MB arrays, 3 x 4 B an element), to turn seconds into bytes of
-traffic per parameter: the factors the model extrapolates by a node's bandwidth. Each update runs with the gradient
-taken as accumulated by id (``HostTable.held_grad``, the code's: never coalesced) and, for comparison in the same run,
-as session 13's code took it (coalesced once a step, by clipping), timed in this thread's CPU seconds (the bandwidth
-too); the overlap's comparison in wall seconds.
+traffic per parameter: the factors the model extrapolates by a node's bandwidth. Each update runs with clipping's
+scale in the update's gather (``HostTable.scale_grad``, the code's) and, for comparison in the same run, as session
+14's code scaled (the held rows in place, a pass of their own in the clip phase), timed in this thread's CPU seconds
+(the bandwidth too); the overlap's comparison in wall seconds.
 """
 from __future__ import annotations
 
@@ -99,19 +100,27 @@ def _micro(m, w, ids, times: dict, device_s: float, now) -> int:
 
 
 def run(args, update: str, steps: list, workers: int | None = None, device_s: float = 0.0, cpu: bool = False,
-        coalesce: bool = False) -> dict:
+        inplace: bool = False) -> dict:
     """``steps`` (per step, its micro-batches' ids) on one host table under ``update`` (lazy | sparse), the update on
-    ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches); the gradient
-    taken as accumulated by id (``coalesce``: coalesced once a step by clipping, as session 13's code took it); timed
+    ``workers`` threads if given, each step's device work a wait of ``device_s`` (over its micro-batches); clipping's
+    scale in the update's gather (``inplace``: the rows scaled in place by clipping, as session 14's code did); timed
     in this thread's CPU seconds (``cpu``: a synchronous run on a loaded machine, where wall seconds count the other
     processes' turns) or wall seconds."""
-    return _run(args, update, steps, workers, device_s, time.thread_time if cpu else time.perf_counter, coalesce) | {
+    return _run(args, update, steps, workers, device_s, time.thread_time if cpu else time.perf_counter, inplace) | {
         "fused": adamw.FUSED_ROWS, "clock": "thread CPU" if cpu else "wall",
-        "gradient": "coalesced" if coalesce else "held"}
+        "scale": "in place" if inplace else "in the update's gather"}
 
 
-def _run(args, update: str, steps: list, workers: int | None, device_s: float, now, coalesce: bool = False) -> dict:
+def _scale_in_place(m, coef):
+    """Session 14's clipping of a host table's held rows: scaled in place, a pass of their own."""
+    rows = m.held_grad()[1]
+    rows.mul_(coef.to(rows.device))
+
+
+def _run(args, update: str, steps: list, workers: int | None, device_s: float, now, inplace: bool = False) -> dict:
     m, w, opt = _table(args, update, workers)
+    if inplace:
+        m.scale_grad = lambda coef: _scale_in_place(m, coef)
     ctx, replays = distributed.DistContext(), []
     if update == "lazy":   # counted as they run (LazyRows.replay returns the row-steps it replayed)
         lazy = opt.lazy[w]
@@ -124,8 +133,6 @@ def _run(args, update: str, steps: list, workers: int | None, device_s: float, n
         fetched += sum(_micro(m, w, ids, times, device_s / len(micro), now) for ids in micro)
         touched += w.grad._nnz()   # unique rows: the step's accumulation holds each id once
         t = now()
-        if coalesce:   # session 13's clipping: the gradient coalesced into a tensor of its own (held_grad: None)
-            w.grad = w.grad.coalesce()
         distributed.clip_grad_norm_(m, CLIP, ctx)
         t = _clock(times, "clip", t, now)
         opt.step()
@@ -170,7 +177,7 @@ def main(args):
     args.steps, args.accum, args.micro_tokens = args.host_steps, args.accum, args.host_micro_tokens
     steps = _draws(args, g)
     gbs = bandwidth_gbs()
-    before = {u: run(args, u, steps, cpu=True, coalesce=True) for u in ("sparse", "lazy")}
+    before = {u: run(args, u, steps, cpu=True, inplace=True) for u in ("sparse", "lazy")}
     runs = {u: run(args, u, steps, cpu=True) for u in ("sparse", "lazy")}
     device_s = runs["sparse"]["host_s_per_step"] if args.device_s is None else args.device_s
     overlap = [(run(args, u, steps, None, device_s), run(args, u, steps, args.workers, device_s)) for u in runs]
@@ -189,21 +196,21 @@ def _print(out: dict, args):
           f"{out['bandwidth_gbs']:.1f} GB/s, c = a + b): one {args.rows:,} x {args.width:,} fp32 table, "
           f"{args.steps} steps of {args.accum} x {args.micro_tokens:,} Zipf(1) ids, then a save (settle). Seconds per "
           "step; seconds per 1e9 parameters of what each phase touches.")
-    print("| update | gradient | touched rows / step | replayed row-steps / step | fetch | device | accumulate | clip | "
+    print("| update | clipping's scale | touched rows / step | replayed row-steps / step | fetch | device | accumulate | clip | "
           "update | zero | settle (per step) | total s / step | host s per 1e9 touched params |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in list(out["before_runs"].values()) + list(out["runs"].values()):
         s = r["seconds_per_step"]
         per = r["host_s_per_step"] / (r["touched_rows_per_step"] * r["width"]) * 1e9
-        print(f"| {r['update']} | {'coalesced once a step' if r['gradient'] == 'coalesced' else 'held by id'} | {r['touched_rows_per_step']:,.0f} | "
+        print(f"| {r['update']} | scaled {r['scale']} | {r['touched_rows_per_step']:,.0f} | "
               f"{r['replayed_row_steps_per_step']:,.0f} | " + " | ".join(f"{s[k]:.4f}" for k in PHASES)
               + f" | {r['total_s_per_step']:.4f} | {per:.2f} |")
-    for key, route in (("before_bytes_per_param", "coalesced once a step"), ("bytes_per_param", "held by id")):
+    for key, route in (("before_bytes_per_param", "scaled in place"), ("bytes_per_param", "scaled in the update's gather")):
         b = out[key]
         print(f"Traffic factors, {route} (s x {out['bandwidth_gbs']:.1f} GB/s / parameters): fetch {b['fetch_b']:.1f} + "
               f"accumulate {b['accumulate_b']:.1f} = {b['fetch_accumulate_b']:.1f} B a fetched parameter, clip {b['clip_b']:.1f} and update + zero "
               f"{b['update_b']:.1f} B a touched parameter, lazy replay {b['replay_b']:.1f} B a replayed parameter-step")
-    print("(stem.train.comms.HOST_BYTES_PER_PARAM states the held-by-id ones)")
+    print("(stem.train.comms.HOST_BYTES_PER_PARAM states the second: accumulate and clip are the device's on a GPU)")
 
 
 def _print_overlap(pairs: list, args):

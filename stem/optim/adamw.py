@@ -46,6 +46,7 @@ SETTLE_ROWS = 4096         # rows of a lazy table brought current at once by a s
 OVERLAP_ROWS = 1024        # rows of a host table's update a worker task carries (``RowSparseAdamW.overlap``)
 ROW_BLOCK_BYTES = 1 << 20  # bytes of a tensor's rows a fused row update gathers at once on a CPU (``_row_blocks``)
 FUSED_ROWS = True          # the row update through torch's fused AdamW kernel where this torch has it (``_adamw_block``)
+NORM_BLOCK_BYTES = 1 << 26  # bytes of a device's rows a norm squares at once (``row_sum_squares``; a CPU's: ROW_BLOCK_BYTES)
 FUSED_ALIGN = 64           # elements a CPU call of the fused kernel is a multiple of (its widest vector: no scalar tail)
 _FUSED = getattr(torch, "_fused_adamw_", None)   # private in torch (2.x); without it the unfused formula
 _local = threading.local()                       # each thread's row workspace (``_workspace``)
@@ -155,7 +156,8 @@ class RowSparseAdamW(torch.optim.AdamW):
         self.touched: dict = {}         # a row-sharded table's parameter -> its module (``take_touched``)
         self.held: dict = {}            # a host table's parameter -> its module (``held_grad``: rows held by id)
         self.pool = None                # ``overlap``'s workers
-        self.pending: dict = {}         # parameter -> (its update's rows, the futures of their chunks)
+        self.pending: dict = {}         # parameter -> its update (``PendingRows``)
+        self.first: dict = {}           # parameter -> the ids the next step reads first (``read_first``), in that order
 
     def track(self, module):
         """A table module announcing its reads (``register_read_hook``, ``row_update``: sparse | lazy): its
@@ -181,6 +183,12 @@ class RowSparseAdamW(torch.optim.AdamW):
         if workers < 1:
             raise ValueError(f"host update workers: {workers}; expected at least 1")
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="host-adamw")
+
+    def read_first(self, reads: list):
+        """The next step's first reads, ``[(table weight, host ids (unique))]`` in the order its forward reads them
+        (``stem.train.tables.first_reads``): with ``overlap``, this step's update takes those rows first, table by
+        table in that order (``PendingRows``' ``first``), then the others; the values do not depend on the order."""
+        self.first = {p: ids for p, ids in reads if p in self.tracked}
 
     def drain(self):
         """Every pending row update done (its errors raised here)."""
@@ -243,6 +251,13 @@ class RowSparseAdamW(torch.optim.AdamW):
                 p.grad = grad
         for group, p in sparse:
             self._row_step(group, p)
+        first, self.first = self.first, {}
+        if self.pending:   # the rows the next step reads first, in the order it reads them, then the others
+            for p in first:
+                if p in self.pending:
+                    self.pending[p].submit(self.pool, 0)
+            for rows in self.pending.values():
+                rows.submit(self.pool, 1)
         return loss
 
     def _row_step(self, group: dict, p: torch.Tensor):
@@ -256,7 +271,7 @@ class RowSparseAdamW(torch.optim.AdamW):
         local = [p, state["exp_avg"], state["exp_avg_sq"]]
         if p in self.touched:            # a row-sharded table: this rank's shard
             local = [x.to_local() for x in local]
-        rows, g, perm = self._grad_rows(p)
+        rows, g, perm, coef = self._grad_rows(p)
         lazy = self.lazy.get(p)
         if lazy is not None:             # its touched rows current before their update (read this step: they are)
             lazy.replay(p, state, rows)
@@ -268,40 +283,66 @@ class RowSparseAdamW(torch.optim.AdamW):
             lazy.hist[t] = (lr, wd, b1, b2, eps)
             lazy.last.index_fill_(0, rows, t)
         if self.pool is None or p not in self.tracked:
-            _adamw_rows(local, rows, g, t, lr, wd, b1, b2, eps, perm)
+            _adamw_rows(local, rows, g, t, lr, wd, b1, b2, eps, perm, coef)
             return
-        self.pending[p] = PendingRows(self.pool, local, rows, g, (t, lr, wd, b1, b2, eps), perm)
+        self.pending[p] = PendingRows(local, rows, g, (t, lr, wd, b1, b2, eps), perm, coef, self.first.get(p))
 
     def _grad_rows(self, p) -> tuple:
-        """(sorted row ids, gradient rows, None or the position in ``g`` of each id's row) of ``p``'s step: a row-sharded
-        table's rows asked of this rank (``take_touched``); a host table's rows held by id (``held_grad``: unique ids
-        in the order first seen, so only the ids are sorted and the update gathers each row from where it is, lent
-        when the update outlives the step); else the coalesced sparse gradient's; none for a lazy table not read."""
+        """(sorted row ids, gradient rows, None or the position in ``g`` of each id's row, None or clipping's coefficient
+        for them) of ``p``'s step: a row-sharded table's rows asked of this rank (``take_touched``); a host table's rows
+        held by id (``host_grad``: on the host, one copy a step from the lookup's device; unique ids in the order first
+        seen, so only the ids are sorted and the update gathers each row from where it is and scales it there by
+        clipping's coefficient, lent when the update outlives the step); else the coalesced sparse gradient's; none
+        for a lazy table not read."""
         if p in self.touched:
             rows = self.touched[p].take_touched()
-            return rows, p.grad.to_local().index_select(0, rows), None
+            return rows, p.grad.to_local().index_select(0, rows), None, None
         if p.grad is None:
-            return torch.zeros(0, dtype=torch.long, device=p.device), p.new_zeros(0, p.shape[1]), None
-        held = self.held[p].held_grad(lend=self.pool is not None) if p in self.held else None
+            return torch.zeros(0, dtype=torch.long, device=p.device), p.new_zeros(0, p.shape[1]), None, None
+        held = self.held[p].host_grad(lend=self.pool is not None) if p in self.held else None
         if held is not None:
-            ids, g = held
+            ids, g, coef = held
             rows, perm = ids.sort()
-            return rows, g, perm
+            return rows, g, perm, coef
         grad = p.grad.coalesce()
-        return grad.indices()[0], grad.values(), None
+        return grad.indices()[0], grad.values(), None, None
 
 
 class PendingRows:
     """One table's row update of a step off the critical path (``RowSparseAdamW.overlap``): its rows (sorted ids)
     in tasks of ``OVERLAP_ROWS``, each row updated once, by the worker that takes its task or by a read that needs
-    it before (``need``); a row's update is ``_adamw_rows``' whoever runs it, so the results are the same."""
+    it before (``need``); a row's update is ``_adamw_rows``' whoever runs it, so the results are the same, in any
+    order. ``first``: ids the next step's first micro-batch reads (``RowSparseAdamW.read_first``): those of its rows
+    make the first tasks (``parts``: the tasks of those, then the others'), so they are updated first."""
 
-    def __init__(self, pool, local: list, rows: torch.Tensor, g: torch.Tensor, hyper: tuple, perm=None):
-        self.local, self.rows, self.g, self.hyper, self.perm = local, rows, g, hyper, perm
+    def __init__(self, local: list, rows: torch.Tensor, g: torch.Tensor, hyper: tuple, perm=None, coef=None,
+                 first: torch.Tensor | None = None):
+        self.local, self.rows, self.g, self.hyper, self.perm, self.coef = local, rows, g, hyper, perm, coef
         self.todo = torch.ones(rows.numel(), dtype=torch.bool)   # not yet taken, by position
         self.lock = threading.Lock()
-        self.done = [threading.Event() for _ in range(0, rows.numel(), OVERLAP_ROWS)]
-        self.futures = [pool.submit(self._task, k) for k in range(len(self.done))]
+        head = self.positions(first) if first is not None else rows.new_zeros(0)
+        rest = torch.ones(rows.numel(), dtype=torch.bool)
+        rest[head] = False
+        chunks = [list(head.split(OVERLAP_ROWS)), list(rest.nonzero().flatten().split(OVERLAP_ROWS))]
+        self.tasks = chunks[0] + chunks[1]                   # positions, the first part's first
+        self.task_of = torch.empty(rows.numel(), dtype=torch.long)   # position -> its task
+        for k, pos in enumerate(self.tasks):
+            self.task_of[pos] = k
+        self.parts = (range(len(chunks[0])), range(len(chunks[0]), len(self.tasks)))
+        self.done = [threading.Event() for _ in self.tasks]
+        self.futures = []
+
+    def submit(self, pool, part: int | None = None):
+        """The tasks of ``parts[part]`` (None: all) to ``pool``'s workers, in their order."""
+        for k in range(len(self.tasks)) if part is None else self.parts[part]:
+            self.futures.append(pool.submit(self._task, k))
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """The positions in this update of those of ``ids`` (unique) it holds."""
+        if not self.rows.numel():
+            return self.rows.new_zeros(0)
+        pos = torch.searchsorted(self.rows, ids).clamp_(max=self.rows.numel() - 1)
+        return pos[self.rows[pos] == ids]
 
     def _take(self, pos: torch.Tensor) -> torch.Tensor:
         with self.lock:
@@ -313,23 +354,25 @@ class PendingRows:
     def _update(self, pos: torch.Tensor):
         if pos.numel():   # the gradient rows by position, or (held by id) gathered through ``perm``
             g, perm = (self.g[pos], None) if self.perm is None else (self.g, self.perm[pos])
-            _adamw_rows(self.local, self.rows[pos], g, *self.hyper, perm)
+            _adamw_rows(self.local, self.rows[pos], g, *self.hyper, perm, self.coef)
 
     def _task(self, k: int):
         try:
-            self._update(self._take(torch.arange(k * OVERLAP_ROWS, min((k + 1) * OVERLAP_ROWS, self.rows.numel()))))
+            self._update(self._take(self.tasks[k]))
         finally:
             self.done[k].set()
 
     def need(self, ids: torch.Tensor):
-        """Before ``ids`` (unique) are read: those of this update not yet taken updated here, then the tasks that
-        took the others waited for."""
-        if not self.rows.numel():
-            return
-        pos = torch.searchsorted(self.rows, ids).clamp_(max=self.rows.numel() - 1)
-        pos = pos[self.rows[pos] == ids]
-        self._update(self._take(pos))
-        for k in (pos // OVERLAP_ROWS).unique().tolist():
+        """Before ``ids`` (unique) are read: those of this update not yet taken updated here, ``OVERLAP_ROWS`` at a
+        time (the workers meanwhile take the other tasks, or skip what this took), then the tasks that took the
+        others waited for."""
+        pos = self.positions(ids)
+        theirs = torch.ones(pos.numel(), dtype=torch.bool)   # taken by a worker (not by this read)
+        for lo in range(0, pos.numel(), OVERLAP_ROWS):
+            mine = self._take(pos[lo:lo + OVERLAP_ROWS])
+            self._update(mine)
+            theirs[lo:lo + OVERLAP_ROWS] &= ~torch.isin(pos[lo:lo + OVERLAP_ROWS], mine)
+        for k in self.task_of[pos[theirs]].unique().tolist():
             self.done[k].wait()
 
     def wait(self):
@@ -337,22 +380,24 @@ class PendingRows:
             f.result()
 
 
-def _adamw_rows(local: list, rows, g, t: int, lr: float, wd: float, b1: float, b2: float, eps: float, perm=None):
+def _adamw_rows(local: list, rows, g, t: int, lr: float, wd: float, b1: float, b2: float, eps: float, perm=None,
+                coef=None):
     """torch's AdamW step ``t`` on ``rows`` of (param, exp_avg, exp_avg_sq) with their gradient rows ``g`` (``perm``:
-    row k's gradient is ``g[perm[k]]``), fused (``_row_blocks``): each block of rows gathered once into this thread's
-    workspace, updated in one pass, scattered once."""
-    for (w, m, v), rs, gs in _row_blocks(local, rows, g, perm):
+    row k's gradient is ``g[perm[k]]``, times clipping's ``coef`` if given), fused (``_row_blocks``): each block of
+    rows gathered once into this thread's workspace, updated in one pass, scattered once."""
+    for (w, m, v), rs, gs in _row_blocks(local, rows, g, perm, coef):
         _adamw_block(w, gs, m, v, t, lr, wd, b1, b2, eps)
         for x, y in zip(local, (w, m, v)):
             x.index_copy_(0, rs, y)
 
 
-def _row_blocks(local: list, rows, g=None, perm=None):
+def _row_blocks(local: list, rows, g=None, perm=None, coef=None):
     """((param, exp_avg, exp_avg_sq) rows, their ids, their gradient rows) of ``rows`` of ``local`` in blocks of
     ``block_rows``, gathered into this thread's workspace (``_workspace``): reused, so no allocation (whose page
     faults cost more than the update on a CPU) and, on a CPU, small enough to stay in its cache between the gather,
     the update and the scatter. ``perm``: the gradient rows are ``g[perm]``, gathered with the block (a host table's
-    rows held by id: ``RowSparseAdamW._grad_rows``)."""
+    rows held by id: ``RowSparseAdamW._grad_rows``) and multiplied there by clipping's ``coef`` if given (the product
+    clipping's in-place scale made before: the same values, with no pass of its own over the rows)."""
     n = block_rows(local[0])
     for lo in range(0, rows.numel(), n):
         rs = rows[lo:lo + n]
@@ -360,19 +405,21 @@ def _row_blocks(local: list, rows, g=None, perm=None):
         for x, y in zip(local, out):
             torch.index_select(x, 0, rs, out=y)
         if perm is not None:
-            yield out[:3], rs, torch.index_select(g, 0, perm[lo:lo + n], out=out[3])
+            gs = torch.index_select(g, 0, perm[lo:lo + n], out=out[3])
+            yield out[:3], rs, gs if coef is None else gs.mul_(coef)
         else:
             yield out, rs, None if g is None else g[lo:lo + n]
 
 
 def row_sum_squares(rows: torch.Tensor) -> torch.Tensor:
     """The sum of the squares of ``rows`` (fp32, as a 0-dim fp32 tensor), a block of ``block_rows`` at a time: each
-    block squared into this thread's workspace and summed, the blocks' sums added in fp64. Gradient clipping's norm of
-    a host table's rows (``stem.train.distributed``) without a tensor of all of them (``pow(2)`` makes one: on a CPU
+    block squared into this thread's workspace and summed, the blocks' sums added in fp64 (on a GPU, blocks of
+    ``NORM_BLOCK_BYTES``). Gradient clipping's norm of a host table's rows where they are accumulated (the lookup's
+    device; ``stem.train.distributed``) without a tensor of all of them (``pow(2)`` makes one: on a CPU
     its new pages cost ten times the sum) and as precise as torch's sum over them (a one-pass dot or
     ``vector_norm`` in fp32 was off by 3e-4 to 9e-4 at 12 million elements)."""
     total = torch.zeros((), dtype=torch.float64, device=rows.device)
-    n = block_rows(rows)
+    n = block_rows(rows) if rows.device.type == "cpu" else max(1, NORM_BLOCK_BYTES // max(1, rows.stride(0) * 4))
     for lo in range(0, rows.shape[0], n):
         x = rows[lo:lo + n]
         sq, = _workspace(rows, x.shape[0], 1, "squares")

@@ -37,9 +37,9 @@ Host tables' host side (``host_update``: fetches, gradient accumulation, row upd
 bytes of host memory traffic measured per parameter on a CPU (``HOST_BYTES_PER_PARAM``, ``python -m stem bench
 host``) over the node's stated host memory bandwidth; ``step_vs_compute`` adds it and the communication to the
 compute, none overlapped; ``host_path`` splits it into what the code puts on the step's critical path and what it
-hides (``step_as_built``; ``step_vs_compute_overlapped``: the row update on ``train.host_workers``; ``step_side_stream``:
-the copies on a side stream and the accumulation off the autograd thread, not built); ``fit_step_s`` ranks the
-layouts ``stem.train.memory.fit`` may choose by it.
+hides (``step_as_built``; ``step_vs_compute_overlapped``: the row update on ``train.host_workers``, the copies on the
+compute stream; ``step_side_stream``: with them on CUDA's side stream, built and untested: no GPU in these sessions);
+``fit_step_s`` ranks the layouts ``stem.train.memory.fit`` may choose by it (not by the untested side stream).
 """
 from __future__ import annotations
 
@@ -76,10 +76,12 @@ PCIE_GBS = 50.0           # host <-> GPU, one direction: PCIe 5.0 x16 (64 GB/s n
 # measured bandwidth: a micro-batch's fetch and gradient accumulation per fetched parameter, the optimizer's row
 # update and zeroing per touched parameter (the step's unique rows), a lazy table's replay per replayed
 # parameter-step. A node's time is these bytes over its bandwidth (config ``cluster.host_mem_gbs``, at most
-# ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``). Session 14's run: the gradient held by id, never
-# coalesced; clipping (the held rows' norm and scale) apart from the update, as it runs on the critical path.
+# ``cluster.train.<scale>.cpus`` x ``cluster.host_core_gbs``). Session 15's run: the gradient held by id, clipping's
+# scale in the update's gather; the accumulation and clipping's norm (``clip``) measured on the CPU, on a GPU the
+# device's (``host_update``'s ``device_seconds``, at ``DEVICE_MEM_GBS``).
+DEVICE_MEM_GBS = 3350.0   # a GPU's memory bandwidth (H100 SXM datasheet, HBM3): host tables' rows accumulated and normed there
 HOST_MEM_GBS = Layout.host_mem_gbs   # a node's host memory bandwidth: the config's default (cluster.host_mem_gbs)
-HOST_BYTES_PER_PARAM = {"fetch": 15.1, "accumulate": 17.3, "clip": 15.8, "update": 103.2, "replay": 28.9}
+HOST_BYTES_PER_PARAM = {"fetch": 15.4, "accumulate": 18.0, "clip": 10.6, "update": 102.4, "replay": 29.3}
 KINDS = ("backbone_all_gather", "backbone_reduce_scatter", "table_all_gather", "table_reduce_scatter",
          "row_sharded_lookup", "row_sparse_gather", "dp_all_reduce", "host_copy", "scalars")
 
@@ -229,50 +231,76 @@ def owner_imbalance(tokens, rows: int, world: int, micro_tokens: int) -> dict:
 
 
 def host_copy_bytes(model, plan: ParallelPlan) -> float:
-    """Bytes a step of host tables (``train.tables: host``, ``stem.train.tables``) moves over PCIe: each
-    micro-batch's unique rows of every host table to the GPU (fp32, as the host keeps them; again when a
-    checkpointed block recomputes its forward) and their gradients back (fp32); unique rows estimated as
-    ``expected_lookups``'s. The prefetch (one micro-batch ahead) hides the copies' latency, not their bytes."""
+    """Bytes a step of host tables (``train.tables: host``, ``stem.train.tables``) moves over PCIe (``host_copies``'
+    two directions)."""
+    return float(sum(host_copies(model, plan).values()))
+
+
+def step_unique_rows(model, plan: ParallelPlan, name: str) -> tuple[int, int]:
+    """(width, unique rows) of host table ``name`` over a whole step's tokens (``expected_lookups``' estimate)."""
+    step_plan = replace(plan, micro_batch=plan.micro_batch * plan.accum, accum=1)   # the step's tokens as one draw
+    (d, u, _), = expected_lookups(model, step_plan, (name,))
+    return d, u
+
+
+def host_copies(model, plan: ParallelPlan) -> dict:
+    """Bytes of a step of host tables over PCIe, by direction: ``in``, each micro-batch's unique rows of every host
+    table to the GPU (fp32, as the host keeps them; again when a checkpointed block recomputes its forward); ``out``,
+    the step's gradient rows back once a step (fp32, and their ids, 8 B a row: ``StepRows.to_host``; they are
+    accumulated on the GPU, not copied back per micro-batch). Unique rows estimated as ``expected_lookups``'s. The
+    prefetch (one micro-batch ahead) hides the copies' latency, not their bytes."""
     fwd = 2 if plan.activation_checkpointing else 1
-    return float(sum(4 * uniq * d * (fwd + 1) for d, uniq, _ in expected_lookups(model, plan, plan.host_tables)))
+    rows_in = sum(4 * uniq * d * fwd for d, uniq, _ in expected_lookups(model, plan, plan.host_tables))
+    rows_out = sum(u * (4 * d + 8) for d, u in (step_unique_rows(model, plan, n) for n in plan.host_tables))
+    return {"in": float(rows_in), "out": float(rows_out)}
 
 
-def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | None = None) -> dict:
+def host_update(model, plan: ParallelPlan, gbs: float, bytes_per_param: dict | None = None,
+                device_gbs: float = DEVICE_MEM_GBS) -> dict:
     """The host side of a step of host tables (``train.tables: host``) at ``gbs`` GB/s of host memory bandwidth
-    (``HOST_BYTES_PER_PARAM``): the micro-batches' fetches and gradient accumulation (fetched parameters: each
-    micro-batch's unique rows, again when a checkpointed block recomputes its forward), the row update and zeroing
-    (touched parameters: the step's unique rows; ``expected_lookups``' estimate, over the step's tokens), and for
-    a lazy table (``table_update: dense``) the replays: each of the V - u rows the step did not touch misses one
-    step, which its next read (or a save) replays, so in the steady state V - u row-steps a step."""
+    (``HOST_BYTES_PER_PARAM``): the micro-batches' fetches (fetched parameters: each micro-batch's unique rows, again
+    when a checkpointed block recomputes its forward), the row update with clipping's scale in its gather and the
+    zeroing (touched parameters: the step's unique rows; ``expected_lookups``' estimate, over the step's tokens), and
+    for a lazy table (``table_update: dense``) the replays: each of the V - u rows the step did not touch misses one
+    step, which its next read (or a save) replays, so in the steady state V - u row-steps a step. The gradient's
+    accumulation (per fetched parameter) and clipping's norm of the rows (per touched one) are the device's
+    (``StepRows`` on the lookup's device): ``device_seconds`` at ``device_gbs`` of device memory bandwidth, at the
+    factors measured on the CPU (an upper bound: a GPU's index_add and sum stream closer to their floor)."""
     b = bytes_per_param or HOST_BYTES_PER_PARAM
     fwd = 2 if plan.activation_checkpointing else 1
     fetched = touched = replayed = 0
-    step_plan = replace(plan, micro_batch=plan.micro_batch * plan.accum, accum=1)   # the step's tokens as one draw
     for name in plan.host_tables:
-        (d, u_step, _), = expected_lookups(model, step_plan, (name,))
+        d, u_step = step_unique_rows(model, plan, name)
         fetched += fwd * sum(u * d for d, u, _ in expected_lookups(model, plan, (name,)))
         touched += u_step * d
         if not plan.tables[name].sparse:   # a lazy table
             replayed += (model.get_submodule(name).weight.shape[0] - u_step) * d
-    traffic = {"fetch": fetched * b["fetch"], "accumulate": fetched * b["accumulate"], "clip": touched * b["clip"],
-               "update": touched * b["update"], "replay": replayed * b["replay"]}
+    traffic = {"fetch": fetched * b["fetch"], "update": touched * b["update"], "replay": replayed * b["replay"]}
+    device = {"accumulate": fetched * b["accumulate"], "norm": touched * b["clip"]}
     seconds = {k: v / (gbs * 1e9) for k, v in traffic.items()}
+    device_s = {k: v / (device_gbs * 1e9) for k, v in device.items()}
     return {"gbs": gbs, "fetched_params": fetched, "touched_params": touched, "replayed_param_steps": replayed,
-            "bytes": traffic, "seconds": seconds, "total_s": sum(seconds.values())}
+            "bytes": traffic, "seconds": seconds, "total_s": sum(seconds.values()), "device_gbs": device_gbs,
+            "device_bytes": device, "device_seconds": device_s, "device_s": sum(device_s.values())}
 
 
 def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixed_precision: bool = True,
                unique_rows: int | None = None, intra_gbs: float = INTRA_NODE_GBS, inter_gbs: float = INTER_NODE_GBS,
                mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, acct: dict | None = None,
-               pcie_gbs: float = PCIE_GBS, host_gbs: float = HOST_MEM_GBS, host_workers: int | None = None) -> dict:
+               pcie_gbs: float = PCIE_GBS, host_gbs: float = HOST_MEM_GBS, host_workers: int | None = None,
+               core_gbs: float = Layout.host_core_gbs) -> dict:
     """One step of ``model`` laid out as ``plan``: bytes per GPU by kind, the comm time at the link bandwidth the
     job's ring crosses (the host tables' copies at ``pcie_gbs``), the compute time at ``mfu`` of
     ``peak_tflops``, and their ratio; host tables' host side (``host_update``) at ``host_gbs`` of host memory
-    bandwidth, and the step (compute + comm + host side, none overlapped) over the compute; ``host_path``'s steps over
-    the compute: as the code runs (``step_as_built``), with the row update on ``host_workers`` threads
-    (``step_vs_compute_overlapped``, the figure the job runs at when ``train.host_workers`` is set) and, not built, with
-    the copies on a side stream (``step_side_stream``). ``unique_rows`` (row-sparse tables): default
-    ``zipf_unique`` of a rank's tokens a step; ``acct``: the model's accounting, if already at hand."""
+    bandwidth and the device's part of it (accumulation, norm), and the step (compute + comm + host side, none
+    overlapped) over the compute; ``host_path``'s steps over the compute: the copies on the compute stream
+    (``step_as_built``), with the row update on ``host_workers`` threads (``step_vs_compute_overlapped``, the figure
+    the fit weighs when ``train.host_workers`` is set) and with the copies on CUDA's side stream too
+    (``step_side_stream``: what a GPU job with host workers runs; untested, no GPU in these sessions); with host workers
+    the next step's first micro-batch waits for the update of its rows (``first_read_wait``: the update ordered as
+    built, its rows first; ``step_workers_unordered``: session 15's order, for comparison) at ``core_gbs`` a thread.
+    ``unique_rows`` (row-sparse tables): default ``zipf_unique`` of a rank's tokens a step; ``acct``: the model's
+    accounting, if already at hand."""
     w = plan.world
     if unique_rows is None and plan.row_sparse:
         unique_rows = zipf_unique(plan.accum // w * plan.micro_batch * seq_len, model.cfg.vocab_size)
@@ -288,50 +316,104 @@ def model_step(model, plan: ParallelPlan, seq_len: int, gpus_per_node: int, mixe
     compute_s = flops_per_token(acct or accounting(model), model.cfg, seq_len) * tokens_per_gpu / (mfu * peak_tflops * 1e12)
     comm_s = (total - by_kind["host_copy"]) / (gbs * 1e9) + by_kind["host_copy"] / (pcie_gbs * 1e9)
     host = host_update(model, plan, host_gbs) if plan.host_tables else None
-    paths = dict.fromkeys(("step_as_built", "step_vs_compute_overlapped", "step_side_stream"))
+    paths = dict.fromkeys(("step_as_built", "step_vs_compute_overlapped", "step_side_stream", "step_workers_unordered"))
     if host:
         host["workers"] = host_workers
-        args = (host, compute_s, comm_s, plan.accum, plan.activation_checkpointing)
-        paths = host["paths"] = {"step_as_built": host_path(*args), "step_vs_compute_overlapped": host_path(*args, True),
-                                 "step_side_stream": host_path(*args, True, True)}
+        copies = {k: v / (pcie_gbs * 1e9) for k, v in host_copies(model, plan).items()}
+        args = (host, compute_s, copies, plan.accum, plan.activation_checkpointing)
+        reads = host["reads"] = next_reads(model, plan, host_gbs, core_gbs, host_workers)
+        n = len(plan.host_tables)
+        paths = host["paths"] = {"step_as_built": host_path(*args, tables=n),
+                                 "step_vs_compute_overlapped": host_path(*args, True, tables=n, reads=reads),
+                                 "step_side_stream": host_path(*args, True, True, n, reads=reads),
+                                 "step_workers_unordered": host_path(*args, True, tables=n,
+                                                                     reads={**reads, "first": False})}
     return {"world": w, "nodes": nodes, "strategy": plan.strategy, "bytes_per_gpu": by_kind, "total_bytes": total,
             "table_bytes": sum(by_kind[k] for k in ("table_all_gather", "table_reduce_scatter", "row_sharded_lookup",
                                                     "row_sparse_gather")),
             "unique_rows": unique_rows if plan.row_sparse else None, "link_gbs": gbs if w > 1 else None,
             "comm_s": comm_s, "compute_s": compute_s, "mfu": mfu, "peak_tflops": peak_tflops,
             "intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "pcie_gbs": pcie_gbs,
-            "comm_compute_ratio": comm_s / compute_s, "host": host,
-            "step_vs_compute": (compute_s + comm_s + (host["total_s"] if host else 0.0)) / compute_s,
+            "comm_compute_ratio": comm_s / compute_s, "host": host, "core_gbs": core_gbs,
+            "step_vs_compute": (compute_s + comm_s + (host["total_s"] + host["device_s"] if host else 0.0)) / compute_s,
             **{k: (v["step_s"] if v else compute_s + comm_s) / compute_s for k, v in paths.items()}}
 
 
-def host_path(host: dict, compute_s: float, copies_s: float, micro: int, recompute: bool, workers: bool = False,
-              side_stream: bool = False) -> dict:
-    """Which of a host-table step's host seconds (``host_update``) and copies (``copies_s``) are on its critical path,
-    as ``stem.train.step`` runs it on a GPU (docs/training.md, "The critical path"), over ``micro`` micro-batches:
+def host_path(host: dict, compute_s: float, copies: dict, micro: int, recompute: bool, workers: bool = False,
+              side_stream: bool = False, tables: int = 1, reads: dict | None = None) -> dict:
+    """Which of a host-table step's host seconds (``host_update``), device seconds and copies (``copies``: seconds
+    ``in`` and ``out``) are on its critical path, as ``stem.train.step`` runs it on a GPU (docs/training.md, "The
+    critical path"), over ``micro`` micro-batches of ``tables`` host tables:
     - micro-batch 0's fetch (and a lazy table's replays of its rows): in its forward, the device waiting for them;
     - the other micro-batches' fetches (``prefetch``): on the host while the device runs the previous micro-batch's
       forward (a third of its compute), critical for what exceeds it; a checkpointed block's recomputed forward
       fetches its rows again, in backward: critical;
-    - the accumulation: ``HostLookup.backward`` on the autograd thread, after a blocking copy of the rows back, so the
-      device runs out of queued work: critical (``side_stream``: a host thread's, only the last micro-batch's);
-    - clipping (the held rows' norm and scale): critical, the update waits for the norm;
-    - the row update: critical, unless ``workers`` (``train.host_workers``: during the next step);
-    - the copies: queued on the compute stream, critical (``side_stream``, not built, CUDA only: micro-batch 0's rows
-      in and the last one's gradients out stay critical).
+    - the gradient's accumulation and clipping's norm of the rows: the device's (``StepRows`` on the GPU), on its
+      compute stream: critical (device seconds); clipping's scale is in the update's gather (no pass of its own);
+    - the row update: critical, unless ``workers`` (``train.host_workers``: during the next step); then the next
+      step's first micro-batch waits for the update of the rows it reads (``reads``: ``first_read_wait``);
+    - the copies: queued on the compute stream, critical: every micro-batch's rows in and the step's rows out, once
+      (``side_stream``: CUDA only, untested: micro-batch 0's rows in, a recomputed forward's, and the last table's
+      rows out: each table's rows go out as its last backward ends, during the others').
     The host's memory bandwidth bounds the step too: all its host seconds fit in it. Returns the critical seconds by
     part and ``step_s`` = max(compute + critical, host seconds)."""
     s, fwd = host["seconds"], 2 if recompute else 1
     read = s["fetch"] + s["replay"]
     first = read / fwd / micro
     window = compute_s / 3 * (micro - 1) / micro
+    rows_in = copies["in"] * (1 / (fwd * micro) + (fwd - 1) / fwd) if side_stream else copies["in"]
     crit = {"fetch_first": first, "fetch_recompute": read * (fwd - 1) / fwd,
-            "fetch_ahead": max(0.0, read / fwd - first - window),
-            "accumulate": s["accumulate"] / micro if side_stream else s["accumulate"], "clip": s["clip"],
+            "fetch_ahead": max(0.0, read / fwd - first - window), "device": host["device_s"],
             "update": 0.0 if workers else s["update"],
-            "copies": copies_s * 2 / ((fwd + 1) * micro) if side_stream else copies_s}
+            "update_wait": first_read_wait(s["update"], first, compute_s / micro / 3, reads) if workers and reads else 0.0,
+            "copies": rows_in + (copies["out"] / max(tables, 1) if side_stream else copies["out"])}
     return {"critical": crit, "critical_s": sum(crit.values()),
             "step_s": max(compute_s + sum(crit.values()), host["total_s"])}
+
+
+def next_reads(model, plan: ParallelPlan, host_gbs: float, core_gbs: float, workers: int | None) -> dict:
+    """What the next step's first micro-batch reads of a step's host-table update (``first_read_wait``): ``share``, the
+    step's touched rows it reads (Zipf: sum over ids of P(in its micro-batch) x P(in the step), over the step's
+    unique ids); ``layers``, each host table's place in the forward (its block's index over the blocks, in the
+    forward's order); ``threads``, the update's workers (``train.host_workers``; not set: enough that they and the
+    reading thread fill the node's bandwidth); ``thread_share``, one thread's part of that bandwidth (``core_gbs`` over
+    ``host_gbs``); ``first``: the update takes those rows first (as built), else table by table in id order."""
+    vocab, n = model.cfg.vocab_size, plan.micro_batch * plan.seq_len
+    seen_mb, seen_step = zipf_seen(n, vocab), zipf_seen(n * plan.accum, vocab)
+    share = float((seen_mb * seen_step).sum() / seen_step.sum())
+    blocks = {id(m): i for i, b in enumerate(model.layers) for m in b.modules()}
+    layers = sorted(blocks.get(id(model.get_submodule(t)), 0) / len(model.layers) for t in plan.host_tables)
+    threads = workers or max(1, math.ceil(host_gbs / core_gbs) - 1)
+    return {"share": share, "layers": layers, "threads": threads, "thread_share": min(1.0, core_gbs / host_gbs),
+            "first": True}
+
+
+def first_read_wait(update_s: float, fetch_s: float, forward_s: float, reads: dict) -> float:
+    """Seconds the next step's first micro-batch's reads stall the device beyond its own fetch (``fetch_s``, counted
+    apart) while the row update of this step (``update_s`` at the node's bandwidth, tables of equal size) runs on
+    host workers (``PendingRows``). Its forward reads table k after ``layers[k]`` of its forward (``forward_s``) on
+    the device; the host reaches each read at once (it only queues the device's work) and waits there for the
+    update of that table's rows it reads (``reads['share']`` of the table's update), then fetches (``fetch_s`` over
+    the tables). As built (``first``): the workers and the reading thread update those rows first, table by table
+    in the forward's order, at min(node, (threads + 1) x one thread's bandwidth); session 15's order: the workers
+    sweep the tables in order, their rows in id order (those read spread over it), at min(node, threads x one
+    thread's, less the reading thread's share), and a read updates on its own thread those of its rows not yet swept.
+    The update does not progress while the host fetches (the same bandwidth). The device runs its forward up to
+    each read, then waits for the rows."""
+    tables, share, one = len(reads["layers"]), reads["share"], reads["thread_share"]
+    per_table, need, fetch = update_s / tables, share * update_s / tables, fetch_s / tables
+    sweep, together = min(1.0, reads["threads"] * one), min(1.0, (reads["threads"] + 1) * one)
+    host = device = fetched = last = 0.0   # fetched: the host's seconds of fetching so far (no update meanwhile)
+    for k, at in enumerate(reads["layers"]):
+        if reads["first"]:
+            host = max(host, fetched + need * (k + 1) / together)
+        else:   # the workers' sweep shares the bandwidth with the reading thread
+            swept = min(1.0, max(0.0, ((host - fetched) * min(sweep, 1 - one) - k * per_table) / per_table))
+            host += need * (1 - swept) / one
+        host, fetched = host + fetch, fetched + fetch
+        device = max(device + (at - last) * forward_s, host)
+        last = at
+    return max(0.0, device - last * forward_s - fetch_s)
 
 
 CKPT_RECOMPUTE = 1 / 3   # activation checkpointing's recomputed forward, of a step's compute (forward 1 of 3)
@@ -362,10 +444,12 @@ def describe(r: dict) -> str:
         host_side = "" if not h else (
             f"; host side {h['total_s']:.3g} s at {h['gbs']:g} GB/s ("
             + ", ".join(f"{k} {v:.3g}" for k, v in h["seconds"].items())
+            + f"), on the device {h['device_s']:.3g} s at {h['device_gbs']:g} GB/s ("
+            + ", ".join(f"{k} {v:.3g}" for k, v in h["device_seconds"].items())
             + f"): step / compute {r['step_vs_compute']:.2f} not overlapped, {r['step_as_built']:.2f} as built "
             f"(the prefetch), {r['step_vs_compute_overlapped']:.2f} with the row update on host workers "
-            f"(train.host_workers: {h['workers'] or 'not set'}), {r['step_side_stream']:.2f} with the copies on a side "
-            f"stream (not built)")
+            f"(train.host_workers: {h['workers'] or 'not set'}), {r['step_side_stream']:.2f} with host workers and the copies on "
+            f"CUDA's side stream (built, untested: no GPU in these sessions)")
         return (f"communication per step: {copies} (world 1); compute {r['compute_s']:.3g} s at {r['mfu']:.0%} MFU: "
                 f"comm/compute {r['comm_compute_ratio']:.2f}{host_side}")
     kinds = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in r["bytes_per_gpu"].items() if v)
@@ -427,8 +511,8 @@ def host_bandwidth(layout: Layout, job=None, cores: int | None = None) -> float:
 
 def _step_cell(r: dict) -> str:
     """The step/compute cell: not overlapped; for host tables also as built (the prefetch), with the row update on
-    host workers (the figure the job runs at when ``train.host_workers`` is set) and with the copies on a side
-    stream (not built): ``model_step``, ``host_path``."""
+    host workers with the copies on the compute stream and with them on CUDA's side stream (the code on a GPU,
+    untested: no GPU in these sessions): ``model_step``, ``host_path``."""
     h = r.get("host")
     if not h:
         return f"{r['step_vs_compute']:.2f}"

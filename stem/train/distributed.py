@@ -218,17 +218,20 @@ def _coalesce_sparse(params):
 def _clip_with_sparse(params, max_norm: float, held: dict) -> torch.Tensor:
     """Single process, some gradients row-sparse: the L2 norm over the dense gradients and the sparse ones'
     rows (a row absent from a sparse gradient is zero), then torch's clipping coefficient on both. ``held``: host
-    tables' rows held by id (``tables.held_rows``: each id once, not coalesced), their squares summed a block at a
-    time (``row_sum_squares``: no tensor of the step's rows made) and scaled in place."""
+    tables' rows held by id (``tables.held_rows``: each id once, not coalesced, on the lookup's device), their squares
+    summed where they are, a block at a time (``row_sum_squares``: no tensor of the step's rows made); their scale is
+    the update's, applied as it gathers them (``HostTable.scale_grad``: no pass of its own)."""
     dense = [p for p in params if not p.grad.is_sparse]
     sparse = [p.grad.values() for p in params if p.grad.is_sparse and p not in held]
     sq = torch.nn.utils.get_total_norm([p.grad for p in dense]).float().pow(2) if dense else torch.zeros(())
     sq = sq + sum(g.float().pow(2).sum() for g in sparse)
-    total = (sq + sum(row_sum_squares(rows).to(sq.device) for _, rows in held.values())).sqrt()
+    total = (sq + sum(row_sum_squares(rows).to(sq.device) for _, rows, _ in held.values())).sqrt()
     torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in sparse + [rows for _, rows in held.values()]:
+    for g in sparse:
         g.mul_(coef.to(g.device))
+    for _, rows, table in held.values():
+        table.scale_grad(coef.to(rows.device))
     return total
 
 

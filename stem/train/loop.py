@@ -109,6 +109,8 @@ class Run:
     wall_before: float = 0.0    # wall time of the attempts before a resume
     val_loss: float = float("nan")
     loss: float = float("nan")  # the last step's training loss
+    ahead: list | None = None   # the next step's batches, drawn a step ahead (``draw_ahead``)
+    loader_state: dict | None = None   # the loader's state before they were drawn: what a save records
 
     @property
     def out_dir(self) -> Path:
@@ -272,6 +274,19 @@ def discard_stale_state(run: Run):
         return
 
 
+def draw_ahead(run: Run, last: int):
+    """Host tables with their update on workers (``train.host_workers``): the next step's batches drawn now (kept in
+    ``run.ahead``, the loader's state before them in ``run.loader_state`` for a save), so that this step's update
+    takes first the rows the next step's first micro-batch reads (``train_step``'s ``next_ids``: returned); None
+    otherwise and at the last step of ``last``, so no batch is drawn beyond it."""
+    run.ahead = run.loader_state = None
+    if not (run.plan.host_tables and run.spec.train.host_workers) or run.step + 1 >= last:
+        return None
+    run.loader_state = run.loader.state_dict()
+    run.ahead = [run.loader.next_batch() for _ in range(run.plan.accum)]
+    return run.ahead[run.ctx.rank][0]
+
+
 def train_steps(run: Run, stop: dict, last: int):
     """Steps until ``last``: one optimizer step, its metrics row, evaluation and state on their intervals. A
     stop signal ends it after the step in flight, state saved (lifecycle.Stopped)."""
@@ -281,11 +296,11 @@ def train_steps(run: Run, stop: dict, last: int):
         while run.step < last:
             t_step = time.time()
             lr = get_lr(run.step, **tc.lr_schedule())
-            batches = [run.loader.next_batch() for _ in range(run.plan.accum)]  # every rank draws the global stream
+            batches = run.ahead or [run.loader.next_batch() for _ in range(run.plan.accum)]  # every rank: the global stream
             aux = {}
             try:
                 loss, grad_norm = train_step(run.model, run.opt, batches, ctx, run.autocast, lr, spec.optim.grad_clip,
-                                             run.step, metrics=aux)
+                                             run.step, metrics=aux, next_ids=draw_ahead(run, last))
             except TrainingError as e:
                 raise TrainingError(f"[{run.out_dir}] {e}") from None
             if aux:   # a model with auxiliary losses (routed MoE): "loss" is the cross-entropy, "aux_loss" the rest
@@ -313,7 +328,7 @@ def train_steps(run: Run, stop: dict, last: int):
 
 def save_state(run: Run):
     distributed.save_state(run.state_dir, run.step, run.model, run.opt,
-                           {"loader": run.loader.state_dict(), "val_loss": run.val_loss,
+                           {"loader": run.loader_state or run.loader.state_dict(), "val_loss": run.val_loss,
                             "wall_seconds": run.wall_seconds(),
                             "spec_sha256": provenance.spec_hash(run.spec.to_dict())}, run.ctx)
 

@@ -70,15 +70,31 @@ def estimate(model, plan: ParallelPlan) -> dict:
            "world": world, "strategy": strategy, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
            "activation_checkpointing": act_ckpt, "total_params": sum(p.numel() for p in model.parameters()),
            "sharded_table_params": n_leaf, "replicated_table_params": n_rep, "host_table_params": sum(p.numel() for p in model.parameters() if id(p) in host)}
+    out["host_rows_gib"] = host_device_bytes(model, plan) / GIB
     out["total_gib"] = sum(out[k] for k in ("params_gib", "grads_gib", "optimizer_gib", "gathered_bf16_gib",
-                                            "activations_gib", "logits_gib"))
+                                            "activations_gib", "logits_gib", "host_rows_gib"))
     return out
+
+
+def host_device_bytes(model, plan: ParallelPlan) -> int:
+    """Device memory of host tables' step rows (``stem.train.tables.StepRows``: a step's gradient accumulated on the
+    GPU): the step's unique rows x width x 4 B (its 1/16 spare not counted), their ids (8 B a row) and the slot map
+    (8 B a table row); unique rows ``stem.train.comms.step_unique_rows``' Zipf estimate. 0 without host tables."""
+    if not plan.host_tables:
+        return 0
+    from stem.train import comms   # imports torch; this module is imported by the DAG build (tests/test_dag_light.py)
+    total = 0
+    for name in plan.host_tables:
+        d, u = comms.step_unique_rows(model, plan, name)
+        total += u * (4 * d + 8) + 8 * model.get_submodule(name).weight.shape[0]
+    return total
 
 
 def host_estimate(model, plan: ParallelPlan, touched_params: int, fetched_params: int) -> dict:
     """Host memory of a job's host tables (``train.tables: host``), bytes: their weights and two AdamW moments (12 B
-    a table parameter), the step's gradient kept as its touched rows (``touched_params``: the step's unique rows x
-    width, 4 B each, twice while an accumulation coalesces), the rows fetched for a micro-batch and for the next
+    a table parameter), the step's gradient rows on the host (``touched_params``: the step's unique rows x width, 4 B
+    each, twice: the host copies ``StepRows.to_host`` makes from the GPU's, two while an overlapped update keeps one;
+    on a CPU the accumulation's two buffers), the rows fetched for a micro-batch and for the next
     one (``fetched_params``: a step's, over its micro-batches), a lazy table's step of each row (8 B a row). The
     dense gradient the tables had before (4 B a table parameter) is no longer held: ``dense_grad``."""
     tables = [model.get_submodule(n).weight for n in plan.host_tables]
@@ -94,7 +110,8 @@ def describe(e: dict) -> str:
             f"{e['seq_len']}{', act. ckpt' if e['activation_checkpointing'] else ''}): {e['total_gib']:.1f} GiB = "
             f"params {e['params_gib']:.2f} + grads {e['grads_gib']:.2f} + optimizer {e['optimizer_gib']:.2f} + "
             f"gathered bf16 {e['gathered_bf16_gib']:.2f} + activations {e['activations_gib']:.2f} + "
-            f"loss {e['logits_gib']:.2f}")
+            f"loss {e['logits_gib']:.2f}" + (f" + host tables' step rows {e['host_rows_gib']:.2f}"
+                                              if e.get("host_rows_gib") else ""))
 
 
 # ----------------------------------------------------------------------------- fitting a job to its GPU

@@ -140,9 +140,9 @@ def _laid_out(cfg, plan: ParallelPlan, ctx, mixed_precision: bool):
     return model, tables, host
 
 
-def _peak_parts(peak: dict, tables, host) -> dict:
+def _peak_parts(peak: dict, tables, host, step_rows: int = 0) -> dict:
     """The tracker's peak snapshot as {category: bytes} (with ``Total``), corrected for what it does not see
-    or what is not on the GPU."""
+    or what is not on the GPU (``step_rows``: host tables' step rows on the GPU, ``memory.host_device_bytes``)."""
     parts: dict = {}
     for snap in peak.values():   # one device
         for k, v in snap.items():
@@ -160,6 +160,12 @@ def _peak_parts(peak: dict, tables, host) -> dict:
     if off:
         parts["Host tables (off the GPU)"] = -off
         parts["Total"] -= off
+    # their step's gradient rows, accumulated on the GPU (``StepRows``) and held from the first backward through the
+    # update (the buffer is reused from step to step, so at every peak): the trace takes the dense-gradient bound
+    # path (``HostTable.for_trace``: the rows' count is data), which puts nothing on the device
+    if step_rows:
+        parts["Host tables' step rows (on the GPU)"] = step_rows
+        parts["Total"] += step_rows
     # the row-sharded tables (outside FSDP) it does see: their shards through the lookup's to_local() (as "Temp",
     # from their first forward on), their gradients (made in backward) and their moments (the optimizer's)
     return parts
@@ -197,7 +203,7 @@ def trace(spec: TrainSpec, plan: ParallelPlan, mixed_precision: bool = True) -> 
                             counts=[x.numel()] * len(batches),
                             on_backward=tracker.reset_mod_stats)   # the tracker refuses a second root forward otherwise
         peak = tracker.get_tracker_snapshot("peak")
-    parts = _peak_parts(peak, tables, host)
+    parts = _peak_parts(peak, tables, host, memory.host_device_bytes(model, plan))
     return {"peak_gib": parts.pop("Total") / GIB, "parts_gib": {k: v / GIB for k, v in parts.items() if v},
             "world": plan.world, "strategy": plan.strategy, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
             "micro_batches_traced": n_micro, "activation_checkpointing": model.activation_checkpointing}

@@ -8,7 +8,7 @@ import math
 from stem.optim.adamw import set_lr
 from stem.train import distributed
 from stem.train.plan import ParallelPlan
-from stem.train.tables import prefetch
+from stem.train.tables import first_reads, prefetch, send_rows
 
 
 class TrainingError(RuntimeError):
@@ -39,7 +39,8 @@ def accumulate_gradients(model, batches, ctx, device, autocast, step: int = 0, c
     holds, so no collective is needed before backward (``counts`` gives them instead: the memory trace's
     fake tensors hold no values). Under FSDP every backward reduce-scatters its gradients, so they stay
     sharded between micro-batches (stem.train.memtrace traces that peak). Host tables fetch the next
-    micro-batch's rows between this one's forward and backward (``stem.train.tables.prefetch``).
+    micro-batch's rows between this one's forward and backward (``stem.train.tables.prefetch``) and send their step's
+    gradient rows to the host during the last backward (``send_rows``).
     ``on_backward()`` runs after each micro-batch's backward (the memory tracker's bookkeeping)."""
     counts = [int((y != -1).sum()) for _, y, _ in batches] if counts is None else counts
     total = sum(counts)
@@ -78,22 +79,30 @@ def _to(batch, device) -> tuple:
 
 
 def _prefetch(model, ahead):
-    """Host tables (``train.tables: host``): the next micro-batch's rows, fetched while this one's backward runs."""
+    """Host tables (``train.tables: host``): the next micro-batch's rows, fetched while this one's backward runs; before
+    the step's last backward, each table's rows sent to the host as soon as that backward has added them
+    (``send_rows``)."""
     if ahead is not None:
         prefetch(model, ahead[0])
+    else:
+        send_rows(model)
 
 
 def train_step(model, opt, batches, ctx, autocast, lr: float, grad_clip: float | None, step: int = 0,
-               counts=None, on_backward=None, metrics: dict | None = None):
+               counts=None, on_backward=None, metrics: dict | None = None, next_ids=None):
     """One optimizer step at learning rate ``lr``: gradients of the step's token-mean loss (above), averaged
     over replicas and clipped to ``grad_clip`` (global L2 norm; None: no clipping), then the update.
-    Returns (training loss, gradient norm before clipping); ``metrics``: as ``accumulate_gradients``."""
+    Returns (training loss, gradient norm before clipping); ``metrics``: as ``accumulate_gradients``.
+    ``next_ids``: the token ids of this rank's first micro-batch of the next step, if drawn: host tables' update on
+    workers (``train.host_workers``) takes the rows it reads first (``RowSparseAdamW.read_first``)."""
     set_lr(opt, lr)
     loss = accumulate_gradients(model, batches, ctx, ctx.device, autocast, step, counts, on_backward, metrics)
     if not math.isfinite(loss):
         raise TrainingError(f"non-finite training loss {loss} at step {step} (lr={lr:.3g})")
     distributed.sync_replicated_grads(model, ctx)
     grad_norm = distributed.clip_grad_norm_(model, grad_clip or float("inf"), ctx)
+    if next_ids is not None and hasattr(opt, "read_first"):
+        opt.read_first(first_reads(model, next_ids))
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, grad_norm

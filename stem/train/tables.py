@@ -230,14 +230,15 @@ def logical_full(model, msd: dict | None = None, osd: dict | None = None, invers
 
 # ----------------------------------------------------------------------------- host tables
 
-def _fetch(m, ids, bound: bool = False, slot: str = "direct") -> tuple:
+def _fetch(m, ids, bound: bool = False, slot: str = "direct", stream=None) -> tuple:
     """(inverse, host ids, rows on ``ids``' device) of host table ``m``'s lookup of ``ids``: the unique ids' rows,
     brought current first (``m.before_read``: a lazy table's missed steps), gathered on the host and copied to the
     device (pinned, non-blocking on CUDA: queued on the current stream, so the host's gather of the next
     micro-batch overlaps the device's work on this one). The gather goes into a reused buffer per ``slot``
     (``HostTable.fetch_buffer``: ``ahead`` for ``prefetch``, ``direct`` for a forward's own fetch, so a recomputed forward
     does not overwrite the rows fetched ahead); a forward reads its rows before the same slot is fetched again (on
-    a CPU they are the buffer itself; on CUDA ``pin_memory`` copies them out first)."""
+    a CPU they are the buffer itself; on CUDA ``pin_memory`` copies them out first). ``stream``: CUDA, the copy on
+    that side stream instead (``prefetch``; untested here: no GPU in these sessions)."""
     if bound:   # the memory trace (as RowShardedLookup's): every id distinct
         uniq, inverse = ids.reshape(-1), torch.arange(ids.numel(), device=ids.device)
     else:
@@ -251,15 +252,44 @@ def _fetch(m, ids, bound: bool = False, slot: str = "direct") -> tuple:
         rows = torch.index_select(w, 0, host_ids, out=m.fetch_buffer(slot, host_ids.numel()))
     if ids.device.type == "cuda":
         rows = rows.pin_memory()
-    return inverse, host_ids, rows.to(ids.device, non_blocking=True)
+    if stream is None:
+        return inverse, host_ids, rows.to(ids.device, non_blocking=True)
+    with torch.cuda.stream(stream):
+        return inverse, host_ids, rows.to(ids.device, non_blocking=True)
+
+
+_SIDE: dict = {}   # device -> its side stream for host tables' copies (``side_stream``)
+
+
+def side_stream(device: torch.device):
+    """CUDA only (untested here: no GPU in these sessions): the device's side stream for host tables' copies, the next
+    micro-batch's rows in (``prefetch``) and the step's rows out (``StepRows.send``), off the compute stream; None
+    elsewhere (a CPU: the copies are no copies)."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
+def _ready(stream, rows):
+    """CUDA: ``rows`` copied on side ``stream`` are used on the compute stream (their memory kept for it) once the
+    event returned has passed; None without a side stream."""
+    if stream is None:
+        return None
+    rows.record_stream(torch.cuda.current_stream(rows.device))
+    done = torch.cuda.Event()
+    done.record(stream)
+    return done
 
 
 class HostLookup(torch.autograd.Function):
     """``weight[ids]`` of a table in host memory for ``ids`` on the device: the micro-batch's unique rows are copied
-    to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward returns each
-    unique row's summed gradient, copied back, as the table's gradient: (unique ids, rows), accumulated by id into
-    the step's (``table``: the ``HostTable``, ``StepRows``: each id once, never coalesced), never a dense
-    table-sized one (``table`` None: the memory trace's upper bound, a dense host gradient); autograd gets none."""
+    to the device (``_fetch``; ``fetched``: already, one micro-batch ahead, ``prefetch``); backward adds each unique
+    row's summed gradient into the step's, accumulated by id on the device (``table``: the ``HostTable``,
+    ``StepRows``: each id once, never coalesced, no copy back per micro-batch; the step's last backward sends them to
+    the host, ``send_rows``), never a dense table-sized one (``table`` None: the memory trace's upper bound, a dense
+    host gradient, copied back); autograd gets none."""
 
     @staticmethod
     def forward(ctx, weight, ids, fetched, table=None):
@@ -273,42 +303,58 @@ class HostLookup(torch.autograd.Function):
         inverse, host_ids = ctx.saved_tensors
         weight, d = ctx.weight, grad_out.shape[-1]
         rows = grad_out.new_zeros(ctx.n_uniq, d, dtype=weight.dtype).index_add_(0, inverse, grad_out.reshape(-1, d).to(weight.dtype))
-        rows = rows.to(weight.device)
         if ctx.table is None:
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
-            weight.grad.index_add_(0, host_ids, rows)
+            weight.grad.index_add_(0, host_ids, rows.to(weight.device))
             return None, None, None, None
-        ctx.table.step_rows().accumulate(weight, host_ids, rows)
+        # accumulated where the rows are (the lookup's device): no copy back per micro-batch (``StepRows``)
+        acc = ctx.table.step_rows(rows.device)
+        acc.accumulate(weight, host_ids.to(rows.device, non_blocking=True), rows)
+        if ctx.table.send_next:   # the step's last micro-batch: this table's rows are final (``send_rows``)
+            ctx.table.send_next = False
+            acc.send()
         return None, None, None, None
 
 
 class StepRows:
-    """A host table's gradient over one step's micro-batches, accumulated by id: each id's slot in a buffer of the
-    step's rows (``slot``: -1 for an id not yet seen), a new id's slot zeroed, each micro-batch's rows added into
-    their slots by one ``index_add_`` (12 B a fetched parameter, instead of a sparse sum coalesced after every
-    micro-batch: issue 42). The gradient handed out is a sparse COO tensor over the buffer, ids in the order first
-    seen, each once, marked not coalesced; it is never coalesced: clipping and the optimizer take its (ids, rows) as
-    they are (``held``; the update gathers the rows in the ids' sorted order, ``stem.optim.adamw``), so a step makes
-    no tensor of its rows. The buffer is reused from step to step (a new step: the weight's gradient None); one lent
-    to an update that outlives the step (``lend``: ``RowSparseAdamW.overlap``'s) is kept for it, and the next step
-    accumulates into a second one (the two alternate). Each row's sum is the micro-batches' in their order, as the
-    sparse sums' were: the same values, bit for bit (``tests/test_host_tables.py``)."""
+    """A host table's gradient over one step's micro-batches, accumulated by id on the lookup's device (``device``: where
+    the rows' gradients are, the GPU; the host itself on a CPU): each id's slot in a buffer of the step's rows
+    (``slot``: -1 for an id not yet seen), a new id's slot zeroed, each micro-batch's rows added into their slots by
+    one ``index_add_`` (no copy back to the host per micro-batch, no host pass: issue 42). Clipping's norm reads
+    them where they are (``held``) and leaves its scale for the update (``scale``: applied in the update's gather,
+    ``stem.optim.adamw``); the optimizer takes the step's (ids, rows) on the host once a step (``to_host``: one copy
+    when the device is not the host, none when it is). The gradient handed out is a sparse COO tensor over the buffer
+    (on the host: ``apart`` False), ids in the order first seen, each once, marked not coalesced and never coalesced;
+    with the buffer on another device (``apart``) the weight's gradient is an empty sparse tensor that marks the step
+    (a host weight cannot hold a device gradient) and the rows are read through ``held``. The buffer is reused from
+    step to step (a new step: the weight's gradient None); rows lent to an update that outlives the step (``lend``:
+    ``RowSparseAdamW.overlap``'s) are kept for it and the next step's go elsewhere (the two alternate). Each row's sum
+    is the micro-batches' in their order, as the sparse sums' were: the same values, bit for bit
+    (``tests/test_host_tables.py``)."""
 
-    def __init__(self, weight):
-        self.shape, self.grad, self.n = weight.shape, None, 0
-        self.slot = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
-        self.ids = torch.empty(0, dtype=torch.long, device=weight.device)
-        self.buf = weight.new_empty(0, weight.shape[1])
-        self.spare = weight.new_empty(0, weight.shape[1])   # the other buffer (``lend``)
-        self.lent = False
+    def __init__(self, weight, device=None, apart: bool | None = None):
+        device = weight.device if device is None else torch.device(device)
+        self.shape, self.grad, self.n, self.coef, self.host = weight.shape, None, 0, None, weight.device
+        self.apart = device != weight.device if apart is None else apart
+        self.slot = torch.full((weight.shape[0],), -1, dtype=torch.long, device=device)
+        self.ids = torch.empty(0, dtype=torch.long, device=device)
+        self.buf = weight.new_empty(0, weight.shape[1], device=device)
+        self.spare = weight.new_empty(0, weight.shape[1], device=device)   # the other buffer (``lend``, not apart)
+        self.copies, self.turn = [None, None], 0   # ``apart``: host copies of a step's (ids, rows), alternating when lent
+        self.lent, self.sent = False, None          # ``sent``: their copy begun (``send``): True, or CUDA's event
+
 
     def held(self, grad) -> tuple | None:
         """(ids, rows) of ``grad`` if it is this step's gradient: its unique ids in the order first seen and their rows,
-        the buffer itself (no copy; scaled in place by clipping); else None (a gradient made otherwise)."""
+        the buffer itself on the device (no copy); else None (a gradient made otherwise)."""
         if grad is None or grad is not self.grad:
             return None
         return self.ids[:self.n], self.buf[:self.n]
+
+    def scale(self, coef: torch.Tensor):
+        """Clipping's coefficient for this step's rows, applied by the update as it gathers them (no pass of its own)."""
+        self.coef = coef if self.coef is None else self.coef * coef
 
     def lend(self):
         """This step's rows outlive it (an update still reading them while the next step accumulates): the next step
@@ -316,41 +362,104 @@ class StepRows:
         (``RowSparseAdamW.step`` drains it first), so two buffers suffice."""
         self.lent = True
 
-    def accumulate(self, weight, host_ids, rows):
-        """Add a micro-batch's gradient ``rows`` of the unique ``host_ids`` (sorted) into ``weight``'s gradient
-        (``HostLookup.backward``), once per row and micro-batch, without coalescing; a gradient that is not the
-        step's own (none other is made here) is summed with it and coalesced, as before."""
+    def to_host(self, lend: bool = False) -> tuple:
+        """(ids, rows, clipping's coefficient or None) of this step on the host, for the update: the buffer itself when
+        the device is the host, else one copy a step (``send``: begun by the table's last backward, or now) into
+        reused host buffers (pinned where CUDA is), waited for here; the two alternate when ``lend`` (the update
+        outlives the step)."""
+        ids, rows = self.ids[:self.n], self.buf[:self.n]
+        coef = None if self.coef is None else self.coef.to(self.host)
+        if not self.apart:
+            if lend:
+                self.lend()
+            return ids, rows, coef
+        if self.sent is None:
+            self.send()
+        if self.sent is not True:   # CUDA: the side stream's copy (untested here)
+            self.sent.synchronize()
+        self.sent = None
+        hi, hr = (x[:self.n] for x in self.copies[self.turn])
+        self.turn ^= int(lend)   # a lent copy is kept: the next step's goes to the other one
+        return hi, hr, coef
+
+    def send(self):
+        """The step's rows are final: their copy to the host (apart from it only) begins, into this turn's host
+        buffers: on CUDA on the side stream (``side_stream``) after what the compute stream has queued, so the
+        device goes on with the other tables' backward (untested here: no GPU); elsewhere (the CPU tests of this
+        path) a plain copy. ``to_host`` waits for it."""
+        if not self.apart:
+            return
+        got = self.copies[self.turn]
+        if got is None or got[0].shape[0] < self.n:
+            pin = torch.cuda.is_available()
+            got = self.copies[self.turn] = (torch.empty(self.buf.shape[0], dtype=torch.long, pin_memory=pin),
+                                            torch.empty(self.buf.shape[0], self.shape[1], dtype=self.buf.dtype,
+                                                        pin_memory=pin))
+        hi, hr = got[0][:self.n], got[1][:self.n]
+        stream = side_stream(self.buf.device)
+        if stream is None:
+            hi.copy_(self.ids[:self.n])
+            hr.copy_(self.buf[:self.n])
+            self.sent = True
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.buf.device))
+        with torch.cuda.stream(stream):
+            hi.copy_(self.ids[:self.n], non_blocking=True)
+            hr.copy_(self.buf[:self.n], non_blocking=True)
+        self.sent = torch.cuda.Event()
+        self.sent.record(stream)
+
+    def _unsend(self):
+        """Rows about to change after a copy was begun (a gradient added after ``send``, or a step that never reached
+        ``to_host``): the compute stream waits for the copy (CUDA), which no longer counts (``to_host`` copies again)."""
+        if self.sent is not None and self.sent is not True:
+            torch.cuda.current_stream(self.buf.device).wait_event(self.sent)
+        self.sent = None
+
+    def accumulate(self, weight, ids, rows):
+        """Add a micro-batch's gradient ``rows`` of the unique ``ids`` (sorted; on the buffer's device) into ``weight``'s
+        gradient (``HostLookup.backward``), once per row and micro-batch, without coalescing; a gradient that is not
+        the step's own (none other is made here) is summed with it on the host and coalesced, as before."""
         if weight.grad is not None and weight.grad is not self.grad:
-            g = torch.sparse_coo_tensor(host_ids.unsqueeze(0), rows, weight.shape, is_coalesced=True,
-                                        check_invariants=False)
+            g = torch.sparse_coo_tensor(ids.to(self.host).unsqueeze(0), rows.to(self.host), weight.shape,
+                                        is_coalesced=True, check_invariants=False)
             weight.grad = (weight.grad + g).coalesce()
             return
-        weight.grad = self.grad = self.add(host_ids, rows, fresh=weight.grad is None)
+        weight.grad = self.grad = self.add(ids, rows, fresh=weight.grad is None)
 
-    def add(self, host_ids, rows, fresh: bool) -> torch.Tensor:
+    def add(self, ids, rows, fresh: bool) -> torch.Tensor:
+        self._unsend()
         if fresh:   # a new step: the previous one's slots freed
             self.slot.index_fill_(0, self.ids[:self.n], -1)
-            self.n = 0
-            if self.lent:   # its rows still read by an update (``lend``)
+            self.n, self.coef = 0, None
+            if self.lent and not self.apart:   # its rows still read by an update (``lend``)
                 self.buf, self.spare, self.lent = self.spare, self.buf, False
-        new = host_ids[self.slot.index_select(0, host_ids) < 0]
+        new = ids[self.slot.index_select(0, ids) < 0]
         n, k = self.n, new.numel()
-        cap = min(self.shape[0], (n + k) * 17 // 16)   # grown, 1/16 spare, kept for the next steps (~ the largest step's rows)
-        if n + k > self.buf.shape[0]:
-            buf = self.buf.new_empty(cap, self.shape[1])
-            buf[:n] = self.buf[:n]
-            self.buf = buf
-        if n + k > self.ids.shape[0]:   # shared by both buffers (``lend``)
-            ids = self.ids.new_empty(cap)
-            ids[:n] = self.ids[:n]
-            self.ids = ids
+        self._grow(n + k)
         self.ids[n:n + k] = new
         self.slot[new] = torch.arange(n, n + k, device=new.device)
         self.buf[n:n + k].zero_()
         self.n = n + k
-        self.buf.index_add_(0, self.slot.index_select(0, host_ids), rows)
+        self.buf.index_add_(0, self.slot.index_select(0, ids), rows)
+        if self.apart:   # the step's marker (the rows are read through ``held``)
+            return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long), torch.empty(0, self.shape[1], dtype=self.buf.dtype),
+                                           self.shape, is_coalesced=False, check_invariants=False)
         return torch.sparse_coo_tensor(self.ids[:self.n].unsqueeze(0), self.buf[:self.n], self.shape,
                                        is_coalesced=False, check_invariants=False)
+
+    def _grow(self, need: int):
+        """The buffer and the ids room for ``need`` rows (grown with 1/16 spare, kept for the next steps: ~ the largest
+        step's rows)."""
+        n, cap = self.n, min(self.shape[0], need * 17 // 16)
+        if need > self.buf.shape[0]:
+            buf = self.buf.new_empty(cap, self.shape[1])
+            buf[:n] = self.buf[:n]
+            self.buf = buf
+        if need > self.ids.shape[0]:   # shared by both buffers (``lend``)
+            ids = self.ids.new_empty(cap)
+            ids[:n] = self.ids[:n]
+            self.ids = ids
 
 
 class HostTable(nn.Module):
@@ -365,6 +474,7 @@ class HostTable(nn.Module):
     trace_bound = False
     ahead = None
     prefetched = 0
+    send_next = False   # the rows go to the host after the next backward (``send_rows``)
 
     def __init__(self, table: nn.Embedding, sparse: bool = False, role=None):
         super().__init__()
@@ -391,19 +501,34 @@ class HostTable(nn.Module):
             buf = self.fetched[slot] = w.new_empty(min(w.shape[0], n * 17 // 16 + 1), w.shape[1])
         return buf[:n]
 
-    def step_rows(self) -> "StepRows":
-        """The table's gradient accumulated by id over a step (``StepRows``), made at its first use."""
-        if self.grad_rows is None:
-            self.grad_rows = StepRows(self.weight)
-        return self.grad_rows
+    def step_rows(self, device=None) -> "StepRows":
+        """The table's gradient accumulated by id over a step (``StepRows``) on ``device`` (the lookup's; default where
+        it already is, else the host), made at its first use there."""
+        rows = self.grad_rows
+        if rows is None or device is not None and rows.buf.device != torch.device(device):
+            rows = self.grad_rows = StepRows(self.weight, device)
+        return rows
 
     def held_grad(self, lend: bool = False) -> tuple | None:
         """(unique ids, rows) of the weight's gradient if it is the step's accumulation by id (``StepRows.held``: no
-        coalesce needed, nothing copied), else None; ``lend``: the rows outlive the step (``StepRows.lend``)."""
+        coalesce needed, nothing copied; on the lookup's device), else None; ``lend``: the rows outlive the step
+        (``StepRows.lend``)."""
         got = None if self.grad_rows is None else self.grad_rows.held(self.weight.grad)
         if got is not None and lend:
             self.grad_rows.lend()
         return got
+
+    def host_grad(self, lend: bool = False) -> tuple | None:
+        """(unique ids, rows, clipping's coefficient or None) of the step's accumulation by id on the host, for the
+        update (``StepRows.to_host``: one copy a step when the rows are on another device), else None (as
+        ``held_grad``); ``lend``: the rows outlive the step (the update on workers)."""
+        if self.held_grad() is None:
+            return None
+        return self.grad_rows.to_host(lend)
+
+    def scale_grad(self, coef: torch.Tensor):
+        """Clipping's coefficient for the step's held rows, applied by the update's gather (``StepRows.scale``)."""
+        self.grad_rows.scale(coef)
 
     def register_read_hook(self, fn):
         """``fn(host ids)`` runs before those rows of the table are read (``stem.optim.adamw``)."""
@@ -416,19 +541,22 @@ class HostTable(nn.Module):
     def forward(self, ids):
         fetched = None
         if self.ahead is not None and self.ahead[0] is ids:
-            fetched, self.ahead = self.ahead[1], None
+            (_, fetched, ready), self.ahead = self.ahead, None
             self.prefetched += 1
+            if ready is not None:   # CUDA: copied on the side stream (``prefetch``)
+                torch.cuda.current_stream(ids.device).wait_event(ready)
         return HostLookup.apply(self.weight, ids, fetched or _fetch(self, ids, self.trace_bound),
                                 self if self.row_update is not None else None)
 
 
 def held_rows(model) -> dict:
-    """Weight -> (unique ids, rows) of each host table of ``model`` whose gradient is its step's accumulation by id
-    (``HostTable.held_grad``): gradient clipping's norm and scale take them as they are, with no coalesce."""
+    """Weight -> (unique ids, rows, its ``HostTable``) of each host table of ``model`` whose gradient is its step's
+    accumulation by id (``HostTable.held_grad``, on the lookup's device): gradient clipping's norm takes them as they
+    are, with no coalesce, and leaves its scale to the update (``HostTable.scale_grad``)."""
     out = {}
     for m in model.modules():
         if isinstance(m, HostTable) and (got := m.held_grad()) is not None:
-            out[m.weight] = got
+            out[m.weight] = (*got, m)
     return out
 
 
@@ -438,9 +566,34 @@ def prefetch(model, ids: torch.Tensor):
     and its backward (``stem.train.step``), so the host gathers the next one's rows while the device computes.
     The weights do not change within a step, so the rows are those its forward would fetch. The memory trace
     (``trace_bound``) holds the bound's rows ahead likewise."""
+    side = side_stream(ids.device)
     for m in model.modules():
         if isinstance(m, HostTable) and m.token_ids:
-            m.ahead = (ids, _fetch(m, ids, m.trace_bound, "ahead"))
+            fetched = _fetch(m, ids, m.trace_bound, "ahead", side)
+            m.ahead = (ids, fetched, _ready(side, fetched[2]))
+
+
+def first_reads(model, ids: torch.Tensor) -> list:
+    """[(weight, host ids)] of the host tables looked up by token id that a forward over token ids ``ids`` reads, in
+    the order it reads them (the modules' order: the blocks'), each table's unique ids as its fetch takes them
+    (``_fetch``): the next step's first micro-batch's, for ``RowSparseAdamW.read_first``."""
+    uniq = None
+    out = []
+    for m in model.modules():
+        if isinstance(m, HostTable) and m.token_ids:
+            uniq = torch.unique(ids.reshape(-1), sorted=True) if uniq is None else uniq
+            out.append((m.weight, uniq.to(m.weight.device)))
+    return out
+
+
+def send_rows(model):
+    """Before a step's last micro-batch's backward (``stem.train.step``): each host table looked up by token id (one
+    lookup, hence one backward, a micro-batch) sends its step's rows to the host as soon as its backward has added
+    them (``StepRows.send``: on CUDA on the side stream, during the other tables' backward), instead of all at the
+    update (``StepRows.to_host``, which otherwise copies them)."""
+    for m in model.modules():
+        if isinstance(m, HostTable) and m.token_ids and m.row_update is not None:
+            m.send_next = True
 
 
 def to_host(model, names, sparse=()) -> list:
