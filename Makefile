@@ -80,10 +80,11 @@ real: $(STAMP)
 	  --cores $(CORES) && \
 	echo "real: workflow finished in $$(( $$(date +%s) - start )) s; report: reports/real/README.md and reports/real/report.html"
 
-# The experiment `knowledge` (config/knowledge.yaml, docs/knowledge.md): a bioS-style world of N individuals with
-# one-token names, dense / STEM (two placements) / Hash-MoE / DSE trained on it at each N, the bits each stores
-# (Allen-Zhu & Li's lower bound), editing and injection, reported in reports/knowledge. CPU, offline. No reduced
-# version runs in `make smoke` yet (docs/knowledge.md "Inside make smoke").
+# The experiment `knowledge` (config/knowledge.yaml, docs/knowledge.md): a bioS-style world of N individuals named
+# by pairs of shared tokens, dense / STEM (two placements) / Hash-MoE / DSE trained on it at each N, the bits each
+# stores (Allen-Zhu & Li's lower bound); editing and injection on a one-token world; 3 seeds wherever a verdict
+# reads; reported in reports/knowledge. CPU, offline, within 30 min. A reduced version runs inside `make smoke`
+# (docs/knowledge.md "Inside make smoke").
 knowledge: $(STAMP)
 	@start=$$(date +%s); \
 	PATH=$(abspath $(VENV))/bin:$$PATH $(WARM) snakemake --profile profiles/local --configfile config/knowledge.yaml \
