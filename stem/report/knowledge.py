@@ -265,7 +265,11 @@ def draw(exp: Experiment, res, ours, files):
         pts = sorted((rs[0]["n"], np.mean([r["bits"] for r in rs])) for (s, v), rs in g.items()
                      if v == variant and s in sweep)
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=variant)
+            line, = ax.plot(*zip(*pts), marker="o", label=variant)
+            seeds = [(rs[0]["n"], r["bits"]) for (s, v), rs in g.items() if v == variant and s in sweep and len(rs) > 1
+                     for r in rs]
+            if seeds:   # each seed's bits: past the knee the spread between trainings is what the intervals hold
+                ax.scatter(*zip(*seeds), s=9, color=line.get_color(), alpha=0.45)
     ceiling = sorted({(rs[0]["n"], rs[0]["bits_max"]) for (s, _), rs in g.items() if s in sweep})
     if ceiling:
         ax.plot(*zip(*ceiling), "k:", label="the world's bits")
@@ -302,6 +306,7 @@ registry.paper_table("knowledge_inject", "Knowledge injection (docs/knowledge.md
                      inputs=inputs, empty="_(no rows: `analysis.knowledge_edit.inject` not set, or no results yet)_"
                      )(inject_long)
 registry.report_figure("knowledge_bits", "Knowledge capacity: bits stored (Allen-Zhu & Li's lower bound) against "
-                       "the number of individuals N per variant on the capacity sweep (knowledge.capacity_names); "
-                       "dotted: the world's bits.",
+                       "the number of individuals N per variant on the capacity sweep (knowledge.capacity_names), "
+                       "the mean over seeds (small points: each seed, where there are several); dotted: the world's "
+                       "bits.",
                        experiments=("knowledge",))(draw)
