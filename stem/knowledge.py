@@ -163,6 +163,11 @@ def name_tokens(exp) -> int:
     return exp.knowledge.name_tokens or exp.knowledge.names
 
 
+def _name_tokens_key(exp) -> str:
+    """The key ``name_tokens`` reads, for an error message."""
+    return "knowledge.name_tokens" if exp.knowledge.name_tokens else "knowledge.names"
+
+
 def name_kind(exp, source: str) -> str:
     """A source's name kind (its own ``name_kind``, else the knowledge section's)."""
     return _reader(exp, source).get("name_kind", exp.knowledge.name_kind)
@@ -189,9 +194,8 @@ def _check_names(exp):
     if tok.add_names and tok.vocab_size:
         key = "knowledge.vocab_size" if kn.vocab_size else f"archs.{kn.scale}.vocab_size"
         need = tok.vocab_size + name_tokens(exp) + (2 * pool if pairs else 0)
-        names = "knowledge.name_tokens" if kn.name_tokens else "knowledge.names"
         _fail(need <= vocab_size(exp), key, f"{vocab_size(exp)}; expected at least knowledge.tokenizer.vocab_size "
-              f"+ {names}{' + 2 x pair_pool' if pairs else ''} = {need}")
+              f"+ {_name_tokens_key(exp)}{' + 2 x pair_pool' if pairs else ''} = {need}")
     _fail(bool(capacity_sources(exp)), "knowledge.capacity_names",
           f"{str(kn.capacity_names)!r}; expected the name kind of a source of knowledge.sources")
 
@@ -218,8 +222,8 @@ def _check_inject(exp, edit: dict):
     _fail(isinstance(inj["lr"], (int, float)) and inj["lr"] > 0, f"{key}.lr", f"{inj['lr']!r}; expected a number > 0")
     for s in edit.get("sources") or ():
         room = name_tokens(exp) - world_size(exp, s)
-        names = "knowledge.name_tokens" if exp.knowledge.name_tokens else "knowledge.names"
-        _fail(inj["people"] <= room, f"{key}.people", f"{inj['people']}; expected at most {names} - N = {room} "
+        _fail(inj["people"] <= room, f"{key}.people", f"{inj['people']}; expected at most {_name_tokens_key(exp)} - N = "
+              f"{room} "
               f"at {s} (the held-out individuals are the pool's after the world's N)")
 
 

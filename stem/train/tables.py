@@ -344,7 +344,6 @@ class StepRows:
         self.copies, self.turn = [None, None], 0   # ``apart``: host copies of a step's (ids, rows), alternating when lent
         self.lent, self.sent = False, None          # ``sent``: their copy begun (``send``): True, or CUDA's event
 
-
     def held(self, grad) -> tuple | None:
         """(ids, rows) of ``grad`` if it is this step's gradient: its unique ids in the order first seen and their rows,
         the buffer itself on the device (no copy); else None (a gradient made otherwise)."""
